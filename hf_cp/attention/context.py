@@ -1,0 +1,62 @@
+"""The CP context: what the attention function needs to know about the current micro-batch.
+
+The trainer (or any caller) sets it around a forward/backward; the attention function reads
+it. With no context set, attention is plain local attention over packed documents.
+
+Token layout of one rank's micro-batch (the collator builds it, attention relies on it):
+    [ this rank's local documents, whole, in order ]
+    [ this rank's shards of the distributed documents: shard.rank_segments(mode,
+      distributed_lengths, group_size, member), in that order ]
+position_ids keep each token's position inside its own document (rotary embeddings).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional, Tuple
+
+from ..shard import Segment, ShardMode, rank_segments
+
+
+@dataclass(frozen=True)
+class CPContext:
+    group: Any  # torch.distributed ProcessGroup of the members, or None when group_size == 1
+    group_ranks: Tuple[int, ...]  # global ranks of the members, in member order
+    member: int  # this rank's index in group_ranks
+    mode: ShardMode = ShardMode.RING_PER_DOC
+    distributed_lengths: Tuple[int, ...] = ()  # full lengths of the distributed documents (same on all members)
+    local_lengths: Tuple[int, ...] = ()  # this rank's local documents
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group_ranks)
+
+    def segments(self, member: Optional[int] = None) -> List[Segment]:
+        """The distributed-document segments a member holds (default: this rank)."""
+        if not self.distributed_lengths:
+            return []
+        m = self.member if member is None else member
+        return rank_segments(self.mode, self.distributed_lengths, self.group_size, m)
+
+    @property
+    def local_tokens(self) -> int:
+        return sum(self.local_lengths)
+
+
+_state = threading.local()
+
+
+def current_cp_context() -> Optional[CPContext]:
+    return getattr(_state, "ctx", None)
+
+
+@contextlib.contextmanager
+def cp_context(ctx: Optional[CPContext]) -> Iterator[Optional[CPContext]]:
+    """Set the CP context for the forward and backward run inside the block."""
+    prev = current_cp_context()
+    _state.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _state.ctx = prev

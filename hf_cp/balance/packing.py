@@ -1,0 +1,49 @@
+"""Packing primitives shared by balancers."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+
+class FirstFitPacker:
+    """First-fit bin packing in O(log bins) per item: a max-tree over remaining capacities.
+
+    Bins are opened on demand, all with the same capacity; `add` returns the bin index.
+    """
+
+    def __init__(self, capacity: int, max_bins: int):
+        self.capacity = capacity
+        self.size = 1
+        while self.size < max(1, max_bins):
+            self.size *= 2
+        self.tree = [capacity] * (2 * self.size)  # bins not yet opened are empty (full capacity)
+        self.bins: List[List[int]] = []
+        self.loads: List[int] = []
+
+    def add(self, item: int, weight: int) -> int:
+        if weight > self.capacity:
+            raise ValueError(f"item {item} weighs {weight}, more than the bin capacity {self.capacity}")
+        if self.tree[1] < weight:
+            raise ValueError(f"more than {self.size} bins needed")
+        i = 1
+        while i < self.size:  # descend to the leftmost leaf with room
+            i = 2 * i if self.tree[2 * i] >= weight else 2 * i + 1
+        b = i - self.size
+        while len(self.bins) <= b:
+            self.bins.append([])
+            self.loads.append(0)
+        self.bins[b].append(item)
+        self.loads[b] += weight
+        self.tree[i] -= weight
+        i //= 2
+        while i:
+            self.tree[i] = max(self.tree[2 * i], self.tree[2 * i + 1])
+            i //= 2
+        return b
+
+
+def first_fit(ids: Sequence[int], weights: Sequence[int], capacity: int) -> List[List[int]]:
+    """First-fit packing of items in the given order into bins of `capacity`."""
+    packer = FirstFitPacker(capacity, len(ids))
+    for s, w in zip(ids, weights):
+        packer.add(s, w)
+    return packer.bins

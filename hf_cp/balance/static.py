@@ -1,0 +1,42 @@
+"""`static`: what users run today, the baseline every other balancer is measured against.
+
+One CP size for the whole run (the smallest power of two whose combined cap fits the longest
+sample of the dataset), fixed-length first-fit packing to cp * cap tokens in data order, every
+pack zigzag-split over its CP group, packs dealt to DP replicas in data order.
+"""
+from __future__ import annotations
+
+from ..plan import Group, StepPlan, Wave
+from ..shard import ShardMode
+from . import register_balancer
+from .base import PlanRequest
+from .packing import first_fit
+
+
+@register_balancer("static")
+class StaticBalancer:
+    name = "static"
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        cl = req.cluster
+        longest = max(req.dataset_max_length or 0, max(req.lengths))
+        cp = cl.smallest_group_for(longest)
+        if cp is None:  # PlanRequest already rejects samples that fit no group
+            raise ValueError(f"dataset_max_length {longest} fits no group of {cl.group_sizes}")
+        dp = cl.world_size // cp
+        cap = cl.max_tokens_per_rank
+        mode = ShardMode.RING_ZIGZAG
+        # A pack of at most cp*cap tokens zigzag-splits into at most cap tokens per member
+        # (each member takes two of 2*cp nearly equal chunks), so capacity is the only check.
+        packs = first_fit(req.sample_ids, req.lengths, cp * cap)
+        plan = req.empty_plan(self.name)
+        for w in range(0, len(packs), dp):
+            groups = []
+            for d, pack in enumerate(packs[w:w + dp]):
+                ranks = tuple(range(d * cp, (d + 1) * cp))
+                if cp == 1:
+                    groups.append(Group(ranks=ranks, local={ranks[0]: pack}))
+                else:
+                    groups.append(Group(ranks=ranks, distributed=pack, mode=mode))
+            plan.waves.append(Wave(groups))
+        return plan

@@ -1,0 +1,410 @@
+"""One cost model for every planner, the simulator and the reports.
+
+Per layer and rank (DESIGN.md):
+    time   = c0 (per micro-batch) + c1 * tokens + sum over query segments of
+             c2 * causal_pairs / efficiency(segment length) [* head-split factor]
+             + communication (bytes / link bandwidth + latency per message)
+    memory = alpha * tokens + beta
+Times are milliseconds. The profile stores the fit made on one model's dimensions; for other
+dimensions c1 and c2 are scaled by the ratio of FLOPs per token and per causal pair, which
+is what a roofline-limited kernel would do.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import yaml
+
+from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
+
+PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config, profile or plan file is malformed; the message names the file and field."""
+
+
+# --------------------------------------------------------------------------- model dimensions
+@dataclass(frozen=True)
+class ModelDims:
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int = 0
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
+            if int(getattr(self, f)) <= 0:
+                raise ConfigError(f"model dimension {f} must be positive, got {getattr(self, f)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
+        mlp = 3 * h * self.intermediate  # gate, up, down
+        return attn + mlp
+
+    @property
+    def linear_flops_per_token(self) -> float:
+        """fwd + bwd matmul FLOPs per token and layer (2 fwd + 4 bwd per parameter)."""
+        return 6.0 * self.linear_params_per_layer
+
+    @property
+    def attention_flops_per_pair(self) -> float:
+        """fwd + bwd FLOPs per causal query-key pair and layer: fwd 4*H*D, flash bwd 2.5x fwd."""
+        return 14.0 * self.num_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping, source: str = "config") -> "ModelDims":
+        """Read a transformers config dict (config.json) without importing transformers."""
+        cfg = dict(cfg)
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = dict(cfg["text_config"])
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                num_layers=int(cfg["num_hidden_layers"]),
+                hidden=hidden,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg.get("vocab_size") or 0),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, name_or_path: Union[str, Path]) -> "ModelDims":
+        """A config.json path, a folder holding one, or a name under configs/models/."""
+        p = resolve_config(name_or_path, "models", (".json",))
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"model config {p}: {e}") from None
+        return cls.from_hf_config(cfg, source=str(p))
+
+
+def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    for s in ("",) + suffixes:
+        cand = PACKAGE_CONFIGS / kind / f"{name_or_path}{s}"
+        if cand.exists():
+            return cand
+    avail = sorted(x.stem for x in (PACKAGE_CONFIGS / kind).glob("*")) if (PACKAGE_CONFIGS / kind).exists() else []
+    raise ConfigError(f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, and not one of {avail}")
+
+
+# --------------------------------------------------------------------------- hardware profile
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbps: float  # GB/s per rank, one direction
+    latency_us: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    c1_ms_per_token: float  # one decoder layer fwd+bwd, per token
+    c2_ms_per_pair: float  # one decoder layer fwd+bwd, per causal query-key pair
+    c0_ms: float  # per layer and micro-batch (kernel launches, fixed overheads)
+    fitted_dims: ModelDims  # the dimensions c1, c2 were measured with
+    chunk_efficiency: Tuple[Tuple[int, float], ...]  # (query-chunk length, efficiency in (0, 1])
+    head_split_factor: Tuple[Tuple[int, float], ...]  # (ways, attention time multiplier)
+    activation_bytes_per_token: float  # alpha, whole model
+    static_bytes: float  # beta
+    bytes_per_element: int
+    gpus_per_node: int
+    links: Mapping[str, Link]
+    description: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "profile") -> "HardwareProfile":
+        def need(k, typ=float):
+            if k not in d:
+                raise ConfigError(f"{source}: missing field {k!r}")
+            try:
+                v = typ(d[k])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: field {k!r} must be {typ.__name__}, got {d[k]!r}") from None
+            return v
+
+        try:
+            eff = tuple(sorted((int(q), float(e)) for q, e in (d.get("chunk_efficiency") or {}).items()))
+            hs = tuple(sorted((int(w), float(f)) for w, f in (d.get("head_split_factor") or {1: 1.0}).items()))
+            links = {k: Link(float(v["bandwidth_gbps"]), float(v["latency_us"])) for k, v in need("links", dict).items()}
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{source}: bad chunk_efficiency / head_split_factor / links: {e!r}") from None
+        for q, e in eff:
+            if not (q > 0 and 0 < e <= 1.0):
+                raise ConfigError(f"{source}: chunk_efficiency {q}: {e} must be in (0, 1]")
+        if any(a[1] > b[1] for a, b in zip(eff, eff[1:])):
+            raise ConfigError(f"{source}: chunk_efficiency must not decrease with chunk length: {dict(eff)}")
+        for k in ("intra_node", "inter_node"):
+            if k not in links:
+                raise ConfigError(f"{source}: links.{k} missing")
+        prof = cls(
+            name=str(d.get("name", source)),
+            c1_ms_per_token=need("c1_ms_per_token"),
+            c2_ms_per_pair=need("c2_ms_per_pair"),
+            c0_ms=need("c0_ms"),
+            fitted_dims=ModelDims.from_hf_config(need("fitted_dims", dict), source=f"{source}: fitted_dims"),
+            chunk_efficiency=eff,
+            head_split_factor=hs,
+            activation_bytes_per_token=need("activation_bytes_per_token"),
+            static_bytes=need("static_bytes"),
+            bytes_per_element=need("bytes_per_element", int),
+            gpus_per_node=need("gpus_per_node", int),
+            links=links,
+            description=str(d.get("description", "")),
+        )
+        for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token"):
+            if getattr(prof, k) <= 0:
+                raise ConfigError(f"{source}: {k} must be positive")
+        if prof.gpus_per_node <= 0:
+            raise ConfigError(f"{source}: gpus_per_node must be positive")
+        return prof
+
+    @classmethod
+    def load(cls, name_or_path: Union[str, Path]) -> "HardwareProfile":
+        p = resolve_config(name_or_path, "profiles", (".yaml", ".yml"))
+        try:
+            d = yaml.safe_load(p.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"profile {p}: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"profile {p}: expected a mapping at top level")
+        return cls.from_dict(d, source=str(p))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        fd = self.fitted_dims
+        d["fitted_dims"] = {
+            "num_hidden_layers": fd.num_layers, "hidden_size": fd.hidden, "num_attention_heads": fd.num_heads,
+            "num_key_value_heads": fd.num_kv_heads, "head_dim": fd.head_dim, "intermediate_size": fd.intermediate,
+            "vocab_size": fd.vocab_size,
+        }
+        d["chunk_efficiency"] = {q: e for q, e in self.chunk_efficiency}
+        d["head_split_factor"] = {w: f for w, f in self.head_split_factor}
+        d["links"] = {k: asdict(v) for k, v in self.links.items()}
+        return d
+
+
+# --------------------------------------------------------------------------- the cost model
+@dataclass(frozen=True)
+class RankCost:
+    """Predicted work of one rank in one micro-batch (already multiplied by the layer count)."""
+
+    compute_ms: float
+    comm_ms: float  # communication not hidden behind compute
+    comm_bytes: int
+    tokens: int
+
+    @property
+    def total_ms(self) -> float:
+        return self.compute_ms + self.comm_ms
+
+
+class CostModel:
+    """Cost of documents on ranks, for one model on one kind of hardware."""
+
+    def __init__(self, dims: ModelDims, profile: HardwareProfile):
+        self.dims = dims
+        self.profile = profile
+        fd = profile.fitted_dims
+        # Per layer, scaled from the fitted dimensions by FLOP ratios.
+        self.c1 = profile.c1_ms_per_token * dims.linear_flops_per_token / fd.linear_flops_per_token
+        self.c2 = profile.c2_ms_per_pair * dims.attention_flops_per_pair / fd.attention_flops_per_pair
+        self.c0 = profile.c0_ms
+        # LM head + embedding gradient: 6 * hidden * vocab FLOPs per token at the linear rate.
+        self.head_ms_per_token = (
+            6.0 * dims.hidden * dims.vocab_size * self.c1 / dims.linear_flops_per_token if dims.vocab_size else 0.0
+        )
+        self._eff_q = [q for q, _ in profile.chunk_efficiency]
+        self._eff_v = [e for _, e in profile.chunk_efficiency]
+
+    @classmethod
+    def load(cls, model: Union[str, Path], profile: Union[str, Path]) -> "CostModel":
+        return cls(ModelDims.load(model), HardwareProfile.load(profile))
+
+    # ---- kernel efficiency terms
+    def chunk_efficiency(self, q_len: int) -> float:
+        """Relative attention throughput of a query chunk of q_len tokens (log-linear interp)."""
+        qs, es = self._eff_q, self._eff_v
+        if not qs or q_len >= qs[-1]:
+            return es[-1] if qs else 1.0
+        if q_len <= qs[0]:
+            return es[0] * max(q_len, 1) / qs[0]  # below the table: time per chunk stops shrinking
+        i = bisect.bisect_right(qs, q_len)
+        lq0, lq1 = math.log(qs[i - 1]), math.log(qs[i])
+        t = (math.log(q_len) - lq0) / (lq1 - lq0)
+        return es[i - 1] + t * (es[i] - es[i - 1])
+
+    def head_split_factor(self, ways: int) -> float:
+        tab = self.profile.head_split_factor
+        for w, f in tab:
+            if w == ways:
+                return f
+        # log-linear extrapolation in the number of ways from the largest measured point
+        w_max, f_max = tab[-1]
+        if w_max <= 1 or ways <= 1:
+            return 1.0
+        per_doubling = (f_max - 1.0) / math.log2(w_max)
+        return 1.0 + per_doubling * math.log2(ways)
+
+    def _segments_attention_ms(self, segments: Sequence[Segment]) -> float:
+        c2 = self.c2
+        total = 0.0
+        for s in segments:
+            pairs = s.length * s.start + s.length * (s.length + 1) // 2
+            total += c2 * pairs / self.chunk_efficiency(s.length)
+        return total
+
+    # ---- local documents: no communication
+    def local_ms(self, doc_lengths: Sequence[int]) -> float:
+        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0)."""
+        if not doc_lengths:
+            return 0.0
+        L = self.dims.num_layers
+        t = sum(doc_lengths)
+        attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        return L * (self.c1 * t + attn) + self.head_ms_per_token * t
+
+    def sample_local_ms(self, length: int) -> float:
+        return self.local_ms([length])
+
+    # ---- memory
+    def memory_bytes(self, tokens: int) -> float:
+        return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes
+
+    def max_tokens_for_memory(self, device_bytes: float) -> int:
+        free = device_bytes - self.profile.static_bytes
+        if free <= 0:
+            raise ValueError(f"device memory {device_bytes:.3g} B is below the static footprint {self.profile.static_bytes:.3g} B")
+        return int(free // self.profile.activation_bytes_per_token)
+
+    # ---- communication volumes (per layer, per rank, bytes sent) -- the attention code matches these
+    def kv_heads_after_replication(self, group_size: int) -> int:
+        """KV heads the Ulysses all-to-all moves: replicated up to the group size when fewer."""
+        hkv = self.dims.num_kv_heads
+        return hkv if hkv >= group_size else group_size
+
+    def ulysses_bytes_per_layer(self, rank_tokens: int, total_tokens: int, group_size: int) -> int:
+        """Bytes one rank sends per layer (fwd+bwd) in Ulysses all-to-alls.
+
+        fwd: q,k,v of this rank's tokens for the other ranks' heads, then the output of this
+        rank's heads for the other ranks' tokens; bwd mirrors it (dO like q, dq/dk/dv like out).
+        """
+        g = group_size
+        if g == 1:
+            return 0
+        self.check_ulysses(g)
+        d = self.dims
+        q_heads, kv_heads = d.num_heads // g, self.kv_heads_after_replication(g) // g  # per rank
+        others_tokens = total_tokens - rank_tokens
+        send_qkv = rank_tokens * (q_heads + 2 * kv_heads) * (g - 1)
+        send_out = others_tokens * q_heads
+        send_dout = rank_tokens * q_heads * (g - 1)
+        send_dqkv = others_tokens * (q_heads + 2 * kv_heads)
+        elems = (send_qkv + send_out + send_dout + send_dqkv) * d.head_dim
+        return elems * self.profile.bytes_per_element
+
+    def check_ulysses(self, group_size: int) -> None:
+        """Ulysses splits heads: q heads must divide, kv heads must divide or be replicable."""
+        h, hkv, g = self.dims.num_heads, self.dims.num_kv_heads, group_size
+        if h % g:
+            raise ValueError(f"Ulysses over {g} ranks needs num_heads divisible by {g}; the model has {h}")
+        if (hkv >= g and hkv % g) or (hkv < g and g % hkv):
+            raise ValueError(f"Ulysses over {g} ranks: num_kv_heads {hkv} neither divides nor is divisible by {g}")
+
+    def ring_bytes_per_layer(self, next_rank_tokens: int, total_tokens: int, group_size: int) -> int:
+        """Bytes one rank sends per layer (fwd+bwd) in ring attention.
+
+        fwd: the K,V blocks travel g-1 hops (a rank forwards every block but its successor's);
+        bwd: K,V travel again and the dK,dV accumulators travel g hops to come home.
+        """
+        g = group_size
+        if g == 1:
+            return 0
+        kv_elems_per_token = 2 * self.dims.num_kv_heads * self.dims.head_dim
+        tokens_sent = 2 * (total_tokens - next_rank_tokens) + total_tokens
+        return tokens_sent * kv_elems_per_token * self.profile.bytes_per_element
+
+    def link_for(self, ranks: Sequence[int]) -> Link:
+        gpn = self.profile.gpus_per_node
+        nodes = {r // gpn for r in ranks}
+        return self.profile.links["intra_node" if len(nodes) == 1 else "inter_node"]
+
+    # ---- distributed documents: one rank's share
+    def distributed_rank_cost(
+        self,
+        doc_lengths: Sequence[int],
+        mode: ShardMode,
+        ranks: Sequence[int],
+        member: int,
+        local_lengths: Sequence[int] = (),
+    ) -> RankCost:
+        """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
+        documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
+        are this member's local documents (computed with no communication)."""
+        g = len(ranks)
+        mode = ShardMode(mode)
+        L = self.dims.num_layers
+        segs = rank_segments(mode, doc_lengths, g, member) if doc_lengths else []
+        dist_tokens = segment_tokens(segs)
+        local_tokens = sum(local_lengths)
+        tokens = dist_tokens + local_tokens
+        local_attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in local_lengths)
+        total = sum(doc_lengths)
+        comm_bytes = 0
+        dist_attn = 0.0
+        if doc_lengths and g > 1:
+            if mode is ShardMode.ULYSSES:
+                # after the all-to-all each rank runs whole documents on H/g heads
+                dist_attn = self.head_split_factor(g) * sum(
+                    self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths) / g
+                comm_bytes = self.ulysses_bytes_per_layer(dist_tokens, total, g)
+            else:
+                dist_attn = self._segments_attention_ms(segs)
+                nxt = segment_tokens(rank_segments(mode, doc_lengths, g, (member + 1) % g))
+                comm_bytes = self.ring_bytes_per_layer(nxt, total, g)
+        elif doc_lengths:
+            dist_attn = self._segments_attention_ms(segs)
+        link = self.link_for(ranks)
+        comm_ms = 0.0
+        if comm_bytes:
+            n_msgs = 4 * (g - 1) if mode is ShardMode.ULYSSES else 3 * (g - 1)
+            comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + n_msgs * link.latency_us * 1e-3
+            if mode is not ShardMode.ULYSSES:
+                # ring transfers overlap the attention of the previous block: only the excess shows
+                comm_ms = max(0.0, comm_ms - dist_attn)
+        compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
+        return RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * comm_bytes, tokens=tokens)
+
+    def micro_batch_overhead_ms(self) -> float:
+        return self.dims.num_layers * self.c0
+
+    def sample_time_on_group(self, length: int, group_size: int, mode: ShardMode = ShardMode.RING_PER_DOC,
+                             intra_node: bool = True) -> float:
+        """Wall time of one sample alone on a group (slowest member), c0 excluded."""
+        if group_size == 1:
+            return self.sample_local_ms(length)
+        ranks = list(range(group_size)) if intra_node else [i * self.profile.gpus_per_node for i in range(group_size)]
+        return max(self.distributed_rank_cost([length], mode, ranks, m).total_ms for m in range(group_size))

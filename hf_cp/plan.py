@@ -1,0 +1,206 @@
+"""StepPlan: what every rank runs in one optimizer step.
+
+A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks taken from
+the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
+its members with one sharding mode, plus documents *local* to single members (computed with
+no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
+
+Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
+DESIGN.md's invariants before any collective is issued.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .cluster import ClusterSpec
+from .shard import ShardMode, rank_segments, segment_tokens
+
+FORMAT = "hf_cp.step_plan/1"
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the sample, rank and wave."""
+
+
+@dataclass
+class Group:
+    ranks: Tuple[int, ...]
+    distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
+    mode: ShardMode = ShardMode.RING_PER_DOC  # how `distributed` is sharded
+    local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
+
+    def __post_init__(self):
+        self.ranks = tuple(int(r) for r in self.ranks)
+        self.mode = ShardMode(self.mode)
+        self.local = {int(r): list(v) for r, v in self.local.items()}
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def sample_ids(self) -> List[int]:
+        return list(self.distributed) + [s for r in sorted(self.local) for s in self.local[r]]
+
+    def to_dict(self) -> dict:
+        d = {"ranks": list(self.ranks)}
+        if self.distributed:
+            d["distributed"] = list(self.distributed)
+            d["mode"] = self.mode.value
+        if any(self.local.values()):
+            d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Group":
+        return cls(ranks=tuple(d["ranks"]), distributed=list(d.get("distributed", [])),
+                   mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
+                   local={int(k): list(v) for k, v in d.get("local", {}).items()})
+
+
+@dataclass
+class Wave:
+    groups: List[Group] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"groups": [g.to_dict() for g in self.groups]}
+
+
+@dataclass
+class StepPlan:
+    world_size: int
+    max_tokens_per_rank: int
+    sample_ids: List[int]  # the global batch of this step
+    lengths: List[int]  # aligned with sample_ids
+    waves: List[Wave] = field(default_factory=list)
+    step: int = 0
+    balancer: str = ""
+
+    # ---- lookups
+    def length_of(self) -> Dict[int, int]:
+        return dict(zip(self.sample_ids, self.lengths))
+
+    def rank_waves(self, rank: int) -> List[Tuple[int, Group]]:
+        """(wave index, group) pairs this rank takes part in, in execution order."""
+        return [(w, g) for w, wave in enumerate(self.waves) for g in wave.groups if rank in g.ranks]
+
+    def rank_tokens(self, group: Group, rank: int, lens: Optional[Mapping[int, int]] = None) -> int:
+        """Tokens `rank` holds while running `group`'s micro-batch."""
+        lens = self.length_of() if lens is None else lens
+        member = group.ranks.index(rank)
+        t = sum(lens[s] for s in group.local.get(rank, []))
+        if group.distributed:
+            t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+        return t
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+    # ---- serialisation
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "step": self.step,
+            "balancer": self.balancer,
+            "world_size": self.world_size,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
+            "waves": [w.to_dict() for w in self.waves],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        """Cheap fingerprint to check that all ranks hold the same plan."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "plan") -> "StepPlan":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"{source}: expected a JSON object")
+        if d.get("format") != FORMAT:
+            raise PlanError(f"{source}: format is {d.get('format')!r}, expected {FORMAT!r}")
+        try:
+            samples = d["samples"]
+            plan = cls(
+                world_size=int(d["world_size"]),
+                max_tokens_per_rank=int(d["max_tokens_per_rank"]),
+                sample_ids=[int(s[0]) for s in samples],
+                lengths=[int(s[1]) for s in samples],
+                waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
+                step=int(d.get("step", 0)),
+                balancer=str(d.get("balancer", "")),
+            )
+        except KeyError as e:
+            raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError, IndexError) as e:
+            raise PlanError(f"{source}: malformed plan: {e}") from None
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> "StepPlan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not valid JSON: {e}") from None
+        return cls.from_dict(d, source)
+
+    # ---- invariants
+    def validate(self, cluster: Optional[ClusterSpec] = None) -> "StepPlan":
+        """Raise PlanError naming the first broken invariant; return self when valid."""
+        where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
+        if len(self.sample_ids) != len(self.lengths):
+            raise PlanError(f"{where}: {len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
+        if not self.sample_ids:
+            raise PlanError(f"{where}: the step has no samples")
+        if len(set(self.sample_ids)) != len(self.sample_ids):
+            dup = next(s for s in self.sample_ids if self.sample_ids.count(s) > 1)
+            raise PlanError(f"{where}: sample {dup} appears twice in the global batch")
+        for s, n in zip(self.sample_ids, self.lengths):
+            if n <= 0:
+                raise PlanError(f"{where}: sample {s} has length {n}; lengths must be positive")
+        if cluster is not None:
+            if cluster.world_size != self.world_size:
+                raise PlanError(f"{where}: plan is for world {self.world_size}, cluster has {cluster.world_size}")
+        lens = self.length_of()
+        seen: Dict[int, int] = {}  # sample -> wave
+        for w, wave in enumerate(self.waves):
+            busy: Dict[int, int] = {}
+            for gi, g in enumerate(wave.groups):
+                if not g.ranks:
+                    raise PlanError(f"{where}, wave {w}: group {gi} has no ranks")
+                for r in g.ranks:
+                    if not 0 <= r < self.world_size:
+                        raise PlanError(f"{where}, wave {w}: rank {r} outside world of {self.world_size}")
+                    if r in busy:
+                        raise PlanError(f"{where}, wave {w}: rank {r} is in groups {busy[r]} and {gi}; "
+                                        f"groups of a wave must be disjoint")
+                    busy[r] = gi
+                if cluster is not None and not cluster.is_registered(g.ranks):
+                    raise PlanError(f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
+                                    f"(aligned power-of-two blocks of size in {cluster.group_sizes})")
+                for r in g.local:
+                    if r not in g.ranks:
+                        raise PlanError(f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
+                                        f"which is not in group {list(g.ranks)}")
+                for s in g.sample_ids():
+                    if s not in lens:
+                        raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
+                    if s in seen:
+                        raise PlanError(f"{where}: sample {s} is scheduled twice (waves {seen[s]} and {w})")
+                    seen[s] = w
+                for r in g.ranks:
+                    t = self.rank_tokens(g, r, lens)
+                    if t > self.max_tokens_per_rank:
+                        raise PlanError(f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
+                                        f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
+                                        f"{g.distributed} distributed over {list(g.ranks)})")
+        missing = [s for s in self.sample_ids if s not in seen]
+        if missing:
+            raise PlanError(f"{where}: samples {missing[:10]}{'...' if len(missing) > 10 else ''} "
+                            f"({len(missing)} in all) are never scheduled")
+        return self
