@@ -12,7 +12,6 @@ position_ids keep each token's position inside its own document (rotary embeddin
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Tuple
 
@@ -44,19 +43,21 @@ class CPContext:
         return sum(self.local_lengths)
 
 
-_state = threading.local()
+# A module global, not thread-local: autograd may run backward on another thread. Autograd
+# functions capture what they need from the context in forward anyway.
+_CURRENT: List[Optional[CPContext]] = [None]
 
 
 def current_cp_context() -> Optional[CPContext]:
-    return getattr(_state, "ctx", None)
+    return _CURRENT[0]
 
 
 @contextlib.contextmanager
 def cp_context(ctx: Optional[CPContext]) -> Iterator[Optional[CPContext]]:
     """Set the CP context for the forward and backward run inside the block."""
-    prev = current_cp_context()
-    _state.ctx = ctx
+    prev = _CURRENT[0]
+    _CURRENT[0] = ctx
     try:
         yield ctx
     finally:
-        _state.ctx = prev
+        _CURRENT[0] = prev
