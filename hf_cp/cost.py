@@ -408,3 +408,23 @@ class CostModel:
             return self.sample_local_ms(length)
         ranks = list(range(group_size)) if intra_node else [i * self.profile.gpus_per_node for i in range(group_size)]
         return max(self.distributed_rank_cost([length], mode, ranks, m).total_ms for m in range(group_size))
+
+    def group_member_costs(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int],
+                           local: Optional[Mapping[int, Sequence[int]]] = None) -> List[RankCost]:
+        """Cost of every member of a group's micro-batch (local: member index -> lengths)."""
+        local = local or {}
+        return [self.distributed_rank_cost(doc_lengths, mode, ranks, m, local.get(m, ())) for m in range(len(ranks))]
+
+    def best_ring_mode(self, doc_lengths: Sequence[int], ranks: Sequence[int],
+                       local: Optional[Mapping[int, Sequence[int]]] = None) -> ShardMode:
+        """Zigzag of the whole packed sequence or per-document split, whichever finishes first.
+
+        Per-document sharding balances every document exactly but cuts short documents into
+        tiny, inefficient query chunks; zigzag keeps chunks long but balances only in bulk.
+        """
+        best, best_t = ShardMode.RING_PER_DOC, float("inf")
+        for mode in (ShardMode.RING_PER_DOC, ShardMode.RING_ZIGZAG):
+            t = max(c.total_ms for c in self.group_member_costs(doc_lengths, mode, ranks, local))
+            if t < best_t - 1e-12:
+                best, best_t = mode, t
+        return best
