@@ -12,15 +12,24 @@ from ..plan import PlanError
 USER_ERRORS = (ConfigError, LengthsError, PlanError, ValueError, KeyError, FileNotFoundError)
 
 
+# Subcommands, one module each under hf_cp/cli/, in the order `--help` lists them. A module
+# defines add_parser(subparsers) and sets `func` on its parser.
+SUBCOMMANDS = ("preprocess", "plan", "train", "profile", "replay", "report")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from . import plan as plan_cmd
+    from importlib import import_module
+    from pathlib import Path
 
     p = argparse.ArgumentParser(
         prog="hf-cp",
         description="Load-balanced context parallelism for long-context training in the Hugging Face stack.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    plan_cmd.add_parser(sub)
+    here = Path(__file__).parent
+    for name in SUBCOMMANDS:
+        if (here / f"{name}.py").exists():
+            import_module(f"{__name__}.{name}").add_parser(sub)
     return p
 
 
