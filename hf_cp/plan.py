@@ -150,8 +150,11 @@ class StepPlan:
         return cls.from_dict(d, source)
 
     # ---- invariants
-    def validate(self, cluster: Optional[ClusterSpec] = None) -> "StepPlan":
-        """Raise PlanError naming the first broken invariant; return self when valid."""
+    def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> "StepPlan":
+        """Raise PlanError naming the first broken invariant; return self when valid.
+
+        With a CostModel, also check that Ulysses groups split the model's heads evenly.
+        """
         where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
         if len(self.sample_ids) != len(self.lengths):
             raise PlanError(f"{where}: {len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
@@ -183,6 +186,11 @@ class StepPlan:
                 if cluster is not None and not cluster.is_registered(g.ranks):
                     raise PlanError(f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
                                     f"(aligned power-of-two blocks of size in {cluster.group_sizes})")
+                if cost is not None and g.distributed and g.mode is ShardMode.ULYSSES and g.size > 1:
+                    try:
+                        cost.check_ulysses(g.size)
+                    except ValueError as e:
+                        raise PlanError(f"{where}, wave {w}: group {list(g.ranks)}: {e}") from None
                 for r in g.local:
                     if r not in g.ranks:
                         raise PlanError(f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "

@@ -151,7 +151,7 @@ def run(args) -> int:
                   f"{tps} tokens/step, model {args.model}, profile {args.profile}")
     rows, sims = [], []
     for plan, pms in zip(plans, planner_ms):
-        plan.validate(cluster)
+        plan.validate(cluster, cost)
         sim = simulate(plan, cost)
         lb = lower_bound_ms(plan.lengths, cluster, cost)
         sims.append(sim)

@@ -1,0 +1,23 @@
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRACES = REPO.parent / "shared" / "data" / "traces"
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+@pytest.fixture(scope="session")
+def h200_cost():
+    from hf_cp.cost import CostModel
+
+    return CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+
+
+@pytest.fixture(scope="session")
+def traces_dir():
+    if not TRACES.exists():
+        pytest.fail(f"shared traces not found at {TRACES}: the repository expects ../shared beside it")
+    return TRACES

@@ -1,0 +1,91 @@
+import json
+
+import pytest
+
+from hf_cp.cost import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.shard import ShardMode
+
+
+def test_h200_profile_reproduces_calibration_fit(h200_cost):
+    c = h200_cost
+    calib = {"c1": 0.002411733715677996, "c2_sum_l2": 7.52989055941588e-08}
+    # fitted on Qwen2.5-7B dims: coefficients are the fit's, unscaled
+    assert c.c1 == pytest.approx(calib["c1"])
+    assert c.c2 == pytest.approx(2 * calib["c2_sum_l2"])
+    # one layer, one 16K document: the fit predicts the measured 59.5 ms within its 6% error
+    one_layer = c.c1 * 16384 + c.c2 * 16384 * 16385 / 2 + c.c0
+    assert one_layer == pytest.approx(59.54, rel=0.06)
+
+
+def test_scaling_to_other_dims_follows_flops(h200_cost):
+    llama = CostModel(ModelDims.load("llama-3-8b"), h200_cost.profile)
+    d_q, d_l = h200_cost.dims, llama.dims
+    assert llama.c1 / h200_cost.c1 == pytest.approx(d_l.linear_flops_per_token / d_q.linear_flops_per_token)
+    assert llama.c2 / h200_cost.c2 == pytest.approx((32 * 128) / (28 * 128))
+
+
+def test_chunk_efficiency_interpolates_and_is_monotone(h200_cost):
+    e = [h200_cost.chunk_efficiency(q) for q in (1, 16, 32, 48, 64, 100, 4096, 100000)]
+    assert e == sorted(e)
+    assert h200_cost.chunk_efficiency(32) == pytest.approx(0.07487)
+    assert 0.07487 < h200_cost.chunk_efficiency(48) < 0.14826
+    assert h200_cost.chunk_efficiency(10**6) == 1.0
+
+
+def test_attention_dominates_only_beyond_32k(h200_cost):
+    c = h200_cost
+    for n, attention_bigger in ((8192, False), (65536, True)):
+        linear = c.c1 * n
+        attn = c.c2 * n * (n + 1) / 2
+        assert (attn > linear) == attention_bigger
+
+
+def test_sharding_costs_more_in_total_than_local(h200_cost):
+    # splitting a short document into tiny chunks wastes kernel efficiency
+    n, g = 2048, 8
+    ranks = list(range(g))
+    per_doc = sum(h200_cost.distributed_rank_cost([n], ShardMode.RING_PER_DOC, ranks, m).compute_ms for m in ranks)
+    assert per_doc > h200_cost.sample_local_ms(n)
+
+
+def test_ulysses_bytes_formula_even_split(h200_cost):
+    d = h200_cost.dims
+    L, g = 8192, 4
+    b = h200_cost.ulysses_bytes_per_layer(L // g, L, g)
+    kv = max(d.num_kv_heads, g)
+    expected = 2 * (L // g) * (g - 1) / g * d.head_dim * (2 * d.num_heads + 2 * kv) * 2
+    assert b == pytest.approx(expected)
+
+
+def test_ulysses_rejects_heads_that_do_not_divide(h200_cost):
+    with pytest.raises(ValueError, match="num_heads divisible by 8"):
+        h200_cost.check_ulysses(8)  # 28 heads
+    h200_cost.check_ulysses(4)
+
+
+def test_model_config_errors_name_the_field(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        ModelDims.load(p)
+    with pytest.raises(ConfigError, match="no model named 'nope'"):
+        ModelDims.load("nope")
+
+
+def test_profile_errors_name_the_field(tmp_path):
+    good = HardwareProfile.load("h200-qwen2.5-7b").to_dict()
+    HardwareProfile.from_dict(good)  # round trip
+    bad = dict(good)
+    del bad["c1_ms_per_token"]
+    with pytest.raises(ConfigError, match="c1_ms_per_token"):
+        HardwareProfile.from_dict(bad)
+    bad = dict(good, chunk_efficiency={32: 0.5, 64: 0.3})
+    with pytest.raises(ConfigError, match="must not decrease"):
+        HardwareProfile.from_dict(bad)
+    p = tmp_path / "p.yaml"
+    p.write_text("c1_ms_per_token: [unclosed")
+    with pytest.raises(ConfigError, match=str(p)):
+        HardwareProfile.load(p)
+    p.write_text("!!python/object/apply:os.system ['echo pwned']")
+    with pytest.raises(ConfigError):  # safe loader: no code from profile files
+        HardwareProfile.load(p)

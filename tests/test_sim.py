@@ -1,0 +1,74 @@
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.cluster import ClusterSpec
+from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.sim import lower_bound_ms, simulate
+from plan_gen import random_valid_plan
+
+
+def ulysses_ok(cost):
+    def ok(g):
+        try:
+            cost.check_ulysses(g)
+            return True
+        except ValueError:
+            return False
+    return ok
+
+
+def test_wave_timing_rules(h200_cost):
+    # rank 0 runs a long local doc in wave 0; in wave 1 it joins rank 1 in a group: rank 1 waits for it
+    p = StepPlan(world_size=2, max_tokens_per_rank=32768, sample_ids=[0, 1, 2], lengths=[20000, 1000, 30000],
+                 waves=[Wave([Group(ranks=(0,), local={0: [0]}), Group(ranks=(1,), local={1: [1]})]),
+                        Wave([Group(ranks=(0, 1), distributed=[2])])])
+    s = simulate(p, h200_cost)
+    oh = h200_cost.micro_batch_overhead_ms()
+    t0 = h200_cost.sample_local_ms(20000) + oh
+    t1 = h200_cost.sample_local_ms(1000) + oh
+    assert s.runs[2].start_ms == pytest.approx(t0)  # the group starts when its last member is free
+    assert s.idle_ms[1] >= t0 - t1 - 1e-6
+    assert s.makespan_ms == pytest.approx(t0 + s.runs[2].duration_ms)
+    assert s.cp_size_samples == {1: 2, 2: 1}
+    assert s.comm_bytes > 0
+    assert sum(s.busy_ms) + sum(s.idle_ms) == pytest.approx(2 * s.makespan_ms)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 120_000), min_size=1, max_size=30), st.integers(0, 10**6),
+       st.sampled_from([1, 2, 8, 16]))
+def test_lower_bound_never_exceeds_a_valid_plan(h200_cost, lengths, seed, world):
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
+    lengths = [min(n, cl.largest_capacity) for n in lengths]
+    lb = lower_bound_ms(lengths, cl, h200_cost)
+    plan = random_valid_plan(lengths, cl, seed, ulysses_ok(h200_cost)).validate(cl)
+    assert lb <= simulate(plan, h200_cost).makespan_ms * (1 + 1e-9)
+    static = get_balancer("static").plan(PlanRequest(range(len(lengths)), lengths, cl, h200_cost))
+    assert lb <= simulate(static, h200_cost).makespan_ms * (1 + 1e-9)
+
+
+def test_simulation_is_deterministic(h200_cost):
+    cl = ClusterSpec(world_size=8, max_tokens_per_rank=32768)
+    lengths = [100, 5000, 70000, 300, 12000] * 10
+    plan = random_valid_plan(lengths, cl, 3, ulysses_ok(h200_cost)).validate(cl, h200_cost)
+    a, b = simulate(plan, h200_cost), simulate(plan, h200_cost)
+    assert a == b
+
+
+def test_lower_bound_rejects_sample_too_long(h200_cost):
+    cl = ClusterSpec(world_size=2, max_tokens_per_rank=1000)
+    with pytest.raises(ValueError, match="sample 1 has 2001 tokens"):
+        lower_bound_ms([5, 2001], cl, h200_cost)
+
+
+def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
+    from hf_cp.plan import PlanError
+    from hf_cp.shard import ShardMode
+
+    cl = ClusterSpec(world_size=8, max_tokens_per_rank=32768)
+    p = StepPlan(world_size=8, max_tokens_per_rank=32768, sample_ids=[0], lengths=[50000],
+                 waves=[Wave([Group(ranks=tuple(range(8)), distributed=[0], mode=ShardMode.ULYSSES)])])
+    p.validate(cl)  # structurally fine
+    with pytest.raises(PlanError, match="needs num_heads divisible by 8; the model has 28"):
+        p.validate(cl, h200_cost)

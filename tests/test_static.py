@@ -1,0 +1,63 @@
+import pytest
+
+from hf_cp.balance import PlanRequest, SampleTooLongError, available_balancers, get_balancer, register_balancer
+from hf_cp.cluster import ClusterSpec
+from hf_cp.shard import ShardMode
+from hf_cp.sim import simulate
+
+
+def plan_static(lengths, world=8, cap=32768, dataset_max=None, cost=None):
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=cap)
+    return get_balancer("static").plan(PlanRequest(list(range(len(lengths))), lengths, cl, cost,
+                                                   dataset_max_length=dataset_max)), cl
+
+
+def test_static_uses_one_cp_size_from_the_dataset_longest(h200_cost):
+    plan, cl = plan_static([1000] * 20, dataset_max=100_000, cost=h200_cost)
+    plan.validate(cl, h200_cost)
+    sizes = {g.size for w in plan.waves for g in w.groups}
+    assert sizes == {4}  # 100K tokens need 4 x 32K
+    assert all(g.mode is ShardMode.RING_ZIGZAG for w in plan.waves for g in w.groups)
+
+
+def test_static_first_fit_in_data_order_and_dp_round_robin(h200_cost):
+    lengths = [20000, 20000, 10000, 5000, 30000, 2000]
+    plan, cl = plan_static(lengths, world=2, dataset_max=30000, cost=h200_cost)
+    plan.validate(cl)
+    # first fit to 32768: [0, 2, 5], [1, 3], [4]; packs go to replicas 0, 1, then 0 again
+    assert [[g.local for g in w.groups] for w in plan.waves] == [[{0: [0, 2, 5]}, {1: [1, 3]}], [{0: [4]}]]
+
+
+def test_static_plan_is_deterministic_and_simulates(h200_cost):
+    lengths = [300 + (i * 7919) % 40000 for i in range(300)]
+    a, cl = plan_static(lengths, world=16, cost=h200_cost)
+    b, _ = plan_static(lengths, world=16, cost=h200_cost)
+    assert a.to_json() == b.to_json()
+    assert simulate(a, h200_cost).makespan_ms > 0
+
+
+def test_sample_too_long_names_it(h200_cost):
+    with pytest.raises(SampleTooLongError, match="sample 1 has 70000 tokens"):
+        plan_static([10, 70000], world=2, cost=h200_cost)
+
+
+def test_empty_batch_is_an_error(h200_cost):
+    with pytest.raises(ValueError, match="empty global batch"):
+        plan_static([], cost=h200_cost)
+
+
+def test_registry_accepts_plugins_and_rejects_unknown_names():
+    @register_balancer("test_everything_on_rank0")
+    class Rank0:
+        name = "test_everything_on_rank0"
+
+        def plan(self, req):
+            from hf_cp.plan import Group, Wave
+            p = req.empty_plan(self.name)
+            p.waves = [Wave([Group(ranks=(0,), local={0: [s]})]) for s in req.sample_ids]
+            return p
+
+    assert "test_everything_on_rank0" in available_balancers()
+    assert isinstance(get_balancer("test_everything_on_rank0"), Rank0)
+    with pytest.raises(KeyError, match="unknown balancer 'nope'; available: .*static"):
+        get_balancer("nope")
