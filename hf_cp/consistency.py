@@ -1,0 +1,67 @@
+"""Agreement between ranks, and collective failures that name where they happened.
+
+Ranks that disagree about a step's plan would issue collectives on different groups and hang.
+Each step, before its first collective, every rank compares a fingerprint of its plan with all
+others (one small all_gather); a mismatch is an error that names the step and the ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Dict, Iterator, List, Optional, Sequence
+
+
+class PlanDisagreementError(RuntimeError):
+    """Ranks hold different plans for the same step."""
+
+
+class CollectiveStallError(RuntimeError):
+    """A collective failed or timed out inside a planned wave."""
+
+
+def _digest_tensor(digest: str):
+    import torch
+
+    raw = bytes.fromhex(digest)[:8].ljust(8, b"\0")
+    return torch.tensor(list(raw), dtype=torch.uint8)
+
+
+def assert_plans_agree(digest: str, step: int, group=None) -> None:
+    """All ranks of `group` (default: world) must pass the same plan digest for `step`."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = _digest_tensor(digest)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    digests = [bytes(t.tolist()).hex() for t in gathered]
+    if len(set(digests)) > 1:
+        by_digest: Dict[str, List[int]] = defaultdict(list)
+        for r, d in enumerate(digests):
+            by_digest[d].append(r)
+        groups = "; ".join(f"ranks {ranks} hold plan {d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
+        raise PlanDisagreementError(
+            f"step {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
+            f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
+            f"config, profile and seed")
+
+
+@contextlib.contextmanager
+def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch") -> Iterator[None]:
+    """Re-raise a failed or timed-out collective with the step, wave and group it belongs to."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, (PlanDisagreementError, CollectiveStallError)):
+            raise
+        text = str(e)
+        if any(k in text.lower() for k in ("timed out", "timeout", "connection", "gloo", "nccl", "closed")):
+            raise CollectiveStallError(
+                f"step {step}, wave {wave}: a collective of the {what} on group {list(group_ranks)} failed "
+                f"or stalled: {text.splitlines()[0] if text else type(e).__name__}") from e
+        raise

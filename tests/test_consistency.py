@@ -1,0 +1,35 @@
+import time
+
+import pytest
+
+from dist_utils import run_distributed
+
+
+def _agree(rank, world, divergent_rank):
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.cluster import ClusterSpec
+    from hf_cp.consistency import assert_plans_agree
+    from hf_cp.cost import CostModel
+
+    cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+    lengths = [100, 2000, 40000, 7, 300]
+    if rank == divergent_rank:
+        lengths[2] += 1  # e.g. a rank that read a different dataset
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
+    plan = get_balancer("static").plan(PlanRequest(range(5), lengths, cl, cost))
+    t0 = time.monotonic()
+    assert_plans_agree(plan.digest(), step=7)
+    return time.monotonic() - t0
+
+
+def test_identical_plans_pass():
+    res = run_distributed(_agree, 2, -1, timeout_s=90)
+    assert all(status == "ok" for status, _ in res.values()), res
+
+
+def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error():
+    res = run_distributed(_agree, 4, 2, timeout_s=90)
+    for rank, (status, text) in res.items():
+        assert status == "error", f"rank {rank} did not notice the disagreement"
+        assert "PlanDisagreementError: step 7: ranks disagree" in text
+        assert "ranks [2] hold plan" in text and "ranks [0, 1, 3] hold plan" in text
