@@ -1,0 +1,59 @@
+"""CPTrainingArguments: the Trainer's arguments plus what planning a step needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class CPTrainingArguments(TrainingArguments):
+    """`TrainingArguments` for `CPTrainer`.
+
+    One item of the training data loader is one optimizer step: a global batch of whole samples
+    of at most `cp_tokens_per_step` tokens (all ranks together), planned by `cp_balancer` into
+    waves of CP groups. The Trainer's batch size and gradient accumulation therefore stay at 1;
+    the plan decides how many micro-batches (waves) each step has.
+    """
+
+    per_device_train_batch_size: int = field(default=1, metadata={
+        "help": "must stay 1: one loader item is one whole planned step"})
+    cp_balancer: str = field(default="auto", metadata={"help": "balancer name (hf_cp.balance registry)"})
+    cp_profile: Any = field(default="h200-qwen2.5-7b", metadata={
+        "help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"})
+    cp_model_dims: Optional[str] = field(default=None, metadata={
+        "help": "model dimensions for the cost model (default: the model's own config)"})
+    cp_max_tokens_per_rank: int = field(default=32768, metadata={"help": "memory cap per rank per micro-batch"})
+    cp_tokens_per_step: Optional[int] = field(default=None, metadata={
+        "help": "tokens of one global batch, all ranks together (default: cp_tokens_per_rank_per_step x world)"})
+    cp_tokens_per_rank_per_step: int = field(default=65536, metadata={"help": "used when cp_tokens_per_step is unset"})
+    cp_max_group_size: Optional[int] = field(default=None, metadata={"help": "largest CP group (default: world)"})
+    cp_gpus_per_node: Optional[int] = field(default=None, metadata={"help": "ranks per node (default: profile's)"})
+    cp_plan_lookahead: int = field(default=2, metadata={"help": "steps planned ahead on the background thread"})
+    cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
+    cp_compare_balancer: Optional[str] = field(default="static", metadata={
+        "help": "also plan every step with this balancer (not run) to report what it would have cost"})
+    cp_record_history: bool = field(default=True, metadata={
+        "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "
+                             f"CPTrainer accumulates over the waves of each planned step, size steps with "
+                             f"cp_tokens_per_step instead and keep gradient_accumulation_steps=1")
+        if self.per_device_train_batch_size != 1:
+            raise ValueError(f"CPTrainingArguments: per_device_train_batch_size is {self.per_device_train_batch_size}; "
+                             f"one loader item is one whole planned step, so it must be 1 (use cp_tokens_per_step)")
+        if self.cp_max_tokens_per_rank <= 0:
+            raise ValueError(f"CPTrainingArguments: cp_max_tokens_per_rank must be positive, got {self.cp_max_tokens_per_rank}")
+        if self.cp_tokens_per_step is not None and self.cp_tokens_per_step <= 0:
+            raise ValueError(f"CPTrainingArguments: cp_tokens_per_step must be positive, got {self.cp_tokens_per_step}")
+        if self.cp_plan_lookahead < 0:
+            raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
+        # the loader yields planned steps, not model inputs: keep every dataset column
+        self.remove_unused_columns = False
+
+    def tokens_per_step(self, world_size: int) -> int:
+        return self.cp_tokens_per_step or self.cp_tokens_per_rank_per_step * world_size

@@ -1,0 +1,137 @@
+"""The collator: one rank's micro-batches of a planned step.
+
+Token layout of a micro-batch (hf_cp/attention/context.py): this rank's local documents,
+whole and in order, then its segments of the group's distributed documents in
+`shard.rank_segments` order. For every token:
+    input_ids      the token
+    shift_labels   the next token of the same document (already shifted, so a segment cut
+                   inside a document still has its true target); -100 at a document's last
+                   token and where the target is masked (prompt tokens, labels == -100)
+    position_ids   the token's position inside its document (rotary embeddings)
+`cu_seq_lens` are the boundaries of the contiguous pieces (whole documents or segments).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from ..attention.context import CPContext
+from ..plan import Group, StepPlan
+from ..shard import ShardMode, rank_segments
+
+IGNORE_INDEX = -100
+
+# (input_ids, labels or None) of one sample id; labels follow the HF convention (aligned with
+# input_ids, -100 where no loss is taken)
+FetchFn = Callable[[int], Tuple[Sequence[int], Optional[Sequence[int]]]]
+
+
+def shifted_targets(input_ids: Sequence[int], labels: Optional[Sequence[int]]) -> np.ndarray:
+    """Per position p: the target of predicting token p+1 (labels[p+1]); -100 at the end."""
+    src = np.asarray(input_ids if labels is None else labels, dtype=np.int64)
+    out = np.full(len(src), IGNORE_INDEX, dtype=np.int64)
+    out[:-1] = src[1:]
+    return out
+
+
+def valid_targets(input_ids: Sequence[int], labels: Optional[Sequence[int]]) -> int:
+    """Number of tokens of a sample that contribute to the loss."""
+    if labels is None:
+        return max(len(input_ids) - 1, 0)
+    return int((np.asarray(labels[1:], dtype=np.int64) != IGNORE_INDEX).sum())
+
+
+@dataclass
+class MicroBatch:
+    wave: int
+    input_ids: torch.Tensor  # [1, T]
+    shift_labels: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    cu_seq_lens: torch.Tensor  # [pieces + 1], int32
+    context: CPContext  # group filled in by the trainer from the registry
+    local_ids: List[int] = field(default_factory=list)
+    distributed_ids: List[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def num_valid(self) -> int:
+        return int((self.shift_labels != IGNORE_INDEX).sum())
+
+
+@dataclass
+class RankStep:
+    """What one rank runs in one optimizer step: one entry per wave (None: no work)."""
+
+    rank: int
+    index: int  # global step index
+    epoch: int
+    plan: StepPlan
+    waves: List[Optional[MicroBatch]]
+    global_valid_tokens: int  # loss normaliser: valid targets of the whole global batch
+    planned: object = None  # the PlannedStep (predictions, planner time)
+
+    @property
+    def trained_sample_ids(self) -> List[int]:
+        """Samples this rank accounts for: its local ones, and distributed ones where it is the
+        group's first member (so the union over ranks counts every sample once)."""
+        out: List[int] = []
+        for mb in self.waves:
+            if mb is None:
+                continue
+            out += mb.local_ids
+            if mb.context.member == 0:
+                out += mb.distributed_ids
+        return out
+
+
+class PlanCollator:
+    def __init__(self, fetch: FetchFn):
+        self.fetch = fetch
+
+    def micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> Optional[MicroBatch]:
+        local = list(group.local.get(rank, []))
+        if not local and not group.distributed:
+            return None
+        member = group.ranks.index(rank)
+        ids, tgts, pos, pieces = [], [], [], []
+        local_lengths = []
+        for sid in local:
+            x, y = self.fetch(sid)
+            ids.append(np.asarray(x, dtype=np.int64))
+            tgts.append(shifted_targets(x, y))
+            pos.append(np.arange(len(x), dtype=np.int64))
+            pieces.append(len(x))
+            local_lengths.append(len(x))
+        dist_docs = [self.fetch(sid) for sid in group.distributed]
+        dist_lengths = [len(x) for x, _ in dist_docs]
+        if group.distributed:
+            full_targets = [shifted_targets(x, y) for x, y in dist_docs]
+            for seg in rank_segments(group.mode, dist_lengths, group.size, member):
+                x = np.asarray(dist_docs[seg.doc][0], dtype=np.int64)
+                sl = slice(seg.start, seg.start + seg.length)
+                ids.append(x[sl])
+                tgts.append(full_targets[seg.doc][sl])
+                pos.append(np.arange(seg.start, seg.start + seg.length, dtype=np.int64))
+                pieces.append(seg.length)
+        cat = (lambda parts: torch.from_numpy(np.concatenate(parts))[None] if parts
+               else torch.zeros(1, 0, dtype=torch.long))
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(pieces)]) if pieces else [0], dtype=torch.int32)
+        ctx = CPContext(group=None, group_ranks=tuple(group.ranks), member=member, mode=ShardMode(group.mode),
+                        distributed_lengths=tuple(dist_lengths), local_lengths=tuple(local_lengths))
+        return MicroBatch(wave=wave, input_ids=cat(ids), shift_labels=cat(tgts), position_ids=cat(pos),
+                          cu_seq_lens=cu, context=ctx, local_ids=local, distributed_ids=list(group.distributed))
+
+    def rank_step(self, plan: StepPlan, rank: int, global_valid_tokens: int, epoch: int = 0,
+                  planned: object = None) -> RankStep:
+        waves: List[Optional[MicroBatch]] = []
+        for w, wave in enumerate(plan.waves):
+            mine = [g for g in wave.groups if rank in g.ranks]
+            waves.append(self.micro_batch(plan, w, mine[0], rank) if mine else None)
+        return RankStep(rank=rank, index=plan.step, epoch=epoch, plan=plan, waves=waves,
+                        global_valid_tokens=global_valid_tokens, planned=planned)

@@ -1,0 +1,42 @@
+"""The process-group registry: every CP group a plan may use, built once at start-up.
+
+`dist.new_group` is itself a collective over the whole world, so every rank builds every
+group of `cluster.all_groups()` in the same order, whether or not it is a member. At run time
+the trainer only looks groups up.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+from ..cluster import ClusterSpec
+
+
+class CPGroups:
+    def __init__(self, cluster: ClusterSpec, backend: Optional[str] = None):
+        self.cluster = cluster
+        self._groups: Dict[Tuple[int, ...], object] = {}
+        if cluster.world_size == 1:
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"CPGroups: a world of {cluster.world_size} ranks needs torch.distributed "
+                               f"initialised first")
+        if dist.get_world_size() != cluster.world_size:
+            raise RuntimeError(f"CPGroups: torch.distributed has {dist.get_world_size()} ranks, the cluster spec "
+                               f"{cluster.world_size}")
+        for ranks in cluster.all_groups():
+            self._groups[ranks] = dist.new_group(list(ranks), backend=backend)
+
+    def get(self, ranks) -> Optional[object]:
+        """The process group of `ranks` (None for a single rank: no communication)."""
+        ranks = tuple(ranks)
+        if len(ranks) == 1:
+            return None
+        if ranks not in self._groups:
+            raise KeyError(f"group {list(ranks)} is not in the registry (built: {len(self._groups)} groups of sizes "
+                           f"{sorted({len(r) for r in self._groups})})")
+        return self._groups[ranks]
+
+    def __len__(self) -> int:
+        return len(self._groups)

@@ -1,0 +1,209 @@
+"""Exactness harness: run CPTrainer on N processes and the same global batches on one.
+
+The reference trains the same model on the same global batches with plain torch, one sample
+at a time (no packing, no CP, no DeepSpeed): loss = sum of token losses / valid targets of
+the batch, global-norm clipping, AdamW. A correct CP trainer ends with the same parameters.
+
+    python -m torch.distributed.run --nproc_per_node N -m hf_cp.train.testing SPEC.json
+runs one distributed job described by SPEC (see `run_distributed`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..shard import ShardMode
+from .collator import IGNORE_INDEX, shifted_targets, valid_targets
+from .sampler import GlobalBatchSampler
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_MODEL = ROOT / "configs" / "models" / "tiny-llama.json"
+
+
+def hf_cp_attention_available() -> bool:
+    try:
+        import hf_cp.attention.interface  # noqa: F401  (registers "hf_cp")
+    except ImportError:
+        return False
+    return True
+
+
+def tiny_model(seed: int = 0, attn: Optional[str] = None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**json.loads(TINY_MODEL.read_text()))
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.set_attn_implementation(attn or ("hf_cp" if hf_cp_attention_available() else "sdpa"))
+    model.config.use_cache = False
+    return model
+
+
+def synthetic_rows(lengths: Sequence[int], seed: int = 0, prompt_every: int = 3) -> List[dict]:
+    """Random byte-level samples; every `prompt_every`-th one has a masked prompt (a third)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = rng.integers(0, 256, size=int(n)).tolist()
+        labels = list(ids)
+        if prompt_every and i % prompt_every == 0 and n > 3:
+            for p in range(n // 3):
+                labels[p] = IGNORE_INDEX
+        rows.append({"input_ids": ids, "labels": labels, "length": int(n)})
+    return rows
+
+
+def zero2_config(bucket: int = 500_000_000) -> dict:
+    """DeepSpeed ZeRO-2, fp32, torch AdamW (no JIT builds); everything else from the Trainer."""
+    return {
+        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
+                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto", "torch_adam": True}},
+        "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+
+
+# --------------------------------------------------------------------- scripted test balancers
+def _register_fixed_mode_balancers() -> None:
+    """`fixed_<mode>`: every step's samples spread over all CP modes' code paths at once:
+    wave 0 distributes the step's longest samples over the first half of the world with <mode>
+    and gives every other rank of that wave local samples; wave 1 puts the leftovers on rank 0
+    only (every other rank idles). Deterministic, registered groups only."""
+    from ..balance import register_balancer, available_balancers
+    from ..plan import Group, Wave
+
+    for mode in ShardMode:
+        name = f"fixed_{mode.value}"
+        if name in available_balancers():
+            continue
+
+        def factory(mode=mode, name=name):
+            class Fixed:
+                def plan(self, req):
+                    W = req.cluster.world_size
+                    plan = req.empty_plan(name)
+                    order = sorted(range(len(req.sample_ids)), key=lambda i: (-req.lengths[i], i))
+                    ids = [req.sample_ids[i] for i in order]
+                    g = max(2, W // 2) if W > 1 else 1
+                    dist, rest = ids[:2], ids[2:]
+                    groups = []
+                    if g > 1:
+                        groups.append(Group(ranks=tuple(range(g)), distributed=dist, mode=mode))
+                    else:
+                        rest = dist + rest
+                    local = {}
+                    for j, r in enumerate(range(g if g > 1 else 0, W)):
+                        if rest:
+                            local.setdefault(r, []).append(rest.pop(0))
+                    for r, s in local.items():
+                        groups.append(Group(ranks=(r,), local={r: s}))
+                    plan.waves.append(Wave(groups))
+                    if rest:
+                        plan.waves.append(Wave([Group(ranks=(0,), local={0: rest})]))
+                    return plan
+            obj = Fixed()
+            obj.name = name
+            return obj
+
+        register_balancer(name)(factory)
+
+
+_register_fixed_mode_balancers()
+
+
+# --------------------------------------------------------------------- reference
+def reference_params(spec: dict) -> Dict[str, torch.Tensor]:
+    """Parameters after spec['steps'] optimizer steps, trained on one process, sample by sample."""
+    rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
+    model = tiny_model(spec.get("model_seed", 0), attn="sdpa")
+    model.train()
+    sampler = GlobalBatchSampler([r["length"] for r in rows], spec["tokens_per_step"], seed=spec.get("seed", 42),
+                                 max_steps=spec["steps"], shuffle=spec.get("shuffle", False))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    for k in range(spec["steps"]):
+        batch = sampler[k]
+        opt.zero_grad()
+        gv = sum(valid_targets(rows[s]["input_ids"], rows[s]["labels"]) for s in batch.sample_ids)
+        for s in batch.sample_ids:
+            ids = torch.tensor(rows[s]["input_ids"])[None]
+            tgt = torch.from_numpy(shifted_targets(rows[s]["input_ids"], rows[s]["labels"]))
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            (F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum") / gv).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.get("max_grad_norm", 1.0))
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_relative_error(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    """Per tensor: max |a - b| / max |b| (the relative error at the tensor's scale)."""
+    if set(a) != set(b):
+        raise AssertionError(f"different parameter names: {sorted(set(a) ^ set(b))}")
+    return {k: float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in b}
+
+
+# --------------------------------------------------------------------- one distributed job
+def run_job(spec: dict) -> None:
+    from accelerate import PartialState
+
+    from .trainer import CPTrainer, skip_deepspeed_shm_build
+    from .args import CPTrainingArguments
+
+    skip_deepspeed_shm_build()
+    PartialState(backend="gloo")
+    from datasets import Dataset
+
+    rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
+    model = tiny_model(spec.get("model_seed", 0), attn=spec.get("attn"))
+    out = Path(spec["out"])
+    args = CPTrainingArguments(
+        output_dir=str(out), use_cpu=True, deepspeed=zero2_config(), seed=spec.get("seed", 42),
+        cp_balancer=spec["balancer"], cp_profile=spec.get("profile", "h200-qwen2.5-7b"),
+        cp_max_tokens_per_rank=spec["max_tokens_per_rank"], cp_tokens_per_step=spec["tokens_per_step"],
+        cp_shuffle=spec.get("shuffle", False), cp_compare_balancer=None, max_steps=spec["steps"],
+        learning_rate=spec.get("lr", 1e-3), lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=spec.get("max_grad_norm", 1.0), logging_steps=1, report_to="none",
+        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
+        disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+    trainer.train(resume_from_checkpoint=spec.get("resume_from"))
+    if trainer.cp_rank == 0:
+        params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
+        torch.save(params, out / "params.pt")
+        (out / "history.json").write_text(json.dumps(trainer.cp_history))
+
+
+def run_distributed(spec: dict, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run `run_job(spec)` on `nproc` gloo processes (torchrun); raise with the log on failure."""
+    out = Path(spec["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    spec_file = out / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(spec.get("port", 29500 + os.getpid() % 1000)), "-m", "hf_cp.train.testing", str(spec_file)]
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+if __name__ == "__main__":
+    run_job(json.loads(Path(sys.argv[1]).read_text()))

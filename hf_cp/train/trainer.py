@@ -1,0 +1,315 @@
+"""CPTrainer: a `transformers.Trainer` whose every optimizer step follows a balanced plan.
+
+One item of the training loader is one planned optimizer step (`RankStep`). The trainer runs
+one forward+backward per wave of the plan on *every* rank, so every rank issues the same
+number of backward calls per step: DeepSpeed ZeRO-2 (and DDP) reduce gradients inside
+backward, and a rank that skipped one would deadlock the others. A rank with no work in a wave
+runs a zero-weight dummy micro-batch instead, joining the reduction with zero gradient. The
+gradient-accumulation boundary is set at the last wave only.
+
+Loss of a step = sum of token losses / valid targets of the whole global batch (known from
+the plan). Data-parallel reduction averages over the world, so each rank scales its summed
+loss by world / global_valid_tokens: the averaged gradient is exactly the single-process
+gradient of the global batch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from transformers import Trainer
+
+from ..attention.context import cp_context
+from ..cluster import ClusterSpec
+from ..cost import CostModel, HardwareProfile, ModelDims
+from .args import CPTrainingArguments
+from .collator import IGNORE_INDEX, PlanCollator, RankStep, valid_targets
+from .groups import CPGroups
+from .metrics import aggregate, summary_lines
+from .planner import Planner
+from .sampler import GlobalBatchSampler
+
+HF_CP_ATTENTION = "hf_cp"
+
+
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory comm op (~50 s) on every first init; CPU training
+    over gloo does not use it."""
+    import importlib
+
+    try:
+        # by module name: the package attribute `deepspeed.comm.torch` is torch itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # pragma: no cover - deepspeed is a core dependency
+        return
+    ds_torch.build_shm_op = lambda: None
+
+
+def _first(items):
+    return items[0]
+
+
+class _PlannedSteps(Dataset):
+    """Map-style dataset of planned steps for one rank: item k is global step k."""
+
+    def __init__(self, planner: Planner, collator: PlanCollator, rank: int, valid_counts: np.ndarray):
+        self.planner, self.collator, self.rank, self.valid_counts = planner, collator, rank, valid_counts
+
+    def __len__(self) -> int:
+        return len(self.planner.sampler)
+
+    def __getitem__(self, index: int) -> Dict[str, RankStep]:
+        ps = self.planner.get(int(index))
+        gv = int(self.valid_counts[list(ps.batch.sample_ids)].sum())
+        return {"cp_step": self.collator.rank_step(ps.plan, self.rank, gv, ps.batch.epoch, ps)}
+
+
+class CPTrainer(Trainer):
+    """Trainer for long-tailed data with per-step load-balanced context parallelism.
+
+    `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
+    (HF convention, -100 = no loss, e.g. prompt tokens) and `length`. Row index = sample id.
+    Samples a plan distributes over a CP group need the model loaded with
+    `attn_implementation="hf_cp"`.
+    """
+
+    def __init__(self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None, **kwargs):
+        if not isinstance(args, CPTrainingArguments):
+            raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
+        if args.deepspeed:
+            skip_deepspeed_shm_build()
+        super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        pc = getattr(args, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "cp_size", 1) or 1) > 1:
+            raise ValueError("CPTrainer plans its own CP groups per step; set ParallelismConfig(cp_size=1) "
+                             "(dp_shard/dp_replicate only) and size CP with cp_max_tokens_per_rank / cp_max_group_size")
+        if train_dataset is None:
+            raise ValueError("CPTrainer: training needs a train_dataset")
+        self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
+        self.cp_world = int(args.world_size)
+        self.cp_rank = int(args.process_index)
+        self._cp_fetch_columns(train_dataset)
+        dims = ModelDims.load(args.cp_model_dims) if args.cp_model_dims else \
+            ModelDims.from_hf_config(self.model.config.to_dict(), source="model config")
+        profile = HardwareProfile.from_dict(args.cp_profile, source="cp_profile") \
+            if isinstance(args.cp_profile, dict) else HardwareProfile.load(args.cp_profile)
+        self.cp_cost = CostModel(dims, profile)
+        self.cp_cluster = ClusterSpec(self.cp_world, args.cp_max_tokens_per_rank,
+                                      args.cp_gpus_per_node or profile.gpus_per_node, args.cp_max_group_size)
+        self.cp_sampler = GlobalBatchSampler(
+            self.cp_lengths, args.tokens_per_step(self.cp_world), seed=args.seed, num_epochs=args.num_train_epochs,
+            max_steps=args.max_steps if args.max_steps and args.max_steps > 0 else None, shuffle=args.cp_shuffle)
+        # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
+        self.args.max_steps = len(self.cp_sampler)
+        self.cp_planner: Optional[Planner] = None
+        self.cp_groups: Optional[CPGroups] = None
+        self.cp_history: List[dict] = []  # one record per step, identical on every rank
+        self._cp_pending: List[dict] = []  # records not yet logged
+        self._cp_backward_end: Optional[float] = None
+        self._cp_hook = None
+
+    # ------------------------------------------------------------------ data
+    def _cp_fetch_columns(self, ds) -> None:
+        cols = getattr(ds, "column_names", None)
+        if cols is not None and "input_ids" not in cols:
+            raise ValueError(f"CPTrainer: train_dataset has no 'input_ids' column (columns: {cols}); tokenise it first")
+        n = len(ds)
+        if n == 0:
+            raise ValueError("CPTrainer: train_dataset is empty")
+        has_labels = cols is not None and "labels" in cols
+        ids_col = ds["input_ids"]
+        labels_col = ds["labels"] if has_labels else [None] * n
+        lengths, valid = [], []
+        for i in range(n):
+            x, y = ids_col[i], labels_col[i]
+            if len(x) == 0:
+                raise ValueError(f"CPTrainer: sample {i} has no tokens (empty input_ids)")
+            if y is not None and len(y) != len(x):
+                raise ValueError(f"CPTrainer: sample {i} has {len(x)} input_ids but {len(y)} labels")
+            lengths.append(len(x))
+            valid.append(valid_targets(x, y))
+        if cols is not None and "length" in cols:
+            given = ds["length"]
+            bad = next((i for i in range(n) if int(given[i]) != lengths[i]), None)
+            if bad is not None:
+                raise ValueError(f"CPTrainer: sample {bad} has length column {given[bad]} but {lengths[bad]} input_ids")
+        self.cp_lengths = lengths
+        self.cp_valid_counts = np.asarray(valid, dtype=np.int64)
+        self._cp_ids, self._cp_labels = ids_col, labels_col
+
+    def _cp_fetch(self, sid: int):
+        return self._cp_ids[sid], self._cp_labels[sid]
+
+    def _cp_setup(self) -> None:
+        """Build the group registry and the planner: once, at the same point on every rank."""
+        if self.cp_groups is None:
+            if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
+                raise RuntimeError(f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}")
+            self.cp_groups = CPGroups(self.cp_cluster)
+        if self.cp_planner is None:
+            a = self.args
+            self.cp_planner = Planner(self.cp_sampler, a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
+                                      lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer)
+        if self._cp_hook is None:
+            self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
+
+    def get_train_dataloader(self) -> DataLoader:
+        self._cp_setup()
+        steps = _PlannedSteps(self.cp_planner, PlanCollator(self._cp_fetch), self.cp_rank, self.cp_valid_counts)
+        # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
+        return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
+
+    # ------------------------------------------------------------------ timing
+    def _cp_embedding_hook(self, module, inputs, output):
+        # the embedding output's gradient is the last big piece of backward: its arrival marks
+        # the end of this rank's compute, before the data-parallel gradient reduction waits
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._cp_mark_backward_end)
+
+    def _cp_mark_backward_end(self, grad):
+        self._cp_backward_end = time.perf_counter()
+        return None
+
+    # ------------------------------------------------------------------ one step
+    def _cp_same_plan_everywhere(self, step: RankStep) -> None:
+        if self.cp_world == 1:
+            return
+        mine = torch.tensor([int(step.plan.digest()[:15], 16), step.index], dtype=torch.int64)
+        got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
+        dist.all_gather(got, mine)
+        if any(not torch.equal(g, got[0]) for g in got):
+            raise RuntimeError(f"ranks hold different plans for this step: (digest, step) per rank "
+                               f"{[tuple(g.tolist()) for g in got]}; plans must be a pure function of the "
+                               f"lengths, seed and step")
+
+    def _cp_backward(self, model, loss: torch.Tensor, last: bool) -> None:
+        if self.is_deepspeed_enabled:
+            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last, scale_wrt_gas=False)
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            with model.no_sync():
+                loss.backward()
+        else:
+            self.accelerator.backward(loss)
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        step: RankStep = inputs["cp_step"]
+        t_step = time.perf_counter()
+        self._cp_same_plan_everywhere(step)  # before any collective of this step
+        if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
+            impl = getattr(self.model.config, "_attn_implementation", None)
+            if impl != HF_CP_ATTENTION:
+                raise ValueError(f"step {step.index}: the {step.plan.balancer!r} plan distributes samples over CP "
+                                 f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
+                                 f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'")
+        model.train()
+        device = self.args.device
+        scale = self.cp_world / step.global_valid_tokens if step.global_valid_tokens else 0.0
+        total = torch.zeros((), device=device)
+        loss_sum = 0.0
+        measured = 0.0
+        tokens = 0
+        n = len(step.waves)
+        for w, mb in enumerate(step.waves):
+            last = w == n - 1
+            t0 = time.perf_counter()
+            self._cp_backward_end = None
+            if mb is None:
+                # no work in this wave: a zero-weight micro-batch keeps the backward count equal
+                with cp_context(None):
+                    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+                    out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+                    loss = out.logits.sum() * 0.0
+                    self._cp_backward(model, loss, last)
+                continue
+            ctx = mb.context
+            if ctx.group_size > 1:
+                from dataclasses import replace
+                ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
+            with cp_context(ctx):
+                out = model(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
+                            use_cache=False)
+                logits = out.logits[0].float()
+                wave_sum = F.cross_entropy(logits, mb.shift_labels[0].to(device), ignore_index=IGNORE_INDEX,
+                                           reduction="sum")
+                loss = wave_sum * scale
+                self._cp_backward(model, loss, last)
+            measured += (self._cp_backward_end or time.perf_counter()) - t0
+            loss_sum += float(wave_sum.detach())
+            tokens += mb.num_tokens
+            total = total + loss.detach()
+        self._cp_record(step, measured * 1e3, tokens, loss_sum, (time.perf_counter() - t_step) * 1e3)
+        return total
+
+    def _cp_record(self, step: RankStep, measured_ms: float, tokens: int, loss_sum: float, wall_ms: float) -> None:
+        mine = torch.tensor([measured_ms, float(tokens), loss_sum, wall_ms], dtype=torch.float64)
+        if self.cp_world > 1:
+            got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
+            dist.all_gather(got, mine)
+        else:
+            got = [mine]
+        rows = torch.stack(got).tolist()
+        ps = step.planned
+        rec = {
+            "index": step.index,
+            "epoch": step.epoch,
+            "step_in_epoch": ps.batch.step_in_epoch if ps is not None else None,
+            "global_step": self.state.global_step + 1,
+            "num_samples": len(step.plan.sample_ids),
+            "global_tokens": step.plan.total_tokens,
+            "global_valid_tokens": step.global_valid_tokens,
+            "loss": sum(r[2] for r in rows) / step.global_valid_tokens if step.global_valid_tokens else 0.0,
+            "measured_ms": [r[0] for r in rows],
+            "rank_tokens": [int(r[1]) for r in rows],
+            "step_wall_ms": max(r[3] for r in rows),
+            "predicted_ms": list(ps.predicted.busy_ms) if ps is not None else [0.0] * self.cp_world,
+            "predicted_step_ms": ps.predicted.makespan_ms if ps is not None else 0.0,
+            "compare_step_ms": ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
+            "planner_ms": ps.planner_ms if ps is not None else 0.0,
+            "cp_size_samples": {str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
+            "waves": len(step.waves),
+            "plan_digest": step.plan.digest(),
+        }
+        self.cp_history.append(rec)
+        self._cp_pending.append(rec)
+        if self.args.cp_record_history:
+            d = Path(self.args.output_dir) / "cp_history"
+            d.mkdir(parents=True, exist_ok=True)
+            line = dict(rec, rank=self.cp_rank, trained_sample_ids=step.trained_sample_ids)
+            with open(d / f"rank{self.cp_rank}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        if self._cp_pending and "loss" in logs:
+            logs.update(aggregate(self._cp_pending))
+            self._cp_pending = []
+        super().log(logs, start_time)
+
+    def floating_point_ops(self, inputs) -> int:
+        step = inputs.get("cp_step") if isinstance(inputs, dict) else None
+        if step is None or not hasattr(self.model, "num_parameters"):
+            return 0
+        tokens = sum(mb.num_tokens for mb in step.waves if mb is not None)
+        return 6 * tokens * self.model.num_parameters(exclude_embeddings=True)
+
+    def cp_summary(self, compare: bool = True) -> List[str]:
+        return summary_lines(self.cp_history, self.args.cp_balancer,
+                             self.args.cp_compare_balancer if compare else "")
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.cp_planner is not None:
+                self.cp_planner.close()
+                self.cp_planner = None
