@@ -208,11 +208,15 @@ class MemoizedCost(CostModel):
 
 
 def pick_fastest(req: PlanRequest, memo: CostMemo, candidates: Sequence[Candidate], name: str,
-                 tolerance: float) -> StepPlan:
-    """Simulate the candidates whose predicted makespan is within `tolerance` of the best
-    prediction and keep the fastest simulated plan (the first on ties)."""
+                 tolerance: float, max_simulated: int = 2) -> StepPlan:
+    """Simulate the (at most `max_simulated`) candidates whose predicted makespan is within
+    `tolerance` of the best prediction and keep the fastest simulated plan (the first on
+    ties). Predictions come from the same cost model and are close to the simulation (the
+    schedule never waits), so only near-ties need the simulator to decide."""
     best_estimate = min(c.estimate_ms for c in candidates)
-    shortlist = [c for c in candidates if c.estimate_ms <= best_estimate * (1.0 + tolerance)]
+    ranked = sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))
+    shortlist = [candidates[i] for i in ranked[:max(1, max_simulated)]
+                 if candidates[i].estimate_ms <= best_estimate * (1.0 + tolerance)]
     plans = [c.plan(req, memo, name) for c in shortlist]
     if len(plans) == 1:
         return plans[0]
