@@ -1,0 +1,85 @@
+"""Write a measured profile as YAML that HardwareProfile.load reads, saying how each number was made."""
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Union
+
+import yaml
+
+from .measure import NOMINAL_LINKS, ZERO2_RANKS, ProfileResult
+
+
+def _dump(d: dict) -> str:
+    return yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=110)
+
+
+def _round_floats(x, digits=6):
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: _round_floats(v, digits) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_round_floats(v, digits) for v in x]
+    return x
+
+
+def profile_yaml(result: ProfileResult, command: str) -> str:
+    p = result.profile
+    st = result.settings
+    lf, af = result.layer_fit, result.attention_fit
+    bpe = p["bytes_per_element"]
+    dev = st.device.type
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [
+        f"# Hardware profile measured by `hf-cp profile` ({result.wall_s:.0f} s).",
+        f"# command: {command}",
+        f"# date: {now}",
+        f"# machine: {result.machine}; {str(st.dtype).replace('torch.', '')}, {st.threads} thread(s)",
+        f"# {result.notes['load']}" if dev == "cpu" else "#",
+        f"# layer: one {result.notes.get('layer_class', 'decoder layer')} with random weights, fwd+bwd; attention "
+        f"{'torch varlen_attn' if dev == 'cuda' else 'SDPA (flash kernel for CPU)'} per query segment.",
+        _dump({"name": p["name"], "description": p["description"]}).rstrip(),
+        f"# One layer fwd+bwd, t = c1*T + c2*sum over documents of pairs(l)/efficiency(l) + c0 with",
+        f"# pairs(l) = l(l+1)/2 (causal query-key pairs), fitted by non-negative least squares over",
+        f"# {len(result.layer_rows)} runs ({st.tokens}-token compositions and token counts down to {st.tokens // 8}):",
+        f"# R^2 {lf.r2:.4f}, max relative error {lf.max_rel_err:.3f}, median {lf.median_rel_err:.3f}.",
+        f"# Attention alone over the same compositions: R^2 {af.r2:.4f}, max relative error {af.max_rel_err:.3f}.",
+        _dump({k: float(f"{p[k]:.8g}") for k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms")}).rstrip(),
+        "# The model dimensions c1 and c2 were measured with (CostModel scales them by FLOPs for others).",
+        _dump({"fitted_dims": p["fitted_dims"]}).rstrip(),
+        f"# Attention fwd+bwd, causal pairs per ms of query chunks of length q against {st.chunk_keys} keys, over",
+        "# the best chunk length; made non-decreasing (a dip is measurement noise). Raw values under calibration.",
+        _dump({"chunk_efficiency": p["chunk_efficiency"]}).rstrip(),
+        "# Attention time on heads/w heads, times w, over all heads (Ulysses); at least 1.",
+        _dump({"head_split_factor": p["head_split_factor"]}).rstrip(),
+        "# Memory, whole model, with full activation checkpointing:",
+        f"#   alpha = {p['fitted_dims']['num_hidden_layers']} layers x hidden {p['fitted_dims']['hidden_size']} x "
+        f"{bpe} B (checkpointed layer inputs)",
+        f"#         + one layer's recompute working set, {result.notes['layer_bytes_per_token']} B/token: "
+        + ("the slope of the measured peak memory of one layer fwd+bwd over T" if dev == "cuda" else
+           "the slope over T of the bytes autograd saves for backward in one layer (measured with "
+           "saved_tensors_hooks; a CPU has no peak-memory counter, transient buffers are not included)"),
+        f"#   beta  = {result.notes['model_parameters']} parameters under ZeRO-2 on {ZERO2_RANKS} ranks (nominal): "
+        f"{bpe} B params + {bpe} B grads + {12 if bpe == 2 else 8} B optimizer state / {ZERO2_RANKS}",
+        _dump({k: p[k] for k in ("activation_bytes_per_token", "static_bytes", "bytes_per_element")}).rstrip(),
+        "# nominal (not measured, one device cannot): ranks per node and link speeds"
+        + (" (NVLink 4 derated to 350 GB/s, 400 Gb/s InfiniBand per GPU derated to 40 GB/s)" if dev == "cuda"
+           else " (gloo over shared memory; 10 GbE between hosts)"),
+        _dump({"gpus_per_node": p["gpus_per_node"], "links": p["links"]}).rstrip(),
+        "# What was measured (times in ms); HardwareProfile ignores this section.",
+        _dump({"calibration": _round_floats({
+            "settings": st.to_dict(),
+            "layer_fit": lf.to_dict(), "attention_fit": af.to_dict() | {"model": result.notes["attention_fit"]},
+            "layer": result.layer_rows, "attention": result.attention_rows, "query_chunks": result.chunk_rows,
+            "head_split": result.head_split_rows, "memory": result.memory_rows,
+        })}).rstrip(),
+    ]
+    return "\n".join(out) + "\n"
+
+
+def write_profile(result: ProfileResult, path: Union[str, Path], command: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_yaml(result, command))
+    return path
