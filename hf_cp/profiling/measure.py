@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..attention.kernels import kernel_for
 from ..cost import CostModel, HardwareProfile, ModelDims
 from ..shard import doc_pairs
 from .fit import FitQuality, fit_quality, nonnegative_lstsq
@@ -290,7 +291,35 @@ def run_profile(model_config, device: str = "cpu", quick: bool = False, max_toke
     # 3. the layer (and its attention alone) over compositions and token counts
     comps = {**compositions(T, st.min_doc), **token_series(T, st.min_doc)}
     prepared = {k: stack.prepare(RankWork(tuple((0, n) for n in lens))) for k, lens in comps.items()}
-    layer_ms = time_each([(lambda p=p: stack.forward_backward(p)) for p in prepared.values()], **timing)
+    layer_fns = [(lambda p=p: stack.forward_backward(p)) for p in prepared.values()]
+    layer_ms = time_each(layer_fns, **timing)
+    one_layer = dataclasses.replace(dims, num_layers=1, vocab_size=0)
+    shape_model = CostModel(one_layer, HardwareProfile.from_dict(
+        {"c1_ms_per_token": 1.0, "c2_ms_per_pair": 1.0, "c0_ms": 0.0, "fitted_dims": cfg.to_dict(),
+         "chunk_efficiency": eff_table, "activation_bytes_per_token": 1.0, "static_bytes": 0.0,
+         "bytes_per_element": 1, "gpus_per_node": 1, "links": NOMINAL_LINKS[dev.type]}, source="efficiency table"))
+
+    def attention_units(lens):  # sum of pairs / efficiency; c2 is the slope on this
+        return sum(doc_pairs(n) / shape_model.chunk_efficiency(n) for n in lens)
+
+    names = list(comps)
+    X = [[sum(comps[k]), attention_units(comps[k]), 1.0] for k in names]
+    c1, c2, c0 = nonnegative_lstsq(X, layer_ms)
+    retimed = 0
+    if dev.type == "cpu":
+        # Outside load only ever inflates a CPU time, and the minimum over more rounds converges to
+        # the unloaded time: re-time the runs the fit disagrees with most, keep the faster time.
+        for _ in range(2):
+            rel = [abs(c1 * x[0] + c2 * x[1] + c0 - ms) / ms for x, ms in zip(X, layer_ms)]
+            worst = [i for i in sorted(range(len(rel)), key=lambda i: -rel[i]) if rel[i] > 0.1][:6]
+            if not worst:
+                break
+            again = time_each([layer_fns[i] for i in worst], dev, warmup=0, repeats=st.repeats)
+            for i, ms in zip(worst, again):
+                layer_ms[i] = min(layer_ms[i], ms)
+            retimed += len(worst)
+            c1, c2, c0 = nonnegative_lstsq(X, layer_ms)
+    del layer_fns
     att_cases = {k: AttentionCase([(0, n) for n in lens], H, HKV, D, dev, stack.dtype)
                  for k, lens in comps.items() if sum(lens) == T}
     att_ms = dict(zip(att_cases, time_each(list(att_cases.values()), **timing)))
@@ -336,15 +365,6 @@ def run_profile(model_config, device: str = "cpu", quick: bool = False, max_toke
         "gpus_per_node": 8,
         "links": NOMINAL_LINKS[dev.type],
     }
-    one_layer = dataclasses.replace(dims, num_layers=1, vocab_size=0)
-    shape_model = CostModel(one_layer, HardwareProfile.from_dict(profile, source="provisional profile"))
-
-    def attention_units(lens):  # sum of pairs / efficiency; c2 is the slope on this
-        return sum(doc_pairs(n) / shape_model.chunk_efficiency(n) for n in lens)
-
-    names = list(comps)
-    X = [[sum(comps[k]), attention_units(comps[k]), 1.0] for k in names]
-    c1, c2, c0 = nonnegative_lstsq(X, layer_ms)
     if c1 <= 0 or c2 <= 0:
         raise ProfileError(f"the layer fit gave c1={c1:.3g}, c2={c2:.3g} ms: the measurements do not separate "
                            f"linear from attention work (too noisy or too small); rerun, or raise --max-tokens")
@@ -382,6 +402,7 @@ def run_profile(model_config, device: str = "cpu", quick: bool = False, max_toke
         notes={"layer_bytes_per_token": f"{layer_bytes_per_token:.0f}", "model_parameters": str(n_params),
                "attention_fit": f"t = {a:.6g} * sum(pairs/eff) + {b:.6g}",
                "layer_class": type(stack.layers[0]).__name__,
+               "retimed": str(retimed), "kernel": kernel_for(dev).name,
                "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
                        f"(other processes slow CPU timings)"},
     )

@@ -38,12 +38,15 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         f"# machine: {result.machine}; {str(st.dtype).replace('torch.', '')}, {st.threads} thread(s)",
         f"# {result.notes['load']}" if dev == "cpu" else "#",
         f"# layer: one {result.notes.get('layer_class', 'decoder layer')} with random weights, fwd+bwd; attention "
-        f"{'torch varlen_attn' if dev == 'cuda' else 'SDPA (flash kernel for CPU)'} per query segment.",
+        f"through hf_cp.attention's block kernels ({result.notes.get('kernel', '?')}).",
         _dump({"name": p["name"], "description": p["description"]}).rstrip(),
         f"# One layer fwd+bwd, t = c1*T + c2*sum over documents of pairs(l)/efficiency(l) + c0 with",
         f"# pairs(l) = l(l+1)/2 (causal query-key pairs), fitted by non-negative least squares over",
         f"# {len(result.layer_rows)} runs ({st.tokens}-token compositions and token counts down to {st.tokens // 8}):",
         f"# R^2 {lf.r2:.4f}, max relative error {lf.max_rel_err:.3f}, median {lf.median_rel_err:.3f}.",
+        f"# Times: {'median of' if dev == 'cuda' else 'fastest of'} {st.repeats} runs"
+        + ("" if dev == "cuda" else f", round-robin; {result.notes.get('retimed', 0)} runs the fit disagreed with "
+           f"most were re-timed and kept if faster (outside load only adds time)") + ".",
         f"# Attention alone over the same compositions: R^2 {af.r2:.4f}, max relative error {af.max_rel_err:.3f}.",
         _dump({k: float(f"{p[k]:.8g}") for k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms")}).rstrip(),
         "# The model dimensions c1 and c2 were measured with (CostModel scales them by FLOPs for others).",
