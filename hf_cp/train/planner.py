@@ -31,12 +31,16 @@ class PlannedStep:
 
 
 class Planner:
-    def __init__(self, sampler: GlobalBatchSampler, balancer: str, cluster: ClusterSpec, cost: CostModel,
+    def __init__(self, sampler: GlobalBatchSampler, balancer, cluster: ClusterSpec, cost: CostModel,
                  seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None):
         self.sampler = sampler
-        self.balancer_name = balancer
-        self.balancer = get_balancer(balancer)
-        self.compare_name = compare_balancer if compare_balancer and compare_balancer != balancer else None
+        # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
+        self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
+        self.balancer_name = balancer if isinstance(balancer, str) else getattr(balancer, "name", type(balancer).__name__)
+        if not callable(getattr(self.balancer, "plan", None)):
+            raise TypeError(f"balancer {self.balancer_name!r} has no plan(request) method")
+        self.compare_name = (compare_balancer if compare_balancer and compare_balancer != self.balancer_name
+                             else None)
         self.compare = get_balancer(self.compare_name) if self.compare_name else None
         self.cluster = cluster
         self.cost = cost

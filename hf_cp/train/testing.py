@@ -78,52 +78,64 @@ def zero2_config(bucket: int = 500_000_000) -> dict:
     }
 
 
-# --------------------------------------------------------------------- scripted test balancers
-def _register_fixed_mode_balancers() -> None:
-    """`fixed_<mode>`: every step's samples spread over all CP modes' code paths at once:
-    wave 0 distributes the step's longest samples over the first half of the world with <mode>
-    and gives every other rank of that wave local samples; wave 1 puts the leftovers on rank 0
-    only (every other rank idles). Deterministic, registered groups only."""
-    from ..balance import register_balancer, available_balancers
-    from ..plan import Group, Wave
+# --------------------------------------------------------------------- scripted test balancer
+class FixedModeBalancer:
+    """A deterministic plan shape that exercises one CP mode and every execution path.
 
-    for mode in ShardMode:
-        name = f"fixed_{mode.value}"
-        if name in available_balancers():
-            continue
+    Wave 0: the longest samples distributed over ranks [0, g) with `mode` (g the smallest
+    registered group of at least 2 ranks that holds the longest sample), one local sample on
+    each other rank. Then the leftovers, first-fit packed to the cap, one pack per wave on
+    rank 0 alone, so every other rank idles in those waves. Not registered (auto would pick
+    it up as a member): pass it to CPTrainer(balancer=...).
+    """
 
-        def factory(mode=mode, name=name):
-            class Fixed:
-                def plan(self, req):
-                    W = req.cluster.world_size
-                    plan = req.empty_plan(name)
-                    order = sorted(range(len(req.sample_ids)), key=lambda i: (-req.lengths[i], i))
-                    ids = [req.sample_ids[i] for i in order]
-                    g = max(2, W // 2) if W > 1 else 1
-                    dist, rest = ids[:2], ids[2:]
-                    groups = []
-                    if g > 1:
-                        groups.append(Group(ranks=tuple(range(g)), distributed=dist, mode=mode))
-                    else:
-                        rest = dist + rest
-                    local = {}
-                    for j, r in enumerate(range(g if g > 1 else 0, W)):
-                        if rest:
-                            local.setdefault(r, []).append(rest.pop(0))
-                    for r, s in local.items():
-                        groups.append(Group(ranks=(r,), local={r: s}))
-                    plan.waves.append(Wave(groups))
-                    if rest:
-                        plan.waves.append(Wave([Group(ranks=(0,), local={0: rest})]))
-                    return plan
-            obj = Fixed()
-            obj.name = name
-            return obj
+    def __init__(self, mode):
+        self.mode = ShardMode(mode)
+        self.name = f"fixed_{self.mode.value}"
 
-        register_balancer(name)(factory)
+    def plan(self, req):
+        from ..balance import max_member_tokens
+        from ..balance.packing import first_fit
+        from ..plan import Group, Wave
+
+        cl = req.cluster
+        W, cap = cl.world_size, cl.max_tokens_per_rank
+        lens = dict(zip(req.sample_ids, req.lengths))
+        order = sorted(req.sample_ids, key=lambda s: (-lens[s], s))
+        plan = req.empty_plan(self.name)
+        groups, rest = [], list(order)
+        g = max(2, cl.smallest_group_for(lens[order[0]]) or 2) if W > 1 else 1
+        if g > 1:
+            dist = []
+            while rest and max_member_tokens(self.mode, [lens[s] for s in dist + [rest[0]]], g) <= cap:
+                dist.append(rest.pop(0))
+                if len(dist) == 2:
+                    break
+            if dist:
+                groups.append(Group(ranks=tuple(range(g)), distributed=dist, mode=self.mode))
+        for r in range(g if g > 1 else 0, W):
+            fits = [s for s in rest if lens[s] <= cap]
+            if fits:
+                rest.remove(fits[0])
+                groups.append(Group(ranks=(r,), local={r: [fits[0]]}))
+        if groups:
+            plan.waves.append(Wave(groups))
+        too_long = [s for s in rest if lens[s] > cap]
+        for s in too_long:
+            size = cl.smallest_group_for(lens[s])
+            plan.waves.append(Wave([Group(ranks=tuple(range(size)), distributed=[s], mode=self.mode)]))
+        short = [s for s in rest if lens[s] <= cap]
+        if short:
+            for pack in first_fit(short, [lens[s] for s in short], cap):
+                plan.waves.append(Wave([Group(ranks=(0,), local={0: list(pack)})]))
+        return plan
 
 
-_register_fixed_mode_balancers()
+def balancer_for(name: str):
+    """A FixedModeBalancer for names fixed_<mode>, else None (use the registry)."""
+    if name.startswith("fixed_"):
+        return FixedModeBalancer(name[len("fixed_"):])
+    return None
 
 
 # --------------------------------------------------------------------- reference
@@ -181,12 +193,21 @@ def run_job(spec: dict) -> None:
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
         disable_tqdm=True, dataloader_num_workers=0,
     )
-    trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+    trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                        balancer=balancer_for(spec["balancer"]))
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
     if trainer.cp_rank == 0:
         params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save(params, out / "params.pt")
         (out / "history.json").write_text(json.dumps(trainer.cp_history))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_distributed(spec: dict, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -198,7 +219,7 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240) -> subprocess.
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(spec.get("port", 29500 + os.getpid() % 1000)), "-m", "hf_cp.train.testing", str(spec_file)]
+           str(spec.get("port") or free_port()), "-m", "hf_cp.train.testing", str(spec_file)]
     proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -17,8 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-import warnings
-from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -31,6 +30,7 @@ from transformers import Trainer
 
 from ..attention.context import cp_context
 from ..cluster import ClusterSpec
+from ..consistency import assert_plans_agree, collective_scope
 from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep, valid_targets
@@ -39,7 +39,10 @@ from .metrics import aggregate, summary_lines
 from .planner import Planner
 from .sampler import GlobalBatchSampler
 
-HF_CP_ATTENTION = "hf_cp"
+try:  # registers attn_implementation="hf_cp" with transformers
+    from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+except ImportError:  # pragma: no cover - the attention package is part of hf_cp
+    HF_CP_ATTENTION = "hf_cp"
 
 
 def skip_deepspeed_shm_build() -> None:
@@ -80,10 +83,12 @@ class CPTrainer(Trainer):
     `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
     (HF convention, -100 = no loss, e.g. prompt tokens) and `length`. Row index = sample id.
     Samples a plan distributes over a CP group need the model loaded with
-    `attn_implementation="hf_cp"`.
+    `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
+    the registry lookup of `args.cp_balancer`, for balancers built in code.
     """
 
-    def __init__(self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None, **kwargs):
+    def __init__(self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None,
+                 balancer=None, **kwargs):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         if args.deepspeed:
@@ -111,6 +116,7 @@ class CPTrainer(Trainer):
             max_steps=args.max_steps if args.max_steps and args.max_steps > 0 else None, shuffle=args.cp_shuffle)
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
+        self.cp_balancer = balancer
         self.cp_planner: Optional[Planner] = None
         self.cp_groups: Optional[CPGroups] = None
         self.cp_history: List[dict] = []  # one record per step, identical on every rank
@@ -158,7 +164,7 @@ class CPTrainer(Trainer):
             self.cp_groups = CPGroups(self.cp_cluster)
         if self.cp_planner is None:
             a = self.args
-            self.cp_planner = Planner(self.cp_sampler, a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
+            self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
                                       lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer)
         if self._cp_hook is None:
             self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
@@ -181,17 +187,6 @@ class CPTrainer(Trainer):
         return None
 
     # ------------------------------------------------------------------ one step
-    def _cp_same_plan_everywhere(self, step: RankStep) -> None:
-        if self.cp_world == 1:
-            return
-        mine = torch.tensor([int(step.plan.digest()[:15], 16), step.index], dtype=torch.int64)
-        got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
-        dist.all_gather(got, mine)
-        if any(not torch.equal(g, got[0]) for g in got):
-            raise RuntimeError(f"ranks hold different plans for this step: (digest, step) per rank "
-                               f"{[tuple(g.tolist()) for g in got]}; plans must be a pure function of the "
-                               f"lengths, seed and step")
-
     def _cp_backward(self, model, loss: torch.Tensor, last: bool) -> None:
         if self.is_deepspeed_enabled:
             self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last, scale_wrt_gas=False)
@@ -204,7 +199,7 @@ class CPTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
         t_step = time.perf_counter()
-        self._cp_same_plan_everywhere(step)  # before any collective of this step
+        assert_plans_agree(step.plan.digest(), step.index)  # before any collective of this step
         if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
@@ -225,7 +220,7 @@ class CPTrainer(Trainer):
             self._cp_backward_end = None
             if mb is None:
                 # no work in this wave: a zero-weight micro-batch keeps the backward count equal
-                with cp_context(None):
+                with cp_context(None), collective_scope(step.index, w, tuple(range(self.cp_world)), "dummy micro-batch"):
                     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
                     out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
                     loss = out.logits.sum() * 0.0
@@ -233,9 +228,8 @@ class CPTrainer(Trainer):
                 continue
             ctx = mb.context
             if ctx.group_size > 1:
-                from dataclasses import replace
                 ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-            with cp_context(ctx):
+            with cp_context(ctx), collective_scope(step.index, w, ctx.group_ranks):
                 out = model(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
                             use_cache=False)
                 logits = out.logits[0].float()
@@ -303,7 +297,8 @@ class CPTrainer(Trainer):
         return 6 * tokens * self.model.num_parameters(exclude_embeddings=True)
 
     def cp_summary(self, compare: bool = True) -> List[str]:
-        return summary_lines(self.cp_history, self.args.cp_balancer,
+        name = getattr(self.cp_balancer, "name", None) or self.args.cp_balancer
+        return summary_lines(self.cp_history, name,
                              self.args.cp_compare_balancer if compare else "")
 
     def train(self, *args, **kwargs):

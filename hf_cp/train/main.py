@@ -1,0 +1,185 @@
+"""Entry point of a training run from one YAML config.
+
+    accelerate launch --config_file recipes/cpu-2proc-zero2.yaml -m hf_cp.train configs/tiny-cpu.yaml
+    torchrun --nproc_per_node 2 -m hf_cp.train configs/tiny-cpu.yaml
+    hf-cp train configs/tiny-cpu.yaml              # one process, or under a launcher
+
+Config sections:
+    model:    config (a config.json path or a name under configs/models), attn_implementation
+              (default hf_cp), seed (weights are initialised from it), or pretrained: a folder
+    data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
+              input_ids (and labels) per line; limit: keep the first N samples
+    training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
+              against the working directory, then the repository root
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
+
+
+class TrainConfigError(ValueError):
+    """The training config is malformed; the message names the file and field."""
+
+
+def _resolve(p: str) -> str:
+    q = Path(p)
+    if q.is_absolute() or q.exists():
+        return str(q)
+    alt = ROOT / q
+    return str(alt) if alt.exists() else str(q)
+
+
+def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
+    p = Path(path)
+    if not p.exists() and (ROOT / p).exists():
+        p = ROOT / p
+    try:
+        cfg = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise TrainConfigError(f"training config {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TrainConfigError(f"training config {path}: expected a mapping with model/data/training sections")
+    unknown = set(cfg) - {"model", "data", "training"}
+    if unknown:
+        raise TrainConfigError(f"training config {path}: unknown section(s) {sorted(unknown)}; "
+                               f"expected model, data, training")
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
+        key, value = item.split("=", 1)
+        section, field = key.split(".", 1)
+        cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    cfg["_source"] = str(p)
+    return cfg
+
+
+def build_model(mcfg: dict, source: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
+
+    attn = mcfg.get("attn_implementation", "hf_cp")
+    if "pretrained" in mcfg:
+        model = AutoModelForCausalLM.from_pretrained(_resolve(mcfg["pretrained"]), attn_implementation=attn)
+    else:
+        if "config" not in mcfg:
+            raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
+        from ..cost import resolve_config
+
+        cpath = resolve_config(mcfg["config"], "models", (".json",))
+        d = json.loads(Path(cpath).read_text())
+        d.pop("architectures", None)
+        mtype = d.pop("model_type", None)
+        if mtype is None:
+            raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
+        config = AutoConfig.for_model(mtype, **d)
+        torch.manual_seed(int(mcfg.get("seed", 0)))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model.config.use_cache = False
+    return model
+
+
+def load_data(dcfg: dict, source: str):
+    from datasets import Dataset, load_from_disk
+
+    from ..data import load_sample_dataset
+
+    limit = int(dcfg.get("limit", 0) or 0)
+    if dcfg.get("bundled"):
+        if dcfg["bundled"] != "longtail_sample":
+            raise TrainConfigError(f"{source}: data.bundled {dcfg['bundled']!r}: the bundled dataset is longtail_sample")
+        return load_sample_dataset(limit=limit)
+    if "path" not in dcfg:
+        raise TrainConfigError(f"{source}: data needs `bundled: longtail_sample` or `path:`")
+    p = Path(_resolve(dcfg["path"]))
+    if p.is_dir():
+        ds = load_from_disk(str(p))
+        if hasattr(ds, "keys"):
+            ds = ds["train"]
+    elif p.suffix in (".jsonl", ".gz"):
+        import gzip
+
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt") as f:
+            ds = Dataset.from_list([json.loads(line) for line in f if line.strip()])
+    else:
+        raise TrainConfigError(f"{source}: data.path {p} is neither a saved dataset folder nor a .jsonl[.gz]")
+    return ds.select(range(min(limit, len(ds)))) if limit else ds
+
+
+def training_arguments(tcfg: dict, source: str):
+    from .args import CPTrainingArguments
+
+    t = dict(tcfg)
+    for k in PATH_FIELDS:
+        if t.get(k):
+            t[k] = _resolve(t[k])
+    if t.get("report_to") == "tensorboard_if_installed":
+        try:
+            import tensorboard  # noqa: F401
+            t["report_to"] = ["tensorboard"]
+        except ImportError:
+            t["report_to"] = "none"
+    try:
+        return CPTrainingArguments(**t)
+    except TypeError as e:
+        raise TrainConfigError(f"{source}: training: {e}") from None
+
+
+def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
+    import torch
+
+    from .trainer import CPTrainer, skip_deepspeed_shm_build
+
+    cfg = load_config(config_path, overrides)
+    src = cfg["_source"]
+    tcfg = cfg.get("training") or {}
+    if not torch.cuda.is_available():
+        # CPU: gloo for every collective (DeepSpeed's CPU default is not available here),
+        # set before the Trainer's Accelerator exists
+        if tcfg.get("deepspeed"):
+            skip_deepspeed_shm_build()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            PartialState(backend="gloo")
+    t0 = time.perf_counter()
+    model = build_model(cfg.get("model") or {}, src)
+    dataset = load_data(cfg.get("data") or {}, src)
+    args = training_arguments(tcfg, src)
+    trainer = CPTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    if trainer.cp_rank == 0:
+        world = trainer.cp_world
+        print(f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
+              f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ====")
+        for line in trainer.cp_summary():
+            print("  " + line)
+        print(f"  logs and per-step history: {args.output_dir}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_cp.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="training config YAML (e.g. configs/tiny-cpu.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, e.g. --set training.max_steps=5 (repeatable)")
+    a = p.parse_args(argv)
+    return run(a.config, a.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

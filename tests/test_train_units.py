@@ -1,0 +1,184 @@
+"""CPTrainer building blocks without processes: sampler, collator layout, planner, arguments."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_cp.attention.context import CPContext
+from hf_cp.cluster import ClusterSpec
+from hf_cp.cost import CostModel
+from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.shard import ShardMode
+from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
+from hf_cp.train.planner import Planner
+from hf_cp.train.sampler import GlobalBatchSampler
+from hf_cp.train.testing import FixedModeBalancer, synthetic_rows
+
+# Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: an idle rank in wave 2
+# of static on 2 ranks), [3] alone (a step that leaves ranks without samples), [4..9], [10..16].
+LENGTHS = [200, 150, 130, 250, 255, 90, 7, 33, 60, 40, 120, 100, 18, 5, 64, 21, 77]
+
+
+def test_sampler_is_deterministic_and_covers_each_epoch_once():
+    a = GlobalBatchSampler(LENGTHS, 600, seed=3, num_epochs=2)
+    b = GlobalBatchSampler(LENGTHS, 600, seed=3, num_epochs=2)
+    assert len(a) == len(b) and len(a) >= 2 * (sum(LENGTHS) // 600)
+    assert [a[k] for k in range(len(a))] == [b[k] for k in range(len(b))]
+    for epoch in (0, 1):
+        ids = [s for k in range(len(a)) if a[k].epoch == epoch for s in a[k].sample_ids]
+        assert sorted(ids) == list(range(len(LENGTHS)))
+    assert a.epoch_batches(0) != a.epoch_batches(1)  # reshuffled per epoch
+    for k in range(len(a)):
+        batch = a[k]
+        assert batch.tokens <= 600 or len(batch.sample_ids) == 1
+        assert batch.lengths == tuple(LENGTHS[s] for s in batch.sample_ids)
+
+
+def test_sampler_unshuffled_steps_and_max_steps_across_epochs():
+    s = GlobalBatchSampler(LENGTHS, 500, shuffle=False)
+    assert [list(s[k].sample_ids) for k in range(len(s))] == [[0, 1, 2], [3], [4, 5, 6, 7, 8, 9],
+                                                                [10, 11, 12, 13, 14, 15, 16]]
+    m = GlobalBatchSampler(LENGTHS, 500, shuffle=False, max_steps=6)
+    assert len(m) == 6 and (m[5].epoch, m[5].step_in_epoch, m[5].sample_ids) == (1, 1, (3,))
+    with pytest.raises(IndexError):
+        m[6]
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        GlobalBatchSampler(LENGTHS, 0)
+
+
+def test_shifted_targets_mask_prompt_and_document_end():
+    ids = [10, 11, 12, 13, 14]
+    labels = [IGNORE_INDEX, IGNORE_INDEX, 12, 13, 14]
+    assert shifted_targets(ids, None).tolist() == [11, 12, 13, 14, IGNORE_INDEX]
+    assert shifted_targets(ids, labels).tolist() == [IGNORE_INDEX, 12, 13, 14, IGNORE_INDEX]
+    assert valid_targets(ids, None) == 4 and valid_targets(ids, labels) == 3
+
+
+@pytest.mark.parametrize("mode", list(ShardMode))
+@pytest.mark.parametrize("size", [2, 4])
+def test_collator_shards_cover_documents_exactly_once(mode, size):
+    rows = synthetic_rows([37, 5, 64, 11], seed=1)
+    fetch = lambda s: (rows[s]["input_ids"], rows[s]["labels"])
+    plan = StepPlan(world_size=size, max_tokens_per_rank=1000, sample_ids=[0, 1, 2, 3],
+                    lengths=[37, 5, 64, 11],
+                    waves=[Wave([Group(ranks=tuple(range(size)), distributed=[0, 2], mode=mode,
+                                       local={size - 1: [3], 0: [1]})])])
+    plan.validate(ClusterSpec(size, 1000))
+    col = PlanCollator(fetch)
+    seen = {s: np.zeros(len(rows[s]["input_ids"]), dtype=int) for s in (0, 2)}
+    for r in range(size):
+        step = col.rank_step(plan, r, global_valid_tokens=1)
+        (mb,) = step.waves
+        ctx = mb.context
+        assert isinstance(ctx, CPContext) and ctx.member == r and ctx.group_ranks == tuple(range(size))
+        assert ctx.distributed_lengths == (37, 64) and ctx.mode is mode
+        ids, tgt, pos = mb.input_ids[0].numpy(), mb.shift_labels[0].numpy(), mb.position_ids[0].numpy()
+        assert mb.cu_seq_lens[-1] == len(ids) == len(tgt) == len(pos)
+        off = 0
+        for s in plan.waves[0].groups[0].local.get(r, []):  # local documents first, whole
+            n = len(rows[s]["input_ids"])
+            assert ids[off:off + n].tolist() == rows[s]["input_ids"]
+            assert tgt[off:off + n].tolist() == shifted_targets(rows[s]["input_ids"], rows[s]["labels"]).tolist()
+            assert pos[off:off + n].tolist() == list(range(n))
+            off += n
+        assert ctx.local_lengths == tuple(len(rows[s]["input_ids"]) for s in plan.waves[0].groups[0].local.get(r, []))
+        for seg in ctx.segments():  # then this member's segments, in rank_segments order
+            sid = [0, 2][seg.doc]
+            full_t = shifted_targets(rows[sid]["input_ids"], rows[sid]["labels"])
+            sl = slice(seg.start, seg.start + seg.length)
+            assert ids[off:off + seg.length].tolist() == rows[sid]["input_ids"][sl]
+            assert tgt[off:off + seg.length].tolist() == full_t[sl].tolist()
+            assert pos[off:off + seg.length].tolist() == list(range(seg.start, seg.start + seg.length))
+            seen[sid][sl] += 1
+            off += seg.length
+        assert off == len(ids)
+    for sid, count in seen.items():
+        assert count.tolist() == [1] * len(count), f"sample {sid} not covered exactly once"
+
+
+def test_rank_without_work_gets_none_and_trained_ids_partition_the_batch():
+    rows = synthetic_rows(LENGTHS)
+    fetch = lambda s: (rows[s]["input_ids"], rows[s]["labels"])
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS, 500, shuffle=False)
+    for bal in ("static", FixedModeBalancer("ring_zigzag")):
+        planner = Planner(sampler, bal, ClusterSpec(2, 256), cost, lookahead=0)
+        col = PlanCollator(fetch)
+        idle_waves = 0
+        for k in range(len(sampler)):
+            plan = planner.get(k).plan
+            steps = [col.rank_step(plan, r, 1) for r in range(2)]
+            assert all(len(s.waves) == len(plan.waves) for s in steps)
+            idle_waves += sum(mb is None for s in steps for mb in s.waves)
+            ids = sorted(i for s in steps for i in s.trained_sample_ids)
+            assert ids == sorted(plan.sample_ids)
+        assert idle_waves > 0
+
+
+def test_background_planner_matches_inline_planning_and_validates():
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=2)
+    cl = ClusterSpec(4, 256)
+    bg = Planner(sampler, "static", cl, cost, lookahead=3, compare_balancer="static")
+    inline = Planner(sampler, "static", cl, cost, lookahead=0)
+    try:
+        order = [0, 1, 2, 5, 6, len(sampler) - 1]  # includes a jump, as after a resume
+        for k in order:
+            a, b = bg.get(k), inline.get(k)
+            assert a.plan.to_json() == b.plan.to_json() and a.plan.step == k
+            assert a.predicted.makespan_ms == pytest.approx(b.predicted.makespan_ms)
+            assert a.compare is None  # comparing static with itself is skipped
+    finally:
+        bg.close()
+
+    class Broken:
+        name = "broken"
+
+        def plan(self, req):
+            return req.empty_plan("broken")  # schedules nothing
+
+    with pytest.raises(ValueError, match="never scheduled"):
+        Planner(sampler, Broken(), cl, cost, lookahead=0).get(0)
+
+
+def test_planner_names_a_sample_too_long_for_any_group():
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler([10, 3000, 20], 5000)
+    with pytest.raises(ValueError, match="sample 1 has 3000 tokens"):
+        Planner(sampler, "static", ClusterSpec(2, 1000), cost)
+
+
+def test_arguments_reject_trainer_batching_knobs():
+    from hf_cp.train import CPTrainingArguments
+
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        CPTrainingArguments(output_dir="/tmp/x", gradient_accumulation_steps=2, use_cpu=True)
+    with pytest.raises(ValueError, match="per_device_train_batch_size"):
+        CPTrainingArguments(output_dir="/tmp/x", per_device_train_batch_size=4, use_cpu=True)
+    a = CPTrainingArguments(output_dir="/tmp/x", use_cpu=True, cp_tokens_per_rank_per_step=1000)
+    assert a.per_device_train_batch_size == 1 and a.tokens_per_step(4) == 4000
+
+
+def test_single_process_trainer_matches_reference(tmp_path):
+    """World of one, no DeepSpeed: the CPTrainer path against the sample-by-sample reference."""
+    from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+    from hf_cp.train.testing import max_relative_error, reference_params, tiny_model
+
+    spec = dict(lengths=LENGTHS, tokens_per_step=500, max_tokens_per_rank=256, steps=3, balancer="static")
+    rows = synthetic_rows(LENGTHS)
+    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, seed=42, cp_balancer="static",
+                               cp_max_tokens_per_rank=256, cp_tokens_per_step=500, cp_shuffle=False,
+                               max_steps=3, learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0,
+                               report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+                               cp_compare_balancer=None)
+    trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    ref = reference_params(spec)
+    assert max(max_relative_error(got, ref).values()) < 1e-5
+    assert [r["index"] for r in trainer.cp_history] == [0, 1, 2]
+    logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
+    assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
