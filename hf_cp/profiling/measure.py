@@ -147,7 +147,7 @@ def choose_settings(stack: DecoderStack, quick: bool = False, max_tokens: Option
             break
         T //= 2
     # Shorter documents than this are dominated by per-call overheads (kernel launches on CUDA,
-    # one SDPA call per document on CPU) that the cost model has no term for.
+    # a kernel call per distinct document length on CPU) that the cost model has no term for.
     min_doc = (128 if T >= 4096 else max(32, T // 32)) if cuda else max(16, min(32, T // 32))
     if quick:
         min_doc = max(min_doc, T // 32)
@@ -227,6 +227,18 @@ def _saved_activation_bytes(stack: DecoderStack, prepared) -> int:
 def run_profile(model_config, device: str = "cpu", quick: bool = False, max_tokens: Optional[int] = None,
                 threads: Optional[int] = None, name: Optional[str] = None,
                 log: Callable[[str], None] = print) -> ProfileResult:
+    """Measure one decoder layer of `model_config` on `device` and fit a profile (see the module doc).
+
+    On CPU the torch thread count is set to `threads` (default 1) while measuring and restored after.
+    """
+    prev_threads = torch.get_num_threads()
+    try:
+        return _run_profile(model_config, device, quick, max_tokens, threads, name, log)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _run_profile(model_config, device, quick, max_tokens, threads, name, log) -> ProfileResult:
     t_start = time.time()
     load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     dev = torch.device(device)
