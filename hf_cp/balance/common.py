@@ -1,0 +1,367 @@
+"""Small pure helpers shared by balancers: cached per-length costs, LPT, packing, wave assembly.
+
+Everything here is deterministic in its arguments (ties break on the lowest index) and
+takes its numbers from the CostModel; nothing here has a cost formula of its own.
+"""
+from __future__ import annotations
+
+import heapq
+import weakref
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..cost import CostModel
+from ..plan import Group, Wave
+from ..shard import ShardMode, rank_segments, segment_tokens
+
+if TYPE_CHECKING:
+    from .base import PlanRequest
+
+
+# --------------------------------------------------------------------------- cached costs
+class CostMemo:
+    """Per-length results of one CostModel, computed once.
+
+    `sample_local_ms` is a few microseconds per call and a step holds up to ~10^5 samples,
+    while a trace holds far fewer distinct lengths: caching by length keeps planners at
+    numpy speed. Values are exactly the model's, so plans do not depend on the cache state.
+    """
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self._local: Dict[int, float] = {}
+        self._on_group: Dict[Tuple[int, int], float] = {}
+        self._member_tokens: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+        self.overhead_ms = cost.micro_batch_overhead_ms()
+
+    def local_ms(self, length: int) -> float:
+        """Whole-document compute of one sample on one rank (CostModel.sample_local_ms)."""
+        v = self._local.get(length)
+        if v is None:
+            v = self._local[length] = self.cost.sample_local_ms(length)
+        return v
+
+    def local_ms_array(self, lengths: np.ndarray) -> np.ndarray:
+        """local_ms of every entry of an integer array."""
+        uniq, inv = np.unique(lengths, return_inverse=True)
+        get = self.local_ms
+        return np.fromiter((get(int(n)) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))[inv]
+
+    def doc_on_group_ms(self, length: int, group_size: int) -> float:
+        """Slowest member's time of one document alone, per-document sharded over an aligned
+        block of `group_size` ranks (micro-batch overhead excluded)."""
+        key = (length, group_size)
+        v = self._on_group.get(key)
+        if v is None:
+            if group_size == 1:
+                v = self.local_ms(length)
+            else:
+                ranks = list(range(group_size))
+                v = max(self.cost.distributed_rank_cost([length], ShardMode.RING_PER_DOC, ranks, m).total_ms
+                        for m in (0, group_size - 1))
+            self._on_group[key] = v
+        return v
+
+    def per_doc_member_tokens(self, length: int, group_size: int) -> Tuple[int, ...]:
+        """Tokens each member holds when one document is per-document sharded over the group."""
+        key = (length, group_size)
+        v = self._member_tokens.get(key)
+        if v is None:
+            v = self._member_tokens[key] = tuple(
+                segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [length], group_size, m))
+                for m in range(group_size))
+        return v
+
+
+_MEMOS: "weakref.WeakKeyDictionary[CostModel, CostMemo]" = weakref.WeakKeyDictionary()
+
+
+def cost_memo(cost: CostModel) -> CostMemo:
+    """The shared CostMemo of a CostModel (kept as long as the model lives)."""
+    memo = _MEMOS.get(cost)
+    if memo is None:
+        memo = _MEMOS[cost] = CostMemo(cost)
+    return memo
+
+
+# --------------------------------------------------------------------------- parallel config
+CP_SCOPES = ("step", "dataset")
+
+
+def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, scope: str = "step") -> int:
+    """The one CP size of a step's plan.
+
+    `cp_size` if given (checked against the cluster and the step's samples). Otherwise the
+    smallest registered group whose combined cap holds the longest sample: of the step
+    (scope "step": every group is pre-built, so the size may change between steps at no
+    cost) or of the whole dataset (scope "dataset": one size for the run, as `static`).
+    """
+    cl = req.cluster
+    if scope not in CP_SCOPES:
+        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
+    if cp_size is None:
+        longest = max(req.lengths) if scope == "step" else max(req.dataset_max_length or 0, max(req.lengths))
+        return cl.smallest_group_for(longest)
+    if cp_size not in cl.group_sizes:
+        raise ValueError(f"{balancer}: cp_size {cp_size} is not a registered group size {cl.group_sizes}")
+    i = int(np.argmax(req.lengths))
+    if cp_size * cl.max_tokens_per_rank < req.lengths[i]:
+        raise ValueError(f"{balancer}: sample {req.sample_ids[i]} ({req.lengths[i]} tokens) does not fit "
+                         f"cp_size {cp_size} x {cl.max_tokens_per_rank} tokens per rank")
+    return cp_size
+
+
+def check_cp_options(cp_size: Optional[int], scope: str, balancer: str) -> None:
+    if cp_size is not None and (not isinstance(cp_size, int) or cp_size <= 0 or cp_size & (cp_size - 1)):
+        raise ValueError(f"{balancer}: cp_size {cp_size!r} must be a power of two")
+    if scope not in CP_SCOPES:
+        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
+
+
+# --------------------------------------------------------------------------- LPT
+def descending_order(weights: np.ndarray) -> np.ndarray:
+    """Indices by decreasing weight; equal weights keep their input order (stable)."""
+    return np.argsort(-np.asarray(weights, dtype=np.float64), kind="stable")
+
+
+def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[float]] = None,
+               exact_items: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """Longest-processing-time-first: heaviest item onto the least loaded bin.
+
+    Returns (bin of every item, final bin loads). `loads` are the bins' starting loads.
+    For speed, only the `exact_items` heaviest items (default: 4 per bin) go through the
+    heap; the light tail is dealt in one vectorised water-filling pass that raises every
+    bin towards the common level LPT would reach, so each bin ends within one tail item of
+    where LPT would put it.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    n = len(w)
+    bins = np.zeros(n, dtype=np.int64)
+    load = np.zeros(n_bins, dtype=np.float64) if loads is None else np.array(loads, dtype=np.float64)
+    if n == 0:
+        return bins, load
+    order = descending_order(w)
+    k = min(n, 4 * n_bins if exact_items is None else exact_items)
+    heap = [(float(l), b) for b, l in enumerate(load.tolist())]
+    heapq.heapify(heap)
+    wl = w.tolist()
+    for i in order[:k].tolist():
+        l, b = heap[0]
+        bins[i] = b
+        heapq.heapreplace(heap, (l + wl[i], b))
+    for l, b in heap:
+        load[b] = l
+    if k < n:
+        tail = order[k:]
+        tail_bins = water_fill(w[tail], load)
+        bins[tail] = tail_bins
+        np.add.at(load, tail_bins, w[tail])
+    return bins, load
+
+
+def water_fill(weights: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """Bins for light items so that the bins' loads rise to one common level.
+
+    The level T solves sum(max(0, T - load)) = sum(weights); the items, in the given order,
+    are laid end to end and each goes to the bin whose deficit interval holds its midpoint.
+    """
+    n_bins = len(loads)
+    total = float(np.sum(weights))
+    by_load = np.argsort(loads, kind="stable")
+    sl = loads[by_load]
+    # level: fill the k lowest bins up to T; pick the largest k with T >= sl[k-1]
+    csum = np.cumsum(sl)
+    ks = np.arange(1, n_bins + 1)
+    levels = (total + csum) / ks
+    ok = levels >= sl
+    k = int(np.nonzero(ok)[0][-1]) + 1
+    level = levels[k - 1]
+    deficit = np.maximum(0.0, level - sl)
+    bounds = np.cumsum(deficit)
+    mid = np.cumsum(weights) - weights / 2.0
+    pos = np.minimum(np.searchsorted(bounds, mid, side="right"), n_bins - 1)
+    return by_load[pos]
+
+
+def serpentine(n_items: int, n_bins: int) -> np.ndarray:
+    """Bin of each position when items are dealt 0,1,..,m-1,m-1,..,1,0,0,1,.. (snake order):
+    dealt heaviest first, every bin gets a fair share of heavy and light items."""
+    p = np.arange(n_items)
+    r = p % (2 * n_bins)
+    return np.where(r < n_bins, r, 2 * n_bins - 1 - r)
+
+
+# --------------------------------------------------------------------------- packing
+def even_cap(cap: int, group_size: int) -> int:
+    """Per-rank token budget that a zigzag split of a group's pack can always honour.
+
+    A zigzag member holds two of 2g nearly equal chunks, i.e. at most 2*ceil(T/2g) tokens:
+    with T <= g * (cap rounded down to even) that is <= cap.
+    """
+    return cap if group_size == 1 else cap - (cap & 1)
+
+
+def split_to_cap(ids: Sequence[int], lengths: Sequence[int], cap: int) -> List[List[int]]:
+    """Pack one rank's local documents into micro-batches of at most `cap` tokens.
+
+    First-fit decreasing (each micro-batch costs a fixed overhead, so few and full is best);
+    equal lengths keep their input order.
+    """
+    if not len(ids):
+        return []
+    lens = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lens, kind="stable").tolist()
+    idl, lnl = list(ids), lens.tolist()
+    if lnl[order[0]] > cap:
+        raise ValueError(f"sample {idl[order[0]]} has {lnl[order[0]]} tokens, more than a rank's cap {cap}")
+    total = int(lens.sum())
+    if total <= cap:
+        return [[idl[i] for i in order]]
+    bins: List[List[int]] = []
+    free: List[int] = []
+    for i in order:
+        n = lnl[i]
+        for b, f in enumerate(free):
+            if f >= n:
+                bins[b].append(idl[i])
+                free[b] = f - n
+                break
+        else:
+            bins.append([idl[i]])
+            free.append(cap - n)
+    return bins
+
+
+def windowed_first_fit(lengths: Sequence[int], capacity: int, window: int = 8,
+                       oversize_alone: bool = False) -> List[List[int]]:
+    """Indices of `lengths` packed in data order, first fit among the `window` most recently
+    opened packs (a streaming data loader's packer: it cannot hold every pack open, but
+    unlike next-fit it back-fills, so waste gathers in the last packs of the step).
+
+    An item over `capacity` is an error, or with `oversize_alone` a full pack of its own.
+    """
+    packs: List[List[int]] = []
+    free: List[int] = []
+    lo = 0  # packs before lo are closed
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            if not oversize_alone:
+                raise ValueError(f"item {i} has {n} tokens, more than the pack capacity {capacity}")
+            packs.append([i])
+            free.append(0)
+            lo = max(lo, len(packs) - window)
+            continue
+        for b in range(lo, len(packs)):
+            if free[b] >= n:
+                packs[b].append(i)
+                free[b] -= n
+                break
+        else:
+            packs.append([i])
+            free.append(capacity - n)
+            lo = max(lo, len(packs) - window)
+    return packs
+
+
+# --------------------------------------------------------------------------- modes and memory
+# Per-document sharding costs O(documents x 2g) to evaluate per member. Past this many
+# document-members it is neither evaluated nor chosen by pick_ring_mode (its query chunks
+# would be tiny anyway), which keeps planning within its time budget.
+PER_DOC_EVAL_BUDGET = 2048
+
+
+def sampled_members(group_size: int) -> List[int]:
+    """Members whose cost stands for the group's slowest when comparing modes: all of a small
+    group; the two ends and the middle pair of a large one (where zigzag's and per-document
+    sharding's remainders and heavy chunks land)."""
+    g = group_size
+    if g <= 8:
+        return list(range(g))
+    return sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1})
+
+
+def member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, memo: "CostMemo") -> np.ndarray:
+    """Tokens every member holds of the distributed documents under `mode`."""
+    g = group_size
+    if not doc_lengths:
+        return np.zeros(g, dtype=np.int64)
+    if mode is ShardMode.RING_ZIGZAG:  # zigzag chunks depend only on the packed total
+        total = sum(doc_lengths)
+        return np.asarray([segment_tokens(rank_segments(mode, [total], g, m)) for m in range(g)], dtype=np.int64)
+    if mode is ShardMode.RING_PER_DOC:  # every document is split on its own
+        return np.sum([memo.per_doc_member_tokens(n, g) for n in doc_lengths], axis=0).astype(np.int64)
+    return np.asarray([segment_tokens(rank_segments(mode, doc_lengths, g, m)) for m in range(g)], dtype=np.int64)
+
+
+def group_fits(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, cap: int, memo: "CostMemo",
+               local_tokens: Optional[Sequence[int]] = None) -> bool:
+    """Whether every member holds at most `cap` tokens (its distributed share plus its locals)."""
+    t = member_tokens(mode, doc_lengths, group_size, memo)
+    if local_tokens is not None:
+        t = t + np.asarray(local_tokens, dtype=np.int64)
+    return int(t.max()) <= cap
+
+
+def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int]) -> float:
+    """Slowest sampled member's time for the distributed documents (CostModel.distributed_rank_cost)."""
+    return max(cost.distributed_rank_cost(doc_lengths, mode, ranks, m).total_ms for m in sampled_members(len(ranks)))
+
+
+def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
+                   local_tokens: Optional[Sequence[int]] = None, memo: Optional["CostMemo"] = None) -> ShardMode:
+    """WLB-LLM's per-sequence (zigzag) vs per-document choice, within the memory cap.
+
+    Of the modes that fit, the one the cost model predicts faster (CostModel.best_ring_mode's
+    comparison, on sampled members of large groups; locals add the same work under either
+    mode and are left out of the comparison). Per-document sharding of packs too large to
+    evaluate (PER_DOC_EVAL_BUDGET) is only taken when zigzag does not fit. Raises ValueError
+    if neither mode fits.
+    """
+    memo = memo or cost_memo(cost)
+    g = len(ranks)
+    zz_fits = group_fits(ShardMode.RING_ZIGZAG, doc_lengths, g, cap, memo, local_tokens)
+    per_doc_cheap = len(doc_lengths) * g <= PER_DOC_EVAL_BUDGET
+    if len(doc_lengths) == 1 and zz_fits:  # one document: both modes are the same split
+        return ShardMode.RING_PER_DOC
+    pd_fits = ((per_doc_cheap or not zz_fits)
+               and group_fits(ShardMode.RING_PER_DOC, doc_lengths, g, cap, memo, local_tokens))
+    if not pd_fits and not zz_fits:
+        raise ValueError(f"documents {list(doc_lengths)[:8]} ({len(doc_lengths)} documents, {sum(doc_lengths)} tokens) "
+                         f"do not fit a group of {g} ranks with cap {cap} in any ring mode")
+    if not (pd_fits and zz_fits and per_doc_cheap):
+        return ShardMode.RING_PER_DOC if pd_fits else ShardMode.RING_ZIGZAG
+    if g <= 8:
+        return cost.best_ring_mode(doc_lengths, ranks)
+    pd = predicted_group_ms(cost, ShardMode.RING_PER_DOC, doc_lengths, ranks)
+    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, doc_lengths, ranks)
+    return ShardMode.RING_PER_DOC if pd <= zz + 1e-12 else ShardMode.RING_ZIGZAG
+
+
+# --------------------------------------------------------------------------- wave assembly
+class WaveBuilder:
+    """Assembles groups into waves: each group goes to the first wave after every earlier
+    group of any of its ranks, so groups of a wave are disjoint and every rank runs its
+    groups in the order they were added."""
+
+    def __init__(self, world_size: int):
+        self.next_wave = [0] * world_size
+        self.waves: List[List[Group]] = []
+
+    def add(self, group: Group, at_least: int = 0) -> int:
+        """Add `group` to the first wave (not before `at_least`) after its ranks' earlier groups."""
+        w = max(at_least, max(self.next_wave[r] for r in group.ranks))
+        while len(self.waves) <= w:
+            self.waves.append([])
+        self.waves[w].append(group)
+        for r in group.ranks:
+            self.next_wave[r] = w + 1
+        return w
+
+    def build(self) -> List[Wave]:
+        return [Wave(sorted(gs, key=lambda g: g.ranks[0])) for gs in self.waves]
+
+
+def block_ranks(index: int, size: int) -> Tuple[int, ...]:
+    """Ranks of the `index`-th aligned block of `size` ranks."""
+    return tuple(range(index * size, (index + 1) * size))

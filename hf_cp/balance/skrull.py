@@ -1,0 +1,224 @@
+"""`skrull` (Skrull, Xu et al. 2025; survey section 2.2): global data scheduling + DACP.
+
+The parallel configuration is fixed within a step, as in Skrull: one CP size N, by default
+the smallest registered group whose combined cap holds the step's longest sample
+(`cp_scope="dataset"`: the dataset's, one size for the run like `static`; `cp_size`: fixed),
+so the world is W/N data-parallel replicas of N ranks each.
+
+1. GDS, across replicas: bin packing of the step's samples on predicted compute
+   (CostModel.sample_local_ms, Skrull's FLOPs proxy), heaviest first onto the lightest
+   replica (LPT).
+2. GDS, inside a replica: the replica's samples are cut into as few micro-batches as its
+   memory allows (N ranks x cap tokens, times `fill`), dealt heaviest first in a serpentine
+   order so that long and short samples are interleaved and every micro-batch holds a
+   share of the long ones.
+3. DACP, inside each micro-batch (one CP group): the survey's pseudo-code. Sequences in
+   ascending length; principle 1, avoid splitting: try local on the member with the least
+   compute (principle 2), then on the member with the most free memory; only then
+   distributed (per-document sharding, every member takes its share); if even that does
+   not fit, roll back: turn the largest local sequence of the member with the least free
+   memory into a distributed one (principle 3) and place the sequence again.
+   Ascending order decides *which* sequences stay local; the locals are then re-placed
+   heaviest first onto the least loaded member with room (LPT), which balances the same
+   classification better (kept only when it fits, else DACP's own placement stays).
+   The distributed sequences take zigzag or per-document sharding, whichever the cost
+   model predicts faster and fits (CostModel.best_ring_mode).
+A micro-batch DACP cannot fit (fragmentation) is split in two and each half planned again.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..plan import Group, StepPlan
+from ..shard import ShardMode
+from . import register_balancer
+from .base import PlanRequest
+from .common import (CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
+                     even_cap, fixed_cp_size, lpt_assign,
+                     pick_ring_mode, serpentine, split_to_cap)
+
+
+def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: int) -> List[np.ndarray]:
+    """Indices (into `lengths`) of micro-batches of at most `budget` tokens each, long and short
+    interleaved: heaviest first, dealt in serpentine order over as few micro-batches as fit."""
+    total = int(lengths.sum())
+    order = descending_order(weights)
+    m0 = max(1, -(-total // budget))
+    for m in range(m0, m0 + 4):
+        bins = serpentine(len(order), m)
+        tokens = np.bincount(bins, weights=lengths[order], minlength=m)
+        if tokens.max() <= budget:
+            return [order[bins == b] for b in range(m)]
+    # a few very long samples defeat dealing: first-fit decreasing on tokens instead
+    idx = order.tolist()
+    return [np.asarray(mb, dtype=np.int64) for mb in split_to_cap(idx, lengths[order].tolist(), budget)]
+
+
+class Dacp:
+    """DACP of one micro-batch on a group of N members with a per-member cap of C tokens."""
+
+    def __init__(self, memo: CostMemo, n_members: int, cap: int):
+        self.memo, self.n, self.cap = memo, n_members, cap
+
+    def classify(self, lens: Sequence[int], costs: Sequence[float]):
+        """Survey pseudo-code. Returns (member of each local item or -1 if distributed), or
+        None when the micro-batch cannot be fitted."""
+        N, memo = self.n, self.memo
+        rb = np.full(N, self.cap, dtype=np.int64)  # remaining budget (tokens)
+        load = np.zeros(N, dtype=np.float64)
+        where = [-2] * len(lens)  # -2: not placed yet, -1: distributed, else member
+        on: List[List[int]] = [[] for _ in range(N)]  # local items per member, in placement order
+        heap = [(0.0, m) for m in range(N)]  # (load, member), lazily updated
+
+        def put_local(i: int, t: int) -> None:
+            where[i] = t
+            on[t].append(i)
+            rb[t] -= lens[i]
+            load[t] += costs[i]
+            heapq.heappush(heap, (float(load[t]), t))
+
+        def argmin_load() -> int:
+            while True:
+                l, t = heap[0]
+                if l == load[t]:
+                    return t
+                heapq.heappop(heap)
+
+        order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
+        for i in order:
+            n = lens[i]
+            while True:
+                t = argmin_load()  # principle 2: least compute first
+                if rb[t] >= n:
+                    put_local(i, t)
+                    break
+                t = int(np.argmax(rb))  # principle 1: avoid splitting while any member has room
+                if rb[t] >= n:
+                    put_local(i, t)
+                    break
+                share = np.asarray(memo.per_doc_member_tokens(n, N))
+                if np.all(rb >= share):
+                    where[i] = -1
+                    rb -= share
+                    load += memo.doc_on_group_ms(n, N)
+                    heap = [(float(l), m) for m, l in enumerate(load.tolist())]
+                    heapq.heapify(heap)
+                    break
+                # principle 3: roll back the largest local of the fullest member, then retry
+                t = int(np.argmin(rb))
+                if not on[t]:
+                    return None
+                j = max(on[t], key=lambda k: (lens[k], k))
+                share_j = np.asarray(memo.per_doc_member_tokens(lens[j], N))
+                on[t].remove(j)
+                rb[t] += lens[j]
+                load[t] -= costs[j]
+                if not np.all(rb >= share_j):
+                    return None
+                where[j] = -1
+                rb -= share_j
+                load += memo.doc_on_group_ms(lens[j], N)
+                heap = [(float(l), m) for m, l in enumerate(load.tolist())]
+                heapq.heapify(heap)
+        return where
+
+    def balance_locals(self, lens: Sequence[int], costs: Sequence[float], where: List[int]) -> List[int]:
+        """Re-place DACP's locals heaviest first on the least loaded member with room."""
+        N, memo = self.n, self.memo
+        rb = [self.cap] * N
+        load = [0.0] * N
+        for i, m in enumerate(where):
+            if m == -1:
+                share = memo.per_doc_member_tokens(lens[i], N)
+                c = memo.doc_on_group_ms(lens[i], N)
+                for k in range(N):
+                    rb[k] -= share[k]
+                    load[k] += c
+        heap = [(load[m], m) for m in range(N)]
+        heapq.heapify(heap)
+        locals_ = [i for i, m in enumerate(where) if m >= 0]
+        locals_.sort(key=lambda i: (-costs[i], i))
+        out = list(where)
+        for i in locals_:
+            skipped = []
+            while heap and rb[heap[0][1]] < lens[i]:
+                skipped.append(heapq.heappop(heap))
+            if not heap:
+                return where  # LPT cannot fit what DACP fitted: keep DACP's placement
+            l, t = heapq.heappop(heap)
+            out[i] = t
+            rb[t] -= lens[i]
+            heapq.heappush(heap, (l + costs[i], t))
+            for s in skipped:
+                heapq.heappush(heap, s)
+        return out
+
+
+@register_balancer("skrull")
+class SkrullBalancer:
+    name = "skrull"
+
+    def __init__(self, cp_size: Optional[int] = None, fill: float = 0.9, cp_scope: str = "step"):
+        check_cp_options(cp_size, cp_scope, self.name)
+        if not 0 < fill <= 1:
+            raise ValueError(f"skrull: fill {fill} must be in (0, 1]")
+        self.cp_size = cp_size
+        self.cp_scope = cp_scope
+        self.fill = fill
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        cl = req.cluster
+        N = fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)
+        dp = cl.world_size // N
+        cap = cl.max_tokens_per_rank
+        memo = cost_memo(req.cost)
+        ids = np.asarray(req.sample_ids, dtype=np.int64)
+        lens = np.asarray(req.lengths, dtype=np.int64)
+        flops = memo.local_ms_array(lens)
+        replica, _ = lpt_assign(flops, dp)
+        budget = max(int(lens.max()), int(N * even_cap(cap, N) * self.fill)) if N > 1 else cap
+        dacp = Dacp(memo, N, cap)
+        builder = WaveBuilder(cl.world_size)
+        for d in range(dp):
+            mine = np.nonzero(replica == d)[0]
+            if not len(mine):
+                continue
+            ranks = block_ranks(d, N)
+            todo = [mine[mb] for mb in interleave_micro_batches(lens[mine], flops[mine], budget)]
+            while todo:
+                mb = todo.pop(0)
+                group = self._micro_batch(req, dacp, ranks, ids[mb].tolist(), lens[mb].tolist(),
+                                          flops[mb].tolist(), cap)
+                if group is None:  # did not fit: plan each half on its own
+                    todo[:0] = [mb[serpentine(len(mb), 2) == 0], mb[serpentine(len(mb), 2) == 1]]
+                    continue
+                builder.add(group)
+        plan = req.empty_plan(self.name)
+        plan.waves = builder.build()
+        return plan
+
+    def _micro_batch(self, req, dacp: Dacp, ranks, ids, lens, costs, cap) -> Optional[Group]:
+        N = len(ranks)
+        if N == 1:
+            return Group(ranks=ranks, local={ranks[0]: ids})
+        where = dacp.classify(lens, costs)
+        if where is None:
+            if len(ids) == 1:
+                raise AssertionError(f"skrull: sample {ids[0]} alone does not fit {N} ranks")  # PlanRequest prevents it
+            return None
+        where = dacp.balance_locals(lens, costs, where)
+        dist = [i for i, m in enumerate(where) if m == -1]
+        local: Dict[int, List[int]] = {}
+        local_lens: Dict[int, List[int]] = {}
+        for i, m in enumerate(where):
+            if m >= 0:
+                local.setdefault(ranks[m], []).append(ids[i])
+                local_lens.setdefault(m, []).append(lens[i])
+        mode = ShardMode.RING_PER_DOC
+        if dist:
+            local_tokens = [sum(local_lens.get(m, ())) for m in range(N)]
+            mode = pick_ring_mode(req.cost, [lens[i] for i in dist], ranks, cap, local_tokens, dacp.memo)
+        return Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=mode, local=local)

@@ -1,0 +1,78 @@
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from balancer_checks import check_balancer_properties, step_cases
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.common import windowed_first_fit
+from hf_cp.balance.libra import vrsp
+from hf_cp.cluster import ClusterSpec
+from hf_cp.sim import simulate
+
+import numpy as np
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=step_cases())
+def test_libra_plans_are_valid_complete_capped_and_deterministic(case, h200_cost):
+    world, cap, lengths = case
+    check_balancer_properties("libra", world, cap, lengths, h200_cost, pool_size=4)
+
+
+def _request(lengths, world, cap, cost):
+    return PlanRequest(list(range(len(lengths))), lengths, ClusterSpec(world_size=world, max_tokens_per_rank=cap), cost)
+
+
+def test_libra_respects_pools_and_never_repacks(h200_cost):
+    lengths = [(i * 7919) % 30000 + 200 for i in range(400)]
+    req = _request(lengths, 32, 32768, h200_cost)
+    bal = get_balancer("libra", pool_size=4)
+    lay = bal.layout(req)
+    plan = bal.plan(req)
+    plan.validate(req.cluster)
+    assert lay.cp_size == 1 and lay.pool_size == 4
+    # the packs are the data loader's, untouched
+    assert lay.packs == windowed_first_fit(lengths, 32768)
+    group_of = {}  # sample set -> (wave, ranks)
+    for w, wave in enumerate(plan.waves):
+        for g in wave.groups:
+            group_of[frozenset(g.sample_ids())] = (w, g.ranks)
+    for p, pool in enumerate(lay.pools):
+        assert 1 <= len(pool) <= 4
+        replicas = [lay.replica_of_pack[k] for k in pool]
+        assert len(set(replicas)) == len(replicas)  # one sequence per replica of the pool
+        assert {r // 4 for r in replicas} == {lay.location[p]}  # all on the pool's location
+        waves = set()
+        for k in pool:
+            w, ranks = group_of[frozenset(lay.packs[k])]  # the pack is one group's whole micro-batch
+            assert ranks == (lay.replica_of_pack[k],)
+            waves.add(w)
+        assert waves == {lay.wave_of_pool[p]}  # a pool runs in one wave
+    # every location runs the same number of pools
+    assert len(set(np.bincount(lay.location, minlength=32 // 4).tolist())) == 1
+
+
+def test_vrsp_fills_lightest_pool_and_caps_pool_size():
+    work = np.array([10.0, 9.0, 8.0, 1.0, 1.0, 1.0])
+    pools = vrsp(work, pool_size=2, n_pools=3)
+    assert pools == [[0, 5], [1, 4], [2, 3]]
+    with pytest.raises(ValueError, match="do not fit"):
+        vrsp(work, pool_size=2, n_pools=2)
+
+
+def test_libra_balances_replicas_better_than_static(h200_cost):
+    # packs alternate heavy (one long document) and light (many short ones); static deals them
+    # round-robin so one replica gets all the heavy packs
+    lengths = []
+    for _ in range(4):
+        lengths += [30000]
+        lengths += [1000] * 30
+    req = _request(lengths, 2, 32768, h200_cost)
+    libra = simulate(get_balancer("libra").plan(req), h200_cost)
+    static = simulate(get_balancer("static").plan(req), h200_cost)
+    assert libra.makespan_ms < 0.85 * static.makespan_ms
+    assert libra.imbalance < 1.05
+
+
+def test_libra_rejects_bad_pool_size():
+    with pytest.raises(ValueError, match="pool_size 3"):
+        get_balancer("libra", pool_size=3)
