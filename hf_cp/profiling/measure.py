@@ -281,7 +281,7 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     running = 0.0
     for r in chunk_rows:
         r["efficiency_raw"] = r["pairs_per_ms"] / best
-        # the cost model needs a table that does not decrease with chunk length; a dip is noise
+        # the cost model needs a table that does not decrease with chunk length
         running = max(running, r["efficiency_raw"])
         eff_table[r["q_len"]] = round(running, 5)
         log(f"  chunk q={r['q_len']:>5} x{r['chunks']:<4} {r['ms']:9.3f} ms  efficiency {r['efficiency_raw']:.3f}")
