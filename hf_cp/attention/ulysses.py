@@ -1,0 +1,82 @@
+"""Ulysses attention: all-to-all from a token split to a head split and back.
+
+Members hold contiguous token ranges of the packed distributed documents (ShardMode.ULYSSES).
+One all-to-all gives every member all tokens for H/g query heads (q, k and v in one message);
+each member then runs plain packed attention on whole documents and a second all-to-all
+returns its heads' output to the tokens' owners. Autograd mirrors both exchanges.
+
+GQA: with H_kv >= g kv heads they split like q heads (H_kv % g == 0 needed). With fewer kv
+heads than members, each kv head is replicated only to the g / H_kv members whose q heads use
+it (one kv head per member); autograd sums the replicas' gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .blocks import document_blocks
+from .comm import all_to_all
+from .kernels import AttentionKernel, kernel_for
+from .local import block_attention
+
+Tensor = torch.Tensor
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, group_size: int) -> None:
+    g = group_size
+    if num_heads % g:
+        raise ValueError(f"Ulysses over a CP group of {g} ranks needs the number of query heads to be divisible "
+                         f"by {g}; this attention layer has {num_heads} query heads. Use a ring mode "
+                         f"(ShardMode.RING_PER_DOC / RING_ZIGZAG) or a group size that divides {num_heads}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if (num_kv_heads >= g and num_kv_heads % g) or (num_kv_heads < g and g % num_kv_heads):
+        raise ValueError(f"Ulysses over {g} ranks: {num_kv_heads} kv heads neither divide into {g} groups nor "
+                         f"replicate evenly to {g} ranks; use a ring mode for this group size")
+
+
+@dataclass(frozen=True)
+class UlyssesSpec:
+    group: object
+    member: int
+    rank_tokens: Tuple[int, ...]  # tokens each member holds, in member order
+    doc_lengths: Tuple[int, ...]  # the distributed documents, whole
+
+    @property
+    def size(self) -> int:
+        return len(self.rank_tokens)
+
+
+def _kv_for_members(x: Tensor, g: int) -> Tensor:
+    """[n, H_kv, D] -> [n, max(H_kv, g), D]: replicate each kv head to the members that need it."""
+    hkv = x.shape[1]
+    return x if hkv >= g else x.repeat_interleave(g // hkv, dim=1)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, scale: float,
+                      kernel: Optional[AttentionKernel] = None) -> Tensor:
+    """This member's token rows (q [n, H, D], k/v [n, H_kv, D]) -> attention output [n, H, D]."""
+    g, me = spec.size, spec.member
+    n, h, d = q.shape
+    hkv = k.shape[1]
+    if n != spec.rank_tokens[me]:
+        raise ValueError(f"member {me} should hold {spec.rank_tokens[me]} distributed tokens, got {n}")
+    check_ulysses_heads(h, hkv, g)
+    kernel = kernel or kernel_for(q.device)
+    blocks = document_blocks(spec.doc_lengths)
+    if g == 1:
+        return block_attention(q, k, v, blocks, scale, kernel)
+    hq_r = h // g
+    k_m, v_m = _kv_for_members(k, g), _kv_for_members(v, g)
+    hk_r = k_m.shape[1] // g
+    # [n, g, heads of member j, D] -> [g, n, ...]: the rows for member j are contiguous
+    packed = torch.cat([q.reshape(n, g, hq_r, d), k_m.reshape(n, g, hk_r, d), v_m.reshape(n, g, hk_r, d)], dim=2)
+    packed = packed.transpose(0, 1).reshape(g * n, hq_r + 2 * hk_r, d)
+    total = sum(spec.rank_tokens)
+    heads = all_to_all(packed, [n] * g, spec.rank_tokens, spec.group, me)  # [total, hq_r + 2 hk_r, D]
+    q_h, k_h, v_h = heads.split([hq_r, hk_r, hk_r], dim=1)
+    out_h = block_attention(q_h, k_h, v_h, blocks, scale, kernel) if total else q_h
+    back = all_to_all(out_h, spec.rank_tokens, [n] * g, spec.group, me)  # [g * n, hq_r, D], by head owner
+    return back.reshape(g, n, hq_r, d).transpose(0, 1).reshape(n, h, d)
