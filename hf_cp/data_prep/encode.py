@@ -1,0 +1,143 @@
+"""Tokenise one batch of samples and build SFT labels.
+
+Text samples: the tokenizer's own special tokens plus an end-of-sequence token; every token is
+trained. Chat samples (a list of {role, content} messages): rendered with the tokenizer's chat
+template and tokenised without adding special tokens again (the template already has them),
+so `decode(input_ids)` is exactly the rendered text. Labels are -100 outside the trained
+spans: with mask "assistant", every assistant turn (its content and the template's
+end-of-turn marker) is trained; with "last-assistant", only the final one.
+
+An assistant turn's characters are found by rendering the conversation prefixes: the turn is
+what `render(messages[:i+1])` adds to `render(messages[:i], add_generation_prompt=True)`. That
+needs no generation markers in the template, only that rendering is prefix-stable (earlier
+turns render the same whatever follows), which is checked per sample.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Sequence, Tuple
+
+IGNORE_INDEX = -100
+CHAT_MASKS = ("assistant", "last-assistant", "none")
+TEXT_MASKS = ("none",)
+
+
+class EncodeError(ValueError):
+    """A sample cannot be encoded; the message names the sample index and field."""
+
+
+def _messages(value, index: int, field: str) -> List[dict]:
+    if isinstance(value, str):  # CSV and some JSON exports store the list as a JSON string
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise EncodeError(f"sample {index}: field {field!r} is a string but not JSON: {e}") from None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise EncodeError(f"sample {index}: field {field!r} must be a non-empty list of messages, got {value!r:.80}")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise EncodeError(f"sample {index}: {field}[{k}] must have 'role' and 'content', got {m!r:.80}")
+        if m["content"] is None or m["role"] is None:
+            raise EncodeError(f"sample {index}: {field}[{k}] has an empty role or content")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+class SampleEncoder:
+    """Picklable batched map function: raw columns -> input_ids, labels, length."""
+
+    def __init__(self, tokenizer, kind: str, field: str, mask: str = "auto", add_eos: bool = True):
+        if kind not in ("text", "chat"):
+            raise ValueError(f"sample kind must be 'text' or 'chat', got {kind!r}")
+        mask = ("assistant" if kind == "chat" else "none") if mask == "auto" else mask
+        allowed = CHAT_MASKS if kind == "chat" else TEXT_MASKS
+        if mask not in allowed:
+            raise ValueError(f"--mask {mask!r} does not apply to {kind} samples; choose from {', '.join(allowed)}")
+        if kind == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                             f"chat samples need one (or use --text-field for plain text)")
+        if kind == "chat" and mask != "none" and not getattr(tokenizer, "is_fast", False):
+            raise ValueError("label masking of chat samples needs a fast tokenizer (character offsets)")
+        self.tokenizer, self.kind, self.field, self.mask, self.add_eos = tokenizer, kind, field, mask, add_eos
+
+    # ---------------------------------------------------------------- chat
+    def _render(self, messages: Sequence[dict], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _assistant_spans(self, messages: List[dict], full: str, index: int) -> List[Tuple[int, int]]:
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.mask == "last-assistant":
+            turns = turns[-1:]
+        spans = []
+        for i in turns:
+            if i == 0:
+                raise EncodeError(f"sample {index}: message 0 is an assistant turn; a prompt must come first")
+            before = self._render(messages[:i], generation_prompt=True)
+            upto = self._render(messages[: i + 1])
+            if not (upto.startswith(before) and full.startswith(upto)):
+                raise EncodeError(
+                    f"sample {index}: the chat template does not render conversation prefixes as prefixes of the "
+                    f"whole (at message {i}), so assistant turns cannot be located; use --mask none")
+            spans.append((len(before), len(upto)))
+        return spans
+
+    def _encode_chat(self, value, index: int) -> Tuple[List[int], List[int]]:
+        messages = _messages(value, index, self.field)
+        full = self._render(messages)
+        spans = self._assistant_spans(messages, full, index) if self.mask != "none" else []
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=self.mask != "none")
+        ids = list(enc["input_ids"])
+        if self.mask == "none":
+            return ids, list(ids)
+        labels = [IGNORE_INDEX] * len(ids)
+        k = 0
+        for j, (start, _end) in enumerate(enc["offset_mapping"]):
+            # a token belongs to the turn its first character is in (offsets are sorted)
+            while k < len(spans) and start >= spans[k][1]:
+                k += 1
+            if k < len(spans) and spans[k][0] <= start < spans[k][1]:
+                labels[j] = ids[j]
+        return ids, labels
+
+    # ---------------------------------------------------------------- text
+    def _encode_texts(self, texts: Sequence, indices: Sequence[int]) -> List[List[int]]:
+        for t, i in zip(texts, indices):
+            if not isinstance(t, str):
+                raise EncodeError(f"sample {i}: field {self.field!r} must be a string, got {type(t).__name__}")
+        batch = self.tokenizer(list(texts))["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for ids in batch:
+            ids = list(ids)
+            if self.add_eos and eos is not None and ids and ids[-1] != eos:
+                ids.append(eos)
+            out.append(ids)
+        return out
+
+    def __call__(self, batch: Dict[str, list], indices: Sequence[int]) -> Dict[str, list]:
+        if self.field not in batch:
+            raise EncodeError(f"samples have no field {self.field!r} (fields: {sorted(batch)})")
+        values = batch[self.field]
+        if self.kind == "text":
+            all_ids = self._encode_texts(values, indices)
+            all_labels = [list(x) for x in all_ids]
+        else:
+            pairs = [self._encode_chat(v, i) for v, i in zip(values, indices)]
+            all_ids = [p[0] for p in pairs]
+            all_labels = [p[1] for p in pairs]
+        return {"input_ids": all_ids, "labels": all_labels, "length": [len(x) for x in all_ids],
+                "trained_tokens": [trained_tokens(y) for y in all_labels]}
+
+
+def trained_tokens(labels: Sequence[int]) -> int:
+    """Tokens that contribute to the loss (the collator predicts token p from p-1, so label 0
+    is never a target)."""
+    return sum(1 for y in labels[1:] if y != IGNORE_INDEX)
+
+
+def truncate(row: Dict, max_length: int) -> Dict:
+    labels = row["labels"][:max_length]
+    return {"input_ids": row["input_ids"][:max_length], "labels": labels, "length": min(row["length"], max_length),
+            "trained_tokens": trained_tokens(labels)}
