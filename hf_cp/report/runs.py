@@ -1,0 +1,300 @@
+"""Pictures of a training run: per-step predicted vs measured rank times, imbalance, CP sizes.
+
+A CPTrainer run directory (the Trainer's output_dir) holds the same metrics three ways; the
+first found is read (or the one asked for):
+  cp_history/rank<R>.jsonl   one JSON line per optimizer step (per-rank lists), every rank
+                             writes the same records - the finest source;
+  trainer_state.json         the Trainer's log_history, one entry per logging interval with
+                             `cp/...` keys averaged over the interval (also in checkpoint-*/);
+  runs/*/events.out.tfevents TensorBoard scalars `train/cp/...`, same values as log_history.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Union
+
+SOURCES = ("history", "trainer-state", "tensorboard")
+
+
+class RunLogError(ValueError):
+    """A run directory has no readable metrics; the message says what was looked for."""
+
+
+@dataclass
+class RunSeries:
+    """Per-point metrics: a point is one optimizer step (history) or one logging interval."""
+
+    source: str
+    per_step: bool
+    steps: List[int] = field(default_factory=list)
+    predicted_ms: List[List[float]] = field(default_factory=list)  # [point][rank]
+    measured_ms: List[List[float]] = field(default_factory=list)
+    predicted_imbalance: List[float] = field(default_factory=list)  # max/mean over ranks
+    measured_imbalance: List[float] = field(default_factory=list)
+    cp_size_samples: List[Dict[int, float]] = field(default_factory=list)
+    loss: List[Optional[float]] = field(default_factory=list)
+    predicted_step_ms: List[Optional[float]] = field(default_factory=list)
+    compare_step_ms: List[Optional[float]] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return len(self.measured_ms[0]) if self.measured_ms else 0
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+def _max_over_mean(values: Sequence[float]) -> float:
+    m = sum(values) / len(values) if values else 0.0
+    return max(values) / m if m > 0 else 1.0
+
+
+# ------------------------------------------------------------------------------ readers
+def read_history(run_dir: Path) -> RunSeries:
+    files = sorted((run_dir / "cp_history").glob("rank*.jsonl"),
+                   key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    if not files:
+        raise RunLogError(f"{run_dir}: no cp_history/rank*.jsonl")
+    by_index: Dict[int, dict] = {}
+    with files[0].open() as f:  # every rank records the same step metrics
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                by_index[int(rec["index"])] = rec  # a resumed run appends: the last record wins
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise RunLogError(f"{files[0]}, line {lineno}: not a step record ({e})") from None
+    s = RunSeries(source=str(files[0].relative_to(run_dir)), per_step=True)
+    for idx in sorted(by_index):
+        r = by_index[idx]
+        try:
+            pred, meas = [float(x) for x in r["predicted_ms"]], [float(x) for x in r["measured_ms"]]
+        except KeyError as e:
+            raise RunLogError(f"{files[0]}: step {idx} has no {e.args[0]!r}") from None
+        s.steps.append(int(r.get("global_step", idx + 1)))
+        s.predicted_ms.append(pred)
+        s.measured_ms.append(meas)
+        s.predicted_imbalance.append(_max_over_mean(pred))
+        s.measured_imbalance.append(_max_over_mean(meas))
+        s.cp_size_samples.append({int(g): float(n) for g, n in (r.get("cp_size_samples") or {}).items()})
+        s.loss.append(r.get("loss"))
+        s.predicted_step_ms.append(r.get("predicted_step_ms"))
+        s.compare_step_ms.append(r.get("compare_step_ms"))
+    return s
+
+
+def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSeries:
+    """Entries: dicts with `step` and keys `<prefix>measured_ms_rank<k>` etc."""
+    rank_key = re.compile(re.escape(prefix) + r"measured_ms_rank(\d+)$")
+    size_key = re.compile(re.escape(prefix) + r"cp_size(\d+)_samples$")
+    s = RunSeries(source=source, per_step=False)
+    for e in sorted(entries, key=lambda e: e["step"]):
+        ranks = sorted(int(m.group(1)) for k in e if (m := rank_key.match(k)))
+        if not ranks:
+            continue
+        g = lambda name: e.get(prefix + name)  # noqa: E731
+        meas = [float(e[f"{prefix}measured_ms_rank{k}"]) for k in ranks]
+        pred = [float(e.get(f"{prefix}predicted_ms_rank{k}", 0.0)) for k in ranks]
+        s.steps.append(int(e["step"]))
+        s.measured_ms.append(meas)
+        s.predicted_ms.append(pred)
+        # the logged ratios are means of per-step ratios, finer than the ratio of the means
+        s.measured_imbalance.append(float(g("measured_max_over_mean") or _max_over_mean(meas)))
+        s.predicted_imbalance.append(float(g("predicted_max_over_mean") or _max_over_mean(pred)))
+        s.cp_size_samples.append({int(m.group(1)): float(v) for k, v in e.items() if (m := size_key.match(k))})
+        s.loss.append(e.get("loss", e.get("train/loss")))
+        s.predicted_step_ms.append(g("predicted_step_ms"))
+        s.compare_step_ms.append(g("compare_predicted_step_ms"))
+    if not s.steps:
+        raise RunLogError(f"{source}: no entries with {prefix}measured_ms_rank<k> (was the run trained with CPTrainer?)")
+    return s
+
+
+def read_trainer_state(run_dir: Path) -> RunSeries:
+    cands = [run_dir / "trainer_state.json"] + sorted(
+        run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0),
+        reverse=True)
+    path = next((p for p in cands if p.exists()), None)
+    if path is None:
+        raise RunLogError(f"{run_dir}: no trainer_state.json (nor in checkpoint-*/)")
+    try:
+        hist = json.loads(path.read_text())["log_history"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise RunLogError(f"{path}: no readable log_history ({e})") from None
+    return _series_from_logs([e for e in hist if "step" in e], str(path.relative_to(run_dir)), "cp/")
+
+
+def read_tensorboard(run_dir: Path) -> RunSeries:
+    files = sorted(run_dir.rglob("events.out.tfevents.*"))
+    if not files:
+        raise RunLogError(f"{run_dir}: no TensorBoard event files")
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        raise RunLogError(f"{run_dir}: reading TensorBoard events needs the tensorboard package") from None
+    by_step: Dict[int, dict] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                by_step.setdefault(int(ev.step), {"step": int(ev.step)})[tag] = float(ev.value)
+    # the Trainer's TensorBoard callback prefixes training logs with "train/"
+    for e in by_step.values():
+        if "train/loss" in e:
+            e["loss"] = e["train/loss"]
+    rel = ", ".join(str(f.relative_to(run_dir)) for f in files[:2]) + (" ..." if len(files) > 2 else "")
+    return _series_from_logs(list(by_step.values()), rel, "train/cp/")
+
+
+READERS = {"history": read_history, "trainer-state": read_trainer_state, "tensorboard": read_tensorboard}
+
+
+def read_run(run_dir: Union[str, Path], source: str = "auto") -> RunSeries:
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise RunLogError(f"run directory {d} does not exist")
+    if source != "auto":
+        if source not in READERS:
+            raise RunLogError(f"unknown source {source!r}; choose auto or one of {', '.join(SOURCES)}")
+        return READERS[source](d)
+    tried = []
+    for name in SOURCES:
+        try:
+            return READERS[name](d)
+        except RunLogError as e:
+            tried.append(str(e))
+    raise RunLogError("no CP metrics found: " + "; ".join(tried))
+
+
+# ------------------------------------------------------------------------------ summary and plots
+def summary_lines(s: RunSeries) -> List[str]:
+    unit = "steps" if s.per_step else "logging intervals"
+    lines = [f"{len(s)} {unit} from {s.source}, {s.world} ranks"]
+    pairs = [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
+    lines.append(f"per-rank time, mean: predicted {statistics.mean(p for p, _ in pairs):.1f} ms, "
+                 f"measured {statistics.mean(m for _, m in pairs):.1f} ms")
+    if len(pairs) > 2 and len({p for p, _ in pairs}) > 1 and len({m for _, m in pairs}) > 1:
+        lines.append(f"correlation of predicted and measured rank times: {correlation(pairs):.3f}")
+    lines.append(f"max/mean over ranks, mean over {unit}: predicted {statistics.mean(s.predicted_imbalance):.3f}, "
+                 f"measured {statistics.mean(s.measured_imbalance):.3f}")
+    total: Dict[int, float] = {}
+    for h in s.cp_size_samples:
+        for g, n in h.items():
+            total[g] = total.get(g, 0.0) + n
+    if total:
+        lines.append("samples per CP size: " + " ".join(f"{g}:{n:g}" for g, n in sorted(total.items())))
+    return lines
+
+
+def correlation(pairs) -> float:
+    xs, ys = [p for p, _ in pairs], [m for _, m in pairs]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    _plt().close(fig)
+    return out
+
+
+def plot_rank_times(s: RunSeries, out: Path) -> Path:
+    plt = _plt()
+    W = s.world
+    cmap = plt.get_cmap("tab10" if W <= 10 else "viridis", max(W, 2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    x = s.steps
+    for r in range(W):
+        c = cmap(r)
+        lab = W <= 10
+        ax1.plot(x, [m[r] for m in s.measured_ms], "-o", color=c, ms=3, label=f"rank {r} measured" if lab else None)
+        ax1.plot(x, [p[r] for p in s.predicted_ms], "--", color=c, alpha=0.7, label=f"rank {r} predicted" if lab else None)
+    ax1.set_xlabel("optimizer step" if s.per_step else "optimizer step (end of logging interval)")
+    ax1.set_ylabel("compute time per step (ms)")
+    ax1.set_title("per-rank time: measured (solid) vs predicted (dashed)")
+    if W <= 10:
+        ax1.legend(fontsize=7, ncol=2)
+    pairs = [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
+    ax2.scatter([p for p, _ in pairs], [m for _, m in pairs], s=10, alpha=0.7)
+    hi = max(max(p for p, _ in pairs), max(m for _, m in pairs), 1e-9)
+    ax2.plot([0, hi], [0, hi], color="grey", linewidth=0.8, linestyle=":")
+    ax2.set_xlabel("predicted (ms)")
+    ax2.set_ylabel("measured (ms)")
+    rho = correlation(pairs) if len(pairs) > 2 else float("nan")
+    ax2.set_title(f"every (step, rank); corr {rho:.2f}")
+    return _save(fig, out)
+
+
+def plot_imbalance(s: RunSeries, out: Path) -> Path:
+    plt = _plt()
+    has_step = any(v is not None for v in s.predicted_step_ms)
+    fig, axes = plt.subplots(1, 2 if has_step else 1, figsize=(13 if has_step else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(s.steps, s.measured_imbalance, "-o", ms=3, label="measured")
+    ax.plot(s.steps, s.predicted_imbalance, "--s", ms=3, label="predicted")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max / mean rank time")
+    ax.set_title("load imbalance (1.0 = perfectly balanced)")
+    ax.legend()
+    if has_step:
+        ax = axes[0][1]
+        ax.plot(s.steps, [v if v is not None else float("nan") for v in s.predicted_step_ms], "-o", ms=3,
+                label="planned (predicted)")
+        if any(v is not None for v in s.compare_step_ms):
+            ax.plot(s.steps, [v if v is not None else float("nan") for v in s.compare_step_ms], "--", ms=3,
+                    label="comparison balancer (predicted)")
+        ax.plot(s.steps, [max(m) for m in s.measured_ms], ":^", ms=3, label="slowest rank (measured)")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("ms")
+        ax.set_title("step time")
+        ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
+    plt = _plt()
+    sizes = sorted({g for h in s.cp_size_samples for g in h})
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    if not sizes:
+        ax.text(0.5, 0.5, "no CP-size counts in the logs", ha="center", va="center", transform=ax.transAxes)
+        return _save(fig, out)
+    cmap = plt.get_cmap("viridis", max(len(sizes), 2))
+    bottom = [0.0] * len(s.steps)
+    xs = list(range(len(s.steps)))
+    for i, g in enumerate(sizes):
+        vals = [h.get(g, 0.0) for h in s.cp_size_samples]
+        ax.bar(xs, vals, bottom=bottom, color=cmap(i), label=f"CP size {g}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(xs, [str(t) for t in s.steps], rotation=90 if len(xs) > 30 else 0, fontsize=7)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("samples")
+    ax.set_title("samples per CP group size" + ("" if s.per_step else " (per logging interval)"))
+    ax.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def write_report(s: RunSeries, out_dir: Union[str, Path]) -> List[Path]:
+    d = Path(out_dir)
+    return [plot_rank_times(s, d / "rank_times.png"), plot_imbalance(s, d / "imbalance.png"),
+            plot_cp_sizes(s, d / "cp_sizes.png")]
