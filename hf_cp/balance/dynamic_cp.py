@@ -21,6 +21,7 @@ work before it and reach it at the same moment.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -31,9 +32,9 @@ from ..shard import ShardMode
 from ..sim import simulate
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, WaveBuilder, block_ranks, cost_memo, lpt_assign, pick_ring_mode, split_to_cap
+from .common import CostMemo, WaveBuilder, block_ranks, cost_memo, pick_ring_mode, split_to_cap
 
-DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125, 0.0625)
+DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125)
 
 
 def memory_min_sizes(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> np.ndarray:
@@ -93,6 +94,52 @@ def place_distributed(memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, wo
         loads[b * g:(b + 1) * g] += times[k]
         placed.setdefault((g, b), []).append(i)
     return placed
+
+
+def fill_ranks(weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2,
+               light_fraction: float = 0.005) -> Tuple[np.ndarray, np.ndarray]:
+    """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
+    sample, final loads).
+
+    Samples heavier than `light_fraction` of the mean final load (and at least the
+    `exact_per_rank` x world heaviest) go one by one to the least loaded rank (LPT). The
+    light tail is spread in one vectorised pass: the level L with
+    sum(max(0, L - load)) = tail weight is found, the ranks' gaps below L are laid end to end,
+    and each tail sample (heaviest first) goes to the rank whose gap holds its midpoint, so
+    every rank ends within one light sample of L.
+    """
+    world = len(loads)
+    loads = np.array(loads, dtype=np.float64)
+    rank_of = np.zeros(len(weights), dtype=np.int64)
+    if len(weights) == 0:
+        return rank_of, loads
+    order = np.argsort(-weights, kind="stable")
+    mean_final = (float(weights.sum()) + float(loads.sum())) / world
+    k = max(min(len(order), exact_per_rank * world), int(np.count_nonzero(weights > light_fraction * mean_final)))
+    heap = [(l, r) for r, l in enumerate(loads.tolist())]
+    heapq.heapify(heap)
+    wl = weights.tolist()
+    for i in order[:k].tolist():
+        l, r = heap[0]
+        rank_of[i] = r
+        heapq.heapreplace(heap, (l + wl[i], r))
+    for l, r in heap:
+        loads[r] = l
+    tail = order[k:]
+    if len(tail):
+        w = weights[tail]
+        by_load = np.argsort(loads, kind="stable")
+        sorted_loads = loads[by_load]
+        # level if the j lowest ranks are raised to it; take the largest j where it is consistent
+        levels = (w.sum() + np.cumsum(sorted_loads)) / np.arange(1, world + 1)
+        j = int(np.flatnonzero(levels >= sorted_loads)[-1])
+        gaps = np.maximum(0.0, levels[j] - sorted_loads)
+        ends = np.cumsum(gaps)
+        mids = np.cumsum(w) - w / 2.0
+        pos = np.minimum(np.searchsorted(ends, mids, side="right"), world - 1)
+        rank_of[tail] = by_load[pos]
+        np.add.at(loads, by_load[pos], w)
+    return rank_of, loads
 
 
 def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> List[Tuple[int, np.ndarray]]:
@@ -179,7 +226,7 @@ class Candidate:
         self.loads = np.zeros(world, dtype=np.float64)
         self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
         self.local_idx = np.flatnonzero(sizes == 1)
-        self.local_rank_of, self.loads = lpt_assign(local_ms[self.local_idx], world, self.loads)
+        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], self.loads)
         # predicted makespan: per-rank work plus one overhead per cap-full of local tokens
         local_tokens = np.bincount(self.local_rank_of, weights=lengths[self.local_idx], minlength=world)
         cap = req.cluster.max_tokens_per_rank
@@ -208,15 +255,24 @@ class MemoizedCost(CostModel):
 
 
 def pick_fastest(req: PlanRequest, memo: CostMemo, candidates: Sequence[Candidate], name: str,
-                 tolerance: float, max_simulated: int = 2) -> StepPlan:
-    """Simulate the (at most `max_simulated`) candidates whose predicted makespan is within
-    `tolerance` of the best prediction and keep the fastest simulated plan (the first on
-    ties). Predictions come from the same cost model and are close to the simulation (the
-    schedule never waits), so only near-ties need the simulator to decide."""
-    best_estimate = min(c.estimate_ms for c in candidates)
+                 tolerance: float, max_simulated: int = 2, simulate_up_to_samples: Optional[int] = None) -> StepPlan:
+    """Keep the candidate with the smallest makespan.
+
+    Candidates are ranked by their predicted makespan (the cost model's per-rank work under a
+    schedule that never waits). Its only approximations are per-micro-batch overheads (one
+    per distributed sample, one per cap-full of local tokens), so the (at most
+    `max_simulated`) candidates within `tolerance` of the best are run through
+    `hf_cp.sim.simulate` and the fastest simulated plan wins (the first on ties). Steps with
+    more than `simulate_up_to_samples` samples skip that check: their ranks hold many light
+    samples, an overhead is a negligible share of a rank's time, and simulating every
+    document would cost more than the planning budget.
+    """
     ranked = sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))
+    best_estimate = candidates[ranked[0]].estimate_ms
     shortlist = [candidates[i] for i in ranked[:max(1, max_simulated)]
                  if candidates[i].estimate_ms <= best_estimate * (1.0 + tolerance)]
+    if simulate_up_to_samples is not None and len(req.sample_ids) > simulate_up_to_samples:
+        shortlist = shortlist[:1]
     plans = [c.plan(req, memo, name) for c in shortlist]
     if len(plans) == 1:
         return plans[0]
@@ -230,12 +286,14 @@ class DynamicCPBalancer:
     """Per-sample CP size (workload first, then memory filling); best simulated candidate.
 
     thetas: quota fractions tried in the workload pass (None = memory-minimal sizes only).
-    simulate_within: candidates predicted within this fraction of the best are simulated.
+    simulate_within: candidates predicted within this fraction of the best are simulated
+    (at most two, and only in steps of at most simulate_samples_per_rank x world samples).
     """
 
     name = "dynamic_cp"
 
-    def __init__(self, thetas: Sequence[Optional[float]] = DEFAULT_THETAS, simulate_within: float = 0.003):
+    def __init__(self, thetas: Sequence[Optional[float]] = DEFAULT_THETAS, simulate_within: float = 0.003,
+                 simulate_samples_per_rank: float = 16.0):
         if not thetas:
             raise ValueError("dynamic_cp: thetas must name at least one candidate")
         for t in thetas:
@@ -243,6 +301,7 @@ class DynamicCPBalancer:
                 raise ValueError(f"dynamic_cp: theta {t!r} must be positive (or None for memory-only)")
         self.thetas = tuple(thetas)
         self.simulate_within = float(simulate_within)
+        self.simulate_samples_per_rank = float(simulate_samples_per_rank)
 
     def plan(self, req: PlanRequest) -> StepPlan:
         memo = cost_memo(req.cost)
@@ -260,4 +319,5 @@ class DynamicCPBalancer:
                 continue
             seen.add(key)
             candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
-        return pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        return pick_fastest(req, memo, candidates, self.name, self.simulate_within,
+                            simulate_up_to_samples=int(self.simulate_samples_per_rank * cl.world_size))

@@ -33,8 +33,8 @@ import numpy as np
 from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, cost_memo, lpt_assign
-from .dynamic_cp import Candidate, memory_min_sizes, per_rank_ms, pick_fastest
+from .common import CostMemo, cost_memo
+from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest
 
 
 def highs_available() -> bool:
@@ -230,7 +230,7 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
             placed.setdefault((d, b), []).extend(members[j])
             loads[b * d:(b + 1) * d] += group_load[j]
     local = np.array(sorted([prob.heavy[k] for k in by_size.get(1, [])] + prob.light.tolist()), dtype=np.int64)
-    rank_of, loads = lpt_assign(prob.local_ms[local], world, loads)
+    rank_of, loads = fill_ranks(prob.local_ms[local], loads)
     cand = Candidate.__new__(Candidate)
     cand.placed, cand.local_idx, cand.local_rank_of, cand.loads = placed, local, rank_of, loads
     local_tokens = np.bincount(rank_of, weights=prob.lengths[local], minlength=world)
