@@ -16,7 +16,9 @@ We call megatron-core's own scheduler (optional extra `megatron`: megatron-core=
   builds aligned power-of-two groups (`create_hybrid_dp_cp_groups`), so within each round we
   move its groups to aligned blocks, largest first (always possible for power-of-two sizes
   that add up to at most the world). A round's groups are disjoint and run independently,
-  so their position does not change the round's time.
+  so their position does not change the round's time;
+- Megatron puts a barrier between rounds; a StepPlan has none (a group starts when its own
+  members are free), which can only make the translated plan faster than Megatron's.
 """
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ def megatron_rounds(req: PlanRequest) -> List[List[List[int]]]:
     scheduler_cls = load_scheduler_class()
     scheduler = scheduler_cls(max_seq_len_per_rank=req.cluster.max_tokens_per_rank,
                               dp_cp_group=StandInGroup(req.cluster.world_size))
-    # The scheduler caches per-length results on the instance with lru_cache; a fresh one per
-    # step keeps plans independent of earlier steps.
+    # A fresh scheduler per step: it counts processed sub-samples on the instance, and its
+    # lru_caches are keyed by instance, so no step sees another's state.
     _, sample_id_groups = scheduler.get_groups_and_subsamples(list(zip(req.sample_ids, req.lengths)), None)
     return sample_id_groups
 
