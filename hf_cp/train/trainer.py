@@ -301,9 +301,12 @@ class CPTrainer(Trainer):
         return summary_lines(self.cp_history, name,
                              self.args.cp_compare_balancer if compare else "")
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if self.args.cp_record_history and not resume_from_checkpoint:
+            # a fresh run starts a fresh history; a resumed one continues it
+            (Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl").unlink(missing_ok=True)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if self.cp_planner is not None:
                 self.cp_planner.close()

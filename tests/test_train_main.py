@@ -1,0 +1,59 @@
+"""The main job: config loading errors (fast) and the README command end to end (slow)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_cp.train.main import TrainConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_config_errors_name_file_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {config: tiny-llama}\ntrainer: {}\n")
+    with pytest.raises(TrainConfigError, match=r"bad.yaml: unknown section\(s\) \['trainer'\]"):
+        load_config(str(bad))
+    with pytest.raises(TrainConfigError, match="expected section.key=value"):
+        load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["max_steps=3"])
+    cfg = load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["training.max_steps=3", "training.cp_balancer=static"])
+    assert cfg["training"]["max_steps"] == 3 and cfg["training"]["cp_balancer"] == "static"
+
+
+def test_bundled_dataset_is_long_tailed_and_byte_level():
+    from hf_cp.data import load_sample_dataset
+
+    ds = load_sample_dataset()
+    lengths = sorted(ds["length"])
+    assert len(lengths) == 240
+    assert lengths[-1] > 4096 > 10 * lengths[len(lengths) // 2]  # a long tail over a short median
+    row = ds[0]
+    assert max(row["input_ids"]) < 256 and len(row["labels"]) == row["length"]
+    assert row["labels"][0] == -100 and row["labels"][-1] == row["input_ids"][-1]  # prompt masked
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_readme_main_job_trains_and_reports(tmp_path):
+    out = tmp_path / "tiny-cpu"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/cpu-2proc-zero2.yaml",
+           "-m", "hf_cp.train", "configs/tiny-cpu.yaml", "--set", f"training.output_dir={out}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    text = proc.stdout
+    assert "hf_cp training summary" in text and "2 process(es)" in text
+    m = re.search(r"loss: first \d+ step\(s\) ([\d.]+) -> last \d+ step\(s\) ([\d.]+) \(down\)", text)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.5, text
+    assert re.search(r"balance \(auto\): per-rank compute max/mean predicted [\d.]+, measured [\d.]+", text)
+    assert re.search(r"static would take [\d.]+ ms", text)
+    assert (out / "cp_history" / "rank1.jsonl").exists()
+    print(f"main job wall time {wall:.0f} s")
