@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, given, settings
 
 from balancer_checks import check_balancer_properties, step_cases
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import windowed_first_fit
+from hf_cp.balance.common import group_indices, lookahead_pack
 from hf_cp.balance.libra import vrsp
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
@@ -29,43 +29,41 @@ def test_libra_respects_pools_and_never_repacks(h200_cost):
     lay = bal.layout(req)
     plan = bal.plan(req)
     plan.validate(req.cluster)
-    assert lay.cp_size == 1 and lay.pool_size == 4
+    assert lay.cp_size == 1 and lay.pool_size == 4 and len(lay.pools) == 8
     # the packs are the data loader's, untouched
-    assert lay.packs == windowed_first_fit(lengths, 32768)
+    pack_of = lookahead_pack(lengths, 32768)
+    assert lay.packs == [p.tolist() for p in group_indices(pack_of, int(pack_of.max()) + 1)]
+    assert lay.rounds == -(-len(lay.packs) // 32)
     group_of = {}  # sample set -> (wave, ranks)
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
             group_of[frozenset(g.sample_ids())] = (w, g.ranks)
+    assert len(group_of) == len(lay.packs)
     for p, pool in enumerate(lay.pools):
-        assert 1 <= len(pool) <= 4
-        replicas = [lay.replica_of_pack[k] for k in pool]
-        assert len(set(replicas)) == len(replicas)  # one sequence per replica of the pool
-        assert {r // 4 for r in replicas} == {lay.location[p]}  # all on the pool's location
-        waves = set()
+        assert len(pool) <= 4 * lay.rounds
         for k in pool:
             w, ranks = group_of[frozenset(lay.packs[k])]  # the pack is one group's whole micro-batch
             assert ranks == (lay.replica_of_pack[k],)
-            waves.add(w)
-        assert waves == {lay.wave_of_pool[p]}  # a pool runs in one wave
-    # every location runs the same number of pools
-    assert len(set(np.bincount(lay.location, minlength=32 // 4).tolist())) == 1
+            assert ranks[0] // 4 == p  # on a replica of its own pool
+            assert w == lay.slot_of_pack[k] < lay.rounds
 
 
 def test_vrsp_fills_lightest_pool_and_caps_pool_size():
     work = np.array([10.0, 9.0, 8.0, 1.0, 1.0, 1.0])
-    pools = vrsp(work, pool_size=2, n_pools=3)
-    assert pools == [[0, 5], [1, 4], [2, 3]]
+    # three pools of 2: one heavy and one light each
+    assert vrsp(work, n_pools=3, pool_capacity=2) == [[0, 5], [1, 4], [2, 3]]
+    # two pools of 4: 10 -> 0, 9 -> 1, 8 -> 1 (9 < 10), then the 1s to pool 0 (10 < 17)
+    assert vrsp(work, n_pools=2, pool_capacity=4) == [[0, 3, 4, 5], [1, 2]]
+    # pool 0 full after 3 items: the last 1 must go to pool 1
+    assert vrsp(work, n_pools=2, pool_capacity=3) == [[0, 3, 4], [1, 2, 5]]
     with pytest.raises(ValueError, match="do not fit"):
-        vrsp(work, pool_size=2, n_pools=2)
+        vrsp(work, n_pools=2, pool_capacity=2)
 
 
 def test_libra_balances_replicas_better_than_static(h200_cost):
     # packs alternate heavy (one long document) and light (many short ones); static deals them
     # round-robin so one replica gets all the heavy packs
-    lengths = []
-    for _ in range(4):
-        lengths += [30000]
-        lengths += [1000] * 30
+    lengths = ([32000] + [1000] * 32) * 4
     req = _request(lengths, 2, 32768, h200_cost)
     libra = simulate(get_balancer("libra").plan(req), h200_cost)
     static = simulate(get_balancer("static").plan(req), h200_cost)

@@ -5,6 +5,7 @@ takes its numbers from the CostModel; nothing here has a cost formula of its own
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import weakref
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -125,15 +126,27 @@ def descending_order(weights: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(weights, dtype=np.float64), kind="stable")
 
 
+# LPT goes one item at a time through a heap until items weigh less than this share of the
+# mean bin load; the lighter rest is water-filled in one vectorised pass (each bin then ends
+# within one such item, < 1/64 of the mean, of where the heap would leave it).
+EXACT_LPT_SHARE = 1.0 / 64
+
+
+def split_exact_tail(weights_desc: np.ndarray, n_bins: int, total_with_loads: float, min_exact: int) -> int:
+    """How many of the heaviest items (sorted heaviest first) LPT places one by one."""
+    light = weights_desc < EXACT_LPT_SHARE * total_with_loads / n_bins
+    first_light = int(np.argmax(light)) if light.any() else len(weights_desc)
+    return min(len(weights_desc), max(min_exact, first_light))
+
+
 def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[float]] = None,
                exact_items: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Longest-processing-time-first: heaviest item onto the least loaded bin.
 
     Returns (bin of every item, final bin loads). `loads` are the bins' starting loads.
-    For speed, only the `exact_items` heaviest items (default: 4 per bin) go through the
-    heap; the light tail is dealt in one vectorised water-filling pass that raises every
-    bin towards the common level LPT would reach, so each bin ends within one tail item of
-    where LPT would put it.
+    The heaviest items (all but those lighter than EXACT_LPT_SHARE of the mean bin load, and
+    at least 2 per bin; or exactly `exact_items`) go one by one through a heap; the light
+    tail is water-filled (water_fill).
     """
     w = np.asarray(weights, dtype=np.float64)
     n = len(w)
@@ -142,7 +155,8 @@ def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[f
     if n == 0:
         return bins, load
     order = descending_order(w)
-    k = min(n, 4 * n_bins if exact_items is None else exact_items)
+    k = (split_exact_tail(w[order], n_bins, float(w.sum() + load.sum()), 2 * n_bins)
+         if exact_items is None else min(n, exact_items))
     heap = [(float(l), b) for b, l in enumerate(load.tolist())]
     heapq.heapify(heap)
     wl = w.tolist()
@@ -154,9 +168,8 @@ def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[f
         load[b] = l
     if k < n:
         tail = order[k:]
-        tail_bins = water_fill(w[tail], load)
-        bins[tail] = tail_bins
-        np.add.at(load, tail_bins, w[tail])
+        bins[tail] = water_fill(w[tail], load)
+        np.add.at(load, bins[tail], w[tail])
     return bins, load
 
 
@@ -164,24 +177,25 @@ def water_fill(weights: np.ndarray, loads: np.ndarray) -> np.ndarray:
     """Bins for light items so that the bins' loads rise to one common level.
 
     The level T solves sum(max(0, T - load)) = sum(weights); the items, in the given order,
-    are laid end to end and each goes to the bin whose deficit interval holds its midpoint.
+    are laid end to end over the bins' deficits (lightest bin first) and each goes to the
+    bin whose deficit holds its midpoint.
     """
     n_bins = len(loads)
-    total = float(np.sum(weights))
     by_load = np.argsort(loads, kind="stable")
     sl = loads[by_load]
-    # level: fill the k lowest bins up to T; pick the largest k with T >= sl[k-1]
-    csum = np.cumsum(sl)
-    ks = np.arange(1, n_bins + 1)
-    levels = (total + csum) / ks
-    ok = levels >= sl
-    k = int(np.nonzero(ok)[0][-1]) + 1
-    level = levels[k - 1]
-    deficit = np.maximum(0.0, level - sl)
-    bounds = np.cumsum(deficit)
+    levels = (float(np.sum(weights)) + np.cumsum(sl)) / np.arange(1, n_bins + 1)
+    k = int(np.nonzero(levels >= sl)[0][-1]) + 1  # fill the k lightest bins up to the level
+    bounds = np.cumsum(np.maximum(0.0, levels[k - 1] - sl))
     mid = np.cumsum(weights) - weights / 2.0
     pos = np.minimum(np.searchsorted(bounds, mid, side="right"), n_bins - 1)
     return by_load[pos]
+
+
+def group_indices(labels: np.ndarray, n_groups: int) -> List[np.ndarray]:
+    """Indices of each label 0..n_groups-1, in increasing index order."""
+    order = np.argsort(labels, kind="stable")
+    counts = np.bincount(labels, minlength=n_groups)
+    return np.split(order, np.cumsum(counts)[:-1])
 
 
 def serpentine(n_items: int, n_bins: int) -> np.ndarray:
@@ -233,41 +247,67 @@ def split_to_cap(ids: Sequence[int], lengths: Sequence[int], cap: int) -> List[L
     return bins
 
 
-def windowed_first_fit(lengths: Sequence[int], capacity: int, window: int = 8,
-                       oversize_alone: bool = False) -> List[List[int]]:
-    """Indices of `lengths` packed in data order, first fit among the `window` most recently
-    opened packs (a streaming data loader's packer: it cannot hold every pack open, but
-    unlike next-fit it back-fills, so waste gathers in the last packs of the step).
+def lookahead_pack(lengths: Sequence[int], capacity: int, max_skips: int = 16) -> np.ndarray:
+    """Fixed-length packing in data order, as a streaming data loader packs: the pack index of
+    every item.
 
-    An item over `capacity` is an error, or with `oversize_alone` a full pack of its own.
+    A pack takes the next items while they fit; an item that does not fit is set aside and
+    the pack goes on with the items after it (up to `max_skips` times, or until no item of
+    the step could fit, then it closes). The items set aside then go, in data order, into
+    the first pack with room (first fit), opening new packs at the end if none has, so the
+    waste gathers in the last packs as with first fit. An item over `capacity` is a pack of
+    its own. Runs of items are found by bisection on prefix sums and the first fit scans in
+    numpy, so the Python work is per pack and per item set aside, not per item.
     """
-    packs: List[List[int]] = []
+    lens = np.asarray(lengths, dtype=np.int64)
+    n = len(lens)
+    prefix = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    pack_of = np.empty(n, dtype=np.int64)
+    smallest = int(lens.min()) if n else 0  # a pack with less room than this is full
+    set_aside: List[int] = []
     free: List[int] = []
-    lo = 0  # packs before lo are closed
-    for i, n in enumerate(lengths):
-        if n > capacity:
-            if not oversize_alone:
-                raise ValueError(f"item {i} has {n} tokens, more than the pack capacity {capacity}")
-            packs.append([i])
-            free.append(0)
-            lo = max(lo, len(packs) - window)
-            continue
-        for b in range(lo, len(packs)):
-            if free[b] >= n:
-                packs[b].append(i)
-                free[b] -= n
+    i = 0
+    while i < n:
+        k, room, skips, start = len(free), capacity, 0, i
+        while i < n:
+            e = bisect.bisect_right(prefix, prefix[i] + room, lo=i) - 1  # items i..e-1 fit
+            if e > i:
+                pack_of[i:e] = k
+                room -= prefix[e] - prefix[i]
+                i = e
+            elif i == start:  # over capacity: a pack of its own
+                pack_of[i] = k
+                room = 0
+                i += 1
                 break
-        else:
-            packs.append([i])
-            free.append(capacity - n)
-            lo = max(lo, len(packs) - window)
-    return packs
+            if i >= n or skips == max_skips or room < smallest:
+                break
+            set_aside.append(i)
+            i += 1
+            skips += 1
+        free.append(room)
+    if set_aside:
+        room_left = np.zeros(len(free) + len(set_aside), dtype=np.int64)
+        room_left[:len(free)] = free
+        n_packs = len(free)
+        for i in set_aside:
+            k = int(np.argmax(room_left[:n_packs] >= lens[i]))
+            if room_left[k] < lens[i]:
+                k = n_packs
+                n_packs += 1
+                room_left[k] = max(capacity, lens[i])
+            pack_of[i] = k
+            room_left[k] -= lens[i]
+    return pack_of
 
 
 # --------------------------------------------------------------------------- modes and memory
-# Per-document sharding costs O(documents x 2g) to evaluate per member. Past this many
-# document-members it is neither evaluated nor chosen by pick_ring_mode (its query chunks
-# would be tiny anyway), which keeps planning within its time budget.
+# Per-document sharding costs O(documents x 2g) to evaluate per member, and the comparison
+# runs for every micro-batch of a step. Packs with more documents than this (or more
+# document-members) are not evaluated for it and take zigzag (per-document only if zigzag
+# does not fit): many documents per pack means short ones, whose per-document query chunks
+# would be tiny and slow anyway.
+PER_DOC_MAX_DOCS = 8
 PER_DOC_EVAL_BUDGET = 2048
 
 
@@ -315,13 +355,13 @@ def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[
     Of the modes that fit, the one the cost model predicts faster (CostModel.best_ring_mode's
     comparison, on sampled members of large groups; locals add the same work under either
     mode and are left out of the comparison). Per-document sharding of packs too large to
-    evaluate (PER_DOC_EVAL_BUDGET) is only taken when zigzag does not fit. Raises ValueError
+    evaluate (PER_DOC_MAX_DOCS, PER_DOC_EVAL_BUDGET) is only taken when zigzag does not fit. Raises ValueError
     if neither mode fits.
     """
     memo = memo or cost_memo(cost)
     g = len(ranks)
     zz_fits = group_fits(ShardMode.RING_ZIGZAG, doc_lengths, g, cap, memo, local_tokens)
-    per_doc_cheap = len(doc_lengths) * g <= PER_DOC_EVAL_BUDGET
+    per_doc_cheap = len(doc_lengths) <= PER_DOC_MAX_DOCS and len(doc_lengths) * g <= PER_DOC_EVAL_BUDGET
     if len(doc_lengths) == 1 and zz_fits:  # one document: both modes are the same split
         return ShardMode.RING_PER_DOC
     pd_fits = ((per_doc_cheap or not zz_fits)

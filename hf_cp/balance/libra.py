@@ -1,25 +1,25 @@
 """`libra` (Libra's VRSP, survey section 2.1): LPT placement of packed sequences over bounded pools.
 
 Libra leaves the packing alone: the step's samples are packed to a fixed length in data
-order (here first fit among the last 8 open packs, common.windowed_first_fit, to N ranks x cap tokens, N one CP size: by default the smallest
+order (common.lookahead_pack, a streaming packer with first fit's property that the waste
+gathers in the last packs; to N ranks x cap tokens, N one CP size: by default the smallest
 registered group holding the step's longest sample, `cp_scope="dataset"` the dataset's), and
 no packed sequence is ever split, merged or repacked. What it changes is *where* each
 packed sequence runs:
 
-* Bounded pools. `pool_size` (P, default 8) neighbouring DP replicas form a pool location;
-  the world holds W/(N P) locations, and growing the world adds locations, never widens a
-  pool (Libra's weak-scaling argument: the balancing domain stays inside a locality domain).
-* VRSP. The step's D packed sequences fill pools of at most P sequences each: heaviest
-  first (predicted compute, CostModel.sample_local_ms summed over the pack) onto the
-  currently lightest pool that is not yet full. There are ceil(D/P) pools rounded up to a
-  multiple of the number of locations, so that every location runs the same number of
-  pools (with one pool too many, one location would run a whole extra round).
-* Pools are then dealt to locations heaviest first in serpentine order, each location
-  running its pools one after another (one pool per wave), and inside a pool each sequence goes to one of the
-  location's P replicas, heaviest sequence to the least loaded replica. A pool's sequences
-  always run together, on one location, in one wave. (Libra balances what remains inside a
-  pool with tile-level attention placement, TAP, which moves computation rather than data;
-  that needs a block-placement executor hf_cp does not have yet.)
+* Bounded pools. `pool_size` (P, default 8) neighbouring DP replicas form a pool; the world
+  holds W/(N P) pools, and growing the world adds pools, never widens one (Libra's
+  weak-scaling argument: the balancing domain stays inside a locality domain). A step runs
+  k = ceil(D / replicas) rounds of micro-batches, so a pool holds at most P k packed
+  sequences (Libra's window of P sequences per pool, over the step's k rounds).
+* VRSP. The step's D packed sequences, heaviest first (predicted compute,
+  CostModel.sample_local_ms summed over the pack), go onto the currently lightest pool that
+  is not yet full; a full pool leaves the candidates.
+* Inside a pool each sequence goes, heaviest first, to the least loaded of the pool's P
+  replicas that runs fewer than k sequences, and every replica runs its sequences in that
+  order, one per wave. Sequences never leave their pool. (Libra balances what remains
+  inside a pool with tile-level attention placement, TAP, which moves computation rather
+  than data; that needs a block-placement executor hf_cp does not have yet.)
 Each packed sequence on N > 1 ranks takes zigzag or per-document sharding, whichever the
 cost model predicts faster and fits (common.pick_ring_mode).
 """
@@ -35,7 +35,7 @@ from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .common import (WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, pick_ring_mode, serpentine, windowed_first_fit)
+                     fixed_cp_size, group_indices, lookahead_pack, pick_ring_mode)
 
 
 @dataclass
@@ -43,26 +43,26 @@ class PoolLayout:
     """How VRSP laid out one step (indices refer to the request's samples)."""
 
     cp_size: int
-    pool_size: int  # replicas per pool location
+    pool_size: int  # replicas per pool; pool i holds replicas i*pool_size ... (i+1)*pool_size-1
+    rounds: int  # micro-batches per replica at most
     packs: List[List[int]]  # fixed-length packs, data order
     pack_work: List[float]
     pools: List[List[int]]  # pack indices per pool
-    location: List[int]  # pool -> location index
     replica_of_pack: List[int]  # pack -> replica (DP index)
-    wave_of_pool: List[int]  # pool -> its position in its location's sequence
+    slot_of_pack: List[int]  # pack -> its position in its replica's sequence (its wave)
 
 
-def vrsp(work: np.ndarray, pool_size: int, n_pools: int) -> List[List[int]]:
-    """Survey's VRSP: heaviest first into the lightest of `n_pools` pools not yet holding
-    `pool_size` items."""
-    if n_pools * pool_size < len(work):
-        raise ValueError(f"{len(work)} packed sequences do not fit {n_pools} pools of {pool_size}")
+def vrsp(work: np.ndarray, n_pools: int, pool_capacity: int) -> List[List[int]]:
+    """Survey's VRSP: heaviest first onto the lightest of `n_pools` pools holding fewer than
+    `pool_capacity` items; ties go to the lower pool."""
+    if n_pools * pool_capacity < len(work):
+        raise ValueError(f"{len(work)} packed sequences do not fit {n_pools} pools of {pool_capacity}")
     heap = [(0.0, p) for p in range(n_pools)]
     pools: List[List[int]] = [[] for _ in range(n_pools)]
     for i in descending_order(work).tolist():
         load, p = heapq.heappop(heap)
         pools[p].append(i)
-        if len(pools[p]) < pool_size:
+        if len(pools[p]) < pool_capacity:
             heapq.heappush(heap, (load + float(work[i]), p))
     return pools
 
@@ -84,51 +84,46 @@ class LibraBalancer:
         N = fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)
         dp = cl.world_size // N
         P = min(self.pool_size, dp)
-        n_loc = dp // P
         memo = cost_memo(req.cost)
         lens = np.asarray(req.lengths, dtype=np.int64)
         # a pack this size always fits zigzag-split; a longer sample (odd cap) is a pack of its own
-        packs = windowed_first_fit(req.lengths, N * even_cap(cl.max_tokens_per_rank, N), oversize_alone=True)
-        work_per_sample = memo.local_ms_array(lens)
-        pack_of = np.empty(len(lens), dtype=np.int64)
-        for k, p in enumerate(packs):
-            pack_of[p] = k
-        pack_work = np.bincount(pack_of, weights=work_per_sample, minlength=len(packs))
-        rounds = -(-len(packs) // (P * n_loc))
-        pools = vrsp(pack_work, P, rounds * n_loc)
-        pool_work = np.asarray([pack_work[p].sum() for p in pools])
-        location = np.empty(len(pools), dtype=np.int64)
-        location[descending_order(pool_work)] = serpentine(len(pools), n_loc)
-        replica_load = np.zeros(dp)
-        replica_of_pack = [0] * len(packs)
-        wave_of_pool = [0] * len(pools)
-        seen = [0] * n_loc
-        for p in descending_order(pool_work).tolist():  # each location runs its heaviest pools first
-            loc = int(location[p])
-            wave_of_pool[p] = seen[loc]
-            seen[loc] += 1
-            reps = loc * P + np.argsort(replica_load[loc * P:(loc + 1) * P], kind="stable")
-            for r, k in zip(reps.tolist(), sorted(pools[p], key=lambda k: (-pack_work[k], k))):
+        pack_of = lookahead_pack(lens, N * even_cap(cl.max_tokens_per_rank, N))
+        n_packs = int(pack_of.max()) + 1
+        packs = [p.tolist() for p in group_indices(pack_of, n_packs)]
+        pack_work = np.bincount(pack_of, weights=memo.local_ms_array(lens), minlength=n_packs)
+        rounds = -(-n_packs // dp)
+        pools = vrsp(pack_work, dp // P, P * rounds)
+        replica_of_pack = [0] * n_packs
+        slot_of_pack = [0] * n_packs
+        for p, pool in enumerate(pools):
+            # inside the pool: LPT over its replicas, each taking at most `rounds` sequences
+            heap = [(0.0, p * P + r) for r in range(P)]
+            taken = {}
+            for k in sorted(pool, key=lambda k: (-pack_work[k], k)):
+                load, r = heapq.heappop(heap)
                 replica_of_pack[k] = r
-                replica_load[r] += pack_work[k]
-        return PoolLayout(cp_size=N, pool_size=P, packs=packs, pack_work=pack_work.tolist(), pools=pools,
-                          location=location.tolist(), replica_of_pack=replica_of_pack, wave_of_pool=wave_of_pool)
+                slot_of_pack[k] = taken.get(r, 0)
+                taken[r] = slot_of_pack[k] + 1
+                if taken[r] < rounds:
+                    heapq.heappush(heap, (load + float(pack_work[k]), r))
+        return PoolLayout(cp_size=N, pool_size=P, rounds=rounds, packs=packs, pack_work=pack_work.tolist(),
+                          pools=pools, replica_of_pack=replica_of_pack, slot_of_pack=slot_of_pack)
 
     def plan(self, req: PlanRequest) -> StepPlan:
         lay = self.layout(req)
         N, cap = lay.cp_size, req.cluster.max_tokens_per_rank
         memo = cost_memo(req.cost)
         builder = WaveBuilder(req.cluster.world_size)
-        order = sorted(range(len(lay.pools)), key=lambda p: (lay.wave_of_pool[p], lay.location[p]))
-        for p in order:
-            for k in sorted(lay.pools[p], key=lambda k: lay.replica_of_pack[k]):
-                ranks = block_ranks(lay.replica_of_pack[k], N)
-                ids = [req.sample_ids[i] for i in lay.packs[k]]
-                if N == 1:
-                    builder.add(Group(ranks=ranks, local={ranks[0]: ids}), at_least=lay.wave_of_pool[p])
-                else:
-                    mode = pick_ring_mode(req.cost, [req.lengths[i] for i in lay.packs[k]], ranks, cap, memo=memo)
-                    builder.add(Group(ranks=ranks, distributed=ids, mode=mode), at_least=lay.wave_of_pool[p])
+        ids = np.asarray(req.sample_ids, dtype=np.int64)
+        lens = np.asarray(req.lengths, dtype=np.int64)
+        for k in sorted(range(len(lay.packs)), key=lambda k: (lay.slot_of_pack[k], lay.replica_of_pack[k])):
+            ranks = block_ranks(lay.replica_of_pack[k], N)
+            pack_ids = ids[lay.packs[k]].tolist()
+            if N == 1:
+                builder.add(Group(ranks=ranks, local={ranks[0]: pack_ids}))
+            else:
+                mode = pick_ring_mode(req.cost, lens[lay.packs[k]].tolist(), ranks, cap, memo=memo)
+                builder.add(Group(ranks=ranks, distributed=pack_ids, mode=mode))
         plan = req.empty_plan(self.name)
         plan.waves = builder.build()
         return plan

@@ -37,7 +37,7 @@ from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
 from .common import (CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
-                     even_cap, fixed_cp_size, lpt_assign,
+                     even_cap, fixed_cp_size, group_indices, lpt_assign,
                      pick_ring_mode, serpentine, split_to_cap)
 
 
@@ -63,66 +63,61 @@ class Dacp:
     def __init__(self, memo: CostMemo, n_members: int, cap: int):
         self.memo, self.n, self.cap = memo, n_members, cap
 
-    def classify(self, lens: Sequence[int], costs: Sequence[float]):
-        """Survey pseudo-code. Returns (member of each local item or -1 if distributed), or
+    def classify(self, lens: Sequence[int], costs: Sequence[float]) -> Optional[List[int]]:
+        """Survey pseudo-code. Returns the member of each local item or -1 if distributed, or
         None when the micro-batch cannot be fitted."""
         N, memo = self.n, self.memo
-        rb = np.full(N, self.cap, dtype=np.int64)  # remaining budget (tokens)
-        load = np.zeros(N, dtype=np.float64)
+        rb = [self.cap] * N  # remaining budget (tokens)
+        load = [0.0] * N
         where = [-2] * len(lens)  # -2: not placed yet, -1: distributed, else member
-        on: List[List[int]] = [[] for _ in range(N)]  # local items per member, in placement order
-        heap = [(0.0, m) for m in range(N)]  # (load, member), lazily updated
+        on: List[List[int]] = [[] for _ in range(N)]  # local items per member
+        heap = [(0.0, m) for m in range(N)]  # (load, member); entries go stale when load changes
 
         def put_local(i: int, t: int) -> None:
             where[i] = t
             on[t].append(i)
             rb[t] -= lens[i]
             load[t] += costs[i]
-            heapq.heappush(heap, (float(load[t]), t))
+            heapq.heappush(heap, (load[t], t))
 
-        def argmin_load() -> int:
-            while True:
-                l, t = heap[0]
-                if l == load[t]:
-                    return t
-                heapq.heappop(heap)
+        def put_distributed(i: int) -> bool:
+            share = memo.per_doc_member_tokens(lens[i], N)
+            if any(r < s for r, s in zip(rb, share)):
+                return False
+            where[i] = -1
+            c = memo.doc_on_group_ms(lens[i], N)
+            for m in range(N):
+                rb[m] -= share[m]
+                load[m] += c
+            heap[:] = [(l, m) for m, l in enumerate(load)]
+            heapq.heapify(heap)
+            return True
 
-        order = sorted(range(len(lens)), key=lambda i: (lens[i], i))
-        for i in order:
+        for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):  # short sequences first
             n = lens[i]
             while True:
-                t = argmin_load()  # principle 2: least compute first
+                while heap[0][0] != load[heap[0][1]]:
+                    heapq.heappop(heap)
+                t = heap[0][1]  # principle 2: the member with the least compute
                 if rb[t] >= n:
                     put_local(i, t)
                     break
-                t = int(np.argmax(rb))  # principle 1: avoid splitting while any member has room
+                t = max(range(N), key=lambda m: (rb[m], -m))  # principle 1: the most free memory
                 if rb[t] >= n:
                     put_local(i, t)
                     break
-                share = np.asarray(memo.per_doc_member_tokens(n, N))
-                if np.all(rb >= share):
-                    where[i] = -1
-                    rb -= share
-                    load += memo.doc_on_group_ms(n, N)
-                    heap = [(float(l), m) for m, l in enumerate(load.tolist())]
-                    heapq.heapify(heap)
+                if put_distributed(i):
                     break
                 # principle 3: roll back the largest local of the fullest member, then retry
-                t = int(np.argmin(rb))
+                t = min(range(N), key=lambda m: (rb[m], m))
                 if not on[t]:
                     return None
                 j = max(on[t], key=lambda k: (lens[k], k))
-                share_j = np.asarray(memo.per_doc_member_tokens(lens[j], N))
                 on[t].remove(j)
                 rb[t] += lens[j]
                 load[t] -= costs[j]
-                if not np.all(rb >= share_j):
+                if not put_distributed(j):
                     return None
-                where[j] = -1
-                rb -= share_j
-                load += memo.doc_on_group_ms(lens[j], N)
-                heap = [(float(l), m) for m, l in enumerate(load.tolist())]
-                heapq.heapify(heap)
         return where
 
     def balance_locals(self, lens: Sequence[int], costs: Sequence[float], where: List[int]) -> List[int]:
@@ -182,8 +177,7 @@ class SkrullBalancer:
         budget = max(int(lens.max()), int(N * even_cap(cap, N) * self.fill)) if N > 1 else cap
         dacp = Dacp(memo, N, cap)
         builder = WaveBuilder(cl.world_size)
-        for d in range(dp):
-            mine = np.nonzero(replica == d)[0]
+        for d, mine in enumerate(group_indices(replica, dp)):
             if not len(mine):
                 continue
             ranks = block_ranks(d, N)

@@ -36,7 +36,7 @@ from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .common import (WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, pick_ring_mode, serpentine, water_fill)
+                     fixed_cp_size, group_indices, pick_ring_mode, serpentine, split_exact_tail, water_fill)
 
 
 def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity: int,
@@ -45,11 +45,10 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity
 
     `first` items (the outlier queue) go one per bin, bin i for the i-th, before the rest;
     they may exceed `capacity` (a document alone always fits its group in per-document
-    sharding), and such a bin takes nothing else.
-    The rest, longest first, onto the least-workload bin, else the bin with the fewest
-    tokens. Only the `exact_items` longest (default 8 per bin) go through the heaps; the
-    short tail is dealt in one vectorised water-filling pass on workload, kept when it
-    respects every bin's capacity (else the heaps place the tail too).
+    sharding), and such a bin takes nothing else. The rest, longest first, onto the bin
+    with the least workload, else the bin with the fewest tokens. For speed the light tail
+    (common.split_exact_tail, or past `exact_items`) is water-filled on workload in one pass
+    (common.water_fill) when that respects every capacity, else placed one by one too.
     """
     n = len(lengths)
     bins = np.full(n, -1, dtype=np.int64)
@@ -64,7 +63,8 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity
         tokens[b] += lengths[i]
     rest = np.nonzero(bins < 0)[0]
     rest = rest[np.argsort(-lengths[rest], kind="stable")]
-    k = min(len(rest), 8 * n_bins if exact_items is None else exact_items)
+    k = (split_exact_tail(work[rest][descending_order(work[rest])], n_bins, float(work.sum()), 2 * n_bins)
+         if exact_items is None else min(len(rest), exact_items))
 
     def place(items) -> bool:
         by_work = [(float(load[b]), b) for b in range(n_bins)]
@@ -97,6 +97,8 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity
         return None
     tail = rest[k:]
     if len(tail):
+        # the tail, longest first, water-filled on workload; kept if it respects every bin's
+        # capacity, else the heaps place it one by one
         tail_bins = water_fill(work[tail], load)
         new_tokens = tokens + np.bincount(tail_bins, weights=lengths[tail], minlength=n_bins).astype(np.int64)
         if new_tokens.max() <= capacity:
@@ -110,8 +112,12 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity
 class WlbBalancer:
     name = "wlb"
 
-    def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, cp_scope: str = "step"):
+    def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, fill: float = 0.95,
+                 cp_scope: str = "step"):
         check_cp_options(cp_size, cp_scope, self.name)
+        if not 0 < fill <= 1:
+            raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
+        self.fill = fill
         if not 0 < outlier_fraction <= 1:
             raise ValueError(f"wlb: outlier_fraction {outlier_fraction} must be in (0, 1]")
         self.cp_size = cp_size
@@ -130,7 +136,9 @@ class WlbBalancer:
         lens = np.asarray(req.lengths, dtype=np.int64)
         work = memo.local_ms_array(lens)
         outliers = np.nonzero(lens >= self.outlier_fraction * window)[0].tolist()  # FIFO: data order
-        rounds = max(-(-int(lens.sum()) // (dp * window)), -(-len(outliers) // dp), 1)
+        # as few rounds of micro-batches as memory allows, at `fill` of it: a greedy cannot
+        # pack every micro-batch to the last token, and a failed try costs a whole pass
+        rounds = max(int(np.ceil(int(lens.sum()) / (dp * window * self.fill))), -(-len(outliers) // dp), 1)
         while True:
             bins = workload_greedy(lens, work, dp * rounds, window, first=outliers)
             if bins is not None:
@@ -140,13 +148,11 @@ class WlbBalancer:
         mb_work = np.bincount(bins, weights=work, minlength=n_mb)
         order = descending_order(mb_work)
         replica = serpentine(n_mb, dp)
-        members = [[] for _ in range(n_mb)]
-        for i in np.argsort(bins, kind="stable").tolist():
-            members[bins[i]].append(i)
+        members = group_indices(bins, n_mb)
         builder = WaveBuilder(cl.world_size)
         for pos, b in enumerate(order.tolist()):
             items = members[b]
-            if not items:
+            if not len(items):
                 continue
             ranks = block_ranks(int(replica[pos]), N)
             mb_ids = ids[items].tolist()
