@@ -87,23 +87,34 @@ def cost_memo(cost: CostModel) -> CostMemo:
 
 
 # --------------------------------------------------------------------------- parallel config
-CP_SCOPES = ("step", "dataset")
+CP_SCOPES = ("balanced", "step", "dataset")
 
 
-def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, scope: str = "step") -> int:
+def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, scope: str = "balanced") -> int:
     """The one CP size of a step's plan.
 
     `cp_size` if given (checked against the cluster and the step's samples). Otherwise the
     smallest registered group whose combined cap holds the longest sample: of the step
     (scope "step": every group is pre-built, so the size may change between steps at no
     cost) or of the whole dataset (scope "dataset": one size for the run, as `static`).
+    Scope "balanced" goes on doubling the step's size while the longest sample alone on
+    such a group would still outlast the mean rank's share of the step's work (its
+    predicted time, CostModel.distributed_rank_cost, against the sum of
+    CostModel.sample_local_ms over the world): a sample that long is the straggler
+    whatever else is balanced.
     """
     cl = req.cluster
     if scope not in CP_SCOPES:
         raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
     if cp_size is None:
-        longest = max(req.lengths) if scope == "step" else max(req.dataset_max_length or 0, max(req.lengths))
-        return cl.smallest_group_for(longest)
+        longest = max(req.lengths) if scope != "dataset" else max(req.dataset_max_length or 0, max(req.lengths))
+        g = cl.smallest_group_for(longest)
+        if scope == "balanced":
+            memo = cost_memo(req.cost)
+            mean_rank_ms = float(memo.local_ms_array(np.asarray(req.lengths, dtype=np.int64)).sum()) / cl.world_size
+            while g < cl.group_sizes[-1] and memo.doc_on_group_ms(longest, g) > mean_rank_ms:
+                g *= 2
+        return g
     if cp_size not in cl.group_sizes:
         raise ValueError(f"{balancer}: cp_size {cp_size} is not a registered group size {cl.group_sizes}")
     i = int(np.argmax(req.lengths))
@@ -113,11 +124,11 @@ def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, sco
     return cp_size
 
 
-def check_cp_options(cp_size: Optional[int], scope: str, balancer: str) -> None:
+def check_cp_options(cp_size: Optional[int], scope: str, balancer: str, scopes: Tuple[str, ...] = CP_SCOPES) -> None:
     if cp_size is not None and (not isinstance(cp_size, int) or cp_size <= 0 or cp_size & (cp_size - 1)):
         raise ValueError(f"{balancer}: cp_size {cp_size!r} must be a power of two")
-    if scope not in CP_SCOPES:
-        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
+    if scope not in scopes:
+        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {scopes}")
 
 
 # --------------------------------------------------------------------------- LPT
@@ -303,12 +314,15 @@ def lookahead_pack(lengths: Sequence[int], capacity: int, max_skips: int = 16) -
 
 # --------------------------------------------------------------------------- modes and memory
 # Per-document sharding costs O(documents x 2g) to evaluate per member, and the comparison
-# runs for every micro-batch of a step. Packs with more documents than this (or more
-# document-members) are not evaluated for it and take zigzag (per-document only if zigzag
-# does not fit): many documents per pack means short ones, whose per-document query chunks
-# would be tiny and slow anyway.
+# runs for every micro-batch of a step. Up to PER_DOC_MAX_DOCS documents (and
+# PER_DOC_EVAL_BUDGET document-members) it is evaluated exactly; up to PER_DOC_SUM_DOCS
+# documents by the sum of every document's time alone on the group (cached per length:
+# exact for compute, an over-estimate of unhidden communication); past that zigzag is taken
+# (per-document only if zigzag does not fit): so many documents in one pack are short ones,
+# whose per-document query chunks would be tiny and slow anyway.
 PER_DOC_MAX_DOCS = 8
 PER_DOC_EVAL_BUDGET = 2048
+PER_DOC_SUM_DOCS = 64
 
 
 def sampled_members(group_size: int) -> List[int]:
@@ -354,27 +368,30 @@ def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[
 
     Of the modes that fit, the one the cost model predicts faster (CostModel.best_ring_mode's
     comparison, on sampled members of large groups; locals add the same work under either
-    mode and are left out of the comparison). Per-document sharding of packs too large to
-    evaluate (PER_DOC_MAX_DOCS, PER_DOC_EVAL_BUDGET) is only taken when zigzag does not fit. Raises ValueError
-    if neither mode fits.
+    mode and are left out). Large packs are compared more cheaply or not at all, see
+    PER_DOC_MAX_DOCS. Raises ValueError if neither mode fits.
     """
     memo = memo or cost_memo(cost)
     g = len(ranks)
-    zz_fits = group_fits(ShardMode.RING_ZIGZAG, doc_lengths, g, cap, memo, local_tokens)
-    per_doc_cheap = len(doc_lengths) <= PER_DOC_MAX_DOCS and len(doc_lengths) * g <= PER_DOC_EVAL_BUDGET
-    if len(doc_lengths) == 1 and zz_fits:  # one document: both modes are the same split
+    docs = list(doc_lengths)
+    zz_fits = group_fits(ShardMode.RING_ZIGZAG, docs, g, cap, memo, local_tokens)
+    if len(docs) == 1 and zz_fits:  # one document: both modes are the same split
         return ShardMode.RING_PER_DOC
-    pd_fits = ((per_doc_cheap or not zz_fits)
-               and group_fits(ShardMode.RING_PER_DOC, doc_lengths, g, cap, memo, local_tokens))
+    exact = len(docs) <= PER_DOC_MAX_DOCS and len(docs) * g <= PER_DOC_EVAL_BUDGET
+    summed = not exact and len(docs) <= PER_DOC_SUM_DOCS
+    pd_fits = (exact or summed or not zz_fits) and group_fits(ShardMode.RING_PER_DOC, docs, g, cap, memo, local_tokens)
     if not pd_fits and not zz_fits:
-        raise ValueError(f"documents {list(doc_lengths)[:8]} ({len(doc_lengths)} documents, {sum(doc_lengths)} tokens) "
+        raise ValueError(f"documents {docs[:8]} ({len(docs)} documents, {sum(docs)} tokens) "
                          f"do not fit a group of {g} ranks with cap {cap} in any ring mode")
-    if not (pd_fits and zz_fits and per_doc_cheap):
+    if not (pd_fits and zz_fits):
         return ShardMode.RING_PER_DOC if pd_fits else ShardMode.RING_ZIGZAG
-    if g <= 8:
-        return cost.best_ring_mode(doc_lengths, ranks)
-    pd = predicted_group_ms(cost, ShardMode.RING_PER_DOC, doc_lengths, ranks)
-    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, doc_lengths, ranks)
+    if exact and g <= 8:
+        return cost.best_ring_mode(docs, ranks)
+    if exact:
+        pd = predicted_group_ms(cost, ShardMode.RING_PER_DOC, docs, ranks)
+    else:
+        pd = sum(memo.doc_on_group_ms(n, g) for n in docs)
+    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
     return ShardMode.RING_PER_DOC if pd <= zz + 1e-12 else ShardMode.RING_ZIGZAG
 
 

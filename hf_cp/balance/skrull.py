@@ -1,9 +1,12 @@
 """`skrull` (Skrull, Xu et al. 2025; survey section 2.2): global data scheduling + DACP.
 
-The parallel configuration is fixed within a step, as in Skrull: one CP size N, by default
-the smallest registered group whose combined cap holds the step's longest sample
-(`cp_scope="dataset"`: the dataset's, one size for the run like `static`; `cp_size`: fixed),
-so the world is W/N data-parallel replicas of N ranks each.
+The parallel configuration is fixed within a step, as in Skrull: one CP size N, so the world
+is W/N data-parallel replicas of N ranks each. Skrull takes N from its configuration; by
+default (`cp_scope="search"`) each step plans with two sizes, the smallest registered group
+that holds the step's longest sample and the size at which that sample stops being the
+straggler (common.fixed_cp_size, scope "balanced"), and keeps the plan its own load
+estimates (the DACP member loads below) predict faster. `cp_size` fixes N; `cp_scope`
+"step", "balanced" or "dataset" picks one size as common.fixed_cp_size does.
 
 1. GDS, across replicas: bin packing of the step's samples on predicted compute
    (CostModel.sample_local_ms, Skrull's FLOPs proxy), heaviest first onto the lightest
@@ -18,6 +21,12 @@ so the world is W/N data-parallel replicas of N ranks each.
    distributed (per-document sharding, every member takes its share); if even that does
    not fit, roll back: turn the largest local sequence of the member with the least free
    memory into a distributed one (principle 3) and place the sequence again.
+   Extension (`split_stragglers`, default on; off gives the pseudo-code as written): DACP
+   splits only when memory forces it, so a sequence whose compute alone exceeds the
+   micro-batch's mean member load would stay local and be the straggler whatever else is
+   balanced. DACP is therefore also run with such sequences made distributed before the
+   others are placed (principle 2, balance compute, taking precedence), and the
+   classification whose slowest member is predicted faster is kept.
    Ascending order decides *which* sequences stay local; the locals are then re-placed
    heaviest first onto the least loaded member with room (LPT), which balances the same
    classification better (kept only when it fits, else DACP's own placement stays).
@@ -36,7 +45,7 @@ from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
-from .common import (CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
+from .common import (CP_SCOPES, CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
                      even_cap, fixed_cp_size, group_indices, lpt_assign,
                      pick_ring_mode, serpentine, split_to_cap)
 
@@ -63,9 +72,11 @@ class Dacp:
     def __init__(self, memo: CostMemo, n_members: int, cap: int):
         self.memo, self.n, self.cap = memo, n_members, cap
 
-    def classify(self, lens: Sequence[int], costs: Sequence[float]) -> Optional[List[int]]:
+    def classify(self, lens: Sequence[int], costs: Sequence[float],
+                 split_first: Sequence[int] = ()) -> Optional[List[int]]:
         """Survey pseudo-code. Returns the member of each local item or -1 if distributed, or
-        None when the micro-batch cannot be fitted."""
+        None when the micro-batch cannot be fitted. Items of `split_first` are made
+        distributed before anything is placed (when their shares fit)."""
         N, memo = self.n, self.memo
         rb = [self.cap] * N  # remaining budget (tokens)
         load = [0.0] * N
@@ -93,7 +104,11 @@ class Dacp:
             heapq.heapify(heap)
             return True
 
+        for i in split_first:
+            put_distributed(i)
         for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):  # short sequences first
+            if where[i] != -2:
+                continue
             n = lens[i]
             while True:
                 while heap[0][0] != load[heap[0][1]]:
@@ -119,6 +134,17 @@ class Dacp:
                 if not put_distributed(j):
                     return None
         return where
+
+    def member_loads(self, lens: Sequence[int], costs: Sequence[float], where: Sequence[int]) -> List[float]:
+        """Predicted compute of every member: its locals plus its share of the distributed."""
+        load = [0.0] * self.n
+        dist = 0.0
+        for i, m in enumerate(where):
+            if m >= 0:
+                load[m] += costs[i]
+            else:
+                dist += self.memo.doc_on_group_ms(lens[i], self.n)
+        return [l + dist for l in load]
 
     def balance_locals(self, lens: Sequence[int], costs: Sequence[float], where: List[int]) -> List[int]:
         """Re-place DACP's locals heaviest first on the least loaded member with room."""
@@ -156,8 +182,10 @@ class Dacp:
 class SkrullBalancer:
     name = "skrull"
 
-    def __init__(self, cp_size: Optional[int] = None, fill: float = 0.9, cp_scope: str = "step"):
-        check_cp_options(cp_size, cp_scope, self.name)
+    def __init__(self, cp_size: Optional[int] = None, fill: float = 0.9, cp_scope: str = "search",
+                 split_stragglers: bool = True):
+        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
+        self.split_stragglers = split_stragglers
         if not 0 < fill <= 1:
             raise ValueError(f"skrull: fill {fill} must be in (0, 1]")
         self.cp_size = cp_size
@@ -165,8 +193,25 @@ class SkrullBalancer:
         self.fill = fill
 
     def plan(self, req: PlanRequest) -> StepPlan:
+        if self.cp_size is None and self.cp_scope == "search":
+            # Skrull's CP size is a configuration knob; here each step tries the smallest size
+            # that holds its longest sample and the size at which that sample stops being the
+            # straggler, and keeps the one its own load estimates predict faster
+            sizes = sorted({fixed_cp_size(req, None, self.name, "step"),
+                            fixed_cp_size(req, None, self.name, "balanced")})
+        else:
+            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        best = min((self._plan_groups(req, N) for N in sizes), key=lambda r: r[0])
+        plan = req.empty_plan(self.name)
+        builder = WaveBuilder(req.cluster.world_size)
+        for group in best[1]:
+            builder.add(group)
+        plan.waves = builder.build()
+        return plan
+
+    def _plan_groups(self, req: PlanRequest, N: int) -> Tuple[float, List[Group]]:
+        """(estimated step time, groups in execution order) of a plan with CP size N."""
         cl = req.cluster
-        N = fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
         memo = cost_memo(req.cost)
@@ -176,34 +221,52 @@ class SkrullBalancer:
         replica, _ = lpt_assign(flops, dp)
         budget = max(int(lens.max()), int(N * even_cap(cap, N) * self.fill)) if N > 1 else cap
         dacp = Dacp(memo, N, cap)
-        builder = WaveBuilder(cl.world_size)
+        groups: List[Group] = []
+        makespan = 0.0
         for d, mine in enumerate(group_indices(replica, dp)):
             if not len(mine):
                 continue
             ranks = block_ranks(d, N)
             todo = [mine[mb] for mb in interleave_micro_batches(lens[mine], flops[mine], budget)]
+            replica_ms = 0.0
             while todo:
                 mb = todo.pop(0)
-                group = self._micro_batch(req, dacp, ranks, ids[mb].tolist(), lens[mb].tolist(),
-                                          flops[mb].tolist(), cap)
-                if group is None:  # did not fit: plan each half on its own
+                made = self._micro_batch(req, dacp, ranks, ids[mb].tolist(), lens[mb].tolist(),
+                                         flops[mb].tolist(), cap)
+                if made is None:  # did not fit: plan each half on its own
                     todo[:0] = [mb[serpentine(len(mb), 2) == 0], mb[serpentine(len(mb), 2) == 1]]
                     continue
-                builder.add(group)
-        plan = req.empty_plan(self.name)
-        plan.waves = builder.build()
-        return plan
+                group, ms = made
+                groups.append(group)
+                replica_ms += ms + memo.overhead_ms
+            makespan = max(makespan, replica_ms)
+        return makespan, groups
 
-    def _micro_batch(self, req, dacp: Dacp, ranks, ids, lens, costs, cap) -> Optional[Group]:
+    def _micro_batch(self, req, dacp: Dacp, ranks, ids, lens, costs, cap) -> Optional[Tuple[Group, float]]:
+        """The micro-batch's group and its slowest member's estimated compute, or None."""
         N = len(ranks)
         if N == 1:
-            return Group(ranks=ranks, local={ranks[0]: ids})
+            return Group(ranks=ranks, local={ranks[0]: ids}), float(sum(costs))
         where = dacp.classify(lens, costs)
+        if where is not None:
+            where = dacp.balance_locals(lens, costs, where)
+        if self.split_stragglers:
+            # compute roll-back: a sequence whose local compute alone exceeds the group's mean
+            # member load would be the straggler on any member; try splitting those up front
+            # and keep whichever classification the member loads predict faster
+            mean = sum(costs) / N
+            stragglers = [i for i in range(len(lens)) if costs[i] > mean and (where is None or where[i] >= 0)]
+            if stragglers:
+                split = dacp.classify(lens, costs, stragglers)
+                if split is not None:
+                    split = dacp.balance_locals(lens, costs, split)
+                    if where is None or (max(dacp.member_loads(lens, costs, split))
+                                         < max(dacp.member_loads(lens, costs, where))):
+                        where = split
         if where is None:
             if len(ids) == 1:
                 raise AssertionError(f"skrull: sample {ids[0]} alone does not fit {N} ranks")  # PlanRequest prevents it
             return None
-        where = dacp.balance_locals(lens, costs, where)
         dist = [i for i, m in enumerate(where) if m == -1]
         local: Dict[int, List[int]] = {}
         local_lens: Dict[int, List[int]] = {}
@@ -215,4 +278,5 @@ class SkrullBalancer:
         if dist:
             local_tokens = [sum(local_lens.get(m, ())) for m in range(N)]
             mode = pick_ring_mode(req.cost, [lens[i] for i in dist], ranks, cap, local_tokens, dacp.memo)
-        return Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=mode, local=local)
+        group = Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=mode, local=local)
+        return group, max(dacp.member_loads(lens, costs, where))

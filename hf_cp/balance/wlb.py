@@ -1,9 +1,10 @@
 """`wlb` (WLB-LLM, Wang et al. 2025; survey sections 2.3 and 4.3): workload-aware packing.
 
-The parallel configuration stays fixed within a step (one CP size N, by default the smallest
-registered group that holds the step's longest sample; `cp_scope="dataset"` sizes it for the
-dataset's longest, one size for the run like `static`; `cp_size` fixes it); what changes
-is the packing:
+The parallel configuration stays fixed within a step: one CP size N, by default the smallest
+registered group that holds the step's longest sample, doubled while that sample alone would
+outlast the mean rank's work (common.fixed_cp_size, scope "balanced"; `cp_scope="step"`
+stops at the memory minimum, `"dataset"` sizes for the dataset's longest sample, one size
+for the run like `static`; `cp_size` fixes N). What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
@@ -113,7 +114,7 @@ class WlbBalancer:
     name = "wlb"
 
     def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, fill: float = 0.95,
-                 cp_scope: str = "step"):
+                 cp_scope: str = "balanced"):
         check_cp_options(cp_size, cp_scope, self.name)
         if not 0 < fill <= 1:
             raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
