@@ -183,8 +183,14 @@ class CPTrainer(Trainer):
             output.register_hook(self._cp_mark_backward_end)
 
     def _cp_mark_backward_end(self, grad):
-        self._cp_backward_end = time.perf_counter()
+        self._cp_backward_end = self._cp_now()
         return None
+
+    def _cp_now(self) -> float:
+        # GPU kernels run asynchronously: wait for them so the clock measures compute
+        if self.args.device.type == "cuda":
+            torch.cuda.synchronize(self.args.device)
+        return time.perf_counter()
 
     # ------------------------------------------------------------------ one step
     def _cp_backward(self, model, loss: torch.Tensor, last: bool) -> None:
@@ -216,7 +222,7 @@ class CPTrainer(Trainer):
         n = len(step.waves)
         for w, mb in enumerate(step.waves):
             last = w == n - 1
-            t0 = time.perf_counter()
+            t0 = self._cp_now()
             self._cp_backward_end = None
             if mb is None:
                 # no work in this wave: a zero-weight micro-batch keeps the backward count equal
@@ -237,7 +243,7 @@ class CPTrainer(Trainer):
                                            reduction="sum")
                 loss = wave_sum * scale
                 self._cp_backward(model, loss, last)
-            measured += (self._cp_backward_end or time.perf_counter()) - t0
+            measured += (self._cp_backward_end or self._cp_now()) - t0
             loss_sum += float(wave_sum.detach())
             tokens += mb.num_tokens
             total = total + loss.detach()
