@@ -147,7 +147,8 @@ def replay_plan(plan: StepPlan, stack: DecoderStack, cost: CostModel, warmup: in
     """Run every rank's micro-batches of `plan` on `stack` and compare with the cost model's prediction.
 
     `cost` is the cost model of the full model; the prediction uses it restricted to the
-    stack's layers. Identical micro-batches (common in symmetric plans) are timed once.
+    stack's layers. Identical micro-batches (common in symmetric plans) are timed once. On CPU,
+    run with the torch thread count the profile was measured with (hf-cp uses 1 on both sides).
     """
     plan.validate()
     layers = len(stack.layers)

@@ -113,7 +113,9 @@ def main(argv=None) -> int:
                           seed=args.seed, step=args.step, dataset_max_length=max(lengths))
         plans[name] = get_balancer(name).plan(req).validate(cluster)
 
-    # 3. replay every plan on this device
+    # 3. replay every plan on this device (on CPU with one thread, as the profile measured)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     stack = DecoderStack(args.model, num_layers=args.layers, device=args.device)
     replays = {name: replay_plan(plan, stack, cost, repeats=args.repeats, log=lambda s: print(s, flush=True))
                for name, plan in plans.items()}

@@ -33,13 +33,21 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..profiling import run_profile, write_profile
+    from ..profiling import ProfileError, run_profile, write_profile
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
     if args.max_tokens is not None and args.max_tokens < 256:
         raise ValueError(f"--max-tokens {args.max_tokens}: use at least 256")
-    result = run_profile(args.model, device=device, quick=args.quick, max_tokens=args.max_tokens,
-                         threads=args.threads, name=args.name)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: use at least 1")
+    try:
+        result = run_profile(args.model, device=device, quick=args.quick, max_tokens=args.max_tokens,
+                             threads=args.threads, name=args.name)
+    except ProfileError as e:
+        print(f"hf-cp profile: {e}", file=sys.stderr)
+        return 3
     parts = ["hf-cp", "profile", "--model", str(args.model), "--out", str(args.out), "--device", device]
     for flag, value in (("--max-tokens", args.max_tokens), ("--threads", args.threads), ("--name", args.name)):
         if value is not None:

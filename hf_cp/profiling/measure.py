@@ -32,7 +32,7 @@ from ..shard import doc_pairs
 from .fit import FitQuality, fit_quality, nonnegative_lstsq
 from .layers import DecoderStack, RankWork, load_hf_config
 from .shard_attention import SegmentLayout
-from .timing import synchronize, time_each
+from .timing import cpu_clock_name, synchronize, time_each
 
 # Nominal links, not measured (a single device cannot measure them).
 NOMINAL_LINKS = {
@@ -321,9 +321,9 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     if dev.type == "cpu":
         # Outside load only ever inflates a CPU time, and the minimum over more rounds converges to
         # the unloaded time: re-time the runs the fit disagrees with most, keep the faster time.
-        for _ in range(2):
+        for _ in range(3):
             rel = [abs(c1 * x[0] + c2 * x[1] + c0 - ms) / ms for x, ms in zip(X, layer_ms)]
-            worst = [i for i in sorted(range(len(rel)), key=lambda i: -rel[i]) if rel[i] > 0.1][:6]
+            worst = [i for i in sorted(range(len(rel)), key=lambda i: -rel[i]) if rel[i] > 0.1][:8]
             if not worst:
                 break
             again = time_each([layer_fns[i] for i in worst], dev, warmup=0, repeats=st.repeats)
@@ -414,7 +414,7 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
         notes={"layer_bytes_per_token": f"{layer_bytes_per_token:.0f}", "model_parameters": str(n_params),
                "attention_fit": f"t = {a:.6g} * sum(pairs/eff) + {b:.6g}",
                "layer_class": type(stack.layers[0]).__name__,
-               "retimed": str(retimed), "kernel": kernel_for(dev).name,
+               "retimed": str(retimed), "kernel": kernel_for(dev).name, "clock": cpu_clock_name(),
                "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
                        f"(other processes slow CPU timings)"},
     )

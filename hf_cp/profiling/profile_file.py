@@ -45,6 +45,7 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         f"# {len(result.layer_rows)} runs ({st.tokens}-token compositions and token counts down to {st.tokens // 8}):",
         f"# R^2 {lf.r2:.4f}, max relative error {lf.max_rel_err:.3f}, median {lf.median_rel_err:.3f}.",
         f"# Times: {'median of' if dev == 'cuda' else 'fastest of'} {st.repeats} runs"
+        + ("" if dev == "cuda" else f" ({result.notes.get('clock', 'wall time')})")
         + ("" if dev == "cuda" else f", round-robin; {result.notes.get('retimed', 0)} runs the fit disagreed with "
            f"most were re-timed and kept if faster (outside load only adds time)") + ".",
         f"# Attention alone over the same compositions: R^2 {af.r2:.4f}, max relative error {af.max_rel_err:.3f}.",

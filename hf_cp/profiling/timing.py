@@ -1,10 +1,13 @@
-"""Wall time of pieces of device work, in milliseconds.
+"""Time of pieces of device work, in milliseconds.
 
 CUDA: CUDA events around each call, median of the repeats after warm-up (events time the
-device, not the host, so launch-ahead does not hide work). CPU: perf_counter, the minimum of
-the repeats, and the cases measured round-robin: on a shared CPU other processes only ever add
-time, and a burst of outside load then hits one round of every case instead of all rounds of
-one case, so the fastest round is the best estimate of the work itself.
+device, not the host, so launch-ahead does not hide work).
+
+CPU: with one torch thread, the CPU time of this process (time.process_time), which a
+shared machine's other processes cannot inflate by taking the core away; with more threads,
+wall time (CPU time would add the threads up). Either way the minimum of the repeats, with the
+cases measured round-robin: interference (cache, memory bandwidth, descheduling) only ever
+adds time, and a burst of it then hits one round of every case instead of all rounds of one.
 """
 from __future__ import annotations
 
@@ -18,6 +21,10 @@ import torch
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cpu_clock_name() -> str:
+    return "process CPU time" if torch.get_num_threads() == 1 else "wall time"
 
 
 def _cuda_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
@@ -43,15 +50,16 @@ def time_each(fns: Sequence[Callable[[], object]], device: torch.device, warmup:
     device = torch.device(device)
     if device.type == "cuda":
         return [_cuda_ms(fn, device, warmup, repeats) for fn in fns]
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     for fn in fns:
         for _ in range(warmup):
             fn()
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
+            best[i] = min(best[i], (clock() - t0) * 1e3)
     return best
 
 
