@@ -41,13 +41,28 @@ def test_outliers_never_share_a_micro_batch(h200_cost):
 
 
 def test_workload_greedy_prefers_least_work_then_fewest_tokens():
-    # longest first: 90 -> bin 0, 60 -> bin 1, 50 -> bin 2 (empty bins, lowest index first);
-    # 45: least work is bin 0 (1.0) but it has no room; fewest tokens is bin 2 (50)
+    # 3 replicas x 1 round of 100 tokens. Longest first: 90 -> replica 0, 60 -> 1, 50 -> 2
+    # (all empty, lowest index first); 45: least work is replica 0 (1.0) but it has no room;
+    # next by work is replica 2 (3.0): it has room
     lengths = np.array([90, 60, 50, 45])
     work = np.array([1.0, 5.0, 3.0, 0.1])
-    assert workload_greedy(lengths, work, 3, 100).tolist() == [0, 1, 2, 2]
-    # with only 2 bins the 50 fits nowhere (90 + 50, 60 + 50 > 100)
-    assert workload_greedy(lengths, work, 2, 100) is None
+    assert workload_greedy(lengths, work, 3, 1, 100).tolist() == [0, 1, 2, 2]
+    # with only 2 micro-batches the 50 fits nowhere (90 + 50, 60 + 50 > 100)
+    assert workload_greedy(lengths, work, 2, 1, 100) is None
+    # 1 replica x 2 rounds: the replica's micro-batch with the fewest tokens takes each
+    assert workload_greedy(np.array([60, 50, 40]), np.ones(3), 1, 2, 100).tolist() == [0, 1, 1]
+
+
+def test_wlb_gives_a_heavy_micro_batch_fewer_companions(h200_cost):
+    # one long document dominates: the replica running it gets less of the rest
+    lengths = [15000] + [1000] * 120
+    cl = ClusterSpec(world_size=4, max_tokens_per_rank=32768)
+    req = PlanRequest(list(range(len(lengths))), lengths, cl, h200_cost)
+    plan = get_balancer("wlb", cp_size=1).plan(req)
+    per_rank = {r: [s for w in plan.waves for g in w.groups for s in g.local.get(r, [])] for r in range(4)}
+    heavy = next(r for r, ss in per_rank.items() if 0 in ss)
+    assert all(len(per_rank[heavy]) < len(ss) - 10 for r, ss in per_rank.items() if r != heavy)
+    assert simulate(plan, h200_cost).imbalance < 1.05
 
 
 def test_wlb_rejects_bad_options():

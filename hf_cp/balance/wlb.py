@@ -8,23 +8,26 @@ for the run like `static`; `cp_size` fixes N). What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
-  micro-batches as memory allows (a multiple of the W/N replicas, so every replica runs the
-  same number), documents in decreasing length, each onto the micro-batch with the least
-  predicted workload (CostModel.sample_local_ms: linear plus quadratic attention work); if
-  it has no room, onto the micro-batch with the fewest tokens; if that has none either, the
-  step gets one more round of micro-batches and is packed again.
+  micro-batches as memory allows at `fill` (the same number per replica), documents in
+  decreasing length, each onto the micro-batch with the least predicted workload
+  (CostModel.sample_local_ms: linear plus quadratic attention work); if it has no room,
+  onto the micro-batch with the fewest tokens; if that has none either, the step gets one
+  more round of micro-batches and is packed again.
 * Outlier delay queue. Documents of at least `outlier_fraction` of the window are outliers.
   WLB-LLM holds them in a FIFO queue across steps until there is one per micro-batch. A plan
   here is a pure function of one step's batch (every sample is trained in its own step), so
   the queue lives within the step: the step's outliers are queued in data order and, before
   any other document is packed, dealt one per micro-batch (the number of micro-batches is
-  raised so that no micro-batch gets two). Outliers thus never share a micro-batch and are
-  spread evenly over replicas, which is the balancing effect of the queue, without moving
-  samples between steps.
+  raised so that no micro-batch gets two), spread over the replicas first. Outliers thus
+  never share a micro-batch and are spread evenly over replicas, which is the balancing
+  effect of the queue, without moving samples between steps.
 * Per-sequence vs per-document sharding. For every micro-batch on N > 1 ranks the cost model
   predicts zigzag over the packed sequence and per-document sharding, and the faster mode
   that fits memory is kept (common.pick_ring_mode).
-Micro-batches are dealt to replicas heaviest first in serpentine order, one per wave.
+WLB-LLM balances micro-batches because in its pipeline each one synchronises the stages;
+under data parallelism what synchronises is each replica's whole step, so the greedy's
+"least workload" is the replica's (see workload_greedy). Each replica runs its micro-batches
+one per wave.
 """
 from __future__ import annotations
 
@@ -37,60 +40,78 @@ from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .common import (WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, group_indices, pick_ring_mode, serpentine, split_exact_tail, water_fill)
+                     fixed_cp_size, group_indices, pick_ring_mode, split_exact_tail, water_fill)
 
 
-def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity: int,
+def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, rounds: int, capacity: int,
                     first: Optional[List[int]] = None, exact_items: Optional[int] = None) -> Optional[np.ndarray]:
-    """WLB-LLM's packing greedy. Returns the bin of every item, or None if some item fits nowhere.
+    """WLB-LLM's packing greedy over `n_replicas` x `rounds` micro-batches of `capacity` tokens.
 
-    `first` items (the outlier queue) go one per bin, bin i for the i-th, before the rest;
-    they may exceed `capacity` (a document alone always fits its group in per-document
-    sharding), and such a bin takes nothing else. The rest, longest first, onto the bin
-    with the least workload, else the bin with the fewest tokens. For speed the light tail
-    (common.split_exact_tail, or past `exact_items`) is water-filled on workload in one pass
-    (common.water_fill) when that respects every capacity, else placed one by one too.
+    Returns every item's micro-batch (replica * rounds + slot), or None if an item fits
+    nowhere. What must come out equal is each replica's total workload (its micro-batches
+    run one after another, and replicas meet at the gradient reduction), so "the micro-batch
+    with the least workload" is read as: a micro-batch of the replica with the least
+    workload; there the one with the fewest tokens, if it has room. If none of that
+    replica's has room, the next replica by workload; if no replica has, the micro-batch
+    with the fewest tokens anywhere (WLB-LLM's fallback) if it has room.
+
+    `first` items (the outlier queue) go one per micro-batch before the rest, spread over
+    the replicas first (the i-th to replica i mod n_replicas); they may exceed `capacity`
+    (a document alone always fits its group in per-document sharding), and such a
+    micro-batch takes nothing else. For speed the light tail (common.split_exact_tail, or
+    past `exact_items`) is water-filled over replicas on workload and, inside each replica,
+    over its micro-batches on tokens (common.water_fill), kept when that respects every
+    capacity, else placed one by one too.
     """
     n = len(lengths)
+    n_bins = n_replicas * rounds
     bins = np.full(n, -1, dtype=np.int64)
-    load = np.zeros(n_bins)
+    rep_load = np.zeros(n_replicas)
     tokens = np.zeros(n_bins, dtype=np.int64)
     first = first or []
     if len(first) > n_bins:
         return None
-    for b, i in enumerate(first):  # alone in its bin, so it fits whatever its size
+    for q, i in enumerate(first):  # alone in its micro-batch, so it fits whatever its size
+        b = (q % n_replicas) * rounds + q // n_replicas
         bins[i] = b
-        load[b] += work[i]
-        tokens[b] += lengths[i]
+        rep_load[b // rounds] += work[i]
+        tokens[b] = max(capacity, int(lengths[i]))
     rest = np.nonzero(bins < 0)[0]
     rest = rest[np.argsort(-lengths[rest], kind="stable")]
-    k = (split_exact_tail(work[rest][descending_order(work[rest])], n_bins, float(work.sum()), 2 * n_bins)
+    k = (split_exact_tail(work[rest][descending_order(work[rest])], n_replicas, float(work.sum()), 2 * n_replicas)
          if exact_items is None else min(len(rest), exact_items))
 
     def place(items) -> bool:
-        by_work = [(float(load[b]), b) for b in range(n_bins)]
-        by_tokens = [(int(tokens[b]), b) for b in range(n_bins)]
-        heapq.heapify(by_work)
-        heapq.heapify(by_tokens)
+        heap = [(float(rep_load[r]), r) for r in range(n_replicas)]
+        heapq.heapify(heap)
         lens, wk = lengths.tolist(), work.tolist()
-        ld, tk = load.tolist(), tokens.tolist()
+        ld, tk = rep_load.tolist(), tokens.tolist()
         for i in items:
             ni = lens[i]
-            while by_work[0][0] != ld[by_work[0][1]]:  # drop stale entries
-                heapq.heappop(by_work)
-            b = by_work[0][1]
-            if tk[b] + ni > capacity:
-                while by_tokens[0][0] != tk[by_tokens[0][1]]:
-                    heapq.heappop(by_tokens)
-                b = by_tokens[0][1]
+            skipped = []
+            b = -1
+            while heap:
+                l, r = heap[0]
+                if l != ld[r]:  # stale entry
+                    heapq.heappop(heap)
+                    continue
+                slot = min(range(rounds), key=lambda j: (tk[r * rounds + j], j))
+                if tk[r * rounds + slot] + ni <= capacity:
+                    b = r * rounds + slot
+                    break
+                skipped.append(heapq.heappop(heap))
+            for e in skipped:
+                heapq.heappush(heap, e)
+            if b < 0:
+                b = min(range(n_bins), key=lambda j: (tk[j], j))
                 if tk[b] + ni > capacity:
                     return False
+            r = b // rounds
             bins[i] = b
-            ld[b] += wk[i]
+            ld[r] += wk[i]
             tk[b] += ni
-            heapq.heappush(by_work, (ld[b], b))
-            heapq.heappush(by_tokens, (tk[b], b))
-        load[:] = ld
+            heapq.heappush(heap, (ld[r], r))
+        rep_load[:] = ld
         tokens[:] = tk
         return True
 
@@ -98,9 +119,13 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_bins: int, capacity
         return None
     tail = rest[k:]
     if len(tail):
-        # the tail, longest first, water-filled on workload; kept if it respects every bin's
-        # capacity, else the heaps place it one by one
-        tail_bins = water_fill(work[tail], load)
+        tail_rep = water_fill(work[tail], rep_load)
+        tail_bins = np.empty(len(tail), dtype=np.int64)
+        for r, pos in enumerate(group_indices(tail_rep, n_replicas)):
+            if len(pos):
+                mine = slice(r * rounds, (r + 1) * rounds)
+                tail_bins[pos] = r * rounds + water_fill(lengths[tail[pos]].astype(np.float64),
+                                                         tokens[mine].astype(np.float64))
         new_tokens = tokens + np.bincount(tail_bins, weights=lengths[tail], minlength=n_bins).astype(np.int64)
         if new_tokens.max() <= capacity:
             bins[tail] = tail_bins
@@ -141,21 +166,15 @@ class WlbBalancer:
         # pack every micro-batch to the last token, and a failed try costs a whole pass
         rounds = max(int(np.ceil(int(lens.sum()) / (dp * window * self.fill))), -(-len(outliers) // dp), 1)
         while True:
-            bins = workload_greedy(lens, work, dp * rounds, window, first=outliers)
+            bins = workload_greedy(lens, work, dp, rounds, window, first=outliers)
             if bins is not None:
                 break
             rounds += 1  # cannot fail once every document has a micro-batch of its own
-        n_mb = dp * rounds
-        mb_work = np.bincount(bins, weights=work, minlength=n_mb)
-        order = descending_order(mb_work)
-        replica = serpentine(n_mb, dp)
-        members = group_indices(bins, n_mb)
         builder = WaveBuilder(cl.world_size)
-        for pos, b in enumerate(order.tolist()):
-            items = members[b]
+        for b, items in enumerate(group_indices(bins, dp * rounds)):
             if not len(items):
                 continue
-            ranks = block_ranks(int(replica[pos]), N)
+            ranks = block_ranks(b // rounds, N)
             mb_ids = ids[items].tolist()
             if N == 1:
                 builder.add(Group(ranks=ranks, local={ranks[0]: mb_ids}))
