@@ -182,3 +182,21 @@ def test_single_process_trainer_matches_reference(tmp_path):
     assert [r["index"] for r in trainer.cp_history] == [0, 1, 2]
     logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
     assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
+
+
+def test_planner_rejects_a_distributed_group_member_without_tokens():
+    from hf_cp.plan import PlanError
+
+    class TooShort:
+        name = "too_short"
+
+        def plan(self, req):
+            plan = req.empty_plan(self.name)
+            plan.waves.append(Wave([Group(ranks=(0, 1, 2, 3), distributed=list(req.sample_ids),
+                                          mode=ShardMode.RING_PER_DOC)]))
+            return plan
+
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler([3, 2], 100, shuffle=False)  # 8 parts per document: rank 3 gets none
+    with pytest.raises(PlanError, match="rank 3 holds no token"):
+        Planner(sampler, TooShort(), ClusterSpec(4, 64), cost, lookahead=0).get(0)
