@@ -57,6 +57,21 @@ def test_dacp_rolls_back_a_local_to_make_room_for_a_distributed_share(h200_cost)
     assert dacp.classify(lens[:3] + [1000], costs[:3] + costs[4:]) == [0, 1, 2, 3]
 
 
+def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
+    from hf_cp.shard import ShardMode, rank_segments, segment_tokens
+    memo = cost_memo(h200_cost)
+    for n in (1, 5, 63, 64, 65, 1000, 4097):
+        for g in (1, 2, 4, 32):
+            expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
+            assert list(memo.per_doc_member_tokens(n, g)) == expect
+    from hf_cp.balance.common import member_tokens
+    docs = [5, 700, 33, 1]
+    for g in (1, 2, 8):
+        for mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC):
+            expect = [segment_tokens(rank_segments(mode, docs, g, m)) for m in range(g)]
+            assert member_tokens(mode, docs, g, memo).tolist() == expect
+
+
 def test_interleaved_micro_batches_spread_long_samples_and_respect_the_budget():
     lengths = np.array([9000, 9000, 9000, 9000] + [500] * 72)
     mbs = interleave_micro_batches(lengths, lengths.astype(float) ** 2, budget=20000)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..cost import CostModel
 from ..plan import Group, Wave
-from ..shard import ShardMode, rank_segments, segment_tokens
+from ..shard import ShardMode, rank_segments, segment_tokens, split_sizes
 
 if TYPE_CHECKING:
     from .base import PlanRequest
@@ -65,13 +65,14 @@ class CostMemo:
         return v
 
     def per_doc_member_tokens(self, length: int, group_size: int) -> Tuple[int, ...]:
-        """Tokens each member holds when one document is per-document sharded over the group."""
+        """Tokens each member holds when one document is per-document sharded over the group:
+        parts m and 2g-1-m of shard.split_sizes(length, 2g) (shard.per_doc_segments' layout,
+        in O(g) instead of calling it for every member)."""
         key = (length, group_size)
         v = self._member_tokens.get(key)
         if v is None:
-            v = self._member_tokens[key] = tuple(
-                segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [length], group_size, m))
-                for m in range(group_size))
+            parts = split_sizes(length, 2 * group_size)
+            v = self._member_tokens[key] = tuple(parts[m] + parts[2 * group_size - 1 - m] for m in range(group_size))
         return v
 
 
@@ -340,9 +341,10 @@ def member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, 
     g = group_size
     if not doc_lengths:
         return np.zeros(g, dtype=np.int64)
-    if mode is ShardMode.RING_ZIGZAG:  # zigzag chunks depend only on the packed total
-        total = sum(doc_lengths)
-        return np.asarray([segment_tokens(rank_segments(mode, [total], g, m)) for m in range(g)], dtype=np.int64)
+    if mode is ShardMode.RING_ZIGZAG:
+        # member m holds chunks m and 2g-1-m of the packed total cut in 2g (shard.zigzag_segments)
+        parts = np.asarray(split_sizes(sum(doc_lengths), 2 * g), dtype=np.int64)
+        return parts[:g] + parts[g:][::-1]
     if mode is ShardMode.RING_PER_DOC:  # every document is split on its own
         return np.sum([memo.per_doc_member_tokens(n, g) for n in doc_lengths], axis=0).astype(np.int64)
     return np.asarray([segment_tokens(rank_segments(mode, doc_lengths, g, m)) for m in range(g)], dtype=np.int64)
