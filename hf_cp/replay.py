@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-import torch
-
 from .cost import CostModel, ModelDims
 from .plan import PlanError, StepPlan
 from .profiling.layers import DecoderStack, RankWork

@@ -87,6 +87,27 @@ def test_decoder_layer_matches_transformers_sdpa_on_one_document():
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- timing
+def test_cpu_timing_counts_this_process_work_not_waiting():
+    """With one thread a CPU time is this process's CPU time: time the core spends elsewhere
+    (here: sleeping, on a shared machine: other processes) is not counted."""
+    import time
+
+    from hf_cp.profiling.timing import time_each
+
+    a = torch.randn(256, 256)
+    work = lambda: [a @ a for _ in range(20)]  # noqa: E731
+
+    def work_and_wait():
+        work()
+        time.sleep(0.05)
+
+    t_work, t_both = time_each([work, work_and_wait], torch.device("cpu"), warmup=1, repeats=3)
+    assert 0 < t_work and t_both < t_work + 25.0  # the 50 ms of sleep are not in it
+    with pytest.raises(ValueError, match="repeats"):
+        time_each([work], torch.device("cpu"), repeats=0)
+
+
 # --------------------------------------------------------------------------- fits
 def test_nonnegative_lstsq_recovers_coefficients_and_never_goes_negative():
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ from hf_cp.balance import available_balancers
 from hf_cp.cli import main
 from hf_cp.cost import CostModel
 from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.profiling.layers import DecoderStack, RankWork
+from hf_cp.profiling.layers import DecoderStack
 from hf_cp.replay import rank_micro_batches, replay_cost_model, replay_plan
 from hf_cp.shard import ShardMode, rank_segments, segment_tokens
 from hf_cp.sim import simulate

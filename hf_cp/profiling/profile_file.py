@@ -7,7 +7,7 @@ from typing import Union
 
 import yaml
 
-from .measure import NOMINAL_LINKS, ZERO2_RANKS, ProfileResult
+from .measure import ZERO2_RANKS, ProfileResult
 
 
 def _dump(d: dict) -> str:
