@@ -204,13 +204,18 @@ class SkrullBalancer:
         best = min((self._plan_groups(req, N) for N in sizes), key=lambda r: r[0])
         plan = req.empty_plan(self.name)
         builder = WaveBuilder(req.cluster.world_size)
-        for group in best[1]:
+        memo = cost_memo(req.cost)
+        cap = req.cluster.max_tokens_per_rank
+        for group, dist_lens, local_tokens in best[1]:
+            if len(dist_lens) > 1:  # the sharding mode only for the plan kept
+                group.mode = pick_ring_mode(req.cost, dist_lens, group.ranks, cap, local_tokens, memo)
             builder.add(group)
         plan.waves = builder.build()
         return plan
 
-    def _plan_groups(self, req: PlanRequest, N: int) -> Tuple[float, List[Group]]:
-        """(estimated step time, groups in execution order) of a plan with CP size N."""
+    def _plan_groups(self, req: PlanRequest, N: int) -> Tuple[float, List[Tuple[Group, List[int], List[int]]]]:
+        """(estimated step time, groups in execution order) of a plan with CP size N; each group
+        with its distributed lengths and its members' local tokens, for choosing its mode."""
         cl = req.cluster
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
@@ -236,17 +241,19 @@ class SkrullBalancer:
                 if made is None:  # did not fit: plan each half on its own
                     todo[:0] = [mb[serpentine(len(mb), 2) == 0], mb[serpentine(len(mb), 2) == 1]]
                     continue
-                group, ms = made
-                groups.append(group)
+                group, ms, dist_lens, local_tokens = made
+                groups.append((group, dist_lens, local_tokens))
                 replica_ms += ms + memo.overhead_ms
             makespan = max(makespan, replica_ms)
         return makespan, groups
 
-    def _micro_batch(self, req, dacp: Dacp, ranks, ids, lens, costs, cap) -> Optional[Tuple[Group, float]]:
-        """The micro-batch's group and its slowest member's estimated compute, or None."""
+    def _micro_batch(self, req, dacp: Dacp, ranks, ids, lens, costs, cap):
+        """(the micro-batch's group with per-document sharding, its slowest member's estimated
+        compute, the distributed lengths, the members' local tokens), or None if it does not
+        fit."""
         N = len(ranks)
         if N == 1:
-            return Group(ranks=ranks, local={ranks[0]: ids}), float(sum(costs))
+            return Group(ranks=ranks, local={ranks[0]: ids}), float(sum(costs)), [], [sum(lens)]
         where = dacp.classify(lens, costs)
         if where is not None:
             where = dacp.balance_locals(lens, costs, where)
@@ -274,9 +281,7 @@ class SkrullBalancer:
             if m >= 0:
                 local.setdefault(ranks[m], []).append(ids[i])
                 local_lens.setdefault(m, []).append(lens[i])
-        mode = ShardMode.RING_PER_DOC
-        if dist:
-            local_tokens = [sum(local_lens.get(m, ())) for m in range(N)]
-            mode = pick_ring_mode(req.cost, [lens[i] for i in dist], ranks, cap, local_tokens, dacp.memo)
-        group = Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=mode, local=local)
-        return group, max(dacp.member_loads(lens, costs, where))
+        # per-document sharding is what DACP accounted memory for; plan() may switch to zigzag
+        group = Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=ShardMode.RING_PER_DOC, local=local)
+        local_tokens = [sum(local_lens.get(m, ())) for m in range(N)]
+        return group, max(dacp.member_loads(lens, costs, where)), [lens[i] for i in dist], local_tokens
