@@ -127,6 +127,11 @@ def test_cli_replays_a_planned_step(tmp_path, capsys):
     busy = [r for r in res["ranks"] if r["tokens"]]
     assert busy and all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in busy)
     assert res["measured_max_over_mean"] >= 1.0
+    # a single plan object (not the `hf-cp plan --json` wrapper) replays the same step
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps(json.loads(plans.read_text())["plans"][1]))
+    assert main(["replay", str(single), "--model", "tiny-llama", "--device", "cpu", "--repeats", "1"]) == 0
+    assert "step 1 (" in capsys.readouterr().out
 
 
 def test_cli_names_a_missing_step_and_a_bad_file(tmp_path, capsys):
