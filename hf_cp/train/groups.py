@@ -17,6 +17,7 @@ class CPGroups:
     def __init__(self, cluster: ClusterSpec, backend: Optional[str] = None):
         self.cluster = cluster
         self._groups: Dict[Tuple[int, ...], object] = {}
+        self.control = None
         if cluster.world_size == 1:
             return
         if not dist.is_available() or not dist.is_initialized():
@@ -25,6 +26,9 @@ class CPGroups:
         if dist.get_world_size() != cluster.world_size:
             raise RuntimeError(f"CPGroups: torch.distributed has {dist.get_world_size()} ranks, the cluster spec "
                                f"{cluster.world_size}")
+        # CPU-side agreement checks and metrics (plan digests, per-rank timings) go over gloo
+        # whatever the default backend is: NCCL cannot carry CPU tensors
+        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo")
         for ranks in cluster.all_groups():
             self._groups[ranks] = dist.new_group(list(ranks), backend=backend)
 

@@ -205,7 +205,8 @@ class CPTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
         t_step = time.perf_counter()
-        assert_plans_agree(step.plan.digest(), step.index)  # before any collective of this step
+        # before any collective of this step
+        assert_plans_agree(step.plan.digest(), step.index, group=self.cp_groups.control)
         if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
@@ -254,7 +255,7 @@ class CPTrainer(Trainer):
         mine = torch.tensor([measured_ms, float(tokens), loss_sum, wall_ms], dtype=torch.float64)
         if self.cp_world > 1:
             got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
-            dist.all_gather(got, mine)
+            dist.all_gather(got, mine, group=self.cp_groups.control)
         else:
             got = [mine]
         rows = torch.stack(got).tolist()
