@@ -6,6 +6,15 @@ import json
 from pathlib import Path
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones (None / off), whose help says what happens."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "preprocess",
@@ -16,9 +25,9 @@ def add_parser(sub) -> None:
                     "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
                     "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
                     "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
-        epilog="example: hf-cp preprocess hf_cp/data/chat_sample.jsonl --tokenizer models/smollm2-135m "
-               "--out data/chat_tok --max-length 2048 --overlong truncate --plot lengths.png",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="example: hf-cp preprocess hf_cp/data/chat_sample.jsonl --tokenizer outputs/smollm2-135m-instruct "
+               "--out outputs/smollm2-chat --max-length 1024 --overlong truncate --plot lengths.png",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("input", help="a .json/.jsonl/.parquet/.csv file (optionally .gz), a saved dataset folder, or a Hub "
                                  "dataset name")

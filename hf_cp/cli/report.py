@@ -5,6 +5,15 @@ import argparse
 from pathlib import Path
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except the empty ones (None / off), whose help says what happens."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "report",
@@ -14,7 +23,7 @@ def add_parser(sub) -> None:
                     "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step time) "
                     "and cp_sizes.png (samples per CP group size per step).",
         epilog="example: hf-cp report outputs/smollm2-cpu --out outputs/smollm2-cpu/report",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("run_dir", help="the training run's output directory")
     p.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/report)")

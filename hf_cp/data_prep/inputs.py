@@ -57,9 +57,8 @@ def load_input(source: str, split: str = "train", subset: Optional[str] = None):
     if source.startswith((".", "/", "~")) or source.endswith(tuple(FILE_BUILDERS)):
         raise InputError(f"input {source} does not exist")
     try:
-        return _pick_split(datasets.load_dataset(source, subset, split=None), split, f"hub dataset {source}")
-    except InputError:
-        raise
+        # only the split asked for: hub datasets can be large
+        return datasets.load_dataset(source, subset, split=split)
     except Exception as e:
         raise InputError(f"{source!r} is not a local file or folder, and loading it from the Hugging Face Hub "
                          f"failed (is a network available?): {type(e).__name__}: {e}") from None
