@@ -105,9 +105,9 @@ def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, sco
     whatever else is balanced.
     """
     cl = req.cluster
-    if scope not in CP_SCOPES:
-        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
     if cp_size is None:
+        if scope not in CP_SCOPES:
+            raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {CP_SCOPES}")
         longest = max(req.lengths) if scope != "dataset" else max(req.dataset_max_length or 0, max(req.lengths))
         g = cl.smallest_group_for(longest)
         if scope == "balanced":
@@ -360,8 +360,13 @@ def group_fits(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, cap
 
 
 def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int]) -> float:
-    """Slowest sampled member's time for the distributed documents (CostModel.distributed_rank_cost)."""
-    return max(cost.distributed_rank_cost(doc_lengths, mode, ranks, m).total_ms for m in sampled_members(len(ranks)))
+    """Slowest member's time for the distributed documents (CostModel.distributed_rank_cost):
+    every member for zigzag when that is cheap (its heavy member can be any), else the
+    sampled members (per-document sharding is symmetric, its members nearly equal)."""
+    g = len(ranks)
+    every = mode is ShardMode.RING_ZIGZAG and g * len(doc_lengths) <= PER_DOC_EVAL_BUDGET * 16
+    members = range(g) if every else sampled_members(g)
+    return max(cost.distributed_rank_cost(doc_lengths, mode, ranks, m).total_ms for m in members)
 
 
 def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
@@ -373,28 +378,43 @@ def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[
     mode and are left out). Large packs are compared more cheaply or not at all, see
     PER_DOC_MAX_DOCS. Raises ValueError if neither mode fits.
     """
+    return ring_mode_and_ms(cost, doc_lengths, ranks, cap, local_tokens, memo, estimate=False)[0]
+
+
+def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
+                     local_tokens: Optional[Sequence[int]] = None, memo: Optional["CostMemo"] = None,
+                     estimate: bool = True) -> Tuple[ShardMode, float]:
+    """pick_ring_mode's choice and, with `estimate`, the predicted time of the distributed
+    documents' slowest member under it (sampled members; summed per-document times past
+    PER_DOC_MAX_DOCS; nan without `estimate`)."""
     memo = memo or cost_memo(cost)
     g = len(ranks)
     docs = list(doc_lengths)
     zz_fits = group_fits(ShardMode.RING_ZIGZAG, docs, g, cap, memo, local_tokens)
     if len(docs) == 1 and zz_fits:  # one document: both modes are the same split
-        return ShardMode.RING_PER_DOC
+        return ShardMode.RING_PER_DOC, memo.doc_on_group_ms(docs[0], g) if estimate else float("nan")
     exact = len(docs) <= PER_DOC_MAX_DOCS and len(docs) * g <= PER_DOC_EVAL_BUDGET
     summed = not exact and len(docs) <= PER_DOC_SUM_DOCS
     pd_fits = (exact or summed or not zz_fits) and group_fits(ShardMode.RING_PER_DOC, docs, g, cap, memo, local_tokens)
     if not pd_fits and not zz_fits:
         raise ValueError(f"documents {docs[:8]} ({len(docs)} documents, {sum(docs)} tokens) "
                          f"do not fit a group of {g} ranks with cap {cap} in any ring mode")
+
+    def per_doc_ms() -> float:
+        if exact:
+            return predicted_group_ms(cost, ShardMode.RING_PER_DOC, docs, ranks)
+        return sum(memo.doc_on_group_ms(n, g) for n in docs)
+
     if not (pd_fits and zz_fits):
-        return ShardMode.RING_PER_DOC if pd_fits else ShardMode.RING_ZIGZAG
-    if exact and g <= 8:
-        return cost.best_ring_mode(docs, ranks)
-    if exact:
-        pd = predicted_group_ms(cost, ShardMode.RING_PER_DOC, docs, ranks)
-    else:
-        pd = sum(memo.doc_on_group_ms(n, g) for n in docs)
+        if pd_fits:
+            return ShardMode.RING_PER_DOC, per_doc_ms() if estimate else float("nan")
+        return ShardMode.RING_ZIGZAG, (predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
+                                       if estimate else float("nan"))
+    # both fit and per-document is cheap enough to weigh: the faster (per-document on ties,
+    # as CostModel.best_ring_mode; for g <= 8 the sampled members are all of them)
+    pd = per_doc_ms()
     zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
-    return ShardMode.RING_PER_DOC if pd <= zz + 1e-12 else ShardMode.RING_ZIGZAG
+    return (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
 
 
 # --------------------------------------------------------------------------- wave assembly

@@ -1,10 +1,12 @@
 """`wlb` (WLB-LLM, Wang et al. 2025; survey sections 2.3 and 4.3): workload-aware packing.
 
-The parallel configuration stays fixed within a step: one CP size N, by default the smallest
-registered group that holds the step's longest sample, doubled while that sample alone would
-outlast the mean rank's work (common.fixed_cp_size, scope "balanced"; `cp_scope="step"`
-stops at the memory minimum, `"dataset"` sizes for the dataset's longest sample, one size
-for the run like `static`; `cp_size` fixes N). What changes is the packing:
+The parallel configuration stays fixed within a step: one CP size N. WLB-LLM takes it from
+its configuration; by default (`cp_scope="search"`) each step is planned with two sizes, the
+smallest registered group that holds the step's longest sample and the size at which that
+sample stops being the straggler (common.fixed_cp_size, scope "balanced"), and the plan the
+cost model predicts faster is kept (every micro-batch's slowest member, from the same
+comparison that picks its sharding mode). `cp_size` fixes N; `cp_scope` "step", "balanced"
+or "dataset" picks one size as common.fixed_cp_size does. What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
@@ -32,15 +34,15 @@ one per wave.
 from __future__ import annotations
 
 import heapq
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import (WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, group_indices, pick_ring_mode, split_exact_tail, water_fill)
+from .common import (CP_SCOPES, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
+                     fixed_cp_size, group_indices, ring_mode_and_ms, split_exact_tail, water_fill)
 
 
 def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, rounds: int, capacity: int,
@@ -139,8 +141,8 @@ class WlbBalancer:
     name = "wlb"
 
     def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, fill: float = 0.95,
-                 cp_scope: str = "balanced"):
-        check_cp_options(cp_size, cp_scope, self.name)
+                 cp_scope: str = "search"):
+        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
         if not 0 < fill <= 1:
             raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
         self.fill = fill
@@ -151,8 +153,25 @@ class WlbBalancer:
         self.outlier_fraction = outlier_fraction
 
     def plan(self, req: PlanRequest) -> StepPlan:
+        if self.cp_size is None and self.cp_scope == "search":
+            # the CP size is a configuration knob in WLB-LLM; here each step tries the smallest
+            # size that holds its longest sample and the size at which that sample stops being
+            # the straggler, and keeps the plan the cost model predicts faster
+            sizes = sorted({fixed_cp_size(req, None, self.name, "step"),
+                            fixed_cp_size(req, None, self.name, "balanced")})
+        else:
+            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        best = min((self._plan_groups(req, N, estimate=len(sizes) > 1) for N in sizes), key=lambda r: r[0])
+        builder = WaveBuilder(req.cluster.world_size)
+        for group in best[1]:
+            builder.add(group)
+        plan = req.empty_plan(self.name)
+        plan.waves = builder.build()
+        return plan
+
+    def _plan_groups(self, req: PlanRequest, N: int, estimate: bool = True) -> Tuple[float, List[Group]]:
+        """(predicted step time, or nan without `estimate`; groups in execution order) with CP size N."""
         cl = req.cluster
-        N = fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
         window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (common.even_cap)
@@ -170,17 +189,18 @@ class WlbBalancer:
             if bins is not None:
                 break
             rounds += 1  # cannot fail once every document has a micro-batch of its own
-        builder = WaveBuilder(cl.world_size)
+        groups: List[Group] = []
+        replica_ms = np.zeros(dp)
         for b, items in enumerate(group_indices(bins, dp * rounds)):
             if not len(items):
                 continue
             ranks = block_ranks(b // rounds, N)
             mb_ids = ids[items].tolist()
             if N == 1:
-                builder.add(Group(ranks=ranks, local={ranks[0]: mb_ids}))
+                groups.append(Group(ranks=ranks, local={ranks[0]: mb_ids}))
+                ms = float(work[items].sum())
             else:
-                mode = pick_ring_mode(req.cost, lens[items].tolist(), ranks, cap, memo=memo)
-                builder.add(Group(ranks=ranks, distributed=mb_ids, mode=mode))
-        plan = req.empty_plan(self.name)
-        plan.waves = builder.build()
-        return plan
+                mode, ms = ring_mode_and_ms(req.cost, lens[items].tolist(), ranks, cap, memo=memo, estimate=estimate)
+                groups.append(Group(ranks=ranks, distributed=mb_ids, mode=mode))
+            replica_ms[b // rounds] += ms + memo.overhead_ms
+        return float(replica_ms.max()), groups
