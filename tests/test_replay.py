@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -147,8 +148,13 @@ def test_cli_names_a_missing_step_and_a_bad_file(tmp_path, capsys):
 def test_gpu_script_smoke_on_cpu(tmp_path):
     """scripts/gpu_profile_replay.py end to end at toy sizes: profile, plans at world 8, replay, table."""
     balancers = [b for b in ("auto", "static") if b in available_balancers()]
+    # a long-tailed trace at toy scale (the script's default is a shared trace scaled down)
+    rng = random.Random(0)
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(min(3500, int(rng.lognormvariate(5.5, 1.1)) + 8)) for _ in range(120)))
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_profile_replay.py"), "--smoke", "--out",
-                           str(tmp_path), "--balancers", ",".join(balancers)],
+                           str(tmp_path), "--balancers", ",".join(balancers), "--lengths", str(lengths),
+                           "--length-scale", "1"],
                           capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout.split("balancer  rank")[-1]
