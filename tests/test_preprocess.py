@@ -265,6 +265,22 @@ def test_mask_variants(smol_tokenizer):
         SampleEncoder(smol_tokenizer, "text", "text", mask="assistant")
 
 
+def test_chat_template_failure_names_the_sample(smol_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from hf_cp.data_prep.encode import EncodeError
+
+    tok = AutoTokenizer.from_pretrained(str(smol_tokenizer_dir))
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+                         "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    enc = SampleEncoder(tok, "chat", "messages")
+    out = enc({"messages": [CHATS[0]]}, [0])
+    assert tok.decode(out["input_ids"][0]) == "user: Say hi.\nassistant: Hi!\n"
+    assert trained_text(tok, out["input_ids"][0], out["labels"][0]) == ["assistant: Hi!\n"]
+    with pytest.raises(EncodeError, match="sample 7: the chat template failed: .*no system role"):
+        enc({"messages": [CHATS[1]]}, [7])
+
+
 def test_num_proc_gives_the_same_dataset(tmp_path, smol_tokenizer):
     one = preprocess(str(CHAT_SAMPLE), smol_tokenizer, None, max_length=512, overlong="truncate")
     two = preprocess(str(CHAT_SAMPLE), smol_tokenizer, None, max_length=512, overlong="truncate", num_proc=2)

@@ -62,9 +62,12 @@ class SampleEncoder:
         self.tokenizer, self.kind, self.field, self.mask, self.add_eos = tokenizer, kind, field, mask, add_eos
 
     # ---------------------------------------------------------------- chat
-    def _render(self, messages: Sequence[dict], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+    def _render(self, messages: Sequence[dict], index: int, generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                      add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja's TemplateError and raise_exception() in templates
+            raise EncodeError(f"sample {index}: the chat template failed: {type(e).__name__}: {e}") from None
 
     def _assistant_spans(self, messages: List[dict], full: str, index: int) -> List[Tuple[int, int]]:
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -74,8 +77,8 @@ class SampleEncoder:
         for i in turns:
             if i == 0:
                 raise EncodeError(f"sample {index}: message 0 is an assistant turn; a prompt must come first")
-            before = self._render(messages[:i], generation_prompt=True)
-            upto = self._render(messages[: i + 1])
+            before = self._render(messages[:i], index, generation_prompt=True)
+            upto = self._render(messages[: i + 1], index)
             if not (upto.startswith(before) and full.startswith(upto)):
                 raise EncodeError(
                     f"sample {index}: the chat template does not render conversation prefixes as prefixes of the "
@@ -85,7 +88,7 @@ class SampleEncoder:
 
     def _encode_chat(self, value, index: int) -> Tuple[List[int], List[int]]:
         messages = _messages(value, index, self.field)
-        full = self._render(messages)
+        full = self._render(messages, index)
         spans = self._assistant_spans(messages, full, index) if self.mask != "none" else []
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=self.mask != "none")
         ids = list(enc["input_ids"])
