@@ -359,13 +359,12 @@ def group_fits(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, cap
     return int(t.max()) <= cap
 
 
-def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int]) -> float:
-    """Slowest member's time for the distributed documents (CostModel.distributed_rank_cost):
-    every member for zigzag when that is cheap (its heavy member can be any), else the
-    sampled members (per-document sharding is symmetric, its members nearly equal)."""
-    g = len(ranks)
-    every = mode is ShardMode.RING_ZIGZAG and g * len(doc_lengths) <= PER_DOC_EVAL_BUDGET * 16
-    members = range(g) if every else sampled_members(g)
+def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int],
+                       all_members: bool = False) -> float:
+    """Slowest member's time for the distributed documents (CostModel.distributed_rank_cost),
+    over every member or the sampled ones (sampled_members). Per-document sharding is
+    symmetric, its members nearly equal; zigzag's heavy member can be any."""
+    members = range(len(ranks)) if all_members else sampled_members(len(ranks))
     return max(cost.distributed_rank_cost(doc_lengths, mode, ranks, m).total_ms for m in members)
 
 
@@ -383,10 +382,11 @@ def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[
 
 def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
                      local_tokens: Optional[Sequence[int]] = None, memo: Optional["CostMemo"] = None,
-                     estimate: bool = True) -> Tuple[ShardMode, float]:
+                     estimate: bool = True, all_members: bool = False) -> Tuple[ShardMode, float]:
     """pick_ring_mode's choice and, with `estimate`, the predicted time of the distributed
-    documents' slowest member under it (sampled members; summed per-document times past
-    PER_DOC_MAX_DOCS; nan without `estimate`)."""
+    documents' slowest member under it (nan without `estimate`). Zigzag is predicted over
+    every member with `all_members`, else over the sampled ones; per-document sharding over
+    the sampled members, or past PER_DOC_MAX_DOCS by summed per-document times."""
     memo = memo or cost_memo(cost)
     g = len(ranks)
     docs = list(doc_lengths)
@@ -408,12 +408,12 @@ def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequenc
     if not (pd_fits and zz_fits):
         if pd_fits:
             return ShardMode.RING_PER_DOC, per_doc_ms() if estimate else float("nan")
-        return ShardMode.RING_ZIGZAG, (predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
+        return ShardMode.RING_ZIGZAG, (predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members)
                                        if estimate else float("nan"))
     # both fit and per-document is cheap enough to weigh: the faster (per-document on ties,
     # as CostModel.best_ring_mode; for g <= 8 the sampled members are all of them)
     pd = per_doc_ms()
-    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
+    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members or g <= 8)
     return (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
 
 

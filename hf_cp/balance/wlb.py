@@ -1,12 +1,15 @@
 """`wlb` (WLB-LLM, Wang et al. 2025; survey sections 2.3 and 4.3): workload-aware packing.
 
 The parallel configuration stays fixed within a step: one CP size N. WLB-LLM takes it from
-its configuration; by default (`cp_scope="search"`) each step is planned with two sizes, the
-smallest registered group that holds the step's longest sample and the size at which that
-sample stops being the straggler (common.fixed_cp_size, scope "balanced"), and the plan the
-cost model predicts faster is kept (every micro-batch's slowest member, from the same
-comparison that picks its sharding mode). `cp_size` fixes N; `cp_scope` "step", "balanced"
-or "dataset" picks one size as common.fixed_cp_size does. What changes is the packing:
+its configuration; by default (`cp_scope="balanced"`, common.fixed_cp_size) it is the
+smallest registered group that holds the step's longest sample, doubled while that sample
+alone would still outlast the mean rank's share of the step. `cp_scope="search"` plans the
+step with both that size and the memory minimum and keeps the plan the cost model predicts
+faster (every micro-batch's slowest member, from the same comparison that picks its
+sharding mode): better plans on some data (a long-tailed step whose longest sample is
+cheap enough at the smaller size), at twice the planning time and more for the predictions,
+over the 300 ms budget at 512 ranks on Wikipedia. `cp_size` fixes N; `cp_scope` "step" or
+"dataset" picks one size as common.fixed_cp_size does. What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
@@ -136,12 +139,15 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, roun
     return bins
 
 
+ALL_MEMBERS_BUDGET = 50_000
+
+
 @register_balancer("wlb")
 class WlbBalancer:
     name = "wlb"
 
     def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, fill: float = 0.95,
-                 cp_scope: str = "search"):
+                 cp_scope: str = "balanced"):
         check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
         if not 0 < fill <= 1:
             raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
@@ -191,6 +197,9 @@ class WlbBalancer:
             rounds += 1  # cannot fail once every document has a micro-batch of its own
         groups: List[Group] = []
         replica_ms = np.zeros(dp)
+        # zigzag's slowest member can be any: predict every member while that stays cheap
+        # (member-document evaluations for the whole step), else sampled members
+        every = estimate and N * len(lens) <= ALL_MEMBERS_BUDGET
         for b, items in enumerate(group_indices(bins, dp * rounds)):
             if not len(items):
                 continue
@@ -200,7 +209,8 @@ class WlbBalancer:
                 groups.append(Group(ranks=ranks, local={ranks[0]: mb_ids}))
                 ms = float(work[items].sum())
             else:
-                mode, ms = ring_mode_and_ms(req.cost, lens[items].tolist(), ranks, cap, memo=memo, estimate=estimate)
+                mode, ms = ring_mode_and_ms(req.cost, lens[items].tolist(), ranks, cap, memo=memo,
+                                            estimate=estimate, all_members=every)
                 groups.append(Group(ranks=ranks, distributed=mb_ids, mode=mode))
             replica_ms[b // rounds] += ms + memo.overhead_ms
         return float(replica_ms.max()), groups
