@@ -416,5 +416,5 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
                "layer_class": type(stack.layers[0]).__name__,
                "retimed": str(retimed), "kernel": kernel_for(dev).name, "clock": cpu_clock_name(),
                "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
-                       f"(other processes slow CPU timings)"},
+                       f"(other processes share the caches and memory bandwidth)"},
     )
