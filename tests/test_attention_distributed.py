@@ -117,9 +117,11 @@ def _worker(rank, world, cases):
             grads = torch.autograd.grad(out, mine, dout[rows])
             stats = COMM_COUNTER.snapshot()
             errs = {"out": (out.double() - ref_out[rows]).abs().max().item() if rows.numel() else 0.0}
+            mags = {"out": ref_out[rows].abs().max().item() if rows.numel() else 0.0}
             for name, gm, gr in zip(("dq", "dk", "dv"), grads, ref_grads):
                 errs[name] = (gm.double() - gr[rows]).abs().max().item() if rows.numel() else 0.0
-            results.append(dict(case=ci, mode=mode.value, rank=rank, member=member, errors=errs,
+                mags[name] = gr[rows].abs().max().item() if rows.numel() else 0.0
+            results.append(dict(case=ci, mode=mode.value, rank=rank, member=member, errors=errs, magnitudes=mags,
                                 bytes_sent=stats.bytes_sent,
                                 expected_bytes=_expected_bytes(cost, mode, distributed, len(grp), member),
                                 torch_dist_calls=spy.calls - calls_before, counted_calls=stats.total_calls,
@@ -151,7 +153,8 @@ def _edge_cases(world):
 
 
 @st.composite
-def case_strategy(draw, world):
+def case_strategy(draw, world, scale=1):
+    """A packed micro-batch per group; `scale` multiplies document lengths (slow tests)."""
     if world == 4 and draw(st.booleans()):
         groups = [[0, 1], [2, 3]]
     else:
@@ -160,13 +163,15 @@ def case_strategy(draw, world):
     for grp in groups:
         kind = draw(st.sampled_from(["mixed", "all_distributed", "all_local", "long_among_short"]))
         if kind == "long_among_short":
-            dist_docs = [draw(st.integers(30, 80))] + draw(st.lists(st.integers(1, 6), min_size=3, max_size=8))
+            dist_docs = [draw(st.integers(30 * scale, 80 * scale))] + draw(
+                st.lists(st.integers(1, 6), min_size=3, max_size=8))
             dist_docs = draw(st.permutations(dist_docs))
         elif kind == "all_local":
             dist_docs = []
         else:
-            dist_docs = draw(st.lists(st.integers(1, 24), min_size=1, max_size=4))
-        loc = [[] if kind == "all_distributed" else draw(st.lists(st.integers(1, 12), max_size=3)) for _ in grp]
+            dist_docs = draw(st.lists(st.integers(1, 24 * scale), min_size=1, max_size=4))
+        loc = [[] if kind == "all_distributed" else draw(st.lists(st.integers(1, 12 * scale), max_size=3))
+               for _ in grp]
         distributed.append(list(dist_docs))
         locals_.append(loc)
     heads = draw(st.sampled_from([(4, 4, 8), (4, 2, 8), (4, 1, 16), (8, 2, 8)]))
@@ -174,10 +179,14 @@ def case_strategy(draw, world):
                 seed=draw(st.integers(0, 10_000)))
 
 
-def _check(rows):
+def _check(rows, relative=False):
+    """relative: the tolerance scales with the reference's magnitude when it exceeds 1 (long
+    documents: float32 sums over hundreds of keys carry ~1e-6 relative error, as fp32 SDPA does)."""
     assert rows, "no results"
     for r in rows:
-        assert max(r["errors"].values()) <= TOL, f"mismatch vs reference (tol {TOL}): {r}"
+        for name, err in r["errors"].items():
+            bound = TOL * max(1.0, r["magnitudes"][name]) if relative else TOL
+            assert err <= bound, f"{name} mismatch vs reference ({err:.3g} > {bound:.3g}): {r}"
         assert r["bytes_sent"] == r["expected_bytes"], f"bytes sent differ from the cost model: {r}"
         if r["all_local"]:
             assert r["torch_dist_calls"] == 0 and r["counted_calls"] == 0, f"all-local batch communicated: {r}"
@@ -185,7 +194,7 @@ def _check(rows):
             assert r["torch_dist_calls"] > 0 and r["counted_calls"] > 0, r
 
 
-HYPOTHESIS = settings(max_examples=10, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
+HYPOTHESIS = settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
                       suppress_health_check=list(HealthCheck))
 
 
@@ -211,3 +220,11 @@ def test_world2_hypothesis_batches_match_reference(pools, case):
 @given(case=case_strategy(4))
 def test_world4_hypothesis_batches_match_reference(pools, case):
     _check(pools(4).run(_worker, [case]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@settings(HYPOTHESIS, max_examples=60)
+@given(case=case_strategy(4, scale=8))
+def test_world4_longer_documents_match_reference(pools, case):
+    _check(pools(4).run(_worker, [case], timeout_s=300), relative=True)
