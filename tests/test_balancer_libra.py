@@ -1,5 +1,6 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from balancer_checks import check_balancer_properties, step_cases
 from hf_cp.balance import PlanRequest, get_balancer
@@ -74,3 +75,23 @@ def test_libra_balances_replicas_better_than_static(h200_cost):
 def test_libra_rejects_bad_pool_size():
     with pytest.raises(ValueError, match="pool_size 3"):
         get_balancer("libra", pool_size=3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=200), capacity=st.integers(50, 400))
+def test_lookahead_pack_packs_everything_once_within_capacity(lengths, capacity):
+    pack_of = lookahead_pack(lengths, capacity)
+    n_packs = int(pack_of.max()) + 1
+    assert sorted(set(pack_of.tolist())) == list(range(n_packs))  # no empty pack
+    fill = np.bincount(pack_of, weights=lengths, minlength=n_packs)
+    for k in range(n_packs):
+        members = [n for n, p in zip(lengths, pack_of.tolist()) if p == k]
+        assert fill[k] <= capacity or len(members) == 1  # only an oversize item exceeds, alone
+
+
+def test_lookahead_pack_sets_aside_what_does_not_fit_and_back_fills():
+    # 60 | 50 does not fit (set aside), 40 fits -> [60, 40]; 30 opens pack 1; the 50 then
+    # goes to the first pack with room: pack 1
+    assert lookahead_pack([60, 50, 40, 30], 100).tolist() == [0, 1, 0, 1]
+    # an item over capacity is a pack of its own
+    assert lookahead_pack([10, 150, 20], 100).tolist() == [0, 1, 0]
