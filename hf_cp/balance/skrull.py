@@ -2,10 +2,10 @@
 
 The parallel configuration is fixed within a step, as in Skrull: one CP size N, so the world
 is W/N data-parallel replicas of N ranks each. Skrull takes N from its configuration; by
-default (`cp_scope="search"`) each step plans with two sizes, the smallest registered group
-that holds the step's longest sample and the size at which that sample stops being the
-straggler (common.fixed_cp_size, scope "balanced"), and keeps the plan its own load
-estimates (the DACP member loads below) predict faster. `cp_size` fixes N; `cp_scope`
+default (`cp_scope="search"`) each step starts at the size at which its longest sample stops
+being the straggler (common.fixed_cp_size, scope "balanced") and halves it, down to the
+smallest registered group that holds that sample, while the plan's own load estimates (the
+DACP member loads below) improve. `cp_size` fixes N; `cp_scope`
 "step", "balanced" or "dataset" picks one size as common.fixed_cp_size does.
 
 1. GDS, across replicas: bin packing of the step's samples on predicted compute
@@ -194,14 +194,20 @@ class SkrullBalancer:
 
     def plan(self, req: PlanRequest) -> StepPlan:
         if self.cp_size is None and self.cp_scope == "search":
-            # Skrull's CP size is a configuration knob; here each step tries the smallest size
-            # that holds its longest sample and the size at which that sample stops being the
-            # straggler, and keeps the one its own load estimates predict faster
-            sizes = sorted({fixed_cp_size(req, None, self.name, "step"),
-                            fixed_cp_size(req, None, self.name, "balanced")})
+            # Skrull's CP size is a configuration knob; here each step starts at the size at
+            # which its longest sample stops being the straggler and halves it (down to the
+            # smallest size that holds that sample) while its own load estimates improve
+            smallest = fixed_cp_size(req, None, self.name, "step")
+            N = fixed_cp_size(req, None, self.name, "balanced")
+            best = self._plan_groups(req, N)
+            while N // 2 >= smallest:
+                N //= 2
+                trial = self._plan_groups(req, N)
+                if trial[0] >= best[0]:
+                    break
+                best = trial
         else:
-            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
-        best = min((self._plan_groups(req, N) for N in sizes), key=lambda r: r[0])
+            best = self._plan_groups(req, fixed_cp_size(req, self.cp_size, self.name, self.cp_scope))
         plan = req.empty_plan(self.name)
         builder = WaveBuilder(req.cluster.world_size)
         memo = cost_memo(req.cost)
