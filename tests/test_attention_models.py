@@ -62,7 +62,7 @@ def _loss_sum(logits, labels):
     return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
 
 
-def _worker(rank, world, model_name, layout, modes):
+def _worker(rank, world, model_name, layout, modes, checkpointing=False):
     import torch.distributed as dist
 
     from hf_cp.attention import CPContext, cp_context
@@ -89,6 +89,9 @@ def _worker(rank, world, model_name, layout, modes):
     results = []
     for mode in modes:
         model = build_model(model_name, "hf_cp")
+        if checkpointing:  # the forward is recomputed inside backward: its collectives run again there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
         ids, pos, labels = batches[gi]
         rows = member_rows(mode, layout["distributed"][gi], layout["locals"][gi], member)
         ctx = CPContext(group=pgs[gi], group_ranks=tuple(groups[gi]), member=member, mode=mode,
@@ -134,3 +137,10 @@ def test_model_under_cp_matches_single_process(pools, world, model_name):
         rows = pools(world).run(_worker, model_name, layout, MODES, timeout_s=180)
         _check(rows)
         assert {r["mode"] for r in rows} == {m.value for m in MODES}
+
+
+@pytest.mark.timeout(240)
+def test_model_under_cp_with_activation_checkpointing(pools):
+    rows = pools(2).run(_worker, "llama", LAYOUTS[2][0], MODES, True, timeout_s=180)
+    _check(rows)
+    assert {r["mode"] for r in rows} == {m.value for m in MODES}
