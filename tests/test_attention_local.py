@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.attention import (CPContext, UlyssesSpec, block_attention, cp_attention, cp_context, kernel_for,
+from hf_cp.attention import (CPContext, UlyssesSpec, cp_attention, cp_context, kernel_for,
                              packed_attention, segment_blocks, ulysses_attention)
 from hf_cp.attention.blocks import block_pairs, range_pair_blocks
 from hf_cp.attention.kernels import CpuFlashKernel

@@ -15,7 +15,7 @@ CostModel.ring_bytes_per_layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 

@@ -12,7 +12,7 @@ it (one kv head per member); autograd sums the replicas' gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
