@@ -324,6 +324,7 @@ def lookahead_pack(lengths: Sequence[int], capacity: int, max_skips: int = 16) -
 PER_DOC_MAX_DOCS = 8
 PER_DOC_EVAL_BUDGET = 2048
 PER_DOC_SUM_DOCS = 64
+ZIGZAG_ALL_MEMBERS_BUDGET = 32768  # member x document evaluations for one zigzag prediction
 
 
 def sampled_members(group_size: int) -> List[int]:
@@ -411,9 +412,13 @@ def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequenc
         return ShardMode.RING_ZIGZAG, (predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members)
                                        if estimate else float("nan"))
     # both fit and per-document is cheap enough to weigh: the faster (per-document on ties,
-    # as CostModel.best_ring_mode; for g <= 8 the sampled members are all of them)
+    # as CostModel.best_ring_mode). Zigzag's slowest member can be any, so it is only chosen
+    # when every member could be predicted; otherwise per-document sharding, balanced by
+    # construction, is the safe choice.
     pd = per_doc_ms()
-    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members or g <= 8)
+    if g * len(docs) > ZIGZAG_ALL_MEMBERS_BUDGET:
+        return ShardMode.RING_PER_DOC, pd
+    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members=True)
     return (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
 
 
