@@ -26,8 +26,6 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
 
 
 def test_plan_follows_megatrons_own_schedule(h200_cost):
-    pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule",
-                        reason="optional extra `megatron` (megatron-core==0.16.1) not installed")
     from hf_cp.balance.megatron import megatron_rounds
 
     req = request(LENGTHS, 16, h200_cost)
@@ -55,7 +53,5 @@ def test_plan_follows_megatrons_own_schedule(h200_cost):
 
 
 def test_plans_are_deterministic(h200_cost):
-    pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule",
-                        reason="optional extra `megatron` (megatron-core==0.16.1) not installed")
     req = request(LENGTHS, 16, h200_cost)
     assert get_balancer("megatron").plan(req).to_json() == get_balancer("megatron").plan(req).to_json()

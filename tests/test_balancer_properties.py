@@ -13,15 +13,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
 BALANCERS = [n for n in available_balancers() if not n.startswith("test_")]
 
 
-def installed(name):
-    if name == "megatron":
-        try:
-            import megatron.core.pipeline_parallel.hybrid_cp_schedule  # noqa: F401
-        except ImportError:
-            return False
-    return True
-
-
 @st.composite
 def scenarios(draw):
     world = draw(st.sampled_from([1, 2, 4, 8, 16]))
@@ -58,8 +49,6 @@ def scheduled(plan):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=scenarios())
 def test_every_sample_once_caps_honoured_identical_plans(name, case, h200_cost):
-    if not installed(name):
-        pytest.skip(f"{name}: optional dependency not installed")
     cluster, ids, lengths = case
     req = PlanRequest(ids, lengths, cluster, h200_cost, dataset_max_length=max(lengths))
     plan = get_balancer(name).plan(req)
@@ -77,8 +66,6 @@ def test_every_sample_once_caps_honoured_identical_plans(name, case, h200_cost):
 
 @pytest.mark.parametrize("name", BALANCERS)
 def test_a_sample_too_long_for_the_largest_group_is_named(name, h200_cost):
-    if not installed(name):
-        pytest.skip(f"{name}: optional dependency not installed")
     cluster = ClusterSpec(4, 1000)
     with pytest.raises(SampleTooLongError, match="sample 17 has 4001 tokens"):
         get_balancer(name).plan(PlanRequest([5, 17], [10, 4001], cluster, h200_cost))
