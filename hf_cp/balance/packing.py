@@ -43,7 +43,9 @@ class FirstFitPacker:
 
 def first_fit(ids: Sequence[int], weights: Sequence[int], capacity: int) -> List[List[int]]:
     """First-fit packing of items in the given order into bins of `capacity`."""
-    packer = FirstFitPacker(capacity, len(ids))
+    # first fit leaves at most one bin half empty, so it never needs more than 2*total/capacity + 1
+    bound = 2 * (sum(weights) // max(capacity, 1)) + 2
+    packer = FirstFitPacker(capacity, min(len(ids), bound))
     for s, w in zip(ids, weights):
         packer.add(s, w)
     return packer.bins
