@@ -67,18 +67,13 @@ class Pending:
         self._works = []
 
 
-def ring_exchange(send: Optional[Tensor], dst: int, recv: Optional[Tensor], src: int, group, tag: int) -> Pending:
+def ring_exchange(send: Tensor, dst: int, recv: Tensor, src: int, group, tag: int) -> Pending:
     """Send `send` to global rank dst and receive into `recv` from global rank src, both
-    non-blocking. None (an empty shard) skips that side; both peers know the sizes, so a
-    skipped send always meets a skipped receive."""
-    ops = []
-    if send is not None and send.numel():
-        ops.append(dist.P2POp(dist.isend, send, dst, group=group, tag=tag))
-    if recv is not None and recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, src, group=group, tag=tag))
-    if not ops:
-        return Pending([])
-    COUNTER.record("p2p", _nbytes(send) if send is not None else 0)
+    non-blocking. Empty tensors are exchanged too, so every member takes part in every step
+    (NCCL wants all members in a group's first batched P2P call; gloo accepts empty messages)."""
+    ops = [dist.P2POp(dist.isend, send, dst, group=group, tag=tag),
+           dist.P2POp(dist.irecv, recv, src, group=group, tag=tag)]
+    COUNTER.record("p2p", _nbytes(send))
     return Pending(dist.batch_isend_irecv(ops))
 
 

@@ -152,7 +152,8 @@ class FlashAttnKernel(AttentionKernel):
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
         res = self._fwd(q=q, k=k, v=v, **self._common(self._fwd_params, q_lens, k_lens, q.device, causal, scale))
-        out, lse = res[0], res[1]
+        # <= 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng_state); later (out, lse, S_dmask, rng_state)
+        out, lse = res[0], res[5] if len(res) == 8 else res[1]
         return out, _lse_rows(lse, q.shape[0], q.shape[1])[0].float()
 
     def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
