@@ -36,6 +36,7 @@ A micro-batch DACP cannot fit (fragmentation) is split in two and each half plan
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -47,7 +48,7 @@ from . import register_balancer
 from .base import PlanRequest
 from .common import (CP_SCOPES, CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
                      even_cap, fixed_cp_size, group_indices, lpt_assign,
-                     pick_ring_mode, serpentine, split_to_cap)
+                     pick_ring_mode, serpentine, split_to_cap, water_fill)
 
 
 def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: int) -> List[np.ndarray]:
@@ -64,6 +65,9 @@ def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: i
     # a few very long samples defeat dealing: first-fit decreasing on tokens instead
     idx = order.tolist()
     return [np.asarray(mb, dtype=np.int64) for mb in split_to_cap(idx, lengths[order].tolist(), budget)]
+
+
+SHORT_FRACTION = 1.0 / 16  # see Dacp.classify
 
 
 class Dacp:
@@ -106,9 +110,27 @@ class Dacp:
 
         for i in split_first:
             put_distributed(i)
-        for i in sorted(range(len(lens)), key=lambda i: (lens[i], i)):  # short sequences first
-            if where[i] != -2:
-                continue
+        order = sorted((i for i in range(len(lens)) if where[i] == -2), key=lambda i: (lens[i], i))
+        # Short sequences first. Those up to SHORT_FRACTION of the cap cannot run out of
+        # memory while placed (checked below), so for them the loop reduces to "onto the member
+        # with the least compute": done in one vectorised water-filling pass instead.
+        n_short = bisect.bisect_right([lens[i] for i in order], int(SHORT_FRACTION * self.cap))
+        if n_short > N:
+            short = np.asarray(order[:n_short], dtype=np.int64)
+            base = np.asarray(load)
+            member = water_fill(np.asarray(costs, dtype=np.float64)[short], base)
+            used = np.bincount(member, weights=np.asarray(lens, dtype=np.float64)[short], minlength=N)
+            if np.all(used <= np.asarray(rb)):
+                for i, t in zip(short.tolist(), member.tolist()):
+                    where[i] = t
+                    on[t].append(i)
+                for t in range(N):
+                    rb[t] -= int(used[t])
+                    load[t] = float(base[t] + np.sum(np.asarray(costs)[short[member == t]]))
+                heap[:] = [(l, m) for m, l in enumerate(load)]
+                heapq.heapify(heap)
+                order = order[n_short:]
+        for i in order:
             n = lens[i]
             while True:
                 while heap[0][0] != load[heap[0][1]]:
@@ -290,4 +312,16 @@ class SkrullBalancer:
         # per-document sharding is what DACP accounted memory for; plan() may switch to zigzag
         group = Group(ranks=ranks, distributed=[ids[i] for i in dist], mode=ShardMode.RING_PER_DOC, local=local)
         local_tokens = [sum(local_lens.get(m, ())) for m in range(N)]
-        return group, max(dacp.member_loads(lens, costs, where)), [lens[i] for i in dist], local_tokens
+        loads = dacp.member_loads(lens, costs, where)
+        dist_lens = [lens[i] for i in dist]
+        if dist_lens:
+            # the cost model on the slowest member by DACP's estimate (which sums every
+            # distributed sequence's time alone, over-counting the communication that one
+            # ring pass over all of them pays once) and on member 0 (per-document
+            # remainders land there)
+            slowest = max(range(N), key=lambda m: (loads[m], -m))
+            est = max(req.cost.distributed_rank_cost(dist_lens, ShardMode.RING_PER_DOC, ranks, m,
+                                                     local_lens.get(m, ())).total_ms for m in {0, slowest})
+        else:
+            est = max(loads)
+        return group, est, dist_lens, local_tokens
