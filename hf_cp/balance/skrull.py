@@ -117,16 +117,17 @@ class Dacp:
         n_short = bisect.bisect_right([lens[i] for i in order], int(SHORT_FRACTION * self.cap))
         if n_short > N:
             short = np.asarray(order[:n_short], dtype=np.int64)
-            base = np.asarray(load)
-            member = water_fill(np.asarray(costs, dtype=np.float64)[short], base)
+            short_costs = np.asarray(costs, dtype=np.float64)[short]
+            member = water_fill(short_costs, np.asarray(load))
             used = np.bincount(member, weights=np.asarray(lens, dtype=np.float64)[short], minlength=N)
             if np.all(used <= np.asarray(rb)):
                 for i, t in zip(short.tolist(), member.tolist()):
                     where[i] = t
                     on[t].append(i)
+                added = np.bincount(member, weights=short_costs, minlength=N).tolist()
                 for t in range(N):
                     rb[t] -= int(used[t])
-                    load[t] = float(base[t] + np.sum(np.asarray(costs)[short[member == t]]))
+                    load[t] += added[t]
                 heap[:] = [(l, m) for m, l in enumerate(load)]
                 heapq.heapify(heap)
                 order = order[n_short:]
