@@ -4,8 +4,9 @@ The parallel configuration is fixed within a step, as in Skrull: one CP size N, 
 is W/N data-parallel replicas of N ranks each. Skrull takes N from its configuration; by
 default (`cp_scope="search"`) each step starts at the size at which its longest sample stops
 being the straggler (common.fixed_cp_size, scope "balanced") and halves it, down to the
-smallest registered group that holds that sample, while the plan's own load estimates (the
-DACP member loads below) improve. `cp_size` fixes N; `cp_scope`
+smallest registered group that holds that sample, while the plan's predicted time improves,
+at most `search_halvings` times (default 1: two plans per step, to stay within the planning
+time budget). `cp_size` fixes N; `cp_scope`
 "step", "balanced" or "dataset" picks one size as common.fixed_cp_size does.
 
 1. GDS, across replicas: bin packing of the step's samples on predicted compute
@@ -206,9 +207,12 @@ class SkrullBalancer:
     name = "skrull"
 
     def __init__(self, cp_size: Optional[int] = None, fill: float = 0.9, cp_scope: str = "search",
-                 split_stragglers: bool = True):
+                 split_stragglers: bool = True, search_halvings: int = 1):
         check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
         self.split_stragglers = split_stragglers
+        if not isinstance(search_halvings, int) or search_halvings < 0:
+            raise ValueError(f"skrull: search_halvings {search_halvings!r} must be a non-negative integer")
+        self.search_halvings = search_halvings
         if not 0 < fill <= 1:
             raise ValueError(f"skrull: fill {fill} must be in (0, 1]")
         self.cp_size = cp_size
@@ -223,7 +227,9 @@ class SkrullBalancer:
             smallest = fixed_cp_size(req, None, self.name, "step")
             N = fixed_cp_size(req, None, self.name, "balanced")
             best = self._plan_groups(req, N)
-            while N // 2 >= smallest:
+            for _ in range(self.search_halvings):
+                if N // 2 < smallest:
+                    break
                 N //= 2
                 trial = self._plan_groups(req, N)
                 if trial[0] >= best[0]:
