@@ -182,6 +182,7 @@ def test_single_process_trainer_matches_reference(tmp_path):
     assert [r["index"] for r in trainer.cp_history] == [0, 1, 2]
     logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
     assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
+    assert [h["cp/data_epoch"] for h in logged] == pytest.approx([0.25, 0.5, 0.75])  # 3 of the epoch's 4 steps
 
 
 def test_planner_rejects_a_distributed_group_member_without_tokens():

@@ -27,6 +27,7 @@ def aggregate(records: Sequence[Mapping], prefix: str = "cp/") -> Dict[str, floa
         "planner_ms": statistics.mean(r["planner_ms"] for r in records),
         "waves": statistics.mean(r["waves"] for r in records),
         "step_wall_ms": statistics.mean(r["step_wall_ms"] for r in records),
+        "data_epoch": records[-1].get("data_epoch", records[-1]["epoch"]),
     }
     if all(r.get("compare_step_ms") is not None for r in records):
         out["compare_predicted_step_ms"] = statistics.mean(r["compare_step_ms"] for r in records)

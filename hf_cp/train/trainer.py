@@ -264,6 +264,9 @@ class CPTrainer(Trainer):
             "index": step.index,
             "epoch": step.epoch,
             "step_in_epoch": ps.batch.step_in_epoch if ps is not None else None,
+            # the Trainer's own `epoch` counts the whole run as one pass over the step loader
+            "data_epoch": (step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
+                           if ps is not None else float(step.epoch)),
             "global_step": self.state.global_step + 1,
             "num_samples": len(step.plan.sample_ids),
             "global_tokens": step.plan.total_tokens,
