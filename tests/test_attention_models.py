@@ -13,7 +13,7 @@ import torch
 
 from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from hf_cp.shard import ShardMode
-from test_attention_distributed import group_documents, member_rows
+from test_attention_distributed import _expected_bytes, group_documents, member_rows
 
 TOL = 1e-5
 
@@ -65,7 +65,10 @@ def _loss_sum(logits, labels):
 def _worker(rank, world, model_name, layout, modes, checkpointing=False):
     import torch.distributed as dist
 
-    from hf_cp.attention import CPContext, cp_context
+    from dataclasses import replace
+
+    from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
+    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
 
     groups = layout["groups_ranks"]
     pgs = [process_group(g) for g in groups]
@@ -97,10 +100,15 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
         ctx = CPContext(group=pgs[gi], group_ranks=tuple(groups[gi]), member=member, mode=mode,
                         distributed_lengths=tuple(layout["distributed"][gi]),
                         local_lengths=tuple(layout["locals"][gi][member]))
+        COMM_COUNTER.reset()
         with cp_context(ctx):
             logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
             loss = _loss_sum(logits, labels[rows]) / n_valid
             loss.backward()
+        comm = COMM_COUNTER.snapshot()
+        cost = CostModel(ModelDims.from_hf_config(model.config.to_dict()),
+                         replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4))
+        per_layer = _expected_bytes(cost, mode, layout["distributed"][gi], len(groups[gi]), member)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
         grad_err, worst = 0.0, ""
@@ -112,7 +120,9 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
                 grad_err, worst = e, n
         results.append(dict(model=model_name, mode=mode.value, rank=rank, loss=total_loss.item(), ref_loss=ref_loss,
                             logits_err=(logits.detach() - ref_logits[gi][rows]).abs().max().item(),
-                            grad_err=grad_err, worst_param=worst,
+                            grad_err=grad_err, worst_param=worst, bytes_sent=comm.bytes_sent,
+                            # recomputed forwards send their bytes again: no formula for that case
+                            expected_bytes=None if checkpointing else model.config.num_hidden_layers * per_layer,
                             grad_scale=max(v.abs().max().item() for v in ref_grads.values())))
     return results
 
@@ -127,6 +137,8 @@ def _check(rows):
         assert r["logits_err"] <= TOL, r
         assert r["grad_err"] <= TOL, r
         assert r["grad_scale"] > 1e-3, "reference gradients vanish: the comparison would prove nothing"
+        if r["expected_bytes"] is not None:
+            assert r["bytes_sent"] == r["expected_bytes"], f"bytes sent differ from layers x cost formula: {r}"
 
 
 @pytest.mark.timeout(240)
