@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -220,7 +221,21 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240) -> subprocess.
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(spec.get("port") or free_port()), "-m", "hf_cp.train.testing", str(spec_file)]
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+    # own session: on a timeout (a hung collective) the launcher *and* its workers are killed
+    with subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM lets torchrun stop its workers (they run in sessions of their own)
+            p.send_signal(signal.SIGTERM)
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate(timeout=30)
+            raise TimeoutError(f"distributed job did not finish in {timeout} s (killed):\n{err[-8000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if proc.returncode != 0:
         raise RuntimeError(f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
