@@ -161,6 +161,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     args = training_arguments(tcfg, src)
     trainer = CPTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
+    if str(args.save_strategy) not in ("no", "SaveStrategy.NO"):
+        trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
     if trainer.cp_rank == 0:
         world = trainer.cp_world
         print(f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
