@@ -24,7 +24,8 @@ from .sampler import GlobalBatch, GlobalBatchSampler
 
 def check_members_hold_tokens(plan: StepPlan) -> None:
     """Every member of a group with distributed documents must hold some of their tokens: a
-    member with an empty shard would run attention collectives on an empty micro-batch."""
+    zero-token micro-batch cannot run through a transformers model (its mask preprocessing,
+    masking_utils.find_packed_sequence_indices, indexes the last position)."""
     lens = plan.length_of()
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
