@@ -138,6 +138,16 @@ def training_arguments(tcfg: dict, source: str):
         raise TrainConfigError(f"{source}: training: {e}") from None
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group in step: exiting with gloo's threads still attached to live
+    groups can abort the interpreter (std::terminate) after training finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     import torch
 
@@ -170,6 +180,7 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
         for line in trainer.cp_summary():
             print("  " + line)
         print(f"  logs and per-step history: {args.output_dir}")
+    shutdown_distributed()
     return 0
 
 

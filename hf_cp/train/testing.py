@@ -201,6 +201,9 @@ def run_job(spec: dict) -> None:
         params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save(params, out / "params.pt")
         (out / "history.json").write_text(json.dumps(trainer.cp_history))
+    from .main import shutdown_distributed
+
+    shutdown_distributed()
 
 
 def free_port() -> int:
