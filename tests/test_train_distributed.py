@@ -99,6 +99,20 @@ def test_two_processes_ring_zigzag_equal_single_process(tmp_path):
     assert any(int(g) == 2 for r in history(spec) for g in r["cp_size_samples"])  # really distributed
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", ["ring_per_doc", pytest.param("ulysses", marks=pytest.mark.slow),
+                                  pytest.param("ring_zigzag", marks=pytest.mark.slow)])
+def test_members_with_empty_shards_run_padding_and_stay_exact(tmp_path, mode):
+    # every sample distributed over both ranks on its own: the 1-token ones leave rank 1 empty
+    lengths = [1, 40, 2, 1, 30, 3]
+    spec = dict(lengths=lengths, tokens_per_step=40, max_tokens_per_rank=64, steps=3,
+                balancer=f"spread_{mode}", out=str(tmp_path / mode))
+    empty = [s for s, n in enumerate(lengths) if n == 1]
+    assert empty, "the case needs samples shorter than the split"
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    assert_matches_reference(spec)
+
+
 # ---------------------------------------------------------------------------------- slow matrix
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT + 120)

@@ -185,19 +185,15 @@ def test_single_process_trainer_matches_reference(tmp_path):
     assert [h["cp/data_epoch"] for h in logged] == pytest.approx([0.25, 0.5, 0.75])  # 3 of the epoch's 4 steps
 
 
-def test_planner_rejects_a_distributed_group_member_without_tokens():
-    from hf_cp.plan import PlanError
-
-    class TooShort:
-        name = "too_short"
-
-        def plan(self, req):
-            plan = req.empty_plan(self.name)
-            plan.waves.append(Wave([Group(ranks=(0, 1, 2, 3), distributed=list(req.sample_ids),
-                                          mode=ShardMode.RING_PER_DOC)]))
-            return plan
-
-    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
-    sampler = GlobalBatchSampler([3, 2], 100, shuffle=False)  # 8 parts per document: rank 3 gets none
-    with pytest.raises(PlanError, match="rank 3 holds no token"):
-        Planner(sampler, TooShort(), ClusterSpec(4, 64), cost, lookahead=0).get(0)
+def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
+    plan = StepPlan(world_size=4, max_tokens_per_rank=64, sample_ids=[0, 1], lengths=[3, 2],
+                    waves=[Wave([Group(ranks=(0, 1, 2, 3), distributed=[0, 1], mode=ShardMode.RING_PER_DOC)])])
+    plan.validate(ClusterSpec(4, 64))
+    rows = {0: ([5, 6, 7], None), 1: ([8, 9], None)}
+    collate = PlanCollator(lambda sid: rows[sid])
+    mb = collate.micro_batch(plan, 0, plan.waves[0].groups[0], 3)  # 8 parts per document: rank 3 holds none
+    assert mb.context.segments() == []
+    assert mb.input_ids.shape == (1, 1) and mb.shift_labels.tolist() == [[IGNORE_INDEX]]
+    assert mb.context.local_lengths == (1,) and mb.local_ids == []
+    full = collate.micro_batch(plan, 0, plan.waves[0].groups[0], 0)
+    assert full.context.local_lengths == () and full.num_tokens == 2  # members with tokens get no padding

@@ -119,8 +119,17 @@ class PlanCollator:
                 tgts.append(full_targets[seg.doc][sl])
                 pos.append(np.arange(seg.start, seg.start + seg.length, dtype=np.int64))
                 pieces.append(seg.length)
-        cat = (lambda parts: torch.from_numpy(np.concatenate(parts))[None] if parts
-               else torch.zeros(1, 0, dtype=torch.long))
+        if not pieces:
+            # A member whose shard of the distributed documents is empty (documents shorter than
+            # the group's split) still joins the group's collectives; a zero-token batch cannot
+            # pass transformers' mask preprocessing, so it runs one local padding token whose
+            # target is ignored: no loss, no gradient, the same collectives.
+            ids.append(np.zeros(1, dtype=np.int64))
+            tgts.append(np.full(1, IGNORE_INDEX, dtype=np.int64))
+            pos.append(np.zeros(1, dtype=np.int64))
+            pieces.append(1)
+            local_lengths.append(1)
+        cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
         cu = torch.tensor(np.concatenate([[0], np.cumsum(pieces)]) if pieces else [0], dtype=torch.int32)
         ctx = CPContext(group=None, group_ranks=tuple(group.ranks), member=member, mode=ShardMode(group.mode),
                         distributed_lengths=tuple(dist_lengths), local_lengths=tuple(local_lengths))

@@ -16,28 +16,9 @@ from typing import Dict, Optional
 from ..balance import PlanRequest, get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel
-from ..plan import PlanError, StepPlan
-from ..shard import rank_segments
+from ..plan import StepPlan
 from ..sim import SimResult, simulate
 from .sampler import GlobalBatch, GlobalBatchSampler
-
-
-def check_members_hold_tokens(plan: StepPlan) -> None:
-    """Every member of a group with distributed documents must hold some of their tokens: a
-    zero-token micro-batch cannot run through a transformers model (its mask preprocessing,
-    masking_utils.find_packed_sequence_indices, indexes the last position)."""
-    lens = plan.length_of()
-    for w, wave in enumerate(plan.waves):
-        for g in wave.groups:
-            if not g.distributed or g.size == 1:
-                continue
-            dl = [lens[s] for s in g.distributed]
-            for m, r in enumerate(g.ranks):
-                if not rank_segments(g.mode, dl, g.size, m):
-                    raise PlanError(f"step {plan.step} ({plan.balancer}), wave {w}: rank {r} holds no token of the "
-                                    f"documents {g.distributed} (lengths {dl}) distributed over {list(g.ranks)} with "
-                                    f"{g.mode.value}; distribute only documents long enough to give every member a "
-                                    f"shard (at least {2 * g.size} tokens for ring modes)")
 
 
 @dataclass
@@ -87,7 +68,6 @@ class Planner:
         plan = self.balancer.plan(req)
         planner_ms = (time.perf_counter() - t0) * 1e3
         plan.validate(self.cluster)
-        check_members_hold_tokens(plan)
         if list(plan.sample_ids) != list(batch.sample_ids):
             raise ValueError(f"step {index}: balancer {self.balancer_name!r} returned a plan for other samples")
         compare = None

@@ -132,10 +132,29 @@ class FixedModeBalancer:
         return plan
 
 
+class SpreadEveryDocBalancer:
+    """Every sample alone in its own wave, distributed over the whole world with `mode`:
+    samples shorter than the split leave some members with an empty shard."""
+
+    def __init__(self, mode):
+        self.mode = ShardMode(mode)
+        self.name = f"spread_{self.mode.value}"
+
+    def plan(self, req):
+        from ..plan import Group, Wave
+
+        plan = req.empty_plan(self.name)
+        ranks = tuple(range(req.cluster.world_size))
+        plan.waves = [Wave([Group(ranks=ranks, distributed=[s], mode=self.mode)]) for s in req.sample_ids]
+        return plan
+
+
 def balancer_for(name: str):
-    """A FixedModeBalancer for names fixed_<mode>, else None (use the registry)."""
+    """Scripted balancers for names fixed_<mode> and spread_<mode>, else None (use the registry)."""
     if name.startswith("fixed_"):
         return FixedModeBalancer(name[len("fixed_"):])
+    if name.startswith("spread_"):
+        return SpreadEveryDocBalancer(name[len("spread_"):])
     return None
 
 
