@@ -197,3 +197,22 @@ def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
     assert mb.context.local_lengths == (1,) and mb.local_ids == []
     full = collate.micro_batch(plan, 0, plan.waves[0].groups[0], 0)
     assert full.context.local_lengths == () and full.num_tokens == 2  # members with tokens get no padding
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "train_dataset is empty"),
+    ([{"input_ids": [1, 2, 3], "length": 3}, {"input_ids": [4, 5], "length": 7}],
+     "sample 1 has length column 7 but 2 input_ids"),
+    ([{"text": "not tokenised"}], "no 'input_ids' column"),
+])
+def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
+    from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+    from hf_cp.train.testing import tiny_model
+
+    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                               cp_max_tokens_per_rank=256, cp_tokens_per_step=500, cp_compare_balancer=None)
+    ds = Dataset.from_list(rows) if rows else Dataset.from_dict({"input_ids": []})
+    with pytest.raises(ValueError, match=message):
+        CPTrainer(model=tiny_model(0), args=args, train_dataset=ds)
