@@ -20,7 +20,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
+from .shard import Segment, ShardMode, check_ulysses_heads, doc_pairs, rank_segments, segment_tokens
 
 PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -327,12 +327,7 @@ class CostModel:
         return elems * self.profile.bytes_per_element
 
     def check_ulysses(self, group_size: int) -> None:
-        """Ulysses splits heads: q heads must divide, kv heads must divide or be replicable."""
-        h, hkv, g = self.dims.num_heads, self.dims.num_kv_heads, group_size
-        if h % g:
-            raise ValueError(f"Ulysses over {g} ranks needs num_heads divisible by {g}; the model has {h}")
-        if (hkv >= g and hkv % g) or (hkv < g and g % hkv):
-            raise ValueError(f"Ulysses over {g} ranks: num_kv_heads {hkv} neither divides nor is divisible by {g}")
+        check_ulysses_heads(self.dims.num_heads, self.dims.num_kv_heads, group_size)
 
     def ring_bytes_per_layer(self, next_rank_tokens: int, total_tokens: int, group_size: int) -> int:
         """Bytes one rank sends per layer (fwd+bwd) in ring attention.

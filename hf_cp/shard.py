@@ -111,3 +111,17 @@ def segment_tokens(segments: Sequence[Segment]) -> int:
 
 def segment_pairs(segments: Sequence[Segment]) -> int:
     return sum(causal_pairs(s.start, s.length) for s in segments)
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, group_size: int) -> None:
+    """Ulysses splits heads: q heads must divide by the group, kv heads divide or replicate evenly."""
+    g = group_size
+    if num_heads % g:
+        raise ValueError(f"Ulysses over a CP group of {g} ranks needs the number of query heads to be divisible "
+                         f"by {g}; the model has {num_heads} query heads. Use a ring mode "
+                         f"(ShardMode.RING_PER_DOC / RING_ZIGZAG) or a group size that divides {num_heads}.")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if (num_kv_heads >= g and num_kv_heads % g) or (num_kv_heads < g and g % num_kv_heads):
+        raise ValueError(f"Ulysses over {g} ranks: {num_kv_heads} kv heads neither divide into {g} groups nor "
+                         f"replicate evenly to {g} ranks; use a ring mode for this group size")

@@ -70,5 +70,5 @@ def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
     p = StepPlan(world_size=8, max_tokens_per_rank=32768, sample_ids=[0], lengths=[50000],
                  waves=[Wave([Group(ranks=tuple(range(8)), distributed=[0], mode=ShardMode.ULYSSES)])])
     p.validate(cl)  # structurally fine
-    with pytest.raises(PlanError, match="needs num_heads divisible by 8; the model has 28"):
+    with pytest.raises(PlanError, match=r"group \[0, 1, 2, 3, 4, 5, 6, 7\]: Ulysses over a CP group of 8 ranks needs the number of query heads to be divisible by 8"):
         p.validate(cl, h200_cost)
