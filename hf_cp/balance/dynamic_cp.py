@@ -21,7 +21,6 @@ work before it and reach it at the same moment.
 """
 from __future__ import annotations
 
-import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -32,7 +31,7 @@ from ..shard import ShardMode
 from ..sim import simulate
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, WaveBuilder, block_ranks, cost_memo, pick_ring_mode, split_to_cap
+from .common import CostMemo, WaveBuilder, block_ranks, cost_memo, lpt_assign, pick_ring_mode, split_to_cap
 
 DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125)
 
@@ -101,45 +100,16 @@ def fill_ranks(weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2,
     """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
     sample, final loads).
 
-    Samples heavier than `light_fraction` of the mean final load (and at least the
-    `exact_per_rank` x world heaviest) go one by one to the least loaded rank (LPT). The
-    light tail is spread in one vectorised pass: the level L with
-    sum(max(0, L - load)) = tail weight is found, the ranks' gaps below L are laid end to end,
-    and each tail sample (heaviest first) goes to the rank whose gap holds its midpoint, so
-    every rank ends within one light sample of L.
+    common.lpt_assign with a finer exact part: samples heavier than `light_fraction` of the
+    mean final load (and at least the `exact_per_rank` x world heaviest) go one by one to the
+    least loaded rank; the light tail is water-filled, so every rank ends within one light
+    sample of a common level.
     """
     world = len(loads)
-    loads = np.array(loads, dtype=np.float64)
-    rank_of = np.zeros(len(weights), dtype=np.int64)
-    if len(weights) == 0:
-        return rank_of, loads
-    order = np.argsort(-weights, kind="stable")
-    mean_final = (float(weights.sum()) + float(loads.sum())) / world
-    k = max(min(len(order), exact_per_rank * world), int(np.count_nonzero(weights > light_fraction * mean_final)))
-    heap = [(l, r) for r, l in enumerate(loads.tolist())]
-    heapq.heapify(heap)
-    wl = weights.tolist()
-    for i in order[:k].tolist():
-        l, r = heap[0]
-        rank_of[i] = r
-        heapq.heapreplace(heap, (l + wl[i], r))
-    for l, r in heap:
-        loads[r] = l
-    tail = order[k:]
-    if len(tail):
-        w = weights[tail]
-        by_load = np.argsort(loads, kind="stable")
-        sorted_loads = loads[by_load]
-        # level if the j lowest ranks are raised to it; take the largest j where it is consistent
-        levels = (w.sum() + np.cumsum(sorted_loads)) / np.arange(1, world + 1)
-        j = int(np.flatnonzero(levels >= sorted_loads)[-1])
-        gaps = np.maximum(0.0, levels[j] - sorted_loads)
-        ends = np.cumsum(gaps)
-        mids = np.cumsum(w) - w / 2.0
-        pos = np.minimum(np.searchsorted(ends, mids, side="right"), world - 1)
-        rank_of[tail] = by_load[pos]
-        np.add.at(loads, by_load[pos], w)
-    return rank_of, loads
+    weights = np.asarray(weights, dtype=np.float64)
+    mean_final = (float(weights.sum()) + float(np.sum(loads))) / world
+    exact = max(min(len(weights), exact_per_rank * world), int(np.count_nonzero(weights > light_fraction * mean_final)))
+    return lpt_assign(weights, world, loads, exact_items=exact)
 
 
 def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> List[Tuple[int, np.ndarray]]:
