@@ -61,3 +61,28 @@ def test_registry_accepts_plugins_and_rejects_unknown_names():
     assert isinstance(get_balancer("test_everything_on_rank0"), Rank0)
     with pytest.raises(KeyError, match="unknown balancer 'nope'; available: .*static"):
         get_balancer("nope")
+
+
+def naive_first_fit(weights, capacity):
+    bins, loads = [], []
+    for i, w in enumerate(weights):
+        for b, load in enumerate(loads):
+            if load + w <= capacity:
+                bins[b].append(i)
+                loads[b] += w
+                break
+        else:
+            bins.append([i])
+            loads.append(w)
+    return bins
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=300), st.integers(100, 400))
+def test_tree_first_fit_equals_naive_first_fit(weights, capacity):
+    from hf_cp.balance.packing import first_fit
+
+    assert first_fit(list(range(len(weights))), weights, capacity) == naive_first_fit(weights, capacity)

@@ -20,23 +20,28 @@ class FirstFitPacker:
         self.loads: List[int] = []
 
     def add(self, item: int, weight: int) -> int:
+        tree, size = self.tree, self.size
         if weight > self.capacity:
             raise ValueError(f"item {item} weighs {weight}, more than the bin capacity {self.capacity}")
-        if self.tree[1] < weight:
-            raise ValueError(f"more than {self.size} bins needed")
+        if tree[1] < weight:
+            raise ValueError(f"more than {size} bins needed")
         i = 1
-        while i < self.size:  # descend to the leftmost leaf with room
-            i = 2 * i if self.tree[2 * i] >= weight else 2 * i + 1
-        b = i - self.size
-        while len(self.bins) <= b:
+        while i < size:  # descend to the leftmost leaf with room
+            i = 2 * i if tree[2 * i] >= weight else 2 * i + 1
+        b = i - size
+        if b == len(self.bins):  # bins open left to right: the new one is the next
             self.bins.append([])
             self.loads.append(0)
         self.bins[b].append(item)
         self.loads[b] += weight
-        self.tree[i] -= weight
+        tree[i] -= weight
         i //= 2
-        while i:
-            self.tree[i] = max(self.tree[2 * i], self.tree[2 * i + 1])
+        while i:  # refresh maxima upwards; stop once a node's maximum is unchanged
+            left, right = tree[2 * i], tree[2 * i + 1]
+            m = left if left >= right else right
+            if tree[i] == m:
+                break
+            tree[i] = m
             i //= 2
         return b
 
