@@ -15,6 +15,7 @@ from ..cost import CostModel
 from ..lengths import read_lengths, step_batches
 from ..plan import PlanError, StepPlan
 from ..sim import SimResult, lower_bound_ms, simulate
+from .formatting import HelpFormatter
 
 
 def add_parser(sub) -> None:
@@ -25,7 +26,7 @@ def add_parser(sub) -> None:
                     "with the cost model (--model dimensions on --profile hardware) and print predicted step "
                     "time, lower bound, balance, communication and memory. With --plan-json, simulate plans "
                     "made elsewhere instead.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="text file with one token count per line, or a saved dataset folder "

@@ -5,14 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones (None / off), whose help says what happens."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+from .formatting import HelpFormatter
 
 
 def add_parser(sub) -> None:
@@ -27,7 +20,7 @@ def add_parser(sub) -> None:
                     "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
         epilog="example: hf-cp preprocess hf_cp/data/chat_sample.jsonl --tokenizer outputs/smollm2-135m-instruct "
                "--out outputs/smollm2-chat --max-length 1024 --overlong truncate --plot lengths.png",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("input", help="a .json/.jsonl/.parquet/.csv file (optionally .gz), a saved dataset folder, or a Hub "
                                  "dataset name")

@@ -5,6 +5,8 @@ import argparse
 import shlex
 import sys
 
+from .formatting import HelpFormatter
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -14,7 +16,7 @@ def add_parser(sub) -> None:
                     "downloaded) and its attention over document compositions, query-chunk lengths and head "
                     "splits; fit the cost model's c1 (per token), c2 (per causal pair) and c0 (per micro-batch); "
                     "print the fit quality and write a profile for `hf-cp plan --profile`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="model config: a name under configs/models, a config.json, or "
                                                   "a model folder")

@@ -5,6 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .formatting import HelpFormatter
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -14,7 +16,7 @@ def add_parser(sub) -> None:
                     "--model on the rank's local documents and shards, communication excluded) one rank after "
                     "the other on one device; print measured time per rank beside the cost model's prediction, "
                     "measured max/mean and the per-rank prediction error.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("plan", metavar="PLAN.json", help="output of `hf-cp plan --json`, a list of plans, or one plan")
     p.add_argument("--model", required=True, help="model config: a name under configs/models, a config.json, or "

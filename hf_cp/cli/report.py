@@ -4,14 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except the empty ones (None / off), whose help says what happens."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
+from .formatting import HelpFormatter
 
 
 def add_parser(sub) -> None:
@@ -23,7 +16,7 @@ def add_parser(sub) -> None:
                     "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step time) "
                     "and cp_sizes.png (samples per CP group size per step).",
         epilog="example: hf-cp report outputs/smollm2-cpu --out outputs/smollm2-cpu/report",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("run_dir", help="the training run's output directory")
     p.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/report)")

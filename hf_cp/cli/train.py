@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+from .formatting import HelpFormatter
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -18,7 +20,7 @@ def add_parser(sub) -> None:
         description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/main.py). "
                     "Under a launcher every process runs this command; with --nproc N it starts N local "
                     "processes itself (torch.distributed.run).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("config", help="training config YAML, e.g. configs/tiny-cpu.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
