@@ -6,9 +6,9 @@ unless it is larger than a node. Planners only pick from this registry.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 
 def is_power_of_two(n: int) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Sequence
 
 
 class PlanDisagreementError(RuntimeError):

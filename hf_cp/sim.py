@@ -14,7 +14,6 @@ from typing import Dict, List, Optional, Sequence
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
-from .shard import ShardMode
 
 
 @dataclass

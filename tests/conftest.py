@@ -21,3 +21,13 @@ def traces_dir():
     if not TRACES.exists():
         pytest.fail(f"shared traces not found at {TRACES}: the repository expects ../shared beside it")
     return TRACES
+
+
+@pytest.fixture
+def one_torch_thread():
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

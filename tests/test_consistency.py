@@ -1,7 +1,5 @@
 import time
 
-import pytest
-
 from dist_utils import run_distributed
 
 

@@ -1,6 +1,3 @@
-import copy
-import json
-
 import pytest
 from hypothesis import given, settings, strategies as st
 

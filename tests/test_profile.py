@@ -18,12 +18,8 @@ from hf_cp.profiling.layers import DecoderStack, RankWork
 from hf_cp.profiling.shard_attention import SegmentLayout
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+# timings and fits measured with one thread, as `hf-cp profile` does by default
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- shard attention

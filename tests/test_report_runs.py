@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from hf_cp.cli import main
-from hf_cp.report.runs import read_run, summary_lines
+from hf_cp.report.runs import read_run
 from hf_cp.train.metrics import aggregate, max_over_mean
 
 WORLD = 4

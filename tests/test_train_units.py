@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from hf_cp.attention.context import CPContext
 from hf_cp.cluster import ClusterSpec

@@ -12,7 +12,7 @@ position_ids keep each token's position inside its own document (rotary embeddin
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Tuple
 
 from ..shard import Segment, ShardMode, rank_segments

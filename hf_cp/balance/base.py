@@ -1,7 +1,7 @@
 """The Balancer protocol, the request it plans, and the checks every balancer shares."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from ..cluster import ClusterSpec

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 

@@ -1,7 +1,6 @@
 """`hf-cp plan`: plan (or re-simulate) steps and report what a balanced plan buys."""
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time

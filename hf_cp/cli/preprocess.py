@@ -1,7 +1,6 @@
 """`hf-cp preprocess`: tokenise a dataset for CP training and report what its lengths cost."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """`hf-cp profile`: fit the cost model on this device and write a profile the planner loads."""
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 

@@ -1,7 +1,6 @@
 """`hf-cp replay`: run a plan's per-rank compute on this device, next to the cost model's prediction."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """`hf-cp report RUN_DIR`: draw a training run's balance metrics into PNGs."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from .formatting import HelpFormatter

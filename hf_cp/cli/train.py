@@ -5,7 +5,6 @@ Runs in this process; start several with a launcher (accelerate launch / torchru
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Iterable, List, Mapping
+from typing import List, Mapping
 
 SAMPLE_FILE = Path(__file__).resolve().parent / "longtail_sample.jsonl.gz"
 IGNORE_INDEX = -100

@@ -15,7 +15,7 @@ turns render the same whatever follows), which is checked per sample.
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 IGNORE_INDEX = -100
 CHAT_MASKS = ("assistant", "last-assistant", "none")

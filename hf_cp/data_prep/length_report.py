@@ -118,10 +118,9 @@ def length_report(lengths: Sequence[int], cost: CostModel, trained_tokens: Optio
 
 
 def plot_length_report(report: LengthReport, out: Union[str, Path], title: str = "") -> Path:
-    import matplotlib
+    from ..report.figures import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [b.label for b in report.buckets]
     x = np.arange(len(labels))
@@ -142,9 +141,4 @@ def plot_length_report(report: LengthReport, out: Union[str, Path], title: str =
     ax2.set_xlabel("sample length (tokens)")
     ax2.set_xticks(x, labels, rotation=45, ha="right")
     ax2.legend(title=f"{report.model} on {report.profile}" if report.model else None, fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
+from .figures import pyplot, save_figure
+
 SOURCES = ("history", "trainer-state", "tensorboard")
 
 
@@ -201,25 +203,8 @@ def correlation(pairs) -> float:
     return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    _plt().close(fig)
-    return out
-
-
 def plot_rank_times(s: RunSeries, out: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     W = s.world
     cmap = plt.get_cmap("tab10" if W <= 10 else "viridis", max(W, 2))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
@@ -242,11 +227,11 @@ def plot_rank_times(s: RunSeries, out: Path) -> Path:
     ax2.set_ylabel("measured (ms)")
     rho = correlation(pairs) if len(pairs) > 2 else float("nan")
     ax2.set_title(f"every (step, rank); corr {rho:.2f}")
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_imbalance(s: RunSeries, out: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     has_step = any(v is not None for v in s.predicted_step_ms)
     fig, axes = plt.subplots(1, 2 if has_step else 1, figsize=(13 if has_step else 8, 4.5), squeeze=False)
     ax = axes[0][0]
@@ -269,16 +254,16 @@ def plot_imbalance(s: RunSeries, out: Path) -> Path:
         ax.set_ylabel("ms")
         ax.set_title("step time")
         ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     sizes = sorted({g for h in s.cp_size_samples for g in h})
     fig, ax = plt.subplots(figsize=(10, 4.5))
     if not sizes:
         ax.text(0.5, 0.5, "no CP-size counts in the logs", ha="center", va="center", transform=ax.transAxes)
-        return _save(fig, out)
+        return save_figure(fig, out)
     cmap = plt.get_cmap("viridis", max(len(sizes), 2))
     bottom = [0.0] * len(s.steps)
     xs = list(range(len(s.steps)))
@@ -291,7 +276,7 @@ def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
     ax.set_ylabel("samples")
     ax.set_title("samples per CP group size" + ("" if s.per_step else " (per logging interval)"))
     ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def write_report(s: RunSeries, out_dir: Union[str, Path]) -> List[Path]:

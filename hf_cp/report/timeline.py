@@ -5,13 +5,11 @@ from pathlib import Path
 from typing import Union
 
 from ..sim import SimResult
+from .figures import pyplot, save_figure
 
 
 def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     W = sim.world_size
@@ -36,9 +34,4 @@ def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Pat
     handles = [Patch(color=color[g], label=f"group of {g}") for g in sizes]
     handles.append(Patch(color="grey", alpha=0.25, label="waiting on group / idle inside group"))
     ax.legend(handles=handles, loc="lower right", fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
