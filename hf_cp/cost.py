@@ -100,6 +100,18 @@ class ModelDims:
         return cls.from_hf_config(cfg, source=str(p))
 
 
+def read_yaml_mapping(path: Union[str, Path], what: str, expect: str = "a mapping at top level",
+                      error: type = ConfigError) -> dict:
+    """A YAML file that must hold a mapping, read with the safe loader (no code from files)."""
+    try:
+        d = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise error(f"{what} {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise error(f"{what} {path}: expected {expect}")
+    return d
+
+
 def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
     p = Path(name_or_path)
     if p.exists():
@@ -185,13 +197,7 @@ class HardwareProfile:
     @classmethod
     def load(cls, name_or_path: Union[str, Path]) -> "HardwareProfile":
         p = resolve_config(name_or_path, "profiles", (".yaml", ".yml"))
-        try:
-            d = yaml.safe_load(p.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"profile {p}: {e}") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"profile {p}: expected a mapping at top level")
-        return cls.from_dict(d, source=str(p))
+        return cls.from_dict(read_yaml_mapping(p, "profile"), source=str(p))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -95,6 +95,16 @@ class StepPlan:
             t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
         return t
 
+    def cp_size_of_samples(self) -> Dict[int, int]:
+        """Sample id -> ranks it runs on (the group size if distributed, 1 if local)."""
+        out: Dict[int, int] = {}
+        for wave in self.waves:
+            for g in wave.groups:
+                out.update({s: g.size for s in g.distributed})
+                for ids in g.local.values():
+                    out.update({s: 1 for s in ids})
+        return out
+
     @property
     def total_tokens(self) -> int:
         return sum(self.lengths)

@@ -13,18 +13,6 @@ def request(lengths, world, cost, cap=32768):
     return PlanRequest(list(range(len(lengths))), lengths, ClusterSpec(world, cap), cost)
 
 
-def cp_size_of(plan):
-    out = {}
-    for w in plan.waves:
-        for g in w.groups:
-            for s in g.distributed:
-                out[s] = g.size
-            for ids in g.local.values():
-                for s in ids:
-                    out[s] = 1
-    return out
-
-
 def test_memory_pass_gives_the_smallest_group_that_holds_each_sample(h200_cost):
     req = request([1000, 32768, 32769, 70000, 200000], 16, h200_cost)
     sizes = memory_min_sizes(cost_memo(h200_cost), np.asarray(req.lengths), req)
@@ -48,7 +36,7 @@ def test_workload_pass_cuts_a_sample_over_the_quota_finer(h200_cost):
     assert (sizes[1:] == 1).all()
     plan = get_balancer("dynamic_cp").plan(req)
     plan.validate(req.cluster)
-    assert cp_size_of(plan)[0] >= 4
+    assert plan.cp_size_of_samples()[0] >= 4
 
 
 def test_no_group_ever_waits_for_a_member(h200_cost):
@@ -65,7 +53,7 @@ def test_no_group_ever_waits_for_a_member(h200_cost):
         for r in run.ranks:
             assert run.start_ms == pytest.approx(clock[r], abs=1e-6)
             clock[r] = run.start_ms + run.duration_ms
-    assert len({cp_size_of(plan)[s] for s in range(5)}) >= 2
+    assert len({plan.cp_size_of_samples()[s] for s in range(5)}) >= 2
 
 
 def test_beats_static_and_stays_near_the_bound_on_a_real_long_tail(h200_cost, traces_dir):

@@ -39,13 +39,7 @@ def test_plan_follows_megatrons_own_schedule(h200_cost):
     assert sorted(megatron_cp) == list(range(len(LENGTHS)))
     plan = get_balancer("megatron").plan(req).validate(req.cluster)
     assert plan.balancer == "megatron"
-    ours = {}
-    for w in plan.waves:
-        for g in w.groups:
-            for s in g.distributed:
-                ours[s] = g.size
-            for ids in g.local.values():
-                ours.update({s: 1 for s in ids})
+    ours = plan.cp_size_of_samples()
     assert ours == megatron_cp
     # the long sample needs 8 ranks of 32K at least (Megatron: next power of two of 150K/32K)
     assert ours[0] == 8

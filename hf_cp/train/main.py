@@ -24,6 +24,8 @@ from typing import List, Optional
 
 import yaml
 
+from ..cost import read_yaml_mapping
+
 ROOT = Path(__file__).resolve().parents[2]
 PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
 
@@ -44,12 +46,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     p = Path(path)
     if not p.exists() and (ROOT / p).exists():
         p = ROOT / p
-    try:
-        cfg = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise TrainConfigError(f"training config {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise TrainConfigError(f"training config {path}: expected a mapping with model/data/training sections")
+    cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
         raise TrainConfigError(f"training config {path}: unknown section(s) {sorted(unknown)}; "
