@@ -53,7 +53,11 @@ def assert_plans_agree(digest: str, step: int, group=None) -> None:
 
 @contextlib.contextmanager
 def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch") -> Iterator[None]:
-    """Re-raise a failed or timed-out collective with the step, wave and group it belongs to."""
+    """Re-raise a failed or timed-out collective with the step, wave and group it belongs to.
+
+    Inside a wave a rank issues its CP group's collectives (attention) and, in backward, the
+    data-parallel gradient reduction over all ranks; a one-rank group has only the latter.
+    """
     try:
         yield
     except RuntimeError as e:
@@ -61,7 +65,13 @@ def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str
             raise
         text = str(e)
         if any(k in text.lower() for k in ("timed out", "timeout", "connection", "gloo", "nccl", "closed")):
+            ranks = list(group_ranks)
+            where = (f"the gradient reduction over all ranks during the local {what} of rank {ranks[0]}"
+                     if len(ranks) == 1 else
+                     f"a collective of the {what} on CP group {ranks} (or the gradient reduction over all "
+                     f"ranks in its backward)")
             raise CollectiveStallError(
-                f"step {step}, wave {wave}: a collective of the {what} on group {list(group_ranks)} failed "
-                f"or stalled: {text.splitlines()[0] if text else type(e).__name__}") from e
+                f"step {step}, wave {wave}: {where} failed or stalled: "
+                f"{text.splitlines()[0] if text else type(e).__name__}. A rank that died names the cause in its "
+                f"own log; a rank that was only slow needs a larger ddp_timeout") from e
         raise

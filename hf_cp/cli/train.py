@@ -25,15 +25,30 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, e.g. --set training.max_steps=5 (repeatable)")
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes (0: run in this one)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="with --nproc: restart all processes up to this many times when one dies, resuming from "
+                        "the newest checkpoint (sets resume_from_checkpoint=latest; save checkpoints with "
+                        "training.save_strategy=steps)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.max_restarts and args.max_restarts > 0 and not (args.nproc and args.nproc > 1):
+        raise SystemExit("hf-cp train: --max-restarts needs --nproc N (N > 1); under your own launcher pass "
+                         "its restart option instead (see README, Faults)")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               "-m", "hf_cp.train", args.config] + [x for o in args.overrides for x in ("--set", o)]
+        overrides = list(args.overrides)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        restarts = []
+        if args.max_restarts > 0:
+            # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.elastic)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+            restarts = ["--max-restarts", str(args.max_restarts)]
+            if not any(o.startswith("training.resume_from_checkpoint=") for o in overrides):
+                overrides.append("training.resume_from_checkpoint=latest")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+               *restarts, "-m", "hf_cp.train", args.config] + [x for o in overrides for x in ("--set", o)]
         return subprocess.call(cmd, env=env)
     from ..train.main import run as train_run
 

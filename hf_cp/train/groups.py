@@ -6,6 +6,7 @@ the trainer only looks groups up.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -14,7 +15,9 @@ from ..cluster import ClusterSpec
 
 
 class CPGroups:
-    def __init__(self, cluster: ClusterSpec, backend: Optional[str] = None):
+    def __init__(self, cluster: ClusterSpec, backend: Optional[str] = None, timeout: Optional[timedelta] = None):
+        """`timeout`: how long any collective of these groups may wait before it fails (the
+        training run's `ddp_timeout`); None keeps torch's default."""
         self.cluster = cluster
         self._groups: Dict[Tuple[int, ...], object] = {}
         self.control = None
@@ -28,9 +31,9 @@ class CPGroups:
                                f"{cluster.world_size}")
         # CPU-side agreement checks and metrics (plan digests, per-rank timings) go over gloo
         # whatever the default backend is: NCCL cannot carry CPU tensors
-        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo")
+        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo", timeout=timeout)
         for ranks in cluster.all_groups():
-            self._groups[ranks] = dist.new_group(list(ranks), backend=backend)
+            self._groups[ranks] = dist.new_group(list(ranks), backend=backend, timeout=timeout)
 
     def get(self, ranks) -> Optional[object]:
         """The process group of `ranks` (None for a single rank: no communication)."""

@@ -10,7 +10,9 @@ Config sections:
     data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
               input_ids (and labels) per line; limit: keep the first N samples
     training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
-              against the working directory, then the repository root
+              against the working directory, then the repository root.
+              ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
+              a job restartable (torchrun --max-restarts, see hf_cp.train.elastic)
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import List, Optional
 
@@ -28,6 +31,7 @@ from ..cost import read_yaml_mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
+DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
 
 
 class TrainConfigError(ValueError):
@@ -161,13 +165,15 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from accelerate import PartialState
 
-            PartialState(backend="gloo")
+            # the world group gets the run's collective timeout too (ddp_timeout, as on GPU)
+            PartialState(backend="gloo", timeout=timedelta(seconds=int(tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))))
     t0 = time.perf_counter()
     model = build_model(cfg.get("model") or {}, src)
     dataset = load_data(cfg.get("data") or {}, src)
     args = training_arguments(tcfg, src)
     trainer = CPTrainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
+    # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if str(args.save_strategy) not in ("no", "SaveStrategy.NO"):
         trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
     if trainer.cp_rank == 0:

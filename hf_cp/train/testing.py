@@ -197,7 +197,10 @@ def run_job(spec: dict) -> None:
     from .args import CPTrainingArguments
 
     skip_deepspeed_shm_build()
-    PartialState(backend="gloo")
+    from datetime import timedelta
+
+    timeout_s = spec.get("ddp_timeout", 1800)
+    PartialState(backend="gloo", timeout=timedelta(seconds=timeout_s))
     from datasets import Dataset
 
     rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
@@ -211,10 +214,12 @@ def run_job(spec: dict) -> None:
         learning_rate=spec.get("lr", 1e-3), lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=spec.get("max_grad_norm", 1.0), logging_steps=1, report_to="none",
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
-        disable_tqdm=True, dataloader_num_workers=0,
+        disable_tqdm=True, dataloader_num_workers=0, ddp_timeout=timeout_s,
     )
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                         balancer=balancer_for(spec["balancer"]))
+    if spec.get("fault"):
+        _inject_fault(trainer, model, **spec["fault"])
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
     if trainer.cp_rank == 0:
         params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
@@ -225,6 +230,35 @@ def run_job(spec: dict) -> None:
     shutdown_distributed()
 
 
+def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int = 0, seconds: float = 0) -> None:
+    """At the first forward of step `step` (0-based) on process `rank`, in torchrun restart
+    `attempt` only: `kill` SIGKILLs the process (a crashed node, an OOM-killed worker), `stall`
+    sleeps `seconds` (a hung rank) while the others wait in a collective."""
+    import time
+
+    from transformers import TrainerCallback
+
+    if kind not in ("kill", "stall"):
+        raise ValueError(f"fault kind {kind!r}: expected kill or stall")
+    if trainer.cp_rank != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != attempt:
+        return
+    armed = {"on": False}
+
+    class _Arm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            armed["on"] = state.global_step == step
+
+    def _fault(module, inputs):
+        if armed["on"]:
+            armed["on"] = False
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(seconds)
+
+    trainer.add_callback(_Arm())
+    model.model.layers[0].register_forward_pre_hook(_fault)
+
+
 def free_port() -> int:
     import socket
 
@@ -233,16 +267,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_distributed(spec: dict, nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run `run_job(spec)` on `nproc` gloo processes (torchrun); raise with the log on failure."""
+def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run `run_job(spec)` on `nproc` gloo processes (torchrun, restarting the whole job up to
+    `max_restarts` times when a worker dies); raise with the log on failure."""
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(spec.get("port") or free_port()), "-m", "hf_cp.train.testing", str(spec_file)]
+    port = str(spec.get("port") or free_port())
+    if max_restarts:
+        # restarts need a fresh store per attempt (see hf_cp.train.elastic)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts)]
+    else:
+        launch = ["--master_port", port]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *launch,
+           "-m", "hf_cp.train.testing", str(spec_file)]
     # own session: on a timeout (a hung collective) the launcher *and* its workers are killed
     with subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as p:

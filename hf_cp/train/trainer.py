@@ -15,8 +15,10 @@ gradient of the global batch.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,10 +35,13 @@ from ..consistency import assert_plans_agree, collective_scope
 from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep, valid_targets
+from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
 from .groups import CPGroups
 from .metrics import aggregate, summary_lines
 from .planner import Planner
 from .sampler import GlobalBatchSampler
+
+logger = logging.getLogger(__name__)
 
 try:  # registers attn_implementation="hf_cp" with transformers
     from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
@@ -160,7 +165,7 @@ class CPTrainer(Trainer):
         if self.cp_groups is None:
             if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
                 raise RuntimeError(f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}")
-            self.cp_groups = CPGroups(self.cp_cluster)
+            self.cp_groups = CPGroups(self.cp_cluster, timeout=timedelta(seconds=self.args.ddp_timeout))
         if self.cp_planner is None:
             a = self.args
             self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
@@ -281,6 +286,7 @@ class CPTrainer(Trainer):
             "cp_size_samples": {str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
             "waves": len(step.waves),
             "plan_digest": step.plan.digest(),
+            "attempt": restart_attempt(),  # torchrun restarts so far: which run trained this step
         }
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
@@ -311,11 +317,21 @@ class CPTrainer(Trainer):
                              self.args.cp_compare_balancer if compare else "")
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if self.args.cp_record_history and not resume_from_checkpoint:
-            # a fresh run starts a fresh history; a resumed one continues it
-            (Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl").unlink(missing_ok=True)
+        """`resume_from_checkpoint`: a checkpoint folder, True (the newest one, which must exist)
+        or "latest" (the newest one, else a fresh start: what a restarted job passes)."""
+        if self.cp_rank == 0:
+            for problem in restart_problems(self.args.save_strategy, resume_from_checkpoint):
+                logger.warning("hf_cp: %s", problem)
+        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if self.args.cp_record_history:
+            hist = Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl"
+            if resume is None:
+                hist.unlink(missing_ok=True)  # a fresh run starts a fresh history
+            else:
+                # a resumed one continues it from the checkpoint: steps after it run again
+                truncate_history(hist, checkpoint_step(resume))
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(resume, *args, **kwargs)
         finally:
             if self.cp_planner is not None:
                 self.cp_planner.close()

@@ -1,0 +1,124 @@
+"""Faults in real multi-process runs: a killed rank restarts the job from its last checkpoint,
+a stalled rank fails the others fast with the step, wave and group. Plus the restart helpers."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_cp.consistency import CollectiveStallError, collective_scope
+from hf_cp.train.elastic import (SHARED_STORE_ADVICE, checkpoint_step, resolve_resume, restart_problems,
+                                 truncate_history)
+from hf_cp.train.sampler import GlobalBatchSampler
+from hf_cp.train.testing import run_distributed
+from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
+
+
+def _history_lines(out: Path):
+    """Per rank: the cp_history records, in file order."""
+    return {f.name: [json.loads(ln) for ln in f.read_text().splitlines()]
+            for f in sorted((out / "cp_history").glob("rank*.jsonl"))}
+
+
+# ------------------------------------------------------------------ kill one rank, restart, resume
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_path):
+    # one epoch of 4 steps; checkpoint after step 2; rank 1 is SIGKILLed inside step 4's
+    # forward, so step 3 (trained but not saved) must be trained again, step 4 for the first time
+    assert len(GlobalBatchSampler(LENGTHS, TOKENS_PER_STEP, shuffle=False).epoch_batches(0)) == 4
+    spec = spec_for(tmp_path, "auto", steps=4, save_steps=2, tag="killed", resume_from="latest",
+                    fault=dict(kind="kill", rank=1, step=3, attempt=0))
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT, max_restarts=1)
+    out = Path(spec["out"])
+    per_rank = _history_lines(out)
+    assert sorted(per_rank) == ["rank0.jsonl", "rank1.jsonl"]
+    for name, recs in per_rank.items():
+        # the killed attempt's step 3 record was dropped at the resume; steps 3-4 come from the restart
+        assert [r["index"] for r in recs] == [0, 1, 2, 3], name
+        assert [r["attempt"] for r in recs] == [0, 0, 1, 1], f"{name}: the job did not restart"
+    trained = [s for recs in per_rank.values() for r in recs for s in r["trained_sample_ids"]]
+    assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
+    # and the interrupted run's parameters are the single-process run's
+    assert_matches_reference(spec)
+
+
+# ------------------------------------------------------------------ a stalled rank
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_stalled_rank_fails_the_job_within_the_timeout_naming_step_wave_and_group(tmp_path):
+    # every sample is spread over the group [0, 1] with Ulysses: rank 0 waits in its all-to-all
+    spec = spec_for(tmp_path, "fixed_ulysses", steps=3, tag="stall", ddp_timeout=4,
+                    fault=dict(kind="stall", rank=1, step=1, seconds=90))
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    elapsed = time.perf_counter() - t0
+    text = str(err.value)
+    assert "CollectiveStallError: step 1, wave 0" in text, text[-3000:]
+    assert "CP group [0, 1]" in text
+    assert "ddp_timeout" in text
+    assert elapsed < 60, f"the stall surfaced after {elapsed:.0f} s, not within the 4 s timeout (+ start-up)"
+
+
+# ------------------------------------------------------------------ units
+def test_collective_scope_names_step_wave_and_group():
+    with pytest.raises(CollectiveStallError, match=r"step 7, wave 2: a collective of the micro-batch on CP "
+                                                   r"group \[0, 1, 2, 3\].*Connection reset by peer"):
+        with collective_scope(7, 2, (0, 1, 2, 3)):
+            raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer\nmore")
+    with pytest.raises(CollectiveStallError, match=r"step 3, wave 0: the gradient reduction over all ranks "
+                                                   r"during the local micro-batch of rank 5"):
+        with collective_scope(3, 0, (5,)):
+            raise RuntimeError("Timed out waiting 4000ms for recv operation to complete")
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not a collective failure: untouched
+        with collective_scope(3, 0, (5,)):
+            raise RuntimeError("shape mismatch")
+
+
+def _checkpoint(out: Path, step: int) -> Path:
+    d = out / f"checkpoint-{step}"
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return d
+
+
+def test_resolve_resume(tmp_path):
+    out = tmp_path / "run"
+    assert resolve_resume(None, str(out)) is None
+    assert resolve_resume("latest", str(out)) is None  # first attempt of a restartable job: fresh start
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        resolve_resume(True, str(out))
+    _checkpoint(out, 2)
+    newest = _checkpoint(out, 10)
+    assert resolve_resume("latest", str(out)) == str(newest)
+    assert resolve_resume(True, str(out)) == str(newest)
+    assert checkpoint_step(resolve_resume("latest", str(out))) == 10
+    with pytest.raises(FileNotFoundError, match="checkpoint-9.*not a checkpoint folder"):
+        resolve_resume(str(out / "checkpoint-9"), str(out))
+    (out / "plain").mkdir()
+    with pytest.raises(FileNotFoundError, match="no trainer_state.json"):
+        checkpoint_step(str(out / "plain"))
+
+
+def test_truncate_history_keeps_the_checkpointed_steps(tmp_path):
+    f = tmp_path / "rank0.jsonl"
+    assert truncate_history(f, 3) == 0  # no history yet
+    f.write_text("".join(json.dumps({"index": i, "attempt": 0}) + "\n" for i in range(5)))
+    assert truncate_history(f, 3) == 2
+    assert [json.loads(ln)["index"] for ln in f.read_text().splitlines()] == [0, 1, 2]
+    assert truncate_history(f, 3) == 0
+
+
+def test_restart_problems_name_what_would_break_a_restart():
+    restarts = {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert restart_problems("no", None, {}) == []  # not under torchrun: nothing to say
+    assert restart_problems("no", None, dict(restarts, TORCHELASTIC_MAX_RESTARTS="0")) == []
+    assert restart_problems("steps", "latest", restarts) == []
+    assert restart_problems("steps", True, restarts) == []
+    shared = restart_problems("steps", "latest", dict(restarts, TORCHELASTIC_USE_AGENT_STORE="True"))
+    assert shared == [SHARED_STORE_ADVICE] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared[0]
+    (no_ckpt,) = restart_problems("no", "latest", restarts)
+    assert "save_strategy is 'no'" in no_ckpt
+    (no_resume,) = restart_problems("steps", None, restarts)
+    assert "resume_from_checkpoint is None" in no_resume and "latest" in no_resume
