@@ -113,6 +113,15 @@ def test_members_with_empty_shards_run_padding_and_stay_exact(tmp_path, mode):
     assert_matches_reference(spec)
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_full_logits_and_small_loss_chunks_equal_single_process(tmp_path, chunk):
+    # 0: the model's own logits; 16: many chunks per shard (the default 2048 covers a whole shard)
+    spec = spec_for(tmp_path, "fixed_ring_zigzag", tag=f"chunk{chunk}", loss_chunk_tokens=chunk)
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    assert_matches_reference(spec)
+
+
 # ---------------------------------------------------------------------------------- slow matrix
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT + 120)

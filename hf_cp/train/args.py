@@ -34,6 +34,9 @@ class CPTrainingArguments(TrainingArguments):
     cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
     cp_compare_balancer: Optional[str] = field(default="static", metadata={
         "help": "also plan every step with this balancer (not run) to report what it would have cost"})
+    cp_loss_chunk_tokens: int = field(default=2048, metadata={
+        "help": "tokens per chunk of the LM-head cross-entropy (logits recomputed in backward, never all "
+                "materialised); 0 computes all logits at once"})
     cp_record_history: bool = field(default=True, metadata={
         "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
 
@@ -50,6 +53,9 @@ class CPTrainingArguments(TrainingArguments):
             raise ValueError(f"CPTrainingArguments: cp_max_tokens_per_rank must be positive, got {self.cp_max_tokens_per_rank}")
         if self.cp_tokens_per_step is not None and self.cp_tokens_per_step <= 0:
             raise ValueError(f"CPTrainingArguments: cp_tokens_per_step must be positive, got {self.cp_tokens_per_step}")
+        if self.cp_loss_chunk_tokens < 0:
+            raise ValueError(f"CPTrainingArguments: cp_loss_chunk_tokens must be >= 0 (0: full logits), got "
+                             f"{self.cp_loss_chunk_tokens}")
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
         # the loader yields planned steps, not model inputs: keep every dataset column

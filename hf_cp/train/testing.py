@@ -215,6 +215,7 @@ def run_job(spec: dict) -> None:
         max_grad_norm=spec.get("max_grad_norm", 1.0), logging_steps=1, report_to="none",
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
         disable_tqdm=True, dataloader_num_workers=0, ddp_timeout=timeout_s,
+        cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 2048),
     )
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                         balancer=balancer_for(spec["balancer"]))

@@ -37,6 +37,7 @@ from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep, valid_targets
 from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
 from .groups import CPGroups
+from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 from .metrics import aggregate, summary_lines
 from .planner import Planner
 from .sampler import GlobalBatchSampler
@@ -127,6 +128,8 @@ class CPTrainer(Trainer):
         self._cp_pending: List[dict] = []  # records not yet logged
         self._cp_backward_end: Optional[float] = None
         self._cp_hook = None
+        self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
+        self._cp_head_checked = False
 
     # ------------------------------------------------------------------ data
     def _cp_fetch_columns(self, ds) -> None:
@@ -241,11 +244,7 @@ class CPTrainer(Trainer):
             if ctx.group_size > 1:
                 ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
             with cp_context(ctx), collective_scope(step.index, w, ctx.group_ranks):
-                out = model(input_ids=mb.input_ids.to(device), position_ids=mb.position_ids.to(device),
-                            use_cache=False)
-                logits = out.logits[0].float()
-                wave_sum = F.cross_entropy(logits, mb.shift_labels[0].to(device), ignore_index=IGNORE_INDEX,
-                                           reduction="sum")
+                wave_sum = self._cp_wave_loss(model, mb, device)
                 loss = wave_sum * scale
                 self._cp_backward(model, loss, last)
             measured += (self._cp_backward_end or self._cp_now()) - t0
@@ -254,6 +253,38 @@ class CPTrainer(Trainer):
             total = total + loss.detach()
         self._cp_record(step, measured * 1e3, tokens, loss_sum, (time.perf_counter() - t_step) * 1e3)
         return total
+
+    def _cp_wave_loss(self, model, mb, device) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
+        loss when the model allows it, else from the full logits."""
+        ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
+        targets = mb.shift_labels[0].to(device)
+        head = self._cp_loss_head(device)
+        if head is None:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            return F.cross_entropy(out.logits[0].float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        captured: List[torch.Tensor] = []
+        with lm_head_bypassed(head, captured):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        return chunked_lm_head_loss(captured[-1][0], head.weight, targets, self.args.cp_loss_chunk_tokens,
+                                    bias=head.bias, ignore_index=IGNORE_INDEX)
+
+    def _cp_loss_head(self, device) -> Optional[torch.nn.Linear]:
+        """The LM head the chunked loss replaces (decided once), or None for full logits."""
+        if self._cp_head_checked:
+            return self._cp_head
+        self._cp_head_checked = True
+        if self.args.cp_loss_chunk_tokens > 0:
+            head = chunkable_head(self.model)
+            with cp_context(None):
+                plain = head is not None and head_output_is_logits(self.model, head, device)
+            if plain:
+                self._cp_head = head
+            elif self.cp_rank == 0:
+                logger.warning("hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
+                               "the model has no linear LM head" if head is None else
+                               "the model post-processes its LM head's output (scaling or soft-capping)")
+        return self._cp_head
 
     def _cp_record(self, step: RankStep, measured_ms: float, tokens: int, loss_sum: float, wall_ms: float) -> None:
         mine = torch.tensor([measured_ms, float(tokens), loss_sum, wall_ms], dtype=torch.float64)

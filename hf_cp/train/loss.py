@@ -1,0 +1,85 @@
+"""The language-model loss without the full logits: cross-entropy over the LM head a chunk of
+tokens at a time.
+
+At long context the logits are the largest tensor of a step: 32K tokens x 152K vocabulary is
+20 GB in fp32, more than all checkpointed layer inputs of a 7B model together. Here the model
+runs with its LM head short-circuited (it hands back its input, the final hidden states), and
+the loss is summed over chunks of `chunk_tokens` tokens; each chunk's logits are recomputed in
+backward (activation checkpointing), so at most one chunk's logits exist at a time. The sum is
+the same per-token cross-entropy in fp32, only added in another order.
+
+Only for heads whose output *is* the model's logits: models that scale or soft-cap logits
+after the head (Gemma 2/3, Cohere, ...) are detected by `head_output_is_logits` and keep the
+full-logits path.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                ignore_index: int) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)  # in the head's dtype, as the model computes them
+    if logits.dtype != torch.float64:
+        logits = logits.float()  # the loss in fp32 at least
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+
+
+def chunked_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                         bias: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
+    """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, `chunk_tokens` tokens at a time.
+
+    hidden: [T, H]; weight: [V, H]; targets: [T] (ignore_index where no loss). Every chunk stays
+    in the graph even when all its targets are ignored, so the head always receives a gradient
+    (zero), as with the full logits.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"hidden [T, H] and targets [T] expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    total = None
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        part = checkpoint(_chunk_loss, hidden[s:s + chunk_tokens], weight, bias, targets[s:s + chunk_tokens],
+                          ignore_index, use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
+@contextlib.contextmanager
+def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Iterator[None]:
+    """Within the block the LM head appends its input to `captured` and returns an empty
+    [..., 0] tensor instead of logits, so the model never materialises them."""
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden[..., :0]
+
+    head.forward = forward  # instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def head_output_is_logits(model: torch.nn.Module, head: torch.nn.Module, device) -> bool:
+    """True when the model's logits are exactly its LM head's output (no scaling, soft-capping
+    or other post-processing), checked on one short forward."""
+    seen = []
+    hook = head.register_forward_hook(lambda mod, inp, out: seen.append(out))
+    try:
+        ids = (torch.arange(8, device=device) % max(1, int(getattr(model.config, "vocab_size", 8)))).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    return len(seen) == 1 and seen[0].shape == logits.shape and torch.equal(seen[0], logits)
+
+
+def chunkable_head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The model's LM head when the chunked loss can replace it, else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, torch.nn.Linear) else None
