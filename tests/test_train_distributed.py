@@ -18,7 +18,7 @@ from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.train.planner import Planner
 from hf_cp.train.sampler import GlobalBatchSampler
-from hf_cp.train.testing import balancer_for, reference_params, run_distributed
+from hf_cp.train.testing import balancer_for, reference_eval_loss, reference_params, run_distributed
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
 # wave of static), [3] alone (a step that gives ranks no sample), [4..9], [10..16].
@@ -120,6 +120,31 @@ def test_full_logits_and_small_loss_chunks_equal_single_process(tmp_path, chunk)
     spec = spec_for(tmp_path, "fixed_ring_zigzag", tag=f"chunk{chunk}", loss_chunk_tokens=chunk)
     run_distributed(spec, 2, timeout=JOB_TIMEOUT)
     assert_matches_reference(spec)
+
+
+# 400 and 260 tokens exceed one rank's cap (256): evaluated over a CP group of 2
+EVAL_LENGTHS = [400, 30, 7, 120, 90, 260, 5]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("balancer, eval_lengths", [("auto", EVAL_LENGTHS), ("static", [5])])
+def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengths):
+    # ("static", [5]): one short sample, so rank 1 has no evaluation work at all
+    spec = spec_for(tmp_path, balancer, tag="eval", eval_lengths=eval_lengths, eval_steps=2)
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    out = Path(spec["out"])
+    final = [json.loads((out / f"eval_rank{r}.json").read_text()) for r in range(2)]
+    for m in final:
+        m.pop("eval_runtime")
+    assert final[0] == final[1], "every rank reports the same evaluation"
+    assert final[0]["eval_samples"] == len(eval_lengths) and final[0]["eval_tokens"] >= sum(eval_lengths)
+    assert final[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, 3), rel=1e-5)
+    # the Trainer's own evaluations (eval_steps=2, and at the last step) went through the same path
+    logged = [rec for rec in json.loads((out / "log_history.json").read_text()) if "eval_loss" in rec]
+    assert [rec["step"] for rec in logged] == [2, 3, 3]  # the last one is the evaluate() call above
+    assert logged[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, 2), rel=1e-5)
+    assert logged[1]["eval_loss"] == pytest.approx(final[0]["eval_loss"], rel=1e-12)
+    assert logged[0]["eval_loss"] != pytest.approx(logged[1]["eval_loss"], rel=1e-6), "training moved the loss"
 
 
 # ---------------------------------------------------------------------------------- slow matrix

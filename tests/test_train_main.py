@@ -26,6 +26,24 @@ def test_config_errors_name_file_and_field(tmp_path):
     assert cfg["training"]["max_steps"] == 3 and cfg["training"]["cp_balancer"] == "static"
 
 
+def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):
+    from hf_cp.train.main import load_datasets
+
+    train, held = load_datasets({"bundled": "longtail_sample", "eval_split": 0.05}, "cfg.yaml")
+    assert (len(train), len(held)) == (228, 12)
+    ids = {tuple(r) for r in train["input_ids"]}
+    assert not any(tuple(r) in ids for r in held["input_ids"]), "held-out samples are not trained on"
+    f = tmp_path / "eval.jsonl"
+    f.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
+    train, ev = load_datasets({"bundled": "longtail_sample", "eval_path": str(f)}, "cfg.yaml")
+    assert len(train) == 240 and ev["input_ids"] == [[1, 2, 3], [4, 5]]
+    for bad, message in [({"eval_split": 1.5}, "data.eval_split must be a fraction"),
+                         ({"eval_split": 0.1, "eval_path": str(f)}, "data.eval_path and data.eval_split both set"),
+                         ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path .*x.csv is neither")]:
+        with pytest.raises(TrainConfigError, match=f"cfg.yaml: {message}"):
+            load_datasets(dict({"bundled": "longtail_sample"}, **bad), "cfg.yaml")
+
+
 def test_bundled_dataset_is_long_tailed_and_byte_level():
     from hf_cp.data import load_sample_dataset
 
@@ -55,5 +73,7 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, text
     assert re.search(r"balance \(auto\): per-rank compute max/mean predicted [\d.]+, measured [\d.]+", text)
     assert re.search(r"static would take [\d.]+ ms", text)
+    evals = [float(x) for x in re.findall(r"([\d.]+) at step \d+", text.split("eval loss (12 samples):")[1].splitlines()[0])]
+    assert len(evals) >= 3 and evals[-1] < evals[0] - 0.5, text  # held-out loss falls too
     assert (out / "cp_history" / "rank1.jsonl").exists()
     print(f"main job wall time {wall:.0f} s")

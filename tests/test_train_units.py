@@ -201,7 +201,7 @@ def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
 @pytest.mark.parametrize("rows, message", [
     ([], "train_dataset is empty"),
     ([{"input_ids": [1, 2, 3], "length": 3}, {"input_ids": [4, 5], "length": 7}],
-     "sample 1 has length column 7 but 2 input_ids"),
+     "train_dataset sample 1 has length column 7 but 2 input_ids"),
     ([{"text": "not tokenised"}], "no 'input_ids' column"),
 ])
 def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
@@ -215,3 +215,29 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
     ds = Dataset.from_list(rows) if rows else Dataset.from_dict({"input_ids": []})
     with pytest.raises(ValueError, match=message):
         CPTrainer(model=tiny_model(0), args=args, train_dataset=ds)
+
+
+def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do(tmp_path):
+    from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+    from hf_cp.train.testing import eval_rows, reference_eval_loss, synthetic_rows, tiny_model
+
+    spec = dict(lengths=[40, 30], eval_lengths=[60, 9, 200], steps=0, tokens_per_step=300)
+    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                               cp_max_tokens_per_rank=256, cp_tokens_per_step=300, cp_compare_balancer=None,
+                               cp_loss_chunk_tokens=16)
+    trainer = CPTrainer(model=tiny_model(0, attn="hf_cp"), args=args,
+                        train_dataset=Dataset.from_list(synthetic_rows(spec["lengths"])))
+    with pytest.raises(ValueError, match="no eval_dataset"):
+        trainer.evaluate()
+    metrics = trainer.evaluate({"chat": Dataset.from_list(eval_rows(spec))})
+    assert metrics["eval_chat_loss"] == pytest.approx(reference_eval_loss(spec, 0), rel=1e-5)
+    assert metrics["eval_chat_samples"] == 3 and metrics["eval_chat_tokens"] == 269
+    unlabeled = Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}])
+    with pytest.raises(ValueError, match="'eval' has no target tokens"):
+        trainer.evaluate(unlabeled)
+    with pytest.raises(ValueError, match="eval dataset 'eval' sample 0 has 3 input_ids but 1 labels"):
+        trainer.evaluate(Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [5]}]))
+    with pytest.raises(NotImplementedError, match="evaluate\\(\\) gives the planned eval loss"):
+        trainer.predict(unlabeled)

@@ -8,7 +8,9 @@ Config sections:
     model:    config (a config.json path or a name under configs/models), attn_implementation
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder
     data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
-              input_ids (and labels) per line; limit: keep the first N samples
+              input_ids (and labels) per line; limit: keep the first N samples;
+              eval_path (same formats) or eval_split (a held-out fraction) for evaluation
+              with training.eval_strategy / eval_steps
     training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
               against the working directory, then the repository root.
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
@@ -92,32 +94,55 @@ def build_model(mcfg: dict, source: str):
     return model
 
 
-def load_data(dcfg: dict, source: str):
+def _read_dataset(path: str, field: str, source: str):
     from datasets import Dataset, load_from_disk
 
+    p = Path(_resolve(path))
+    if p.is_dir():
+        ds = load_from_disk(str(p))
+        if hasattr(ds, "keys"):
+            ds = ds["train"]
+        return ds
+    if p.suffix in (".jsonl", ".gz"):
+        import gzip
+
+        opener = gzip.open if p.suffix == ".gz" else open
+        with opener(p, "rt") as f:
+            return Dataset.from_list([json.loads(line) for line in f if line.strip()])
+    raise TrainConfigError(f"{source}: data.{field} {p} is neither a saved dataset folder nor a .jsonl[.gz]")
+
+
+def load_data(dcfg: dict, source: str):
+    """The training dataset (see the module doc)."""
+    return load_datasets(dcfg, source)[0]
+
+
+def load_datasets(dcfg: dict, source: str):
+    """(train, eval or None). Evaluation data: data.eval_path (same formats as path), or
+    data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
     from ..data import load_sample_dataset
 
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
         if dcfg["bundled"] != "longtail_sample":
             raise TrainConfigError(f"{source}: data.bundled {dcfg['bundled']!r}: the bundled dataset is longtail_sample")
-        return load_sample_dataset(limit=limit)
-    if "path" not in dcfg:
+        ds = load_sample_dataset(limit=limit)
+    elif "path" not in dcfg:
         raise TrainConfigError(f"{source}: data needs `bundled: longtail_sample` or `path:`")
-    p = Path(_resolve(dcfg["path"]))
-    if p.is_dir():
-        ds = load_from_disk(str(p))
-        if hasattr(ds, "keys"):
-            ds = ds["train"]
-    elif p.suffix in (".jsonl", ".gz"):
-        import gzip
-
-        opener = gzip.open if p.suffix == ".gz" else open
-        with opener(p, "rt") as f:
-            ds = Dataset.from_list([json.loads(line) for line in f if line.strip()])
     else:
-        raise TrainConfigError(f"{source}: data.path {p} is neither a saved dataset folder nor a .jsonl[.gz]")
-    return ds.select(range(min(limit, len(ds)))) if limit else ds
+        ds = _read_dataset(dcfg["path"], "path", source)
+        ds = ds.select(range(min(limit, len(ds)))) if limit else ds
+    if dcfg.get("eval_path") and dcfg.get("eval_split"):
+        raise TrainConfigError(f"{source}: data.eval_path and data.eval_split both set; choose one")
+    if dcfg.get("eval_path"):
+        return ds, _read_dataset(dcfg["eval_path"], "eval_path", source)
+    if dcfg.get("eval_split"):
+        frac = dcfg["eval_split"]
+        if not isinstance(frac, (int, float)) or not 0 < frac < 1:
+            raise TrainConfigError(f"{source}: data.eval_split must be a fraction in (0, 1), got {frac!r}")
+        parts = ds.train_test_split(test_size=float(frac), seed=int(dcfg.get("eval_seed", 0)))
+        return parts["train"], parts["test"]
+    return ds, None
 
 
 def training_arguments(tcfg: dict, source: str):
@@ -169,9 +194,9 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
             PartialState(backend="gloo", timeout=timedelta(seconds=int(tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))))
     t0 = time.perf_counter()
     model = build_model(cfg.get("model") or {}, src)
-    dataset = load_data(cfg.get("data") or {}, src)
+    dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
     args = training_arguments(tcfg, src)
-    trainer = CPTrainer(model=model, args=args, train_dataset=dataset)
+    trainer = CPTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset)
     # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if str(args.save_strategy) not in ("no", "SaveStrategy.NO"):
@@ -182,6 +207,10 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
               f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ====")
         for line in trainer.cp_summary():
             print("  " + line)
+        evals = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
+        if evals:
+            print(f"  eval loss ({len(eval_dataset)} samples): "
+                  + " -> ".join(f"{loss:.4f} at step {step}" for step, loss in evals))
         print(f"  logs and per-step history: {args.output_dir}")
     shutdown_distributed()
     return 0

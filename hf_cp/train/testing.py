@@ -161,6 +161,31 @@ def balancer_for(name: str):
 # --------------------------------------------------------------------- reference
 def reference_params(spec: dict) -> Dict[str, torch.Tensor]:
     """Parameters after spec['steps'] optimizer steps, trained on one process, sample by sample."""
+    return {k: v.detach().clone() for k, v in reference_model(spec).state_dict().items()}
+
+
+def reference_eval_loss(spec: dict, steps: int) -> float:
+    """Loss over spec['eval_lengths'] rows (sum of token losses / valid targets) of the reference
+    model after `steps` optimizer steps, one sample at a time."""
+    model = reference_model(dict(spec, steps=steps))
+    model.eval()
+    total, valid = 0.0, 0
+    with torch.no_grad():
+        for row in eval_rows(spec):
+            ids = torch.tensor(row["input_ids"])[None]
+            tgt = torch.from_numpy(shifted_targets(row["input_ids"], row["labels"]))
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+            total += float(F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum"))
+            valid += valid_targets(row["input_ids"], row["labels"])
+    return total / valid
+
+
+def eval_rows(spec: dict) -> List[dict]:
+    return synthetic_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)
+
+
+def reference_model(spec: dict):
+    """The model after spec['steps'] optimizer steps, trained on one process, sample by sample."""
     rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
     model = tiny_model(spec.get("model_seed", 0), attn="sdpa")
     model.train()
@@ -179,7 +204,7 @@ def reference_params(spec: dict) -> Dict[str, torch.Tensor]:
             (F.cross_entropy(logits, tgt, ignore_index=IGNORE_INDEX, reduction="sum") / gv).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), spec.get("max_grad_norm", 1.0))
         opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model
 
 
 def max_relative_error(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> Dict[str, float]:
@@ -216,12 +241,20 @@ def run_job(spec: dict) -> None:
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
         disable_tqdm=True, dataloader_num_workers=0, ddp_timeout=timeout_s,
         cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 2048),
+        eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
     )
+    evaluating = bool(spec.get("eval_lengths"))
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                        eval_dataset=Dataset.from_list(eval_rows(spec)) if evaluating else None,
                         balancer=balancer_for(spec["balancer"]))
     if spec.get("fault"):
         _inject_fault(trainer, model, **spec["fault"])
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
+    if evaluating:  # after training, on every rank: every rank must report the same numbers
+        final = trainer.evaluate()
+        (out / f"eval_rank{trainer.cp_rank}.json").write_text(json.dumps(final))
+        if trainer.cp_rank == 0:
+            (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
     if trainer.cp_rank == 0:
         params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save(params, out / "params.pt")

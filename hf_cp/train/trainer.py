@@ -34,7 +34,9 @@ from ..cluster import ClusterSpec
 from ..consistency import assert_plans_agree, collective_scope
 from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
-from .collator import IGNORE_INDEX, PlanCollator, RankStep, valid_targets
+from .collator import IGNORE_INDEX, PlanCollator, RankStep
+from .columns import read_token_columns
+from .evaluation import planned_eval_steps
 from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
@@ -108,7 +110,7 @@ class CPTrainer(Trainer):
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
-        self._cp_fetch_columns(train_dataset)
+        self.cp_data = read_token_columns(train_dataset, "train_dataset")
         dims = ModelDims.load(args.cp_model_dims) if args.cp_model_dims else \
             ModelDims.from_hf_config(self.model.config.to_dict(), source="model config")
         profile = HardwareProfile.from_dict(args.cp_profile, source="cp_profile") \
@@ -117,7 +119,7 @@ class CPTrainer(Trainer):
         self.cp_cluster = ClusterSpec(self.cp_world, args.cp_max_tokens_per_rank,
                                       args.cp_gpus_per_node or profile.gpus_per_node, args.cp_max_group_size)
         self.cp_sampler = GlobalBatchSampler(
-            self.cp_lengths, args.tokens_per_step(self.cp_world), seed=args.seed, num_epochs=args.num_train_epochs,
+            self.cp_data.lengths, args.tokens_per_step(self.cp_world), seed=args.seed, num_epochs=args.num_train_epochs,
             max_steps=args.max_steps if args.max_steps and args.max_steps > 0 else None, shuffle=args.cp_shuffle)
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
@@ -130,39 +132,9 @@ class CPTrainer(Trainer):
         self._cp_hook = None
         self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._cp_head_checked = False
+        self._cp_eval_data: Dict[int, object] = {}  # eval dataset id -> its TokenColumns
 
     # ------------------------------------------------------------------ data
-    def _cp_fetch_columns(self, ds) -> None:
-        cols = getattr(ds, "column_names", None)
-        if cols is not None and "input_ids" not in cols:
-            raise ValueError(f"CPTrainer: train_dataset has no 'input_ids' column (columns: {cols}); tokenise it first")
-        n = len(ds)
-        if n == 0:
-            raise ValueError("CPTrainer: train_dataset is empty")
-        has_labels = cols is not None and "labels" in cols
-        ids_col = ds["input_ids"]
-        labels_col = ds["labels"] if has_labels else [None] * n
-        lengths, valid = [], []
-        for i in range(n):
-            x, y = ids_col[i], labels_col[i]
-            if len(x) == 0:
-                raise ValueError(f"CPTrainer: sample {i} has no tokens (empty input_ids)")
-            if y is not None and len(y) != len(x):
-                raise ValueError(f"CPTrainer: sample {i} has {len(x)} input_ids but {len(y)} labels")
-            lengths.append(len(x))
-            valid.append(valid_targets(x, y))
-        if cols is not None and "length" in cols:
-            given = ds["length"]
-            bad = next((i for i in range(n) if int(given[i]) != lengths[i]), None)
-            if bad is not None:
-                raise ValueError(f"CPTrainer: sample {bad} has length column {given[bad]} but {lengths[bad]} input_ids")
-        self.cp_lengths = lengths
-        self.cp_valid_counts = np.asarray(valid, dtype=np.int64)
-        self._cp_ids, self._cp_labels = ids_col, labels_col
-
-    def _cp_fetch(self, sid: int):
-        return self._cp_ids[sid], self._cp_labels[sid]
-
     def _cp_setup(self) -> None:
         """Build the group registry and the planner: once, at the same point on every rank."""
         if self.cp_groups is None:
@@ -178,7 +150,7 @@ class CPTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
-        steps = _PlannedSteps(self.cp_planner, PlanCollator(self._cp_fetch), self.cp_rank, self.cp_valid_counts)
+        steps = _PlannedSteps(self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts)
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
 
@@ -327,6 +299,68 @@ class CPTrainer(Trainer):
             line = dict(rec, rank=self.cp_rank, trained_sample_ids=step.trained_sample_ids)
             with open(d / f"rank{self.cp_rank}.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
+        """Loss over the eval set (sum of token losses / valid targets), planned like training.
+
+        Logs and returns {prefix}_loss, {prefix}_tokens, {prefix}_samples, {prefix}_runtime; a
+        dict of datasets is evaluated one by one with prefix {prefix}_{name}."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            raise ValueError("CPTrainer.evaluate: no eval_dataset (pass one to evaluate() or to the trainer)")
+        if isinstance(ds, dict):
+            metrics: Dict[str, float] = {}
+            for name, part in ds.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        self._cp_setup()
+        key = id(ds)
+        if key not in self._cp_eval_data:
+            self._cp_eval_data[key] = read_token_columns(ds, f"eval dataset {metric_key_prefix!r}")
+        data = self._cp_eval_data[key]
+        if int(data.valid_counts.sum()) == 0:
+            raise ValueError(f"CPTrainer.evaluate: eval dataset {metric_key_prefix!r} has no target tokens "
+                             f"(every label is {IGNORE_INDEX})")
+        t0 = time.perf_counter()
+        device = self.args.device
+        model = self.model
+        was_training = model.training
+        model.eval()
+        loss_sum, valid, tokens = 0.0, 0, 0
+        try:
+            with torch.no_grad():
+                for step in planned_eval_steps(data, self.args.tokens_per_step(self.cp_world),
+                                               self.cp_balancer or self.args.cp_balancer, self.cp_cluster,
+                                               self.cp_cost, self.cp_rank, self.args.seed,
+                                               f"eval dataset {metric_key_prefix!r}"):
+                    for w, mb in enumerate(step.waves):
+                        if mb is None:  # forward only: no gradient reduction to join
+                            continue
+                        ctx = mb.context
+                        if ctx.group_size > 1:
+                            ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
+                        with cp_context(ctx), collective_scope(step.index, w, ctx.group_ranks,
+                                                               "evaluation micro-batch"):
+                            loss_sum += float(self._cp_wave_loss(model, mb, device))
+                        valid += int((mb.shift_labels != IGNORE_INDEX).sum())
+                        tokens += mb.num_tokens
+        finally:
+            model.train(was_training)
+        totals = torch.tensor([loss_sum, float(valid), float(tokens)], dtype=torch.float64)
+        if self.cp_world > 1:
+            dist.all_reduce(totals, group=self.cp_groups.control)
+        metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]),
+                   f"{metric_key_prefix}_tokens": int(totals[2]),
+                   f"{metric_key_prefix}_samples": len(data),
+                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - t0, 4)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, *args, **kwargs):
+        raise NotImplementedError("CPTrainer.predict: CP-planned prediction (gathering logits of sharded samples) "
+                                  "is not supported; evaluate() gives the planned eval loss")
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:

@@ -1,0 +1,34 @@
+"""Planned evaluation: the eval set's loss, batched and planned like training steps, forward only.
+
+The eval set is cut into global batches in dataset order (no shuffling) and every batch is
+planned by the training balancer on the same cluster, so samples longer than one rank's cap are
+evaluated over a CP group exactly as they are trained. Forward only means no gradient
+reduction: a rank without work in a wave simply skips it (only CP groups communicate). Each
+rank sums the token losses and valid targets of its shards; one all-reduce at the end gives
+eval loss = total token loss / total valid targets, the single-device number.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..cluster import ClusterSpec
+from ..cost import CostModel
+from .collator import PlanCollator, RankStep
+from .columns import TokenColumns
+from .planner import Planner
+from .sampler import GlobalBatchSampler
+
+
+def planned_eval_steps(data: TokenColumns, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel,
+                       rank: int, seed: int = 0, name: str = "eval_dataset") -> Iterator[RankStep]:
+    """This rank's share of every evaluation batch, in order; the same plans on every rank."""
+    sampler = GlobalBatchSampler(data.lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)
+    try:
+        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    collate = PlanCollator(data.fetch)
+    for k in range(len(sampler)):
+        ps = planner.get(k)
+        valid = int(data.valid_counts[list(ps.batch.sample_ids)].sum())
+        yield collate.rank_step(ps.plan, rank, valid, 0, ps)
