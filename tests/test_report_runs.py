@@ -47,9 +47,12 @@ def write_run(run_dir, history=True, state=True, tensorboard=True):
         entry.update(aggregate(recs[end - LOG_EVERY:end]))
         entry["step"] = end
         logs.append(entry)
-    if state:
+    if state:  # with the Trainer's evaluation entries between the training logs
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "trainer_state.json").write_text(json.dumps({"global_step": STEPS, "log_history": logs}))
+        evals = [{"eval_loss": 3.5 - 0.2 * k, "eval_tokens": 900, "step": k * LOG_EVERY, "epoch": 0.5}
+                 for k in range(1, STEPS // LOG_EVERY + 1)]
+        evals.append({"eval_chat_loss": 2.25, "step": STEPS})
+        (run_dir / "trainer_state.json").write_text(json.dumps({"global_step": STEPS, "log_history": logs + evals}))
     if tensorboard:
         from torch.utils.tensorboard import SummaryWriter
         from transformers.integrations.integration_utils import rewrite_logs
@@ -111,7 +114,7 @@ def test_cli_writes_pngs_and_summary(capsys, tmp_path):
     rc = main(["report", str(tmp_path / "run")])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    for name in ("rank_times.png", "imbalance.png", "cp_sizes.png"):
+    for name in ("rank_times.png", "imbalance.png", "cp_sizes.png", "loss.png"):
         p = tmp_path / "run" / "report" / name
         assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 10_000, name
         assert f"wrote {p}" in out.out
@@ -122,6 +125,9 @@ def test_cli_writes_pngs_and_summary(capsys, tmp_path):
     n1 = sum(r["cp_size_samples"].get("1", 0) for r in recs)
     n2 = sum(r["cp_size_samples"].get("2", 0) for r in recs)
     assert f"samples per CP size: 1:{n1} 2:{n2}" in out.out
+    assert f"training loss: 3.0000 at step 1 -> {3.0 - 0.1 * (STEPS - 1):.4f} at step {STEPS}" in out.out
+    assert f"eval loss: 3.3000 at step {LOG_EVERY} -> 3.1000 at step {STEPS} (2 evaluations)" in out.out
+    assert f"eval_chat loss: 2.2500 at step {STEPS} -> 2.2500 at step {STEPS} (1 evaluations)" in out.out
     rc = main(["report", str(tmp_path / "run"), "--source", "tensorboard", "--out", str(tmp_path / "tb")])
     assert rc == 0 and (tmp_path / "tb" / "rank_times.png").exists()
     assert "2 logging intervals from runs/" in capsys.readouterr().out

@@ -12,8 +12,9 @@ def add_parser(sub) -> None:
         help="draw per-step predicted vs measured rank times, imbalance and CP-size use of a training run",
         description="Read the CP metrics of a training run (the trainer's output_dir: cp_history/rank*.jsonl per "
                     "step, else trainer_state.json log_history, else TensorBoard events) and write rank_times.png "
-                    "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step time) "
-                    "and cp_sizes.png (samples per CP group size per step).",
+                    "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step "
+                    "time), cp_sizes.png (samples per CP group size per step) and loss.png (training loss, and "
+                    "evaluation losses from trainer_state.json when the run evaluated).",
         epilog="example: hf-cp report outputs/smollm2-cpu --out outputs/smollm2-cpu/report",
         formatter_class=HelpFormatter,
     )

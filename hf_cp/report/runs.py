@@ -1,4 +1,5 @@
-"""Pictures of a training run: per-step predicted vs measured rank times, imbalance, CP sizes.
+"""Pictures of a training run: per-step predicted vs measured rank times, imbalance, CP sizes,
+and the training and evaluation loss.
 
 A CPTrainer run directory (the Trainer's output_dir) holds the same metrics three ways; the
 first found is read (or the one asked for):
@@ -15,7 +16,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from .figures import pyplot, save_figure
 
@@ -41,6 +42,8 @@ class RunSeries:
     loss: List[Optional[float]] = field(default_factory=list)
     predicted_step_ms: List[Optional[float]] = field(default_factory=list)
     compare_step_ms: List[Optional[float]] = field(default_factory=list)
+    # evaluation name ("eval", "eval_chat", ...) -> [(optimizer step, loss)], from log_history
+    eval_loss: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -117,7 +120,8 @@ def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSerie
     return s
 
 
-def read_trainer_state(run_dir: Path) -> RunSeries:
+def _log_history(run_dir: Path):
+    """(path, log_history) of the newest trainer_state.json: the run's own, else the last checkpoint's."""
     cands = [run_dir / "trainer_state.json"] + sorted(
         run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0),
         reverse=True)
@@ -125,10 +129,33 @@ def read_trainer_state(run_dir: Path) -> RunSeries:
     if path is None:
         raise RunLogError(f"{run_dir}: no trainer_state.json (nor in checkpoint-*/)")
     try:
-        hist = json.loads(path.read_text())["log_history"]
+        return path, json.loads(path.read_text())["log_history"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise RunLogError(f"{path}: no readable log_history ({e})") from None
+
+
+def read_trainer_state(run_dir: Path) -> RunSeries:
+    path, hist = _log_history(run_dir)
     return _series_from_logs([e for e in hist if "step" in e], str(path.relative_to(run_dir)), "cp/")
+
+
+EVAL_LOSS_KEY = re.compile(r"^(eval(?:_.+)?)_loss$")
+
+
+def read_eval_losses(run_dir: Path) -> Dict[str, List[Tuple[int, float]]]:
+    """Evaluation losses logged by the Trainer ({name}_loss), by evaluation name; {} when the
+    run has no trainer_state.json or did not evaluate."""
+    try:
+        _, hist = _log_history(run_dir)
+    except RunLogError:
+        return {}
+    out: Dict[str, List[Tuple[int, float]]] = {}
+    for e in hist:
+        for k, v in e.items():
+            m = EVAL_LOSS_KEY.match(k)
+            if m and "step" in e and isinstance(v, (int, float)):
+                out.setdefault(m.group(1), []).append((int(e["step"]), float(v)))
+    return out
 
 
 def read_tensorboard(run_dir: Path) -> RunSeries:
@@ -164,14 +191,19 @@ def read_run(run_dir: Union[str, Path], source: str = "auto") -> RunSeries:
     if source != "auto":
         if source not in READERS:
             raise RunLogError(f"unknown source {source!r}; choose auto or one of {', '.join(SOURCES)}")
-        return READERS[source](d)
-    tried = []
-    for name in SOURCES:
-        try:
-            return READERS[name](d)
-        except RunLogError as e:
-            tried.append(str(e))
-    raise RunLogError("no CP metrics found: " + "; ".join(tried))
+        s = READERS[source](d)
+    else:
+        tried = []
+        for name in SOURCES:
+            try:
+                s = READERS[name](d)
+                break
+            except RunLogError as e:
+                tried.append(str(e))
+        else:
+            raise RunLogError("no CP metrics found: " + "; ".join(tried))
+    s.eval_loss = read_eval_losses(d)
+    return s
 
 
 # ------------------------------------------------------------------------------ summary and plots
@@ -191,6 +223,12 @@ def summary_lines(s: RunSeries) -> List[str]:
             total[g] = total.get(g, 0.0) + n
     if total:
         lines.append("samples per CP size: " + " ".join(f"{g}:{n:g}" for g, n in sorted(total.items())))
+    losses = [v for v in s.loss if v is not None]
+    if losses:
+        lines.append(f"training loss: {losses[0]:.4f} at step {s.steps[0]} -> {losses[-1]:.4f} at step {s.steps[-1]}")
+    for name, points in sorted(s.eval_loss.items()):
+        lines.append(f"{name} loss: {points[0][1]:.4f} at step {points[0][0]} -> {points[-1][1]:.4f} at step "
+                     f"{points[-1][0]} ({len(points)} evaluations)")
     return lines
 
 
@@ -279,7 +317,26 @@ def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
     return save_figure(fig, out)
 
 
+def plot_loss(s: RunSeries, out: Path) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    pts = [(x, v) for x, v in zip(s.steps, s.loss) if v is not None]
+    if pts:
+        ax.plot([x for x, _ in pts], [v for _, v in pts], "-", marker="o" if len(pts) < 60 else None, ms=3,
+                label="training" + ("" if s.per_step else " (logging intervals)"))
+    for name, points in sorted(s.eval_loss.items()):
+        ax.plot([x for x, _ in points], [v for _, v in points], "--s", ms=5, label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss per valid token")
+    ax.set_title("loss")
+    ax.legend()
+    return save_figure(fig, out)
+
+
 def write_report(s: RunSeries, out_dir: Union[str, Path]) -> List[Path]:
     d = Path(out_dir)
-    return [plot_rank_times(s, d / "rank_times.png"), plot_imbalance(s, d / "imbalance.png"),
-            plot_cp_sizes(s, d / "cp_sizes.png")]
+    paths = [plot_rank_times(s, d / "rank_times.png"), plot_imbalance(s, d / "imbalance.png"),
+             plot_cp_sizes(s, d / "cp_sizes.png")]
+    if any(v is not None for v in s.loss) or s.eval_loss:
+        paths.append(plot_loss(s, d / "loss.png"))
+    return paths

@@ -199,6 +199,7 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     trainer = CPTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset)
     # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
     if str(args.save_strategy) not in ("no", "SaveStrategy.NO"):
         trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
     if trainer.cp_rank == 0:
