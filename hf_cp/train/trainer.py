@@ -334,6 +334,8 @@ class CPTrainer(Trainer):
                                                self.cp_balancer or self.args.cp_balancer, self.cp_cluster,
                                                self.cp_cost, self.cp_rank, self.args.seed,
                                                f"eval dataset {metric_key_prefix!r}"):
+                    # as in training: a rank with another plan would wait in the wrong group
+                    assert_plans_agree(step.plan.digest(), step.index, group=self.cp_groups.control)
                     for w, mb in enumerate(step.waves):
                         if mb is None:  # forward only: no gradient reduction to join
                             continue
