@@ -132,7 +132,7 @@ class CPTrainer(Trainer):
         self._cp_hook = None
         self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._cp_head_checked = False
-        self._cp_eval_data: Dict[int, object] = {}  # eval dataset id -> its TokenColumns
+        self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, its TokenColumns)
 
     # ------------------------------------------------------------------ data
     def _cp_setup(self) -> None:
@@ -315,10 +315,11 @@ class CPTrainer(Trainer):
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._cp_setup()
-        key = id(ds)
-        if key not in self._cp_eval_data:
-            self._cp_eval_data[key] = read_token_columns(ds, f"eval dataset {metric_key_prefix!r}")
-        data = self._cp_eval_data[key]
+        cached = self._cp_eval_data.get(id(ds))
+        if cached is None or cached[0] is not ds:
+            # the dataset is kept with its columns: its id cannot be reused by another one
+            cached = self._cp_eval_data[id(ds)] = (ds, read_token_columns(ds, f"eval dataset {metric_key_prefix!r}"))
+        data = cached[1]
         if int(data.valid_counts.sum()) == 0:
             raise ValueError(f"CPTrainer.evaluate: eval dataset {metric_key_prefix!r} has no target tokens "
                              f"(every label is {IGNORE_INDEX})")
