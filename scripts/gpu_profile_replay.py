@@ -24,7 +24,8 @@ TRACE = "longdoc_leval_multiturn.txt"
 
 
 def default_trace() -> str:
-    for base in (REPO / "shared" / "data" / "traces", REPO.parent / "shared" / "data" / "traces"):
+    for base in (REPO / "shared" / "data" / "traces", REPO.parent / "shared" / "data" / "traces",
+                 REPO / "benchmarks" / "traces"):  # the last: a copy that travels with the repository
         if (base / TRACE).exists():
             return str(base / TRACE)
     return str(REPO.parent / "shared" / "data" / "traces" / TRACE)
