@@ -231,7 +231,8 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
                         train_dataset=Dataset.from_list(synthetic_rows(spec["lengths"])))
     with pytest.raises(ValueError, match="no eval_dataset"):
         trainer.evaluate()
-    metrics = trainer.evaluate({"chat": Dataset.from_list(eval_rows(spec))})
+    chat = Dataset.from_list(eval_rows(spec))
+    metrics = trainer.evaluate({"chat": chat})
     assert metrics["eval_chat_loss"] == pytest.approx(reference_eval_loss(spec, 0), rel=1e-5)
     assert metrics["eval_chat_samples"] == 3 and metrics["eval_chat_tokens"] == 269
     unlabeled = Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}])
@@ -239,5 +240,11 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
         trainer.evaluate(unlabeled)
     with pytest.raises(ValueError, match="eval dataset 'eval' sample 0 has 3 input_ids but 1 labels"):
         trainer.evaluate(Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [5]}]))
+    with pytest.raises(ValueError, match="eval dataset 'eval': sample 1 has 300 tokens; the largest CP group"):
+        trainer.evaluate(Dataset.from_list(synthetic_rows([5, 300])))
+    cached = trainer._cp_eval_data[id(chat)][2]
+    again = trainer.evaluate({"chat": chat})
+    assert trainer._cp_eval_data[id(chat)][2] is cached, "a dataset is planned once per run"
+    assert again["eval_chat_loss"] == pytest.approx(metrics["eval_chat_loss"], rel=1e-12)
     with pytest.raises(NotImplementedError, match="evaluate\\(\\) gives the planned eval loss"):
         trainer.predict(unlabeled)

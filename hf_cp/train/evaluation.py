@@ -9,26 +9,35 @@ eval loss = total token loss / total valid targets, the single-device number.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, List, Tuple
 
 from ..cluster import ClusterSpec
 from ..cost import CostModel
+from ..plan import StepPlan
 from .collator import PlanCollator, RankStep
 from .columns import TokenColumns
 from .planner import Planner
 from .sampler import GlobalBatchSampler
 
 
-def planned_eval_steps(data: TokenColumns, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel,
-                       rank: int, seed: int = 0, name: str = "eval_dataset") -> Iterator[RankStep]:
-    """This rank's share of every evaluation batch, in order; the same plans on every rank."""
+def plan_evaluation(data: TokenColumns, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel,
+                    seed: int = 0, name: str = "eval_dataset") -> List[Tuple[StepPlan, int]]:
+    """(plan, valid targets of the batch) for every evaluation batch, in dataset order: the same
+    on every rank, and the same at every evaluation of the run (plan once, reuse)."""
     sampler = GlobalBatchSampler(data.lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)
     try:
         planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
-    collate = PlanCollator(data.fetch)
+    plans = []
     for k in range(len(sampler)):
         ps = planner.get(k)
-        valid = int(data.valid_counts[list(ps.batch.sample_ids)].sum())
-        yield collate.rank_step(ps.plan, rank, valid, 0, ps)
+        plans.append((ps.plan, int(data.valid_counts[list(ps.batch.sample_ids)].sum())))
+    return plans
+
+
+def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns, rank: int) -> Iterator[RankStep]:
+    """This rank's share of every evaluation batch, collated one batch at a time."""
+    collate = PlanCollator(data.fetch)
+    for plan, valid in plans:
+        yield collate.rank_step(plan, rank, valid)

@@ -36,7 +36,7 @@ from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
-from .evaluation import planned_eval_steps
+from .evaluation import evaluation_rank_steps, plan_evaluation
 from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
@@ -132,7 +132,7 @@ class CPTrainer(Trainer):
         self._cp_hook = None
         self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._cp_head_checked = False
-        self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, its TokenColumns)
+        self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
 
     # ------------------------------------------------------------------ data
     def _cp_setup(self) -> None:
@@ -315,14 +315,18 @@ class CPTrainer(Trainer):
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._cp_setup()
+        name = f"eval dataset {metric_key_prefix!r}"
         cached = self._cp_eval_data.get(id(ds))
         if cached is None or cached[0] is not ds:
-            # the dataset is kept with its columns: its id cannot be reused by another one
-            cached = self._cp_eval_data[id(ds)] = (ds, read_token_columns(ds, f"eval dataset {metric_key_prefix!r}"))
-        data = cached[1]
-        if int(data.valid_counts.sum()) == 0:
-            raise ValueError(f"CPTrainer.evaluate: eval dataset {metric_key_prefix!r} has no target tokens "
-                             f"(every label is {IGNORE_INDEX})")
+            data = read_token_columns(ds, name)
+            if int(data.valid_counts.sum()) == 0:
+                raise ValueError(f"CPTrainer.evaluate: {name} has no target tokens (every label is {IGNORE_INDEX})")
+            plans = plan_evaluation(data, self.args.tokens_per_step(self.cp_world),
+                                    self.cp_balancer or self.args.cp_balancer, self.cp_cluster, self.cp_cost,
+                                    self.args.seed, name)
+            # kept with the dataset itself, so that its id cannot be reused by another one
+            cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
+        _, data, plans = cached
         t0 = time.perf_counter()
         device = self.args.device
         model = self.model
@@ -331,10 +335,7 @@ class CPTrainer(Trainer):
         loss_sum, valid, tokens = 0.0, 0, 0
         try:
             with torch.no_grad():
-                for step in planned_eval_steps(data, self.args.tokens_per_step(self.cp_world),
-                                               self.cp_balancer or self.args.cp_balancer, self.cp_cluster,
-                                               self.cp_cost, self.cp_rank, self.args.seed,
-                                               f"eval dataset {metric_key_prefix!r}"):
+                for step in evaluation_rank_steps(plans, data, self.cp_rank):
                     # as in training: a rank with another plan would wait in the wrong group
                     assert_plans_agree(step.plan.digest(), step.index, group=self.cp_groups.control)
                     for w, mb in enumerate(step.waves):
