@@ -26,8 +26,9 @@ def _digest_tensor(digest: str):
     return torch.tensor(list(raw), dtype=torch.uint8)
 
 
-def assert_plans_agree(digest: str, step: int, group=None) -> None:
-    """All ranks of `group` (default: world) must pass the same plan digest for `step`."""
+def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step") -> None:
+    """All ranks of `group` (default: world) must pass the same plan digest for `step` (named
+    "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step)."""
     import torch
     import torch.distributed as dist
 
@@ -46,13 +47,14 @@ def assert_plans_agree(digest: str, step: int, group=None) -> None:
             by_digest[d].append(r)
         groups = "; ".join(f"ranks {ranks} hold plan {d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
         raise PlanDisagreementError(
-            f"step {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
+            f"{phase} {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
             f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
             f"config, profile and seed")
 
 
 @contextlib.contextmanager
-def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch") -> Iterator[None]:
+def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch",
+                     phase: str = "step") -> Iterator[None]:
     """Re-raise a failed or timed-out collective with the step, wave and group it belongs to.
 
     Inside a wave a rank issues its CP group's collectives (attention) and, in backward, the
@@ -71,7 +73,7 @@ def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str
                      f"a collective of the {what} on CP group {ranks} (or the gradient reduction over all "
                      f"ranks in its backward)")
             raise CollectiveStallError(
-                f"step {step}, wave {wave}: {where} failed or stalled: "
+                f"{phase} {step}, wave {wave}: {where} failed or stalled: "
                 f"{text.splitlines()[0] if text else type(e).__name__}. A rank that died names the cause in its "
                 f"own log; a rank that was only slow needs a larger ddp_timeout") from e
         raise

@@ -55,7 +55,7 @@ def test_stalled_rank_fails_the_job_within_the_timeout_naming_step_wave_and_grou
         run_distributed(spec, 2, timeout=JOB_TIMEOUT)
     elapsed = time.perf_counter() - t0
     text = str(err.value)
-    assert "CollectiveStallError: step 1, wave 0" in text, text[-3000:]
+    assert "CollectiveStallError: step 2, wave 0" in text, text[-3000:]  # the second step, as the Trainer counts
     assert "CP group [0, 1]" in text
     assert "ddp_timeout" in text
     assert elapsed < 60, f"the stall surfaced after {elapsed:.0f} s, not within the 4 s timeout (+ start-up)"
@@ -71,6 +71,9 @@ def test_collective_scope_names_step_wave_and_group():
                                                    r"during the local micro-batch of rank 5"):
         with collective_scope(3, 0, (5,)):
             raise RuntimeError("Timed out waiting 4000ms for recv operation to complete")
+    with pytest.raises(CollectiveStallError, match=r"^evaluation batch 4, wave 1: a collective of the evaluation"):
+        with collective_scope(4, 1, (0, 1), "evaluation micro-batch", "evaluation batch"):
+            raise RuntimeError("Connection closed by peer")
     with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not a collective failure: untouched
         with collective_scope(3, 0, (5,)):
             raise RuntimeError("shape mismatch")

@@ -185,11 +185,12 @@ class CPTrainer(Trainer):
         step: RankStep = inputs["cp_step"]
         t_step = time.perf_counter()
         # before any collective of this step
-        assert_plans_agree(step.plan.digest(), step.index, group=self.cp_groups.control)
+        # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
+        assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control)
         if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
-                raise ValueError(f"step {step.index}: the {step.plan.balancer!r} plan distributes samples over CP "
+                raise ValueError(f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
                                  f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
                                  f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'")
         model.train()
@@ -206,7 +207,7 @@ class CPTrainer(Trainer):
             self._cp_backward_end = None
             if mb is None:
                 # no work in this wave: a zero-weight micro-batch keeps the backward count equal
-                with cp_context(None), collective_scope(step.index, w, tuple(range(self.cp_world)), "dummy micro-batch"):
+                with cp_context(None), collective_scope(step.index + 1, w, tuple(range(self.cp_world)), "dummy micro-batch"):
                     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
                     out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
                     loss = out.logits.sum() * 0.0
@@ -215,7 +216,7 @@ class CPTrainer(Trainer):
             ctx = mb.context
             if ctx.group_size > 1:
                 ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-            with cp_context(ctx), collective_scope(step.index, w, ctx.group_ranks):
+            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
                 wave_sum = self._cp_wave_loss(model, mb, device)
                 loss = wave_sum * scale
                 self._cp_backward(model, loss, last)
@@ -337,15 +338,16 @@ class CPTrainer(Trainer):
             with torch.no_grad():
                 for step in evaluation_rank_steps(plans, data, self.cp_rank):
                     # as in training: a rank with another plan would wait in the wrong group
-                    assert_plans_agree(step.plan.digest(), step.index, group=self.cp_groups.control)
+                    assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control,
+                                       phase="evaluation batch")
                     for w, mb in enumerate(step.waves):
                         if mb is None:  # forward only: no gradient reduction to join
                             continue
                         ctx = mb.context
                         if ctx.group_size > 1:
                             ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-                        with cp_context(ctx), collective_scope(step.index, w, ctx.group_ranks,
-                                                               "evaluation micro-batch"):
+                        with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks,
+                                                               "evaluation micro-batch", "evaluation batch"):
                             loss_sum += float(self._cp_wave_loss(model, mb, device))
                         valid += int((mb.shift_labels != IGNORE_INDEX).sum())
                         tokens += mb.num_tokens
