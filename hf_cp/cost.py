@@ -214,6 +214,19 @@ class HardwareProfile:
 
 
 # --------------------------------------------------------------------------- the cost model
+def _segments_builder(mode: ShardMode, doc_lengths: Sequence[int], group_size: int):
+    """member -> its query segments (shard.rank_segments), each member's built once: a ring
+    member's cost also needs its successor's share."""
+    built: dict = {}
+
+    def segments_of(m: int) -> List[Segment]:
+        s = built.get(m)
+        if s is None:
+            s = built[m] = rank_segments(mode, doc_lengths, group_size, m)
+        return s
+    return segments_of
+
+
 @dataclass(frozen=True)
 class RankCost:
     """Predicted work of one rank in one micro-batch (already multiplied by the layer count)."""
@@ -365,10 +378,32 @@ class CostModel:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
         are this member's local documents (computed with no communication)."""
-        g = len(ranks)
         mode = ShardMode(mode)
+        return self._rank_cost(doc_lengths, mode, ranks, member, local_lengths,
+                               _segments_builder(mode, doc_lengths, len(ranks)), self.link_for(ranks))
+
+    def distributed_rank_costs(
+        self,
+        doc_lengths: Sequence[int],
+        mode: ShardMode,
+        ranks: Sequence[int],
+        members: Sequence[int],
+        local: Optional[Mapping[int, Sequence[int]]] = None,
+    ) -> List[RankCost]:
+        """distributed_rank_cost of each of `members` (local: member index -> its local lengths),
+        with every member's segments built once: a ring member's cost also needs its successor's
+        share, so costing a whole group member by member would build each share twice."""
+        mode = ShardMode(mode)
+        local = local or {}
+        segments_of = _segments_builder(mode, doc_lengths, len(ranks))
+        link = self.link_for(ranks)
+        return [self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link) for m in members]
+
+    def _rank_cost(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int], member: int,
+                   local_lengths: Sequence[int], segments_of, link: Link) -> RankCost:
+        g = len(ranks)
         L = self.dims.num_layers
-        segs = rank_segments(mode, doc_lengths, g, member) if doc_lengths else []
+        segs = segments_of(member) if doc_lengths else []
         dist_tokens = segment_tokens(segs)
         local_tokens = sum(local_lengths)
         tokens = dist_tokens + local_tokens
@@ -384,11 +419,10 @@ class CostModel:
                 comm_bytes = self.ulysses_bytes_per_layer(dist_tokens, total, g)
             else:
                 dist_attn = self._segments_attention_ms(segs)
-                nxt = segment_tokens(rank_segments(mode, doc_lengths, g, (member + 1) % g))
+                nxt = segment_tokens(segments_of((member + 1) % g))
                 comm_bytes = self.ring_bytes_per_layer(nxt, total, g)
         elif doc_lengths:
             dist_attn = self._segments_attention_ms(segs)
-        link = self.link_for(ranks)
         comm_ms = 0.0
         if comm_bytes:
             n_msgs = 4 * (g - 1) if mode is ShardMode.ULYSSES else 3 * (g - 1)
@@ -413,8 +447,7 @@ class CostModel:
     def group_member_costs(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int],
                            local: Optional[Mapping[int, Sequence[int]]] = None) -> List[RankCost]:
         """Cost of every member of a group's micro-batch (local: member index -> lengths)."""
-        local = local or {}
-        return [self.distributed_rank_cost(doc_lengths, mode, ranks, m, local.get(m, ())) for m in range(len(ranks))]
+        return self.distributed_rank_costs(doc_lengths, mode, ranks, range(len(ranks)), local)
 
     def best_ring_mode(self, doc_lengths: Sequence[int], ranks: Sequence[int],
                        local: Optional[Mapping[int, Sequence[int]]] = None) -> ShardMode:

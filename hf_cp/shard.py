@@ -78,13 +78,16 @@ def per_doc_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> 
     Remainder tokens go to the first parts, so no padding is ever needed; a document shorter
     than 2g leaves some parts empty.
     """
-    g = group_size
+    parts = 2 * group_size
     out: List[Segment] = []
     for d, ln in enumerate(doc_lengths):
-        b = _chunk_bounds(ln, 2 * g)
-        for part in (rank, 2 * g - 1 - rank):
-            if b[part + 1] > b[part]:
-                out.append(Segment(d, b[part], b[part + 1] - b[part]))
+        # part p of split_sizes(ln, parts) starts at p*q + min(p, r): O(1) per part, since
+        # planners cost every document of a pack on several members (their inner loop)
+        q, r = divmod(ln, parts)
+        for part in (rank, parts - 1 - rank):
+            size = q + 1 if part < r else q
+            if size:
+                out.append(Segment(d, part * q + min(part, r), size))
     return out
 
 

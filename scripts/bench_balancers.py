@@ -11,6 +11,7 @@ Quick look:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shlex
 import statistics
@@ -83,6 +84,13 @@ def main(argv=None) -> int:
     costs = {b: CostModel.load(args.model, args.profile) for b in balancers}
     insts = {b: get_balancer(b) for b in balancers}
     ref_cost = CostModel.load(args.model, args.profile)
+    # A planner call should pay only for the collections its own allocations cause. Building
+    # `megatron` imports torch and megatron-core: ~380k GC-tracked objects that live as long as
+    # the process, which every full collection walks (200-350 ms here) inside whichever call is
+    # running when it trips: `static` at world 512 measured 355.9 ms in the full run, ~105 ms
+    # alone. Freeze them out of the collector, and collect before each timed call.
+    gc.collect()
+    gc.freeze()
 
     rows = []
     notes = []
@@ -110,6 +118,7 @@ def main(argv=None) -> int:
                 for b in balancers:
                     req = PlanRequest(ids, lens, cluster, costs[b], seed=args.seed, step=step,
                                       dataset_max_length=longest)
+                    gc.collect()
                     t0, c0 = time.perf_counter(), time.process_time()
                     plan = insts[b].plan(req)
                     ms = (time.perf_counter() - t0) * 1e3
@@ -213,7 +222,8 @@ def write_markdown(path: Path, command, scenario, balancers, rows, notes, summar
         "balancer's (higher is better); *max/mean* = slowest rank's busy time over the mean (per step, "
         "averaged); *comm GB* = bytes sent by all ranks per step; *plan ms* / *plan CPU ms* = planner median wall / "
         "process CPU time per step on this machine (2 CPU cores shared with other work, so wall time can "
-        "exceed CPU time). `megatron` is Megatron-Core 0.16.1's BalancedCPScheduler "
+        "exceed CPU time), each call timed after a gc.collect() with the objects built at start-up (torch, "
+        "imported by `megatron`) frozen out of the collector. `megatron` is Megatron-Core 0.16.1's BalancedCPScheduler "
         "translated into a StepPlan (hf_cp/balance/megatron.py).",
         "",
         "## Acceptance",

@@ -72,6 +72,56 @@ def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
             assert member_tokens(mode, docs, g, memo).tolist() == expect
 
 
+def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
+    # the planners' cheaper paths must give the cost model's numbers exactly (plans depend on them)
+    import random
+
+    from hf_cp.cost import _segments_builder
+    from hf_cp.shard import ShardMode, rank_segments
+    rng = random.Random(0)
+    for _ in range(300):
+        g = rng.choice([1, 2, 4, 8, 16, 32, 64])
+        docs = [rng.choice([1, 3, rng.randint(1, 2 * g), rng.randint(1, 300_000)]) for _ in range(rng.randint(1, 9))]
+        ranks = list(range(8, 8 + g)) if g <= 8 else list(range(g))
+        local = {m: [rng.randint(1, 5000)] for m in range(g) if rng.random() < 0.3}
+        for mode in ShardMode:
+            if mode is ShardMode.ULYSSES and g > 4:
+                continue  # the model's 28 heads split over at most 4
+            seg = _segments_builder(mode, docs, g)
+            members = sorted({0, g - 1, rng.randrange(g)})
+            for m in members:
+                assert seg(m) == rank_segments(mode, docs, g, m)
+            one_by_one = [h200_cost.distributed_rank_cost(docs, mode, ranks, m, local.get(m, ())) for m in members]
+            assert h200_cost.distributed_rank_costs(docs, mode, ranks, members, local) == one_by_one
+    with pytest.raises(ValueError, match="outside group"):
+        h200_cost.distributed_rank_cost([10], ShardMode.RING_PER_DOC, [0, 1], 2)
+
+
+def test_ring_mode_choice_equals_predicting_every_zigzag_member(h200_cost):
+    import random
+
+    from hf_cp.balance.common import ring_mode_and_ms
+    from hf_cp.shard import ShardMode
+
+    rng = random.Random(1)
+    chosen = set()
+    for _ in range(150):
+        g = rng.choice([2, 4, 8, 16, 32])
+        cap = 32768
+        docs = [rng.choice([rng.randint(1, 400), rng.randint(1000, 20000)]) for _ in range(rng.randint(2, 8))]
+        if sum(docs) > g * cap // 2:
+            continue  # within the cap in both modes, so the cost model alone decides
+        mode, ms = ring_mode_and_ms(h200_cost, docs, list(range(g)), cap)
+        pd = max(h200_cost.distributed_rank_cost(docs, ShardMode.RING_PER_DOC, list(range(g)), m).total_ms
+                 for m in sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1} if g > 8 else range(g)))
+        zz = max(h200_cost.distributed_rank_cost(docs, ShardMode.RING_ZIGZAG, list(range(g)), m).total_ms
+                 for m in range(g))
+        expect = (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
+        assert (mode, ms) == expect
+        chosen.add(mode)
+    assert chosen == {ShardMode.RING_PER_DOC, ShardMode.RING_ZIGZAG}  # both outcomes exercised
+
+
 def test_interleaved_micro_batches_spread_long_samples_and_respect_the_budget():
     lengths = np.array([9000, 9000, 9000, 9000] + [500] * 72)
     mbs = interleave_micro_batches(lengths, lengths.astype(float) ** 2, budget=20000)

@@ -86,3 +86,19 @@ def test_tree_first_fit_equals_naive_first_fit(weights, capacity):
     from hf_cp.balance.packing import first_fit
 
     assert first_fit(list(range(len(weights))), weights, capacity) == naive_first_fit(weights, capacity)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(1, 12), st.integers(1, 400)), min_size=1, max_size=400), st.integers(400, 1000))
+def test_first_fit_newest_bin_shortcut_keeps_first_fit_order(weights, capacity):
+    # mostly small items, as in a step: most go to the newest bin without a tree descent,
+    # the smallest ones back into older bins' gaps; item by item `add` agrees as well
+    from hf_cp.balance.packing import FirstFitPacker, first_fit
+
+    expect = naive_first_fit(weights, capacity)
+    assert first_fit(list(range(len(weights))), weights, capacity) == expect
+    packer = FirstFitPacker(capacity, len(weights))
+    assert [packer.add(i, w) for i, w in enumerate(weights)] == [b for i in range(len(weights))
+                                                                 for b, items in enumerate(expect) if i in items]
+    assert packer.bins == expect
+    assert packer.loads == [sum(weights[i] for i in items) for items in expect]

@@ -59,8 +59,8 @@ class CostMemo:
                 v = self.local_ms(length)
             else:
                 ranks = list(range(group_size))
-                v = max(self.cost.distributed_rank_cost([length], ShardMode.RING_PER_DOC, ranks, m).total_ms
-                        for m in (0, group_size - 1))
+                v = max(c.total_ms for c in self.cost.distributed_rank_costs(
+                    [length], ShardMode.RING_PER_DOC, ranks, (0, group_size - 1)))
             self._on_group[key] = v
         return v
 
@@ -366,7 +366,7 @@ def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[i
     over every member or the sampled ones (sampled_members). Per-document sharding is
     symmetric, its members nearly equal; zigzag's heavy member can be any."""
     members = range(len(ranks)) if all_members else sampled_members(len(ranks))
-    return max(cost.distributed_rank_cost(doc_lengths, mode, ranks, m).total_ms for m in members)
+    return max(c.total_ms for c in cost.distributed_rank_costs(doc_lengths, mode, ranks, members))
 
 
 def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
@@ -418,7 +418,16 @@ def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequenc
     pd = per_doc_ms()
     if g * len(docs) > ZIGZAG_ALL_MEMBERS_BUDGET:
         return ShardMode.RING_PER_DOC, pd
-    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members=True)
+    # Zigzag is taken only if its slowest member beats per-document sharding, and every
+    # member's time bounds the slowest from below: once a sampled member (where zigzag's
+    # heavy chunks land) does not beat it, the other members need no prediction.
+    sampled = sampled_members(g)
+    zz = predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks)
+    if pd <= zz + 1e-12:
+        return ShardMode.RING_PER_DOC, pd
+    rest = sorted(set(range(g)) - set(sampled))
+    if rest:
+        zz = max(zz, max(c.total_ms for c in cost.distributed_rank_costs(docs, ShardMode.RING_ZIGZAG, ranks, rest)))
     return (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
 
 
