@@ -22,8 +22,14 @@ def test_config_errors_name_file_and_field(tmp_path):
         load_config(str(bad))
     with pytest.raises(TrainConfigError, match="expected section.key=value"):
         load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["max_steps=3"])
-    cfg = load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["training.max_steps=3", "training.cp_balancer=static"])
+    cfg = load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["training.max_steps=3", "training.cp_balancer=static",
+                                                            "training.eval_strategy=no", "training.save_strategy=no"])
     assert cfg["training"]["max_steps"] == 3 and cfg["training"]["cp_balancer"] == "static"
+    from hf_cp.train.main import training_arguments
+
+    args = training_arguments(dict(cfg["training"], output_dir=str(tmp_path), use_cpu=True, deepspeed=None),
+                              "tiny-cpu.yaml")  # YAML's `no` is False: still the strategy "no"
+    assert str(args.eval_strategy.value) == "no" and str(args.save_strategy.value) == "no"
 
 
 def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):

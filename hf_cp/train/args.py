@@ -37,6 +37,10 @@ class CPTrainingArguments(TrainingArguments):
     cp_loss_chunk_tokens: int = field(default=2048, metadata={
         "help": "tokens per chunk of the LM-head cross-entropy (logits recomputed in backward, never all "
                 "materialised); 0 computes all logits at once"})
+    cp_gc_interval_steps: int = field(default=0, metadata={
+        "help": "collect garbage on every rank at the end of every N-th step, with automatic collection off "
+                "during training, so collector pauses do not make random ranks stragglers; 0 leaves Python's "
+                "collector alone"})
     cp_record_history: bool = field(default=True, metadata={
         "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
 
@@ -56,6 +60,9 @@ class CPTrainingArguments(TrainingArguments):
         if self.cp_loss_chunk_tokens < 0:
             raise ValueError(f"CPTrainingArguments: cp_loss_chunk_tokens must be >= 0 (0: full logits), got "
                              f"{self.cp_loss_chunk_tokens}")
+        if self.cp_gc_interval_steps < 0:
+            raise ValueError(f"CPTrainingArguments: cp_gc_interval_steps must be >= 0 (0: off), got "
+                             f"{self.cp_gc_interval_steps}")
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
         # the loader yields planned steps, not model inputs: keep every dataset column

@@ -149,6 +149,10 @@ def training_arguments(tcfg: dict, source: str):
     from .args import CPTrainingArguments
 
     t = dict(tcfg)
+    for k, v in t.items():
+        # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
+        if v is False and (k.endswith("_strategy") or k == "report_to"):
+            t[k] = "no"
     for k in PATH_FIELDS:
         if t.get(k):
             t[k] = _resolve(t[k])

@@ -38,6 +38,7 @@ from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
 from .evaluation import evaluation_rank_steps, plan_evaluation
 from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
+from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 from .metrics import aggregate, summary_lines
@@ -108,6 +109,8 @@ class CPTrainer(Trainer):
         if train_dataset is None:
             raise ValueError("CPTrainer: training needs a train_dataset")
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
+        if args.cp_gc_interval_steps > 0:
+            self.add_callback(ScheduledGarbageCollection(args.cp_gc_interval_steps))
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
