@@ -118,7 +118,8 @@ def test_restart_problems_name_what_would_break_a_restart():
     assert restart_problems("no", None, {}) == []  # not under torchrun: nothing to say
     assert restart_problems("no", None, dict(restarts, TORCHELASTIC_MAX_RESTARTS="0")) == []
     assert restart_problems("steps", "latest", restarts) == []
-    assert restart_problems("steps", True, restarts) == []
+    (needs_latest,) = restart_problems("steps", True, restarts)  # True fails the first attempt: no checkpoint yet
+    assert "resume_from_checkpoint is True" in needs_latest
     shared = restart_problems("steps", "latest", dict(restarts, TORCHELASTIC_USE_AGENT_STORE="True"))
     assert shared == [SHARED_STORE_ADVICE] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared[0]
     (no_ckpt,) = restart_problems("no", "latest", restarts)

@@ -43,7 +43,8 @@ def restart_problems(save_strategy: str, resume, env: Optional[dict] = None) -> 
     if str(getattr(save_strategy, "value", save_strategy)).lower() == "no":
         problems.append("restarts are enabled but save_strategy is 'no': a restarted job starts again from step 0; "
                         "set save_strategy: steps and save_steps")
-    if not (resume is True or (isinstance(resume, str) and resume.lower() in LATEST)):
+    # True needs a checkpoint to exist, which the first attempt does not have
+    if not (isinstance(resume, str) and resume.lower() in LATEST):
         problems.append(f"restarts are enabled but resume_from_checkpoint is {resume!r}: a restarted job would not "
                         f"continue from its newest checkpoint; set resume_from_checkpoint: latest")
     return problems
