@@ -91,8 +91,10 @@ def test_bad_arguments_are_named():
     hidden, weight, _, targets = _case(10, bias=False)
     with pytest.raises(ValueError, match="chunk_tokens must be positive"):
         chunked_lm_head_loss(hidden, weight, targets, 0)
-    with pytest.raises(ValueError, match=r"hidden \[T, H\] and targets \[T\]"):
+    with pytest.raises(ValueError, match=r"hidden \[T, H\] and targets \[T\] with T > 0"):
         chunked_lm_head_loss(hidden, weight, targets[:5], 4)
+    with pytest.raises(ValueError, match=r"with T > 0 expected, got \(0, 12\)"):
+        chunked_lm_head_loss(hidden[:0], weight, targets[:0], 4)
 
 
 def test_bypassed_head_hands_back_hidden_states_and_model_loss_matches():

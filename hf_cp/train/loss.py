@@ -40,8 +40,8 @@ def chunked_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"hidden [T, H] and targets [T] expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
+        raise ValueError(f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     total = None
     for s in range(0, hidden.shape[0], chunk_tokens):
         part = checkpoint(_chunk_loss, hidden[s:s + chunk_tokens], weight, bias, targets[s:s + chunk_tokens],
