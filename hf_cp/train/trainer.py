@@ -334,6 +334,9 @@ class CPTrainer(Trainer):
         t0 = time.perf_counter()
         device = self.args.device
         model = self.model
+        if next(model.parameters()).device != device:
+            # evaluate() before train() under DeepSpeed: the engine has not placed the model yet
+            model.to(device)
         was_training = model.training
         model.eval()
         loss_sum, valid, tokens = 0.0, 0, 0
