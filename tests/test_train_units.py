@@ -115,19 +115,24 @@ def test_rank_without_work_gets_none_and_trained_ids_partition_the_batch():
         assert idle_waves > 0
 
 
-def test_background_planner_matches_inline_planning_and_validates():
+@pytest.mark.parametrize("in_process", [False, True])
+def test_background_planner_matches_inline_planning_and_validates(in_process):
+    from concurrent.futures import ProcessPoolExecutor
+
     cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
     sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=2)
     cl = ClusterSpec(4, 256)
-    bg = Planner(sampler, "static", cl, cost, lookahead=3, compare_balancer="static")
-    inline = Planner(sampler, "static", cl, cost, lookahead=0)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=3, compare_balancer="static", in_process=in_process)
+    inline = Planner(sampler, "auto", cl, cost, lookahead=0, compare_balancer="static")
+    assert bg.in_process == in_process and isinstance(bg._pool, ProcessPoolExecutor) == in_process
     try:
         order = [0, 1, 2, 5, 6, len(sampler) - 1]  # includes a jump, as after a resume
         for k in order:
             a, b = bg.get(k), inline.get(k)
             assert a.plan.to_json() == b.plan.to_json() and a.plan.step == k
             assert a.predicted.makespan_ms == pytest.approx(b.predicted.makespan_ms)
-            assert a.compare is None  # comparing static with itself is skipped
+            assert a.compare.makespan_ms == pytest.approx(b.compare.makespan_ms)
+            assert a.batch.sample_ids == b.batch.sample_ids
     finally:
         bg.close()
 
@@ -139,6 +144,29 @@ def test_background_planner_matches_inline_planning_and_validates():
 
     with pytest.raises(ValueError, match="never scheduled"):
         Planner(sampler, Broken(), cl, cost, lookahead=0).get(0)
+    class WhereAmI:
+        name = "where"
+
+        def plan(self, req):
+            import dataclasses
+            import os
+
+            from hf_cp.balance import get_balancer
+            return dataclasses.replace(get_balancer("static").plan(req), balancer=f"pid {os.getpid()}")
+
+    where = Planner(sampler, WhereAmI(), cl, cost, lookahead=1, in_process=in_process)
+    try:  # in_process: planned by another process, off this one's GIL
+        import os
+
+        assert (where.get(0).plan.balancer != f"pid {os.getpid()}") == in_process
+    finally:
+        where.close()
+    broken_bg = Planner(sampler, Broken(), cl, cost, lookahead=1, in_process=in_process)
+    try:  # an invalid plan made in the worker reaches the trainer as the same error
+        with pytest.raises(ValueError, match="never scheduled"):
+            broken_bg.get(0)
+    finally:
+        broken_bg.close()
 
 
 def test_planner_names_a_sample_too_long_for_any_group():
@@ -285,3 +313,31 @@ def test_scheduled_garbage_collection_collects_only_at_the_interval():
         gc.enable()
     with pytest.raises(ValueError, match="cp_gc_interval_steps must be positive"):
         ScheduledGarbageCollection(0)
+
+
+def test_planner_worker_exits_when_its_training_process_is_killed():
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = (
+        "import os\n"
+        "from hf_cp.cluster import ClusterSpec\n"
+        "from hf_cp.cost import CostModel\n"
+        "from hf_cp.train.planner import Planner\n"
+        "from hf_cp.train.sampler import GlobalBatchSampler\n"
+        "p = Planner(GlobalBatchSampler([10] * 40, 100), 'static', ClusterSpec(2, 256),\n"
+        "            CostModel.load('tiny-llama', 'h200-qwen2.5-7b'), lookahead=1, in_process=True)\n"
+        "p.get(0)\n"
+        "print(*p._pool._processes, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n")
+    # the forked worker holds this pipe too: run() returns only once the worker is gone as well
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    worker = int(proc.stdout.split()[0])
+    assert time.perf_counter() - t0 < 30
+    status = Path(f"/proc/{worker}/status")
+    gone = not status.exists() or "\nState:\tZ" in status.read_text()  # exited (a zombie until reaped)
+    assert gone, f"planner worker {worker} outlived its training process"

@@ -30,7 +30,11 @@ class CPTrainingArguments(TrainingArguments):
     cp_tokens_per_rank_per_step: int = field(default=65536, metadata={"help": "used when cp_tokens_per_step is unset"})
     cp_max_group_size: Optional[int] = field(default=None, metadata={"help": "largest CP group (default: world)"})
     cp_gpus_per_node: Optional[int] = field(default=None, metadata={"help": "ranks per node (default: profile's)"})
-    cp_plan_lookahead: int = field(default=2, metadata={"help": "steps planned ahead on the background thread"})
+    cp_plan_lookahead: int = field(default=2, metadata={"help": "steps planned ahead of training (in the planner worker); 0 plans each step inline"})
+    cp_plan_in_process: bool = field(default=True, metadata={
+        "help": "plan ahead in a forked worker process rather than a thread: a planner thread holds the GIL "
+                "against the training thread's kernel launches (10-15x slower op dispatch measured by "
+                "scripts/bench_planner_gil.py)"})
     cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
     cp_compare_balancer: Optional[str] = field(default="static", metadata={
         "help": "also plan every step with this balancer (not run) to report what it would have cost"})

@@ -61,7 +61,7 @@ def summary_lines(records: Sequence[Mapping], balancer: str, compare: str = "") 
         "per-rank compute, mean per step (ms): predicted "
         + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0]['measured_ms'])))
         + " | measured " + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0]['measured_ms']))),
-        f"planner {agg['planner_ms']:.1f} ms/step (background thread), waves/step {agg['waves']:.2f}, cp-size:samples "
+        f"planner {agg['planner_ms']:.1f} ms/step (planned ahead, off the training thread), waves/step {agg['waves']:.2f}, cp-size:samples "
         + " ".join(f"{k[len('cp_size'):-len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")),
     ]
     if compare and "compare_predicted_step_ms" in agg:

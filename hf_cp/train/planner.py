@@ -1,15 +1,21 @@
-"""Planning ahead of training: the balancer runs on a background thread, a few steps early.
+"""Planning ahead of training: the balancer runs a few steps early, off the training thread.
 
-Balancers are pure Python and hold the GIL only while planning; the training thread spends
-its time in torch kernels that release it, so planning step k+1.. overlaps step k's compute.
+Balancers are pure Python. On a background *thread* they hold the GIL against the training
+thread, whose job on a GPU is to launch thousands of small kernels per step: measured with
+scripts/bench_planner_gil.py, 30k small torch ops took 10-15x longer while `auto` planned on
+a thread (0.07 s alone, 0.9-1.1 s beside it). So by default (`in_process=True`) the planner
+runs in a forked worker process with its own GIL, as DataLoader workers do; the thread is the
+fallback where fork is unavailable, and `lookahead=0` plans inline.
 Every plan is a pure function of (global batch, cluster, cost model, seed, step) and is
 validated here, before the trainer issues any collective for it.
 """
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -30,9 +36,32 @@ class PlannedStep:
     compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
 
 
+_FORKED_PLANNER: Optional["Planner"] = None  # in a planner worker process: the Planner it serves
+
+
+def _adopt_planner(planner: "Planner", parent_pid: int) -> None:
+    """Worker initialiser: a forked worker inherits the Planner (nothing is pickled), and
+    exits when the training process dies. A forked child holds copies of its parent's pipes
+    (the launcher's stdout too), so an orphan would wait on its queue forever and keep the
+    launcher's logs open: after a SIGKILLed rank, a restarted job would never finish."""
+    global _FORKED_PLANNER
+    _FORKED_PLANNER = planner
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, name="hf_cp-planner-parent-watch", daemon=True).start()
+
+
+def _plan_in_worker(index: int) -> "PlannedStep":
+    return _FORKED_PLANNER.plan_now(index)
+
+
 class Planner:
     def __init__(self, sampler: GlobalBatchSampler, balancer, cluster: ClusterSpec, cost: CostModel,
-                 seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None):
+                 seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None, in_process: bool = False):
         self.sampler = sampler
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
@@ -54,7 +83,15 @@ class Planner:
                              f"{cluster.largest_capacity}. Raise cp_max_tokens_per_rank, or truncate/drop it")
         self._lock = threading.Lock()
         self._futures: Dict[int, Future] = {}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner") if lookahead > 0 else None
+        self._pool = None
+        self.in_process = False
+        if lookahead > 0 and in_process and "fork" in multiprocessing.get_all_start_methods():
+            # forked at the first submit; the worker only runs Python planning (no CUDA, no collectives)
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=_adopt_planner, initargs=(self, os.getpid()))
+            self.in_process = True
+        elif lookahead > 0:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
 
     def request(self, batch: GlobalBatch) -> PlanRequest:
         return PlanRequest(sample_ids=batch.sample_ids, lengths=batch.lengths, cluster=self.cluster, cost=self.cost,
@@ -84,7 +121,8 @@ class Planner:
         with self._lock:
             for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
                 if k not in self._futures:
-                    self._futures[k] = self._pool.submit(self.plan_now, k)
+                    self._futures[k] = (self._pool.submit(_plan_in_worker, k) if self.in_process
+                                        else self._pool.submit(self.plan_now, k))
             fut = self._futures.pop(index)
             for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
                 self._futures.pop(k).cancel()

@@ -147,7 +147,8 @@ class CPTrainer(Trainer):
         if self.cp_planner is None:
             a = self.args
             self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
-                                      lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer)
+                                      lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer,
+                                      in_process=a.cp_plan_in_process)
         if self._cp_hook is None:
             self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
 
