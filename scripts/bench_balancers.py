@@ -178,7 +178,7 @@ def acceptance(rows, auto_checks) -> List[str]:
     auto = [r for r in w64 if r["balancer"] == "auto"]
     if auto:
         worst = max(auto, key=lambda r: r["ratio"])
-        out.append(f"- world 64, `auto` / lower bound: " + ", ".join(f"{r['trace']} {r['ratio']:.3f}" for r in auto)
+        out.append("- world 64, `auto` / lower bound: " + ", ".join(f"{r['trace']} {r['ratio']:.3f}" for r in auto)
                    + f" (worst {worst['ratio']:.3f}; target <= 1.10)")
         mean_vs_mega = statistics.mean(r["vs_megatron"] for r in auto)
         out.append(f"- world 64, `auto` speedup vs `megatron`, mean over traces: {mean_vs_mega:.2f}x "

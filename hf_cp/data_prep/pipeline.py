@@ -36,7 +36,7 @@ class PreprocessResult:
             what = {"drop": f"dropped {self.dropped_overlong}", "truncate": f"truncated {self.truncated}",
                     "error": "none allowed"}[policy]
             lines.append(f"over-long (> --max-length {max_length}): {self.overlong} samples, policy {policy}: {what}"
-                         + (f"; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
+                         + ("; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
                             if self.overlong_examples else ""))
         else:
             lines.append(f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)")

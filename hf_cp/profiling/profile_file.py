@@ -40,8 +40,8 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         f"# layer: one {result.notes.get('layer_class', 'decoder layer')} with random weights, fwd+bwd; attention "
         f"through hf_cp.attention's block kernels ({result.notes.get('kernel', '?')}).",
         _dump({"name": p["name"], "description": p["description"]}).rstrip(),
-        f"# One layer fwd+bwd, t = c1*T + c2*sum over documents of pairs(l)/efficiency(l) + c0 with",
-        f"# pairs(l) = l(l+1)/2 (causal query-key pairs), fitted by non-negative least squares over",
+        "# One layer fwd+bwd, t = c1*T + c2*sum over documents of pairs(l)/efficiency(l) + c0 with",
+        "# pairs(l) = l(l+1)/2 (causal query-key pairs), fitted by non-negative least squares over",
         f"# {len(result.layer_rows)} runs ({st.tokens}-token compositions and token counts down to {st.tokens // 8}):",
         f"# R^2 {lf.r2:.4f}, max relative error {lf.max_rel_err:.3f}, median {lf.median_rel_err:.3f}.",
         f"# Times: {'median of' if dev == 'cuda' else 'fastest of'} {st.repeats} runs"
