@@ -169,6 +169,34 @@ def test_background_planner_matches_inline_planning_and_validates(in_process):
         broken_bg.close()
 
 
+def test_planner_replaces_a_worker_process_that_dies():
+    """An OOM-killed planner worker costs a warning and a re-plan, never a hang or a wrong plan."""
+    import os
+    import signal
+
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    cl = ClusterSpec(4, 256)
+    inline = Planner(sampler, "auto", cl, cost, lookahead=0)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_process=True)
+    try:
+        assert bg.get(0).plan.to_json() == inline.get(0).plan.to_json()
+        for death in range(1, Planner.MAX_WORKER_RESTARTS + 2):
+            (pid,) = list(bg._pool._processes)
+            os.kill(pid, signal.SIGKILL)
+            step = 3 * death  # not planned ahead yet: the dead worker would have had to plan it
+            if death <= Planner.MAX_WORKER_RESTARTS:
+                with pytest.warns(RuntimeWarning, match=f"step {step}: the planner worker process died"):
+                    got = bg.get(step)
+                assert got.plan.to_json() == inline.get(step).plan.to_json()
+                assert bg.worker_restarts == death
+            else:  # something kills every worker: an error naming the step, not an endless loop
+                with pytest.raises(RuntimeError, match=f"step {step}: the planner worker process died 4 times"):
+                    bg.get(step)
+    finally:
+        bg.close()
+
+
 def test_planner_names_a_sample_too_long_for_any_group():
     cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
     sampler = GlobalBatchSampler([10, 3000, 20], 5000)

@@ -5,7 +5,9 @@ thread, whose job on a GPU is to launch thousands of small kernels per step: mea
 scripts/bench_planner_gil.py, 30k small torch ops took 10-15x longer while `auto` planned on
 a thread (0.07 s alone, 0.9-1.1 s beside it). So by default (`in_process=True`) the planner
 runs in a forked worker process with its own GIL, as DataLoader workers do; the thread is the
-fallback where fork is unavailable, and `lookahead=0` plans inline.
+fallback where fork is unavailable, and `lookahead=0` plans inline. A worker that dies (the
+kernel's OOM killer picks the process with a large heap) is replaced and its steps planned
+again, so a multi-day run neither hangs nor stops for it.
 Every plan is a pure function of (global batch, cluster, cost model, seed, step) and is
 validated here, before the trainer issues any collective for it.
 """
@@ -15,7 +17,9 @@ import multiprocessing
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -85,13 +89,19 @@ class Planner:
         self._futures: Dict[int, Future] = {}
         self._pool = None
         self.in_process = False
+        self.worker_restarts = 0
         if lookahead > 0 and in_process and "fork" in multiprocessing.get_all_start_methods():
-            # forked at the first submit; the worker only runs Python planning (no CUDA, no collectives)
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"),
-                                             initializer=_adopt_planner, initargs=(self, os.getpid()))
+            self._pool = self._new_worker_pool()
             self.in_process = True
         elif lookahead > 0:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
+
+    MAX_WORKER_RESTARTS = 3
+
+    def _new_worker_pool(self) -> ProcessPoolExecutor:
+        # forked at the first submit; the worker only runs Python planning (no CUDA, no collectives)
+        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_adopt_planner, initargs=(self, os.getpid()))
 
     def request(self, batch: GlobalBatch) -> PlanRequest:
         return PlanRequest(sample_ids=batch.sample_ids, lengths=batch.lengths, cluster=self.cluster, cost=self.cost,
@@ -116,17 +126,40 @@ class Planner:
 
     def get(self, index: int) -> PlannedStep:
         """The planned step `index`; schedules the next `lookahead` steps in the background."""
+        if not 0 <= index < len(self.sampler):
+            raise IndexError(f"step {index}: the run has steps 0..{len(self.sampler) - 1}")
         if self._pool is None:
             return self.plan_now(index)
+        try:  # a dead worker surfaces at submit or at result, whichever comes first
+            with self._lock:
+                for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
+                    if k not in self._futures:
+                        self._futures[k] = (self._pool.submit(_plan_in_worker, k) if self.in_process
+                                            else self._pool.submit(self.plan_now, k))
+                fut = self._futures.pop(index)
+                for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
+                    self._futures.pop(k).cancel()
+            return fut.result()
+        except BrokenProcessPool as err:
+            return self._replace_dead_worker(index, err)
+
+    def _replace_dead_worker(self, index: int, err: BaseException) -> PlannedStep:
+        """The worker process died (killed, out of memory): its pending plans are lost, not
+        wrong, since every plan is a pure function of the step. Fork a new worker and plan again;
+        give up after a few deaths, when something kills every worker."""
+        self.worker_restarts += 1
+        if self.worker_restarts > self.MAX_WORKER_RESTARTS:
+            raise RuntimeError(
+                f"step {index}: the planner worker process died {self.worker_restarts} times (last: {err}). "
+                "Check the kernel log for the OOM killer, or set cp_plan_in_process: false to plan on a thread"
+            ) from err
+        warnings.warn(f"step {index}: the planner worker process died ({err}); starting a new one "
+                      f"({self.worker_restarts}/{self.MAX_WORKER_RESTARTS}) and planning again", RuntimeWarning)
         with self._lock:
-            for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
-                if k not in self._futures:
-                    self._futures[k] = (self._pool.submit(_plan_in_worker, k) if self.in_process
-                                        else self._pool.submit(self.plan_now, k))
-            fut = self._futures.pop(index)
-            for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
-                self._futures.pop(k).cancel()
-        return fut.result()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._futures.clear()
+            self._pool = self._new_worker_pool()
+        return self.get(index)
 
     def close(self) -> None:
         if self._pool is not None:
