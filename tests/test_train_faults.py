@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
-from hf_cp.train.elastic import (SHARED_STORE_ADVICE, checkpoint_step, resolve_resume, restart_problems,
-                                 truncate_history)
+from hf_cp.train.elastic import (SCHEDULE_FILE, SHARED_STORE_ADVICE, ScheduleChangedError, check_resumed_schedule,
+                                 checkpoint_step, resolve_resume, restart_problems, schedule_record, truncate_history,
+                                 write_schedule)
 from hf_cp.train.sampler import GlobalBatchSampler
 from hf_cp.train.testing import run_distributed
 from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
@@ -42,6 +43,16 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
     assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
     # and the interrupted run's parameters are the single-process run's
     assert_matches_reference(spec)
+
+    # every checkpoint holds its sample schedule; resuming on another one is refused on every
+    # rank before any collective (here: a new global batch size), instead of skipping samples
+    assert all((c / SCHEDULE_FILE).is_file() for c in out.glob("checkpoint-*"))
+    changed = dict(spec, tokens_per_step=TOKENS_PER_STEP * 2, steps=6, fault=None)
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(changed, 2, timeout=JOB_TIMEOUT)
+    text = str(err.value)
+    assert "ScheduleChangedError: resuming" in text and "checkpoint-4" in text, text[-3000:]
+    assert f"tokens per step: {TOKENS_PER_STEP} in the checkpoint, {TOKENS_PER_STEP * 2} now" in text
 
 
 # ------------------------------------------------------------------ a stalled rank
@@ -102,6 +113,38 @@ def test_resolve_resume(tmp_path):
     (out / "plain").mkdir()
     with pytest.raises(FileNotFoundError, match="no trainer_state.json"):
         checkpoint_step(str(out / "plain"))
+
+
+def test_resume_checks_the_sample_schedule_of_the_checkpoint(tmp_path):
+    lengths = [5, 9, 3, 7]
+    saved = schedule_record(lengths, 1024, seed=42, shuffle=True, world_size=2)
+    ckpt = tmp_path / "checkpoint-10"
+    write_schedule(str(ckpt), saved)
+    assert check_resumed_schedule(str(ckpt), saved) == []
+    # more ranks, same batches: cp_tokens_per_step fixed, so any world size resumes
+    assert check_resumed_schedule(str(ckpt), dict(saved, world_size=4)) == []
+    # more ranks under cp_tokens_per_rank_per_step: the batches change; the error says how to keep them
+    grown = schedule_record(lengths, 2048, seed=42, shuffle=True, world_size=4)
+    with pytest.raises(ScheduleChangedError, match="tokens per step: 1024 in the checkpoint, 2048 now") as err:
+        check_resumed_schedule(str(ckpt), grown)
+    assert "world size went from 2 to 4" in str(err.value) and "cp_tokens_per_step: 1024" in str(err.value)
+    assert "cp_allow_schedule_change" in str(err.value)
+    # another dataset (one length differs), another seed
+    with pytest.raises(ScheduleChangedError, match="sample lengths") as err:
+        check_resumed_schedule(str(ckpt), schedule_record([5, 9, 3, 8], 1024, 42, True, 2))
+    assert "training data is not the data" in str(err.value)
+    with pytest.raises(ScheduleChangedError, match="seed: 42 in the checkpoint, 7 now"):
+        check_resumed_schedule(str(ckpt), schedule_record(lengths, 1024, 7, True, 2))
+    # allowed: a warning that still says what changed
+    (warning,) = check_resumed_schedule(str(ckpt), grown, allow_change=True)
+    assert "tokens per step" in warning and "Continuing on the new schedule" in warning
+    # a checkpoint of another tool: resumed with a warning; a damaged file: an error naming it
+    (tmp_path / "checkpoint-3").mkdir()
+    (warning,) = check_resumed_schedule(str(tmp_path / "checkpoint-3"), saved)
+    assert SCHEDULE_FILE in warning
+    (ckpt / SCHEDULE_FILE).write_text("{not json")
+    with pytest.raises(ScheduleChangedError, match=f"{SCHEDULE_FILE} is not valid JSON"):
+        check_resumed_schedule(str(ckpt), saved)
 
 
 def test_truncate_history_keeps_the_checkpointed_steps(tmp_path):

@@ -45,6 +45,9 @@ class CPTrainingArguments(TrainingArguments):
         "help": "collect garbage on every rank at the end of every N-th step, with automatic collection off "
                 "during training, so collector pauses do not make random ranks stragglers; 0 leaves Python's "
                 "collector alone"})
+    cp_allow_schedule_change: bool = field(default=False, metadata={
+        "help": "resume a checkpoint even when the sample schedule (data, seed, tokens per step) differs from "
+                "the one it was trained on; the interrupted epoch then skips and repeats samples"})
     cp_record_history: bool = field(default=True, metadata={
         "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
 

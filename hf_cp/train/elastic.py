@@ -2,7 +2,11 @@
 
 `torchrun --max-restarts N` restarts every worker when one dies. A restarted job must resume
 from the last checkpoint (`resume_from_checkpoint: latest`); the sampler and planner are pure
-functions of the step index, so the resumed run trains exactly the steps that were not saved.
+functions of the step index, so the resumed run trains exactly the steps that were not saved,
+provided the sample schedule is the one the checkpoint was trained on. Each checkpoint holds
+that schedule's definition (SCHEDULE_FILE) and a resume on another one is refused: a changed
+world size under `cp_tokens_per_rank_per_step`, a new seed or a re-tokenised dataset would
+otherwise skip and repeat samples of the interrupted epoch without a word.
 
 Launcher pitfall (torch 2.13, gloo and NCCL alike): with the default *static* rendezvous, and
 with c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the workers of every attempt share the
@@ -15,10 +19,11 @@ fresh store per attempt needs:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 LATEST = ("latest", "last", "auto")
 SHARED_STORE_ADVICE = ("restarts under torchrun's shared rendezvous store reconnect to the dead attempt's "
@@ -95,3 +100,61 @@ def truncate_history(path: Path, steps_done: int) -> int:
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(path)
     return len(lines) - len(kept)
+
+
+SCHEDULE_FILE = "hf_cp_schedule.json"
+# what decides which samples form step k (GlobalBatchSampler); the run's length (max_steps,
+# epochs) may change on resume, since it only adds or removes steps at the end
+SCHEDULE_FIELDS = ("num_samples", "lengths_sha256", "tokens_per_step", "seed", "shuffle")
+
+
+class ScheduleChangedError(ValueError):
+    """Resuming a checkpoint on a sample schedule other than the one it was trained on."""
+
+
+def schedule_record(lengths: Sequence[int], tokens_per_step: int, seed: int, shuffle: bool, world_size: int) -> dict:
+    digest = hashlib.sha256(",".join(str(int(n)) for n in lengths).encode()).hexdigest()
+    return {"num_samples": len(lengths), "lengths_sha256": digest, "tokens_per_step": int(tokens_per_step),
+            "seed": int(seed), "shuffle": bool(shuffle), "world_size": int(world_size)}
+
+
+def write_schedule(checkpoint: str, record: dict) -> None:
+    path = Path(checkpoint)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / (SCHEDULE_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path / SCHEDULE_FILE)  # never a half-written file, even if killed here
+
+
+def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = False) -> List[str]:
+    """Warnings for resuming `checkpoint` on the schedule `now`; raises ScheduleChangedError when
+    the schedule differs and `allow_change` is off. A checkpoint without the file (written by
+    another tool) is resumed with a warning."""
+    path = Path(checkpoint) / SCHEDULE_FILE
+    if not path.is_file():
+        return [f"{checkpoint} has no {SCHEDULE_FILE}: cannot check that the resumed run keeps the sample schedule"]
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as err:
+        raise ScheduleChangedError(f"{path} is not valid JSON ({err}); delete it to resume without the check") from err
+    if not isinstance(saved, dict):
+        raise ScheduleChangedError(f"{path} does not hold a JSON object; delete it to resume without the check")
+    changed = [k for k in SCHEDULE_FIELDS if saved.get(k) != now[k]]
+    if not changed:
+        return []
+    names = {"num_samples": "samples in the training set", "lengths_sha256": "sample lengths (digest)",
+             "tokens_per_step": "tokens per step", "seed": "seed", "shuffle": "cp_shuffle"}
+    what = "; ".join(f"{names[k]}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now" for k in changed)
+    hints = []
+    if "tokens_per_step" in changed and saved.get("world_size") != now["world_size"]:
+        hints.append(f"the world size went from {saved.get('world_size')} to {now['world_size']} and the global batch "
+                     f"is cp_tokens_per_rank_per_step x world size: set cp_tokens_per_step: "
+                     f"{saved.get('tokens_per_step')} to keep the batches (any world size can run them)")
+    if "num_samples" in changed or "lengths_sha256" in changed:
+        hints.append("the training data is not the data the checkpoint was trained on (another file, filter, "
+                     "tokeniser or max length)")
+    message = (f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint would "
+               f"skip and repeat samples of the interrupted epoch. " + " ".join(h[0].upper() + h[1:] + "." for h in hints))
+    if not allow_change:
+        raise ScheduleChangedError(message + " To continue on the new schedule anyway, set cp_allow_schedule_change: true")
+    return [message + " Continuing on the new schedule (cp_allow_schedule_change)"]

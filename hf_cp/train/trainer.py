@@ -37,7 +37,8 @@ from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
 from .evaluation import evaluation_rank_steps, plan_evaluation
-from .elastic import checkpoint_step, restart_attempt, restart_problems, resolve_resume, truncate_history
+from .elastic import (check_resumed_schedule, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
+                      schedule_record, truncate_history, write_schedule)
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
@@ -394,6 +395,19 @@ class CPTrainer(Trainer):
         return summary_lines(self.cp_history, name,
                              self.args.cp_compare_balancer if compare else "")
 
+    def cp_schedule(self) -> dict:
+        """What decides the samples of every step: saved with each checkpoint, checked on resume."""
+        sm = self.cp_sampler
+        return schedule_record(sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.args.should_save:  # first, so a checkpoint folder never lacks it
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            write_schedule(str(folder), self.cp_schedule())
+        super()._save_checkpoint(model, trial)
+
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`resume_from_checkpoint`: a checkpoint folder, True (the newest one, which must exist)
         or "latest" (the newest one, else a fresh start: what a restarted job passes)."""
@@ -401,6 +415,10 @@ class CPTrainer(Trainer):
             for problem in restart_problems(self.args.save_strategy, resume_from_checkpoint):
                 logger.warning("hf_cp: %s", problem)
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        if resume is not None:  # on every rank, before any collective: all raise or none
+            for problem in check_resumed_schedule(resume, self.cp_schedule(), self.args.cp_allow_schedule_change):
+                if self.cp_rank == 0:
+                    logger.warning("hf_cp: %s", problem)
         if self.args.cp_record_history:
             hist = Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl"
             if resume is None:
