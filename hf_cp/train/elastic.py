@@ -153,8 +153,9 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     if "num_samples" in changed or "lengths_sha256" in changed:
         hints.append("the training data is not the data the checkpoint was trained on (another file, filter, "
                      "tokeniser or max length)")
-    message = (f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint would "
-               f"skip and repeat samples of the interrupted epoch. " + " ".join(h[0].upper() + h[1:] + "." for h in hints))
+    message = " ".join([f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint "
+                        f"would skip and repeat samples of the interrupted epoch."]
+                       + [h[0].upper() + h[1:] + "." for h in hints])
     if not allow_change:
         raise ScheduleChangedError(message + " To continue on the new schedule anyway, set cp_allow_schedule_change: true")
     return [message + " Continuing on the new schedule (cp_allow_schedule_change)"]
