@@ -83,3 +83,17 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     assert len(evals) >= 3 and evals[-1] < evals[0] - 0.5, text  # held-out loss falls too
     assert (out / "cp_history" / "rank1.jsonl").exists()
     print(f"main job wall time {wall:.0f} s")
+
+
+@pytest.mark.timeout(240)
+def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
+    # torchrun's failure summary shows the root-cause rank's exception, not a pointer to docs
+    missing = tmp_path / "no-such-checkpoint"
+    cmd = [sys.executable, "-c", "import sys; from hf_cp.cli import main; sys.exit(main())", "train",
+           "configs/tiny-cpu.yaml", "--nproc", "2",
+           "--set", f"training.output_dir={tmp_path / 'out'}", "--set", f"training.resume_from_checkpoint={missing}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    root_cause = (proc.stdout + proc.stderr).split("Root Cause")[-1]
+    assert f"resume_from_checkpoint '{missing}' is not a checkpoint folder" in root_cause, root_cause[-3000:]

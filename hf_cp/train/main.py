@@ -221,6 +221,17 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _record_errors(fn):
+    """torchrun's failure summary then shows the failing rank's exception, not 'To enable
+    traceback see ...' (torch.distributed.elastic's @record; a no-op without torchrun)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:  # pragma: no cover - torch without the elastic package
+        return fn
+    return record(fn)
+
+
+@_record_errors
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_cp.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
