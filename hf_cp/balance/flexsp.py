@@ -26,6 +26,9 @@ the fastest is kept.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,6 +46,36 @@ def highs_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+_HIGHS_BANNER_LOCK = threading.Lock()
+_highs_banner_done = False
+
+
+def quiet_highs():
+    """A highspy.Highs that prints nothing. HiGHS prints its licence banner from C++ on the first
+    construction in a process, before any option can be set: at one banner per planner process
+    and rank, a 512-rank job's log would open with a thousand of them. So the first one is
+    built with the process's stdout pointed at /dev/null for that moment."""
+    global _highs_banner_done
+    import highspy
+
+    with _HIGHS_BANNER_LOCK:
+        if _highs_banner_done:
+            h = highspy.Highs()
+        else:
+            sys.stdout.flush()
+            saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, 1)
+                h = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                os.close(devnull)
+            _highs_banner_done = True
+    h.setOptionValue("output_flag", False)
+    return h
 
 
 class Problem:
@@ -96,8 +129,7 @@ class MilpSolver:
         import highspy
 
         self.prob = prob
-        h = self.h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = self.h = quiet_highs()
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("mip_rel_gap", 0.01)
