@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
-from hf_cp.train.elastic import (SCHEDULE_FILE, SHARED_STORE_ADVICE, ScheduleChangedError, check_resumed_schedule,
-                                 checkpoint_step, resolve_resume, restart_problems, schedule_record, truncate_history,
-                                 write_schedule)
+from hf_cp.train.elastic import (SCHEDULE_FILE, SHARED_STORE_ADVICE, ReshardNeededError, ScheduleChangedError,
+                                 check_resumed_schedule, check_zero_world_size, checkpoint_step, resolve_resume,
+                                 restart_problems, schedule_record, truncate_history, write_schedule)
 from hf_cp.train.sampler import GlobalBatchSampler
 from hf_cp.train.testing import run_distributed
 from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
@@ -53,6 +53,57 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
     text = str(err.value)
     assert "ScheduleChangedError: resuming" in text and "checkpoint-4" in text, text[-3000:]
     assert f"tokens per step: {TOKENS_PER_STEP} in the checkpoint, {TOKENS_PER_STEP * 2} now" in text
+
+
+# ------------------------------------------------------------------ resume on another world size
+@pytest.mark.slow
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_resume_on_more_ranks_through_a_universal_checkpoint(tmp_path):
+    # steps 1-2 on one process, checkpoint; steps 3-4 on two: same batches (cp_tokens_per_step
+    # fixed), new plans, ZeRO-2 state re-partitioned by DeepSpeed's universal checkpoint
+    import subprocess
+    import sys
+
+    spec = spec_for(tmp_path, "auto", steps=2, save_steps=2, tag="elastic")
+    run_distributed(spec, 1, timeout=JOB_TIMEOUT)
+    ckpt = Path(spec["out"]) / "checkpoint-2"
+    grown = dict(spec, steps=4, resume_from="latest")
+    with pytest.raises(RuntimeError) as err:  # not converted yet: the error says how
+        run_distributed(grown, 2, timeout=JOB_TIMEOUT)
+    text = str(err.value)
+    assert "ReshardNeededError" in text and "partitioned over 1 ranks and this job has 2" in text, text[-3000:]
+    assert "deepspeed.checkpoint.ds_to_universal" in text and '"load_universal": true' in text
+    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                              str(ckpt / "global_step2"), "--output_folder", str(ckpt / "global_step2_universal"),
+                              "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                             capture_output=True, text=True, timeout=240)
+    assert convert.returncode == 0, convert.stderr[-3000:]
+    resumed = dict(grown, load_universal=True)
+    run_distributed(resumed, 2, timeout=JOB_TIMEOUT)
+    recs = _history_lines(Path(spec["out"]))
+    assert [r["index"] for r in recs["rank0.jsonl"]] == [0, 1, 2, 3]  # steps 1-2 by one rank, 3-4 by two
+    assert [r["index"] for r in recs["rank1.jsonl"]] == [2, 3]
+    # Adam's moments and the fp32 weights crossed the re-partitioning intact
+    assert_matches_reference(resumed)
+
+
+def test_zero_world_size_check_names_the_conversion(tmp_path):
+    ckpt = tmp_path / "checkpoint-8"
+    (ckpt / "global_step8").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step8")
+    for r in range(2):
+        (ckpt / "global_step8" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    zero2 = {"zero_optimization": {"stage": 2}}
+    assert check_zero_world_size(str(ckpt), 2, zero2) is False  # same world: DeepSpeed's own path
+    assert check_zero_world_size(str(ckpt), 4, None) is False  # no DeepSpeed: nothing partitioned
+    with pytest.raises(ReshardNeededError, match="partitioned over 2 ranks and this job has 4") as err:
+        check_zero_world_size(str(ckpt), 4, zero2)
+    assert f"--input_folder {ckpt / 'global_step8'}" in str(err.value)
+    universal = {"zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}
+    with pytest.raises(ReshardNeededError, match="no universal checkpoint"):
+        check_zero_world_size(str(ckpt), 4, universal)
+    (ckpt / "latest_universal").write_text("global_step8_universal")
+    assert check_zero_world_size(str(ckpt), 4, universal) is True
 
 
 # ------------------------------------------------------------------ a stalled rank

@@ -102,6 +102,56 @@ def truncate_history(path: Path, steps_done: int) -> int:
     return len(lines) - len(kept)
 
 
+class ReshardNeededError(RuntimeError):
+    """A DeepSpeed ZeRO checkpoint saved by another number of ranks, not yet made universal."""
+
+
+def zero_checkpoint_world_size(checkpoint: str) -> Optional[int]:
+    """The data-parallel size that wrote the DeepSpeed ZeRO state of a Trainer checkpoint
+    (its zero_pp_rank_<r> optimizer shards), or None when it holds no ZeRO state."""
+    ckpt = Path(checkpoint)
+    latest = ckpt / "latest"
+    if not latest.is_file():
+        return None
+    shards = list((ckpt / latest.read_text().strip()).glob("zero_pp_rank_*_mp_rank_00_optim_states.pt"))
+    return len(shards) or None
+
+
+def check_zero_world_size(checkpoint: str, world_size: int, deepspeed_config: Optional[dict]) -> bool:
+    """Whether `checkpoint` may be resumed by `world_size` ranks under `deepspeed_config`.
+
+    ZeRO partitions the optimizer state by rank: DeepSpeed loads it only on the world size that
+    saved it, unless it was converted to a *universal* checkpoint (DeepSpeed's ds_to_universal)
+    and the config sets checkpoint.load_universal. hf_cp's batches do not depend on the world
+    size (with cp_tokens_per_step fixed), so with that conversion a job may resume on more or
+    fewer ranks. Returns True when the universal checkpoint is used; raises ReshardNeededError
+    with the commands when the conversion or the setting is missing."""
+    if not deepspeed_config:
+        return False
+    stage = int((deepspeed_config.get("zero_optimization") or {}).get("stage", 0) or 0)
+    universal = bool((deepspeed_config.get("checkpoint") or {}).get("load_universal", False))
+    ckpt = Path(checkpoint)
+    saved = zero_checkpoint_world_size(checkpoint)
+    if stage == 0 or saved is None:
+        return False
+    has_universal = (ckpt / "latest_universal").is_file()
+    if universal and has_universal:
+        return True
+    if saved == world_size and not universal:
+        return False
+    tag = (ckpt / "latest").read_text().strip()
+    convert = (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt / tag} "
+               f"--output_folder {ckpt / (tag + '_universal')} --inject_missing_state")
+    if universal:
+        raise ReshardNeededError(f"the DeepSpeed config sets checkpoint.load_universal but {checkpoint} has no "
+                                 f"universal checkpoint (no latest_universal file); make it with:\n  {convert}")
+    raise ReshardNeededError(
+        f"{checkpoint} holds ZeRO-{stage} optimizer state partitioned over {saved} ranks and this job has "
+        f"{world_size}. DeepSpeed resumes it on another number of ranks only as a universal checkpoint:\n"
+        f"  {convert}\nthen set \"checkpoint\": {{\"load_universal\": true}} in the DeepSpeed config "
+        f"(the batches stay the same when cp_tokens_per_step is fixed; the plans adapt to the new world)")
+
+
 SCHEDULE_FILE = "hf_cp_schedule.json"
 # what decides which samples form step k (GlobalBatchSampler); the run's length (max_steps,
 # epochs) may change on resume, since it only adds or removes steps at the end

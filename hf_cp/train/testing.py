@@ -231,8 +231,11 @@ def run_job(spec: dict) -> None:
     rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
     model = tiny_model(spec.get("model_seed", 0), attn=spec.get("attn"))
     out = Path(spec["out"])
+    ds_config = zero2_config()
+    if spec.get("load_universal"):  # resume a checkpoint converted by DeepSpeed's ds_to_universal
+        ds_config["checkpoint"] = {"load_universal": True}
     args = CPTrainingArguments(
-        output_dir=str(out), use_cpu=True, deepspeed=zero2_config(), seed=spec.get("seed", 42),
+        output_dir=str(out), use_cpu=True, deepspeed=ds_config, seed=spec.get("seed", 42),
         cp_balancer=spec["balancer"], cp_profile=spec.get("profile", "h200-qwen2.5-7b"),
         cp_max_tokens_per_rank=spec["max_tokens_per_rank"], cp_tokens_per_step=spec["tokens_per_step"],
         cp_shuffle=spec.get("shuffle", False), cp_compare_balancer=None, max_steps=spec["steps"],

@@ -37,7 +37,7 @@ from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
 from .evaluation import evaluation_rank_steps, plan_evaluation
-from .elastic import (check_resumed_schedule, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
+from .elastic import (check_resumed_schedule, check_zero_world_size, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
                       schedule_record, truncate_history, write_schedule)
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
@@ -419,6 +419,9 @@ class CPTrainer(Trainer):
             for problem in check_resumed_schedule(resume, self.cp_schedule(), self.args.cp_allow_schedule_change):
                 if self.cp_rank == 0:
                     logger.warning("hf_cp: %s", problem)
+            ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
+            if check_zero_world_size(resume, self.cp_world, ds.config if ds is not None else None) and self.cp_rank == 0:
+                logger.warning("hf_cp: resuming %s from its universal checkpoint on %d ranks", resume, self.cp_world)
         if self.args.cp_record_history:
             hist = Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl"
             if resume is None:
