@@ -37,8 +37,8 @@ from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
 from .evaluation import evaluation_rank_steps, plan_evaluation
-from .elastic import (check_resumed_schedule, check_zero_world_size, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
-                      schedule_record, truncate_history, write_schedule)
+from .elastic import (check_resumed_schedule, check_zero_world_size, checkpoint_step, restart_attempt,
+                      restart_problems, resolve_resume, schedule_record, truncate_history, write_schedule)
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
