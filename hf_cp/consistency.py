@@ -2,7 +2,9 @@
 
 Ranks that disagree about a step's plan would issue collectives on different groups and hang.
 Each step, before its first collective, every rank compares a fingerprint of its plan with all
-others (one small all_gather); a mismatch is an error that names the step and the ranks.
+others (one small all_gather); a mismatch is an error that names the step and the ranks. The
+same exchange carries one flag per rank, so that a rank-local event (a stop signal) becomes a
+decision every rank takes at the same step, at no extra collective.
 """
 from __future__ import annotations
 
@@ -19,28 +21,28 @@ class CollectiveStallError(RuntimeError):
     """A collective failed or timed out inside a planned wave."""
 
 
-def _digest_tensor(digest: str):
+def _digest_tensor(digest: str, flag: bool):
     import torch
 
-    raw = bytes.fromhex(digest)[:8].ljust(8, b"\0")
+    raw = bytes.fromhex(digest)[:8].ljust(8, b"\0") + bytes([int(bool(flag))])
     return torch.tensor(list(raw), dtype=torch.uint8)
 
 
-def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step") -> None:
+def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", flag: bool = False) -> List[int]:
     """All ranks of `group` (default: world) must pass the same plan digest for `step` (named
-    "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step)."""
+    "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step).
+    Returns the ranks (of `group`) that passed `flag=True`."""
     import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_initialized():
-        return
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [0] if flag else []
     world = dist.get_world_size(group)
-    if world == 1:
-        return
-    mine = _digest_tensor(digest)
+    mine = _digest_tensor(digest, flag)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    digests = [bytes(t.tolist()).hex() for t in gathered]
+    flagged = [r for r, t in enumerate(gathered) if int(t[8])]
+    digests = [bytes(t[:8].tolist()).hex() for t in gathered]
     if len(set(digests)) > 1:
         by_digest: Dict[str, List[int]] = defaultdict(list)
         for r, d in enumerate(digests):
@@ -50,6 +52,7 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step") 
             f"{phase} {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
             f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
             f"config, profile and seed")
+    return flagged
 
 
 @contextlib.contextmanager

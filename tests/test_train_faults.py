@@ -55,6 +55,43 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
     assert f"tokens per step: {TOKENS_PER_STEP} in the checkpoint, {TOKENS_PER_STEP * 2} now" in text
 
 
+# ------------------------------------------------------------------ a stop signal (preemption)
+@pytest.mark.timeout(2 * JOB_TIMEOUT)
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
+    # enable_jit_checkpoint, no periodic checkpoints. Rank 1 alone gets SIGTERM inside step 2;
+    # the flag rides on step 3's plan agreement, so both ranks stop after step 3 and save it
+    spec = spec_for(tmp_path, "auto", steps=4, tag="sigterm", jit_checkpoint=True, resume_from="latest",
+                    fault=dict(kind="sigterm", rank=1, step=1))
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)  # exits normally
+    out = Path(spec["out"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert all([r["index"] for r in recs] == [0, 1, 2] for recs in _history_lines(out).values())
+    # the scheduler starts the job again: it resumes after step 3 and trains step 4 only
+    run_distributed(dict(spec, fault=None), 2, timeout=JOB_TIMEOUT)
+    per_rank = _history_lines(out)
+    for name, recs in per_rank.items():
+        assert [r["index"] for r in recs] == [0, 1, 2, 3], name
+    trained = [s for recs in per_rank.values() for r in recs for s in r["trained_sample_ids"]]
+    assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
+    assert_matches_reference(spec)
+
+
+def test_stop_signal_sets_a_flag_and_restores_the_handler():
+    import os
+    import signal
+
+    from hf_cp.train.stop_signal import StopSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignal()
+    assert stop.install() and not stop.requested
+    os.kill(os.getpid(), signal.SIGTERM)  # handled: this test process lives on
+    time.sleep(0.01)
+    assert stop.requested and stop.name == "SIGTERM"
+    stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 # ------------------------------------------------------------------ resume on another world size
 @pytest.mark.slow
 @pytest.mark.timeout(3 * JOB_TIMEOUT)

@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
                    help="with --nproc: restart all processes up to this many times when one dies, resuming from "
                         "the newest checkpoint (sets resume_from_checkpoint=latest; save checkpoints with "
                         "training.save_strategy=steps)")
+    p.add_argument("--shutdown-timeout", type=int, default=None, metavar="SECONDS",
+                   help="with --nproc: how long the processes may take to stop after a SIGTERM before they are "
+                        "killed (torchrun's default 30 s); with training.enable_jit_checkpoint=true they finish "
+                        "the step, save a checkpoint and exit, so allow two steps and one save")
     p.set_defaults(func=run)
 
 
@@ -47,9 +51,25 @@ def run(args) -> int:
             restarts = ["--max-restarts", str(args.max_restarts)]
             if not any(o.startswith("training.resume_from_checkpoint=") for o in overrides):
                 overrides.append("training.resume_from_checkpoint=latest")
+        if args.shutdown_timeout is not None:
+            restarts += ["--shutdown-timeout", str(args.shutdown_timeout)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                *restarts, "-m", "hf_cp.train", args.config] + [x for o in overrides for x in ("--set", o)]
-        return subprocess.call(cmd, env=env)
+        return _run_forwarding_sigterm(cmd, env)
     from ..train.main import run as train_run
 
     return train_run(args.config, args.overrides)
+
+
+def _run_forwarding_sigterm(cmd, env) -> int:
+    """Run the launcher; a SIGTERM sent to this command (a scheduler stopping the job) goes on to
+    it, which passes it to every worker: without this the launcher and its workers would be
+    orphaned, training on. (Ctrl-C reaches the whole foreground process group by itself.)"""
+    import signal
+
+    proc = subprocess.Popen(cmd, env=env)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

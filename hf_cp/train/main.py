@@ -204,7 +204,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
-    if str(args.save_strategy) not in ("no", "SaveStrategy.NO"):
+    stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
+    if str(args.save_strategy) not in ("no", "SaveStrategy.NO") and not stopped:
         trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
     if trainer.cp_rank == 0:
         world = trainer.cp_world
@@ -216,6 +217,10 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
         if evals:
             print(f"  eval loss ({len(eval_dataset)} samples): "
                   + " -> ".join(f"{loss:.4f} at step {step}" for step, loss in evals))
+        if stopped:
+            checkpoint = Path(args.output_dir) / f"checkpoint-{stopped['step']}"
+            print(f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
+                  f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest")
         print(f"  logs and per-step history: {args.output_dir}")
     shutdown_distributed()
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 import time
 import warnings
@@ -50,6 +51,9 @@ def _adopt_planner(planner: "Planner", parent_pid: int) -> None:
     launcher's logs open: after a SIGKILLed rank, a restarted job would never finish."""
     global _FORKED_PLANNER
     _FORKED_PLANNER = planner
+    # the training process's stop handler (enable_jit_checkpoint) came along with the fork: a
+    # SIGTERM must end this worker, not set a flag nobody reads here
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def exit_with_parent() -> None:
         while os.getppid() == parent_pid:

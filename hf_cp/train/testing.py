@@ -245,6 +245,7 @@ def run_job(spec: dict) -> None:
         disable_tqdm=True, dataloader_num_workers=0, ddp_timeout=timeout_s,
         cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 2048),
         eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
+        enable_jit_checkpoint=bool(spec.get("jit_checkpoint")),
     )
     evaluating = bool(spec.get("eval_lengths"))
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
@@ -270,13 +271,14 @@ def run_job(spec: dict) -> None:
 def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int = 0, seconds: float = 0) -> None:
     """At the first forward of step `step` (0-based) on process `rank`, in torchrun restart
     `attempt` only: `kill` SIGKILLs the process (a crashed node, an OOM-killed worker), `stall`
-    sleeps `seconds` (a hung rank) while the others wait in a collective."""
+    sleeps `seconds` (a hung rank) while the others wait in a collective, `sigterm` sends the
+    process a SIGTERM (a preemption notice reaching one rank)."""
     import time
 
     from transformers import TrainerCallback
 
-    if kind not in ("kill", "stall"):
-        raise ValueError(f"fault kind {kind!r}: expected kill or stall")
+    if kind not in ("kill", "stall", "sigterm"):
+        raise ValueError(f"fault kind {kind!r}: expected kill, stall or sigterm")
     if trainer.cp_rank != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != attempt:
         return
     armed = {"on": False}
@@ -290,6 +292,8 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
             armed["on"] = False
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(seconds)
 
     trainer.add_callback(_Arm())

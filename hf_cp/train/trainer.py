@@ -44,6 +44,7 @@ from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 from .metrics import aggregate, summary_lines
 from .planner import Planner
+from .stop_signal import StopSignal
 from .sampler import GlobalBatchSampler
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,11 @@ class CPTrainer(Trainer):
         self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._cp_head_checked = False
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
+        # enable_jit_checkpoint: stop on SIGTERM after a step every rank agrees on (see stop_signal)
+        self.cp_stop_signal: Optional[StopSignal] = None
+        self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
+        if args.enable_jit_checkpoint:
+            self._cp_replace_jit_checkpoint()
 
     # ------------------------------------------------------------------ data
     def _cp_setup(self) -> None:
@@ -186,12 +192,39 @@ class CPTrainer(Trainer):
         else:
             self.accelerator.backward(loss)
 
+    def _cp_replace_jit_checkpoint(self) -> None:
+        """transformers' JIT checkpoint decides per rank, at different steps: a hang under
+        distributed saving. Its callback goes; the agreed stop of training_step replaces it."""
+        import signal
+
+        for cb in list(self.callback_handler.callbacks):
+            if type(cb).__name__ == "JITCheckpointCallback":
+                manager = getattr(cb, "jit_manager", None)
+                if manager is not None and manager._original_sigterm_handler is not None:
+                    signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+                self.callback_handler.remove_callback(cb)
+        self.cp_stop_signal = StopSignal(signal.SIGTERM)
+
+    def _cp_agree(self, step: RankStep) -> None:
+        """Plan agreement (before any collective of the step) and, in the same exchange, the
+        stop decision: a SIGTERM seen by any rank stops every rank after this step."""
+        sig = self.cp_stop_signal
+        flagged = assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control,
+                                     flag=bool(sig and sig.requested))
+        if flagged and self.cp_stopped_early is None:
+            self.cp_stopped_early = {"step": step.index + 1, "signal": sig.name, "ranks": flagged}
+            self.control.should_save = True
+            self.control.should_training_stop = True
+            if self.cp_rank == 0:
+                logger.warning("hf_cp: %s on rank(s) %s: stopping after step %d with checkpoint-%d; resume with "
+                               "resume_from_checkpoint: latest", sig.name, flagged, step.index + 1, step.index + 1)
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
         t_step = time.perf_counter()
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
-        assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control)
+        self._cp_agree(step)
         if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
@@ -429,9 +462,14 @@ class CPTrainer(Trainer):
             else:
                 # a resumed one continues it from the checkpoint: steps after it run again
                 truncate_history(hist, checkpoint_step(resume))
+        if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
+            logger.warning("hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "
+                           "live there); SIGTERM keeps its default action")
         try:
             return super().train(resume, *args, **kwargs)
         finally:
+            if self.cp_stop_signal is not None:
+                self.cp_stop_signal.uninstall()
             if self.cp_planner is not None:
                 self.cp_planner.close()
                 self.cp_planner = None
