@@ -147,6 +147,17 @@ def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengt
     assert logged[0]["eval_loss"] != pytest.approx(logged[1]["eval_loss"], rel=1e-6), "training moved the loss"
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("mode", [pytest.param("fixed_ulysses", marks=pytest.mark.slow), "fixed_ring_zigzag",
+                                  pytest.param("fixed_ring_per_doc", marks=pytest.mark.slow)])
+def test_activation_checkpointing_equals_single_process(tmp_path, mode):
+    # the recomputed forward runs the CP collectives again inside backward (the CP context is
+    # still open there): it must give the same gradients as the stored activations
+    spec = spec_for(tmp_path, mode, tag="ckpt", activation_checkpointing=True)
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    assert_matches_reference(spec)
+
+
 # ---------------------------------------------------------------------------------- slow matrix
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT + 120)

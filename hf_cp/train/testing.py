@@ -246,6 +246,7 @@ def run_job(spec: dict) -> None:
         cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 2048),
         eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
         enable_jit_checkpoint=bool(spec.get("jit_checkpoint")),
+        activation_checkpointing=bool(spec.get("activation_checkpointing")),
     )
     evaluating = bool(spec.get("eval_lengths"))
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
@@ -254,6 +255,8 @@ def run_job(spec: dict) -> None:
     if spec.get("fault"):
         _inject_fault(trainer, model, **spec["fault"])
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
+    if spec.get("activation_checkpointing") and not trainer.model.is_gradient_checkpointing:
+        raise RuntimeError("activation_checkpointing was asked for but the model trained without it")
     if evaluating:  # after training, on every rank: every rank must report the same numbers
         final = trainer.evaluate()
         (out / f"eval_rank{trainer.cp_rank}.json").write_text(json.dumps(final))
