@@ -55,6 +55,33 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", 
     return flagged
 
 
+class DataDisagreementError(RuntimeError):
+    """Ranks loaded different training data."""
+
+
+def assert_data_agrees(digest: str, name: str, group=None) -> None:
+    """Once at start-up: every rank of `group` must have loaded the same data (`digest` of it).
+    Per-step plan digests catch other lengths; this catches the same lengths with other tokens
+    or targets (another tokeniser version or prompt masking on one node's copy)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = _digest_tensor(digest, False)[:8]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    digests = [bytes(t.tolist()).hex() for t in gathered]
+    if len(set(digests)) > 1:
+        by_digest: Dict[str, List[int]] = defaultdict(list)
+        for r, d in enumerate(digests):
+            by_digest[d].append(r)
+        groups = "; ".join(f"ranks {ranks} hold {d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
+        raise DataDisagreementError(
+            f"ranks loaded different {name} ({groups}): every rank must read the same preprocessed data "
+            f"(same files, tokeniser and prompt masking)")
+
+
 @contextlib.contextmanager
 def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch",
                      phase: str = "step") -> Iterator[None]:

@@ -31,3 +31,18 @@ def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error():
         assert status == "error", f"rank {rank} did not notice the disagreement"
         assert "PlanDisagreementError: step 7: ranks disagree" in text
         assert "ranks [2] hold plan" in text and "ranks [0, 1, 3] hold plan" in text
+
+
+def _data(rank, world, odd_rank):
+    from hf_cp.consistency import assert_data_agrees
+
+    assert_data_agrees("ab" * 32 if rank != odd_rank else "cd" * 32, "training data")
+
+
+def test_ranks_with_other_data_fail_at_start_naming_them():
+    assert all(status == "ok" for status, _ in run_distributed(_data, 2, -1, timeout_s=90).values())
+    res = run_distributed(_data, 4, 3, timeout_s=90)
+    for rank, (status, text) in res.items():
+        assert status == "error", f"rank {rank} did not notice"
+        assert "DataDisagreementError: ranks loaded different training data" in text
+        assert "ranks [0, 1, 2] hold" in text and "ranks [3] hold" in text

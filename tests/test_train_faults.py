@@ -223,6 +223,14 @@ def test_resume_checks_the_sample_schedule_of_the_checkpoint(tmp_path):
     assert "training data is not the data" in str(err.value)
     with pytest.raises(ScheduleChangedError, match="seed: 42 in the checkpoint, 7 now"):
         check_resumed_schedule(str(ckpt), schedule_record(lengths, 1024, 7, True, 2))
+    # same lengths, other targets (prompts re-masked): the data digest tells them apart
+    with pytest.raises(ScheduleChangedError, match="tokens and loss targets") as err:
+        check_resumed_schedule(str(ckpt), dict(saved, data_sha256="another"))
+    assert "prompt masking" in str(err.value)
+    # a record from before a field existed is compared on the fields it has
+    write_schedule(str(ckpt), {k: v for k, v in saved.items() if k != "data_sha256"})
+    assert check_resumed_schedule(str(ckpt), dict(saved, data_sha256="another")) == []
+    write_schedule(str(ckpt), saved)
     # allowed: a warning that still says what changed
     (warning,) = check_resumed_schedule(str(ckpt), grown, allow_change=True)
     assert "tokens per step" in warning and "Continuing on the new schedule" in warning

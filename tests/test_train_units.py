@@ -197,6 +197,22 @@ def test_planner_replaces_a_worker_process_that_dies():
         bg.close()
 
 
+def test_data_digest_sees_tokens_targets_and_order():
+    from datasets import Dataset
+
+    from hf_cp.train.columns import read_token_columns
+
+    rows = synthetic_rows([40, 40, 33, 40, 7], seed=1)
+    base = read_token_columns(Dataset.from_list(rows)).digest()
+    assert base == read_token_columns(Dataset.from_list([dict(r) for r in rows])).digest()
+    remasked = [dict(r, labels=list(r["input_ids"])) for r in rows]  # prompts now carry loss
+    assert read_token_columns(Dataset.from_list(remasked)).digest() != base
+    swapped = [rows[1], rows[0]] + rows[2:]  # same lengths, another order
+    assert read_token_columns(Dataset.from_list(swapped)).digest() != base
+    retokenised = [dict(rows[0], input_ids=[(t + 1) % 256 for t in rows[0]["input_ids"]])] + rows[1:]
+    assert read_token_columns(Dataset.from_list(retokenised)).digest() != base
+
+
 def test_planner_names_a_sample_too_long_for_any_group():
     cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
     sampler = GlobalBatchSampler([10, 3000, 20], 5000)

@@ -2,7 +2,8 @@
 valid-target counts for the loss normaliser, and sample lookup for the collator."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -17,8 +18,32 @@ class TokenColumns:
     input_ids: Sequence
     labels: Sequence  # None entries: every next token is a target
 
+    _digest: Optional[str] = field(default=None, repr=False)
+
+    # rows whose tokens enter the digest: enough to tell another tokeniser, template or order
+    # apart, few enough to cost nothing on a billion-token dataset
+    DIGEST_ROWS = 256
+
     def fetch(self, sid: int):
         return self.input_ids[sid], self.labels[sid]
+
+    def digest(self) -> str:
+        """Fingerprint of the training data as the loss sees it: every sample's length and
+        number of loss-carrying targets, plus the tokens and labels of DIGEST_ROWS evenly spaced
+        samples. Ranks compare it at start-up; checkpoints keep it (re-masked prompts keep
+        the lengths but change the targets)."""
+        if self._digest is None:
+            h = hashlib.sha256()
+            h.update(np.asarray(self.lengths, dtype=np.int64).tobytes())
+            h.update(np.asarray(self.valid_counts, dtype=np.int64).tobytes())
+            n = len(self.lengths)
+            for i in sorted({int(k) for k in np.linspace(0, n - 1, min(n, self.DIGEST_ROWS))}):
+                ids, labels = self.fetch(i)
+                h.update(np.asarray(ids, dtype=np.int64).tobytes())
+                if labels is not None:
+                    h.update(np.asarray(labels, dtype=np.int64).tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -155,17 +155,20 @@ def check_zero_world_size(checkpoint: str, world_size: int, deepspeed_config: Op
 SCHEDULE_FILE = "hf_cp_schedule.json"
 # what decides which samples form step k (GlobalBatchSampler); the run's length (max_steps,
 # epochs) may change on resume, since it only adds or removes steps at the end
-SCHEDULE_FIELDS = ("num_samples", "lengths_sha256", "tokens_per_step", "seed", "shuffle")
+SCHEDULE_FIELDS = ("num_samples", "lengths_sha256", "data_sha256", "tokens_per_step", "seed", "shuffle")
 
 
 class ScheduleChangedError(ValueError):
     """Resuming a checkpoint on a sample schedule other than the one it was trained on."""
 
 
-def schedule_record(lengths: Sequence[int], tokens_per_step: int, seed: int, shuffle: bool, world_size: int) -> dict:
+def schedule_record(lengths: Sequence[int], tokens_per_step: int, seed: int, shuffle: bool, world_size: int,
+                    data_digest: str = "") -> dict:
+    """`data_digest`: TokenColumns.digest() of the training data (tokens and targets, sampled)."""
     digest = hashlib.sha256(",".join(str(int(n)) for n in lengths).encode()).hexdigest()
-    return {"num_samples": len(lengths), "lengths_sha256": digest, "tokens_per_step": int(tokens_per_step),
-            "seed": int(seed), "shuffle": bool(shuffle), "world_size": int(world_size)}
+    return {"num_samples": len(lengths), "lengths_sha256": digest, "data_sha256": data_digest,
+            "tokens_per_step": int(tokens_per_step), "seed": int(seed), "shuffle": bool(shuffle),
+            "world_size": int(world_size)}
 
 
 def write_schedule(checkpoint: str, record: dict) -> None:
@@ -189,20 +192,22 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
         raise ScheduleChangedError(f"{path} is not valid JSON ({err}); delete it to resume without the check") from err
     if not isinstance(saved, dict):
         raise ScheduleChangedError(f"{path} does not hold a JSON object; delete it to resume without the check")
-    changed = [k for k in SCHEDULE_FIELDS if saved.get(k) != now[k]]
+    # a field the saved record lacks (written by an older hf_cp) cannot be compared
+    changed = [k for k in SCHEDULE_FIELDS if k in saved and saved[k] != now[k]]
     if not changed:
         return []
     names = {"num_samples": "samples in the training set", "lengths_sha256": "sample lengths (digest)",
-             "tokens_per_step": "tokens per step", "seed": "seed", "shuffle": "cp_shuffle"}
+             "data_sha256": "tokens and loss targets (digest)", "tokens_per_step": "tokens per step", "seed": "seed",
+             "shuffle": "cp_shuffle"}
     what = "; ".join(f"{names[k]}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now" for k in changed)
     hints = []
     if "tokens_per_step" in changed and saved.get("world_size") != now["world_size"]:
         hints.append(f"the world size went from {saved.get('world_size')} to {now['world_size']} and the global batch "
                      f"is cp_tokens_per_rank_per_step x world size: set cp_tokens_per_step: "
                      f"{saved.get('tokens_per_step')} to keep the batches (any world size can run them)")
-    if "num_samples" in changed or "lengths_sha256" in changed:
+    if {"num_samples", "lengths_sha256", "data_sha256"} & set(changed):
         hints.append("the training data is not the data the checkpoint was trained on (another file, filter, "
-                     "tokeniser or max length)")
+                     "tokeniser, prompt masking or max length)")
     message = " ".join([f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint "
                         f"would skip and repeat samples of the interrupted epoch."]
                        + [h[0].upper() + h[1:] + "." for h in hints])

@@ -31,7 +31,7 @@ from transformers import Trainer
 
 from ..attention.context import cp_context
 from ..cluster import ClusterSpec
-from ..consistency import assert_plans_agree, collective_scope
+from ..consistency import assert_data_agrees, assert_plans_agree, collective_scope
 from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
@@ -151,6 +151,7 @@ class CPTrainer(Trainer):
             if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
                 raise RuntimeError(f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}")
             self.cp_groups = CPGroups(self.cp_cluster, timeout=timedelta(seconds=self.args.ddp_timeout))
+            assert_data_agrees(self.cp_data.digest(), "training data", group=self.cp_groups.control)
         if self.cp_planner is None:
             a = self.args
             self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
@@ -431,7 +432,7 @@ class CPTrainer(Trainer):
     def cp_schedule(self) -> dict:
         """What decides the samples of every step: saved with each checkpoint, checked on resume."""
         sm = self.cp_sampler
-        return schedule_record(sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world)
+        return schedule_record(sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world, self.cp_data.digest())
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.args.should_save:  # first, so a checkpoint folder never lacks it
