@@ -33,15 +33,39 @@ def add_parser(sub) -> None:
                    help="with --nproc: how long the processes may take to stop after a SIGTERM before they are "
                         "killed (torchrun's default 30 s); with training.enable_jit_checkpoint=true they finish "
                         "the step, save a checkpoint and exit, so allow two steps and one save")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything a launch would (config, model config, data, plans of the first steps "
+                        "and of the eval set, resume and restart settings) for --nproc N ranks (or --world N), "
+                        "without loading weights or starting processes")
+    p.add_argument("--world", type=int, default=0, metavar="N",
+                   help="with --dry-run: the number of ranks to plan for (default: --nproc, else 1)")
+    p.add_argument("--dry-run-steps", type=int, default=20, metavar="K", help="with --dry-run: steps to plan")
     p.set_defaults(func=run)
 
 
+def _with_restart_overrides(overrides, max_restarts: int):
+    """--max-restarts resumes a restarted job from its newest checkpoint unless told otherwise."""
+    overrides = list(overrides)
+    if max_restarts > 0 and not any(o.startswith("training.resume_from_checkpoint=") for o in overrides):
+        overrides.append("training.resume_from_checkpoint=latest")
+    return overrides
+
+
 def run(args) -> int:
+    if args.dry_run:
+        from ..train.preflight import preflight
+
+        world = args.world or args.nproc or 1
+        overrides = _with_restart_overrides(args.overrides, args.max_restarts)
+        for line in preflight(args.config, overrides, world, args.dry_run_steps, args.max_restarts):
+            print(line)
+        print("dry run passed: nothing was launched")
+        return 0
     if args.max_restarts and args.max_restarts > 0 and not (args.nproc and args.nproc > 1):
         raise SystemExit("hf-cp train: --max-restarts needs --nproc N (N > 1); under your own launcher pass "
                          "its restart option instead (see README, Faults)")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        overrides = list(args.overrides)
+        overrides = _with_restart_overrides(args.overrides, args.max_restarts)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         restarts = []
@@ -49,8 +73,6 @@ def run(args) -> int:
             # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.elastic)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             restarts = ["--max-restarts", str(args.max_restarts)]
-            if not any(o.startswith("training.resume_from_checkpoint=") for o in overrides):
-                overrides.append("training.resume_from_checkpoint=latest")
         if args.shutdown_timeout is not None:
             restarts += ["--shutdown-timeout", str(args.shutdown_timeout)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),

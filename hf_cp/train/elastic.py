@@ -102,7 +102,7 @@ def truncate_history(path: Path, steps_done: int) -> int:
     return len(lines) - len(kept)
 
 
-class ReshardNeededError(RuntimeError):
+class ReshardNeededError(ValueError):
     """A DeepSpeed ZeRO checkpoint saved by another number of ranks, not yet made universal."""
 
 

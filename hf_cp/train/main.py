@@ -67,9 +67,28 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     return cfg
 
 
+def model_config(mcfg: dict, source: str):
+    """The model's transformers config, without building the model or reading weights."""
+    from transformers import AutoConfig
+
+    if "pretrained" in mcfg:
+        return AutoConfig.from_pretrained(_resolve(mcfg["pretrained"]))
+    if "config" not in mcfg:
+        raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
+    from ..cost import resolve_config
+
+    cpath = resolve_config(mcfg["config"], "models", (".json",))
+    d = json.loads(Path(cpath).read_text())
+    d.pop("architectures", None)
+    mtype = d.pop("model_type", None)
+    if mtype is None:
+        raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
+    return AutoConfig.for_model(mtype, **d)
+
+
 def build_model(mcfg: dict, source: str):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
 
@@ -77,17 +96,7 @@ def build_model(mcfg: dict, source: str):
     if "pretrained" in mcfg:
         model = AutoModelForCausalLM.from_pretrained(_resolve(mcfg["pretrained"]), attn_implementation=attn)
     else:
-        if "config" not in mcfg:
-            raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
-        from ..cost import resolve_config
-
-        cpath = resolve_config(mcfg["config"], "models", (".json",))
-        d = json.loads(Path(cpath).read_text())
-        d.pop("architectures", None)
-        mtype = d.pop("model_type", None)
-        if mtype is None:
-            raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
-        config = AutoConfig.for_model(mtype, **d)
+        config = model_config(mcfg, source)
         torch.manual_seed(int(mcfg.get("seed", 0)))
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.config.use_cache = False

@@ -118,13 +118,13 @@ class Planner:
         t0 = time.perf_counter()
         plan = self.balancer.plan(req)
         planner_ms = (time.perf_counter() - t0) * 1e3
-        plan.validate(self.cluster)
+        plan.validate(self.cluster, self.cost)  # with the cost model: Ulysses groups must split the heads
         if list(plan.sample_ids) != list(batch.sample_ids):
             raise ValueError(f"step {index}: balancer {self.balancer_name!r} returned a plan for other samples")
         compare = None
         if self.compare is not None:
             cplan = self.compare.plan(req)
-            cplan.validate(self.cluster)
+            cplan.validate(self.cluster, self.cost)
             compare = simulate(cplan, self.cost)
         return PlannedStep(batch, plan, simulate(plan, self.cost), planner_ms, compare)
 

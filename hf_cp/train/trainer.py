@@ -30,9 +30,7 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
 from ..attention.context import cp_context
-from ..cluster import ClusterSpec
 from ..consistency import assert_data_agrees, assert_plans_agree, collective_scope
-from ..cost import CostModel, HardwareProfile, ModelDims
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
@@ -44,8 +42,8 @@ from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 from .metrics import aggregate, summary_lines
 from .planner import Planner
+from .planning_setup import planning_setup
 from .stop_signal import StopSignal
-from .sampler import GlobalBatchSampler
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +114,8 @@ class CPTrainer(Trainer):
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
-        dims = ModelDims.load(args.cp_model_dims) if args.cp_model_dims else \
-            ModelDims.from_hf_config(self.model.config.to_dict(), source="model config")
-        profile = HardwareProfile.from_dict(args.cp_profile, source="cp_profile") \
-            if isinstance(args.cp_profile, dict) else HardwareProfile.load(args.cp_profile)
-        self.cp_cost = CostModel(dims, profile)
-        self.cp_cluster = ClusterSpec(self.cp_world, args.cp_max_tokens_per_rank,
-                                      args.cp_gpus_per_node or profile.gpus_per_node, args.cp_max_group_size)
-        self.cp_sampler = GlobalBatchSampler(
-            self.cp_data.lengths, args.tokens_per_step(self.cp_world), seed=args.seed, num_epochs=args.num_train_epochs,
-            max_steps=args.max_steps if args.max_steps and args.max_steps > 0 else None, shuffle=args.cp_shuffle)
+        setup = planning_setup(args, self.model.config.to_dict(), self.cp_data.lengths, self.cp_world)
+        self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer

@@ -1,0 +1,83 @@
+"""`hf-cp train CONFIG --dry-run`: every check a training launch would make, without launching.
+
+A bad setting found by N processes after model loading costs a queue wait and N GPU-minutes;
+here it costs seconds on a login node. The dry run reads the config, the model's config (not its
+weights) and the data, builds the same cost model, cluster and sampler as CPTrainer
+(planning_setup), plans and validates the first steps and the evaluation set for the target
+world size, and checks what a resume would find in output_dir (the sample schedule, a ZeRO
+checkpoint of another world size) and what a restart would need. It raises the error training
+would raise, or returns a short report.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import List, Optional
+
+from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+from .columns import read_token_columns
+from .elastic import (check_resumed_schedule, check_zero_world_size, resolve_resume, restart_problems,
+                      schedule_record)
+from .evaluation import plan_evaluation
+from .main import load_config, load_datasets, model_config, training_arguments
+from .planner import Planner
+from .planning_setup import planning_setup
+
+
+def preflight(config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20,
+              max_restarts: int = 0) -> List[str]:
+    """Report lines; raises the error the training launch would raise."""
+    cfg = load_config(config_path, overrides)
+    src = cfg["_source"]
+    tcfg = dict(cfg.get("training") or {})
+    # precision and device do not change plans; a login node has no GPU to validate bf16 with
+    tcfg.update(bf16=False, fp16=False, use_cpu=True)
+    args = training_arguments(tcfg, src)
+    mcfg = cfg.get("model") or {}
+    hf_config = model_config(mcfg, src)
+    train, evaluation = load_datasets(cfg.get("data") or {}, src)
+    data = read_token_columns(train, "train_dataset")
+    setup = planning_setup(args, hf_config.to_dict(), data.lengths, world_size)
+    cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
+    planner = Planner(sampler, args.cp_balancer, cluster, cost, seed=args.seed, lookahead=0,
+                      compare_balancer=args.cp_compare_balancer)
+    n = min(steps, len(sampler))
+    planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
+    lines = [f"config {Path(src).name}: {world_size} rank(s), balancer {planner.balancer_name}, "
+             f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
+             f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
+             f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}"]
+    distributes = any(g.distributed and g.size > 1 for ps in planned for w in ps.plan.waves for g in w.groups)
+    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
+    if distributes and attn != HF_CP_ATTENTION:
+        raise ValueError(f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
+                         f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})")
+    line = (f"first {n} step(s) planned and valid: predicted "
+            f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
+            f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
+            f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step")
+    if planner.compare is not None:
+        line += (f"; {planner.compare_name} would take "
+                 f"{statistics.mean(ps.compare.makespan_ms for ps in planned):.1f} ms/step")
+    lines.append(line)
+    if evaluation is not None:
+        plans = plan_evaluation(read_token_columns(evaluation, "eval_dataset"), sampler.tokens_per_step,
+                                args.cp_balancer, cluster, cost, args.seed, "eval_dataset")
+        lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    if resume is not None:
+        now = schedule_record(sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size,
+                              data.digest())
+        notes = check_resumed_schedule(resume, now, args.cp_allow_schedule_change)
+        ds = getattr(args, "hf_deepspeed_config", None)
+        universal = check_zero_world_size(resume, world_size, ds.config if ds is not None else None)
+        lines.append(f"resume: {resume}" + (" (universal checkpoint)" if universal else "")
+                     + "; the sample schedule matches" * (not notes))
+        lines += [f"warning: {note}" for note in notes]
+    elif args.resume_from_checkpoint:
+        lines.append(f"resume: no checkpoint in {args.output_dir} yet, a fresh start")
+    if max_restarts:
+        env = dict(os.environ, TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+        lines += [f"warning: {p}" for p in restart_problems(args.save_strategy, args.resume_from_checkpoint, env)]
+    return lines

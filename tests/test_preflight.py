@@ -1,0 +1,53 @@
+"""`hf-cp train --dry-run`: what a launch would refuse, found without launching."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_cp.cli import main as cli_main
+from hf_cp.train.elastic import ScheduleChangedError, schedule_record, write_schedule
+from hf_cp.train.preflight import preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
+
+
+def test_dry_run_plans_the_first_steps_and_the_eval_set(tmp_path):
+    lines = preflight(TINY, [f"training.output_dir={tmp_path}"], world_size=2, steps=5)
+    text = "\n".join(lines)
+    assert "2 rank(s), balancer auto, 228 training samples, 46 steps of 8192 tokens" in text
+    assert "longest sample 5479 tokens" in text
+    assert "first 5 step(s) planned and valid" in text and "static would take" in text
+    assert "evaluation: 12 samples in 1 planned batch(es), valid" in text
+
+
+def test_dry_run_raises_what_the_launch_would(tmp_path):
+    out = [f"training.output_dir={tmp_path}"]
+    with pytest.raises(ValueError, match="sample 211 has 5479 tokens"):  # one rank cannot hold it
+        preflight(TINY, out, world_size=1, steps=2)
+    with pytest.raises(ValueError, match="needs model.attn_implementation: hf_cp"):
+        preflight(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
+    with pytest.raises(KeyError, match="unknown balancer"):
+        preflight(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
+    # a checkpoint in output_dir trained on another global batch size
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    lengths = [0]  # any schedule other than the current one
+    write_schedule(str(ckpt), dict(schedule_record(lengths, 4096, 0, True, 2), num_samples=228))
+    with pytest.raises(ScheduleChangedError, match="tokens per step: 4096 in the checkpoint, 8192 now"):
+        preflight(TINY, out + ["training.resume_from_checkpoint=latest"], world_size=2, steps=2)
+
+
+def test_dry_run_from_the_command_line(tmp_path, capsys):
+    assert cli_main(["train", TINY, "--dry-run", "--world", "3", "--set", f"training.output_dir={tmp_path}"]) == 2
+    assert "world_size 3 is not a power of two" in capsys.readouterr().err
+    # --max-restarts resumes from the newest checkpoint, as the launch would; no checkpoints is a warning
+    assert cli_main(["train", TINY, "--dry-run", "--nproc", "2", "--max-restarts", "1", "--dry-run-steps", "2",
+                     "--set", f"training.output_dir={tmp_path}"]) == 0
+    text = capsys.readouterr().out
+    assert f"resume: no checkpoint in {tmp_path} yet, a fresh start" in text
+    assert "warning: restarts are enabled but save_strategy is 'no'" in text
+    assert text.rstrip().endswith("dry run passed: nothing was launched")
