@@ -1,6 +1,7 @@
 """The main job: config loading errors (fast) and the README command end to end (slow)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -109,3 +110,36 @@ def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
     assert proc.returncode != 0
     root_cause = (proc.stdout + proc.stderr).split("Root Cause")[-1]
     assert f"resume_from_checkpoint '{missing}' is not a checkpoint folder" in root_cause, root_cause[-3000:]
+
+
+def _custom_code_model(folder: Path) -> None:
+    """A model folder whose config names Python shipped in the folder (auto_map), as Hub repos
+    with custom architectures do: a Llama under another model_type."""
+    from hf_cp.train.testing import tiny_model
+
+    tiny_model().save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(model_type="hfcp_custom_llama", architectures=["CustomLlamaForCausalLM"],
+               auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig",
+                         "AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "configuration_custom.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class CustomLlamaConfig(LlamaConfig):\n    model_type = 'hfcp_custom_llama'\n")
+    (folder / "modeling_custom.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomLlamaConfig\n\n\n"
+        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n")
+
+
+def test_remote_code_runs_only_when_the_config_trusts_it(tmp_path):
+    from hf_cp.train.main import build_model, model_config
+
+    folder = tmp_path / "custom"
+    _custom_code_model(folder)
+    with pytest.raises(ValueError, match="trust_remote_code"):  # transformers refuses; nothing ran
+        model_config({"pretrained": str(folder)}, "cfg.yaml")
+    with pytest.raises(TrainConfigError, match="model.trust_remote_code must be true or false"):
+        model_config({"pretrained": str(folder), "trust_remote_code": "yes"}, "cfg.yaml")
+    model = build_model({"pretrained": str(folder), "trust_remote_code": True, "attn_implementation": "sdpa"},
+                        "cfg.yaml")
+    assert type(model).__name__ == "CustomLlamaForCausalLM"

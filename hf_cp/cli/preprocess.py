@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
                                  "dataset name")
     p.add_argument("--tokenizer", required=True,
                    help="tokenizer: a model folder (e.g. from scripts/convert_smollm2.py), a Hub name, or a .gguf file")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run tokeniser code shipped with the --tokenizer folder or Hub repo (off by default)")
     p.add_argument("--out", required=True, help="output folder for save_to_disk (columns input_ids, labels, length)")
     p.add_argument("--text-field", help="plain-text samples: the column holding the text (default: chat samples when "
                                         "the --messages-field column exists, else the 'text' column)")
@@ -63,7 +65,7 @@ def run(args) -> int:
     cost = CostModel.load(args.model, args.profile)  # fail on a bad name before the slow part
     if args.num_proc < 1:
         raise ValueError(f"--num-proc must be at least 1, got {args.num_proc}")
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     res = preprocess(args.input, tokenizer, args.out, text_field=args.text_field, messages_field=args.messages_field,
                      mask=args.mask, max_length=args.max_length, overlong=args.overlong, num_proc=args.num_proc,
                      split=args.split, subset=args.subset, limit=args.limit, add_eos=not args.no_eos)

@@ -4,8 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_tokenizer(name_or_path: str):
-    """`AutoTokenizer` for a model folder or Hub name; for a `.gguf` file, the tokenizer stored in it."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """`AutoTokenizer` for a model folder or Hub name; for a `.gguf` file, the tokenizer stored in it.
+    Tokeniser code shipped with a model folder runs only with `trust_remote_code`."""
     from transformers import AutoTokenizer
 
     p = Path(name_or_path)
@@ -14,7 +15,7 @@ def load_tokenizer(name_or_path: str):
             if not p.is_file():
                 raise FileNotFoundError(f"tokenizer GGUF file {p} does not exist")
             return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return AutoTokenizer.from_pretrained(str(name_or_path))
+        return AutoTokenizer.from_pretrained(str(name_or_path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if isinstance(e, FileNotFoundError):
             raise

@@ -6,7 +6,9 @@
 
 Config sections:
     model:    config (a config.json path or a name under configs/models), attn_implementation
-              (default hf_cp), seed (weights are initialised from it), or pretrained: a folder
+              (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
+              trust_remote_code: true runs the modelling code a pretrained folder ships (off:
+              a config that needs it is an error)
     data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
               input_ids (and labels) per line; limit: keep the first N samples;
               eval_path (same formats) or eval_split (a held-out fraction) for evaluation
@@ -67,12 +69,22 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     return cfg
 
 
+def trust_remote_code(mcfg: dict, source: str) -> bool:
+    """model.trust_remote_code, off unless the config says `true`: Python shipped with a model
+    folder runs only when the user asks for it."""
+    value = mcfg.get("trust_remote_code", False)
+    if not isinstance(value, bool):
+        raise TrainConfigError(f"{source}: model.trust_remote_code must be true or false, got {value!r}")
+    return value
+
+
 def model_config(mcfg: dict, source: str):
     """The model's transformers config, without building the model or reading weights."""
     from transformers import AutoConfig
 
+    trusted = trust_remote_code(mcfg, source)
     if "pretrained" in mcfg:
-        return AutoConfig.from_pretrained(_resolve(mcfg["pretrained"]))
+        return AutoConfig.from_pretrained(_resolve(mcfg["pretrained"]), trust_remote_code=trusted)
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
     from ..cost import resolve_config
@@ -94,7 +106,8 @@ def build_model(mcfg: dict, source: str):
 
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
-        model = AutoModelForCausalLM.from_pretrained(_resolve(mcfg["pretrained"]), attn_implementation=attn)
+        model = AutoModelForCausalLM.from_pretrained(_resolve(mcfg["pretrained"]), attn_implementation=attn,
+                                                     trust_remote_code=trust_remote_code(mcfg, source))
     else:
         config = model_config(mcfg, source)
         torch.manual_seed(int(mcfg.get("seed", 0)))
