@@ -46,3 +46,22 @@ def test_ranks_with_other_data_fail_at_start_naming_them():
         assert status == "error", f"rank {rank} did not notice"
         assert "DataDisagreementError: ranks loaded different training data" in text
         assert "ranks [0, 1, 2] hold" in text and "ranks [3] hold" in text
+
+
+def _groups(rank, world):
+    from hf_cp.cluster import ClusterSpec
+    from hf_cp.train.groups import CPGroups
+
+    groups = CPGroups(ClusterSpec(world_size=world, max_tokens_per_rank=1024))
+    pair = (0, 1) if rank < 2 else (2, 3)  # a rank holds handles of its own groups only
+    return {"control": groups.control.group_desc, "pair": groups.get(pair).group_desc,
+            "all": groups.get((0, 1, 2, 3)).group_desc, "count": len(groups)}
+
+
+def test_cp_groups_carry_names_that_nccl_timeouts_print():
+    res = run_distributed(_groups, 4, timeout_s=90)
+    for rank, (status, got) in res.items():
+        assert status == "ok", got
+        pair = "[0, 1]" if rank < 2 else "[2, 3]"
+        assert got == {"control": "hf_cp control: plan agreement and metrics", "pair": f"hf_cp CP group {pair}",
+                       "all": "hf_cp CP group [0, 1, 2, 3]", "count": 3}, (rank, got)

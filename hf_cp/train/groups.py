@@ -14,6 +14,13 @@ import torch.distributed as dist
 from ..cluster import ClusterSpec
 
 
+CONTROL_GROUP_DESC = "hf_cp control: plan agreement and metrics"
+
+
+def cp_group_desc(ranks) -> str:
+    return f"hf_cp CP group {list(ranks)}"
+
+
 class CPGroups:
     def __init__(self, cluster: ClusterSpec, backend: Optional[str] = None, timeout: Optional[timedelta] = None):
         """`timeout`: how long any collective of these groups may wait before it fails (the
@@ -31,9 +38,13 @@ class CPGroups:
                                f"{cluster.world_size}")
         # CPU-side agreement checks and metrics (plan digests, per-rank timings) go over gloo
         # whatever the default backend is: NCCL cannot carry CPU tensors
-        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo", timeout=timeout)
+        # named groups: NCCL's watchdog and flight recorder print the description, so a timeout
+        # there says which CP group stalled, as CollectiveStallError does on gloo
+        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo", timeout=timeout,
+                                      group_desc=CONTROL_GROUP_DESC)
         for ranks in cluster.all_groups():
-            self._groups[ranks] = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            self._groups[ranks] = dist.new_group(list(ranks), backend=backend, timeout=timeout,
+                                                 group_desc=cp_group_desc(ranks))
 
     def get(self, ranks) -> Optional[object]:
         """The process group of `ranks` (None for a single rank: no communication)."""
