@@ -1,4 +1,5 @@
-"""Restarts under torchrun: which attempt this is, where to resume, and a launcher check.
+"""Restarts and resumption: which attempt this is, where to resume, whether the checkpoint fits
+this run (its sample schedule, its ZeRO world size), and a launcher check.
 
 `torchrun --max-restarts N` restarts every worker when one dies. A restarted job must resume
 from the last checkpoint (`resume_from_checkpoint: latest`); the sampler and planner are pure
@@ -199,7 +200,11 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     names = {"num_samples": "samples in the training set", "lengths_sha256": "sample lengths (digest)",
              "data_sha256": "tokens and loss targets (digest)", "tokens_per_step": "tokens per step", "seed": "seed",
              "shuffle": "cp_shuffle"}
-    what = "; ".join(f"{names[k]}: {saved.get(k)!r} in the checkpoint, {now[k]!r} now" for k in changed)
+
+    def shown(k, v):  # digests: their first 12 hex digits tell them apart
+        return repr(v[:12]) if k.endswith("sha256") and isinstance(v, str) else repr(v)
+
+    what = "; ".join(f"{names[k]}: {shown(k, saved[k])} in the checkpoint, {shown(k, now[k])} now" for k in changed)
     hints = []
     if "tokens_per_step" in changed and saved.get("world_size") != now["world_size"]:
         hints.append(f"the world size went from {saved.get('world_size')} to {now['world_size']} and the global batch "
