@@ -88,6 +88,27 @@ def test_resumed_history_keeps_the_last_record_of_a_step(tmp_path):
     assert len(s) == STEPS and s.measured_ms[-1] == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_interrupted_runs_are_shown_as_segments(tmp_path, capsys):
+    # steps 1-3 by the first launch, 4-5 by a torchrun restart from checkpoint-3, 6-8 by a
+    # relaunch after a preemption stop at checkpoint-5
+    recs = step_records()
+    runs = [(0, None)] * 3 + [(1, 3)] * 2 + [(0, 5)] * 3
+    d = tmp_path / "run" / "cp_history"
+    d.mkdir(parents=True)
+    with open(d / "rank0.jsonl", "w") as f:
+        for rec, (attempt, resumed) in zip(recs, runs):
+            f.write(json.dumps(dict(rec, attempt=attempt, resumed_from=resumed)) + "\n")
+    s = read_run(tmp_path / "run")
+    assert s.segments == [(1, 3, 0, None), (4, 5, 1, 3), (6, 8, 0, 5)]
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert ("trained in 3 runs: steps 1-3 (fresh start); steps 4-5 (resumed from checkpoint-3, torchrun restart 1); "
+            "steps 6-8 (resumed from checkpoint-5)") in out
+    # a history without these fields (an older hf_cp) is one run
+    write_run(tmp_path / "old", state=False, tensorboard=False)
+    assert read_run(tmp_path / "old").segments == [(1, STEPS, 0, None)]
+
+
 @pytest.mark.parametrize("source", ["trainer-state", "tensorboard"])
 def test_logged_intervals_match_aggregate(tmp_path, source):
     _, logs = write_run(tmp_path / "run", history=False)

@@ -44,6 +44,9 @@ class RunSeries:
     compare_step_ms: List[Optional[float]] = field(default_factory=list)
     # evaluation name ("eval", "eval_chat", ...) -> [(optimizer step, loss)], from log_history
     eval_loss: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
+    # per-step history only: (first step, last step, torchrun attempt, checkpoint step resumed
+    # from or None) for each stretch trained by one process launch
+    segments: List[Tuple[int, int, int, Optional[int]]] = field(default_factory=list)
 
     @property
     def world(self) -> int:
@@ -90,6 +93,11 @@ def read_history(run_dir: Path) -> RunSeries:
         s.loss.append(r.get("loss"))
         s.predicted_step_ms.append(r.get("predicted_step_ms"))
         s.compare_step_ms.append(r.get("compare_step_ms"))
+        run = (int(r.get("attempt") or 0), r.get("resumed_from"))
+        if s.segments and s.segments[-1][2:] == run:
+            s.segments[-1] = (s.segments[-1][0], s.steps[-1]) + run
+        else:
+            s.segments.append((s.steps[-1], s.steps[-1]) + run)
     return s
 
 
@@ -223,6 +231,13 @@ def summary_lines(s: RunSeries) -> List[str]:
             total[g] = total.get(g, 0.0) + n
     if total:
         lines.append("samples per CP size: " + " ".join(f"{g}:{n:g}" for g, n in sorted(total.items())))
+    if len(s.segments) > 1:
+        def how(attempt, resumed):
+            start = f"resumed from checkpoint-{resumed}" if resumed is not None else "fresh start"
+            return start + (f", torchrun restart {attempt}" if attempt else "")
+
+        lines.append(f"trained in {len(s.segments)} runs: " + "; ".join(
+            f"steps {a}-{b} ({how(attempt, resumed)})" for a, b, attempt, resumed in s.segments))
     losses = [v for v in s.loss if v is not None]
     if losses:
         lines.append(f"training loss: {losses[0]:.4f} at step {s.steps[0]} -> {losses[-1]:.4f} at step {s.steps[-1]}")
@@ -326,6 +341,8 @@ def plot_loss(s: RunSeries, out: Path) -> Path:
                 label="training" + ("" if s.per_step else " (logging intervals)"))
     for name, points in sorted(s.eval_loss.items()):
         ax.plot([x for x, _ in points], [v for _, v in points], "--s", ms=5, label=name)
+    for k, segment in enumerate(s.segments[1:]):  # where a restarted or relaunched run took over
+        ax.axvline(segment[0] - 0.5, color="grey", ls=":", lw=1, label="resumed" if k == 0 else None)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss per valid token")
     ax.set_title("loss")

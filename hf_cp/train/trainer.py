@@ -129,6 +129,7 @@ class CPTrainer(Trainer):
         self._cp_head_checked = False
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
         # enable_jit_checkpoint: stop on SIGTERM after a step every rank agrees on (see stop_signal)
+        self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
         self.cp_stop_signal: Optional[StopSignal] = None
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
@@ -320,6 +321,7 @@ class CPTrainer(Trainer):
             "waves": len(step.waves),
             "plan_digest": step.plan.digest(),
             "attempt": restart_attempt(),  # torchrun restarts so far: which run trained this step
+            "resumed_from": self._cp_resumed_from,  # the checkpoint step this process started from
         }
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
@@ -453,6 +455,7 @@ class CPTrainer(Trainer):
             else:
                 # a resumed one continues it from the checkpoint: steps after it run again
                 truncate_history(hist, checkpoint_step(resume))
+        self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
             logger.warning("hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "
                            "live there); SIGTERM keeps its default action")
