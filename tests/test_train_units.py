@@ -169,6 +169,22 @@ def test_background_planner_matches_inline_planning_and_validates(in_process):
         broken_bg.close()
 
 
+def test_several_planner_workers_plan_the_same_steps():
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    cl = ClusterSpec(4, 256)
+    inline = Planner(sampler, "auto", cl, cost, lookahead=0)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=4, in_process=True, workers=3)
+    try:
+        for k in [0, 1, 2, 3, 7, 8, 9, len(sampler) - 1]:
+            assert bg.get(k).plan.to_json() == inline.get(k).plan.to_json(), k
+        assert len(bg._pool._processes) == 3
+    finally:
+        bg.close()
+    with pytest.raises(ValueError, match="planner workers must be >= 1"):
+        Planner(sampler, "auto", cl, cost, workers=0)
+
+
 def test_planner_replaces_a_worker_process_that_dies():
     """An OOM-killed planner worker costs a warning and a re-plan, never a hang or a wrong plan."""
     import os

@@ -35,6 +35,10 @@ class CPTrainingArguments(TrainingArguments):
         "help": "plan ahead in a forked worker process rather than a thread: a planner thread holds the GIL "
                 "against the training thread's kernel launches (10-15x slower op dispatch measured by "
                 "scripts/bench_planner_gil.py)"})
+    cp_plan_workers: int = field(default=1, metadata={
+        "help": "planner worker processes (with cp_plan_in_process): steps are planned independently, so up to "
+                "this many of the cp_plan_lookahead steps are planned at once; raise it when one plan takes longer "
+                "than one training step (the auto balancer at hundreds of ranks)"})
     cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
     cp_compare_balancer: Optional[str] = field(default="static", metadata={
         "help": "also plan every step with this balancer (not run) to report what it would have cost"})
@@ -70,6 +74,8 @@ class CPTrainingArguments(TrainingArguments):
         if self.cp_gc_interval_steps < 0:
             raise ValueError(f"CPTrainingArguments: cp_gc_interval_steps must be >= 0 (0: off), got "
                              f"{self.cp_gc_interval_steps}")
+        if self.cp_plan_workers < 1:
+            raise ValueError(f"CPTrainingArguments: cp_plan_workers must be >= 1, got {self.cp_plan_workers}")
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
         # the loader yields planned steps, not model inputs: keep every dataset column

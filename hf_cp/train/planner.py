@@ -69,7 +69,8 @@ def _plan_in_worker(index: int) -> "PlannedStep":
 
 class Planner:
     def __init__(self, sampler: GlobalBatchSampler, balancer, cluster: ClusterSpec, cost: CostModel,
-                 seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None, in_process: bool = False):
+                 seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None, in_process: bool = False,
+                 workers: int = 1):
         self.sampler = sampler
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
@@ -94,6 +95,10 @@ class Planner:
         self._pool = None
         self.in_process = False
         self.worker_restarts = 0
+        if workers < 1:
+            raise ValueError(f"planner workers must be >= 1, got {workers}")
+        # steps are planned independently: up to `workers` of the `lookahead` steps at once
+        self.workers = min(workers, max(lookahead, 1))
         if lookahead > 0 and in_process and "fork" in multiprocessing.get_all_start_methods():
             self._pool = self._new_worker_pool()
             self.in_process = True
@@ -104,7 +109,7 @@ class Planner:
 
     def _new_worker_pool(self) -> ProcessPoolExecutor:
         # forked at the first submit; the worker only runs Python planning (no CUDA, no collectives)
-        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"),
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
                                    initializer=_adopt_planner, initargs=(self, os.getpid()))
 
     def request(self, batch: GlobalBatch) -> PlanRequest:

@@ -147,7 +147,7 @@ class CPTrainer(Trainer):
             a = self.args
             self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
                                       lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer,
-                                      in_process=a.cp_plan_in_process)
+                                      in_process=a.cp_plan_in_process, workers=a.cp_plan_workers)
         if self._cp_hook is None:
             self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
 
