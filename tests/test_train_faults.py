@@ -92,6 +92,26 @@ def test_stop_signal_sets_a_flag_and_restores_the_handler():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+# ------------------------------------------------------------------ non-finite gradients
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_nan_on_one_rank_stops_every_rank_before_that_steps_checkpoint(tmp_path):
+    # rank 1's hidden states turn NaN in step 2; DeepSpeed would skip the update and go on,
+    # silently leaving step 2's samples unlearned. Both ranks stop, naming step and samples.
+    spec = spec_for(tmp_path, "auto", steps=3, save_steps=1, tag="nan", fault=dict(kind="nan", rank=1, step=1))
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    text = str(err.value)
+    assert "NonFiniteGradientError: step 2: the gradient norm is inf" in text, text[-3000:]
+    assert "DeepSpeed skipped the update" in text and "its samples: [" in text
+    out = Path(spec["out"])
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]  # none of the bad step
+    # with the check off the run goes on, as DeepSpeed alone would
+    spec = dict(spec, out=str(tmp_path / "nan-warn"), stop_on_nonfinite_grad=False)
+    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    assert sorted(p.name for p in Path(spec["out"]).glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2",
+                                                                             "checkpoint-3"]
+
+
 # ------------------------------------------------------------------ resume on another world size
 @pytest.mark.slow
 @pytest.mark.timeout(3 * JOB_TIMEOUT)

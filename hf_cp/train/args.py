@@ -52,6 +52,9 @@ class CPTrainingArguments(TrainingArguments):
     cp_allow_schedule_change: bool = field(default=False, metadata={
         "help": "resume a checkpoint even when the sample schedule (data, seed, tokens per step) differs from "
                 "the one it was trained on; the interrupted epoch then skips and repeats samples"})
+    cp_stop_on_nonfinite_grad: bool = field(default=True, metadata={
+        "help": "stop, naming the step and its samples, when a step's gradient norm is NaN or infinite (DeepSpeed "
+                "would skip the update, silently leaving the step's samples unlearned); false: warn and go on"})
     cp_record_history: bool = field(default=True, metadata={
         "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
 

@@ -247,6 +247,7 @@ def run_job(spec: dict) -> None:
         eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
         enable_jit_checkpoint=bool(spec.get("jit_checkpoint")),
         activation_checkpointing=bool(spec.get("activation_checkpointing")),
+        cp_stop_on_nonfinite_grad=spec.get("stop_on_nonfinite_grad", True),
     )
     evaluating = bool(spec.get("eval_lengths"))
     trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
@@ -275,13 +276,14 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
     """At the first forward of step `step` (0-based) on process `rank`, in torchrun restart
     `attempt` only: `kill` SIGKILLs the process (a crashed node, an OOM-killed worker), `stall`
     sleeps `seconds` (a hung rank) while the others wait in a collective, `sigterm` sends the
-    process a SIGTERM (a preemption notice reaching one rank)."""
+    process a SIGTERM (a preemption notice reaching one rank), `nan` makes that forward's
+    hidden states NaN (an overflow on one rank)."""
     import time
 
     from transformers import TrainerCallback
 
-    if kind not in ("kill", "stall", "sigterm"):
-        raise ValueError(f"fault kind {kind!r}: expected kill, stall or sigterm")
+    if kind not in ("kill", "stall", "sigterm", "nan"):
+        raise ValueError(f"fault kind {kind!r}: expected kill, stall, sigterm or nan")
     if trainer.cp_rank != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != attempt:
         return
     armed = {"on": False}
@@ -297,6 +299,8 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)
+            if kind == "nan":  # the layer's input turns NaN: loss and gradients follow
+                return (inputs[0] * float("nan"),) + tuple(inputs[1:])
             time.sleep(seconds)
 
     trainer.add_callback(_Arm())

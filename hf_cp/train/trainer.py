@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -51,6 +52,10 @@ try:  # registers attn_implementation="hf_cp" with transformers
     from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 except ImportError:  # pragma: no cover - the attention package is part of hf_cp
     HF_CP_ATTENTION = "hf_cp"
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A step's global gradient norm was NaN or infinite."""
 
 
 def skip_deepspeed_shm_build() -> None:
@@ -130,6 +135,7 @@ class CPTrainer(Trainer):
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
         # enable_jit_checkpoint: stop on SIGTERM after a step every rank agrees on (see stop_signal)
         self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
+        self._cp_last_step: Optional[RankStep] = None  # the step the next grad-norm check is about
         self.cp_stop_signal: Optional[StopSignal] = None
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
@@ -255,6 +261,7 @@ class CPTrainer(Trainer):
             tokens += mb.num_tokens
             total = total + loss.detach()
         self._cp_record(step, measured * 1e3, tokens, loss_sum, (time.perf_counter() - t_step) * 1e3)
+        self._cp_last_step = step
         return total
 
     def _cp_wave_loss(self, model, mb, device) -> torch.Tensor:
@@ -401,6 +408,30 @@ class CPTrainer(Trainer):
     def predict(self, *args, **kwargs):
         raise NotImplementedError("CPTrainer.predict: CP-planned prediction (gathering logits of sharded samples) "
                                   "is not supported; evaluate() gives the planned eval loss")
+
+    # ------------------------------------------------------------------ non-finite gradients
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
+        # grad_norm is the global norm (DeepSpeed's, or clipping's over synchronised gradients):
+        # the same number on every rank, so every rank stops together, before this step's save
+        if grad_norm is not None and not math.isfinite(float(grad_norm)):
+            self._cp_nonfinite_gradients(float(grad_norm))
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _cp_nonfinite_gradients(self, norm: float) -> None:
+        step = self._cp_last_step
+        ids = list(step.plan.sample_ids) if step is not None else []
+        shown = ", ".join(map(str, ids[:20])) + (f", ... ({len(ids)} in all)" if len(ids) > 20 else "")
+        what = (f"step {self.state.global_step}: the gradient norm is {norm} (non-finite gradients on some rank). "
+                + ("DeepSpeed skipped the update, so the step's samples were not learned"
+                   if self.is_deepspeed_enabled else "the parameters may no longer be finite")
+                + f"; its samples: [{shown}]")
+        if self.args.cp_stop_on_nonfinite_grad:
+            raise NonFiniteGradientError(
+                f"{what}. Stopped before this step's checkpoint: the newest checkpoint holds the last good state. "
+                f"Common causes: a learning rate too high, fp16 overflow, a corrupt sample. "
+                f"cp_stop_on_nonfinite_grad: false skips such steps with a warning instead")
+        if self.cp_rank == 0:
+            logger.warning("hf_cp: %s; continuing (cp_stop_on_nonfinite_grad is false)", what)
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
