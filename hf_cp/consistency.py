@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 
 class PlanDisagreementError(RuntimeError):
@@ -28,26 +28,40 @@ def _digest_tensor(digest: str, flag: bool):
     return torch.tensor(list(raw), dtype=torch.uint8)
 
 
-def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", flag: bool = False) -> List[int]:
-    """All ranks of `group` (default: world) must pass the same plan digest for `step` (named
-    "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step).
-    Returns the ranks (of `group`) that passed `flag=True`."""
+def _exchange(digest: str, flag: bool, group) -> Optional[Tuple[List[str], List[int]]]:
+    """Every rank's digest (first 8 bytes, hex) and the ranks that raised `flag`, from one
+    all_gather; None without a group of several ranks."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [0] if flag else []
-    world = dist.get_world_size(group)
+        return None
     mine = _digest_tensor(digest, flag)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    flagged = [r for r, t in enumerate(gathered) if int(t[8])]
-    digests = [bytes(t[:8].tolist()).hex() for t in gathered]
-    if len(set(digests)) > 1:
-        by_digest: Dict[str, List[int]] = defaultdict(list)
-        for r, d in enumerate(digests):
-            by_digest[d].append(r)
-        groups = "; ".join(f"ranks {ranks} hold plan {d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
+    return [bytes(t[:8].tolist()).hex() for t in gathered], [r for r, t in enumerate(gathered) if int(t[8])]
+
+
+def _who_holds_what(digests: List[str], noun: str) -> Optional[str]:
+    """'ranks [0, 1] hold <noun> ab..; ranks [2] hold <noun> cd..' when the digests differ."""
+    if len(set(digests)) == 1:
+        return None
+    by_digest: Dict[str, List[int]] = defaultdict(list)
+    for r, d in enumerate(digests):
+        by_digest[d].append(r)
+    return "; ".join(f"ranks {ranks} hold {noun}{d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
+
+
+def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", flag: bool = False) -> List[int]:
+    """All ranks of `group` (default: world) must pass the same plan digest for `step` (named
+    "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step).
+    Returns the ranks (of `group`) that passed `flag=True`."""
+    got = _exchange(digest, flag, group)
+    if got is None:
+        return [0] if flag else []
+    digests, flagged = got
+    groups = _who_holds_what(digests, "plan ")
+    if groups:
         raise PlanDisagreementError(
             f"{phase} {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
             f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
@@ -63,20 +77,9 @@ def assert_data_agrees(digest: str, name: str, group=None) -> None:
     """Once at start-up: every rank of `group` must have loaded the same data (`digest` of it).
     Per-step plan digests catch other lengths; this catches the same lengths with other tokens
     or targets (another tokeniser version or prompt masking on one node's copy)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    mine = _digest_tensor(digest, False)[:8]
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    digests = [bytes(t.tolist()).hex() for t in gathered]
-    if len(set(digests)) > 1:
-        by_digest: Dict[str, List[int]] = defaultdict(list)
-        for r, d in enumerate(digests):
-            by_digest[d].append(r)
-        groups = "; ".join(f"ranks {ranks} hold {d}" for d, ranks in sorted(by_digest.items(), key=lambda x: x[1]))
+    got = _exchange(digest, False, group)
+    groups = _who_holds_what(got[0], "") if got is not None else None
+    if groups:
         raise DataDisagreementError(
             f"ranks loaded different {name} ({groups}): every rank must read the same preprocessed data "
             f"(same files, tokeniser and prompt masking)")
