@@ -109,6 +109,32 @@ def test_interrupted_runs_are_shown_as_segments(tmp_path, capsys):
     assert read_run(tmp_path / "old").segments == [(1, STEPS, 0, None)]
 
 
+def test_sample_audit_counts_each_sample_once_per_epoch(tmp_path, capsys):
+    from hf_cp.report.samples import audit_samples
+
+    def rec(index, epoch, ids):
+        return json.dumps({"index": index, "epoch": epoch, "trained_sample_ids": ids, "dataset_samples": 4}) + "\n"
+
+    d = tmp_path / "run" / "cp_history"
+    d.mkdir(parents=True)
+    # sample 3 is spread over both ranks in step 2 (listed twice, trained once); step 2 was
+    # trained again after a resume (its record appended twice: the last counts); epoch 1 is cut short
+    (d / "rank0.jsonl").write_text(rec(0, 0, [0]) + rec(1, 0, [1, 3]) + rec(1, 0, [1, 3]) + rec(2, 1, [2]))
+    (d / "rank1.jsonl").write_text(rec(0, 0, [2]) + rec(1, 0, [3]) + rec(1, 0, [3]) + rec(2, 1, [0]))
+    audit = audit_samples(tmp_path / "run")
+    assert audit.exactly_once and audit.pairs == 6 and audit.per_epoch == {0: 4, 1: 2}
+    # a sample trained in two steps of one epoch: what a wrong resume would do
+    with open(d / "rank1.jsonl", "a") as f:
+        f.write(rec(3, 1, [2]))
+    audit = audit_samples(tmp_path / "run")
+    assert audit.duplicates == [(1, 2, [3, 4])]
+    write_run(tmp_path / "run", history=False, state=True, tensorboard=False)
+    assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "distinct samples per epoch 0: 4 (complete), 1: 2 of 4" in out
+    assert "WARNING: 1 sample(s) trained more than once in an epoch: epoch 1 sample 2 at steps [3, 4]" in out
+
+
 @pytest.mark.parametrize("source", ["trainer-state", "tensorboard"])
 def test_logged_intervals_match_aggregate(tmp_path, source):
     _, logs = write_run(tmp_path / "run", history=False)

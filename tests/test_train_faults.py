@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
+from hf_cp.report.samples import audit_samples
 from hf_cp.train.elastic import (SCHEDULE_FILE, SHARED_STORE_ADVICE, ReshardNeededError, ScheduleChangedError,
                                  check_resumed_schedule, check_zero_world_size, checkpoint_step, resolve_resume,
                                  restart_problems, schedule_record, truncate_history, write_schedule)
@@ -73,6 +74,8 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpo
         assert [r["index"] for r in recs] == [0, 1, 2, 3], name
     trained = [s for recs in per_rank.values() for r in recs for s in r["trained_sample_ids"]]
     assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
+    audit = audit_samples(out)  # what `hf-cp report` tells the user
+    assert audit.exactly_once and audit.per_epoch == {0: len(LENGTHS)} and audit.dataset_samples == len(LENGTHS)
     assert_matches_reference(spec)
 
 

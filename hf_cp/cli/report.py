@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..report.runs import RunLogError, read_run, summary_lines, write_report
+    from ..report.samples import audit_lines, audit_samples
 
     try:
         series = read_run(args.run_dir, args.source)
@@ -35,6 +36,9 @@ def run(args) -> int:
         raise ValueError(str(e)) from None
     print(f"hf-cp report: {args.run_dir}")
     for line in summary_lines(series):
+        print("  " + line)
+    audit = audit_samples(args.run_dir)  # from the per-rank histories, whatever the metrics source
+    for line in audit_lines(audit) if audit is not None else []:
         print("  " + line)
     for path in write_report(series, Path(args.out) if args.out else Path(args.run_dir) / "report"):
         print(f"wrote {path}")

@@ -329,6 +329,7 @@ class CPTrainer(Trainer):
             "plan_digest": step.plan.digest(),
             "attempt": restart_attempt(),  # torchrun restarts so far: which run trained this step
             "resumed_from": self._cp_resumed_from,  # the checkpoint step this process started from
+            "dataset_samples": len(self.cp_data),  # for the exactly-once audit of hf-cp report
         }
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
