@@ -219,3 +219,14 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     if not allow_change:
         raise ScheduleChangedError(message + " To continue on the new schedule anyway, set cp_allow_schedule_change: true")
     return [message + " Continuing on the new schedule (cp_allow_schedule_change)"]
+
+
+def check_resume(checkpoint: str, schedule_now: dict, world_size: int, deepspeed_config: Optional[dict],
+                 allow_schedule_change: bool = False) -> List[str]:
+    """Everything that decides whether `checkpoint` may be resumed by this run: its sample
+    schedule and its ZeRO world size. Raises ScheduleChangedError / ReshardNeededError; returns
+    notes worth a warning. Used by CPTrainer.train and by the dry run alike."""
+    notes = check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
+    if check_zero_world_size(checkpoint, world_size, deepspeed_config):
+        notes.append(f"resuming {checkpoint} from its universal checkpoint on {world_size} ranks")
+    return notes

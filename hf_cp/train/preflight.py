@@ -17,8 +17,7 @@ from typing import List, Optional
 
 from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from .columns import read_token_columns
-from .elastic import (check_resumed_schedule, check_zero_world_size, resolve_resume, restart_problems,
-                      schedule_record)
+from .elastic import check_resume, resolve_resume, restart_problems, schedule_record
 from .evaluation import plan_evaluation
 from .main import load_config, load_datasets, model_config, training_arguments
 from .planner import Planner
@@ -69,12 +68,11 @@ def preflight(config_path: str, overrides: Optional[List[str]] = None, world_siz
     if resume is not None:
         now = schedule_record(sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size,
                               data.digest())
-        notes = check_resumed_schedule(resume, now, args.cp_allow_schedule_change)
         ds = getattr(args, "hf_deepspeed_config", None)
-        universal = check_zero_world_size(resume, world_size, ds.config if ds is not None else None)
-        lines.append(f"resume: {resume}" + (" (universal checkpoint)" if universal else "")
-                     + "; the sample schedule matches" * (not notes))
-        lines += [f"warning: {note}" for note in notes]
+        notes = check_resume(resume, now, world_size, ds.config if ds is not None else None,
+                             args.cp_allow_schedule_change)
+        lines.append(f"resume: {resume}: its sample schedule and ZeRO world size fit this run")
+        lines += [f"note: {note}" for note in notes]
     elif args.resume_from_checkpoint:
         lines.append(f"resume: no checkpoint in {args.output_dir} yet, a fresh start")
     if max_restarts:

@@ -36,8 +36,8 @@ from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
 from .evaluation import evaluation_rank_steps, plan_evaluation
-from .elastic import (check_resumed_schedule, check_zero_world_size, checkpoint_step, restart_attempt,
-                      restart_problems, resolve_resume, schedule_record, truncate_history, write_schedule)
+from .elastic import (check_resume, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
+                      schedule_record, truncate_history, write_schedule)
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
@@ -133,9 +133,9 @@ class CPTrainer(Trainer):
         self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._cp_head_checked = False
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
-        # enable_jit_checkpoint: stop on SIGTERM after a step every rank agrees on (see stop_signal)
         self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
         self._cp_last_step: Optional[RankStep] = None  # the step the next grad-norm check is about
+        # enable_jit_checkpoint: stop on SIGTERM after a step every rank agrees on (see stop_signal)
         self.cp_stop_signal: Optional[StopSignal] = None
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
@@ -474,12 +474,11 @@ class CPTrainer(Trainer):
                 logger.warning("hf_cp: %s", problem)
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:  # on every rank, before any collective: all raise or none
-            for problem in check_resumed_schedule(resume, self.cp_schedule(), self.args.cp_allow_schedule_change):
-                if self.cp_rank == 0:
-                    logger.warning("hf_cp: %s", problem)
             ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
-            if check_zero_world_size(resume, self.cp_world, ds.config if ds is not None else None) and self.cp_rank == 0:
-                logger.warning("hf_cp: resuming %s from its universal checkpoint on %d ranks", resume, self.cp_world)
+            for note in check_resume(resume, self.cp_schedule(), self.cp_world, ds.config if ds is not None else None,
+                                     self.args.cp_allow_schedule_change):
+                if self.cp_rank == 0:
+                    logger.warning("hf_cp: %s", note)
         if self.args.cp_record_history:
             hist = Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl"
             if resume is None:
