@@ -68,15 +68,15 @@ def run(args) -> int:
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        restarts = []
+        launcher_args = []
         if args.max_restarts > 0:
             # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.elastic)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-            restarts = ["--max-restarts", str(args.max_restarts)]
+            launcher_args = ["--max-restarts", str(args.max_restarts)]
         if args.shutdown_timeout is not None:
-            restarts += ["--shutdown-timeout", str(args.shutdown_timeout)]
+            launcher_args += ["--shutdown-timeout", str(args.shutdown_timeout)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               *restarts, "-m", "hf_cp.train", args.config] + [x for o in overrides for x in ("--set", o)]
+               *launcher_args, "-m", "hf_cp.train", args.config] + [x for o in overrides for x in ("--set", o)]
         return _run_forwarding_sigterm(cmd, env)
     from ..train.main import run as train_run
 
