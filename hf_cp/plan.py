@@ -106,6 +106,11 @@ class StepPlan:
         return out
 
     @property
+    def spreads_samples(self) -> bool:
+        """Whether some sample runs over a CP group of several ranks (needs CP attention)."""
+        return any(g.distributed and g.size > 1 for w in self.waves for g in w.groups)
+
+    @property
     def total_tokens(self) -> int:
         return sum(self.lengths)
 

@@ -47,7 +47,7 @@ def preflight(config_path: str, overrides: Optional[List[str]] = None, world_siz
              f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
              f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
              f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}"]
-    distributes = any(g.distributed and g.size > 1 for ps in planned for w in ps.plan.waves for g in w.groups)
+    distributes = any(ps.plan.spreads_samples for ps in planned)
     attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
     if distributes and attn != HF_CP_ATTENTION:
         raise ValueError(f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "

@@ -223,7 +223,7 @@ class CPTrainer(Trainer):
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         self._cp_agree(step)
-        if any(g.distributed and g.size > 1 for w in step.plan.waves for g in w.groups):
+        if step.plan.spreads_samples:
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
                 raise ValueError(f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
