@@ -134,11 +134,6 @@ def _read_dataset(path: str, field: str, source: str):
     raise TrainConfigError(f"{source}: data.{field} {p} is neither a saved dataset folder nor a .jsonl[.gz]")
 
 
-def load_data(dcfg: dict, source: str):
-    """The training dataset (see the module doc)."""
-    return load_datasets(dcfg, source)[0]
-
-
 def load_datasets(dcfg: dict, source: str):
     """(train, eval or None). Evaluation data: data.eval_path (same formats as path), or
     data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
