@@ -1,4 +1,5 @@
 """hf_cp: load-balanced context parallelism for long-context training with Hugging Face."""
+
 from .cluster import ClusterSpec
 from .cost import CostModel, HardwareProfile, ModelDims
 from .plan import Group, StepPlan, Wave

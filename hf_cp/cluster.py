@@ -4,6 +4,7 @@ Every group a plan may use is built once at start-up (DESIGN.md "Process groups"
 contiguous, aligned power-of-two blocks of ranks. A block never straddles a node boundary
 unless it is larger than a node. Planners only pick from this registry.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,13 +27,18 @@ class ClusterSpec:
         if not isinstance(self.world_size, int) or self.world_size <= 0:
             raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
         if not is_power_of_two(self.world_size):
-            raise ValueError(f"world_size {self.world_size} is not a power of two: CP groups are power-of-two "
-                             f"blocks of ranks (use a world of 1, 2, 4, 8, ...)")
+            raise ValueError(
+                f"world_size {self.world_size} is not a power of two: CP groups are power-of-two "
+                f"blocks of ranks (use a world of 1, 2, 4, 8, ...)"
+            )
         if self.max_tokens_per_rank <= 0:
             raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
-        if self.max_group_size is not None and (not is_power_of_two(self.max_group_size)
-                                                or self.max_group_size > self.world_size):
-            raise ValueError(f"max_group_size {self.max_group_size} must be a power of two <= world_size {self.world_size}")
+        if self.max_group_size is not None and (
+            not is_power_of_two(self.max_group_size) or self.max_group_size > self.world_size
+        ):
+            raise ValueError(
+                f"max_group_size {self.max_group_size} must be a power of two <= world_size {self.world_size}"
+            )
 
     @cached_property
     def group_sizes(self) -> Tuple[int, ...]:
@@ -47,8 +53,12 @@ class ClusterSpec:
 
     def is_registered(self, ranks: Tuple[int, ...]) -> bool:
         g = len(ranks)
-        return (g in self.group_sizes and ranks[0] % g == 0 and ranks[-1] < self.world_size
-                and tuple(ranks) == tuple(range(ranks[0], ranks[0] + g)))
+        return (
+            g in self.group_sizes
+            and ranks[0] % g == 0
+            and ranks[-1] < self.world_size
+            and tuple(ranks) == tuple(range(ranks[0], ranks[0] + g))
+        )
 
     def all_groups(self) -> List[Tuple[int, ...]]:
         return [b for g in self.group_sizes if g > 1 for b in self.blocks(g)]

@@ -6,6 +6,7 @@ others (one small all_gather); a mismatch is an error that names the step and th
 same exchange carries one flag per rank, so that a rank-local event (a stop signal) becomes a
 decision every rank takes at the same step, at no extra collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +66,8 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", 
         raise PlanDisagreementError(
             f"{phase} {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
             f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
-            f"config, profile and seed")
+            f"config, profile and seed"
+        )
     return flagged
 
 
@@ -82,12 +84,14 @@ def assert_data_agrees(digest: str, name: str, group=None) -> None:
     if groups:
         raise DataDisagreementError(
             f"ranks loaded different {name} ({groups}): every rank must read the same preprocessed data "
-            f"(same files, tokeniser and prompt masking)")
+            f"(same files, tokeniser and prompt masking)"
+        )
 
 
 @contextlib.contextmanager
-def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch",
-                     phase: str = "step") -> Iterator[None]:
+def collective_scope(
+    step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch", phase: str = "step"
+) -> Iterator[None]:
     """Re-raise a failed or timed-out collective with the step, wave and group it belongs to.
 
     Inside a wave a rank issues its CP group's collectives (attention) and, in backward, the
@@ -101,12 +105,15 @@ def collective_scope(step: int, wave: int, group_ranks: Sequence[int], what: str
         text = str(e)
         if any(k in text.lower() for k in ("timed out", "timeout", "connection", "gloo", "nccl", "closed")):
             ranks = list(group_ranks)
-            where = (f"the gradient reduction over all ranks during the local {what} of rank {ranks[0]}"
-                     if len(ranks) == 1 else
-                     f"a collective of the {what} on CP group {ranks} (or the gradient reduction over all "
-                     f"ranks in its backward)")
+            where = (
+                f"the gradient reduction over all ranks during the local {what} of rank {ranks[0]}"
+                if len(ranks) == 1
+                else f"a collective of the {what} on CP group {ranks} (or the gradient reduction over all "
+                f"ranks in its backward)"
+            )
             raise CollectiveStallError(
                 f"{phase} {step}, wave {wave}: {where} failed or stalled: "
                 f"{text.splitlines()[0] if text else type(e).__name__}. A rank that died names the cause in its "
-                f"own log; a rank that was only slow needs a larger ddp_timeout") from e
+                f"own log; a rank that was only slow needs a larger ddp_timeout"
+            ) from e
         raise

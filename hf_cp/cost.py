@@ -9,6 +9,7 @@ Times are milliseconds. The profile stores the fit made on one model's dimension
 dimensions c1 and c2 are scaled by the ratio of FLOPs per token and per causal pair, which
 is what a roofline-limited kernel would do.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -65,7 +66,7 @@ class ModelDims:
         return 14.0 * self.num_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping, source: str = "config") -> "ModelDims":
+    def from_hf_config(cls, cfg: Mapping, source: str = "config") -> ModelDims:
         """Read a transformers config dict (config.json) without importing transformers."""
         cfg = dict(cfg)
         if "text_config" in cfg and "hidden_size" not in cfg:
@@ -88,7 +89,7 @@ class ModelDims:
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
-    def load(cls, name_or_path: Union[str, Path]) -> "ModelDims":
+    def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
         """A config.json path, a folder holding one, or a name under configs/models/."""
         p = resolve_config(name_or_path, "models", (".json",))
         if p.is_dir():
@@ -100,8 +101,9 @@ class ModelDims:
         return cls.from_hf_config(cfg, source=str(p))
 
 
-def read_yaml_mapping(path: Union[str, Path], what: str, expect: str = "a mapping at top level",
-                      error: type = ConfigError) -> dict:
+def read_yaml_mapping(
+    path: Union[str, Path], what: str, expect: str = "a mapping at top level", error: type = ConfigError
+) -> dict:
     """A YAML file that must hold a mapping, read with the safe loader (no code from files)."""
     try:
         d = yaml.safe_load(Path(path).read_text())
@@ -148,7 +150,7 @@ class HardwareProfile:
     description: str = ""
 
     @classmethod
-    def from_dict(cls, d: Mapping, source: str = "profile") -> "HardwareProfile":
+    def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
         def need(k, typ=float):
             if k not in d:
                 raise ConfigError(f"{source}: missing field {k!r}")
@@ -161,7 +163,9 @@ class HardwareProfile:
         try:
             eff = tuple(sorted((int(q), float(e)) for q, e in (d.get("chunk_efficiency") or {}).items()))
             hs = tuple(sorted((int(w), float(f)) for w, f in (d.get("head_split_factor") or {1: 1.0}).items()))
-            links = {k: Link(float(v["bandwidth_gbps"]), float(v["latency_us"])) for k, v in need("links", dict).items()}
+            links = {
+                k: Link(float(v["bandwidth_gbps"]), float(v["latency_us"])) for k, v in need("links", dict).items()
+            }
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise ConfigError(f"{source}: bad chunk_efficiency / head_split_factor / links: {e!r}") from None
         for q, e in eff:
@@ -195,7 +199,7 @@ class HardwareProfile:
         return prof
 
     @classmethod
-    def load(cls, name_or_path: Union[str, Path]) -> "HardwareProfile":
+    def load(cls, name_or_path: Union[str, Path]) -> HardwareProfile:
         p = resolve_config(name_or_path, "profiles", (".yaml", ".yml"))
         return cls.from_dict(read_yaml_mapping(p, "profile"), source=str(p))
 
@@ -203,8 +207,12 @@ class HardwareProfile:
         d = asdict(self)
         fd = self.fitted_dims
         d["fitted_dims"] = {
-            "num_hidden_layers": fd.num_layers, "hidden_size": fd.hidden, "num_attention_heads": fd.num_heads,
-            "num_key_value_heads": fd.num_kv_heads, "head_dim": fd.head_dim, "intermediate_size": fd.intermediate,
+            "num_hidden_layers": fd.num_layers,
+            "hidden_size": fd.hidden,
+            "num_attention_heads": fd.num_heads,
+            "num_key_value_heads": fd.num_kv_heads,
+            "head_dim": fd.head_dim,
+            "intermediate_size": fd.intermediate,
             "vocab_size": fd.vocab_size,
         }
         d["chunk_efficiency"] = {q: e for q, e in self.chunk_efficiency}
@@ -224,6 +232,7 @@ def _segments_builder(mode: ShardMode, doc_lengths: Sequence[int], group_size: i
         if s is None:
             s = built[m] = rank_segments(mode, doc_lengths, group_size, m)
         return s
+
     return segments_of
 
 
@@ -260,7 +269,7 @@ class CostModel:
         self._eff_v = [e for _, e in profile.chunk_efficiency]
 
     @classmethod
-    def load(cls, model: Union[str, Path], profile: Union[str, Path]) -> "CostModel":
+    def load(cls, model: Union[str, Path], profile: Union[str, Path]) -> CostModel:
         return cls(ModelDims.load(model), HardwareProfile.load(profile))
 
     # ---- kernel efficiency terms
@@ -316,7 +325,9 @@ class CostModel:
     def max_tokens_for_memory(self, device_bytes: float) -> int:
         free = device_bytes - self.profile.static_bytes
         if free <= 0:
-            raise ValueError(f"device memory {device_bytes:.3g} B is below the static footprint {self.profile.static_bytes:.3g} B")
+            raise ValueError(
+                f"device memory {device_bytes:.3g} B is below the static footprint {self.profile.static_bytes:.3g} B"
+            )
         return int(free // self.profile.activation_bytes_per_token)
 
     # ---- communication volumes (per layer, per rank, bytes sent) -- the attention code matches these
@@ -379,8 +390,15 @@ class CostModel:
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
         are this member's local documents (computed with no communication)."""
         mode = ShardMode(mode)
-        return self._rank_cost(doc_lengths, mode, ranks, member, local_lengths,
-                               _segments_builder(mode, doc_lengths, len(ranks)), self.link_for(ranks))
+        return self._rank_cost(
+            doc_lengths,
+            mode,
+            ranks,
+            member,
+            local_lengths,
+            _segments_builder(mode, doc_lengths, len(ranks)),
+            self.link_for(ranks),
+        )
 
     def distributed_rank_costs(
         self,
@@ -399,8 +417,16 @@ class CostModel:
         link = self.link_for(ranks)
         return [self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link) for m in members]
 
-    def _rank_cost(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int], member: int,
-                   local_lengths: Sequence[int], segments_of, link: Link) -> RankCost:
+    def _rank_cost(
+        self,
+        doc_lengths: Sequence[int],
+        mode: ShardMode,
+        ranks: Sequence[int],
+        member: int,
+        local_lengths: Sequence[int],
+        segments_of,
+        link: Link,
+    ) -> RankCost:
         g = len(ranks)
         L = self.dims.num_layers
         segs = segments_of(member) if doc_lengths else []
@@ -412,10 +438,13 @@ class CostModel:
         comm_bytes = 0
         dist_attn = 0.0
         if doc_lengths and g > 1:
-            if mode is ShardMode.ULYSSES:
+            if mode == ShardMode.ULYSSES:
                 # after the all-to-all each rank runs whole documents on H/g heads
-                dist_attn = self.head_split_factor(g) * sum(
-                    self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths) / g
+                dist_attn = (
+                    self.head_split_factor(g)
+                    * sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+                    / g
+                )
                 comm_bytes = self.ulysses_bytes_per_layer(dist_tokens, total, g)
             else:
                 dist_attn = self._segments_attention_ms(segs)
@@ -425,9 +454,9 @@ class CostModel:
             dist_attn = self._segments_attention_ms(segs)
         comm_ms = 0.0
         if comm_bytes:
-            n_msgs = 4 * (g - 1) if mode is ShardMode.ULYSSES else 3 * (g - 1)
+            n_msgs = 4 * (g - 1) if mode == ShardMode.ULYSSES else 3 * (g - 1)
             comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + n_msgs * link.latency_us * 1e-3
-            if mode is not ShardMode.ULYSSES:
+            if mode != ShardMode.ULYSSES:
                 # ring transfers overlap the attention of the previous block: only the excess shows
                 comm_ms = max(0.0, comm_ms - dist_attn)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
@@ -436,21 +465,28 @@ class CostModel:
     def micro_batch_overhead_ms(self) -> float:
         return self.dims.num_layers * self.c0
 
-    def sample_time_on_group(self, length: int, group_size: int, mode: ShardMode = ShardMode.RING_PER_DOC,
-                             intra_node: bool = True) -> float:
+    def sample_time_on_group(
+        self, length: int, group_size: int, mode: ShardMode = ShardMode.RING_PER_DOC, intra_node: bool = True
+    ) -> float:
         """Wall time of one sample alone on a group (slowest member), c0 excluded."""
         if group_size == 1:
             return self.sample_local_ms(length)
         ranks = list(range(group_size)) if intra_node else [i * self.profile.gpus_per_node for i in range(group_size)]
         return max(self.distributed_rank_cost([length], mode, ranks, m).total_ms for m in range(group_size))
 
-    def group_member_costs(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int],
-                           local: Optional[Mapping[int, Sequence[int]]] = None) -> List[RankCost]:
+    def group_member_costs(
+        self,
+        doc_lengths: Sequence[int],
+        mode: ShardMode,
+        ranks: Sequence[int],
+        local: Optional[Mapping[int, Sequence[int]]] = None,
+    ) -> List[RankCost]:
         """Cost of every member of a group's micro-batch (local: member index -> lengths)."""
         return self.distributed_rank_costs(doc_lengths, mode, ranks, range(len(ranks)), local)
 
-    def best_ring_mode(self, doc_lengths: Sequence[int], ranks: Sequence[int],
-                       local: Optional[Mapping[int, Sequence[int]]] = None) -> ShardMode:
+    def best_ring_mode(
+        self, doc_lengths: Sequence[int], ranks: Sequence[int], local: Optional[Mapping[int, Sequence[int]]] = None
+    ) -> ShardMode:
         """Zigzag of the whole packed sequence or per-document split, whichever finishes first.
 
         Per-document sharding balances every document exactly but cuts short documents into

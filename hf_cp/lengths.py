@@ -3,6 +3,7 @@
 The global batch of every step is a pure function of (lengths, tokens per step, seed, epoch),
 so every rank computes the same batches (DESIGN.md) and a resumed run continues exactly.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,8 +50,9 @@ def _dataset_lengths(p: Path, column: str) -> List[int]:
     if isinstance(ds, DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     if column not in ds.column_names:
-        raise LengthsError(f"dataset {p} has no {column!r} column (columns: {ds.column_names}); "
-                           f"run `hf-cp preprocess` to add it")
+        raise LengthsError(
+            f"dataset {p} has no {column!r} column (columns: {ds.column_names}); run `hf-cp preprocess` to add it"
+        )
     lengths = [int(n) for n in ds[column]]
     for i, n in enumerate(lengths):
         if n <= 0:
@@ -66,8 +68,9 @@ def epoch_order(n_samples: int, seed: int, epoch: int, shuffle: bool = True) -> 
     return np.random.default_rng([seed, epoch]).permutation(n_samples)
 
 
-def step_batches(lengths: Sequence[int], tokens_per_step: int, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True) -> List[List[int]]:
+def step_batches(
+    lengths: Sequence[int], tokens_per_step: int, seed: int = 0, epoch: int = 0, shuffle: bool = True
+) -> List[List[int]]:
     """Cut one epoch into global batches of at most `tokens_per_step` tokens (sample ids).
 
     Samples keep the epoch order; a batch closes when the next sample would overflow it. A

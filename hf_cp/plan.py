@@ -8,6 +8,7 @@ no communication, Skrull-style). A rank in no group of a wave has nothing to do 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
 DESIGN.md's invariants before any collective is issued.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,10 +55,13 @@ class Group:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Group":
-        return cls(ranks=tuple(d["ranks"]), distributed=list(d.get("distributed", [])),
-                   mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
-                   local={int(k): list(v) for k, v in d.get("local", {}).items()})
+    def from_dict(cls, d: Mapping) -> Group:
+        return cls(
+            ranks=tuple(d["ranks"]),
+            distributed=list(d.get("distributed", [])),
+            mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
+            local={int(k): list(v) for k, v in d.get("local", {}).items()},
+        )
 
 
 @dataclass
@@ -134,7 +138,7 @@ class StepPlan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     @classmethod
-    def from_dict(cls, d: Mapping, source: str = "plan") -> "StepPlan":
+    def from_dict(cls, d: Mapping, source: str = "plan") -> StepPlan:
         if not isinstance(d, Mapping):
             raise PlanError(f"{source}: expected a JSON object")
         if d.get("format") != FORMAT:
@@ -157,7 +161,7 @@ class StepPlan:
         return plan
 
     @classmethod
-    def from_json(cls, text: str, source: str = "plan") -> "StepPlan":
+    def from_json(cls, text: str, source: str = "plan") -> StepPlan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -165,7 +169,7 @@ class StepPlan:
         return cls.from_dict(d, source)
 
     # ---- invariants
-    def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> "StepPlan":
+    def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> StepPlan:
         """Raise PlanError naming the first broken invariant; return self when valid.
 
         With a CostModel, also check that Ulysses groups split the model's heads evenly.
@@ -195,21 +199,27 @@ class StepPlan:
                     if not 0 <= r < self.world_size:
                         raise PlanError(f"{where}, wave {w}: rank {r} outside world of {self.world_size}")
                     if r in busy:
-                        raise PlanError(f"{where}, wave {w}: rank {r} is in groups {busy[r]} and {gi}; "
-                                        f"groups of a wave must be disjoint")
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} is in groups {busy[r]} and {gi}; "
+                            f"groups of a wave must be disjoint"
+                        )
                     busy[r] = gi
                 if cluster is not None and not cluster.is_registered(g.ranks):
-                    raise PlanError(f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
-                                    f"(aligned power-of-two blocks of size in {cluster.group_sizes})")
-                if cost is not None and g.distributed and g.mode is ShardMode.ULYSSES and g.size > 1:
+                    raise PlanError(
+                        f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
+                        f"(aligned power-of-two blocks of size in {cluster.group_sizes})"
+                    )
+                if cost is not None and g.distributed and g.mode == ShardMode.ULYSSES and g.size > 1:
                     try:
                         cost.check_ulysses(g.size)
                     except ValueError as e:
                         raise PlanError(f"{where}, wave {w}: group {list(g.ranks)}: {e}") from None
                 for r in g.local:
                     if r not in g.ranks:
-                        raise PlanError(f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
-                                        f"which is not in group {list(g.ranks)}")
+                        raise PlanError(
+                            f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
+                            f"which is not in group {list(g.ranks)}"
+                        )
                 for s in g.sample_ids():
                     if s not in lens:
                         raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
@@ -219,11 +229,15 @@ class StepPlan:
                 for r in g.ranks:
                     t = self.rank_tokens(g, r, lens)
                     if t > self.max_tokens_per_rank:
-                        raise PlanError(f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
-                                        f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
-                                        f"{g.distributed} distributed over {list(g.ranks)})")
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
+                            f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
+                            f"{g.distributed} distributed over {list(g.ranks)})"
+                        )
         missing = [s for s in self.sample_ids if s not in seen]
         if missing:
-            raise PlanError(f"{where}: samples {missing[:10]}{'...' if len(missing) > 10 else ''} "
-                            f"({len(missing)} in all) are never scheduled")
+            raise PlanError(
+                f"{where}: samples {missing[:10]}{'...' if len(missing) > 10 else ''} "
+                f"({len(missing)} in all) are never scheduled"
+            )
         return self

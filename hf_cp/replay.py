@@ -10,6 +10,7 @@ A rank's distributed shard compute is its query segments (shard.rank_segments) a
 causally to the keys of their own documents; under Ulysses it is the whole distributed
 documents on heads/group-size heads (hf_cp.profiling.layers.RankWork).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,12 +68,16 @@ def rank_micro_batches(plan: StepPlan, rank: int) -> List[RankWork]:
             dist = [lens[s] for s in group.distributed]
             member = group.ranks.index(rank)
             segs = rank_segments(group.mode, dist, group.size, member)
-            if group.mode is ShardMode.ULYSSES and group.size > 1:
+            if group.mode == ShardMode.ULYSSES and group.size > 1:
                 split_docs, split_tokens = tuple(dist), segment_tokens(segs)
             else:
                 segments += [(s.start, s.length) for s in segs]
-        work = RankWork(segments=tuple(segments), head_split_docs=split_docs,
-                        head_split_ways=group.size if split_docs else 1, head_split_tokens=split_tokens)
+        work = RankWork(
+            segments=tuple(segments),
+            head_split_docs=split_docs,
+            head_split_ways=group.size if split_docs else 1,
+            head_split_tokens=split_tokens,
+        )
         if not work.is_empty:
             out.append(work)
     return out
@@ -132,16 +137,26 @@ class ReplayResult:
 
     def to_dict(self) -> dict:
         return {
-            "step": self.step, "balancer": self.balancer, "layers": self.layers, "device": self.device,
+            "step": self.step,
+            "balancer": self.balancer,
+            "layers": self.layers,
+            "device": self.device,
             "ranks": [dataclasses.asdict(r) | {"error": r.error} for r in self.ranks],
             "measured_max_over_mean": self.measured_max_over_mean,
             "predicted_max_over_mean": self.predicted_max_over_mean,
-            "median_abs_error": self.median_abs_error, "max_abs_error": self.max_abs_error,
+            "median_abs_error": self.median_abs_error,
+            "max_abs_error": self.max_abs_error,
         }
 
 
-def replay_plan(plan: StepPlan, stack: DecoderStack, cost: CostModel, warmup: int = 1, repeats: int = 3,
-                log: Optional[Callable[[str], None]] = None) -> ReplayResult:
+def replay_plan(
+    plan: StepPlan,
+    stack: DecoderStack,
+    cost: CostModel,
+    warmup: int = 1,
+    repeats: int = 3,
+    log: Optional[Callable[[str], None]] = None,
+) -> ReplayResult:
     """Run every rank's micro-batches of `plan` on `stack` and compare with the cost model's prediction.
 
     `cost` is the cost model of the full model; the prediction uses it restricted to the
@@ -154,16 +169,18 @@ def replay_plan(plan: StepPlan, stack: DecoderStack, cost: CostModel, warmup: in
     works = {r: rank_micro_batches(plan, r) for r in range(plan.world_size)}
     unique = list(dict.fromkeys(w for ws in works.values() for w in ws))
     if log:
-        log(f"replaying step {plan.step} ({plan.balancer or 'plan'}): {plan.world_size} ranks, "
+        log(
+            f"replaying step {plan.step} ({plan.balancer or 'plan'}): {plan.world_size} ranks, "
             f"{sum(len(w) for w in works.values())} micro-batches ({len(unique)} distinct), {layers} layer(s) "
-            f"on {stack.device}")
+            f"on {stack.device}"
+        )
     timing = dict(device=stack.device, warmup=warmup, repeats=repeats)
     ms: Dict[RankWork, float] = {}
     if stack.device.type == "cuda":
         # one micro-batch's inputs at a time: real sizes do not all fit at once
         for w in unique:
             prepared = stack.prepare(w)
-            ms[w] = time_each([lambda: stack.forward_backward(prepared)], **timing)[0]
+            ms[w] = time_each([lambda prepared=prepared: stack.forward_backward(prepared)], **timing)[0]
             del prepared
     else:
         prepared = [stack.prepare(w) for w in unique]
@@ -171,21 +188,36 @@ def replay_plan(plan: StepPlan, stack: DecoderStack, cost: CostModel, warmup: in
             ms[w] = t
         del prepared
     stack.zero_grad()
-    ranks = [RankReplay(rank=r, micro_batches=len(works[r]), tokens=sum(w.tokens for w in works[r]),
-                        predicted_ms=predicted[r], measured_ms=sum(ms[w] for w in works[r]))
-             for r in range(plan.world_size)]
+    ranks = [
+        RankReplay(
+            rank=r,
+            micro_batches=len(works[r]),
+            tokens=sum(w.tokens for w in works[r]),
+            predicted_ms=predicted[r],
+            measured_ms=sum(ms[w] for w in works[r]),
+        )
+        for r in range(plan.world_size)
+    ]
     return ReplayResult(step=plan.step, balancer=plan.balancer, layers=layers, device=str(stack.device), ranks=ranks)
 
 
 def format_replay(result: ReplayResult) -> str:
     head = f"{'rank':>5} {'mbs':>4} {'tokens':>8} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"
-    lines = [f"step {result.step} ({result.balancer or 'plan'}), {result.layers} layer(s) fwd+bwd on {result.device}, "
-             f"communication excluded", head, "-" * len(head)]
+    lines = [
+        f"step {result.step} ({result.balancer or 'plan'}), {result.layers} layer(s) fwd+bwd on {result.device}, "
+        f"communication excluded",
+        head,
+        "-" * len(head),
+    ]
     for r in result.ranks:
         err = f"{100 * r.error:+6.1f}%" if r.predicted_ms > 0 else f"{'-':>7}"
-        lines.append(f"{r.rank:>5} {r.micro_batches:>4} {r.tokens:>8} {r.predicted_ms:>13.3f} {r.measured_ms:>12.3f} {err}")
+        lines.append(
+            f"{r.rank:>5} {r.micro_batches:>4} {r.tokens:>8} {r.predicted_ms:>13.3f} {r.measured_ms:>12.3f} {err}"
+        )
     lines.append("-" * len(head))
-    lines.append(f"max/mean: measured {result.measured_max_over_mean:.3f}, predicted {result.predicted_max_over_mean:.3f}; "
-                 f"prediction error per rank: median {100 * result.median_abs_error:.1f}%, "
-                 f"max {100 * result.max_abs_error:.1f}%")
+    lines.append(
+        f"max/mean: measured {result.measured_max_over_mean:.3f}, predicted {result.predicted_max_over_mean:.3f}; "
+        f"prediction error per rank: median {100 * result.median_abs_error:.1f}%, "
+        f"max {100 * result.max_abs_error:.1f}%"
+    )
     return "\n".join(lines)

@@ -7,6 +7,7 @@ A *segment* is a contiguous run of query tokens of one document held by one rank
 (doc index in the packed sequence, start position inside the document, length).
 A query at position p of a document attends causally to p + 1 keys of that document.
 """
+
 from __future__ import annotations
 
 from enum import Enum
@@ -101,9 +102,9 @@ def rank_segments(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, 
     mode = ShardMode(mode)
     if not 0 <= rank < group_size:
         raise ValueError(f"rank {rank} outside group of size {group_size}")
-    if mode is ShardMode.ULYSSES:
+    if mode == ShardMode.ULYSSES:
         return contiguous_segments(doc_lengths, group_size, rank)
-    if mode is ShardMode.RING_ZIGZAG:
+    if mode == ShardMode.RING_ZIGZAG:
         return zigzag_segments(doc_lengths, group_size, rank)
     return per_doc_segments(doc_lengths, group_size, rank)
 
@@ -120,11 +121,15 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, group_size: int) -> N
     """Ulysses splits heads: q heads must divide by the group, kv heads divide or replicate evenly."""
     g = group_size
     if num_heads % g:
-        raise ValueError(f"Ulysses over a CP group of {g} ranks needs the number of query heads to be divisible "
-                         f"by {g}; the model has {num_heads} query heads. Use a ring mode "
-                         f"(ShardMode.RING_PER_DOC / RING_ZIGZAG) or a group size that divides {num_heads}.")
+        raise ValueError(
+            f"Ulysses over a CP group of {g} ranks needs the number of query heads to be divisible "
+            f"by {g}; the model has {num_heads} query heads. Use a ring mode "
+            f"(ShardMode.RING_PER_DOC / RING_ZIGZAG) or a group size that divides {num_heads}."
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     if (num_kv_heads >= g and num_kv_heads % g) or (num_kv_heads < g and g % num_kv_heads):
-        raise ValueError(f"Ulysses over {g} ranks: {num_kv_heads} kv heads neither divide into {g} groups nor "
-                         f"replicate evenly to {g} ranks; use a ring mode for this group size")
+        raise ValueError(
+            f"Ulysses over {g} ranks: {num_kv_heads} kv heads neither divide into {g} groups nor "
+            f"replicate evenly to {g} ranks; use a ring mode for this group size"
+        )

@@ -5,6 +5,7 @@ free), the micro-batch takes as long as its slowest member (attention synchronis
 every layer), and each rank runs its waves in order. The step ends when the last rank ends
 (the ZeRO-2 gradient reduction that follows is the same for every plan and left out).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -108,20 +109,37 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
             if g.distributed:
                 cp_samples[g.size] += len(g.distributed)
                 cp_tokens[g.size] += sum(lens[s] for s in g.distributed)
-            for r, ids in g.local.items():
+            for ids in g.local.values():
                 cp_samples[1] += len(ids)
                 cp_tokens[1] += sum(lens[s] for s in ids)
-            runs.append(GroupRun(w, g.ranks, start, dur, [c[0] for c in costs], [c[1] for c in costs],
-                                 g.mode.value if g.distributed else None, len(g.distributed),
-                                 sum(len(v) for v in g.local.values())))
+            runs.append(
+                GroupRun(
+                    w,
+                    g.ranks,
+                    start,
+                    dur,
+                    [c[0] for c in costs],
+                    [c[1] for c in costs],
+                    g.mode.value if g.distributed else None,
+                    len(g.distributed),
+                    sum(len(v) for v in g.local.values()),
+                )
+            )
     makespan = max(clock) if clock else 0.0
     for r in range(W):
         idle[r] += makespan - clock[r]
     return SimResult(
-        world_size=W, compute_ms=compute, comm_ms=comm, idle_ms=idle,
-        busy_ms=[a + b for a, b in zip(compute, comm)], peak_tokens=peak_tokens,
-        peak_memory_bytes=[cost.memory_bytes(t) for t in peak_tokens], comm_bytes=comm_bytes,
-        makespan_ms=makespan, runs=runs, cp_size_samples=dict(sorted(cp_samples.items())),
+        world_size=W,
+        compute_ms=compute,
+        comm_ms=comm,
+        idle_ms=idle,
+        busy_ms=[a + b for a, b in zip(compute, comm)],
+        peak_tokens=peak_tokens,
+        peak_memory_bytes=[cost.memory_bytes(t) for t in peak_tokens],
+        comm_bytes=comm_bytes,
+        makespan_ms=makespan,
+        runs=runs,
+        cp_size_samples=dict(sorted(cp_samples.items())),
         cp_size_tokens=dict(sorted(cp_tokens.items())),
     )
 
@@ -141,8 +159,10 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
     gmax = cluster.group_sizes[-1]
     for i, n in enumerate(lengths):
         if n > cluster.largest_capacity:
-            raise ValueError(f"sample {i} has {n} tokens, more than the largest group holds "
-                             f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)")
+            raise ValueError(
+                f"sample {i} has {n} tokens, more than the largest group holds "
+                f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
+            )
         area = cost.sample_local_ms(n)
         total_area += area
         longest = max(longest, area / gmax)

@@ -8,6 +8,7 @@ Example (all traces, worlds 8/64/512, 3 sampled steps each; ~10 minutes on 2 cor
 Quick look:
     python scripts/bench_balancers.py --worlds 64 --steps 1 --balancers static,dynamic_cp,auto --out -
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,21 +33,20 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--traces-dir", default=str(DEFAULT_TRACES), help="folder of *.txt length traces")
     p.add_argument("--traces", help="comma-separated trace names (file stems); default: every *.txt")
     p.add_argument("--worlds", default="8,64,512", help="comma-separated world sizes")
     p.add_argument("--balancers", help="comma-separated balancers; default: every registered one")
-    p.add_argument("--steps", type=int, default=3,
-                   help="steps per trace and world, spread evenly over the first epoch")
+    p.add_argument("--steps", type=int, default=3, help="steps per trace and world, spread evenly over the first epoch")
     p.add_argument("--max-tokens-per-rank", type=int, default=32768)
     p.add_argument("--tokens-per-rank-per-step", type=int, default=65536)
     p.add_argument("--profile", default="h200-qwen2.5-7b")
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--seed", type=int, default=0, help="epoch shuffle seed")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "balancers.md"),
-                   help="markdown output ('-' for none)")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "balancers.md"), help="markdown output ('-' for none)")
     return p.parse_args(argv)
 
 
@@ -73,10 +73,12 @@ def main(argv=None) -> int:
             balancers.insert(0, need)  # the two references every row is compared with
     cap, tpr = args.max_tokens_per_rank, args.tokens_per_rank_per_step
     command = "python scripts/bench_balancers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    scenario = (f"profile {args.profile}, model {args.model}, cap {cap} tokens per rank per micro-batch, "
-                f"{tpr} tokens per rank per step (global batch = {tpr} x world), gpus per node from the "
-                f"profile, epoch order shuffled with seed {args.seed}, {args.steps} steps per trace and world "
-                f"spread evenly over the epoch")
+    scenario = (
+        f"profile {args.profile}, model {args.model}, cap {cap} tokens per rank per micro-batch, "
+        f"{tpr} tokens per rank per step (global batch = {tpr} x world), gpus per node from the "
+        f"profile, epoch order shuffled with seed {args.seed}, {args.steps} steps per trace and world "
+        f"spread evenly over the epoch"
+    )
     print(f"scenario: {scenario}")
     load_start = os.getloadavg()
     print(f"balancers: {', '.join(balancers)}")
@@ -101,8 +103,10 @@ def main(argv=None) -> int:
             cluster = ClusterSpec(world, cap, ref_cost.profile.gpus_per_node)
             too_long = [n for n in lengths if n > cluster.largest_capacity]
             if too_long:
-                note = (f"world {world}, {name}: dropped {len(too_long)} samples longer than the largest group "
-                        f"({cluster.largest_capacity} tokens), longest {max(too_long)}")
+                note = (
+                    f"world {world}, {name}: dropped {len(too_long)} samples longer than the largest group "
+                    f"({cluster.largest_capacity} tokens), longest {max(too_long)}"
+                )
                 notes.append(note)
                 print(note)
                 lengths = [n for n in lengths if n <= cluster.largest_capacity]
@@ -116,8 +120,9 @@ def main(argv=None) -> int:
                 lb = lower_bound_ms(lens, cluster, ref_cost)
                 makespans = {}
                 for b in balancers:
-                    req = PlanRequest(ids, lens, cluster, costs[b], seed=args.seed, step=step,
-                                      dataset_max_length=longest)
+                    req = PlanRequest(
+                        ids, lens, cluster, costs[b], seed=args.seed, step=step, dataset_max_length=longest
+                    )
                     gc.collect()
                     t0, c0 = time.perf_counter(), time.process_time()
                     plan = insts[b].plan(req)
@@ -144,8 +149,12 @@ def main(argv=None) -> int:
                 d = per[b]
                 pred, lbs = sum(d["pred"]), sum(d["lb"])
                 row = {
-                    "world": world, "trace": name, "balancer": b, "steps": len(picked),
-                    "samples_per_step": n_samples, "ratio": pred / lbs,
+                    "world": world,
+                    "trace": name,
+                    "balancer": b,
+                    "steps": len(picked),
+                    "samples_per_step": n_samples,
+                    "ratio": pred / lbs,
                     "vs_static": sum(per["static"]["pred"]) / pred,
                     "vs_megatron": sum(per["megatron"]["pred"]) / pred,
                     "max_mean": statistics.mean(d["imb"]),
@@ -155,16 +164,21 @@ def main(argv=None) -> int:
                     "winners": ",".join(sorted(set(d["winner"]))) if d["winner"] else "",
                 }
                 rows.append(row)
-                print(f"W={world:<4} {name:28s} {b:11s} steps {len(picked)} pred/LB {row['ratio']:.3f} "
-                      f"vs static {row['vs_static']:.2f}x vs megatron {row['vs_megatron']:.2f}x "
-                      f"max/mean {row['max_mean']:.3f} comm {row['comm_gb']:.1f} GB plan {row['plan_ms']:.1f} ms (cpu {row['cpu_ms']:.1f})"
-                      + (f" (won: {row['winners']})" if row["winners"] else ""), flush=True)
+                print(
+                    f"W={world:<4} {name:28s} {b:11s} steps {len(picked)} pred/LB {row['ratio']:.3f} "
+                    f"vs static {row['vs_static']:.2f}x vs megatron {row['vs_megatron']:.2f}x "
+                    f"max/mean {row['max_mean']:.3f} comm {row['comm_gb']:.1f} GB plan {row['plan_ms']:.1f} ms (cpu {row['cpu_ms']:.1f})"
+                    + (f" (won: {row['winners']})" if row["winners"] else ""),
+                    flush=True,
+                )
 
     summary = acceptance(rows, auto_checks)
     load_end = os.getloadavg()
-    summary.append(f"- machine load average (1/5/15 min) at start {load_start[0]:.1f}/{load_start[1]:.1f}/"
-                   f"{load_start[2]:.1f}, at end {load_end[0]:.1f}/{load_end[1]:.1f}/{load_end[2]:.1f} on "
-                   f"{os.cpu_count()} CPUs: wall times include waiting for a CPU, CPU times do not")
+    summary.append(
+        f"- machine load average (1/5/15 min) at start {load_start[0]:.1f}/{load_start[1]:.1f}/"
+        f"{load_start[2]:.1f}, at end {load_end[0]:.1f}/{load_end[1]:.1f}/{load_end[2]:.1f} on "
+        f"{os.cpu_count()} CPUs: wall times include waiting for a CPU, CPU times do not"
+    )
     print("\n".join(summary))
     if args.out != "-":
         write_markdown(Path(args.out), command, scenario, balancers, rows, notes, summary)
@@ -178,11 +192,16 @@ def acceptance(rows, auto_checks) -> List[str]:
     auto = [r for r in w64 if r["balancer"] == "auto"]
     if auto:
         worst = max(auto, key=lambda r: r["ratio"])
-        out.append("- world 64, `auto` / lower bound: " + ", ".join(f"{r['trace']} {r['ratio']:.3f}" for r in auto)
-                   + f" (worst {worst['ratio']:.3f}; target <= 1.10)")
+        out.append(
+            "- world 64, `auto` / lower bound: "
+            + ", ".join(f"{r['trace']} {r['ratio']:.3f}" for r in auto)
+            + f" (worst {worst['ratio']:.3f}; target <= 1.10)"
+        )
         mean_vs_mega = statistics.mean(r["vs_megatron"] for r in auto)
-        out.append(f"- world 64, `auto` speedup vs `megatron`, mean over traces: {mean_vs_mega:.2f}x "
-                   f"(per trace: " + ", ".join(f"{r['vs_megatron']:.2f}" for r in auto) + "; target >= 1.15)")
+        out.append(
+            f"- world 64, `auto` speedup vs `megatron`, mean over traces: {mean_vs_mega:.2f}x "
+            f"(per trace: " + ", ".join(f"{r['vs_megatron']:.2f}" for r in auto) + "; target >= 1.15)"
+        )
     checks = [c for c in auto_checks if c[0] == 64]
     if checks:
         worse = [c for c in checks if c[3] > c[5] * (1 + 1e-9)]
@@ -192,16 +211,24 @@ def acceptance(rows, auto_checks) -> List[str]:
         if slow:
             top = max(slow, key=lambda r: r["plan_ms"])
             top_cpu = max(slow, key=lambda r: r["cpu_ms"])
-            out.append(f"- world {world}: slowest planner median of the other balancers (not auto/flexsp/megatron): "
-                       f"{top['balancer']} on {top['trace']}, {top['plan_ms']:.1f} ms wall; in CPU time "
-                       f"{top_cpu['balancer']} on {top_cpu['trace']}, {top_cpu['cpu_ms']:.1f} ms")
+            out.append(
+                f"- world {world}: slowest planner median of the other balancers (not auto/flexsp/megatron): "
+                f"{top['balancer']} on {top['trace']}, {top['plan_ms']:.1f} ms wall; in CPU time "
+                f"{top_cpu['balancer']} on {top_cpu['trace']}, {top_cpu['cpu_ms']:.1f} ms"
+            )
             target = {64: 20.0, 512: 300.0}.get(world)
             for b in sorted({r["balancer"] for r in rows if r["world"] == world}):
                 mine = [r for r in rows if r["world"] == world and r["balancer"] == b]
-                wall, cpu = max(r['plan_ms'] for r in mine), max(r['cpu_ms'] for r in mine)
+                wall, cpu = max(r["plan_ms"] for r in mine), max(r["cpu_ms"] for r in mine)
                 limit = 2000.0 if b == "flexsp" else None if b in ("auto", "megatron") else target
-                mark = "" if limit is None else (f" (target {limit:.0f} ms: wall {'ok' if wall <= limit else 'over'}, "
-                                                 f"CPU {'ok' if cpu <= limit else 'over'})")
+                mark = (
+                    ""
+                    if limit is None
+                    else (
+                        f" (target {limit:.0f} ms: wall {'ok' if wall <= limit else 'over'}, "
+                        f"CPU {'ok' if cpu <= limit else 'over'})"
+                    )
+                )
                 out.append(f"  - {b}: planner median, worst trace: {wall:.1f} ms wall, {cpu:.1f} ms CPU{mark}")
     return out
 
@@ -234,14 +261,19 @@ def write_markdown(path: Path, command, scenario, balancers, rows, notes, summar
     if notes:
         lines += ["## Samples dropped (longer than the whole world holds)", ""] + [f"- {n}" for n in notes] + [""]
     for world in sorted({r["world"] for r in rows}):
-        lines += [f"## World {world}", "",
-                  "| trace | samples/step | balancer | steps | pred/LB | vs static | vs megatron | max/mean | comm GB | plan ms | plan CPU ms |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## World {world}",
+            "",
+            "| trace | samples/step | balancer | steps | pred/LB | vs static | vs megatron | max/mean | comm GB | plan ms | plan CPU ms |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in (r for r in rows if r["world"] == world):
             bal = r["balancer"] + (f" ({r['winners']})" if r["winners"] else "")
-            lines.append(f"| {r['trace']} | {r['samples_per_step']:.0f} | {bal} | {r['steps']} | {r['ratio']:.3f} | "
-                         f"{r['vs_static']:.2f} | {r['vs_megatron']:.2f} | {r['max_mean']:.3f} | "
-                         f"{r['comm_gb']:.1f} | {r['plan_ms']:.1f} | {r['cpu_ms']:.1f} |")
+            lines.append(
+                f"| {r['trace']} | {r['samples_per_step']:.0f} | {bal} | {r['steps']} | {r['ratio']:.3f} | "
+                f"{r['vs_static']:.2f} | {r['vs_megatron']:.2f} | {r['max_mean']:.3f} | "
+                f"{r['comm_gb']:.1f} | {r['plan_ms']:.1f} | {r['cpu_ms']:.1f} |"
+            )
         lines.append("")
     path.write_text("\n".join(lines))
 

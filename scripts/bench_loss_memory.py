@@ -9,6 +9,7 @@ gradients.
 
 `--chunks 0` is the full-logits path (the model's own logits, then cross-entropy).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int, seed: int = 0) -> 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
-    w = (torch.randn(vocab, hidden, generator=g) * hidden ** -0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * hidden**-0.5).requires_grad_()
     t = torch.randint(0, vocab, (tokens,), generator=g)
     t[::3] = -100  # prompt tokens carry no loss
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -40,8 +41,14 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int, seed: int = 0) -> 
     loss.backward()
     secs = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"chunk": chunk, "extra_bytes": peak - base, "seconds": secs, "loss": float(loss),
-            "grad_h": float(h.grad.double().norm()), "grad_w": float(w.grad.double().norm())}
+    return {
+        "chunk": chunk,
+        "extra_bytes": peak - base,
+        "seconds": secs,
+        "loss": float(loss),
+        "grad_h": float(h.grad.double().norm()),
+        "grad_w": float(w.grad.double().norm()),
+    }
 
 
 def main(argv=None) -> int:
@@ -57,18 +64,36 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for chunk in a.chunks:  # a fresh process per variant: ru_maxrss is a high-water mark
-        out = subprocess.run([sys.executable, __file__, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
-                              "--vocab", str(a.vocab), "--child", str(chunk)], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--tokens",
+                str(a.tokens),
+                "--hidden",
+                str(a.hidden),
+                "--vocab",
+                str(a.vocab),
+                "--child",
+                str(chunk),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    logits_mb = a.tokens * a.vocab * 4 / 2 ** 20
-    print(f"LM-head loss, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab} (fp32 logits {logits_mb:.0f} MB), "
-          f"CPU, one thread")
+    logits_mb = a.tokens * a.vocab * 4 / 2**20
+    print(
+        f"LM-head loss, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab} (fp32 logits {logits_mb:.0f} MB), "
+        f"CPU, one thread"
+    )
     print(f"{'variant':>14} {'peak extra MB':>14} {'time s':>8} {'loss':>14} {'|grad h|':>10} {'|grad W|':>10}")
     for r in rows:
         name = "full logits" if r["chunk"] == 0 else f"chunk {r['chunk']}"
-        print(f"{name:>14} {r['extra_bytes'] / 2 ** 20:14.0f} {r['seconds']:8.2f} {r['loss']:14.4f} "
-              f"{r['grad_h']:10.4f} {r['grad_w']:10.4f}")
+        print(
+            f"{name:>14} {r['extra_bytes'] / 2**20:14.0f} {r['seconds']:8.2f} {r['loss']:14.4f} "
+            f"{r['grad_h']:10.4f} {r['grad_w']:10.4f}"
+        )
     ref = rows[0]
     worst = max(abs(r["loss"] - ref["loss"]) / abs(ref["loss"]) for r in rows)
     print(f"largest relative loss difference between variants: {worst:.2e}")

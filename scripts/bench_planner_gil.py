@@ -7,6 +7,7 @@ shared trace on a background thread, for each switch interval in `--intervals`.
 
     python scripts/bench_planner_gil.py [--world 64] [--trace wikipedia_flexsp] [--intervals 0.005 0.0005]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,17 @@ def main(argv=None) -> int:
 
     def plan(k: int) -> None:
         ids = batches[k % len(batches)]
-        balancer.plan(PlanRequest(ids, [lengths[i] for i in ids], cluster, cost, seed=0, step=k,
-                                  dataset_max_length=max(lengths)))
+        balancer.plan(
+            PlanRequest(ids, [lengths[i] for i in ids], cluster, cost, seed=0, step=k, dataset_max_length=max(lengths))
+        )
 
     t0 = time.perf_counter()
     plan(0)
     plan_alone = time.perf_counter() - t0
-    print(f"{a.balancer} at world {a.world} on {a.trace}: one plan alone {plan_alone * 1e3:.0f} ms; "
-          f"{a.ops} small torch ops on the main thread")
+    print(
+        f"{a.balancer} at world {a.world} on {a.trace}: one plan alone {plan_alone * 1e3:.0f} ms; "
+        f"{a.ops} small torch ops on the main thread"
+    )
     print(f"{'switch interval':>16} {'ops alone s':>12} {'ops, planner busy s':>20} {'slowdown':>9}")
     default = sys.getswitchinterval()
     for interval in a.intervals:
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
         alone = min(dispatch() for _ in range(3))
         stop = threading.Event()
 
-        def loop():
+        def loop(stop=stop):
             k = 1
             while not stop.is_set():
                 plan(k)

@@ -7,6 +7,7 @@ every W gives byte-identical plans.
 
     python scripts/bench_planner_workers.py --trace longdoc_leval_multiturn --world 512 --workers 1,2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def main() -> None:
     sampler = GlobalBatchSampler(lengths, 65536 * a.world, seed=0, max_steps=a.steps)
     cluster = ClusterSpec(a.world, 32768, 8)
     counts = [int(w) for w in a.workers.split(",")]
-    print(f"{a.balancer} at world {a.world} on {a.trace} (x{a.repeat}), {a.steps} steps of {65536 * a.world} tokens, "
-          f"look-ahead {max(counts)}; {os.cpu_count()} CPU cores\n")
+    print(
+        f"{a.balancer} at world {a.world} on {a.trace} (x{a.repeat}), {a.steps} steps of {65536 * a.world} tokens, "
+        f"look-ahead {max(counts)}; {os.cpu_count()} CPU cores\n"
+    )
     print("| workers | s per step | speed-up | plans identical |")
     print("|---:|---:|---:|---|")
     base = None

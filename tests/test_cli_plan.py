@@ -13,10 +13,27 @@ def run(capsys, *args):
 
 def test_plan_static_on_code_trace_prints_report_and_plot(capsys, tmp_path, traces_dir):
     png = tmp_path / "timeline.png"
-    rc, out, err = run(capsys, "--lengths", traces_dir / "code_numpy_files.txt", "--world", 64,
-                       "--max-tokens-per-rank", 32768, "--tokens-per-rank-per-step", 65536,
-                       "--profile", "h200-qwen2.5-7b", "--model", "qwen2.5-7b", "--balancer", "static",
-                       "--steps", 2, "--plot", png)
+    rc, out, err = run(
+        capsys,
+        "--lengths",
+        traces_dir / "code_numpy_files.txt",
+        "--world",
+        64,
+        "--max-tokens-per-rank",
+        32768,
+        "--tokens-per-rank-per-step",
+        65536,
+        "--profile",
+        "h200-qwen2.5-7b",
+        "--model",
+        "qwen2.5-7b",
+        "--balancer",
+        "static",
+        "--steps",
+        2,
+        "--plot",
+        png,
+    )
     assert rc == 0, err
     assert "pred ms" in out and "bound ms" in out and "max/mean" in out and "cp-size" in out
     assert "predicted time / lower bound over 2 steps" in out
@@ -37,20 +54,24 @@ def test_plan_json_is_byte_identical_and_resimulates(capsys, tmp_path, traces_di
     assert f"{planned[0]['predicted_ms']:.1f}" in first
 
 
-@pytest.mark.parametrize("content, args, message", [
-    ("100\n-5\n", ["--world", "8"], "line 2: length -5 must be positive"),
-    ("100\nx\n", ["--world", "8"], "line 2: 'x' is not an integer"),
-    ("100\n300000\n", ["--world", "8"], r"sample 1 \(line 2 of .*\) has 300000 tokens"),
-    ("100\n", ["--world", "6"], "world_size 6 is not a power of two"),
-    ("100\n", ["--world", "8", "--balancer", "nope"], "unknown balancer 'nope'"),
-    ("100\n", ["--world", "8", "--profile", "nope"], "no profile named 'nope'"),
-])
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ("100\n-5\n", ["--world", "8"], "line 2: length -5 must be positive"),
+        ("100\nx\n", ["--world", "8"], "line 2: 'x' is not an integer"),
+        ("100\n300000\n", ["--world", "8"], r"sample 1 \(line 2 of .*\) has 300000 tokens"),
+        ("100\n", ["--world", "6"], "world_size 6 is not a power of two"),
+        ("100\n", ["--world", "8", "--balancer", "nope"], "unknown balancer 'nope'"),
+        ("100\n", ["--world", "8", "--profile", "nope"], "no profile named 'nope'"),
+    ],
+)
 def test_bad_input_gets_a_clear_error(capsys, tmp_path, content, args, message):
     p = tmp_path / "lengths.txt"
     p.write_text(content)
     rc, out, err = run(capsys, "--lengths", p, *args)
     assert rc == 2
     import re
+
     assert re.search(message, err), err
 
 

@@ -54,8 +54,12 @@ def _groups(rank, world):
 
     groups = CPGroups(ClusterSpec(world_size=world, max_tokens_per_rank=1024))
     pair = (0, 1) if rank < 2 else (2, 3)  # a rank holds handles of its own groups only
-    return {"control": groups.control.group_desc, "pair": groups.get(pair).group_desc,
-            "all": groups.get((0, 1, 2, 3)).group_desc, "count": len(groups)}
+    return {
+        "control": groups.control.group_desc,
+        "pair": groups.get(pair).group_desc,
+        "all": groups.get((0, 1, 2, 3)).group_desc,
+        "count": len(groups),
+    }
 
 
 def test_cp_groups_carry_names_that_nccl_timeouts_print():
@@ -63,5 +67,9 @@ def test_cp_groups_carry_names_that_nccl_timeouts_print():
     for rank, (status, got) in res.items():
         assert status == "ok", got
         pair = "[0, 1]" if rank < 2 else "[2, 3]"
-        assert got == {"control": "hf_cp control: plan agreement and metrics", "pair": f"hf_cp CP group {pair}",
-                       "all": "hf_cp CP group [0, 1, 2, 3]", "count": 3}, (rank, got)
+        assert got == {
+            "control": "hf_cp control: plan agreement and metrics",
+            "pair": f"hf_cp CP group {pair}",
+            "all": "hf_cp CP group [0, 1, 2, 3]",
+            "count": 3,
+        }, (rank, got)

@@ -58,7 +58,9 @@ def test_ulysses_bytes_formula_even_split(h200_cost):
 
 
 def test_ulysses_rejects_heads_that_do_not_divide(h200_cost):
-    with pytest.raises(ValueError, match="group of 8 ranks needs the number of query heads to be divisible by 8; the model has 28"):
+    with pytest.raises(
+        ValueError, match="group of 8 ranks needs the number of query heads to be divisible by 8; the model has 28"
+    ):
         h200_cost.check_ulysses(8)  # 28 heads
     h200_cost.check_ulysses(4)
 

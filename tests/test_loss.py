@@ -1,4 +1,5 @@
 """The chunked LM-head loss equals the full-logits loss and never keeps the full logits."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,8 @@ def test_chunked_loss_and_gradients_equal_full_logits(T, chunk, bias):
     case = _case(T, bias=bias, seed=T + chunk)
     want, want_g = _loss_and_grads(_full, *case)
     got, got_g = _loss_and_grads(
-        lambda h, w, b, t: chunked_lm_head_loss(h, w, t, chunk, bias=b, ignore_index=IGNORE), *case)
+        lambda h, w, b, t: chunked_lm_head_loss(h, w, t, chunk, bias=b, ignore_index=IGNORE), *case
+    )
     assert got.dtype == torch.float64 and float(want) != 0.0
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for a, e in zip(got_g, want_g):
@@ -82,8 +84,9 @@ def test_chunked_loss_never_keeps_the_full_logits_for_backward():
     T, V, chunk = 256, 500, 32
     hidden, weight, _, targets = _case(T, V=V, dtype=torch.float32, bias=False)
     assert _largest_saved(_full, hidden, weight, None, targets) >= T * V  # the full path keeps [T, V]
-    kept = _largest_saved(lambda h, w, t: chunked_lm_head_loss(h, w, t, chunk, ignore_index=IGNORE),
-                          hidden, weight, targets)
+    kept = _largest_saved(
+        lambda h, w, t: chunked_lm_head_loss(h, w, t, chunk, ignore_index=IGNORE), hidden, weight, targets
+    )
     assert kept <= max(T * hidden.shape[1], V * hidden.shape[1]), "only the inputs (hidden, weight) are kept"
 
 
@@ -123,8 +126,16 @@ def test_bypassed_head_hands_back_hidden_states_and_model_loss_matches():
 def test_soft_capped_logits_are_detected():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=3.0)
+    cfg = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=3.0,
+    )
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(cfg)
     head = chunkable_head(model)

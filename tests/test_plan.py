@@ -1,19 +1,29 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_gen import random_valid_plan
 
 from hf_cp.cluster import ClusterSpec
 from hf_cp.plan import Group, PlanError, StepPlan, Wave
 from hf_cp.shard import ShardMode
-from plan_gen import random_valid_plan
 
 CL = ClusterSpec(world_size=8, max_tokens_per_rank=1000, gpus_per_node=4)
 
 
 def base_plan():
     return StepPlan(
-        world_size=8, max_tokens_per_rank=1000, sample_ids=[10, 11, 12, 13], lengths=[3000, 500, 200, 900],
-        waves=[Wave([Group(ranks=(0, 1, 2, 3), distributed=[10], mode=ShardMode.RING_PER_DOC, local={1: [12]}),
-                     Group(ranks=(4, 5), local={4: [11], 5: [13]})])],
+        world_size=8,
+        max_tokens_per_rank=1000,
+        sample_ids=[10, 11, 12, 13],
+        lengths=[3000, 500, 200, 900],
+        waves=[
+            Wave(
+                [
+                    Group(ranks=(0, 1, 2, 3), distributed=[10], mode=ShardMode.RING_PER_DOC, local={1: [12]}),
+                    Group(ranks=(4, 5), local={4: [11], 5: [13]}),
+                ]
+            )
+        ],
     )
 
 
@@ -24,20 +34,27 @@ def test_valid_plan_passes_and_round_trips():
     assert q.digest() == p.digest()
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda p: p.waves[0].groups[1].local[4].append(10), "sample 10 is scheduled twice"),
-    (lambda p: p.waves[0].groups[1].local.pop(5), r"samples \[13\] .* never scheduled"),
-    (lambda p: p.waves[0].groups.append(Group(ranks=(3,), local={3: []})), "rank 3 is in groups 0 and 2"),
-    (lambda p: setattr(p.waves[0].groups[1], "ranks", (5, 6)), r"group \[5, 6\] is not a registered group"),
-    (lambda p: p.waves[0].groups[1].local.__setitem__(4, [11, 13]) or p.waves[0].groups[1].local.pop(5),
-     "rank 4 holds 1400 tokens, over the cap of 1000"),
-    (lambda p: p.waves[0].groups[1].local.__setitem__(7, [13]) or p.waves[0].groups[1].local.pop(5),
-     "not in group"),
-    (lambda p: p.waves[0].groups[1].local[4].append(99), "sample 99 is not in the step's global batch"),
-    (lambda p: p.lengths.__setitem__(1, 0), "sample 11 has length 0"),
-    (lambda p: setattr(p, "sample_ids", [10, 10, 12, 13]), "sample 10 appears twice"),
-    (lambda p: setattr(p.waves[0].groups[0], "ranks", (6, 7, 8, 9)), "rank 8 outside world of 8"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.waves[0].groups[1].local[4].append(10), "sample 10 is scheduled twice"),
+        (lambda p: p.waves[0].groups[1].local.pop(5), r"samples \[13\] .* never scheduled"),
+        (lambda p: p.waves[0].groups.append(Group(ranks=(3,), local={3: []})), "rank 3 is in groups 0 and 2"),
+        (lambda p: setattr(p.waves[0].groups[1], "ranks", (5, 6)), r"group \[5, 6\] is not a registered group"),
+        (
+            lambda p: p.waves[0].groups[1].local.__setitem__(4, [11, 13]) or p.waves[0].groups[1].local.pop(5),
+            "rank 4 holds 1400 tokens, over the cap of 1000",
+        ),
+        (
+            lambda p: p.waves[0].groups[1].local.__setitem__(7, [13]) or p.waves[0].groups[1].local.pop(5),
+            "not in group",
+        ),
+        (lambda p: p.waves[0].groups[1].local[4].append(99), "sample 99 is not in the step's global batch"),
+        (lambda p: p.lengths.__setitem__(1, 0), "sample 11 has length 0"),
+        (lambda p: setattr(p, "sample_ids", [10, 10, 12, 13]), "sample 10 appears twice"),
+        (lambda p: setattr(p.waves[0].groups[0], "ranks", (6, 7, 8, 9)), "rank 8 outside world of 8"),
+    ],
+)
 def test_validate_rejects_each_broken_invariant(mutate, message):
     p = base_plan()
     mutate(p)

@@ -1,4 +1,5 @@
 """`hf-cp train --dry-run`: what a launch would refuse, found without launching."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,24 @@ def test_dry_run_from_the_command_line(tmp_path, capsys):
     assert cli_main(["train", TINY, "--dry-run", "--world", "3", "--set", f"training.output_dir={tmp_path}"]) == 2
     assert "world_size 3 is not a power of two" in capsys.readouterr().err
     # --max-restarts resumes from the newest checkpoint, as the launch would; no checkpoints is a warning
-    assert cli_main(["train", TINY, "--dry-run", "--nproc", "2", "--max-restarts", "1", "--dry-run-steps", "2",
-                     "--set", f"training.output_dir={tmp_path}"]) == 0
+    assert (
+        cli_main(
+            [
+                "train",
+                TINY,
+                "--dry-run",
+                "--nproc",
+                "2",
+                "--max-restarts",
+                "1",
+                "--dry-run-steps",
+                "2",
+                "--set",
+                f"training.output_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert f"resume: no checkpoint in {tmp_path} yet, a fresh start" in text
     assert "warning: restarts are enabled but save_strategy is 'no'" in text

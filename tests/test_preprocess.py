@@ -1,5 +1,6 @@
 """hf-cp preprocess: chat/text encoding and SFT masks with the SmolLM2 tokenizer, every input
 format, every over-long policy, the length report, and what the planner and trainer read."""
+
 import json
 from pathlib import Path
 
@@ -62,8 +63,9 @@ def trained_text(tokenizer, ids, labels):
 
 
 # ----------------------------------------------------------------------------- the acceptance test
-def test_bundled_chat_file_round_trips_and_masks_prompts(capsys, tmp_path, smol_tokenizer, smol_tokenizer_dir,
-                                                         chat_records):
+def test_bundled_chat_file_round_trips_and_masks_prompts(
+    capsys, tmp_path, smol_tokenizer, smol_tokenizer_dir, chat_records
+):
     out = tmp_path / "chat"
     rc, stdout, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", out)
     assert rc == 0, err
@@ -96,8 +98,21 @@ def test_bundled_chat_file_round_trips_and_masks_prompts(capsys, tmp_path, smol_
 def test_plan_reads_the_preprocessed_folder(capsys, tmp_path, smol_tokenizer_dir):
     out = tmp_path / "chat"
     assert cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", out)[0] == 0
-    rc = main(["plan", "--lengths", str(out), "--world", "4", "--max-tokens-per-rank", "2048", "--steps", "2",
-               "--tokens-per-step", "4096"])
+    rc = main(
+        [
+            "plan",
+            "--lengths",
+            str(out),
+            "--world",
+            "4",
+            "--max-tokens-per-rank",
+            "2048",
+            "--steps",
+            "2",
+            "--tokens-per-step",
+            "4096",
+        ]
+    )
     o = capsys.readouterr()
     assert rc == 0, o.err
     n = len(load(out))
@@ -134,8 +149,9 @@ def test_overlong_error_names_sample_and_length(capsys, tmp_path, smol_tokenizer
     lengths, _ = full_lengths
     over = [i for i, n in enumerate(lengths) if n > 1024]
     assert len(over) >= 2
-    rc, _, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "x",
-                     "--max-length", 1024)
+    rc, _, err = cli(
+        capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "x", "--max-length", 1024
+    )
     assert rc == 2
     assert f"sample {over[0]} has {lengths[over[0]]} tokens, more than --max-length 1024" in err
     assert f"({len(over) - 1} more: sample {over[1]} has {lengths[over[1]]}" in err
@@ -145,8 +161,18 @@ def test_overlong_error_names_sample_and_length(capsys, tmp_path, smol_tokenizer
 def test_overlong_drop(capsys, tmp_path, smol_tokenizer_dir, full_lengths):
     lengths, full = full_lengths
     keep = [i for i, n in enumerate(lengths) if n <= 1024]
-    rc, out, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "d",
-                       "--max-length", 1024, "--overlong", "drop")
+    rc, out, err = cli(
+        capsys,
+        CHAT_SAMPLE,
+        "--tokenizer",
+        smol_tokenizer_dir,
+        "--out",
+        tmp_path / "d",
+        "--max-length",
+        1024,
+        "--overlong",
+        "drop",
+    )
     assert rc == 0, err
     n_over = len(lengths) - len(keep)
     assert f"over-long (> --max-length 1024): {n_over} samples, policy drop: dropped {n_over}" in out
@@ -158,8 +184,18 @@ def test_overlong_drop(capsys, tmp_path, smol_tokenizer_dir, full_lengths):
 def test_overlong_truncate(capsys, tmp_path, smol_tokenizer_dir, full_lengths):
     lengths, full = full_lengths
     n_over = sum(n > 1024 for n in lengths)
-    rc, out, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "t",
-                       "--max-length", 1024, "--overlong", "truncate")
+    rc, out, err = cli(
+        capsys,
+        CHAT_SAMPLE,
+        "--tokenizer",
+        smol_tokenizer_dir,
+        "--out",
+        tmp_path / "t",
+        "--max-length",
+        1024,
+        "--overlong",
+        "truncate",
+    )
     assert rc == 0, err
     assert f"over-long (> --max-length 1024): {n_over} samples, policy truncate: truncated {n_over}" in out
     ds = load(tmp_path / "t")
@@ -171,19 +207,38 @@ def test_overlong_truncate(capsys, tmp_path, smol_tokenizer_dir, full_lengths):
 
 def test_no_overlong_sample_reports_zero(capsys, tmp_path, smol_tokenizer_dir, full_lengths):
     lengths, _ = full_lengths
-    rc, out, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "z",
-                       "--max-length", max(lengths), "--overlong", "error")
+    rc, out, err = cli(
+        capsys,
+        CHAT_SAMPLE,
+        "--tokenizer",
+        smol_tokenizer_dir,
+        "--out",
+        tmp_path / "z",
+        "--max-length",
+        max(lengths),
+        "--overlong",
+        "error",
+    )
     assert rc == 0, err
     assert f"over-long (> --max-length {max(lengths)}): 0 samples, policy error" in out
 
 
 # ----------------------------------------------------------------------------- input formats
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "Short.",
-         "A somewhat longer line of text, with punctuation; numbers like 42 and 3.14; and unicode: café, naïve."]
-CHATS = [[{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}],
-         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-          {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
-          {"role": "assistant", "content": "6"}]]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Short.",
+    "A somewhat longer line of text, with punctuation; numbers like 42 and 3.14; and unicode: café, naïve.",
+]
+CHATS = [
+    [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ],
+]
 
 
 def write_format(fmt, rows, path):
@@ -197,17 +252,26 @@ def write_format(fmt, rows, path):
     elif fmt == "parquet":
         Dataset.from_list(rows).to_parquet(str(path))
     elif fmt == "csv":  # CSV has no nested values: messages go in as a JSON string
-        pd.DataFrame([{k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows]
-                     ).to_csv(path, index=False)
+        pd.DataFrame([{k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows]).to_csv(
+            path, index=False
+        )
     elif fmt == "saved":
         Dataset.from_list(rows).save_to_disk(str(path))
     elif fmt == "saved-dict":
-        DatasetDict({"train": Dataset.from_list(rows[:1]), "validation": Dataset.from_list(rows)}).save_to_disk(str(path))
+        DatasetDict({"train": Dataset.from_list(rows[:1]), "validation": Dataset.from_list(rows)}).save_to_disk(
+            str(path)
+        )
     return path
 
 
-FORMATS = [("jsonl", "data.jsonl"), ("json", "data.json"), ("parquet", "data.parquet"), ("csv", "data.csv"),
-           ("saved", "saved"), ("saved-dict", "saved_dict")]
+FORMATS = [
+    ("jsonl", "data.jsonl"),
+    ("json", "data.json"),
+    ("parquet", "data.parquet"),
+    ("csv", "data.csv"),
+    ("saved", "saved"),
+    ("saved-dict", "saved_dict"),
+]
 
 
 @pytest.mark.parametrize("fmt,name", FORMATS)
@@ -217,8 +281,9 @@ def test_every_input_format_text_and_chat(capsys, tmp_path, fmt, name, smol_toke
     split = ["--split", "validation"] if fmt == "saved-dict" else []
     eos = smol_tokenizer.eos_token_id
     src = write_format(fmt, text_rows, tmp_path / f"text_{name}")
-    rc, out, err = cli(capsys, src, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "o_text",
-                       "--text-field", "body", *split)
+    rc, out, err = cli(
+        capsys, src, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "o_text", "--text-field", "body", *split
+    )
     assert rc == 0, err
     ds = load(tmp_path / "o_text")
     assert ds["input_ids"] == [smol_tokenizer(t)["input_ids"] + [eos] for t in TEXTS]
@@ -229,10 +294,13 @@ def test_every_input_format_text_and_chat(capsys, tmp_path, fmt, name, smol_toke
     rc, out, err = cli(capsys, src, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "o_chat", *split)
     assert rc == 0, err
     ds = load(tmp_path / "o_chat")
-    assert [smol_tokenizer.decode(x) for x in ds["input_ids"]] == \
-           [smol_tokenizer.apply_chat_template(m, tokenize=False) for m in CHATS]
-    assert [trained_text(smol_tokenizer, r["input_ids"], r["labels"]) for r in ds] == \
-           [["Hi!<|im_end|>\n"], ["4<|im_end|>\n", "6<|im_end|>\n"]]
+    assert [smol_tokenizer.decode(x) for x in ds["input_ids"]] == [
+        smol_tokenizer.apply_chat_template(m, tokenize=False) for m in CHATS
+    ]
+    assert [trained_text(smol_tokenizer, r["input_ids"], r["labels"]) for r in ds] == [
+        ["Hi!<|im_end|>\n"],
+        ["4<|im_end|>\n", "6<|im_end|>\n"],
+    ]
 
 
 def test_hub_name_without_network_is_a_clear_error(capsys, tmp_path, smol_tokenizer_dir, monkeypatch):
@@ -242,8 +310,9 @@ def test_hub_name_without_network_is_a_clear_error(capsys, tmp_path, smol_tokeni
     # both libraries read the offline switch at import time
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    rc, _, err = cli(capsys, "no-such-user/no-such-dataset-xyz", "--tokenizer", smol_tokenizer_dir,
-                     "--out", tmp_path / "o")
+    rc, _, err = cli(
+        capsys, "no-such-user/no-such-dataset-xyz", "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "o"
+    )
     assert rc == 2
     assert "'no-such-user/no-such-dataset-xyz' is not a local file or folder" in err and "Hub" in err
 
@@ -271,8 +340,10 @@ def test_chat_template_failure_names_the_sample(smol_tokenizer_dir):
     from hf_cp.data_prep.encode import EncodeError
 
     tok = AutoTokenizer.from_pretrained(str(smol_tokenizer_dir))
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
-                         "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
     enc = SampleEncoder(tok, "chat", "messages")
     out = enc({"messages": [CHATS[0]]}, [0])
     assert tok.decode(out["input_ids"][0]) == "user: Say hi.\nassistant: Hi!\n"
@@ -289,16 +360,29 @@ def test_num_proc_gives_the_same_dataset(tmp_path, smol_tokenizer):
     assert one.dataset["labels"] == two.dataset["labels"]
 
 
-@pytest.mark.parametrize("rows, args, message", [
-    ([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
-      {"messages": [{"role": "user"}]}], [], "sample 1: messages[0] must have 'role' and 'content'"),
-    ([{"messages": "[not json"}], [], "sample 0: field 'messages' is a string but not JSON"),
-    ([{"messages": [{"role": "assistant", "content": "I speak first"}]}], [], "sample 0: message 0 is an assistant"),
-    ([{"prompt": "a", "answer": "b"}], [], "no 'messages' column (chat) and no 'text' column"),
-    ([{"text": "a"}], ["--text-field", "body"], "--text-field 'body' is not a column"),
-    ([{"text": "a"}], ["--mask", "assistant"], "--mask 'assistant' does not apply to text samples"),
-    ([{"text": "a"}], ["--max-length", "0"], "--max-length must be positive"),
-])
+@pytest.mark.parametrize(
+    "rows, args, message",
+    [
+        (
+            [
+                {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+                {"messages": [{"role": "user"}]},
+            ],
+            [],
+            "sample 1: messages[0] must have 'role' and 'content'",
+        ),
+        ([{"messages": "[not json"}], [], "sample 0: field 'messages' is a string but not JSON"),
+        (
+            [{"messages": [{"role": "assistant", "content": "I speak first"}]}],
+            [],
+            "sample 0: message 0 is an assistant",
+        ),
+        ([{"prompt": "a", "answer": "b"}], [], "no 'messages' column (chat) and no 'text' column"),
+        ([{"text": "a"}], ["--text-field", "body"], "--text-field 'body' is not a column"),
+        ([{"text": "a"}], ["--mask", "assistant"], "--mask 'assistant' does not apply to text samples"),
+        ([{"text": "a"}], ["--max-length", "0"], "--max-length must be positive"),
+    ],
+)
 def test_bad_input_is_named(capsys, tmp_path, smol_tokenizer_dir, rows, args, message):
     src = tmp_path / "bad.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -321,8 +405,7 @@ def test_length_report_buckets_and_shares(h200_cost):
     lengths = [100, 120, 128, 129, 300, 1000, 5000]
     rep = length_report(lengths, h200_cost, trained_tokens=1234, model="qwen2.5-7b", profile="h200")
     by_label = {b.label: b for b in rep.buckets}
-    assert [b.label for b in rep.buckets] == ["1-128", "129-256", "257-512", "513-1K", "1025-2K", "2049-4K",
-                                              "4097-8K"]
+    assert [b.label for b in rep.buckets] == ["1-128", "129-256", "257-512", "513-1K", "1025-2K", "2049-4K", "4097-8K"]
     assert by_label["1-128"].samples == 3 and by_label["1-128"].tokens == 348
     assert by_label["129-256"].samples == 1 and by_label["4097-8K"].tokens == 5000
     assert sum(b.samples for b in rep.buckets) == 7 and sum(b.tokens for b in rep.buckets) == sum(lengths)
@@ -343,9 +426,24 @@ def test_length_report_buckets_and_shares(h200_cost):
 
 def test_length_plot_and_json(capsys, tmp_path, smol_tokenizer_dir):
     png, js = tmp_path / "len.png", tmp_path / "len.json"
-    rc, out, err = cli(capsys, CHAT_SAMPLE, "--tokenizer", smol_tokenizer_dir, "--out", tmp_path / "o",
-                       "--plot", png, "--report-json", js, "--model", "qwen2.5-0.5b", "--max-length", 1024,
-                       "--overlong", "drop")
+    rc, out, err = cli(
+        capsys,
+        CHAT_SAMPLE,
+        "--tokenizer",
+        smol_tokenizer_dir,
+        "--out",
+        tmp_path / "o",
+        "--plot",
+        png,
+        "--report-json",
+        js,
+        "--model",
+        "qwen2.5-0.5b",
+        "--max-length",
+        1024,
+        "--overlong",
+        "drop",
+    )
     assert rc == 0, err
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 15_000
     rep = json.loads(js.read_text())

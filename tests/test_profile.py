@@ -1,4 +1,5 @@
 """`hf-cp profile`: shard attention, fits, adaptive sizes, and the acceptance run on the tiny model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +13,9 @@ import yaml
 
 from hf_cp.cli import main
 from hf_cp.cost import CostModel, HardwareProfile, ModelDims
-from hf_cp.profiling import fit_quality, nonnegative_lstsq
-from hf_cp.profiling import measure
+from hf_cp.profiling import fit_quality, measure, nonnegative_lstsq
 from hf_cp.profiling.layers import DecoderStack, RankWork
 from hf_cp.profiling.shard_attention import SegmentLayout
-
 
 # timings and fits measured with one thread, as `hf-cp profile` does by default
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -27,8 +26,9 @@ def _reference(q, k, v):
     """Causal attention over one whole document, [T, H, D] in and out (GQA by repetition)."""
     r = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          is_causal=True).transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
 
 
 def test_segments_attend_to_their_whole_prefix_exactly():
@@ -199,9 +199,25 @@ def test_profile_of_the_tiny_model_fits_its_own_measurements(tiny_profile):
 def test_profile_feeds_the_planner(tiny_profile, tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in [300, 40, 900, 120, 60, 1500, 80, 200]))
-    rc = main(["plan", "--lengths", str(lengths), "--world", "4", "--model", "tiny-llama", "--profile",
-               str(tiny_profile), "--max-tokens-per-rank", "512", "--tokens-per-rank-per-step", "800",
-               "--steps", "1"])
+    rc = main(
+        [
+            "plan",
+            "--lengths",
+            str(lengths),
+            "--world",
+            "4",
+            "--model",
+            "tiny-llama",
+            "--profile",
+            str(tiny_profile),
+            "--max-tokens-per-rank",
+            "512",
+            "--tokens-per-rank-per-step",
+            "800",
+            "--steps",
+            "1",
+        ]
+    )
     assert rc == 0
     assert "predicted time / lower bound" in capsys.readouterr().out
 

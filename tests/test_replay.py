@@ -1,4 +1,5 @@
 """`hf-cp replay`: per-rank work of a plan, measured on this device beside the prediction."""
+
 from __future__ import annotations
 
 import json
@@ -36,17 +37,30 @@ def cost():
 
 
 def _plan(world, lengths, waves, step=0):
-    return StepPlan(world_size=world, max_tokens_per_rank=4096, sample_ids=list(range(len(lengths))),
-                    lengths=list(lengths), waves=[Wave(g) for g in waves], step=step, balancer="hand")
+    return StepPlan(
+        world_size=world,
+        max_tokens_per_rank=4096,
+        sample_ids=list(range(len(lengths))),
+        lengths=list(lengths),
+        waves=[Wave(g) for g in waves],
+        step=step,
+        balancer="hand",
+    )
 
 
 def test_rank_work_follows_the_shard_layout():
     lengths = [300, 200, 64, 50, 410]
-    plan = _plan(4, lengths, [
-        [Group(ranks=(0, 1), distributed=[0, 1], mode=ShardMode.RING_PER_DOC, local={0: [2]}),
-         Group(ranks=(2, 3), distributed=[3], mode=ShardMode.ULYSSES)],
-        [Group(ranks=(0, 1, 2, 3), distributed=[4], mode=ShardMode.RING_ZIGZAG)],
-    ])
+    plan = _plan(
+        4,
+        lengths,
+        [
+            [
+                Group(ranks=(0, 1), distributed=[0, 1], mode=ShardMode.RING_PER_DOC, local={0: [2]}),
+                Group(ranks=(2, 3), distributed=[3], mode=ShardMode.ULYSSES),
+            ],
+            [Group(ranks=(0, 1, 2, 3), distributed=[4], mode=ShardMode.RING_ZIGZAG)],
+        ],
+    )
     plan.validate()
     for rank in range(4):
         works = rank_micro_batches(plan, rank)
@@ -65,8 +79,17 @@ def test_rank_work_follows_the_shard_layout():
 def test_replay_reports_one_positive_time_per_rank_and_twice_the_work_costs_more(stack, cost):
     """Rank 1 runs exactly twice rank 0's documents; rank 2 the same as rank 0; rank 3 idles."""
     lengths = [384, 384, 384, 384, 384, 384, 384]
-    plan = _plan(4, lengths, [[Group(ranks=(0,), local={0: [0, 1]}), Group(ranks=(1,), local={1: [2, 3, 4, 5]}),
-                               Group(ranks=(2,), local={2: [6]})]])
+    plan = _plan(
+        4,
+        lengths,
+        [
+            [
+                Group(ranks=(0,), local={0: [0, 1]}),
+                Group(ranks=(1,), local={1: [2, 3, 4, 5]}),
+                Group(ranks=(2,), local={2: [6]}),
+            ]
+        ],
+    )
     res = replay_plan(plan, stack, cost, repeats=3)
     assert [r.rank for r in res.ranks] == [0, 1, 2, 3]
     m = [r.measured_ms for r in res.ranks]
@@ -82,8 +105,16 @@ def test_replay_reports_one_positive_time_per_rank_and_twice_the_work_costs_more
 
 def test_replay_runs_ring_and_ulysses_shards(stack, cost):
     lengths = [700, 300, 500]
-    plan = _plan(4, lengths, [[Group(ranks=(0, 1), distributed=[0, 1], mode=ShardMode.RING_ZIGZAG),
-                               Group(ranks=(2, 3), distributed=[2], mode=ShardMode.ULYSSES)]])
+    plan = _plan(
+        4,
+        lengths,
+        [
+            [
+                Group(ranks=(0, 1), distributed=[0, 1], mode=ShardMode.RING_ZIGZAG),
+                Group(ranks=(2, 3), distributed=[2], mode=ShardMode.ULYSSES),
+            ]
+        ],
+    )
     res = replay_plan(plan, stack, cost, repeats=1)
     assert all(r.measured_ms > 0 and r.predicted_ms > 0 for r in res.ranks)
     assert [r.tokens for r in res.ranks] == [plan.rank_tokens(plan.waves[0].groups[r // 2], r) for r in range(4)]
@@ -101,9 +132,27 @@ def _plans_file(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(n) for n in [300, 40, 900, 120, 60, 700, 80, 200, 500, 90]))
     out = tmp_path / "plans.json"
-    rc = main(["plan", "--lengths", str(lengths), "--world", "4", "--model", "tiny-llama", "--profile", "cpu",
-               "--max-tokens-per-rank", "512", "--tokens-per-rank-per-step", "400", "--steps", "2",
-               "--json", str(out)])
+    rc = main(
+        [
+            "plan",
+            "--lengths",
+            str(lengths),
+            "--world",
+            "4",
+            "--model",
+            "tiny-llama",
+            "--profile",
+            "cpu",
+            "--max-tokens-per-rank",
+            "512",
+            "--tokens-per-rank-per-step",
+            "400",
+            "--steps",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     capsys.readouterr()
     return out
@@ -113,8 +162,22 @@ def test_cli_replays_a_planned_step(tmp_path, capsys):
     plans = _plans_file(tmp_path, capsys)
     steps = [p["step"] for p in json.loads(plans.read_text())["plans"]]
     assert steps == [0, 1]
-    rc = main(["replay", str(plans), "--model", "tiny-llama", "--device", "cpu", "--step", "1", "--repeats", "1",
-               "--json", str(tmp_path / "r.json")])
+    rc = main(
+        [
+            "replay",
+            str(plans),
+            "--model",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--step",
+            "1",
+            "--repeats",
+            "1",
+            "--json",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "max/mean: measured" in out and "prediction error per rank" in out
@@ -147,10 +210,25 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
     rng = random.Random(0)
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("\n".join(str(min(3500, int(rng.lognormvariate(5.5, 1.1)) + 8)) for _ in range(120)))
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_profile_replay.py"), "--smoke", "--out",
-                           str(tmp_path), "--balancers", ",".join(balancers), "--lengths", str(lengths),
-                           "--length-scale", "1"],
-                          capture_output=True, text=True, timeout=240, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "gpu_profile_replay.py"),
+            "--smoke",
+            "--out",
+            str(tmp_path),
+            "--balancers",
+            ",".join(balancers),
+            "--lengths",
+            str(lengths),
+            "--length-scale",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout.split("balancer  rank")[-1]
     for b in balancers:

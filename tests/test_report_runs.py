@@ -1,5 +1,6 @@
 """hf-cp report on a synthetic run directory written with the keys CPTrainer logs: its per-step
 history files, the Trainer's trainer_state.json (metrics.aggregate) and TensorBoard events."""
+
 import json
 import statistics
 
@@ -20,14 +21,28 @@ def step_records():
     for k in range(STEPS):
         pred = [100.0 + 10 * r + 5 * k for r in range(WORLD)]
         meas = [p * 1.1 + (60.0 if (r == 3 and k % 2) else 0.0) for r, p in enumerate(pred)]
-        recs.append({
-            "index": k, "epoch": 0, "step_in_epoch": k, "global_step": k + 1, "num_samples": 5 + k,
-            "global_tokens": 4096, "global_valid_tokens": 3000, "loss": 3.0 - 0.1 * k,
-            "measured_ms": meas, "rank_tokens": [1024] * WORLD, "step_wall_ms": max(meas) + 5,
-            "predicted_ms": pred, "predicted_step_ms": max(pred), "compare_step_ms": max(pred) * 1.3,
-            "planner_ms": 2.0, "cp_size_samples": {"1": 4 + k, "2": 1} if k % 2 else {"1": 5 + k},
-            "waves": 1 + k % 2, "plan_digest": f"d{k}",
-        })
+        recs.append(
+            {
+                "index": k,
+                "epoch": 0,
+                "step_in_epoch": k,
+                "global_step": k + 1,
+                "num_samples": 5 + k,
+                "global_tokens": 4096,
+                "global_valid_tokens": 3000,
+                "loss": 3.0 - 0.1 * k,
+                "measured_ms": meas,
+                "rank_tokens": [1024] * WORLD,
+                "step_wall_ms": max(meas) + 5,
+                "predicted_ms": pred,
+                "predicted_step_ms": max(pred),
+                "compare_step_ms": max(pred) * 1.3,
+                "planner_ms": 2.0,
+                "cp_size_samples": {"1": 4 + k, "2": 1} if k % 2 else {"1": 5 + k},
+                "waves": 1 + k % 2,
+                "plan_digest": f"d{k}",
+            }
+        )
     return recs
 
 
@@ -44,13 +59,15 @@ def write_run(run_dir, history=True, state=True, tensorboard=True):
     logs = []
     for end in range(LOG_EVERY, STEPS + 1, LOG_EVERY):
         entry = {"loss": recs[end - 1]["loss"], "grad_norm": 1.0, "learning_rate": 1e-3, "epoch": 0.5}
-        entry.update(aggregate(recs[end - LOG_EVERY:end]))
+        entry.update(aggregate(recs[end - LOG_EVERY : end]))
         entry["step"] = end
         logs.append(entry)
     if state:  # with the Trainer's evaluation entries between the training logs
         run_dir.mkdir(parents=True, exist_ok=True)
-        evals = [{"eval_loss": 3.5 - 0.2 * k, "eval_tokens": 900, "step": k * LOG_EVERY, "epoch": 0.5}
-                 for k in range(1, STEPS // LOG_EVERY + 1)]
+        evals = [
+            {"eval_loss": 3.5 - 0.2 * k, "eval_tokens": 900, "step": k * LOG_EVERY, "epoch": 0.5}
+            for k in range(1, STEPS // LOG_EVERY + 1)
+        ]
         evals.append({"eval_chat_loss": 2.25, "step": STEPS})
         (run_dir / "trainer_state.json").write_text(json.dumps({"global_step": STEPS, "log_history": logs + evals}))
     if tensorboard:
@@ -75,8 +92,9 @@ def test_history_is_read_per_step(tmp_path):
     assert s.measured_imbalance == pytest.approx([max_over_mean(r["measured_ms"]) for r in recs])
     assert s.cp_size_samples[1] == {1: 5.0, 2: 1.0} and s.cp_size_samples[0] == {1: 5.0}
     # a straggler on odd steps: measured imbalance exceeds predicted there only
-    assert all((m > p + 0.05) == bool(k % 2)
-               for k, (m, p) in enumerate(zip(s.measured_imbalance, s.predicted_imbalance)))
+    assert all(
+        (m > p + 0.05) == bool(k % 2) for k, (m, p) in enumerate(zip(s.measured_imbalance, s.predicted_imbalance))
+    )
 
 
 def test_resumed_history_keeps_the_last_record_of_a_step(tmp_path):
@@ -102,8 +120,10 @@ def test_interrupted_runs_are_shown_as_segments(tmp_path, capsys):
     assert s.segments == [(1, 3, 0, None), (4, 5, 1, 3), (6, 8, 0, 5)]
     assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) == 0
     out = capsys.readouterr().out
-    assert ("trained in 3 runs: steps 1-3 (fresh start); steps 4-5 (resumed from checkpoint-3, torchrun restart 1); "
-            "steps 6-8 (resumed from checkpoint-5)") in out
+    assert (
+        "trained in 3 runs: steps 1-3 (fresh start); steps 4-5 (resumed from checkpoint-3, torchrun restart 1); "
+        "steps 6-8 (resumed from checkpoint-5)"
+    ) in out
     # a history without these fields (an older hf_cp) is one run
     write_run(tmp_path / "old", state=False, tensorboard=False)
     assert read_run(tmp_path / "old").segments == [(1, STEPS, 0, None)]
@@ -140,8 +160,9 @@ def test_logged_intervals_match_aggregate(tmp_path, source):
     _, logs = write_run(tmp_path / "run", history=False)
     s = read_run(tmp_path / "run", source=source)
     assert not s.per_step and s.steps == [LOG_EVERY, 2 * LOG_EVERY] and s.world == WORLD
-    for entry, meas, pred, imb, sizes, loss in zip(logs, s.measured_ms, s.predicted_ms, s.measured_imbalance,
-                                                   s.cp_size_samples, s.loss):
+    for entry, meas, pred, imb, sizes, loss in zip(
+        logs, s.measured_ms, s.predicted_ms, s.measured_imbalance, s.cp_size_samples, s.loss
+    ):
         assert meas == pytest.approx([entry[f"cp/measured_ms_rank{r}"] for r in range(WORLD)], rel=1e-6)
         assert pred == pytest.approx([entry[f"cp/predicted_ms_rank{r}"] for r in range(WORLD)], rel=1e-6)
         assert imb == pytest.approx(entry["cp/measured_max_over_mean"], rel=1e-6)

@@ -1,7 +1,7 @@
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hf_cp.shard import (ShardMode, causal_pairs, doc_pairs, rank_segments, segment_pairs, segment_tokens,
-                         split_sizes)
+from hf_cp.shard import ShardMode, causal_pairs, doc_pairs, rank_segments, segment_pairs, segment_tokens, split_sizes
 
 doc_lists = st.lists(st.integers(1, 200), min_size=1, max_size=12)
 groups = st.sampled_from([1, 2, 3, 4, 8])

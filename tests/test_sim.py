@@ -1,11 +1,12 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plan_gen import random_valid_plan
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.cluster import ClusterSpec
 from hf_cp.plan import Group, StepPlan, Wave
 from hf_cp.sim import lower_bound_ms, simulate
-from plan_gen import random_valid_plan
 
 
 def ulysses_ok(cost):
@@ -15,14 +16,22 @@ def ulysses_ok(cost):
             return True
         except ValueError:
             return False
+
     return ok
 
 
 def test_wave_timing_rules(h200_cost):
     # rank 0 runs a long local doc in wave 0; in wave 1 it joins rank 1 in a group: rank 1 waits for it
-    p = StepPlan(world_size=2, max_tokens_per_rank=32768, sample_ids=[0, 1, 2], lengths=[20000, 1000, 30000],
-                 waves=[Wave([Group(ranks=(0,), local={0: [0]}), Group(ranks=(1,), local={1: [1]})]),
-                        Wave([Group(ranks=(0, 1), distributed=[2])])])
+    p = StepPlan(
+        world_size=2,
+        max_tokens_per_rank=32768,
+        sample_ids=[0, 1, 2],
+        lengths=[20000, 1000, 30000],
+        waves=[
+            Wave([Group(ranks=(0,), local={0: [0]}), Group(ranks=(1,), local={1: [1]})]),
+            Wave([Group(ranks=(0, 1), distributed=[2])]),
+        ],
+    )
     s = simulate(p, h200_cost)
     oh = h200_cost.micro_batch_overhead_ms()
     t0 = h200_cost.sample_local_ms(20000) + oh
@@ -36,8 +45,9 @@ def test_wave_timing_rules(h200_cost):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 120_000), min_size=1, max_size=30), st.integers(0, 10**6),
-       st.sampled_from([1, 2, 8, 16]))
+@given(
+    st.lists(st.integers(1, 120_000), min_size=1, max_size=30), st.integers(0, 10**6), st.sampled_from([1, 2, 8, 16])
+)
 def test_lower_bound_never_exceeds_a_valid_plan(h200_cost, lengths, seed, world):
     cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
     lengths = [min(n, cl.largest_capacity) for n in lengths]
@@ -67,8 +77,16 @@ def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
     from hf_cp.shard import ShardMode
 
     cl = ClusterSpec(world_size=8, max_tokens_per_rank=32768)
-    p = StepPlan(world_size=8, max_tokens_per_rank=32768, sample_ids=[0], lengths=[50000],
-                 waves=[Wave([Group(ranks=tuple(range(8)), distributed=[0], mode=ShardMode.ULYSSES)])])
+    p = StepPlan(
+        world_size=8,
+        max_tokens_per_rank=32768,
+        sample_ids=[0],
+        lengths=[50000],
+        waves=[Wave([Group(ranks=tuple(range(8)), distributed=[0], mode=ShardMode.ULYSSES)])],
+    )
     p.validate(cl)  # structurally fine
-    with pytest.raises(PlanError, match=r"group \[0, 1, 2, 3, 4, 5, 6, 7\]: Ulysses over a CP group of 8 ranks needs the number of query heads to be divisible by 8"):
+    with pytest.raises(
+        PlanError,
+        match=r"group \[0, 1, 2, 3, 4, 5, 6, 7\]: Ulysses over a CP group of 8 ranks needs the number of query heads to be divisible by 8",
+    ):
         p.validate(cl, h200_cost)

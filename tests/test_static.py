@@ -8,8 +8,9 @@ from hf_cp.sim import simulate
 
 def plan_static(lengths, world=8, cap=32768, dataset_max=None, cost=None):
     cl = ClusterSpec(world_size=world, max_tokens_per_rank=cap)
-    return get_balancer("static").plan(PlanRequest(list(range(len(lengths))), lengths, cl, cost,
-                                                   dataset_max_length=dataset_max)), cl
+    return get_balancer("static").plan(
+        PlanRequest(list(range(len(lengths))), lengths, cl, cost, dataset_max_length=dataset_max)
+    ), cl
 
 
 def test_static_uses_one_cp_size_from_the_dataset_longest(h200_cost):
@@ -17,7 +18,7 @@ def test_static_uses_one_cp_size_from_the_dataset_longest(h200_cost):
     plan.validate(cl, h200_cost)
     sizes = {g.size for w in plan.waves for g in w.groups}
     assert sizes == {4}  # 100K tokens need 4 x 32K
-    assert all(g.mode is ShardMode.RING_ZIGZAG for w in plan.waves for g in w.groups)
+    assert all(g.mode == ShardMode.RING_ZIGZAG for w in plan.waves for g in w.groups)
 
 
 def test_static_first_fit_in_data_order_and_dp_round_robin(h200_cost):
@@ -53,6 +54,7 @@ def test_registry_accepts_plugins_and_rejects_unknown_names():
 
         def plan(self, req):
             from hf_cp.plan import Group, Wave
+
             p = req.empty_plan(self.name)
             p.waves = [Wave([Group(ranks=(0,), local={0: [s]})]) for s in req.sample_ids]
             return p
@@ -77,7 +79,8 @@ def naive_first_fit(weights, capacity):
     return bins
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=200, deadline=None)
@@ -98,7 +101,8 @@ def test_first_fit_newest_bin_shortcut_keeps_first_fit_order(weights, capacity):
     expect = naive_first_fit(weights, capacity)
     assert first_fit(list(range(len(weights))), weights, capacity) == expect
     packer = FirstFitPacker(capacity, len(weights))
-    assert [packer.add(i, w) for i, w in enumerate(weights)] == [b for i in range(len(weights))
-                                                                 for b, items in enumerate(expect) if i in items]
+    assert [packer.add(i, w) for i, w in enumerate(weights)] == [
+        b for i in range(len(weights)) for b, items in enumerate(expect) if i in items
+    ]
     assert packer.bins == expect
     assert packer.loads == [sum(weights[i] for i in items) for items in expect]

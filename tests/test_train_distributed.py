@@ -4,6 +4,7 @@ Every job runs DeepSpeed ZeRO-2 through the Trainer's own DeepSpeed path; the re
 the same model on the same global batches sample by sample (hf_cp.train.testing). Parameters
 are compared per tensor as ||distributed - reference|| / ||reference|| (fp32).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,14 +35,27 @@ MODES = ["fixed_ulysses", "fixed_ring_zigzag", "fixed_ring_per_doc"]
 
 
 def spec_for(tmp_path: Path, balancer: str, steps: int = 3, **kw) -> dict:
-    return dict(lengths=LENGTHS, tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=CAP, steps=steps,
-                balancer=balancer, out=str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}"), **kw)
+    return dict(
+        lengths=LENGTHS,
+        tokens_per_step=TOKENS_PER_STEP,
+        max_tokens_per_rank=CAP,
+        steps=steps,
+        balancer=balancer,
+        out=str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}"),
+        **kw,
+    )
 
 
 def plans(balancer: str, world: int, steps: int = 3):
     sampler = GlobalBatchSampler(LENGTHS, TOKENS_PER_STEP, seed=42, max_steps=steps, shuffle=False)
-    planner = Planner(sampler, balancer_for(balancer) or balancer, ClusterSpec(world, CAP),
-                      CostModel.load("tiny-llama", "h200-qwen2.5-7b"), seed=42, lookahead=0)
+    planner = Planner(
+        sampler,
+        balancer_for(balancer) or balancer,
+        ClusterSpec(world, CAP),
+        CostModel.load("tiny-llama", "h200-qwen2.5-7b"),
+        seed=42,
+        lookahead=0,
+    )
     return [planner.get(k).plan for k in range(steps)]
 
 
@@ -100,13 +114,25 @@ def test_two_processes_ring_zigzag_equal_single_process(tmp_path):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-@pytest.mark.parametrize("mode", ["ring_per_doc", pytest.param("ulysses", marks=pytest.mark.slow),
-                                  pytest.param("ring_zigzag", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "ring_per_doc",
+        pytest.param("ulysses", marks=pytest.mark.slow),
+        pytest.param("ring_zigzag", marks=pytest.mark.slow),
+    ],
+)
 def test_members_with_empty_shards_run_padding_and_stay_exact(tmp_path, mode):
     # every sample distributed over both ranks on its own: the 1-token ones leave rank 1 empty
     lengths = [1, 40, 2, 1, 30, 3]
-    spec = dict(lengths=lengths, tokens_per_step=40, max_tokens_per_rank=64, steps=3,
-                balancer=f"spread_{mode}", out=str(tmp_path / mode))
+    spec = dict(
+        lengths=lengths,
+        tokens_per_step=40,
+        max_tokens_per_rank=64,
+        steps=3,
+        balancer=f"spread_{mode}",
+        out=str(tmp_path / mode),
+    )
     empty = [s for s, n in enumerate(lengths) if n == 1]
     assert empty, "the case needs samples shorter than the split"
     run_distributed(spec, 2, timeout=JOB_TIMEOUT)
@@ -148,8 +174,14 @@ def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengt
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-@pytest.mark.parametrize("mode", [pytest.param("fixed_ulysses", marks=pytest.mark.slow), "fixed_ring_zigzag",
-                                  pytest.param("fixed_ring_per_doc", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("fixed_ulysses", marks=pytest.mark.slow),
+        "fixed_ring_zigzag",
+        pytest.param("fixed_ring_per_doc", marks=pytest.mark.slow),
+    ],
+)
 def test_activation_checkpointing_equals_single_process(tmp_path, mode):
     # the recomputed forward runs the CP collectives again inside backward (the CP context is
     # still open there): it must give the same gradients as the stored activations

@@ -1,5 +1,6 @@
 """Faults in real multi-process runs: a killed rank restarts the job from its last checkpoint,
 a stalled rank fails the others fast with the step, wave and group. Plus the restart helpers."""
+
 from __future__ import annotations
 
 import json
@@ -7,21 +8,34 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
 from hf_cp.report.samples import audit_samples
-from hf_cp.train.elastic import (SCHEDULE_FILE, SHARED_STORE_ADVICE, ReshardNeededError, ScheduleChangedError,
-                                 check_resumed_schedule, check_zero_world_size, checkpoint_step, resolve_resume,
-                                 restart_problems, schedule_record, truncate_history, write_schedule)
+from hf_cp.train.elastic import (
+    SCHEDULE_FILE,
+    SHARED_STORE_ADVICE,
+    ReshardNeededError,
+    ScheduleChangedError,
+    check_resumed_schedule,
+    check_zero_world_size,
+    checkpoint_step,
+    resolve_resume,
+    restart_problems,
+    schedule_record,
+    truncate_history,
+    write_schedule,
+)
 from hf_cp.train.sampler import GlobalBatchSampler
 from hf_cp.train.testing import run_distributed
-from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 
 def _history_lines(out: Path):
     """Per rank: the cp_history records, in file order."""
-    return {f.name: [json.loads(ln) for ln in f.read_text().splitlines()]
-            for f in sorted((out / "cp_history").glob("rank*.jsonl"))}
+    return {
+        f.name: [json.loads(ln) for ln in f.read_text().splitlines()]
+        for f in sorted((out / "cp_history").glob("rank*.jsonl"))
+    }
 
 
 # ------------------------------------------------------------------ kill one rank, restart, resume
@@ -30,8 +44,15 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
     # one epoch of 4 steps; checkpoint after step 2; rank 1 is SIGKILLed inside step 4's
     # forward, so step 3 (trained but not saved) must be trained again, step 4 for the first time
     assert len(GlobalBatchSampler(LENGTHS, TOKENS_PER_STEP, shuffle=False).epoch_batches(0)) == 4
-    spec = spec_for(tmp_path, "auto", steps=4, save_steps=2, tag="killed", resume_from="latest",
-                    fault=dict(kind="kill", rank=1, step=3, attempt=0))
+    spec = spec_for(
+        tmp_path,
+        "auto",
+        steps=4,
+        save_steps=2,
+        tag="killed",
+        resume_from="latest",
+        fault=dict(kind="kill", rank=1, step=3, attempt=0),
+    )
     run_distributed(spec, 2, timeout=JOB_TIMEOUT, max_restarts=1)
     out = Path(spec["out"])
     per_rank = _history_lines(out)
@@ -61,8 +82,15 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
     # enable_jit_checkpoint, no periodic checkpoints. Rank 1 alone gets SIGTERM inside step 2;
     # the flag rides on step 3's plan agreement, so both ranks stop after step 3 and save it
-    spec = spec_for(tmp_path, "auto", steps=4, tag="sigterm", jit_checkpoint=True, resume_from="latest",
-                    fault=dict(kind="sigterm", rank=1, step=1))
+    spec = spec_for(
+        tmp_path,
+        "auto",
+        steps=4,
+        tag="sigterm",
+        jit_checkpoint=True,
+        resume_from="latest",
+        fault=dict(kind="sigterm", rank=1, step=1),
+    )
     run_distributed(spec, 2, timeout=JOB_TIMEOUT)  # exits normally
     out = Path(spec["out"])
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
@@ -111,8 +139,11 @@ def test_nan_on_one_rank_stops_every_rank_before_that_steps_checkpoint(tmp_path)
     # with the check off the run goes on, as DeepSpeed alone would
     spec = dict(spec, out=str(tmp_path / "nan-warn"), stop_on_nonfinite_grad=False)
     run_distributed(spec, 2, timeout=JOB_TIMEOUT)
-    assert sorted(p.name for p in Path(spec["out"]).glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2",
-                                                                             "checkpoint-3"]
+    assert sorted(p.name for p in Path(spec["out"]).glob("checkpoint-*")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
 
 
 # ------------------------------------------------------------------ resume on another world size
@@ -133,10 +164,25 @@ def test_resume_on_more_ranks_through_a_universal_checkpoint(tmp_path):
     text = str(err.value)
     assert "ReshardNeededError" in text and "partitioned over 1 ranks and this job has 2" in text, text[-3000:]
     assert "deepspeed.checkpoint.ds_to_universal" in text and '"load_universal": true' in text
-    convert = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                              str(ckpt / "global_step2"), "--output_folder", str(ckpt / "global_step2_universal"),
-                              "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                             capture_output=True, text=True, timeout=240)
+    convert = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(ckpt / "global_step2"),
+            "--output_folder",
+            str(ckpt / "global_step2_universal"),
+            "--inject_missing_state",
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert convert.returncode == 0, convert.stderr[-3000:]
     resumed = dict(grown, load_universal=True)
     run_distributed(resumed, 2, timeout=JOB_TIMEOUT)
@@ -170,8 +216,14 @@ def test_zero_world_size_check_names_the_conversion(tmp_path):
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_stalled_rank_fails_the_job_within_the_timeout_naming_step_wave_and_group(tmp_path):
     # every sample is spread over the group [0, 1] with Ulysses: rank 0 waits in its all-to-all
-    spec = spec_for(tmp_path, "fixed_ulysses", steps=3, tag="stall", ddp_timeout=4,
-                    fault=dict(kind="stall", rank=1, step=1, seconds=90))
+    spec = spec_for(
+        tmp_path,
+        "fixed_ulysses",
+        steps=3,
+        tag="stall",
+        ddp_timeout=4,
+        fault=dict(kind="stall", rank=1, step=1, seconds=90),
+    )
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError) as err:
         run_distributed(spec, 2, timeout=JOB_TIMEOUT)
@@ -185,12 +237,18 @@ def test_stalled_rank_fails_the_job_within_the_timeout_naming_step_wave_and_grou
 
 # ------------------------------------------------------------------ units
 def test_collective_scope_names_step_wave_and_group():
-    with pytest.raises(CollectiveStallError, match=r"step 7, wave 2: a collective of the micro-batch on CP "
-                                                   r"group \[0, 1, 2, 3\].*Connection reset by peer"):
+    with pytest.raises(
+        CollectiveStallError,
+        match=r"step 7, wave 2: a collective of the micro-batch on CP "
+        r"group \[0, 1, 2, 3\].*Connection reset by peer",
+    ):
         with collective_scope(7, 2, (0, 1, 2, 3)):
             raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer\nmore")
-    with pytest.raises(CollectiveStallError, match=r"step 3, wave 0: the gradient reduction over all ranks "
-                                                   r"during the local micro-batch of rank 5"):
+    with pytest.raises(
+        CollectiveStallError,
+        match=r"step 3, wave 0: the gradient reduction over all ranks "
+        r"during the local micro-batch of rank 5",
+    ):
         with collective_scope(3, 0, (5,)):
             raise RuntimeError("Timed out waiting 4000ms for recv operation to complete")
     with pytest.raises(CollectiveStallError, match=r"^evaluation batch 4, wave 1: a collective of the evaluation"):

@@ -1,4 +1,5 @@
 """The main job: config loading errors (fast) and the README command end to end (slow)."""
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,21 @@ def test_config_errors_name_file_and_field(tmp_path):
         load_config(str(bad))
     with pytest.raises(TrainConfigError, match="expected section.key=value"):
         load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["max_steps=3"])
-    cfg = load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["training.max_steps=3", "training.cp_balancer=static",
-                                                            "training.eval_strategy=no", "training.save_strategy=no"])
+    cfg = load_config(
+        str(ROOT / "configs/tiny-cpu.yaml"),
+        [
+            "training.max_steps=3",
+            "training.cp_balancer=static",
+            "training.eval_strategy=no",
+            "training.save_strategy=no",
+        ],
+    )
     assert cfg["training"]["max_steps"] == 3 and cfg["training"]["cp_balancer"] == "static"
     from hf_cp.train.main import training_arguments
 
-    args = training_arguments(dict(cfg["training"], output_dir=str(tmp_path), use_cpu=True, deepspeed=None),
-                              "tiny-cpu.yaml")  # YAML's `no` is False: still the strategy "no"
+    args = training_arguments(
+        dict(cfg["training"], output_dir=str(tmp_path), use_cpu=True, deepspeed=None), "tiny-cpu.yaml"
+    )  # YAML's `no` is False: still the strategy "no"
     assert str(args.eval_strategy.value) == "no" and str(args.save_strategy.value) == "no"
 
 
@@ -39,8 +48,10 @@ def test_every_shipped_config_builds_its_training_arguments(config, tmp_path):
     # GPU node; GPU configs are built for the CPU (bf16 needs a GPU to validate)
     from hf_cp.train.main import training_arguments
 
-    cfg = load_config(str(ROOT / "configs" / config),
-                      ["training.bf16=false", "training.use_cpu=true", f"training.output_dir={tmp_path}"])
+    cfg = load_config(
+        str(ROOT / "configs" / config),
+        ["training.bf16=false", "training.use_cpu=true", f"training.output_dir={tmp_path}"],
+    )
     args = training_arguments(dict(cfg["training"]), config)
     assert args.per_device_train_batch_size == 1 and args.cp_balancer
 
@@ -56,9 +67,11 @@ def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):
     f.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
     train, ev = load_datasets({"bundled": "longtail_sample", "eval_path": str(f)}, "cfg.yaml")
     assert len(train) == 240 and ev["input_ids"] == [[1, 2, 3], [4, 5]]
-    for bad, message in [({"eval_split": 1.5}, "data.eval_split must be a fraction"),
-                         ({"eval_split": 0.1, "eval_path": str(f)}, "data.eval_path and data.eval_split both set"),
-                         ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path .*x.csv is neither")]:
+    for bad, message in [
+        ({"eval_split": 1.5}, "data.eval_split must be a fraction"),
+        ({"eval_split": 0.1, "eval_path": str(f)}, "data.eval_path and data.eval_split both set"),
+        ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path .*x.csv is neither"),
+    ]:
         with pytest.raises(TrainConfigError, match=f"cfg.yaml: {message}"):
             load_datasets(dict({"bundled": "longtail_sample"}, **bad), "cfg.yaml")
 
@@ -79,11 +92,22 @@ def test_bundled_dataset_is_long_tailed_and_byte_level():
 @pytest.mark.timeout(420)
 def test_readme_main_job_trains_and_reports(tmp_path):
     out = tmp_path / "tiny-cpu"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/cpu-2proc-zero2.yaml",
-           "-m", "hf_cp.train", "configs/tiny-cpu.yaml", "--set", f"training.output_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "recipes/cpu-2proc-zero2.yaml",
+        "-m",
+        "hf_cp.train",
+        "configs/tiny-cpu.yaml",
+        "--set",
+        f"training.output_dir={out}",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONWARNINGS="ignore")
+    )
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-6000:]
     text = proc.stdout
@@ -92,7 +116,9 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, text
     assert re.search(r"balance \(auto\): per-rank compute max/mean predicted [\d.]+, measured [\d.]+", text)
     assert re.search(r"static would take [\d.]+ ms", text)
-    evals = [float(x) for x in re.findall(r"([\d.]+) at step \d+", text.split("eval loss (12 samples):")[1].splitlines()[0])]
+    evals = [
+        float(x) for x in re.findall(r"([\d.]+) at step \d+", text.split("eval loss (12 samples):")[1].splitlines()[0])
+    ]
     assert len(evals) >= 3 and evals[-1] < evals[0] - 0.5, text  # held-out loss falls too
     assert (out / "cp_history" / "rank1.jsonl").exists()
     print(f"main job wall time {wall:.0f} s")
@@ -102,11 +128,27 @@ def test_readme_main_job_trains_and_reports(tmp_path):
 def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
     # torchrun's failure summary shows the root-cause rank's exception, not a pointer to docs
     missing = tmp_path / "no-such-checkpoint"
-    cmd = [sys.executable, "-c", "import sys; from hf_cp.cli import main; sys.exit(main())", "train",
-           "configs/tiny-cpu.yaml", "--nproc", "2",
-           "--set", f"training.output_dir={tmp_path / 'out'}", "--set", f"training.resume_from_checkpoint={missing}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from hf_cp.cli import main; sys.exit(main())",
+        "train",
+        "configs/tiny-cpu.yaml",
+        "--nproc",
+        "2",
+        "--set",
+        f"training.output_dir={tmp_path / 'out'}",
+        "--set",
+        f"training.resume_from_checkpoint={missing}",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode != 0
     root_cause = (proc.stdout + proc.stderr).split("Root Cause")[-1]
     assert f"resume_from_checkpoint '{missing}' is not a checkpoint folder" in root_cause, root_cause[-3000:]
@@ -119,16 +161,23 @@ def _custom_code_model(folder: Path) -> None:
 
     tiny_model().save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(model_type="hfcp_custom_llama", architectures=["CustomLlamaForCausalLM"],
-               auto_map={"AutoConfig": "configuration_custom.CustomLlamaConfig",
-                         "AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM"})
+    cfg.update(
+        model_type="hfcp_custom_llama",
+        architectures=["CustomLlamaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_custom.CustomLlamaConfig",
+            "AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM",
+        },
+    )
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "configuration_custom.py").write_text(
         "from transformers import LlamaConfig\n\n\n"
-        "class CustomLlamaConfig(LlamaConfig):\n    model_type = 'hfcp_custom_llama'\n")
+        "class CustomLlamaConfig(LlamaConfig):\n    model_type = 'hfcp_custom_llama'\n"
+    )
     (folder / "modeling_custom.py").write_text(
         "from transformers import LlamaForCausalLM\n\nfrom .configuration_custom import CustomLlamaConfig\n\n\n"
-        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n")
+        "class CustomLlamaForCausalLM(LlamaForCausalLM):\n    config_class = CustomLlamaConfig\n"
+    )
 
 
 def test_remote_code_runs_only_when_the_config_trusts_it(tmp_path):
@@ -140,6 +189,7 @@ def test_remote_code_runs_only_when_the_config_trusts_it(tmp_path):
         model_config({"pretrained": str(folder)}, "cfg.yaml")
     with pytest.raises(TrainConfigError, match="model.trust_remote_code must be true or false"):
         model_config({"pretrained": str(folder), "trust_remote_code": "yes"}, "cfg.yaml")
-    model = build_model({"pretrained": str(folder), "trust_remote_code": True, "attn_implementation": "sdpa"},
-                        "cfg.yaml")
+    model = build_model(
+        {"pretrained": str(folder), "trust_remote_code": True, "attn_implementation": "sdpa"}, "cfg.yaml"
+    )
     assert type(model).__name__ == "CustomLlamaForCausalLM"

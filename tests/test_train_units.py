@@ -1,4 +1,5 @@
 """CPTrainer building blocks without processes: sampler, collator layout, planner, arguments."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,12 @@ def test_sampler_is_deterministic_and_covers_each_epoch_once():
 
 def test_sampler_unshuffled_steps_and_max_steps_across_epochs():
     s = GlobalBatchSampler(LENGTHS, 500, shuffle=False)
-    assert [list(s[k].sample_ids) for k in range(len(s))] == [[0, 1, 2], [3], [4, 5, 6, 7, 8, 9],
-                                                                [10, 11, 12, 13, 14, 15, 16]]
+    assert [list(s[k].sample_ids) for k in range(len(s))] == [
+        [0, 1, 2],
+        [3],
+        [4, 5, 6, 7, 8, 9],
+        [10, 11, 12, 13, 14, 15, 16],
+    ]
     m = GlobalBatchSampler(LENGTHS, 500, shuffle=False, max_steps=6)
     assert len(m) == 6 and (m[5].epoch, m[5].step_in_epoch, m[5].sample_ids) == (1, 1, (3,))
     with pytest.raises(IndexError):
@@ -59,10 +64,13 @@ def test_shifted_targets_mask_prompt_and_document_end():
 def test_collator_shards_cover_documents_exactly_once(mode, size):
     rows = synthetic_rows([37, 5, 64, 11], seed=1)
     fetch = lambda s: (rows[s]["input_ids"], rows[s]["labels"])
-    plan = StepPlan(world_size=size, max_tokens_per_rank=1000, sample_ids=[0, 1, 2, 3],
-                    lengths=[37, 5, 64, 11],
-                    waves=[Wave([Group(ranks=tuple(range(size)), distributed=[0, 2], mode=mode,
-                                       local={size - 1: [3], 0: [1]})])])
+    plan = StepPlan(
+        world_size=size,
+        max_tokens_per_rank=1000,
+        sample_ids=[0, 1, 2, 3],
+        lengths=[37, 5, 64, 11],
+        waves=[Wave([Group(ranks=tuple(range(size)), distributed=[0, 2], mode=mode, local={size - 1: [3], 0: [1]})])],
+    )
     plan.validate(ClusterSpec(size, 1000))
     col = PlanCollator(fetch)
     seen = {s: np.zeros(len(rows[s]["input_ids"]), dtype=int) for s in (0, 2)}
@@ -77,18 +85,18 @@ def test_collator_shards_cover_documents_exactly_once(mode, size):
         off = 0
         for s in plan.waves[0].groups[0].local.get(r, []):  # local documents first, whole
             n = len(rows[s]["input_ids"])
-            assert ids[off:off + n].tolist() == rows[s]["input_ids"]
-            assert tgt[off:off + n].tolist() == shifted_targets(rows[s]["input_ids"], rows[s]["labels"]).tolist()
-            assert pos[off:off + n].tolist() == list(range(n))
+            assert ids[off : off + n].tolist() == rows[s]["input_ids"]
+            assert tgt[off : off + n].tolist() == shifted_targets(rows[s]["input_ids"], rows[s]["labels"]).tolist()
+            assert pos[off : off + n].tolist() == list(range(n))
             off += n
         assert ctx.local_lengths == tuple(len(rows[s]["input_ids"]) for s in plan.waves[0].groups[0].local.get(r, []))
         for seg in ctx.segments():  # then this member's segments, in rank_segments order
             sid = [0, 2][seg.doc]
             full_t = shifted_targets(rows[sid]["input_ids"], rows[sid]["labels"])
             sl = slice(seg.start, seg.start + seg.length)
-            assert ids[off:off + seg.length].tolist() == rows[sid]["input_ids"][sl]
-            assert tgt[off:off + seg.length].tolist() == full_t[sl].tolist()
-            assert pos[off:off + seg.length].tolist() == list(range(seg.start, seg.start + seg.length))
+            assert ids[off : off + seg.length].tolist() == rows[sid]["input_ids"][sl]
+            assert tgt[off : off + seg.length].tolist() == full_t[sl].tolist()
+            assert pos[off : off + seg.length].tolist() == list(range(seg.start, seg.start + seg.length))
             seen[sid][sl] += 1
             off += seg.length
         assert off == len(ids)
@@ -144,6 +152,7 @@ def test_background_planner_matches_inline_planning_and_validates(in_process):
 
     with pytest.raises(ValueError, match="never scheduled"):
         Planner(sampler, Broken(), cl, cost, lookahead=0).get(0)
+
     class WhereAmI:
         name = "where"
 
@@ -152,6 +161,7 @@ def test_background_planner_matches_inline_planning_and_validates(in_process):
             import os
 
             from hf_cp.balance import get_balancer
+
             return dataclasses.replace(get_balancer("static").plan(req), balancer=f"pid {os.getpid()}")
 
     where = Planner(sampler, WhereAmI(), cl, cost, lookahead=1, in_process=in_process)
@@ -256,11 +266,24 @@ def test_single_process_trainer_matches_reference(tmp_path):
 
     spec = dict(lengths=LENGTHS, tokens_per_step=500, max_tokens_per_rank=256, steps=3, balancer="static")
     rows = synthetic_rows(LENGTHS)
-    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, seed=42, cp_balancer="static",
-                               cp_max_tokens_per_rank=256, cp_tokens_per_step=500, cp_shuffle=False,
-                               max_steps=3, learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0,
-                               report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
-                               cp_compare_balancer=None)
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        seed=42,
+        cp_balancer="static",
+        cp_max_tokens_per_rank=256,
+        cp_tokens_per_step=500,
+        cp_shuffle=False,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        cp_compare_balancer=None,
+    )
     trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(rows))
     trainer.train()
     got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
@@ -273,8 +296,13 @@ def test_single_process_trainer_matches_reference(tmp_path):
 
 
 def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
-    plan = StepPlan(world_size=4, max_tokens_per_rank=64, sample_ids=[0, 1], lengths=[3, 2],
-                    waves=[Wave([Group(ranks=(0, 1, 2, 3), distributed=[0, 1], mode=ShardMode.RING_PER_DOC)])])
+    plan = StepPlan(
+        world_size=4,
+        max_tokens_per_rank=64,
+        sample_ids=[0, 1],
+        lengths=[3, 2],
+        waves=[Wave([Group(ranks=(0, 1, 2, 3), distributed=[0, 1], mode=ShardMode.RING_PER_DOC)])],
+    )
     plan.validate(ClusterSpec(4, 64))
     rows = {0: ([5, 6, 7], None), 1: ([8, 9], None)}
     collate = PlanCollator(lambda sid: rows[sid])
@@ -286,20 +314,32 @@ def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
     assert full.context.local_lengths == () and full.num_tokens == 2  # members with tokens get no padding
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([], "train_dataset is empty"),
-    ([{"input_ids": [1, 2, 3], "length": 3}, {"input_ids": [4, 5], "length": 7}],
-     "train_dataset sample 1 has length column 7 but 2 input_ids"),
-    ([{"text": "not tokenised"}], "no 'input_ids' column"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "train_dataset is empty"),
+        (
+            [{"input_ids": [1, 2, 3], "length": 3}, {"input_ids": [4, 5], "length": 7}],
+            "train_dataset sample 1 has length column 7 but 2 input_ids",
+        ),
+        ([{"text": "not tokenised"}], "no 'input_ids' column"),
+    ],
+)
 def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
     from datasets import Dataset
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
     from hf_cp.train.testing import tiny_model
 
-    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                               cp_max_tokens_per_rank=256, cp_tokens_per_step=500, cp_compare_balancer=None)
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        cp_max_tokens_per_rank=256,
+        cp_tokens_per_step=500,
+        cp_compare_balancer=None,
+    )
     ds = Dataset.from_list(rows) if rows else Dataset.from_dict({"input_ids": []})
     with pytest.raises(ValueError, match=message):
         CPTrainer(model=tiny_model(0), args=args, train_dataset=ds)
@@ -312,11 +352,19 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
     from hf_cp.train.testing import eval_rows, reference_eval_loss, synthetic_rows, tiny_model
 
     spec = dict(lengths=[40, 30], eval_lengths=[60, 9, 200], steps=0, tokens_per_step=300)
-    args = CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
-                               cp_max_tokens_per_rank=256, cp_tokens_per_step=300, cp_compare_balancer=None,
-                               cp_loss_chunk_tokens=16)
-    trainer = CPTrainer(model=tiny_model(0, attn="hf_cp"), args=args,
-                        train_dataset=Dataset.from_list(synthetic_rows(spec["lengths"])))
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        cp_max_tokens_per_rank=256,
+        cp_tokens_per_step=300,
+        cp_compare_balancer=None,
+        cp_loss_chunk_tokens=16,
+    )
+    trainer = CPTrainer(
+        model=tiny_model(0, attn="hf_cp"), args=args, train_dataset=Dataset.from_list(synthetic_rows(spec["lengths"]))
+    )
     with pytest.raises(ValueError, match="no eval_dataset"):
         trainer.evaluate()
     chat = Dataset.from_list(eval_rows(spec))
@@ -391,7 +439,8 @@ def test_planner_worker_exits_when_its_training_process_is_killed():
         "            CostModel.load('tiny-llama', 'h200-qwen2.5-7b'), lookahead=1, in_process=True)\n"
         "p.get(0)\n"
         "print(*p._pool._processes, flush=True)\n"
-        "os.kill(os.getpid(), 9)\n")
+        "os.kill(os.getpid(), 9)\n"
+    )
     # the forked worker holds this pipe too: run() returns only once the worker is gone as well
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

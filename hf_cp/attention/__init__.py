@@ -4,8 +4,10 @@ Everything but the transformers registration imports only torch. `hf_cp_attentio
 `register` and `ATTN_IMPLEMENTATION` load `interface`, which imports transformers and
 registers "hf_cp" with its AttentionInterface / AttentionMaskInterface.
 """
+
 from .blocks import Block, document_blocks, segment_blocks
-from .comm import COUNTER as COMM_COUNTER, CommStats
+from .comm import COUNTER as COMM_COUNTER
+from .comm import CommStats
 from .context import CPContext, cp_context, current_cp_context
 from .dispatch import cp_attention, expected_tokens, group_segments
 from .kernels import AttentionKernel, kernel_for
@@ -25,8 +27,25 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Block", "document_blocks", "segment_blocks", "COMM_COUNTER", "CommStats", "CPContext", "cp_context",
-    "current_cp_context", "cp_attention", "expected_tokens", "group_segments", "AttentionKernel", "kernel_for",
-    "block_attention", "packed_attention", "RingSpec", "ring_attention", "UlyssesSpec", "check_ulysses_heads",
-    "ulysses_attention", *_INTERFACE_NAMES,
+    "Block",
+    "document_blocks",
+    "segment_blocks",
+    "COMM_COUNTER",
+    "CommStats",
+    "CPContext",
+    "cp_context",
+    "current_cp_context",
+    "cp_attention",
+    "expected_tokens",
+    "group_segments",
+    "AttentionKernel",
+    "kernel_for",
+    "block_attention",
+    "packed_attention",
+    "RingSpec",
+    "ring_attention",
+    "UlyssesSpec",
+    "check_ulysses_heads",
+    "ulysses_attention",
+    *_INTERFACE_NAMES,
 ]

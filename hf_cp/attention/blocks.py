@@ -8,6 +8,7 @@ ranges of one document under the causal rule "key position <= query position" sp
 at most three such blocks, so kernels only ever need two masks, and the top-left versus
 bottom-right alignment of non-square causal kernels never matters.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict

@@ -4,6 +4,7 @@ Tests compare the counts against CostModel.ulysses_bytes_per_layer / ring_bytes_
 check that an all-local micro-batch issues none. Only bytes that leave the rank count (the
 all-to-all slice a rank keeps for itself does not).
 """
+
 from __future__ import annotations
 
 import threading
@@ -71,8 +72,10 @@ def ring_exchange(send: Tensor, dst: int, recv: Tensor, src: int, group, tag: in
     """Send `send` to global rank dst and receive into `recv` from global rank src, both
     non-blocking. Empty tensors are exchanged too, so every member takes part in every step
     (NCCL wants all members in a group's first batched P2P call; gloo accepts empty messages)."""
-    ops = [dist.P2POp(dist.isend, send, dst, group=group, tag=tag),
-           dist.P2POp(dist.irecv, recv, src, group=group, tag=tag)]
+    ops = [
+        dist.P2POp(dist.isend, send, dst, group=group, tag=tag),
+        dist.P2POp(dist.irecv, recv, src, group=group, tag=tag),
+    ]
     COUNTER.record("p2p", _nbytes(send))
     return Pending(dist.batch_isend_irecv(ops))
 

@@ -9,6 +9,7 @@ Token layout of one rank's micro-batch (the collator builds it, attention relies
       distributed_lengths, group_size, member), in that order ]
 position_ids keep each token's position inside its own document (rotary embeddings).
 """
+
 from __future__ import annotations
 
 import contextlib

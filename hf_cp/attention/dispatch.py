@@ -5,6 +5,7 @@ the distributed documents take part in the group's collectives (Ulysses or ring,
 ctx.mode). Every member enters the collective part whenever the group has distributed
 documents, even a member whose shard of them is empty, so the members stay in step.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -13,10 +14,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..shard import Segment, ShardMode, rank_segments
+from .blocks import segment_blocks
 from .context import CPContext
 from .kernels import AttentionKernel, kernel_for
 from .local import block_attention, packed_attention
-from .blocks import segment_blocks
 from .ring import RingSpec, ring_attention
 from .ulysses import UlyssesSpec, ulysses_attention
 
@@ -31,13 +32,17 @@ def group_segments(mode: ShardMode, doc_lengths: Tuple[int, ...], group_size: in
 
 def expected_tokens(ctx: CPContext) -> int:
     """Rows this rank's micro-batch must have under context.py's layout."""
-    segs = group_segments(ShardMode(ctx.mode), tuple(ctx.distributed_lengths), ctx.group_size) \
-        if ctx.distributed_lengths else ((),) * ctx.group_size
+    segs = (
+        group_segments(ShardMode(ctx.mode), tuple(ctx.distributed_lengths), ctx.group_size)
+        if ctx.distributed_lengths
+        else ((),) * ctx.group_size
+    )
     return ctx.local_tokens + sum(s.length for s in segs[ctx.member])
 
 
-def cp_attention(q: Tensor, k: Tensor, v: Tensor, ctx: CPContext, scale: float,
-                 kernel: Optional[AttentionKernel] = None) -> Tensor:
+def cp_attention(
+    q: Tensor, k: Tensor, v: Tensor, ctx: CPContext, scale: float, kernel: Optional[AttentionKernel] = None
+) -> Tensor:
     """Attention of one rank's packed rows (q [T, H, D], k/v [T, H_kv, D]) under `ctx`."""
     mode = ShardMode(ctx.mode)
     g, me = ctx.group_size, ctx.member
@@ -52,7 +57,8 @@ def cp_attention(q: Tensor, k: Tensor, v: Tensor, ctx: CPContext, scale: float,
         raise ValueError(
             f"rank (member {me} of {g}, mode {mode.value}) got {q.shape[0]} tokens, but its CP context says "
             f"{n_local} local tokens (local_lengths {list(ctx.local_lengths)}) + {n_dist} tokens of its shards of "
-            f"the distributed documents {list(ctx.distributed_lengths)}; see hf_cp/attention/context.py for the layout")
+            f"the distributed documents {list(ctx.distributed_lengths)}; see hf_cp/attention/context.py for the layout"
+        )
     kernel = kernel or kernel_for(q.device)
     parts = []
     if n_local:
@@ -61,9 +67,10 @@ def cp_attention(q: Tensor, k: Tensor, v: Tensor, ctx: CPContext, scale: float,
         qd, kd, vd = q[n_local:], k[n_local:], v[n_local:]
         if g == 1:
             parts.append(block_attention(qd, kd, vd, segment_blocks(segs[0], segs[0]), scale, kernel))
-        elif mode is ShardMode.ULYSSES:
-            spec = UlyssesSpec(ctx.group, me, tuple(sum(s.length for s in m) for m in segs),
-                               tuple(ctx.distributed_lengths))
+        elif mode == ShardMode.ULYSSES:
+            spec = UlyssesSpec(
+                ctx.group, me, tuple(sum(s.length for s in m) for m in segs), tuple(ctx.distributed_lengths)
+            )
             parts.append(ulysses_attention(qd, kd, vd, spec, scale, kernel))
         else:
             spec = RingSpec(ctx.group, tuple(ctx.group_ranks), me, segs)

@@ -12,6 +12,7 @@ Dispatch on current_cp_context():
 The mask function returns None, so no dense mask is ever built; documents come from the
 inputs above, not from a mask.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -50,8 +51,10 @@ def _docs_from_positions(position_ids: Tensor, batch: int, seq: int) -> List[Lis
 def _docs_from_cu_seqlens(cu: Tensor, batch: int, seq: int) -> List[List[int]]:
     lengths = torch.diff(cu.flatten().to("cpu", torch.long)).tolist()
     if batch != 1 or sum(lengths) != seq:
-        raise ValueError(f"cu_seq_lens_q describes {sum(lengths)} packed tokens in one row, but the batch is "
-                         f"{batch} rows of {seq} tokens")
+        raise ValueError(
+            f"cu_seq_lens_q describes {sum(lengths)} packed tokens in one row, but the batch is "
+            f"{batch} rows of {seq} tokens"
+        )
     return [lengths]
 
 
@@ -61,30 +64,44 @@ def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwar
         raise ValueError(
             f"hf_cp attention ({name}): use_cache=True in training. transformers skips packed-document detection "
             "when a cache is used, and a cache serves no purpose in training. Set model.config.use_cache=False "
-            "or pass use_cache=False to the forward call.")
+            "or pass use_cache=False to the forward call."
+        )
     if query.shape[2] != key.shape[2]:
         raise ValueError(
             f"hf_cp attention ({name}): {query.shape[2]} queries against {key.shape[2]} keys, i.e. KV-cache "
             "decoding. hf_cp attention is for training on packed documents; generate with "
-            "model.set_attn_implementation('sdpa').")
+            "model.set_attn_implementation('sdpa')."
+        )
     if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"hf_cp attention ({name}): sliding_window={kwargs['sliding_window']} is not supported "
-                         "(only causal attention inside each document)")
+        raise ValueError(
+            f"hf_cp attention ({name}): sliding_window={kwargs['sliding_window']} is not supported "
+            "(only causal attention inside each document)"
+        )
     if kwargs.get("softcap") is not None:
         raise ValueError(f"hf_cp attention ({name}): attention logit softcapping is not supported")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise ValueError(f"hf_cp attention ({name}): non-causal attention is not supported")
     if dropout:
-        raise ValueError(f"hf_cp attention ({name}): attention dropout {dropout} is not supported; "
-                         "set the model's attention_dropout to 0")
+        raise ValueError(
+            f"hf_cp attention ({name}): attention dropout {dropout} is not supported; "
+            "set the model's attention_dropout to 0"
+        )
 
 
-def hf_cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                    dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
+def hf_cp_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Optional[Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+):
     """transformers attention function: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
     _refuse_unsupported(module, query, key, dropout, kwargs)
     b, h, s, d = query.shape
-    scale = scaling if scaling is not None else d ** -0.5
+    scale = scaling if scaling is not None else d**-0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, heads, D] views
     ctx = current_cp_context()
     if ctx is not None:
@@ -101,8 +118,13 @@ def hf_cp_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     if b == 1:
         out = packed_attention(q[0], k[0], v[0], docs[0], scale)
     else:
-        out = packed_attention(q.reshape(b * s, h, d), k.reshape(b * s, k.shape[2], d),
-                               v.reshape(b * s, v.shape[2], v.shape[3]), [n for row in docs for n in row], scale)
+        out = packed_attention(
+            q.reshape(b * s, h, d),
+            k.reshape(b * s, k.shape[2], d),
+            v.reshape(b * s, v.shape[2], v.shape[3]),
+            [n for row in docs for n in row],
+            scale,
+        )
     return out.view(b, s, h, v.shape[3]), None
 
 
@@ -110,8 +132,10 @@ def hf_cp_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs):
     """No dense mask: documents are found from position_ids / cu_seqlens. A padding mask would
     be silently lost, so refuse one (pack documents instead of padding)."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise ValueError("hf_cp attention does not take padded batches (the attention_mask has zeros): pack the "
-                         "documents into one row with position_ids restarting at 0 for each document")
+        raise ValueError(
+            "hf_cp attention does not take padded batches (the attention_mask has zeros): pack the "
+            "documents into one row with position_ids restarting at 0 for each document"
+        )
     return None
 
 

@@ -13,6 +13,7 @@ result was merged from several blocks (ring attention).
   (`return_aux` gives the lse). Override with HF_CP_ATTENTION_KERNEL=cpu_flash|torch_varlen|
   flash_attn.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -41,12 +42,24 @@ def _runs(q_lens: Sequence[int], k_lens: Sequence[int]):
 class AttentionKernel:
     name = "abstract"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, q_lens: List[int], k_lens: List[int], causal: bool,
-                scale: float) -> Tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, q_lens: List[int], k_lens: List[int], causal: bool, scale: float
+    ) -> Tuple[Tensor, Tensor]:
         raise NotImplementedError
 
-    def backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_lens: List[int],
-                 k_lens: List[int], causal: bool, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    def backward(
+        self,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        q_lens: List[int],
+        k_lens: List[int],
+        causal: bool,
+        scale: float,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
 
@@ -57,7 +70,7 @@ class CpuFlashKernel(AttentionKernel):
 
     @staticmethod
     def _bhld(x: Tensor, off: int, n: int, length: int) -> Tensor:
-        return x[off:off + n * length].view(n, length, x.shape[1], x.shape[2]).transpose(1, 2)
+        return x[off : off + n * length].view(n, length, x.shape[1], x.shape[2]).transpose(1, 2)
 
     @staticmethod
     def _rows(x: Tensor) -> Tensor:  # [n, H, L, ...] -> [n * L, H, ...]
@@ -69,22 +82,30 @@ class CpuFlashKernel(AttentionKernel):
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         for qo, ko, ql, kl, n in _runs(q_lens, k_lens):
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                self._bhld(q, qo, n, ql), self._bhld(k, ko, n, kl), self._bhld(v, ko, n, kl), 0.0, causal,
-                scale=scale)
-            out[qo:qo + n * ql] = self._rows(o)
-            lse[qo:qo + n * ql] = self._rows(l.unsqueeze(-1)).squeeze(-1)
+                self._bhld(q, qo, n, ql), self._bhld(k, ko, n, kl), self._bhld(v, ko, n, kl), 0.0, causal, scale=scale
+            )
+            out[qo : qo + n * ql] = self._rows(o)
+            lse[qo : qo + n * ql] = self._rows(l.unsqueeze(-1)).squeeze(-1)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qo, ko, ql, kl, n in _runs(q_lens, k_lens):
-            lse_b = lse[qo:qo + n * ql].view(n, ql, -1).transpose(1, 2).contiguous()
+            lse_b = lse[qo : qo + n * ql].view(n, ql, -1).transpose(1, 2).contiguous()
             g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                self._bhld(dout, qo, n, ql), self._bhld(q, qo, n, ql), self._bhld(k, ko, n, kl),
-                self._bhld(v, ko, n, kl), self._bhld(out, qo, n, ql), lse_b, 0.0, causal, scale=scale)
-            dq[qo:qo + n * ql] = self._rows(g[0])
-            dk[ko:ko + n * kl] = self._rows(g[1])
-            dv[ko:ko + n * kl] = self._rows(g[2])
+                self._bhld(dout, qo, n, ql),
+                self._bhld(q, qo, n, ql),
+                self._bhld(k, ko, n, kl),
+                self._bhld(v, ko, n, kl),
+                self._bhld(out, qo, n, ql),
+                lse_b,
+                0.0,
+                causal,
+                scale=scale,
+            )
+            dq[qo : qo + n * ql] = self._rows(g[0])
+            dk[ko : ko + n * kl] = self._rows(g[1])
+            dv[ko : ko + n * kl] = self._rows(g[2])
         return dq, dk, dv
 
 
@@ -115,18 +136,39 @@ class TorchVarlenKernel(AttentionKernel):
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
         out, lse = self._varlen.varlen_attn(
-            q, k, v, _cu(q_lens, q.device), _cu(k_lens, q.device), max(q_lens), max(k_lens),
-            return_aux=self._varlen.AuxRequest(lse=True), scale=scale, window_size=(-1, 0) if causal else (-1, -1),
-            enable_gqa=k.shape[1] != q.shape[1])
+            q,
+            k,
+            v,
+            _cu(q_lens, q.device),
+            _cu(k_lens, q.device),
+            max(q_lens),
+            max(k_lens),
+            return_aux=self._varlen.AuxRequest(lse=True),
+            scale=scale,
+            window_size=(-1, 0) if causal else (-1, -1),
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
         lse, self._heads_first = _lse_rows(lse, q.shape[0], q.shape[1])
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
         lse_native = (lse.t() if self._heads_first else lse).contiguous()  # the kernel's own layout
         return torch.ops.torch_attn._varlen_attn_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse_native, _cu(q_lens, q.device), _cu(k_lens, q.device),
-            max(q_lens), max(k_lens), causal, torch.zeros(2, dtype=torch.uint64, device=q.device), scale,
-            [-1, 0] if causal else [-1, -1])
+            dout.contiguous(),
+            q,
+            k,
+            v,
+            out.contiguous(),
+            lse_native,
+            _cu(q_lens, q.device),
+            _cu(k_lens, q.device),
+            max(q_lens),
+            max(k_lens),
+            causal,
+            torch.zeros(2, dtype=torch.uint64, device=q.device),
+            scale,
+            [-1, 0] if causal else [-1, -1],
+        )
 
 
 class FlashAttnKernel(AttentionKernel):
@@ -144,10 +186,23 @@ class FlashAttnKernel(AttentionKernel):
 
     @staticmethod
     def _common(params, q_lens, k_lens, device, causal, scale) -> Dict:
-        kw = dict(cu_seqlens_q=_cu(q_lens, device), cu_seqlens_k=_cu(k_lens, device), max_seqlen_q=max(q_lens),
-                  max_seqlen_k=max(k_lens), dropout_p=0.0, softmax_scale=scale, causal=causal,
-                  window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
-                  alibi_slopes=None, deterministic=False, return_softmax=False, block_table=None)
+        kw = dict(
+            cu_seqlens_q=_cu(q_lens, device),
+            cu_seqlens_k=_cu(k_lens, device),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(k_lens),
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=(-1, -1),
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            return_softmax=False,
+            block_table=None,
+        )
         return {n: x for n, x in kw.items() if n in params}
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
@@ -161,8 +216,18 @@ class FlashAttnKernel(AttentionKernel):
         kw = self._common(self._bwd_params, q_lens, k_lens, q.device, causal, scale)
         if "rng_state" in self._bwd_params:
             kw["rng_state"] = None
-        self._bwd(dout=dout.contiguous(), q=q, k=k, v=v, out=out.contiguous(), softmax_lse=lse.t().contiguous(),
-                  dq=dq, dk=dk, dv=dv, **kw)
+        self._bwd(
+            dout=dout.contiguous(),
+            q=q,
+            k=k,
+            v=v,
+            out=out.contiguous(),
+            softmax_lse=lse.t().contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            **kw,
+        )
         return dq, dk, dv
 
 

@@ -5,6 +5,7 @@ the per-block results of each query row by log-sum-exp (a row may be covered by 
 blocks: a ring step, or the key range before a diagonal). The ring and Ulysses code reuse it.
 Tensors are token-major: q [T, H, D], k/v [T, H_kv, D].
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -57,8 +58,11 @@ class BlockPlan:
         self.blocks = list(blocks)
         self.n_q = n_q
         device = torch.device("cpu") if device is None else device
-        self.kinds = [_KindPlan([b for b in self.blocks if b.causal == c], c, device)
-                      for c in (True, False) if any(b.causal == c for b in self.blocks)]
+        self.kinds = [
+            _KindPlan([b for b in self.blocks if b.causal == c], c, device)
+            for c in (True, False)
+            if any(b.causal == c for b in self.blocks)
+        ]
 
     def __bool__(self) -> bool:
         return bool(self.blocks)
@@ -68,15 +72,24 @@ class BlockPlan:
         h, d = q.shape[1], v.shape[2]
         rows, outs, lses = [], [], []
         for kp in self.kinds:
-            o, l = kernel.forward(q.index_select(0, kp.q_index), k.index_select(0, kp.k_index),
-                                  v.index_select(0, kp.k_index), kp.q_lens, kp.k_lens, kp.causal, scale)
+            o, l = kernel.forward(
+                q.index_select(0, kp.q_index),
+                k.index_select(0, kp.k_index),
+                v.index_select(0, kp.k_index),
+                kp.q_lens,
+                kp.k_lens,
+                kp.causal,
+                scale,
+            )
             rows.append(kp.q_index), outs.append(o.float()), lses.append(l)
         if not rows:
-            return q.new_zeros(self.n_q, h, d, dtype=torch.float32), q.new_full((self.n_q, h), -float("inf"),
-                                                                                  dtype=torch.float32)
+            return q.new_zeros(self.n_q, h, d, dtype=torch.float32), q.new_full(
+                (self.n_q, h), -float("inf"), dtype=torch.float32
+            )
         rows_t, out_e, lse_e = torch.cat(rows), torch.cat(outs), torch.cat(lses)
         peak = lse_e.new_full((self.n_q, h), -float("inf")).scatter_reduce_(
-            0, rows_t.unsqueeze(1).expand(-1, h), lse_e, "amax")
+            0, rows_t.unsqueeze(1).expand(-1, h), lse_e, "amax"
+        )
         w = torch.exp(lse_e - peak.index_select(0, rows_t))
         wsum = lse_e.new_zeros(self.n_q, h).index_add_(0, rows_t, w)
         out = out_e.new_zeros(self.n_q, h, d).index_add_(0, rows_t, out_e * w.unsqueeze(-1))
@@ -85,17 +98,35 @@ class BlockPlan:
         lse = torch.where(covered, peak + torch.log(torch.where(covered, wsum, torch.ones_like(wsum))), peak)
         return out, lse
 
-    def backward(self, kernel: AttentionKernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                 lse: Tensor, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
+    def backward(
+        self,
+        kernel: AttentionKernel,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        scale: float,
+    ) -> Tuple[Tensor, Tensor, Tensor]:
         """float32 (dq, dk, dv) of these blocks given each query row's final out and lse."""
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for kp in self.kinds:
             qi, ki = kp.q_index, kp.k_index
-            g = kernel.backward(dout.index_select(0, qi), q.index_select(0, qi), k.index_select(0, ki),
-                                v.index_select(0, ki), out.index_select(0, qi), lse.index_select(0, qi),
-                                kp.q_lens, kp.k_lens, kp.causal, scale)
+            g = kernel.backward(
+                dout.index_select(0, qi),
+                q.index_select(0, qi),
+                k.index_select(0, ki),
+                v.index_select(0, ki),
+                out.index_select(0, qi),
+                lse.index_select(0, qi),
+                kp.q_lens,
+                kp.k_lens,
+                kp.causal,
+                scale,
+            )
             dq.index_add_(0, qi, g[0].float())
             dk.index_add_(0, ki, g[1].float())
             dv.index_add_(0, ki, g[2].float())
@@ -118,15 +149,17 @@ class _BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def block_attention(q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block], scale: float,
-                    kernel: Optional[AttentionKernel] = None) -> Tensor:
+def block_attention(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block], scale: float, kernel: Optional[AttentionKernel] = None
+) -> Tensor:
     """Differentiable attention of q rows over k/v rows restricted to `blocks` (no communication)."""
     kernel = kernel or kernel_for(q.device)
     return _BlockAttention.apply(q, k, v, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, doc_lengths: Sequence[int], scale: float,
-                     kernel: Optional[AttentionKernel] = None) -> Tensor:
+def packed_attention(
+    q: Tensor, k: Tensor, v: Tensor, doc_lengths: Sequence[int], scale: float, kernel: Optional[AttentionKernel] = None
+) -> Tensor:
     """Causal attention inside each of the documents packed back to back in q/k/v."""
     if sum(doc_lengths) != q.shape[0]:
         raise ValueError(f"document lengths sum to {sum(doc_lengths)} but the packed sequence has {q.shape[0]} tokens")

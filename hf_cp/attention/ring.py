@@ -12,6 +12,7 @@ member adds its share, and one last hop brings it home. Bytes per rank and layer
 forward (total - next) K/V tokens, backward the same again plus total dK/dV tokens, which is
 CostModel.ring_bytes_per_layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class RingSpec:
         return self.group_ranks[(self.member - 1) % self.size]
 
 
-def _pass_on(spec: RingSpec, step: int, buf: Tensor, tag: int) -> Tuple[Tensor, "object"]:
+def _pass_on(spec: RingSpec, step: int, buf: Tensor, tag: int) -> Tuple[Tensor, object]:
     """Send `buf` (belonging to the member held at `step`) to the next member and receive the
     one held at step + 1 from the previous member."""
     incoming = (spec.member - step - 1) % spec.size
@@ -126,13 +127,16 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, scale: float,
-                   kernel: Optional[AttentionKernel] = None) -> Tensor:
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, scale: float, kernel: Optional[AttentionKernel] = None
+) -> Tensor:
     """Differentiable ring attention of this member's rows (q [n, H, D], k/v [n, H_kv, D])."""
     n = spec.tokens(spec.member)
     if q.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"member {spec.member} holds {n} tokens of distributed documents by its segments, "
-                         f"got q with {q.shape[0]} and k with {k.shape[0]} rows")
+        raise ValueError(
+            f"member {spec.member} holds {n} tokens of distributed documents by its segments, "
+            f"got q with {q.shape[0]} and k with {k.shape[0]} rows"
+        )
     kernel = kernel or kernel_for(q.device)
     if spec.size == 1:  # nothing to pass: the member's own segments against themselves
         from .local import block_attention

@@ -9,6 +9,7 @@ GQA: with H_kv >= g kv heads they split like q heads (H_kv % g == 0 needed). Wit
 heads than members, each kv head is replicated only to the g / H_kv members whose q heads use
 it (one kv head per member); autograd sums the replicas' gradients.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,9 @@ def _kv_for_members(x: Tensor, g: int) -> Tensor:
     return x if hkv >= g else x.repeat_interleave(g // hkv, dim=1)
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, scale: float,
-                      kernel: Optional[AttentionKernel] = None) -> Tensor:
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, scale: float, kernel: Optional[AttentionKernel] = None
+) -> Tensor:
     """This member's token rows (q [n, H, D], k/v [n, H_kv, D]) -> attention output [n, H, D]."""
     g, me = spec.size, spec.member
     n, h, d = q.shape

@@ -3,6 +3,7 @@
 Third-party code adds one with ``@register_balancer("name")`` on a factory (a class or a
 function taking keyword options), or through the ``hf_cp.balancers`` entry-point group.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import entry_points
@@ -20,6 +21,7 @@ def register_balancer(name: str):
             raise ValueError(f"a balancer named {name!r} is already registered ({_REGISTRY[name]!r})")
         _REGISTRY[name] = factory
         return factory
+
     return deco
 
 
@@ -61,5 +63,12 @@ def _import_builtins() -> None:
 
 _import_builtins()
 
-__all__ = ["Balancer", "PlanRequest", "SampleTooLongError", "available_balancers", "get_balancer",
-           "max_member_tokens", "register_balancer"]
+__all__ = [
+    "Balancer",
+    "PlanRequest",
+    "SampleTooLongError",
+    "available_balancers",
+    "get_balancer",
+    "max_member_tokens",
+    "register_balancer",
+]

@@ -5,6 +5,7 @@ validated and run through `hf_cp.sim.simulate` with the request's cost model, an
 with the smallest makespan wins (the first member in order on ties). The winner is
 recorded in the plan as `auto:<member>`.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -29,8 +30,7 @@ class AutoBalancer:
 
     name = "auto"
 
-    def __init__(self, members: Optional[Sequence[str]] = None,
-                 member_options: Optional[Dict[str, dict]] = None):
+    def __init__(self, members: Optional[Sequence[str]] = None, member_options: Optional[Dict[str, dict]] = None):
         names = list(default_members() if members is None else members)
         if not names:
             raise ValueError("auto: needs at least one member balancer")
@@ -42,8 +42,7 @@ class AutoBalancer:
         unknown = set(member_options) - set(names)
         if unknown:
             raise ValueError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
-        self.members: List[Tuple[str, Balancer]] = [(n, get_balancer(n, **member_options.get(n, {})))
-                                                    for n in names]
+        self.members: List[Tuple[str, Balancer]] = [(n, get_balancer(n, **member_options.get(n, {}))) for n in names]
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms of the last step
 
     def plan(self, req: PlanRequest) -> StepPlan:

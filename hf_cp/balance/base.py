@@ -1,4 +1,5 @@
 """The Balancer protocol, the request it plans, and the checks every balancer shares."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,12 +42,18 @@ class PlanRequest:
                 raise SampleTooLongError(
                     f"sample {s} has {n} tokens; the largest group ({self.cluster.group_sizes[-1]} ranks x "
                     f"{self.cluster.max_tokens_per_rank} tokens per rank) holds {cap}. Raise "
-                    f"max_tokens_per_rank or the world size, or truncate/drop it in preprocessing")
+                    f"max_tokens_per_rank or the world size, or truncate/drop it in preprocessing"
+                )
 
     def empty_plan(self, balancer: str) -> StepPlan:
-        return StepPlan(world_size=self.cluster.world_size, max_tokens_per_rank=self.cluster.max_tokens_per_rank,
-                        sample_ids=list(self.sample_ids), lengths=list(self.lengths), step=self.step,
-                        balancer=balancer)
+        return StepPlan(
+            world_size=self.cluster.world_size,
+            max_tokens_per_rank=self.cluster.max_tokens_per_rank,
+            sample_ids=list(self.sample_ids),
+            lengths=list(self.lengths),
+            step=self.step,
+            balancer=balancer,
+        )
 
 
 @runtime_checkable

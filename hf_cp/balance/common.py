@@ -3,6 +3,7 @@
 Everything here is deterministic in its arguments (ties break on the lowest index) and
 takes its numbers from the CostModel; nothing here has a cost formula of its own.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -59,8 +60,12 @@ class CostMemo:
                 v = self.local_ms(length)
             else:
                 ranks = list(range(group_size))
-                v = max(c.total_ms for c in self.cost.distributed_rank_costs(
-                    [length], ShardMode.RING_PER_DOC, ranks, (0, group_size - 1)))
+                v = max(
+                    c.total_ms
+                    for c in self.cost.distributed_rank_costs(
+                        [length], ShardMode.RING_PER_DOC, ranks, (0, group_size - 1)
+                    )
+                )
             self._on_group[key] = v
         return v
 
@@ -76,7 +81,7 @@ class CostMemo:
         return v
 
 
-_MEMOS: "weakref.WeakKeyDictionary[CostModel, CostMemo]" = weakref.WeakKeyDictionary()
+_MEMOS: weakref.WeakKeyDictionary[CostModel, CostMemo] = weakref.WeakKeyDictionary()
 
 
 def cost_memo(cost: CostModel) -> CostMemo:
@@ -91,7 +96,7 @@ def cost_memo(cost: CostModel) -> CostMemo:
 CP_SCOPES = ("balanced", "step", "dataset")
 
 
-def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, scope: str = "balanced") -> int:
+def fixed_cp_size(req: PlanRequest, cp_size: Optional[int], balancer: str, scope: str = "balanced") -> int:
     """The one CP size of a step's plan.
 
     `cp_size` if given (checked against the cluster and the step's samples). Otherwise the
@@ -120,8 +125,10 @@ def fixed_cp_size(req: "PlanRequest", cp_size: Optional[int], balancer: str, sco
         raise ValueError(f"{balancer}: cp_size {cp_size} is not a registered group size {cl.group_sizes}")
     i = int(np.argmax(req.lengths))
     if cp_size * cl.max_tokens_per_rank < req.lengths[i]:
-        raise ValueError(f"{balancer}: sample {req.sample_ids[i]} ({req.lengths[i]} tokens) does not fit "
-                         f"cp_size {cp_size} x {cl.max_tokens_per_rank} tokens per rank")
+        raise ValueError(
+            f"{balancer}: sample {req.sample_ids[i]} ({req.lengths[i]} tokens) does not fit "
+            f"cp_size {cp_size} x {cl.max_tokens_per_rank} tokens per rank"
+        )
     return cp_size
 
 
@@ -151,8 +158,9 @@ def split_exact_tail(weights_desc: np.ndarray, n_bins: int, total_with_loads: fl
     return min(len(weights_desc), max(min_exact, first_light))
 
 
-def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[float]] = None,
-               exact_items: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+def lpt_assign(
+    weights: Sequence[float], n_bins: int, loads: Optional[Sequence[float]] = None, exact_items: Optional[int] = None
+) -> Tuple[np.ndarray, np.ndarray]:
     """Longest-processing-time-first: heaviest item onto the least loaded bin.
 
     Returns (bin of every item, final bin loads). `loads` are the bins' starting loads.
@@ -167,8 +175,11 @@ def lpt_assign(weights: Sequence[float], n_bins: int, loads: Optional[Sequence[f
     if n == 0:
         return bins, load
     order = descending_order(w)
-    k = (split_exact_tail(w[order], n_bins, float(w.sum() + load.sum()), 2 * n_bins)
-         if exact_items is None else min(n, exact_items))
+    k = (
+        split_exact_tail(w[order], n_bins, float(w.sum() + load.sum()), 2 * n_bins)
+        if exact_items is None
+        else min(n, exact_items)
+    )
     heap = [(float(l), b) for b, l in enumerate(load.tolist())]
     heapq.heapify(heap)
     wl = w.tolist()
@@ -300,7 +311,7 @@ def lookahead_pack(lengths: Sequence[int], capacity: int, max_skips: int = 16) -
         free.append(room)
     if set_aside:
         room_left = np.zeros(len(free) + len(set_aside), dtype=np.int64)
-        room_left[:len(free)] = free
+        room_left[: len(free)] = free
         n_packs = len(free)
         for i in set_aside:
             k = int(np.argmax(room_left[:n_packs] >= lens[i]))
@@ -337,22 +348,28 @@ def sampled_members(group_size: int) -> List[int]:
     return sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1})
 
 
-def member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, memo: "CostMemo") -> np.ndarray:
+def member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, memo: CostMemo) -> np.ndarray:
     """Tokens every member holds of the distributed documents under `mode`."""
     g = group_size
     if not doc_lengths:
         return np.zeros(g, dtype=np.int64)
-    if mode is ShardMode.RING_ZIGZAG:
+    if mode == ShardMode.RING_ZIGZAG:
         # member m holds chunks m and 2g-1-m of the packed total cut in 2g (shard.zigzag_segments)
         parts = np.asarray(split_sizes(sum(doc_lengths), 2 * g), dtype=np.int64)
         return parts[:g] + parts[g:][::-1]
-    if mode is ShardMode.RING_PER_DOC:  # every document is split on its own
+    if mode == ShardMode.RING_PER_DOC:  # every document is split on its own
         return np.sum([memo.per_doc_member_tokens(n, g) for n in doc_lengths], axis=0).astype(np.int64)
     return np.asarray([segment_tokens(rank_segments(mode, doc_lengths, g, m)) for m in range(g)], dtype=np.int64)
 
 
-def group_fits(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, cap: int, memo: "CostMemo",
-               local_tokens: Optional[Sequence[int]] = None) -> bool:
+def group_fits(
+    mode: ShardMode,
+    doc_lengths: Sequence[int],
+    group_size: int,
+    cap: int,
+    memo: CostMemo,
+    local_tokens: Optional[Sequence[int]] = None,
+) -> bool:
     """Whether every member holds at most `cap` tokens (its distributed share plus its locals)."""
     t = member_tokens(mode, doc_lengths, group_size, memo)
     if local_tokens is not None:
@@ -360,8 +377,9 @@ def group_fits(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, cap
     return int(t.max()) <= cap
 
 
-def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int],
-                       all_members: bool = False) -> float:
+def predicted_group_ms(
+    cost: CostModel, mode: ShardMode, doc_lengths: Sequence[int], ranks: Sequence[int], all_members: bool = False
+) -> float:
     """Slowest member's time for the distributed documents (CostModel.distributed_rank_cost),
     over every member or the sampled ones (sampled_members). Per-document sharding is
     symmetric, its members nearly equal; zigzag's heavy member can be any."""
@@ -369,8 +387,14 @@ def predicted_group_ms(cost: CostModel, mode: ShardMode, doc_lengths: Sequence[i
     return max(c.total_ms for c in cost.distributed_rank_costs(doc_lengths, mode, ranks, members))
 
 
-def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
-                   local_tokens: Optional[Sequence[int]] = None, memo: Optional["CostMemo"] = None) -> ShardMode:
+def pick_ring_mode(
+    cost: CostModel,
+    doc_lengths: Sequence[int],
+    ranks: Sequence[int],
+    cap: int,
+    local_tokens: Optional[Sequence[int]] = None,
+    memo: Optional[CostMemo] = None,
+) -> ShardMode:
     """WLB-LLM's per-sequence (zigzag) vs per-document choice, within the memory cap.
 
     Of the modes that fit, the one the cost model predicts faster (CostModel.best_ring_mode's
@@ -381,9 +405,16 @@ def pick_ring_mode(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[
     return ring_mode_and_ms(cost, doc_lengths, ranks, cap, local_tokens, memo, estimate=False)[0]
 
 
-def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequence[int], cap: int,
-                     local_tokens: Optional[Sequence[int]] = None, memo: Optional["CostMemo"] = None,
-                     estimate: bool = True, all_members: bool = False) -> Tuple[ShardMode, float]:
+def ring_mode_and_ms(
+    cost: CostModel,
+    doc_lengths: Sequence[int],
+    ranks: Sequence[int],
+    cap: int,
+    local_tokens: Optional[Sequence[int]] = None,
+    memo: Optional[CostMemo] = None,
+    estimate: bool = True,
+    all_members: bool = False,
+) -> Tuple[ShardMode, float]:
     """pick_ring_mode's choice and, with `estimate`, the predicted time of the distributed
     documents' slowest member under it (nan without `estimate`). Zigzag is predicted over
     every member with `all_members`, else over the sampled ones; per-document sharding over
@@ -398,8 +429,10 @@ def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequenc
     summed = not exact and len(docs) <= PER_DOC_SUM_DOCS
     pd_fits = (exact or summed or not zz_fits) and group_fits(ShardMode.RING_PER_DOC, docs, g, cap, memo, local_tokens)
     if not pd_fits and not zz_fits:
-        raise ValueError(f"documents {docs[:8]} ({len(docs)} documents, {sum(docs)} tokens) "
-                         f"do not fit a group of {g} ranks with cap {cap} in any ring mode")
+        raise ValueError(
+            f"documents {docs[:8]} ({len(docs)} documents, {sum(docs)} tokens) "
+            f"do not fit a group of {g} ranks with cap {cap} in any ring mode"
+        )
 
     def per_doc_ms() -> float:
         if exact:
@@ -409,8 +442,9 @@ def ring_mode_and_ms(cost: CostModel, doc_lengths: Sequence[int], ranks: Sequenc
     if not (pd_fits and zz_fits):
         if pd_fits:
             return ShardMode.RING_PER_DOC, per_doc_ms() if estimate else float("nan")
-        return ShardMode.RING_ZIGZAG, (predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members)
-                                       if estimate else float("nan"))
+        return ShardMode.RING_ZIGZAG, (
+            predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members) if estimate else float("nan")
+        )
     # both fit and per-document is cheap enough to weigh: the faster (per-document on ties,
     # as CostModel.best_ring_mode). Zigzag's slowest member can be any, so it is only chosen
     # when every member could be predicted; otherwise per-document sharding, balanced by

@@ -19,6 +19,7 @@ micro-batches from the largest group size to the smallest, then its local ones. 
 blocks nest, so the members of a block of size g have done exactly the same larger-group
 work before it and reach it at the same moment.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -47,8 +48,9 @@ def memory_min_sizes(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> n
         while g is not None and max(memo.per_doc_member_tokens(n, g)) > cap:
             g = next((s for s in cl.group_sizes if s > g), None)
         if g is None:  # PlanRequest rejects these; kept as a guard against a changed registry
-            raise ValueError(f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.group_sizes} "
-                             f"with cap {cap}")
+            raise ValueError(
+                f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.group_sizes} with cap {cap}"
+            )
         sizes[i] = g
     return sizes
 
@@ -60,8 +62,15 @@ def per_rank_ms(memo: CostMemo, length: int, group_size: int) -> float:
     return memo.doc_on_group_ms(length, group_size) + memo.overhead_ms
 
 
-def balance_sizes(memo: CostMemo, lengths: np.ndarray, min_sizes: np.ndarray, local_ms: np.ndarray,
-                  largest: int, quota_ms: float, theta: Optional[float]) -> np.ndarray:
+def balance_sizes(
+    memo: CostMemo,
+    lengths: np.ndarray,
+    min_sizes: np.ndarray,
+    local_ms: np.ndarray,
+    largest: int,
+    quota_ms: float,
+    theta: Optional[float],
+) -> np.ndarray:
     """Workload pass: double the CP size of samples over theta x quota while that helps."""
     sizes = min_sizes.copy()
     if theta is None:
@@ -79,8 +88,9 @@ def balance_sizes(memo: CostMemo, lengths: np.ndarray, min_sizes: np.ndarray, lo
     return sizes
 
 
-def place_distributed(memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, world: int,
-                      loads: np.ndarray) -> Dict[Tuple[int, int], List[int]]:
+def place_distributed(
+    memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, world: int, loads: np.ndarray
+) -> Dict[Tuple[int, int], List[int]]:
     """LPT over aligned blocks: heaviest distributed sample first, onto the block of its size
     whose busiest member is least loaded. Returns (block size, block index) -> sample indices
     and updates `loads` in place."""
@@ -90,13 +100,14 @@ def place_distributed(memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, wo
     for k in np.argsort(-times, kind="stable").tolist():
         i, g = int(dist[k]), int(sizes[dist[k]])
         b = int(np.argmin(loads.reshape(world // g, g).max(axis=1)))
-        loads[b * g:(b + 1) * g] += times[k]
+        loads[b * g : (b + 1) * g] += times[k]
         placed.setdefault((g, b), []).append(i)
     return placed
 
 
-def fill_ranks(weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2,
-               light_fraction: float = 0.005) -> Tuple[np.ndarray, np.ndarray]:
+def fill_ranks(
+    weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2, light_fraction: float = 0.005
+) -> Tuple[np.ndarray, np.ndarray]:
     """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
     sample, final loads).
 
@@ -144,15 +155,21 @@ def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> L
         if not bad[ri]:
             out.append((int(ranks[ri]), piece))
     for ri in np.flatnonzero(bad).tolist():
-        idx = order[starts[ri]:starts[ri] + counts[ri]]
+        idx = order[starts[ri] : starts[ri] + counts[ri]]
         for mbatch in split_to_cap(idx.tolist(), lengths[idx].tolist(), cap):
             out.append((int(ranks[ri]), np.asarray(mbatch, dtype=np.int64)))
     out.sort(key=lambda t: t[0])  # stable: a rank's micro-batches keep their order
     return out
 
 
-def assemble_plan(req: PlanRequest, memo: CostMemo, placed: Dict[Tuple[int, int], List[int]],
-                  local_rank_of: np.ndarray, local_idx: np.ndarray, name: str) -> StepPlan:
+def assemble_plan(
+    req: PlanRequest,
+    memo: CostMemo,
+    placed: Dict[Tuple[int, int], List[int]],
+    local_rank_of: np.ndarray,
+    local_idx: np.ndarray,
+    name: str,
+) -> StepPlan:
     """Turn block and rank assignments (sample indices) into waves.
 
     A block's samples are packed in placement order into micro-batches whose per-document
@@ -163,7 +180,7 @@ def assemble_plan(req: PlanRequest, memo: CostMemo, placed: Dict[Tuple[int, int]
     cap = req.cluster.max_tokens_per_rank
     ids, lens = req.sample_ids, req.lengths
     waves = WaveBuilder(req.cluster.world_size)
-    for (g, b) in sorted(placed, key=lambda k: (-k[0], k[1])):
+    for g, b in sorted(placed, key=lambda k: (-k[0], k[1])):
         ranks = block_ranks(b, g)
         packs: List[List[int]] = []
         used = cap + 1
@@ -190,8 +207,7 @@ def assemble_plan(req: PlanRequest, memo: CostMemo, placed: Dict[Tuple[int, int]
 class Candidate:
     """One choice of CP sizes after the memory-filling pass, before it becomes a plan."""
 
-    def __init__(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray,
-                 sizes: np.ndarray):
+    def __init__(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray, sizes: np.ndarray):
         world = req.cluster.world_size
         self.loads = np.zeros(world, dtype=np.float64)
         self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
@@ -220,12 +236,23 @@ class MemoizedCost(CostModel):
     def distributed_rank_cost(self, doc_lengths, mode, ranks, member, local_lengths=()):
         if doc_lengths or not local_lengths:
             return super().distributed_rank_cost(doc_lengths, mode, ranks, member, local_lengths)
-        return RankCost(compute_ms=sum(map(self._memo.local_ms, local_lengths)), comm_ms=0.0, comm_bytes=0,
-                        tokens=sum(local_lengths))
+        return RankCost(
+            compute_ms=sum(map(self._memo.local_ms, local_lengths)),
+            comm_ms=0.0,
+            comm_bytes=0,
+            tokens=sum(local_lengths),
+        )
 
 
-def pick_fastest(req: PlanRequest, memo: CostMemo, candidates: Sequence[Candidate], name: str,
-                 tolerance: float, max_simulated: int = 2, simulate_up_to_samples: Optional[int] = None) -> StepPlan:
+def pick_fastest(
+    req: PlanRequest,
+    memo: CostMemo,
+    candidates: Sequence[Candidate],
+    name: str,
+    tolerance: float,
+    max_simulated: int = 2,
+    simulate_up_to_samples: Optional[int] = None,
+) -> StepPlan:
     """Keep the candidate with the smallest makespan.
 
     Candidates are ranked by their predicted makespan (the cost model's per-rank work under a
@@ -239,8 +266,11 @@ def pick_fastest(req: PlanRequest, memo: CostMemo, candidates: Sequence[Candidat
     """
     ranked = sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))
     best_estimate = candidates[ranked[0]].estimate_ms
-    shortlist = [candidates[i] for i in ranked[:max(1, max_simulated)]
-                 if candidates[i].estimate_ms <= best_estimate * (1.0 + tolerance)]
+    shortlist = [
+        candidates[i]
+        for i in ranked[: max(1, max_simulated)]
+        if candidates[i].estimate_ms <= best_estimate * (1.0 + tolerance)
+    ]
     if simulate_up_to_samples is not None and len(req.sample_ids) > simulate_up_to_samples:
         shortlist = shortlist[:1]
     plans = [c.plan(req, memo, name) for c in shortlist]
@@ -262,8 +292,12 @@ class DynamicCPBalancer:
 
     name = "dynamic_cp"
 
-    def __init__(self, thetas: Sequence[Optional[float]] = DEFAULT_THETAS, simulate_within: float = 0.003,
-                 simulate_samples_per_rank: float = 16.0):
+    def __init__(
+        self,
+        thetas: Sequence[Optional[float]] = DEFAULT_THETAS,
+        simulate_within: float = 0.003,
+        simulate_samples_per_rank: float = 16.0,
+    ):
         if not thetas:
             raise ValueError("dynamic_cp: thetas must name at least one candidate")
         for t in thetas:
@@ -289,5 +323,11 @@ class DynamicCPBalancer:
                 continue
             seen.add(key)
             candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
-        return pick_fastest(req, memo, candidates, self.name, self.simulate_within,
-                            simulate_up_to_samples=int(self.simulate_samples_per_rank * cl.world_size))
+        return pick_fastest(
+            req,
+            memo,
+            candidates,
+            self.name,
+            self.simulate_within,
+            simulate_up_to_samples=int(self.simulate_samples_per_rank * cl.world_size),
+        )

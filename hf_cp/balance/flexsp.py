@@ -23,6 +23,7 @@ highspy, a greedy picks for every heavy sample the smallest group that meets C a
 groups by first-fit decreasing. Plans realised from the best few targets are simulated and
 the fastest is kept.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,8 +91,11 @@ class Problem:
         self.quota = float(self.local_ms.sum()) / self.world
         forced = np.flatnonzero(self.min_sizes > 1)
         order = np.argsort(-self.local_ms, kind="stable")
-        optional = [i for i in order[:max_heavy].tolist()
-                    if self.min_sizes[i] == 1 and self.local_ms[i] > heavy_fraction * self.quota]
+        optional = [
+            i
+            for i in order[:max_heavy].tolist()
+            if self.min_sizes[i] == 1 and self.local_ms[i] > heavy_fraction * self.quota
+        ]
         self.heavy = sorted(set(forced.tolist()) | set(optional), key=lambda i: (-self.local_ms[i], i))
         heavy_mask = np.zeros(len(self.lengths), dtype=bool)
         heavy_mask[self.heavy] = True
@@ -165,8 +169,9 @@ class MilpSolver:
             row += 1
         if self.m:
             cols = list(self.m.values())
-            h.addRow(-inf, float(prob.world), len(cols), np.array(cols, dtype=np.int32),
-                     np.array([float(d) for d in self.m]))
+            h.addRow(
+                -inf, float(prob.world), len(cols), np.array(cols, dtype=np.int32), np.array([float(d) for d in self.m])
+            )
             row += 1
         cols = [c for c, _, _, _ in self.x]
         h.addRow(-inf, 0.0, len(cols), np.array(cols, dtype=np.int32), np.array([d * t for _, _, d, t in self.x]))
@@ -231,8 +236,7 @@ def first_fit_decreasing(times: Sequence[float], capacity: float) -> List[List[i
 
 
 # ----------------------------------------------------------------------------- realisation
-def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequence[int],
-            target_ms: float) -> Candidate:
+def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequence[int], target_ms: float) -> Candidate:
     """One partition: per size, the fewest groups that hold its samples within the target
     (first-fit decreasing), then LPT inside the size class; blocks placed largest first;
     light samples and heavy local ones filled in by LPT."""
@@ -260,14 +264,13 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
             else:  # the partition is full: share the block whose busiest member is least loaded
                 b = int(np.argmin(loads.reshape(world // d, d).max(axis=1)))
             placed.setdefault((d, b), []).extend(members[j])
-            loads[b * d:(b + 1) * d] += group_load[j]
+            loads[b * d : (b + 1) * d] += group_load[j]
     local = np.array(sorted([prob.heavy[k] for k in by_size.get(1, [])] + prob.light.tolist()), dtype=np.int64)
     rank_of, loads = fill_ranks(prob.local_ms[local], loads)
     cand = Candidate.__new__(Candidate)
     cand.placed, cand.local_idx, cand.local_rank_of, cand.loads = placed, local, rank_of, loads
     local_tokens = np.bincount(rank_of, weights=prob.lengths[local], minlength=world)
-    cand.estimate_ms = float(np.max(loads + np.ceil(local_tokens / req.cluster.max_tokens_per_rank)
-                                    * memo.overhead_ms))
+    cand.estimate_ms = float(np.max(loads + np.ceil(local_tokens / req.cluster.max_tokens_per_rank) * memo.overhead_ms))
     return cand
 
 
@@ -279,14 +282,22 @@ class FlexSPBalancer:
 
     name = "flexsp"
 
-    def __init__(self, solver: str = "auto", time_limit_s: float = 1.5, node_limit: int = 200,
-                 bisection_steps: int = 10, max_heavy: int = 128, heavy_fraction: float = 0.05,
-                 simulate_within: float = 0.003):
+    def __init__(
+        self,
+        solver: str = "auto",
+        time_limit_s: float = 1.5,
+        node_limit: int = 200,
+        bisection_steps: int = 10,
+        max_heavy: int = 128,
+        heavy_fraction: float = 0.05,
+        simulate_within: float = 0.003,
+    ):
         if solver not in ("auto", "milp", "greedy"):
             raise ValueError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {solver!r}")
         if solver == "milp" and not highs_available():
-            raise ImportError("flexsp: solver='milp' needs highspy, the optional extra `milp`: "
-                              "pip install 'hf_cp[milp]'")
+            raise ImportError(
+                "flexsp: solver='milp' needs highspy, the optional extra `milp`: pip install 'hf_cp[milp]'"
+            )
         if time_limit_s <= 0 or bisection_steps < 1 or max_heavy < 0:
             raise ValueError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
         self.solver = solver

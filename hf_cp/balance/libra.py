@@ -23,6 +23,7 @@ packed sequence runs:
 Each packed sequence on N > 1 ranks takes zigzag or per-document sharding, whichever the
 cost model predicts faster and fits (common.pick_ring_mode).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -34,8 +35,18 @@ import numpy as np
 from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import (WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, group_indices, lookahead_pack, pick_ring_mode)
+from .common import (
+    WaveBuilder,
+    block_ranks,
+    check_cp_options,
+    cost_memo,
+    descending_order,
+    even_cap,
+    fixed_cp_size,
+    group_indices,
+    lookahead_pack,
+    pick_ring_mode,
+)
 
 
 @dataclass
@@ -106,8 +117,16 @@ class LibraBalancer:
                 taken[r] = slot_of_pack[k] + 1
                 if taken[r] < rounds:
                     heapq.heappush(heap, (load + float(pack_work[k]), r))
-        return PoolLayout(cp_size=N, pool_size=P, rounds=rounds, packs=packs, pack_work=pack_work.tolist(),
-                          pools=pools, replica_of_pack=replica_of_pack, slot_of_pack=slot_of_pack)
+        return PoolLayout(
+            cp_size=N,
+            pool_size=P,
+            rounds=rounds,
+            packs=packs,
+            pack_work=pack_work.tolist(),
+            pools=pools,
+            replica_of_pack=replica_of_pack,
+            slot_of_pack=slot_of_pack,
+        )
 
     def plan(self, req: PlanRequest) -> StepPlan:
         lay = self.layout(req)

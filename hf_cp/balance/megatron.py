@@ -20,6 +20,7 @@ We call megatron-core's own scheduler (optional extra `megatron`: megatron-core=
 - Megatron puts a barrier between rounds; a StepPlan has none (a group starts when its own
   members are free), which can only make the translated plan faster than Megatron's.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -30,8 +31,10 @@ from . import register_balancer
 from .base import PlanRequest
 from .common import CostMemo, WaveBuilder, block_ranks, cost_memo
 
-INSTALL_HINT = ("the `megatron` balancer needs megatron-core, the optional extra `megatron`: "
-                "pip install 'hf_cp[megatron]' (or pip install megatron-core==0.16.1)")
+INSTALL_HINT = (
+    "the `megatron` balancer needs megatron-core, the optional extra `megatron`: "
+    "pip install 'hf_cp[megatron]' (or pip install megatron-core==0.16.1)"
+)
 
 
 def load_scheduler_class():
@@ -56,8 +59,9 @@ class StandInGroup:
 def megatron_rounds(req: PlanRequest) -> List[List[List[int]]]:
     """Megatron's schedule: per round, per DPxCP rank, the sample ids it runs (in order)."""
     scheduler_cls = load_scheduler_class()
-    scheduler = scheduler_cls(max_seq_len_per_rank=req.cluster.max_tokens_per_rank,
-                              dp_cp_group=StandInGroup(req.cluster.world_size))
+    scheduler = scheduler_cls(
+        max_seq_len_per_rank=req.cluster.max_tokens_per_rank, dp_cp_group=StandInGroup(req.cluster.world_size)
+    )
     # A fresh scheduler per step: it counts processed sub-samples on the instance, and its
     # lru_caches are keyed by instance, so no step sees another's state.
     _, sample_id_groups = scheduler.get_groups_and_subsamples(list(zip(req.sample_ids, req.lengths)), None)
@@ -77,8 +81,10 @@ def round_groups(per_rank: List[List[int]], rnd: int, sizes: Tuple[int, ...]) ->
     out = []
     for ids, ranks in by_list.items():
         if len(ranks) not in sizes:
-            raise RuntimeError(f"megatron round {rnd}: samples {list(ids)[:5]} run on {len(ranks)} ranks "
-                               f"{ranks[:8]}, not a registered group size {sizes}")
+            raise RuntimeError(
+                f"megatron round {rnd}: samples {list(ids)[:5]} run on {len(ranks)} ranks "
+                f"{ranks[:8]}, not a registered group size {sizes}"
+            )
         out.append((len(ranks), list(ids)))
     return out
 

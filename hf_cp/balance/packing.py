@@ -1,4 +1,5 @@
 """Packing primitives shared by balancers."""
+
 from __future__ import annotations
 
 from typing import Iterable, List, Sequence

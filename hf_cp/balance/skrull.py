@@ -35,6 +35,7 @@ time budget). `cp_size` fixes N; `cp_scope`
    model predicts faster and fits (CostModel.best_ring_mode).
 A micro-batch DACP cannot fit (fragmentation) is split in two and each half planned again.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -47,9 +48,23 @@ from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
-from .common import (CP_SCOPES, CostMemo, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order,
-                     even_cap, fixed_cp_size, group_indices, lpt_assign,
-                     pick_ring_mode, serpentine, split_to_cap, water_fill)
+from .common import (
+    CP_SCOPES,
+    CostMemo,
+    WaveBuilder,
+    block_ranks,
+    check_cp_options,
+    cost_memo,
+    descending_order,
+    even_cap,
+    fixed_cp_size,
+    group_indices,
+    lpt_assign,
+    pick_ring_mode,
+    serpentine,
+    split_to_cap,
+    water_fill,
+)
 
 
 def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: int) -> List[np.ndarray]:
@@ -77,8 +92,9 @@ class Dacp:
     def __init__(self, memo: CostMemo, n_members: int, cap: int):
         self.memo, self.n, self.cap = memo, n_members, cap
 
-    def classify(self, lens: Sequence[int], costs: Sequence[float],
-                 split_first: Sequence[int] = ()) -> Optional[List[int]]:
+    def classify(
+        self, lens: Sequence[int], costs: Sequence[float], split_first: Sequence[int] = ()
+    ) -> Optional[List[int]]:
         """Survey pseudo-code. Returns the member of each local item or -1 if distributed, or
         None when the micro-batch cannot be fitted. Items of `split_first` are made
         distributed before anything is placed (when their shares fit)."""
@@ -206,8 +222,14 @@ class Dacp:
 class SkrullBalancer:
     name = "skrull"
 
-    def __init__(self, cp_size: Optional[int] = None, fill: float = 0.9, cp_scope: str = "search",
-                 split_stragglers: bool = True, search_halvings: int = 1):
+    def __init__(
+        self,
+        cp_size: Optional[int] = None,
+        fill: float = 0.9,
+        cp_scope: str = "search",
+        split_stragglers: bool = True,
+        search_halvings: int = 1,
+    ):
         check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
         self.split_stragglers = split_stragglers
         if not isinstance(search_halvings, int) or search_halvings < 0:
@@ -271,8 +293,7 @@ class SkrullBalancer:
             replica_ms = 0.0
             while todo:
                 mb = todo.pop(0)
-                made = self._micro_batch(req, dacp, ranks, ids[mb].tolist(), lens[mb].tolist(),
-                                         flops[mb].tolist(), cap)
+                made = self._micro_batch(req, dacp, ranks, ids[mb].tolist(), lens[mb].tolist(), flops[mb].tolist(), cap)
                 if made is None:  # did not fit: plan each half on its own
                     todo[:0] = [mb[serpentine(len(mb), 2) == 0], mb[serpentine(len(mb), 2) == 1]]
                     continue
@@ -302,8 +323,9 @@ class SkrullBalancer:
                 split = dacp.classify(lens, costs, stragglers)
                 if split is not None:
                     split = dacp.balance_locals(lens, costs, split)
-                    if where is None or (max(dacp.member_loads(lens, costs, split))
-                                         < max(dacp.member_loads(lens, costs, where))):
+                    if where is None or (
+                        max(dacp.member_loads(lens, costs, split)) < max(dacp.member_loads(lens, costs, where))
+                    ):
                         where = split
         if where is None:
             if len(ids) == 1:
@@ -327,8 +349,12 @@ class SkrullBalancer:
             # ring pass over all of them pays once) and on member 0 (per-document
             # remainders land there)
             slowest = max(range(N), key=lambda m: (loads[m], -m))
-            est = max(req.cost.distributed_rank_cost(dist_lens, ShardMode.RING_PER_DOC, ranks, m,
-                                                     local_lens.get(m, ())).total_ms for m in {0, slowest})
+            est = max(
+                req.cost.distributed_rank_cost(
+                    dist_lens, ShardMode.RING_PER_DOC, ranks, m, local_lens.get(m, ())
+                ).total_ms
+                for m in {0, slowest}
+            )
         else:
             est = max(loads)
         return group, est, dist_lens, local_tokens

@@ -4,6 +4,7 @@ One CP size for the whole run (the smallest power of two whose combined cap fits
 sample of the dataset), fixed-length first-fit packing to cp * cap tokens in data order, every
 pack zigzag-split over its CP group, packs dealt to DP replicas in data order.
 """
+
 from __future__ import annotations
 
 from ..plan import Group, StepPlan, Wave
@@ -32,7 +33,7 @@ class StaticBalancer:
         plan = req.empty_plan(self.name)
         for w in range(0, len(packs), dp):
             groups = []
-            for d, pack in enumerate(packs[w:w + dp]):
+            for d, pack in enumerate(packs[w : w + dp]):
                 ranks = tuple(range(d * cp, (d + 1) * cp))
                 if cp == 1:
                     groups.append(Group(ranks=ranks, local={ranks[0]: pack}))

@@ -34,6 +34,7 @@ under data parallelism what synchronises is each replica's whole step, so the gr
 "least workload" is the replica's (see workload_greedy). Each replica runs its micro-batches
 one per wave.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -44,12 +45,31 @@ import numpy as np
 from ..plan import Group, StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import (CP_SCOPES, WaveBuilder, block_ranks, check_cp_options, cost_memo, descending_order, even_cap,
-                     fixed_cp_size, group_indices, ring_mode_and_ms, split_exact_tail, water_fill)
+from .common import (
+    CP_SCOPES,
+    WaveBuilder,
+    block_ranks,
+    check_cp_options,
+    cost_memo,
+    descending_order,
+    even_cap,
+    fixed_cp_size,
+    group_indices,
+    ring_mode_and_ms,
+    split_exact_tail,
+    water_fill,
+)
 
 
-def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, rounds: int, capacity: int,
-                    first: Optional[List[int]] = None, exact_items: Optional[int] = None) -> Optional[np.ndarray]:
+def workload_greedy(
+    lengths: np.ndarray,
+    work: np.ndarray,
+    n_replicas: int,
+    rounds: int,
+    capacity: int,
+    first: Optional[List[int]] = None,
+    exact_items: Optional[int] = None,
+) -> Optional[np.ndarray]:
     """WLB-LLM's packing greedy over `n_replicas` x `rounds` micro-batches of `capacity` tokens.
 
     Returns every item's micro-batch (replica * rounds + slot), or None if an item fits
@@ -83,8 +103,11 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, roun
         tokens[b] = max(capacity, int(lengths[i]))
     rest = np.nonzero(bins < 0)[0]
     rest = rest[np.argsort(-lengths[rest], kind="stable")]
-    k = (split_exact_tail(work[rest][descending_order(work[rest])], n_replicas, float(work.sum()), 2 * n_replicas)
-         if exact_items is None else min(len(rest), exact_items))
+    k = (
+        split_exact_tail(work[rest][descending_order(work[rest])], n_replicas, float(work.sum()), 2 * n_replicas)
+        if exact_items is None
+        else min(len(rest), exact_items)
+    )
 
     def place(items) -> bool:
         heap = [(float(rep_load[r]), r) for r in range(n_replicas)]
@@ -129,8 +152,9 @@ def workload_greedy(lengths: np.ndarray, work: np.ndarray, n_replicas: int, roun
         for r, pos in enumerate(group_indices(tail_rep, n_replicas)):
             if len(pos):
                 mine = slice(r * rounds, (r + 1) * rounds)
-                tail_bins[pos] = r * rounds + water_fill(lengths[tail[pos]].astype(np.float64),
-                                                         tokens[mine].astype(np.float64))
+                tail_bins[pos] = r * rounds + water_fill(
+                    lengths[tail[pos]].astype(np.float64), tokens[mine].astype(np.float64)
+                )
         new_tokens = tokens + np.bincount(tail_bins, weights=lengths[tail], minlength=n_bins).astype(np.int64)
         if new_tokens.max() <= capacity:
             bins[tail] = tail_bins
@@ -146,8 +170,13 @@ ALL_MEMBERS_BUDGET = 50_000
 class WlbBalancer:
     name = "wlb"
 
-    def __init__(self, cp_size: Optional[int] = None, outlier_fraction: float = 0.5, fill: float = 0.95,
-                 cp_scope: str = "balanced"):
+    def __init__(
+        self,
+        cp_size: Optional[int] = None,
+        outlier_fraction: float = 0.5,
+        fill: float = 0.95,
+        cp_scope: str = "balanced",
+    ):
         check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
         if not 0 < fill <= 1:
             raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
@@ -163,8 +192,9 @@ class WlbBalancer:
             # the CP size is a configuration knob in WLB-LLM; here each step tries the smallest
             # size that holds its longest sample and the size at which that sample stops being
             # the straggler, and keeps the plan the cost model predicts faster
-            sizes = sorted({fixed_cp_size(req, None, self.name, "step"),
-                            fixed_cp_size(req, None, self.name, "balanced")})
+            sizes = sorted(
+                {fixed_cp_size(req, None, self.name, "step"), fixed_cp_size(req, None, self.name, "balanced")}
+            )
         else:
             sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
         best = min((self._plan_groups(req, N, estimate=len(sizes) > 1) for N in sizes), key=lambda r: r[0])
@@ -209,8 +239,9 @@ class WlbBalancer:
                 groups.append(Group(ranks=ranks, local={ranks[0]: mb_ids}))
                 ms = float(work[items].sum())
             else:
-                mode, ms = ring_mode_and_ms(req.cost, lens[items].tolist(), ranks, cap, memo=memo,
-                                            estimate=estimate, all_members=every)
+                mode, ms = ring_mode_and_ms(
+                    req.cost, lens[items].tolist(), ranks, cap, memo=memo, estimate=estimate, all_members=every
+                )
                 groups.append(Group(ranks=ranks, distributed=mb_ids, mode=mode))
             replica_ms[b // rounds] += ms + memo.overhead_ms
         return float(replica_ms.max()), groups

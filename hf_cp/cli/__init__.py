@@ -1,4 +1,5 @@
 """`hf-cp`: the command line. Each subcommand lives in its own module."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Help formatting shared by every subcommand."""
+
 from __future__ import annotations
 
 import argparse

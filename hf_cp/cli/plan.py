@@ -1,4 +1,5 @@
 """`hf-cp plan`: plan (or re-simulate) steps and report what a balanced plan buys."""
+
 from __future__ import annotations
 
 import json
@@ -22,25 +23,34 @@ def add_parser(sub) -> None:
         "plan",
         help="plan steps of a length distribution with a balancer and simulate them",
         description="Plan optimizer steps for the samples in --lengths with --balancer, simulate each plan "
-                    "with the cost model (--model dimensions on --profile hardware) and print predicted step "
-                    "time, lower bound, balance, communication and memory. With --plan-json, simulate plans "
-                    "made elsewhere instead.",
+        "with the cost model (--model dimensions on --profile hardware) and print predicted step "
+        "time, lower bound, balance, communication and memory. With --plan-json, simulate plans "
+        "made elsewhere instead.",
         formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--lengths", help="text file with one token count per line, or a saved dataset folder "
-                                       "with a 'length' column")
+    src.add_argument(
+        "--lengths", help="text file with one token count per line, or a saved dataset folder with a 'length' column"
+    )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
     p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
     p.add_argument("--max-tokens-per-rank", type=int, default=32768, help="memory cap per rank, in tokens")
     tps = p.add_mutually_exclusive_group()
     tps.add_argument("--tokens-per-step", type=int, help="tokens in one global batch (all ranks together)")
-    tps.add_argument("--tokens-per-rank-per-step", type=int, default=65536,
-                     help="tokens per rank in one global batch (global batch = this x world)")
-    p.add_argument("--profile", default="h200-qwen2.5-7b", help="hardware profile: a name under configs/profiles "
-                                                                 "or a YAML file")
-    p.add_argument("--model", default="qwen2.5-7b", help="model dimensions: a name under configs/models, a "
-                                                          "config.json, or a model folder")
+    tps.add_argument(
+        "--tokens-per-rank-per-step",
+        type=int,
+        default=65536,
+        help="tokens per rank in one global batch (global batch = this x world)",
+    )
+    p.add_argument(
+        "--profile", default="h200-qwen2.5-7b", help="hardware profile: a name under configs/profiles or a YAML file"
+    )
+    p.add_argument(
+        "--model",
+        default="qwen2.5-7b",
+        help="model dimensions: a name under configs/models, a config.json, or a model folder",
+    )
     p.add_argument("--balancer", default="static", help=f"balancer name; built in: {', '.join(available_balancers())}")
     p.add_argument("--steps", type=int, default=10, help="number of steps to plan (from the start of the epoch)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed of the epoch order")
@@ -78,30 +88,38 @@ def _hist(c: dict) -> str:
 
 def print_report(rows: List[dict], header: str, cap: int) -> None:
     print(header)
-    cols = f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'ratio':>6} " \
-           f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan ms':>8}  cp-size:samples"
+    cols = (
+        f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'ratio':>6} "
+        f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan ms':>8}  cp-size:samples"
+    )
     print(cols)
     print("-" * len(cols))
     for r in rows:
-        print(f"{r['step']:>5} {r['samples']:>7} {r['tokens']:>9} {r['predicted_ms']:>10.1f} {r['lower_bound_ms']:>10.1f} "
-              f"{r['ratio_to_bound']:>6.3f} {r['max_over_mean']:>8.3f} {100 * r['idle_share']:>6.1f} "
-              f"{r['comm_bytes'] / 1e9:>8.2f} {r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>8.1f}  "
-              f"{_hist(r['cp_size_samples'])}")
+        print(
+            f"{r['step']:>5} {r['samples']:>7} {r['tokens']:>9} {r['predicted_ms']:>10.1f} {r['lower_bound_ms']:>10.1f} "
+            f"{r['ratio_to_bound']:>6.3f} {r['max_over_mean']:>8.3f} {100 * r['idle_share']:>6.1f} "
+            f"{r['comm_bytes'] / 1e9:>8.2f} {r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>8.1f}  "
+            f"{_hist(r['cp_size_samples'])}"
+        )
     print("-" * len(cols))
     tot_pred = sum(r["predicted_ms"] for r in rows)
     tot_lb = sum(r["lower_bound_ms"] for r in rows)
     hist: Counter = Counter()
     for r in rows:
         hist.update(r["cp_size_samples"])
-    print(f"{'all':>5} {sum(r['samples'] for r in rows):>7} {sum(r['tokens'] for r in rows):>9} {tot_pred:>10.1f} "
-          f"{tot_lb:>10.1f} {tot_pred / tot_lb if tot_lb else float('nan'):>6.3f} "
-          f"{statistics.mean(r['max_over_mean'] for r in rows):>8.3f} "
-          f"{100 * statistics.mean(r['idle_share'] for r in rows):>6.1f} "
-          f"{sum(r['comm_bytes'] for r in rows) / 1e9:>8.2f} {max(r['peak_tokens'] for r in rows):>8} "
-          f"{max(r['peak_memory_gb'] for r in rows):>7.1f} {statistics.median(r['planner_ms'] for r in rows):>8.1f}  "
-          f"{_hist(hist)}")
-    print(f"predicted time / lower bound over {len(rows)} steps: {tot_pred / tot_lb:.3f}; peak tokens per rank "
-          f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} ms")
+    print(
+        f"{'all':>5} {sum(r['samples'] for r in rows):>7} {sum(r['tokens'] for r in rows):>9} {tot_pred:>10.1f} "
+        f"{tot_lb:>10.1f} {tot_pred / tot_lb if tot_lb else float('nan'):>6.3f} "
+        f"{statistics.mean(r['max_over_mean'] for r in rows):>8.3f} "
+        f"{100 * statistics.mean(r['idle_share'] for r in rows):>6.1f} "
+        f"{sum(r['comm_bytes'] for r in rows) / 1e9:>8.2f} {max(r['peak_tokens'] for r in rows):>8} "
+        f"{max(r['peak_memory_gb'] for r in rows):>7.1f} {statistics.median(r['planner_ms'] for r in rows):>8.1f}  "
+        f"{_hist(hist)}"
+    )
+    print(
+        f"predicted time / lower bound over {len(rows)} steps: {tot_pred / tot_lb:.3f}; peak tokens per rank "
+        f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} ms"
+    )
 
 
 def run(args) -> int:
@@ -120,35 +138,48 @@ def run(args) -> int:
         world = plans[0].world_size
         if args.world and args.world != world:
             raise PlanError(f"--world {args.world} disagrees with the plan's world_size {world}")
-        cluster = ClusterSpec(world, plans[0].max_tokens_per_rank,
-                              args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size)
+        cluster = ClusterSpec(
+            world, plans[0].max_tokens_per_rank, args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size
+        )
         header = f"simulated {len(plans)} plan(s) from {args.plan_json}"
     else:
         if not args.world:
             raise ValueError("--world is required with --lengths")
-        cluster = ClusterSpec(args.world, args.max_tokens_per_rank,
-                              args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size)
+        cluster = ClusterSpec(
+            args.world, args.max_tokens_per_rank, args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size
+        )
         lengths = read_lengths(args.lengths)
         longest = max(lengths)
         if longest > cluster.largest_capacity:
             i = lengths.index(longest)
-            raise ValueError(f"sample {i} (line {i + 1} of {args.lengths}) has {longest} tokens; the largest group "
-                             f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
-                             f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
-                             f"it with `hf-cp preprocess`")
+            raise ValueError(
+                f"sample {i} (line {i + 1} of {args.lengths}) has {longest} tokens; the largest group "
+                f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
+                f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
+                f"it with `hf-cp preprocess`"
+            )
         tps = args.tokens_per_step or args.tokens_per_rank_per_step * args.world
         batches = step_batches(lengths, tps, seed=args.seed, shuffle=not args.no_shuffle)[: args.steps]
         balancer = get_balancer(args.balancer)
         for step, ids in enumerate(batches):
-            req = PlanRequest(sample_ids=ids, lengths=[lengths[i] for i in ids], cluster=cluster, cost=cost,
-                              seed=args.seed, step=step, dataset_max_length=longest)
+            req = PlanRequest(
+                sample_ids=ids,
+                lengths=[lengths[i] for i in ids],
+                cluster=cluster,
+                cost=cost,
+                seed=args.seed,
+                step=step,
+                dataset_max_length=longest,
+            )
             t0 = time.perf_counter()
             plan = balancer.plan(req)
             planner_ms.append((time.perf_counter() - t0) * 1e3)
             plans.append(plan)
-        header = (f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
-                  f"{args.balancer}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
-                  f"{tps} tokens/step, model {args.model}, profile {args.profile}")
+        header = (
+            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
+            f"{args.balancer}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
+            f"{tps} tokens/step, model {args.model}, profile {args.profile}"
+        )
     rows, sims = [], []
     for plan, pms in zip(plans, planner_ms):
         plan.validate(cluster, cost)
@@ -168,8 +199,10 @@ def run(args) -> int:
         if not 0 <= k < len(plans):
             raise ValueError(f"--plot-step {k}: only {len(plans)} steps were planned")
         r = rows[k]
-        title = (f"step {k}, {plans[k].balancer or 'plan'}: {r['predicted_ms']:.0f} ms (bound {r['lower_bound_ms']:.0f}, "
-                 f"x{r['ratio_to_bound']:.2f}), max/mean {r['max_over_mean']:.3f}")
+        title = (
+            f"step {k}, {plans[k].balancer or 'plan'}: {r['predicted_ms']:.0f} ms (bound {r['lower_bound_ms']:.0f}, "
+            f"x{r['ratio_to_bound']:.2f}), max/mean {r['max_over_mean']:.3f}"
+        )
         plot_timeline(sims[k], args.plot, title)
         print(f"wrote timeline of step {k} to {args.plot}")
     return 0

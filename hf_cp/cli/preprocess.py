@@ -1,4 +1,5 @@
 """`hf-cp preprocess`: tokenise a dataset for CP training and report what its lengths cost."""
+
 from __future__ import annotations
 
 import json
@@ -12,46 +13,76 @@ def add_parser(sub) -> None:
         "preprocess",
         help="tokenise text or chat samples into input_ids/labels/length and report the length distribution",
         description="Read samples (a local .json/.jsonl/.parquet/.csv file, a folder saved with save_to_disk, or a "
-                    "Hugging Face Hub dataset name when a network is available), tokenise them - chat samples "
-                    "through the tokenizer's chat template - with SFT labels (-100 on masked prompt tokens, aligned "
-                    "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
-                    "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
-                    "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
+        "Hugging Face Hub dataset name when a network is available), tokenise them - chat samples "
+        "through the tokenizer's chat template - with SFT labels (-100 on masked prompt tokens, aligned "
+        "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
+        "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
+        "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
         epilog="example: hf-cp preprocess hf_cp/data/chat_sample.jsonl --tokenizer outputs/smollm2-135m-instruct "
-               "--out outputs/smollm2-chat --max-length 1024 --overlong truncate --plot lengths.png",
+        "--out outputs/smollm2-chat --max-length 1024 --overlong truncate --plot lengths.png",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("input", help="a .json/.jsonl/.parquet/.csv file (optionally .gz), a saved dataset folder, or a Hub "
-                                 "dataset name")
-    p.add_argument("--tokenizer", required=True,
-                   help="tokenizer: a model folder (e.g. from scripts/convert_smollm2.py), a Hub name, or a .gguf file")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="run tokeniser code shipped with the --tokenizer folder or Hub repo (off by default)")
+    p.add_argument(
+        "input",
+        help="a .json/.jsonl/.parquet/.csv file (optionally .gz), a saved dataset folder, or a Hub dataset name",
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer: a model folder (e.g. from scripts/convert_smollm2.py), a Hub name, or a .gguf file",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run tokeniser code shipped with the --tokenizer folder or Hub repo (off by default)",
+    )
     p.add_argument("--out", required=True, help="output folder for save_to_disk (columns input_ids, labels, length)")
-    p.add_argument("--text-field", help="plain-text samples: the column holding the text (default: chat samples when "
-                                        "the --messages-field column exists, else the 'text' column)")
-    p.add_argument("--messages-field", default="messages",
-                   help="chat samples: the column holding a list of {role, content} messages (a JSON string in CSV)")
-    p.add_argument("--mask", default="auto", choices=("auto", "assistant", "last-assistant", "none"),
-                   help="which tokens get labels -100: 'assistant' trains every assistant turn of a chat (prompt, "
-                        "system and user tokens masked), 'last-assistant' only the final turn, 'none' trains every "
-                        "token; 'auto' is 'assistant' for chat and 'none' for text")
+    p.add_argument(
+        "--text-field",
+        help="plain-text samples: the column holding the text (default: chat samples when "
+        "the --messages-field column exists, else the 'text' column)",
+    )
+    p.add_argument(
+        "--messages-field",
+        default="messages",
+        help="chat samples: the column holding a list of {role, content} messages (a JSON string in CSV)",
+    )
+    p.add_argument(
+        "--mask",
+        default="auto",
+        choices=("auto", "assistant", "last-assistant", "none"),
+        help="which tokens get labels -100: 'assistant' trains every assistant turn of a chat (prompt, "
+        "system and user tokens masked), 'last-assistant' only the final turn, 'none' trains every "
+        "token; 'auto' is 'assistant' for chat and 'none' for text",
+    )
     p.add_argument("--no-eos", action="store_true", help="text samples: do not append the tokenizer's EOS token")
-    p.add_argument("--max-length", type=int,
-                   help="longest sample allowed, in tokens; set it to what the largest CP group holds (world x "
-                        "max tokens per rank). Default: no limit")
-    p.add_argument("--overlong", default="error", choices=("error", "drop", "truncate"),
-                   help="what to do with samples longer than --max-length: stop with an error naming the sample, drop "
-                        "them, or cut them to --max-length tokens. The count is always printed")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help="longest sample allowed, in tokens; set it to what the largest CP group holds (world x "
+        "max tokens per rank). Default: no limit",
+    )
+    p.add_argument(
+        "--overlong",
+        default="error",
+        choices=("error", "drop", "truncate"),
+        help="what to do with samples longer than --max-length: stop with an error naming the sample, drop "
+        "them, or cut them to --max-length tokens. The count is always printed",
+    )
     p.add_argument("--num-proc", type=int, default=1, help="processes for datasets map/filter")
     p.add_argument("--split", default="train", help="split to read from a dataset with several splits")
     p.add_argument("--subset", help="Hub dataset configuration name")
     p.add_argument("--limit", type=int, help="use only the first N samples")
-    p.add_argument("--profile", default="h200-qwen2.5-7b",
-                   help="hardware profile for the attention-cost shares: a name under configs/profiles or a YAML file")
-    p.add_argument("--model", default="qwen2.5-7b",
-                   help="model dimensions for the cost shares: a name under configs/models, a config.json, or a model "
-                        "folder")
+    p.add_argument(
+        "--profile",
+        default="h200-qwen2.5-7b",
+        help="hardware profile for the attention-cost shares: a name under configs/profiles or a YAML file",
+    )
+    p.add_argument(
+        "--model",
+        default="qwen2.5-7b",
+        help="model dimensions for the cost shares: a name under configs/models, a config.json, or a model folder",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="also draw the length report as a PNG")
     p.add_argument("--report-json", metavar="OUT.json", help="also write the length report as JSON")
     p.set_defaults(func=run)
@@ -66,19 +97,37 @@ def run(args) -> int:
     if args.num_proc < 1:
         raise ValueError(f"--num-proc must be at least 1, got {args.num_proc}")
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
-    res = preprocess(args.input, tokenizer, args.out, text_field=args.text_field, messages_field=args.messages_field,
-                     mask=args.mask, max_length=args.max_length, overlong=args.overlong, num_proc=args.num_proc,
-                     split=args.split, subset=args.subset, limit=args.limit, add_eos=not args.no_eos)
+    res = preprocess(
+        args.input,
+        tokenizer,
+        args.out,
+        text_field=args.text_field,
+        messages_field=args.messages_field,
+        mask=args.mask,
+        max_length=args.max_length,
+        overlong=args.overlong,
+        num_proc=args.num_proc,
+        split=args.split,
+        subset=args.subset,
+        limit=args.limit,
+        add_eos=not args.no_eos,
+    )
     print(f"hf-cp preprocess: {args.input} -> {args.out}")
     for line in res.summary_lines(args.max_length, args.overlong):
         print("  " + line)
-    rep = length_report(res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=str(args.model),
-                        profile=str(args.profile))
+    rep = length_report(
+        res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=str(args.model), profile=str(args.profile)
+    )
     print(rep.text())
     if args.report_json:
-        Path(args.report_json).write_text(json.dumps(dict(rep.to_dict(), overlong=res.overlong,
-                                                          dropped_overlong=res.dropped_overlong,
-                                                          truncated=res.truncated), indent=1))
+        Path(args.report_json).write_text(
+            json.dumps(
+                dict(
+                    rep.to_dict(), overlong=res.overlong, dropped_overlong=res.dropped_overlong, truncated=res.truncated
+                ),
+                indent=1,
+            )
+        )
         print(f"wrote the length report to {args.report_json}")
     if args.plot:
         plot_length_report(rep, args.plot, title=f"{args.input}: {rep.samples} samples, {rep.tokens} tokens")

@@ -1,4 +1,5 @@
 """`hf-cp profile`: fit the cost model on this device and write a profile the planner loads."""
+
 from __future__ import annotations
 
 import shlex
@@ -12,22 +13,30 @@ def add_parser(sub) -> None:
         "profile",
         help="measure one decoder layer on this device and write a hardware profile (YAML)",
         description="Time one decoder layer of --model (built from its config with random weights, nothing is "
-                    "downloaded) and its attention over document compositions, query-chunk lengths and head "
-                    "splits; fit the cost model's c1 (per token), c2 (per causal pair) and c0 (per micro-batch); "
-                    "print the fit quality and write a profile for `hf-cp plan --profile`.",
+        "downloaded) and its attention over document compositions, query-chunk lengths and head "
+        "splits; fit the cost model's c1 (per token), c2 (per causal pair) and c0 (per micro-batch); "
+        "print the fit quality and write a profile for `hf-cp plan --profile`.",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", required=True, help="model config: a name under configs/models, a config.json, or "
-                                                  "a model folder")
+    p.add_argument(
+        "--model", required=True, help="model config: a name under configs/models, a config.json, or a model folder"
+    )
     p.add_argument("--out", required=True, metavar="PROFILE.yaml", help="where to write the profile")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer points (about a third of the time)")
-    p.add_argument("--max-tokens", type=int, help="longest composition in tokens (default: adaptive, up to 32768 "
-                                                  "on CUDA and 2048 on CPU)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="longest composition in tokens (default: adaptive, up to 32768 on CUDA and 2048 on CPU)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads (default 1 on CPU: steadier timings on shared machines)")
     p.add_argument("--name", help="profile name (default: derived from the device and model)")
-    p.add_argument("--min-r2", type=float, default=0.0,
-                   help="exit with status 3 when the layer fit's R^2 is below this (the profile is still written)")
+    p.add_argument(
+        "--min-r2",
+        type=float,
+        default=0.0,
+        help="exit with status 3 when the layer fit's R^2 is below this (the profile is still written)",
+    )
     p.set_defaults(func=run)
 
 
@@ -44,8 +53,14 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads}: use at least 1")
     try:
-        result = run_profile(args.model, device=device, quick=args.quick, max_tokens=args.max_tokens,
-                             threads=args.threads, name=args.name)
+        result = run_profile(
+            args.model,
+            device=device,
+            quick=args.quick,
+            max_tokens=args.max_tokens,
+            threads=args.threads,
+            name=args.name,
+        )
     except ProfileError as e:
         print(f"hf-cp profile: {e}", file=sys.stderr)
         return 3
@@ -56,9 +71,11 @@ def run(args) -> int:
     command = " ".join(shlex.quote(x) for x in parts + (["--quick"] if args.quick else []))
     path = write_profile(result, args.out, command)
     fit = result.layer_fit
-    print(f"wrote {path}: c1 {result.profile['c1_ms_per_token']:.4g} ms/token, c2 {result.profile['c2_ms_per_pair']:.4g} "
-          f"ms/pair, c0 {result.profile['c0_ms']:.4g} ms; layer fit R^2 {fit.r2:.4f}, max relative error "
-          f"{fit.max_rel_err:.3f} ({result.wall_s:.1f} s)")
+    print(
+        f"wrote {path}: c1 {result.profile['c1_ms_per_token']:.4g} ms/token, c2 {result.profile['c2_ms_per_pair']:.4g} "
+        f"ms/pair, c0 {result.profile['c0_ms']:.4g} ms; layer fit R^2 {fit.r2:.4f}, max relative error "
+        f"{fit.max_rel_err:.3f} ({result.wall_s:.1f} s)"
+    )
     if fit.r2 < args.min_r2:
         print(f"hf-cp profile: layer fit R^2 {fit.r2:.4f} is below --min-r2 {args.min_r2}", file=sys.stderr)
         return 3

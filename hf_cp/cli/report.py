@@ -1,4 +1,5 @@
 """`hf-cp report RUN_DIR`: draw a training run's balance metrics into PNGs."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,18 +12,21 @@ def add_parser(sub) -> None:
         "report",
         help="draw per-step predicted vs measured rank times, imbalance and CP-size use of a training run",
         description="Read the CP metrics of a training run (the trainer's output_dir: cp_history/rank*.jsonl per "
-                    "step, else trainer_state.json log_history, else TensorBoard events) and write rank_times.png "
-                    "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step "
-                    "time), cp_sizes.png (samples per CP group size per step) and loss.png (training loss, and "
-                    "evaluation losses from trainer_state.json when the run evaluated).",
+        "step, else trainer_state.json log_history, else TensorBoard events) and write rank_times.png "
+        "(predicted vs measured per-rank time per step), imbalance.png (max/mean rank time, step "
+        "time), cp_sizes.png (samples per CP group size per step) and loss.png (training loss, and "
+        "evaluation losses from trainer_state.json when the run evaluated).",
         epilog="example: hf-cp report outputs/smollm2-cpu --out outputs/smollm2-cpu/report",
         formatter_class=HelpFormatter,
     )
     p.add_argument("run_dir", help="the training run's output directory")
     p.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/report)")
-    p.add_argument("--source", default="auto", choices=("auto", "history", "trainer-state", "tensorboard"),
-                   help="which logs to read; auto takes the first found in the order history, trainer-state, "
-                        "tensorboard")
+    p.add_argument(
+        "--source",
+        default="auto",
+        choices=("auto", "history", "trainer-state", "tensorboard"),
+        help="which logs to read; auto takes the first found in the order history, trainer-state, tensorboard",
+    )
     p.set_defaults(func=run)
 
 

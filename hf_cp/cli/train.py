@@ -3,6 +3,7 @@
 Runs in this process; start several with a launcher (accelerate launch / torchrun), or pass
 --nproc N to have this command start N local processes through torch.distributed.run.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,28 +18,51 @@ def add_parser(sub) -> None:
         "train",
         help="train a model from a YAML config (CPTrainer on DeepSpeed ZeRO-2)",
         description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/main.py). "
-                    "Under a launcher every process runs this command; with --nproc N it starts N local "
-                    "processes itself (torch.distributed.run).",
+        "Under a launcher every process runs this command; with --nproc N it starts N local "
+        "processes itself (torch.distributed.run).",
         formatter_class=HelpFormatter,
     )
     p.add_argument("config", help="training config YAML, e.g. configs/tiny-cpu.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set training.max_steps=5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
+    )
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes (0: run in this one)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="with --nproc: restart all processes up to this many times when one dies, resuming from "
-                        "the newest checkpoint (sets resume_from_checkpoint=latest; save checkpoints with "
-                        "training.save_strategy=steps)")
-    p.add_argument("--shutdown-timeout", type=int, default=None, metavar="SECONDS",
-                   help="with --nproc: how long the processes may take to stop after a SIGTERM before they are "
-                        "killed (torchrun's default 30 s); with training.enable_jit_checkpoint=true they finish "
-                        "the step, save a checkpoint and exit, so allow two steps and one save")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check everything a launch would (config, model config, data, plans of the first steps "
-                        "and of the eval set, resume and restart settings) for --nproc N ranks (or --world N), "
-                        "without loading weights or starting processes")
-    p.add_argument("--world", type=int, default=0, metavar="N",
-                   help="with --dry-run: the number of ranks to plan for (default: --nproc, else 1)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: restart all processes up to this many times when one dies, resuming from "
+        "the newest checkpoint (sets resume_from_checkpoint=latest; save checkpoints with "
+        "training.save_strategy=steps)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="with --nproc: how long the processes may take to stop after a SIGTERM before they are "
+        "killed (torchrun's default 30 s); with training.enable_jit_checkpoint=true they finish "
+        "the step, save a checkpoint and exit, so allow two steps and one save",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything a launch would (config, model config, data, plans of the first steps "
+        "and of the eval set, resume and restart settings) for --nproc N ranks (or --world N), "
+        "without loading weights or starting processes",
+    )
+    p.add_argument(
+        "--world",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --dry-run: the number of ranks to plan for (default: --nproc, else 1)",
+    )
     p.add_argument("--dry-run-steps", type=int, default=20, metavar="K", help="with --dry-run: steps to plan")
     p.set_defaults(func=run)
 
@@ -62,8 +86,10 @@ def run(args) -> int:
         print("dry run passed: nothing was launched")
         return 0
     if args.max_restarts and args.max_restarts > 0 and not (args.nproc and args.nproc > 1):
-        raise SystemExit("hf-cp train: --max-restarts needs --nproc N (N > 1); under your own launcher pass "
-                         "its restart option instead (see README, Faults)")
+        raise SystemExit(
+            "hf-cp train: --max-restarts needs --nproc N (N > 1); under your own launcher pass "
+            "its restart option instead (see README, Faults)"
+        )
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
         env = dict(os.environ)
@@ -75,8 +101,18 @@ def run(args) -> int:
             launcher_args = ["--max-restarts", str(args.max_restarts)]
         if args.shutdown_timeout is not None:
             launcher_args += ["--shutdown-timeout", str(args.shutdown_timeout)]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-               *launcher_args, "-m", "hf_cp.train", args.config] + [x for o in overrides for x in ("--set", o)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.nproc),
+            *launcher_args,
+            "-m",
+            "hf_cp.train",
+            args.config,
+        ] + [x for o in overrides for x in ("--set", o)]
         return _run_forwarding_sigterm(cmd, env)
     from ..train.main import run as train_run
 

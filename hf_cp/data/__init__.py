@@ -3,6 +3,7 @@
 Byte-level ids need no tokenizer download and fit the tiny model's vocabulary of 256.
 `scripts/make_sample_dataset.py` regenerates the file deterministically.
 """
+
 from __future__ import annotations
 
 import gzip

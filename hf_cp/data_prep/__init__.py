@@ -3,11 +3,22 @@
 Output rows: `input_ids`, `labels` (aligned with input_ids, -100 where no loss is taken; the
 trainer's collator shifts them inside each document) and `length` (= len(input_ids)).
 """
-from .inputs import InputError, load_input
+
 from .encode import EncodeError, SampleEncoder
+from .inputs import InputError, load_input
 from .length_report import LengthReport, length_report
 from .pipeline import OVERLONG_POLICIES, PreprocessResult, preprocess
 from .tokenizer import load_tokenizer
 
-__all__ = ["EncodeError", "InputError", "LengthReport", "OVERLONG_POLICIES", "PreprocessResult", "SampleEncoder",
-           "length_report", "load_input", "load_tokenizer", "preprocess"]
+__all__ = [
+    "EncodeError",
+    "InputError",
+    "LengthReport",
+    "OVERLONG_POLICIES",
+    "PreprocessResult",
+    "SampleEncoder",
+    "length_report",
+    "load_input",
+    "load_tokenizer",
+    "preprocess",
+]

@@ -12,6 +12,7 @@ what `render(messages[:i+1])` adds to `render(messages[:i], add_generation_promp
 needs no generation markers in the template, only that rendering is prefix-stable (earlier
 turns render the same whatever follows), which is checked per sample.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,10 @@ class SampleEncoder:
         if mask not in allowed:
             raise ValueError(f"--mask {mask!r} does not apply to {kind} samples; choose from {', '.join(allowed)}")
         if kind == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                             f"chat samples need one (or use --text-field for plain text)")
+            raise ValueError(
+                f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                f"chat samples need one (or use --text-field for plain text)"
+            )
         if kind == "chat" and mask != "none" and not getattr(tokenizer, "is_fast", False):
             raise ValueError("label masking of chat samples needs a fast tokenizer (character offsets)")
         self.tokenizer, self.kind, self.field, self.mask, self.add_eos = tokenizer, kind, field, mask, add_eos
@@ -64,8 +67,9 @@ class SampleEncoder:
     # ---------------------------------------------------------------- chat
     def _render(self, messages: Sequence[dict], index: int, generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                                      add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as e:  # jinja's TemplateError and raise_exception() in templates
             raise EncodeError(f"sample {index}: the chat template failed: {type(e).__name__}: {e}") from None
 
@@ -82,7 +86,8 @@ class SampleEncoder:
             if not (upto.startswith(before) and full.startswith(upto)):
                 raise EncodeError(
                     f"sample {index}: the chat template does not render conversation prefixes as prefixes of the "
-                    f"whole (at message {i}), so assistant turns cannot be located; use --mask none")
+                    f"whole (at message {i}), so assistant turns cannot be located; use --mask none"
+                )
             spans.append((len(before), len(upto)))
         return spans
 
@@ -130,8 +135,12 @@ class SampleEncoder:
             pairs = [self._encode_chat(v, i) for v, i in zip(values, indices)]
             all_ids = [p[0] for p in pairs]
             all_labels = [p[1] for p in pairs]
-        return {"input_ids": all_ids, "labels": all_labels, "length": [len(x) for x in all_ids],
-                "trained_tokens": [trained_tokens(y) for y in all_labels]}
+        return {
+            "input_ids": all_ids,
+            "labels": all_labels,
+            "length": [len(x) for x in all_ids],
+            "trained_tokens": [trained_tokens(y) for y in all_labels],
+        }
 
 
 def trained_tokens(labels: Sequence[int]) -> int:
@@ -142,5 +151,9 @@ def trained_tokens(labels: Sequence[int]) -> int:
 
 def truncate(row: Dict, max_length: int) -> Dict:
     labels = row["labels"][:max_length]
-    return {"input_ids": row["input_ids"][:max_length], "labels": labels, "length": min(row["length"], max_length),
-            "trained_tokens": trained_tokens(labels)}
+    return {
+        "input_ids": row["input_ids"][:max_length],
+        "labels": labels,
+        "length": min(row["length"], max_length),
+        "trained_tokens": trained_tokens(labels),
+    }

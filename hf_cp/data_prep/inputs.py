@@ -1,5 +1,6 @@
 """Read the raw samples: a local json/jsonl/parquet/csv file, a saved dataset folder, or a
 dataset on the Hugging Face Hub."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,8 +41,10 @@ def load_input(source: str, split: str = "train", subset: Optional[str] = None):
             suffixes = suffixes[:-1]
         builder = FILE_BUILDERS.get(suffixes[-1] if suffixes else "")
         if builder is None:
-            raise InputError(f"{p}: unsupported file type {''.join(p.suffixes) or '(none)'}; expected one of "
-                             f"{', '.join(sorted(FILE_BUILDERS))} (optionally compressed)")
+            raise InputError(
+                f"{p}: unsupported file type {''.join(p.suffixes) or '(none)'}; expected one of "
+                f"{', '.join(sorted(FILE_BUILDERS))} (optionally compressed)"
+            )
         try:
             return datasets.load_dataset(builder, data_files=str(p), split="train")
         except Exception as e:  # datasets wraps parse errors in several exception types
@@ -52,13 +55,17 @@ def load_input(source: str, split: str = "train", subset: Optional[str] = None):
         try:
             return _pick_split(datasets.load_dataset(str(p)), split, str(p))
         except Exception as e:
-            raise InputError(f"{p}: neither a saved dataset (no state.json / dataset_dict.json) nor a folder "
-                             f"of data files datasets can read: {e}") from None
+            raise InputError(
+                f"{p}: neither a saved dataset (no state.json / dataset_dict.json) nor a folder "
+                f"of data files datasets can read: {e}"
+            ) from None
     if source.startswith((".", "/", "~")) or source.endswith(tuple(FILE_BUILDERS)):
         raise InputError(f"input {source} does not exist")
     try:
         # only the split asked for: hub datasets can be large
         return datasets.load_dataset(source, subset, split=split)
     except Exception as e:
-        raise InputError(f"{source!r} is not a local file or folder, and loading it from the Hugging Face Hub "
-                         f"failed (is a network available?): {type(e).__name__}: {e}") from None
+        raise InputError(
+            f"{source!r} is not a local file or folder, and loading it from the Hugging Face Hub "
+            f"failed (is a network available?): {type(e).__name__}: {e}"
+        ) from None

@@ -4,6 +4,7 @@ of samples, of tokens and of predicted attention time (hf_cp.cost.CostModel).
 Tokens drive memory and linear compute; attention grows with the square of each document's
 length, so a few long samples can hold most of the attention work. Buckets are powers of two.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,20 +63,37 @@ class LengthReport:
 
     def to_dict(self) -> dict:
         return {
-            "samples": self.samples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
-            "mean": self.mean, "min": self.minimum, "max": self.maximum,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "trained_tokens": self.trained_tokens,
+            "mean": self.mean,
+            "min": self.minimum,
+            "max": self.maximum,
             "percentiles": {str(p): v for p, v in self.percentiles},
-            "model": self.model, "profile": self.profile,
-            "buckets": [{"low": b.low, "high": b.high, "samples": b.samples, "tokens": b.tokens,
-                         "attention_ms": b.attention_ms, "compute_ms": b.compute_ms} for b in self.buckets],
+            "model": self.model,
+            "profile": self.profile,
+            "buckets": [
+                {
+                    "low": b.low,
+                    "high": b.high,
+                    "samples": b.samples,
+                    "tokens": b.tokens,
+                    "attention_ms": b.attention_ms,
+                    "compute_ms": b.compute_ms,
+                }
+                for b in self.buckets
+            ],
         }
 
     def text(self, bar_width: int = 30) -> str:
         pct = ", ".join(f"p{p:g} {v}" for p, v in self.percentiles)
         lines = [
             f"length report: {self.samples} samples, {self.tokens} tokens"
-            + (f" ({self.trained_tokens} trained, {100 * self.trained_tokens / max(self.tokens, 1):.1f}%)"
-               if self.trained_tokens is not None else ""),
+            + (
+                f" ({self.trained_tokens} trained, {100 * self.trained_tokens / max(self.tokens, 1):.1f}%)"
+                if self.trained_tokens is not None
+                else ""
+            ),
             f"  min {self.minimum}, mean {self.mean:.1f}, {pct}, max {self.maximum}",
             f"  cost shares predicted for {self.model} on {self.profile} (each sample on one rank):",
             f"  {'length':>12} {'samples':>8} {'samples%':>8} {'tokens%':>8} {'attn%':>7} {'compute%':>8}  histogram",
@@ -86,12 +104,14 @@ class LengthReport:
             lines.append(
                 f"  {b.label:>12} {b.samples:>8} {100 * b.samples / self.samples:>8.1f} "
                 f"{100 * b.tokens / max(self.tokens, 1):>8.1f} {100 * b.attention_ms / max(self.attention_ms, 1e-300):>7.1f} "
-                f"{100 * b.compute_ms / max(self.compute_ms, 1e-300):>8.1f}  {bar}")
+                f"{100 * b.compute_ms / max(self.compute_ms, 1e-300):>8.1f}  {bar}"
+            )
         return "\n".join(lines)
 
 
-def length_report(lengths: Sequence[int], cost: CostModel, trained_tokens: Optional[int] = None,
-                  model: str = "", profile: str = "") -> LengthReport:
+def length_report(
+    lengths: Sequence[int], cost: CostModel, trained_tokens: Optional[int] = None, model: str = "", profile: str = ""
+) -> LengthReport:
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         raise ValueError("length report: no samples")
@@ -102,19 +122,34 @@ def length_report(lengths: Sequence[int], cost: CostModel, trained_tokens: Optio
     comp = np.array([cost.sample_local_ms(int(n)) for n in values])
     top_exp = max(7, int(math.ceil(math.log2(max(int(values[-1]), 1)))))
     low_exp = min(7, top_exp)
-    edges = [0] + [2 ** e for e in range(low_exp, top_exp + 1)]
+    edges = [0] + [2**e for e in range(low_exp, top_exp + 1)]
     which = np.searchsorted(np.asarray(edges[1:]), values, side="left")  # bucket i holds (edges[i], edges[i+1]]
     buckets = []
     for i in range(len(edges) - 1):
         sel = which == i
-        buckets.append(Bucket(low=edges[i], high=edges[i + 1], samples=int(counts[sel].sum()),
-                              tokens=int((values[sel] * counts[sel]).sum()),
-                              attention_ms=float((attn[sel] * counts[sel]).sum()),
-                              compute_ms=float((comp[sel] * counts[sel]).sum())))
+        buckets.append(
+            Bucket(
+                low=edges[i],
+                high=edges[i + 1],
+                samples=int(counts[sel].sum()),
+                tokens=int((values[sel] * counts[sel]).sum()),
+                attention_ms=float((attn[sel] * counts[sel]).sum()),
+                compute_ms=float((comp[sel] * counts[sel]).sum()),
+            )
+        )
     pct = [(p, int(np.percentile(lens, p, method="inverted_cdf"))) for p in PERCENTILES]
-    return LengthReport(samples=int(lens.size), tokens=int(lens.sum()), trained_tokens=trained_tokens,
-                        mean=float(lens.mean()), minimum=int(lens.min()), maximum=int(lens.max()),
-                        percentiles=pct, buckets=buckets, model=model, profile=profile)
+    return LengthReport(
+        samples=int(lens.size),
+        tokens=int(lens.sum()),
+        trained_tokens=trained_tokens,
+        mean=float(lens.mean()),
+        minimum=int(lens.min()),
+        maximum=int(lens.max()),
+        percentiles=pct,
+        buckets=buckets,
+        model=model,
+        profile=profile,
+    )
 
 
 def plot_length_report(report: LengthReport, out: Union[str, Path], title: str = "") -> Path:
@@ -127,8 +162,10 @@ def plot_length_report(report: LengthReport, out: Union[str, Path], title: str =
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(7.0, 0.6 * len(labels) + 3), 7), sharex=True)
     ax1.bar(x, [b.samples for b in report.buckets], color="tab:blue")
     ax1.set_ylabel("samples")
-    ax1.set_title(title or f"{report.samples} samples, {report.tokens} tokens; median "
-                           f"{report.percentiles[0][1]}, max {report.maximum}")
+    ax1.set_title(
+        title
+        or f"{report.samples} samples, {report.tokens} tokens; median {report.percentiles[0][1]}, max {report.maximum}"
+    )
     w = 0.27
     shares = {
         "samples": [b.samples / report.samples for b in report.buckets],

@@ -1,4 +1,5 @@
 """preprocess(): load -> tokenise with labels -> over-long policy -> save_to_disk -> length report."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,18 +34,30 @@ class PreprocessResult:
         kept = len(self.dataset)
         lines = [f"{self.input_samples} input samples ({self.kind}), {kept} kept"]
         if max_length:
-            what = {"drop": f"dropped {self.dropped_overlong}", "truncate": f"truncated {self.truncated}",
-                    "error": "none allowed"}[policy]
-            lines.append(f"over-long (> --max-length {max_length}): {self.overlong} samples, policy {policy}: {what}"
-                         + ("; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
-                            if self.overlong_examples else ""))
+            what = {
+                "drop": f"dropped {self.dropped_overlong}",
+                "truncate": f"truncated {self.truncated}",
+                "error": "none allowed",
+            }[policy]
+            lines.append(
+                f"over-long (> --max-length {max_length}): {self.overlong} samples, policy {policy}: {what}"
+                + (
+                    "; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
+                    if self.overlong_examples
+                    else ""
+                )
+            )
         else:
-            lines.append(f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)")
+            lines.append(
+                f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)"
+            )
         if self.dropped_empty:
             lines.append(f"dropped {self.dropped_empty} samples that encode to no tokens")
         if self.untrained:
-            lines.append(f"warning: {self.untrained} kept samples have no trained token (all labels -100); "
-                         f"they cost compute but add nothing to the loss")
+            lines.append(
+                f"warning: {self.untrained} kept samples have no trained token (all labels -100); "
+                f"they cost compute but add nothing to the loss"
+            )
         return lines
 
 
@@ -57,15 +70,29 @@ def infer_kind(columns, text_field: Optional[str], messages_field: str) -> Tuple
         return "chat", messages_field
     if "text" in columns:
         return "text", "text"
-    raise InputError(f"cannot tell text from chat samples: no {messages_field!r} column (chat) and no 'text' column "
-                     f"(columns: {columns}); name the field with --text-field or --messages-field")
+    raise InputError(
+        f"cannot tell text from chat samples: no {messages_field!r} column (chat) and no 'text' column "
+        f"(columns: {columns}); name the field with --text-field or --messages-field"
+    )
 
 
-def preprocess(source: str, tokenizer, out_dir=None, *, text_field: Optional[str] = None,
-               messages_field: str = "messages", mask: str = "auto", max_length: Optional[int] = None,
-               overlong: str = "error", num_proc: Optional[int] = None, split: str = "train",
-               subset: Optional[str] = None, limit: Optional[int] = None, add_eos: bool = True,
-               batch_size: int = 256) -> PreprocessResult:
+def preprocess(
+    source: str,
+    tokenizer,
+    out_dir=None,
+    *,
+    text_field: Optional[str] = None,
+    messages_field: str = "messages",
+    mask: str = "auto",
+    max_length: Optional[int] = None,
+    overlong: str = "error",
+    num_proc: Optional[int] = None,
+    split: str = "train",
+    subset: Optional[str] = None,
+    limit: Optional[int] = None,
+    add_eos: bool = True,
+    batch_size: int = 256,
+) -> PreprocessResult:
     """Tokenise `source` for CPTrainer and save it to `out_dir` (when given)."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"over-long policy must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
@@ -79,8 +106,15 @@ def preprocess(source: str, tokenizer, out_dir=None, *, text_field: Optional[str
     kind, fld = infer_kind(raw.column_names, text_field, messages_field)
     encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos)
     num_proc = num_proc if num_proc and num_proc > 1 else None
-    ds = raw.map(encoder, batched=True, batch_size=batch_size, with_indices=True, num_proc=num_proc,
-                 remove_columns=raw.column_names, desc=f"tokenising {kind} samples")
+    ds = raw.map(
+        encoder,
+        batched=True,
+        batch_size=batch_size,
+        with_indices=True,
+        num_proc=num_proc,
+        remove_columns=raw.column_names,
+        desc=f"tokenising {kind} samples",
+    )
 
     lengths = np.asarray(ds["length"], dtype=np.int64)
     longest = int(lengths.max())
@@ -88,31 +122,61 @@ def preprocess(source: str, tokenizer, out_dir=None, *, text_field: Optional[str
     examples = [(int(i), int(lengths[i])) for i in over[:5]]
     if len(over) and overlong == "error":
         i, n = examples[0]
-        more = f" ({len(over) - 1} more: " + ", ".join(f"sample {j} has {m}" for j, m in examples[1:]) + \
-               (", ..." if len(over) > 5 else "") + ")" if len(over) > 1 else ""
-        raise ValueError(f"sample {i} has {n} tokens, more than --max-length {max_length}{more}; "
-                         f"choose --overlong drop or --overlong truncate, or raise --max-length")
+        more = (
+            f" ({len(over) - 1} more: "
+            + ", ".join(f"sample {j} has {m}" for j, m in examples[1:])
+            + (", ..." if len(over) > 5 else "")
+            + ")"
+            if len(over) > 1
+            else ""
+        )
+        raise ValueError(
+            f"sample {i} has {n} tokens, more than --max-length {max_length}{more}; "
+            f"choose --overlong drop or --overlong truncate, or raise --max-length"
+        )
     dropped_overlong = truncated = 0
     if len(over) and overlong == "drop":
-        ds = ds.filter(lambda n: [x <= max_length for x in n], input_columns="length", batched=True,
-                       num_proc=num_proc, desc=f"dropping samples over {max_length} tokens")
+        ds = ds.filter(
+            lambda n: [x <= max_length for x in n],
+            input_columns="length",
+            batched=True,
+            num_proc=num_proc,
+            desc=f"dropping samples over {max_length} tokens",
+        )
         dropped_overlong = len(over)
     elif len(over) and overlong == "truncate":
-        ds = ds.map(lambda row: truncate(row, max_length) if row["length"] > max_length else {},
-                    num_proc=num_proc, desc=f"truncating samples to {max_length} tokens")
+        ds = ds.map(
+            lambda row: truncate(row, max_length) if row["length"] > max_length else {},
+            num_proc=num_proc,
+            desc=f"truncating samples to {max_length} tokens",
+        )
         truncated = len(over)
     n_before = len(ds)
-    ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="length", batched=True, num_proc=num_proc,
-                   desc="dropping empty samples")
+    ds = ds.filter(
+        lambda n: [x > 0 for x in n],
+        input_columns="length",
+        batched=True,
+        num_proc=num_proc,
+        desc="dropping empty samples",
+    )
     dropped_empty = n_before - len(ds)
     if len(ds) == 0:
         raise ValueError(f"{source}: no samples left after the over-long policy and dropping empty samples")
     trained = np.asarray(ds["trained_tokens"], dtype=np.int64)
     ds = ds.remove_columns([c for c in ds.column_names if c not in OUTPUT_COLUMNS])
-    result = PreprocessResult(dataset=ds, kind=kind, input_samples=len(raw), overlong=len(over),
-                              dropped_overlong=dropped_overlong, truncated=truncated, dropped_empty=dropped_empty,
-                              untrained=int((trained == 0).sum()),
-                              trained_tokens=int(trained.sum()), longest_input=longest, overlong_examples=examples)
+    result = PreprocessResult(
+        dataset=ds,
+        kind=kind,
+        input_samples=len(raw),
+        overlong=len(over),
+        dropped_overlong=dropped_overlong,
+        truncated=truncated,
+        dropped_empty=dropped_empty,
+        untrained=int((trained == 0).sum()),
+        trained_tokens=int(trained.sum()),
+        longest_input=longest,
+        overlong_examples=examples,
+    )
     if out_dir is not None:
         out_dir = Path(out_dir)
         ds.save_to_disk(str(out_dir))

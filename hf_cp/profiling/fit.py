@@ -1,4 +1,5 @@
 """Least-squares fits of measured times and how well they fit."""
+
 from __future__ import annotations
 
 import itertools
@@ -15,8 +16,11 @@ class FitQuality:
     median_rel_err: float
 
     def to_dict(self) -> dict:
-        return {"r2": round(self.r2, 6), "max_rel_err": round(self.max_rel_err, 6),
-                "median_rel_err": round(self.median_rel_err, 6)}
+        return {
+            "r2": round(self.r2, 6),
+            "max_rel_err": round(self.max_rel_err, 6),
+            "median_rel_err": round(self.median_rel_err, 6),
+        }
 
 
 def fit_quality(measured: Sequence[float], predicted: Sequence[float]) -> FitQuality:
@@ -50,7 +54,7 @@ def nonnegative_lstsq(X: Sequence[Sequence[float]], y: Sequence[float]) -> List[
     norms = np.linalg.norm(A, axis=0)
     norms[norms == 0] = 1.0
     As = A / norms
-    best, best_res = np.zeros(n), float(np.sum(b ** 2))
+    best, best_res = np.zeros(n), float(np.sum(b**2))
     for k in range(n, 0, -1):
         for support in itertools.combinations(range(n), k):
             cols = list(support)

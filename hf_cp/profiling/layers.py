@@ -6,6 +6,7 @@ function registered with transformers' AttentionInterface that computes exactly 
 shard of attention (shard_attention.py); the communication that would bring remote keys is
 left out (their keys are random placeholders), which is what replay and profiling measure.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,18 +71,31 @@ def load_hf_config(model: Union[str, Path, dict]):
         raise ConfigError(f"{source}: transformers cannot build this config: {e}") from None
 
 
-def _shard_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                     shard_plan: Optional["PreparedWork"] = None, **kwargs):
+def _shard_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    shard_plan: Optional[PreparedWork] = None,
+    **kwargs,
+):
     """transformers attention function: q [1, H, T, D], k/v [1, H_kv, T, D] -> [1, T, H, D]."""
     if shard_plan is None:
-        raise ValueError(f"attention {ATTENTION_NAME!r} needs the shard_plan keyword (run the layers "
-                         f"through DecoderStack)")
+        raise ValueError(
+            f"attention {ATTENTION_NAME!r} needs the shard_plan keyword (run the layers through DecoderStack)"
+        )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     n_seg = shard_plan.segment_layout.tokens if shard_plan.segment_layout else 0
     outs = []
     if n_seg:
-        outs.append(shard_plan.segment_layout.attend(q[:n_seg], k[:n_seg], v[:n_seg], shard_plan.prefix_k,
-                                                     shard_plan.prefix_v, scaling))
+        outs.append(
+            shard_plan.segment_layout.attend(
+                q[:n_seg], k[:n_seg], v[:n_seg], shard_plan.prefix_k, shard_plan.prefix_v, scaling
+            )
+        )
     if shard_plan.split_layout is not None:
         outs.append(shard_plan.head_split_attend(q[n_seg:], k[n_seg:], v[n_seg:], scaling))
     return torch.cat(outs).unsqueeze(0), None
@@ -126,8 +140,14 @@ class PreparedWork:
 class DecoderStack:
     """`num_layers` decoder layers of the model in `model_config`, on one device."""
 
-    def __init__(self, model_config, num_layers: int = 1, device: Union[str, torch.device] = "cpu",
-                 dtype: Optional[torch.dtype] = None, seed: int = 0):
+    def __init__(
+        self,
+        model_config,
+        num_layers: int = 1,
+        device: Union[str, torch.device] = "cpu",
+        dtype: Optional[torch.dtype] = None,
+        seed: int = 0,
+    ):
         from transformers import AutoModel
 
         if num_layers < 1:
@@ -146,8 +166,10 @@ class DecoderStack:
         with torch.device(self.device):
             model = AutoModel.from_config(config, dtype=self.dtype, attn_implementation=ATTENTION_NAME)
         if not hasattr(model, "layers") or not hasattr(model, "rotary_emb"):
-            raise ConfigError(f"{type(model).__name__} has no .layers / .rotary_emb; hf-cp profiles decoder-only "
-                              f"models of the Llama family (Llama, Qwen2, Mistral, ...)")
+            raise ConfigError(
+                f"{type(model).__name__} has no .layers / .rotary_emb; hf-cp profiles decoder-only "
+                f"models of the Llama family (Llama, Qwen2, Mistral, ...)"
+            )
         model.train()
         self.config = config
         self.layers = model.layers
@@ -187,12 +209,16 @@ class DecoderStack:
             total = sum(work.head_split_docs)
             others = total - work.head_split_tokens
             if others < 0:
-                raise ValueError(f"head-split rank holds {work.head_split_tokens} tokens of documents totalling {total}")
+                raise ValueError(
+                    f"head-split rank holds {work.head_split_tokens} tokens of documents totalling {total}"
+                )
             prepared.split_layout = SegmentLayout([(0, n) for n in work.head_split_docs], self.device)
             prepared.split_q_heads, prepared.split_kv_heads = qh, kvh
-            prepared.split_placeholders = (self._rand(others, qh, self.head_dim),
-                                           self._rand(others, kvh, self.head_dim),
-                                           self._rand(others, kvh, self.head_dim))
+            prepared.split_placeholders = (
+                self._rand(others, qh, self.head_dim),
+                self._rand(others, kvh, self.head_dim),
+                self._rand(others, kvh, self.head_dim),
+            )
         return prepared
 
     def forward_backward(self, prepared: PreparedWork) -> None:

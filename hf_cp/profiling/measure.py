@@ -12,6 +12,7 @@ The method of ../shared/data/calibration/measure.py, on the model's own layer cl
 Sizes adapt: the longest composition is the largest power of two (up to 32K tokens on CUDA, 4K
 on CPU) whose single-document fwd+bwd fits a time budget, so small devices finish quickly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,10 +37,14 @@ from .timing import cpu_clock_name, synchronize, time_each
 
 # Nominal links, not measured (a single device cannot measure them).
 NOMINAL_LINKS = {
-    "cuda": {"intra_node": {"bandwidth_gbps": 350.0, "latency_us": 10.0},  # NVLink 4, derated
-             "inter_node": {"bandwidth_gbps": 40.0, "latency_us": 25.0}},  # 400 Gb/s IB per GPU, derated
-    "cpu": {"intra_node": {"bandwidth_gbps": 5.0, "latency_us": 50.0},  # gloo over shared memory
-            "inter_node": {"bandwidth_gbps": 1.25, "latency_us": 100.0}},  # 10 GbE
+    "cuda": {
+        "intra_node": {"bandwidth_gbps": 350.0, "latency_us": 10.0},  # NVLink 4, derated
+        "inter_node": {"bandwidth_gbps": 40.0, "latency_us": 25.0},
+    },  # 400 Gb/s IB per GPU, derated
+    "cpu": {
+        "intra_node": {"bandwidth_gbps": 5.0, "latency_us": 50.0},  # gloo over shared memory
+        "inter_node": {"bandwidth_gbps": 1.25, "latency_us": 100.0},
+    },  # 10 GbE
 }
 ZERO2_RANKS = 8  # model states are counted as sharded ZeRO-2 over this many ranks (nominal)
 
@@ -124,8 +129,13 @@ def token_series(T: int, min_doc: int) -> Dict[str, List[int]]:
     return {f"T{t}_uniform_{doc}": [doc] * (t // doc) for t in (T // 8, T // 4, T // 2) if t >= doc}
 
 
-def choose_settings(stack: DecoderStack, quick: bool = False, max_tokens: Optional[int] = None,
-                    threads: int = 1, log: Callable[[str], None] = print) -> ProfileSettings:
+def choose_settings(
+    stack: DecoderStack,
+    quick: bool = False,
+    max_tokens: Optional[int] = None,
+    threads: int = 1,
+    log: Callable[[str], None] = print,
+) -> ProfileSettings:
     """The longest composition: the largest power of two whose one-document fwd+bwd fits the budget."""
     dev = stack.device
     cuda = dev.type == "cuda"
@@ -140,7 +150,7 @@ def choose_settings(stack: DecoderStack, quick: bool = False, max_tokens: Option
     T = top
     while True:
         prepared = stack.prepare(RankWork(((0, T),)))
-        ms = time_each([lambda: stack.forward_backward(prepared)], dev, warmup=1, repeats=1)[0]
+        ms = time_each([lambda prepared=prepared: stack.forward_backward(prepared)], dev, warmup=1, repeats=1)[0]
         del prepared
         log(f"  size probe: one document of {T} tokens, layer fwd+bwd {ms:.1f} ms (budget {budget_ms:.0f} ms)")
         if ms <= budget_ms or T <= floor:
@@ -159,17 +169,33 @@ def choose_settings(stack: DecoderStack, quick: bool = False, max_tokens: Option
         q_lens.append(q)
         q *= 2 if not quick or q >= chunk_keys // 4 else 4
     ways = tuple(w for w in (1, 2, 4, 8) if stack.num_heads % w == 0 and w <= stack.num_heads)
-    return ProfileSettings(device=dev, dtype=stack.dtype, tokens=T, min_doc=min_doc, chunk_keys=chunk_keys,
-                           chunk_q_lens=tuple(q_lens), head_split_ways=ways,
-                           warmup=(2 if cuda else 1), repeats=(5 if cuda else 3), threads=threads)
+    return ProfileSettings(
+        device=dev,
+        dtype=stack.dtype,
+        tokens=T,
+        min_doc=min_doc,
+        chunk_keys=chunk_keys,
+        chunk_q_lens=tuple(q_lens),
+        head_split_ways=ways,
+        warmup=(2 if cuda else 1),
+        repeats=(5 if cuda else 3),
+        threads=threads,
+    )
 
 
 # --------------------------------------------------------------------------- attention-only cases
 class AttentionCase:
     """Attention fwd+bwd alone over `segments`, with the given head counts; inputs made up front."""
 
-    def __init__(self, segments: Sequence[Tuple[int, int]], q_heads: int, kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        segments: Sequence[Tuple[int, int]],
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.layout = SegmentLayout(segments, device)
         T = self.layout.tokens
         mk = lambda n, h, g=True: torch.randn(n, h, head_dim, device=device, dtype=dtype, requires_grad=g)
@@ -224,9 +250,15 @@ def _saved_activation_bytes(stack: DecoderStack, prepared) -> int:
     return sum(seen.values())
 
 
-def run_profile(model_config, device: str = "cpu", quick: bool = False, max_tokens: Optional[int] = None,
-                threads: Optional[int] = None, name: Optional[str] = None,
-                log: Callable[[str], None] = print) -> ProfileResult:
+def run_profile(
+    model_config,
+    device: str = "cpu",
+    quick: bool = False,
+    max_tokens: Optional[int] = None,
+    threads: Optional[int] = None,
+    name: Optional[str] = None,
+    log: Callable[[str], None] = print,
+) -> ProfileResult:
     """Measure one decoder layer of `model_config` on `device` and fit a profile (see the module doc).
 
     On CPU the torch thread count is set to `threads` (default 1) while measuring and restored after.
@@ -256,12 +288,16 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     dims = ModelDims.from_hf_config(cfg.to_dict(), source=str(model_config))
     stack = DecoderStack(model_config, num_layers=1, device=dev)
     H, HKV, D = stack.num_heads, stack.num_kv_heads, stack.head_dim
-    log(f"hf-cp profile: {model_config} (hidden {dims.hidden}, {H} heads / {HKV} kv, head dim {D}, "
-        f"MLP {dims.intermediate}) on {_machine(dev)}, {str(stack.dtype).replace('torch.', '')}")
+    log(
+        f"hf-cp profile: {model_config} (hidden {dims.hidden}, {H} heads / {HKV} kv, head dim {D}, "
+        f"MLP {dims.intermediate}) on {_machine(dev)}, {str(stack.dtype).replace('torch.', '')}"
+    )
     st = choose_settings(stack, quick=quick, max_tokens=max_tokens, threads=threads, log=log)
     T = st.tokens
-    log(f"  compositions of {T} tokens, documents down to {st.min_doc}; query chunks {list(st.chunk_q_lens)} "
-        f"against {st.chunk_keys} keys; head split {list(st.head_split_ways)}")
+    log(
+        f"  compositions of {T} tokens, documents down to {st.min_doc}; query chunks {list(st.chunk_q_lens)} "
+        f"against {st.chunk_keys} keys; head split {list(st.head_split_ways)}"
+    )
     timing = dict(device=dev, warmup=st.warmup, repeats=st.repeats)
 
     # 1. query-chunk efficiency: n chunks of q queries, each attending to chunk_keys keys
@@ -306,10 +342,24 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     layer_fns = [(lambda p=p: stack.forward_backward(p)) for p in prepared.values()]
     layer_ms = time_each(layer_fns, **timing)
     one_layer = dataclasses.replace(dims, num_layers=1, vocab_size=0)
-    shape_model = CostModel(one_layer, HardwareProfile.from_dict(
-        {"c1_ms_per_token": 1.0, "c2_ms_per_pair": 1.0, "c0_ms": 0.0, "fitted_dims": cfg.to_dict(),
-         "chunk_efficiency": eff_table, "activation_bytes_per_token": 1.0, "static_bytes": 0.0,
-         "bytes_per_element": 1, "gpus_per_node": 1, "links": NOMINAL_LINKS[dev.type]}, source="efficiency table"))
+    shape_model = CostModel(
+        one_layer,
+        HardwareProfile.from_dict(
+            {
+                "c1_ms_per_token": 1.0,
+                "c2_ms_per_pair": 1.0,
+                "c0_ms": 0.0,
+                "fitted_dims": cfg.to_dict(),
+                "chunk_efficiency": eff_table,
+                "activation_bytes_per_token": 1.0,
+                "static_bytes": 0.0,
+                "bytes_per_element": 1,
+                "gpus_per_node": 1,
+                "links": NOMINAL_LINKS[dev.type],
+            },
+            source="efficiency table",
+        ),
+    )
 
     def attention_units(lens):  # sum of pairs / efficiency; c2 is the slope on this
         return sum(doc_pairs(n) / shape_model.chunk_efficiency(n) for n in lens)
@@ -332,8 +382,11 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
             retimed += len(worst)
             c1, c2, c0 = nonnegative_lstsq(X, layer_ms)
     del layer_fns
-    att_cases = {k: AttentionCase([(0, n) for n in lens], H, HKV, D, dev, stack.dtype)
-                 for k, lens in comps.items() if sum(lens) == T}
+    att_cases = {
+        k: AttentionCase([(0, n) for n in lens], H, HKV, D, dev, stack.dtype)
+        for k, lens in comps.items()
+        if sum(lens) == T
+    }
     att_ms = dict(zip(att_cases, time_each(list(att_cases.values()), **timing)))
     del att_cases
 
@@ -355,8 +408,11 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     del prepared
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    (slope, _), *_ = np.linalg.lstsq(np.array([[r["tokens"], 1.0] for r in mem_rows]),
-                                     np.array([r["bytes"] for r in mem_rows], dtype=np.float64), rcond=None)
+    (slope, _), *_ = np.linalg.lstsq(
+        np.array([[r["tokens"], 1.0] for r in mem_rows]),
+        np.array([r["bytes"] for r in mem_rows], dtype=np.float64),
+        rcond=None,
+    )
     layer_bytes_per_token = max(0.0, float(slope))
 
     # 5. fit with exactly the cost model's formula
@@ -364,11 +420,18 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     profile = {
         "name": name or f"{dev.type}-{dims.hidden}h",
         "description": "",
-        "c1_ms_per_token": 1.0, "c2_ms_per_pair": 1.0, "c0_ms": 0.0,  # replaced below
-        "fitted_dims": {"num_hidden_layers": dims.num_layers, "hidden_size": dims.hidden,
-                        "num_attention_heads": dims.num_heads, "num_key_value_heads": dims.num_kv_heads,
-                        "head_dim": dims.head_dim, "intermediate_size": dims.intermediate,
-                        "vocab_size": dims.vocab_size},
+        "c1_ms_per_token": 1.0,
+        "c2_ms_per_pair": 1.0,
+        "c0_ms": 0.0,  # replaced below
+        "fitted_dims": {
+            "num_hidden_layers": dims.num_layers,
+            "hidden_size": dims.hidden,
+            "num_attention_heads": dims.num_heads,
+            "num_key_value_heads": dims.num_kv_heads,
+            "head_dim": dims.head_dim,
+            "intermediate_size": dims.intermediate,
+            "vocab_size": dims.vocab_size,
+        },
         "chunk_efficiency": eff_table,
         "head_split_factor": head_split,
         "activation_bytes_per_token": 1.0,
@@ -378,8 +441,10 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
         "links": NOMINAL_LINKS[dev.type],
     }
     if c1 <= 0 or c2 <= 0:
-        raise ProfileError(f"the layer fit gave c1={c1:.3g}, c2={c2:.3g} ms: the measurements do not separate "
-                           f"linear from attention work (too noisy or too small); rerun, or raise --max-tokens")
+        raise ProfileError(
+            f"the layer fit gave c1={c1:.3g}, c2={c2:.3g} ms: the measurements do not separate "
+            f"linear from attention work (too noisy or too small); rerun, or raise --max-tokens"
+        )
     profile.update(c1_ms_per_token=c1, c2_ms_per_pair=c2, c0_ms=c0)
     profile["activation_bytes_per_token"] = float(round(dims.num_layers * dims.hidden * bpe + layer_bytes_per_token))
     n_params = _model_parameters(cfg, dims, stack.parameters_per_layer)
@@ -387,34 +452,63 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     cost = CostModel(one_layer, HardwareProfile.from_dict(profile, source="measured profile"))
     pred = [cost.c0 + cost.local_ms(comps[k]) for k in names]
     layer_fit = fit_quality(layer_ms, pred)
-    layer_rows = [dict(name=k, tokens=sum(comps[k]), docs=len(comps[k]), pairs=sum(doc_pairs(n) for n in comps[k]),
-                       ms=ms, predicted_ms=p) for k, ms, p in zip(names, layer_ms, pred)]
+    layer_rows = [
+        dict(
+            name=k,
+            tokens=sum(comps[k]),
+            docs=len(comps[k]),
+            pairs=sum(doc_pairs(n) for n in comps[k]),
+            ms=ms,
+            predicted_ms=p,
+        )
+        for k, ms, p in zip(names, layer_ms, pred)
+    ]
     for r in layer_rows:
-        log(f"  layer {r['name']:<22} T={r['tokens']:>6} docs={r['docs']:>4} {r['ms']:9.3f} ms  "
-            f"predicted {r['predicted_ms']:9.3f} ({100 * (r['predicted_ms'] / r['ms'] - 1):+5.1f}%)")
+        log(
+            f"  layer {r['name']:<22} T={r['tokens']:>6} docs={r['docs']:>4} {r['ms']:9.3f} ms  "
+            f"predicted {r['predicted_ms']:9.3f} ({100 * (r['predicted_ms'] / r['ms'] - 1):+5.1f}%)"
+        )
     anames = list(att_ms)
     (a, b) = nonnegative_lstsq([[attention_units(comps[k]), 1.0] for k in anames], [att_ms[k] for k in anames])
     att_pred = [a * attention_units(comps[k]) + b for k in anames]
     attention_fit = fit_quality([att_ms[k] for k in anames], att_pred)
     attention_rows = [dict(name=k, docs=len(comps[k]), ms=att_ms[k], predicted_ms=p) for k, p in zip(anames, att_pred)]
-    log(f"  attention alone: t = {a:.4g} ms * sum(pairs/eff) + {b:.4g} ms  R^2 {attention_fit.r2:.4f}, "
-        f"max rel err {attention_fit.max_rel_err:.3f}")
-    log(f"  layer fit: c1 {c1:.4g} ms/token, c2 {c2:.4g} ms/pair, c0 {c0:.4g} ms  R^2 {layer_fit.r2:.4f}, "
-        f"max rel err {layer_fit.max_rel_err:.3f} over {len(names)} runs; c1/c2 = {c1 / c2:.0f} tokens")
+    log(
+        f"  attention alone: t = {a:.4g} ms * sum(pairs/eff) + {b:.4g} ms  R^2 {attention_fit.r2:.4f}, "
+        f"max rel err {attention_fit.max_rel_err:.3f}"
+    )
+    log(
+        f"  layer fit: c1 {c1:.4g} ms/token, c2 {c2:.4g} ms/pair, c0 {c0:.4g} ms  R^2 {layer_fit.r2:.4f}, "
+        f"max rel err {layer_fit.max_rel_err:.3f} over {len(names)} runs; c1/c2 = {c1 / c2:.0f} tokens"
+    )
     machine = _machine(dev)
-    profile["description"] = (f"{machine}, {str(stack.dtype).replace('torch.', '')}, {threads} thread(s); "
-                              f"one {type(stack.layers[0]).__name__} fwd+bwd of {model_config}; "
-                              f"layer fit R^2 {layer_fit.r2:.4f}")
+    profile["description"] = (
+        f"{machine}, {str(stack.dtype).replace('torch.', '')}, {threads} thread(s); "
+        f"one {type(stack.layers[0]).__name__} fwd+bwd of {model_config}; "
+        f"layer fit R^2 {layer_fit.r2:.4f}"
+    )
     HardwareProfile.from_dict(profile, source="measured profile")  # what the planner will load
     return ProfileResult(
         profile=profile,
-        layer_rows=layer_rows, attention_rows=attention_rows, chunk_rows=chunk_rows,
-        head_split_rows=head_split_rows, memory_rows=mem_rows, layer_fit=layer_fit, attention_fit=attention_fit,
-        settings=st, machine=machine, wall_s=time.time() - t_start,
-        notes={"layer_bytes_per_token": f"{layer_bytes_per_token:.0f}", "model_parameters": str(n_params),
-               "attention_fit": f"t = {a:.6g} * sum(pairs/eff) + {b:.6g}",
-               "layer_class": type(stack.layers[0]).__name__,
-               "retimed": str(retimed), "kernel": kernel_for(dev).name, "clock": cpu_clock_name(),
-               "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
-                       f"(other processes share the caches and memory bandwidth)"},
+        layer_rows=layer_rows,
+        attention_rows=attention_rows,
+        chunk_rows=chunk_rows,
+        head_split_rows=head_split_rows,
+        memory_rows=mem_rows,
+        layer_fit=layer_fit,
+        attention_fit=attention_fit,
+        settings=st,
+        machine=machine,
+        wall_s=time.time() - t_start,
+        notes={
+            "layer_bytes_per_token": f"{layer_bytes_per_token:.0f}",
+            "model_parameters": str(n_params),
+            "attention_fit": f"t = {a:.6g} * sum(pairs/eff) + {b:.6g}",
+            "layer_class": type(stack.layers[0]).__name__,
+            "retimed": str(retimed),
+            "kernel": kernel_for(dev).name,
+            "clock": cpu_clock_name(),
+            "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
+            f"(other processes share the caches and memory bandwidth)",
+        },
     )

@@ -1,4 +1,5 @@
 """Write a measured profile as YAML that HardwareProfile.load reads, saying how each number was made."""
+
 from __future__ import annotations
 
 import datetime
@@ -46,8 +47,13 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         f"# R^2 {lf.r2:.4f}, max relative error {lf.max_rel_err:.3f}, median {lf.median_rel_err:.3f}.",
         f"# Times: {'median of' if dev == 'cuda' else 'fastest of'} {st.repeats} runs"
         + ("" if dev == "cuda" else f" ({result.notes.get('clock', 'wall time')})")
-        + ("" if dev == "cuda" else f", round-robin; {result.notes.get('retimed', 0)} runs the fit disagreed with "
-           f"most were re-timed and kept if faster (outside load only adds time)") + ".",
+        + (
+            ""
+            if dev == "cuda"
+            else f", round-robin; {result.notes.get('retimed', 0)} runs the fit disagreed with "
+            f"most were re-timed and kept if faster (outside load only adds time)"
+        )
+        + ".",
         f"# Attention alone over the same compositions: R^2 {af.r2:.4f}, max relative error {af.max_rel_err:.3f}.",
         _dump({k: float(f"{p[k]:.8g}") for k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms")}).rstrip(),
         "# The model dimensions c1 and c2 were measured with (CostModel scales them by FLOPs for others).",
@@ -63,23 +69,39 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         f"#   alpha = {p['fitted_dims']['num_hidden_layers']} layers x hidden {p['fitted_dims']['hidden_size']} x "
         f"{bpe} B (checkpointed layer inputs)",
         f"#         + one layer's recompute working set, {result.notes['layer_bytes_per_token']} B/token: "
-        + ("the slope of the measured peak memory of one layer fwd+bwd over T" if dev == "cuda" else
-           "the slope over T of the bytes autograd saves for backward in one layer (measured with "
-           "saved_tensors_hooks; a CPU has no peak-memory counter, transient buffers are not included)"),
+        + (
+            "the slope of the measured peak memory of one layer fwd+bwd over T"
+            if dev == "cuda"
+            else "the slope over T of the bytes autograd saves for backward in one layer (measured with "
+            "saved_tensors_hooks; a CPU has no peak-memory counter, transient buffers are not included)"
+        ),
         f"#   beta  = {result.notes['model_parameters']} parameters under ZeRO-2 on {ZERO2_RANKS} ranks (nominal): "
         f"{bpe} B params + {bpe} B grads + {12 if bpe == 2 else 8} B optimizer state / {ZERO2_RANKS}",
         _dump({k: p[k] for k in ("activation_bytes_per_token", "static_bytes", "bytes_per_element")}).rstrip(),
         "# nominal (not measured, one device cannot): ranks per node and link speeds"
-        + (" (NVLink 4 derated to 350 GB/s, 400 Gb/s InfiniBand per GPU derated to 40 GB/s)" if dev == "cuda"
-           else " (gloo over shared memory; 10 GbE between hosts)"),
+        + (
+            " (NVLink 4 derated to 350 GB/s, 400 Gb/s InfiniBand per GPU derated to 40 GB/s)"
+            if dev == "cuda"
+            else " (gloo over shared memory; 10 GbE between hosts)"
+        ),
         _dump({"gpus_per_node": p["gpus_per_node"], "links": p["links"]}).rstrip(),
         "# What was measured (times in ms); HardwareProfile ignores this section.",
-        _dump({"calibration": _round_floats({
-            "settings": st.to_dict(),
-            "layer_fit": lf.to_dict(), "attention_fit": af.to_dict() | {"model": result.notes["attention_fit"]},
-            "layer": result.layer_rows, "attention": result.attention_rows, "query_chunks": result.chunk_rows,
-            "head_split": result.head_split_rows, "memory": result.memory_rows,
-        })}).rstrip(),
+        _dump(
+            {
+                "calibration": _round_floats(
+                    {
+                        "settings": st.to_dict(),
+                        "layer_fit": lf.to_dict(),
+                        "attention_fit": af.to_dict() | {"model": result.notes["attention_fit"]},
+                        "layer": result.layer_rows,
+                        "attention": result.attention_rows,
+                        "query_chunks": result.chunk_rows,
+                        "head_split": result.head_split_rows,
+                        "memory": result.memory_rows,
+                    }
+                )
+            }
+        ).rstrip(),
     ]
     return "\n".join(out) + "\n"
 

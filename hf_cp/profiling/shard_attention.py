@@ -12,6 +12,7 @@ time the same kernels training uses: per segment a square causal block over its 
 when it has a prefix, a full block over the prefix keys, merged by log-sum-exp as a ring step
 does (in one kernel call per block shape rather than one per ring step). Tensors are token-major: [tokens, heads, head_dim].
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -45,9 +46,15 @@ class SegmentLayout:
         self.blocks = blocks
         self.kernel = kernel_for(self.device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               prefix_k: Optional[torch.Tensor] = None, prefix_v: Optional[torch.Tensor] = None,
-               scale: Optional[float] = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefix_k: Optional[torch.Tensor] = None,
+        prefix_v: Optional[torch.Tensor] = None,
+        scale: Optional[float] = None,
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, H_kv, D] of the segments' own tokens; prefix_k/v [P >= max start, H_kv, D]."""
         if q.shape[0] != self.tokens:
             raise ValueError(f"q has {q.shape[0]} tokens, the layout {self.tokens}")

@@ -9,6 +9,7 @@ wall time (CPU time would add the threads up). Either way the minimum of the rep
 cases measured round-robin: interference (cache, memory bandwidth, descheduling) only ever
 adds time, and a burst of it then hits one round of every case instead of all rounds of one.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -42,8 +43,9 @@ def _cuda_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeat
     return float(statistics.median(times))
 
 
-def time_each(fns: Sequence[Callable[[], object]], device: torch.device, warmup: int = 1,
-              repeats: int = 3) -> List[float]:
+def time_each(
+    fns: Sequence[Callable[[], object]], device: torch.device, warmup: int = 1, repeats: int = 3
+) -> List[float]:
     """Milliseconds of each `fn()`: median of `repeats` (CUDA) or minimum over round-robin rounds (CPU)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")

@@ -1,4 +1,5 @@
 """Headless matplotlib for every picture hf_cp draws."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -9,6 +9,7 @@ first found is read (or the one asked for):
                              `cp/...` keys averaged over the interval (also in checkpoint-*/);
   runs/*/events.out.tfevents TensorBoard scalars `train/cp/...`, same values as log_history.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,7 @@ def _max_over_mean(values: Sequence[float]) -> float:
 
 # ------------------------------------------------------------------------------ readers
 def read_history(run_dir: Path) -> RunSeries:
-    files = sorted((run_dir / "cp_history").glob("rank*.jsonl"),
-                   key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    files = sorted((run_dir / "cp_history").glob("rank*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     if not files:
         raise RunLogError(f"{run_dir}: no cp_history/rank*.jsonl")
     by_index: Dict[int, dict] = {}
@@ -110,7 +110,7 @@ def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSerie
         ranks = sorted(int(m.group(1)) for k in e if (m := rank_key.match(k)))
         if not ranks:
             continue
-        g = lambda name: e.get(prefix + name)  # noqa: E731
+        g = lambda name, e=e: e.get(prefix + name)  # noqa: E731
         meas = [float(e[f"{prefix}measured_ms_rank{k}"]) for k in ranks]
         pred = [float(e.get(f"{prefix}predicted_ms_rank{k}", 0.0)) for k in ranks]
         s.steps.append(int(e["step"]))
@@ -124,15 +124,19 @@ def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSerie
         s.predicted_step_ms.append(g("predicted_step_ms"))
         s.compare_step_ms.append(g("compare_predicted_step_ms"))
     if not s.steps:
-        raise RunLogError(f"{source}: no entries with {prefix}measured_ms_rank<k> (was the run trained with CPTrainer?)")
+        raise RunLogError(
+            f"{source}: no entries with {prefix}measured_ms_rank<k> (was the run trained with CPTrainer?)"
+        )
     return s
 
 
 def _log_history(run_dir: Path):
     """(path, log_history) of the newest trainer_state.json: the run's own, else the last checkpoint's."""
     cands = [run_dir / "trainer_state.json"] + sorted(
-        run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0),
-        reverse=True)
+        run_dir.glob("checkpoint-*/trainer_state.json"),
+        key=lambda p: int(re.sub(r"\D", "", p.parent.name) or 0),
+        reverse=True,
+    )
     path = next((p for p in cands if p.exists()), None)
     if path is None:
         raise RunLogError(f"{run_dir}: no trainer_state.json (nor in checkpoint-*/)")
@@ -219,12 +223,16 @@ def summary_lines(s: RunSeries) -> List[str]:
     unit = "steps" if s.per_step else "logging intervals"
     lines = [f"{len(s)} {unit} from {s.source}, {s.world} ranks"]
     pairs = [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
-    lines.append(f"per-rank time, mean: predicted {statistics.mean(p for p, _ in pairs):.1f} ms, "
-                 f"measured {statistics.mean(m for _, m in pairs):.1f} ms")
+    lines.append(
+        f"per-rank time, mean: predicted {statistics.mean(p for p, _ in pairs):.1f} ms, "
+        f"measured {statistics.mean(m for _, m in pairs):.1f} ms"
+    )
     if len(pairs) > 2 and len({p for p, _ in pairs}) > 1 and len({m for _, m in pairs}) > 1:
         lines.append(f"correlation of predicted and measured rank times: {correlation(pairs):.3f}")
-    lines.append(f"max/mean over ranks, mean over {unit}: predicted {statistics.mean(s.predicted_imbalance):.3f}, "
-                 f"measured {statistics.mean(s.measured_imbalance):.3f}")
+    lines.append(
+        f"max/mean over ranks, mean over {unit}: predicted {statistics.mean(s.predicted_imbalance):.3f}, "
+        f"measured {statistics.mean(s.measured_imbalance):.3f}"
+    )
     total: Dict[int, float] = {}
     for h in s.cp_size_samples:
         for g, n in h.items():
@@ -232,18 +240,23 @@ def summary_lines(s: RunSeries) -> List[str]:
     if total:
         lines.append("samples per CP size: " + " ".join(f"{g}:{n:g}" for g, n in sorted(total.items())))
     if len(s.segments) > 1:
+
         def how(attempt, resumed):
             start = f"resumed from checkpoint-{resumed}" if resumed is not None else "fresh start"
             return start + (f", torchrun restart {attempt}" if attempt else "")
 
-        lines.append(f"trained in {len(s.segments)} runs: " + "; ".join(
-            f"steps {a}-{b} ({how(attempt, resumed)})" for a, b, attempt, resumed in s.segments))
+        lines.append(
+            f"trained in {len(s.segments)} runs: "
+            + "; ".join(f"steps {a}-{b} ({how(attempt, resumed)})" for a, b, attempt, resumed in s.segments)
+        )
     losses = [v for v in s.loss if v is not None]
     if losses:
         lines.append(f"training loss: {losses[0]:.4f} at step {s.steps[0]} -> {losses[-1]:.4f} at step {s.steps[-1]}")
     for name, points in sorted(s.eval_loss.items()):
-        lines.append(f"{name} loss: {points[0][1]:.4f} at step {points[0][0]} -> {points[-1][1]:.4f} at step "
-                     f"{points[-1][0]} ({len(points)} evaluations)")
+        lines.append(
+            f"{name} loss: {points[0][1]:.4f} at step {points[0][0]} -> {points[-1][1]:.4f} at step "
+            f"{points[-1][0]} ({len(points)} evaluations)"
+        )
     return lines
 
 
@@ -266,7 +279,9 @@ def plot_rank_times(s: RunSeries, out: Path) -> Path:
         c = cmap(r)
         lab = W <= 10
         ax1.plot(x, [m[r] for m in s.measured_ms], "-o", color=c, ms=3, label=f"rank {r} measured" if lab else None)
-        ax1.plot(x, [p[r] for p in s.predicted_ms], "--", color=c, alpha=0.7, label=f"rank {r} predicted" if lab else None)
+        ax1.plot(
+            x, [p[r] for p in s.predicted_ms], "--", color=c, alpha=0.7, label=f"rank {r} predicted" if lab else None
+        )
     ax1.set_xlabel("optimizer step" if s.per_step else "optimizer step (end of logging interval)")
     ax1.set_ylabel("compute time per step (ms)")
     ax1.set_title("per-rank time: measured (solid) vs predicted (dashed)")
@@ -297,11 +312,21 @@ def plot_imbalance(s: RunSeries, out: Path) -> Path:
     ax.legend()
     if has_step:
         ax = axes[0][1]
-        ax.plot(s.steps, [v if v is not None else float("nan") for v in s.predicted_step_ms], "-o", ms=3,
-                label="planned (predicted)")
+        ax.plot(
+            s.steps,
+            [v if v is not None else float("nan") for v in s.predicted_step_ms],
+            "-o",
+            ms=3,
+            label="planned (predicted)",
+        )
         if any(v is not None for v in s.compare_step_ms):
-            ax.plot(s.steps, [v if v is not None else float("nan") for v in s.compare_step_ms], "--", ms=3,
-                    label="comparison balancer (predicted)")
+            ax.plot(
+                s.steps,
+                [v if v is not None else float("nan") for v in s.compare_step_ms],
+                "--",
+                ms=3,
+                label="comparison balancer (predicted)",
+            )
         ax.plot(s.steps, [max(m) for m in s.measured_ms], ":^", ms=3, label="slowest rank (measured)")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("ms")
@@ -337,8 +362,14 @@ def plot_loss(s: RunSeries, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     pts = [(x, v) for x, v in zip(s.steps, s.loss) if v is not None]
     if pts:
-        ax.plot([x for x, _ in pts], [v for _, v in pts], "-", marker="o" if len(pts) < 60 else None, ms=3,
-                label="training" + ("" if s.per_step else " (logging intervals)"))
+        ax.plot(
+            [x for x, _ in pts],
+            [v for _, v in pts],
+            "-",
+            marker="o" if len(pts) < 60 else None,
+            ms=3,
+            label="training" + ("" if s.per_step else " (logging intervals)"),
+        )
     for name, points in sorted(s.eval_loss.items()):
         ax.plot([x for x, _ in points], [v for _, v in points], "--s", ms=5, label=name)
     for k, segment in enumerate(s.segments[1:]):  # where a restarted or relaunched run took over
@@ -352,8 +383,11 @@ def plot_loss(s: RunSeries, out: Path) -> Path:
 
 def write_report(s: RunSeries, out_dir: Union[str, Path]) -> List[Path]:
     d = Path(out_dir)
-    paths = [plot_rank_times(s, d / "rank_times.png"), plot_imbalance(s, d / "imbalance.png"),
-             plot_cp_sizes(s, d / "cp_sizes.png")]
+    paths = [
+        plot_rank_times(s, d / "rank_times.png"),
+        plot_imbalance(s, d / "imbalance.png"),
+        plot_cp_sizes(s, d / "cp_sizes.png"),
+    ]
     if any(v is not None for v in s.loss) or s.eval_loss:
         paths.append(plot_loss(s, d / "loss.png"))
     return paths

@@ -7,6 +7,7 @@ twice, the last one counts, as for the metrics. The audit counts, per epoch, the
 each sample was trained: more than one is a duplicate; an epoch holding fewer distinct samples
 than the dataset is incomplete (normal for the last epoch of a run cut by max_steps).
 """
+
 from __future__ import annotations
 
 import json

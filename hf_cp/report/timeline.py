@@ -1,4 +1,5 @@
 """Per-rank timeline of one simulated step (matplotlib, headless)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,15 @@ def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Pat
             busy = run.member_compute_ms[m] + run.member_comm_ms[m]
             # the group occupies all members for its duration; the member's own work is solid
             ax.barh(r, run.duration_ms, left=run.start_ms, height=0.8, color=color[g], alpha=0.25, linewidth=0)
-            ax.barh(r, busy, left=run.start_ms, height=0.8, color=color[g], edgecolor="black",
-                    linewidth=0.3 if W <= 64 else 0)
+            ax.barh(
+                r,
+                busy,
+                left=run.start_ms,
+                height=0.8,
+                color=color[g],
+                edgecolor="black",
+                linewidth=0.3 if W <= 64 else 0,
+            )
     ax.axvline(sim.makespan_ms, color="red", linestyle="--", linewidth=1)
     ax.set_xlabel("time in the step (ms)")
     ax.set_ylabel("rank")

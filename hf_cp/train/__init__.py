@@ -11,6 +11,7 @@
 `tokenised` has input_ids (and optionally labels with -100 on prompt tokens) per row. From a
 YAML config: `python -m hf_cp.train CONFIG` under a launcher, or `hf-cp train CONFIG`.
 """
+
 from .args import CPTrainingArguments
 from .collator import MicroBatch, PlanCollator, RankStep
 from .groups import CPGroups
@@ -18,5 +19,15 @@ from .planner import PlannedStep, Planner
 from .sampler import GlobalBatch, GlobalBatchSampler
 from .trainer import CPTrainer
 
-__all__ = ["CPGroups", "CPTrainer", "CPTrainingArguments", "GlobalBatch", "GlobalBatchSampler", "MicroBatch",
-           "PlanCollator", "PlannedStep", "Planner", "RankStep"]
+__all__ = [
+    "CPGroups",
+    "CPTrainer",
+    "CPTrainingArguments",
+    "GlobalBatch",
+    "GlobalBatchSampler",
+    "MicroBatch",
+    "PlanCollator",
+    "PlannedStep",
+    "Planner",
+    "RankStep",
+]

@@ -1,4 +1,5 @@
 """CPTrainingArguments: the Trainer's arguments plus what planning a step needs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,66 +18,113 @@ class CPTrainingArguments(TrainingArguments):
     the plan decides how many micro-batches (waves) each step has.
     """
 
-    per_device_train_batch_size: int = field(default=1, metadata={
-        "help": "must stay 1: one loader item is one whole planned step"})
+    per_device_train_batch_size: int = field(
+        default=1, metadata={"help": "must stay 1: one loader item is one whole planned step"}
+    )
     cp_balancer: str = field(default="auto", metadata={"help": "balancer name (hf_cp.balance registry)"})
-    cp_profile: Any = field(default="h200-qwen2.5-7b", metadata={
-        "help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"})
-    cp_model_dims: Optional[str] = field(default=None, metadata={
-        "help": "model dimensions for the cost model (default: the model's own config)"})
+    cp_profile: Any = field(
+        default="h200-qwen2.5-7b",
+        metadata={"help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"},
+    )
+    cp_model_dims: Optional[str] = field(
+        default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
+    )
     cp_max_tokens_per_rank: int = field(default=32768, metadata={"help": "memory cap per rank per micro-batch"})
-    cp_tokens_per_step: Optional[int] = field(default=None, metadata={
-        "help": "tokens of one global batch, all ranks together (default: cp_tokens_per_rank_per_step x world)"})
+    cp_tokens_per_step: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "tokens of one global batch, all ranks together (default: cp_tokens_per_rank_per_step x world)"
+        },
+    )
     cp_tokens_per_rank_per_step: int = field(default=65536, metadata={"help": "used when cp_tokens_per_step is unset"})
     cp_max_group_size: Optional[int] = field(default=None, metadata={"help": "largest CP group (default: world)"})
     cp_gpus_per_node: Optional[int] = field(default=None, metadata={"help": "ranks per node (default: profile's)"})
-    cp_plan_lookahead: int = field(default=2, metadata={"help": "steps planned ahead of training (in the planner worker); 0 plans each step inline"})
-    cp_plan_in_process: bool = field(default=True, metadata={
-        "help": "plan ahead in a forked worker process rather than a thread: a planner thread holds the GIL "
-                "against the training thread's kernel launches (10-15x slower op dispatch measured by "
-                "scripts/bench_planner_gil.py)"})
-    cp_plan_workers: int = field(default=1, metadata={
-        "help": "planner worker processes (with cp_plan_in_process): steps are planned independently, so up to "
-                "this many of the cp_plan_lookahead steps are planned at once; raise it when one plan takes longer "
-                "than one training step (the auto balancer at hundreds of ranks)"})
+    cp_plan_lookahead: int = field(
+        default=2,
+        metadata={"help": "steps planned ahead of training (in the planner worker); 0 plans each step inline"},
+    )
+    cp_plan_in_process: bool = field(
+        default=True,
+        metadata={
+            "help": "plan ahead in a forked worker process rather than a thread: a planner thread holds the GIL "
+            "against the training thread's kernel launches (10-15x slower op dispatch measured by "
+            "scripts/bench_planner_gil.py)"
+        },
+    )
+    cp_plan_workers: int = field(
+        default=1,
+        metadata={
+            "help": "planner worker processes (with cp_plan_in_process): steps are planned independently, so up to "
+            "this many of the cp_plan_lookahead steps are planned at once; raise it when one plan takes longer "
+            "than one training step (the auto balancer at hundreds of ranks)"
+        },
+    )
     cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
-    cp_compare_balancer: Optional[str] = field(default="static", metadata={
-        "help": "also plan every step with this balancer (not run) to report what it would have cost"})
-    cp_loss_chunk_tokens: int = field(default=2048, metadata={
-        "help": "tokens per chunk of the LM-head cross-entropy (logits recomputed in backward, never all "
-                "materialised); 0 computes all logits at once"})
-    cp_gc_interval_steps: int = field(default=0, metadata={
-        "help": "collect garbage on every rank at the end of every N-th step, with automatic collection off "
-                "during training, so collector pauses do not make random ranks stragglers; 0 leaves Python's "
-                "collector alone"})
-    cp_allow_schedule_change: bool = field(default=False, metadata={
-        "help": "resume a checkpoint even when the sample schedule (data, seed, tokens per step) differs from "
-                "the one it was trained on; the interrupted epoch then skips and repeats samples"})
-    cp_stop_on_nonfinite_grad: bool = field(default=True, metadata={
-        "help": "stop, naming the step and its samples, when a step's gradient norm is NaN or infinite (DeepSpeed "
-                "would skip the update, silently leaving the step's samples unlearned); false: warn and go on"})
-    cp_record_history: bool = field(default=True, metadata={
-        "help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"})
+    cp_compare_balancer: Optional[str] = field(
+        default="static",
+        metadata={"help": "also plan every step with this balancer (not run) to report what it would have cost"},
+    )
+    cp_loss_chunk_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "tokens per chunk of the LM-head cross-entropy (logits recomputed in backward, never all "
+            "materialised); 0 computes all logits at once"
+        },
+    )
+    cp_gc_interval_steps: int = field(
+        default=0,
+        metadata={
+            "help": "collect garbage on every rank at the end of every N-th step, with automatic collection off "
+            "during training, so collector pauses do not make random ranks stragglers; 0 leaves Python's "
+            "collector alone"
+        },
+    )
+    cp_allow_schedule_change: bool = field(
+        default=False,
+        metadata={
+            "help": "resume a checkpoint even when the sample schedule (data, seed, tokens per step) differs from "
+            "the one it was trained on; the interrupted epoch then skips and repeats samples"
+        },
+    )
+    cp_stop_on_nonfinite_grad: bool = field(
+        default=True,
+        metadata={
+            "help": "stop, naming the step and its samples, when a step's gradient norm is NaN or infinite (DeepSpeed "
+            "would skip the update, silently leaving the step's samples unlearned); false: warn and go on"
+        },
+    )
+    cp_record_history: bool = field(
+        default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
+    )
 
     def __post_init__(self):
         super().__post_init__()
         if self.gradient_accumulation_steps != 1:
-            raise ValueError(f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "
-                             f"CPTrainer accumulates over the waves of each planned step, size steps with "
-                             f"cp_tokens_per_step instead and keep gradient_accumulation_steps=1")
+            raise ValueError(
+                f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "
+                f"CPTrainer accumulates over the waves of each planned step, size steps with "
+                f"cp_tokens_per_step instead and keep gradient_accumulation_steps=1"
+            )
         if self.per_device_train_batch_size != 1:
-            raise ValueError(f"CPTrainingArguments: per_device_train_batch_size is {self.per_device_train_batch_size}; "
-                             f"one loader item is one whole planned step, so it must be 1 (use cp_tokens_per_step)")
+            raise ValueError(
+                f"CPTrainingArguments: per_device_train_batch_size is {self.per_device_train_batch_size}; "
+                f"one loader item is one whole planned step, so it must be 1 (use cp_tokens_per_step)"
+            )
         if self.cp_max_tokens_per_rank <= 0:
-            raise ValueError(f"CPTrainingArguments: cp_max_tokens_per_rank must be positive, got {self.cp_max_tokens_per_rank}")
+            raise ValueError(
+                f"CPTrainingArguments: cp_max_tokens_per_rank must be positive, got {self.cp_max_tokens_per_rank}"
+            )
         if self.cp_tokens_per_step is not None and self.cp_tokens_per_step <= 0:
             raise ValueError(f"CPTrainingArguments: cp_tokens_per_step must be positive, got {self.cp_tokens_per_step}")
         if self.cp_loss_chunk_tokens < 0:
-            raise ValueError(f"CPTrainingArguments: cp_loss_chunk_tokens must be >= 0 (0: full logits), got "
-                             f"{self.cp_loss_chunk_tokens}")
+            raise ValueError(
+                f"CPTrainingArguments: cp_loss_chunk_tokens must be >= 0 (0: full logits), got "
+                f"{self.cp_loss_chunk_tokens}"
+            )
         if self.cp_gc_interval_steps < 0:
-            raise ValueError(f"CPTrainingArguments: cp_gc_interval_steps must be >= 0 (0: off), got "
-                             f"{self.cp_gc_interval_steps}")
+            raise ValueError(
+                f"CPTrainingArguments: cp_gc_interval_steps must be >= 0 (0: off), got {self.cp_gc_interval_steps}"
+            )
         if self.cp_plan_workers < 1:
             raise ValueError(f"CPTrainingArguments: cp_plan_workers must be >= 1, got {self.cp_plan_workers}")
         if self.cp_plan_lookahead < 0:

@@ -10,6 +10,7 @@ whole and in order, then its segments of the group's distributed documents in
     position_ids   the token's position inside its document (rotary embeddings)
 `cu_seq_lens` are the boundaries of the contiguous pieces (whole documents or segments).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -131,16 +132,38 @@ class PlanCollator:
             local_lengths.append(1)
         cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
         cu = torch.tensor(np.concatenate([[0], np.cumsum(pieces)]) if pieces else [0], dtype=torch.int32)
-        ctx = CPContext(group=None, group_ranks=tuple(group.ranks), member=member, mode=ShardMode(group.mode),
-                        distributed_lengths=tuple(dist_lengths), local_lengths=tuple(local_lengths))
-        return MicroBatch(wave=wave, input_ids=cat(ids), shift_labels=cat(tgts), position_ids=cat(pos),
-                          cu_seq_lens=cu, context=ctx, local_ids=local, distributed_ids=list(group.distributed))
+        ctx = CPContext(
+            group=None,
+            group_ranks=tuple(group.ranks),
+            member=member,
+            mode=ShardMode(group.mode),
+            distributed_lengths=tuple(dist_lengths),
+            local_lengths=tuple(local_lengths),
+        )
+        return MicroBatch(
+            wave=wave,
+            input_ids=cat(ids),
+            shift_labels=cat(tgts),
+            position_ids=cat(pos),
+            cu_seq_lens=cu,
+            context=ctx,
+            local_ids=local,
+            distributed_ids=list(group.distributed),
+        )
 
-    def rank_step(self, plan: StepPlan, rank: int, global_valid_tokens: int, epoch: int = 0,
-                  planned: object = None) -> RankStep:
+    def rank_step(
+        self, plan: StepPlan, rank: int, global_valid_tokens: int, epoch: int = 0, planned: object = None
+    ) -> RankStep:
         waves: List[Optional[MicroBatch]] = []
         for w, wave in enumerate(plan.waves):
             mine = [g for g in wave.groups if rank in g.ranks]
             waves.append(self.micro_batch(plan, w, mine[0], rank) if mine else None)
-        return RankStep(rank=rank, index=plan.step, epoch=epoch, plan=plan, waves=waves,
-                        global_valid_tokens=global_valid_tokens, planned=planned)
+        return RankStep(
+            rank=rank,
+            index=plan.step,
+            epoch=epoch,
+            plan=plan,
+            waves=waves,
+            global_valid_tokens=global_valid_tokens,
+            planned=planned,
+        )

@@ -1,5 +1,6 @@
 """The token columns of a tokenised dataset, read and checked once: lengths for planning,
 valid-target counts for the loss normaliser, and sample lookup for the collator."""
+
 from __future__ import annotations
 
 import hashlib
@@ -74,6 +75,7 @@ def read_token_columns(ds, name: str = "train_dataset") -> TokenColumns:
         given = ds["length"]
         bad = next((i for i in range(n) if int(given[i]) != lengths[i]), None)
         if bad is not None:
-            raise ValueError(f"CPTrainer: {name} sample {bad} has length column {given[bad]} but {lengths[bad]} "
-                             f"input_ids")
+            raise ValueError(
+                f"CPTrainer: {name} sample {bad} has length column {given[bad]} but {lengths[bad]} input_ids"
+            )
     return TokenColumns(lengths, np.asarray(valid, dtype=np.int64), ids_col, labels_col)

@@ -18,6 +18,7 @@ fresh store per attempt needs:
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d \\
         --rdzv-endpoint HOST:PORT --max-restarts 3 ...
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
 LATEST = ("latest", "last", "auto")
-SHARED_STORE_ADVICE = ("restarts under torchrun's shared rendezvous store reconnect to the dead attempt's "
-                       "addresses (pytorch/pytorch#135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                       "and torchrun --rdzv-backend c10d --rdzv-endpoint HOST:PORT (accelerate launch --rdzv_backend c10d)")
+SHARED_STORE_ADVICE = (
+    "restarts under torchrun's shared rendezvous store reconnect to the dead attempt's "
+    "addresses (pytorch/pytorch#135712); launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+    "and torchrun --rdzv-backend c10d --rdzv-endpoint HOST:PORT (accelerate launch --rdzv_backend c10d)"
+)
 
 
 def restart_attempt() -> int:
@@ -47,12 +50,16 @@ def restart_problems(save_strategy: str, resume, env: Optional[dict] = None) -> 
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         problems.append(SHARED_STORE_ADVICE)
     if str(getattr(save_strategy, "value", save_strategy)).lower() == "no":
-        problems.append("restarts are enabled but save_strategy is 'no': a restarted job starts again from step 0; "
-                        "set save_strategy: steps and save_steps")
+        problems.append(
+            "restarts are enabled but save_strategy is 'no': a restarted job starts again from step 0; "
+            "set save_strategy: steps and save_steps"
+        )
     # True needs a checkpoint to exist, which the first attempt does not have
     if not (isinstance(resume, str) and resume.lower() in LATEST):
-        problems.append(f"restarts are enabled but resume_from_checkpoint is {resume!r}: a restarted job would not "
-                        f"continue from its newest checkpoint; set resume_from_checkpoint: latest")
+        problems.append(
+            f"restarts are enabled but resume_from_checkpoint is {resume!r}: a restarted job would not "
+            f"continue from its newest checkpoint; set resume_from_checkpoint: latest"
+        )
     return problems
 
 
@@ -71,13 +78,17 @@ def resolve_resume(resume: Union[None, bool, str], output_dir: str) -> Optional[
 
         found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
         if found is None and resume is True:
-            raise FileNotFoundError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder; "
-                                    f"use 'latest' to start fresh when there is none")
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder; "
+                f"use 'latest' to start fresh when there is none"
+            )
         return found
     p = Path(str(resume))
     if not p.is_dir():
-        raise FileNotFoundError(f"resume_from_checkpoint {resume!r} is not a checkpoint folder; use 'latest' to "
-                                f"resume from the newest checkpoint of output_dir (or start fresh if none)")
+        raise FileNotFoundError(
+            f"resume_from_checkpoint {resume!r} is not a checkpoint folder; use 'latest' to "
+            f"resume from the newest checkpoint of output_dir (or start fresh if none)"
+        )
     return str(p)
 
 
@@ -141,16 +152,21 @@ def check_zero_world_size(checkpoint: str, world_size: int, deepspeed_config: Op
     if saved == world_size and not universal:
         return False
     tag = (ckpt / "latest").read_text().strip()
-    convert = (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt / tag} "
-               f"--output_folder {ckpt / (tag + '_universal')} --inject_missing_state")
+    convert = (
+        f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt / tag} "
+        f"--output_folder {ckpt / (tag + '_universal')} --inject_missing_state"
+    )
     if universal:
-        raise ReshardNeededError(f"the DeepSpeed config sets checkpoint.load_universal but {checkpoint} has no "
-                                 f"universal checkpoint (no latest_universal file); make it with:\n  {convert}")
+        raise ReshardNeededError(
+            f"the DeepSpeed config sets checkpoint.load_universal but {checkpoint} has no "
+            f"universal checkpoint (no latest_universal file); make it with:\n  {convert}"
+        )
     raise ReshardNeededError(
         f"{checkpoint} holds ZeRO-{stage} optimizer state partitioned over {saved} ranks and this job has "
         f"{world_size}. DeepSpeed resumes it on another number of ranks only as a universal checkpoint:\n"
-        f"  {convert}\nthen set \"checkpoint\": {{\"load_universal\": true}} in the DeepSpeed config "
-        f"(the batches stay the same when cp_tokens_per_step is fixed; the plans adapt to the new world)")
+        f'  {convert}\nthen set "checkpoint": {{"load_universal": true}} in the DeepSpeed config '
+        f"(the batches stay the same when cp_tokens_per_step is fixed; the plans adapt to the new world)"
+    )
 
 
 SCHEDULE_FILE = "hf_cp_schedule.json"
@@ -163,13 +179,20 @@ class ScheduleChangedError(ValueError):
     """Resuming a checkpoint on a sample schedule other than the one it was trained on."""
 
 
-def schedule_record(lengths: Sequence[int], tokens_per_step: int, seed: int, shuffle: bool, world_size: int,
-                    data_digest: str = "") -> dict:
+def schedule_record(
+    lengths: Sequence[int], tokens_per_step: int, seed: int, shuffle: bool, world_size: int, data_digest: str = ""
+) -> dict:
     """`data_digest`: TokenColumns.digest() of the training data (tokens and targets, sampled)."""
     digest = hashlib.sha256(",".join(str(int(n)) for n in lengths).encode()).hexdigest()
-    return {"num_samples": len(lengths), "lengths_sha256": digest, "data_sha256": data_digest,
-            "tokens_per_step": int(tokens_per_step), "seed": int(seed), "shuffle": bool(shuffle),
-            "world_size": int(world_size)}
+    return {
+        "num_samples": len(lengths),
+        "lengths_sha256": digest,
+        "data_sha256": data_digest,
+        "tokens_per_step": int(tokens_per_step),
+        "seed": int(seed),
+        "shuffle": bool(shuffle),
+        "world_size": int(world_size),
+    }
 
 
 def write_schedule(checkpoint: str, record: dict) -> None:
@@ -197,9 +220,14 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     changed = [k for k in SCHEDULE_FIELDS if k in saved and saved[k] != now[k]]
     if not changed:
         return []
-    names = {"num_samples": "samples in the training set", "lengths_sha256": "sample lengths (digest)",
-             "data_sha256": "tokens and loss targets (digest)", "tokens_per_step": "tokens per step", "seed": "seed",
-             "shuffle": "cp_shuffle"}
+    names = {
+        "num_samples": "samples in the training set",
+        "lengths_sha256": "sample lengths (digest)",
+        "data_sha256": "tokens and loss targets (digest)",
+        "tokens_per_step": "tokens per step",
+        "seed": "seed",
+        "shuffle": "cp_shuffle",
+    }
 
     def shown(k, v):  # digests: their first 12 hex digits tell them apart
         return repr(v[:12]) if k.endswith("sha256") and isinstance(v, str) else repr(v)
@@ -207,22 +235,37 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     what = "; ".join(f"{names[k]}: {shown(k, saved[k])} in the checkpoint, {shown(k, now[k])} now" for k in changed)
     hints = []
     if "tokens_per_step" in changed and saved.get("world_size") != now["world_size"]:
-        hints.append(f"the world size went from {saved.get('world_size')} to {now['world_size']} and the global batch "
-                     f"is cp_tokens_per_rank_per_step x world size: set cp_tokens_per_step: "
-                     f"{saved.get('tokens_per_step')} to keep the batches (any world size can run them)")
+        hints.append(
+            f"the world size went from {saved.get('world_size')} to {now['world_size']} and the global batch "
+            f"is cp_tokens_per_rank_per_step x world size: set cp_tokens_per_step: "
+            f"{saved.get('tokens_per_step')} to keep the batches (any world size can run them)"
+        )
     if {"num_samples", "lengths_sha256", "data_sha256"} & set(changed):
-        hints.append("the training data is not the data the checkpoint was trained on (another file, filter, "
-                     "tokeniser, prompt masking or max length)")
-    message = " ".join([f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint "
-                        f"would skip and repeat samples of the interrupted epoch."]
-                       + [h[0].upper() + h[1:] + "." for h in hints])
+        hints.append(
+            "the training data is not the data the checkpoint was trained on (another file, filter, "
+            "tokeniser, prompt masking or max length)"
+        )
+    message = " ".join(
+        [
+            f"resuming {checkpoint} on another sample schedule ({what}). Steps after the checkpoint "
+            f"would skip and repeat samples of the interrupted epoch."
+        ]
+        + [h[0].upper() + h[1:] + "." for h in hints]
+    )
     if not allow_change:
-        raise ScheduleChangedError(message + " To continue on the new schedule anyway, set cp_allow_schedule_change: true")
+        raise ScheduleChangedError(
+            message + " To continue on the new schedule anyway, set cp_allow_schedule_change: true"
+        )
     return [message + " Continuing on the new schedule (cp_allow_schedule_change)"]
 
 
-def check_resume(checkpoint: str, schedule_now: dict, world_size: int, deepspeed_config: Optional[dict],
-                 allow_schedule_change: bool = False) -> List[str]:
+def check_resume(
+    checkpoint: str,
+    schedule_now: dict,
+    world_size: int,
+    deepspeed_config: Optional[dict],
+    allow_schedule_change: bool = False,
+) -> List[str]:
     """Everything that decides whether `checkpoint` may be resumed by this run: its sample
     schedule and its ZeRO world size. Raises ScheduleChangedError / ReshardNeededError; returns
     notes worth a warning. Used by CPTrainer.train and by the dry run alike."""

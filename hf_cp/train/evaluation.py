@@ -7,6 +7,7 @@ reduction: a rank without work in a wave simply skips it (only CP groups communi
 rank sums the token losses and valid targets of its shards; one all-reduce at the end gives
 eval loss = total token loss / total valid targets, the single-device number.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List, Tuple
@@ -20,8 +21,15 @@ from .planner import Planner
 from .sampler import GlobalBatchSampler
 
 
-def plan_evaluation(data: TokenColumns, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel,
-                    seed: int = 0, name: str = "eval_dataset") -> List[Tuple[StepPlan, int]]:
+def plan_evaluation(
+    data: TokenColumns,
+    tokens_per_step: int,
+    balancer,
+    cluster: ClusterSpec,
+    cost: CostModel,
+    seed: int = 0,
+    name: str = "eval_dataset",
+) -> List[Tuple[StepPlan, int]]:
     """(plan, valid targets of the batch) for every evaluation batch, in dataset order: the same
     on every rank, and the same at every evaluation of the run (plan once, reuse)."""
     sampler = GlobalBatchSampler(data.lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)

@@ -9,6 +9,7 @@ datasets, modules: never garbage), turns automatic collection off, and every ran
 the young generations at the end of every N-th step, so pauses line up across ranks. The same
 practice as torchtitan's gc_freq and Megatron-LM's manual GC.
 """
+
 from __future__ import annotations
 
 import gc

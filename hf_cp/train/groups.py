@@ -4,6 +4,7 @@
 group of `cluster.all_groups()` in the same order, whether or not it is a member. At run time
 the trainer only looks groups up.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -12,7 +13,6 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 
 from ..cluster import ClusterSpec
-
 
 CONTROL_GROUP_DESC = "hf_cp control: plan agreement and metrics"
 
@@ -31,20 +31,24 @@ class CPGroups:
         if cluster.world_size == 1:
             return
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"CPGroups: a world of {cluster.world_size} ranks needs torch.distributed "
-                               f"initialised first")
+            raise RuntimeError(
+                f"CPGroups: a world of {cluster.world_size} ranks needs torch.distributed initialised first"
+            )
         if dist.get_world_size() != cluster.world_size:
-            raise RuntimeError(f"CPGroups: torch.distributed has {dist.get_world_size()} ranks, the cluster spec "
-                               f"{cluster.world_size}")
+            raise RuntimeError(
+                f"CPGroups: torch.distributed has {dist.get_world_size()} ranks, the cluster spec {cluster.world_size}"
+            )
         # CPU-side agreement checks and metrics (plan digests, per-rank timings) go over gloo
         # whatever the default backend is: NCCL cannot carry CPU tensors
         # named groups: NCCL's watchdog and flight recorder print the description, so a timeout
         # there says which CP group stalled, as CollectiveStallError does on gloo
-        self.control = dist.new_group(list(range(cluster.world_size)), backend="gloo", timeout=timeout,
-                                      group_desc=CONTROL_GROUP_DESC)
+        self.control = dist.new_group(
+            list(range(cluster.world_size)), backend="gloo", timeout=timeout, group_desc=CONTROL_GROUP_DESC
+        )
         for ranks in cluster.all_groups():
-            self._groups[ranks] = dist.new_group(list(ranks), backend=backend, timeout=timeout,
-                                                 group_desc=cp_group_desc(ranks))
+            self._groups[ranks] = dist.new_group(
+                list(ranks), backend=backend, timeout=timeout, group_desc=cp_group_desc(ranks)
+            )
 
     def get(self, ranks) -> Optional[object]:
         """The process group of `ranks` (None for a single rank: no communication)."""
@@ -52,8 +56,10 @@ class CPGroups:
         if len(ranks) == 1:
             return None
         if ranks not in self._groups:
-            raise KeyError(f"group {list(ranks)} is not in the registry (built: {len(self._groups)} groups of sizes "
-                           f"{sorted({len(r) for r in self._groups})})")
+            raise KeyError(
+                f"group {list(ranks)} is not in the registry (built: {len(self._groups)} groups of sizes "
+                f"{sorted({len(r) for r in self._groups})})"
+            )
         return self._groups[ranks]
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ Only for heads whose output *is* the model's logits: models that scale or soft-c
 after the head (Gemma 2/3, Cohere, ...) are detected by `head_output_is_logits` and keep the
 full-logits path.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,16 +23,23 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
-                ignore_index: int) -> torch.Tensor:
+def _chunk_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)  # in the head's dtype, as the model computes them
     if logits.dtype != torch.float64:
         logits = logits.float()  # the loss in fp32 at least
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
 
 
-def chunked_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                         bias: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
+def chunked_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, `chunk_tokens` tokens at a time.
 
     hidden: [T, H]; weight: [V, H]; targets: [T] (ignore_index where no loss). Every chunk stays
@@ -41,11 +49,20 @@ def chunked_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
-        raise ValueError(f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+        raise ValueError(
+            f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
     total = None
     for s in range(0, hidden.shape[0], chunk_tokens):
-        part = checkpoint(_chunk_loss, hidden[s:s + chunk_tokens], weight, bias, targets[s:s + chunk_tokens],
-                          ignore_index, use_reentrant=False)
+        part = checkpoint(
+            _chunk_loss,
+            hidden[s : s + chunk_tokens],
+            weight,
+            bias,
+            targets[s : s + chunk_tokens],
+            ignore_index,
+            use_reentrant=False,
+        )
         total = part if total is None else total + part
     return total
 
@@ -54,6 +71,7 @@ def chunked_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Iterator[None]:
     """Within the block the LM head appends its input to `captured` and returns an empty
     [..., 0] tensor instead of logits, so the model never materialises them."""
+
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.append(hidden)
         return hidden[..., :0]

@@ -18,6 +18,7 @@ Config sections:
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
               a job restartable (torchrun --max-restarts, see hf_cp.train.elastic)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,9 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
-        raise TrainConfigError(f"training config {path}: unknown section(s) {sorted(unknown)}; "
-                               f"expected model, data, training")
+        raise TrainConfigError(
+            f"training config {path}: unknown section(s) {sorted(unknown)}; expected model, data, training"
+        )
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
@@ -106,8 +108,9 @@ def build_model(mcfg: dict, source: str):
 
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
-        model = AutoModelForCausalLM.from_pretrained(_resolve(mcfg["pretrained"]), attn_implementation=attn,
-                                                     trust_remote_code=trust_remote_code(mcfg, source))
+        model = AutoModelForCausalLM.from_pretrained(
+            _resolve(mcfg["pretrained"]), attn_implementation=attn, trust_remote_code=trust_remote_code(mcfg, source)
+        )
     else:
         config = model_config(mcfg, source)
         torch.manual_seed(int(mcfg.get("seed", 0)))
@@ -142,7 +145,9 @@ def load_datasets(dcfg: dict, source: str):
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
         if dcfg["bundled"] != "longtail_sample":
-            raise TrainConfigError(f"{source}: data.bundled {dcfg['bundled']!r}: the bundled dataset is longtail_sample")
+            raise TrainConfigError(
+                f"{source}: data.bundled {dcfg['bundled']!r}: the bundled dataset is longtail_sample"
+            )
         ds = load_sample_dataset(limit=limit)
     elif "path" not in dcfg:
         raise TrainConfigError(f"{source}: data needs `bundled: longtail_sample` or `path:`")
@@ -176,6 +181,7 @@ def training_arguments(tcfg: dict, source: str):
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401
+
             t["report_to"] = ["tensorboard"]
         except ImportError:
             t["report_to"] = "none"
@@ -226,18 +232,24 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
         trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
     if trainer.cp_rank == 0:
         world = trainer.cp_world
-        print(f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
-              f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ====")
+        print(
+            f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
+            f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ===="
+        )
         for line in trainer.cp_summary():
             print("  " + line)
         evals = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
         if evals:
-            print(f"  eval loss ({len(eval_dataset)} samples): "
-                  + " -> ".join(f"{loss:.4f} at step {step}" for step, loss in evals))
+            print(
+                f"  eval loss ({len(eval_dataset)} samples): "
+                + " -> ".join(f"{loss:.4f} at step {step}" for step, loss in evals)
+            )
         if stopped:
             checkpoint = Path(args.output_dir) / f"checkpoint-{stopped['step']}"
-            print(f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
-                  f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest")
+            print(
+                f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
+                f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest"
+            )
         print(f"  logs and per-step history: {args.output_dir}")
     shutdown_distributed()
     return 0
@@ -255,11 +267,18 @@ def _record_errors(fn):
 
 @_record_errors
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hf_cp.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hf_cp.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("config", help="training config YAML (e.g. configs/tiny-cpu.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value, e.g. --set training.max_steps=5 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
+    )
     a = p.parse_args(argv)
     return run(a.config, a.overrides)
 

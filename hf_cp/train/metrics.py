@@ -1,4 +1,5 @@
 """Per-step measurements of a CP training run and their aggregation for logs and summaries."""
+
 from __future__ import annotations
 
 import statistics
@@ -59,13 +60,18 @@ def summary_lines(records: Sequence[Mapping], balancer: str, compare: str = "") 
         f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
         f"measured {agg['measured_max_over_mean']:.3f}",
         "per-rank compute, mean per step (ms): predicted "
-        + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0]['measured_ms'])))
-        + " | measured " + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0]['measured_ms']))),
+        + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0]["measured_ms"])))
+        + " | measured "
+        + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0]["measured_ms"]))),
         f"planner {agg['planner_ms']:.1f} ms/step (planned ahead, off the training thread), waves/step {agg['waves']:.2f}, cp-size:samples "
-        + " ".join(f"{k[len('cp_size'):-len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")),
+        + " ".join(
+            f"{k[len('cp_size') : -len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")
+        ),
     ]
     if compare and "compare_predicted_step_ms" in agg:
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
-        lines.append(f"predicted step time: {balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms "
-                     f"({theirs / ours if ours else float('nan'):.2f}x)")
+        lines.append(
+            f"predicted step time: {balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms "
+            f"({theirs / ours if ours else float('nan'):.2f}x)"
+        )
     return lines

@@ -11,6 +11,7 @@ again, so a multi-day run neither hangs nor stops for it.
 Every plan is a pure function of (global batch, cluster, cost model, seed, step) and is
 validated here, before the trainer issues any collective for it.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -41,10 +42,10 @@ class PlannedStep:
     compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
 
 
-_FORKED_PLANNER: Optional["Planner"] = None  # in a planner worker process: the Planner it serves
+_FORKED_PLANNER: Optional[Planner] = None  # in a planner worker process: the Planner it serves
 
 
-def _adopt_planner(planner: "Planner", parent_pid: int) -> None:
+def _adopt_planner(planner: Planner, parent_pid: int) -> None:
     """Worker initialiser: a forked worker inherits the Planner (nothing is pickled), and
     exits when the training process dies. A forked child holds copies of its parent's pipes
     (the launcher's stdout too), so an orphan would wait on its queue forever and keep the
@@ -63,22 +64,32 @@ def _adopt_planner(planner: "Planner", parent_pid: int) -> None:
     threading.Thread(target=exit_with_parent, name="hf_cp-planner-parent-watch", daemon=True).start()
 
 
-def _plan_in_worker(index: int) -> "PlannedStep":
+def _plan_in_worker(index: int) -> PlannedStep:
     return _FORKED_PLANNER.plan_now(index)
 
 
 class Planner:
-    def __init__(self, sampler: GlobalBatchSampler, balancer, cluster: ClusterSpec, cost: CostModel,
-                 seed: int = 0, lookahead: int = 2, compare_balancer: Optional[str] = None, in_process: bool = False,
-                 workers: int = 1):
+    def __init__(
+        self,
+        sampler: GlobalBatchSampler,
+        balancer,
+        cluster: ClusterSpec,
+        cost: CostModel,
+        seed: int = 0,
+        lookahead: int = 2,
+        compare_balancer: Optional[str] = None,
+        in_process: bool = False,
+        workers: int = 1,
+    ):
         self.sampler = sampler
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
-        self.balancer_name = balancer if isinstance(balancer, str) else getattr(balancer, "name", type(balancer).__name__)
+        self.balancer_name = (
+            balancer if isinstance(balancer, str) else getattr(balancer, "name", type(balancer).__name__)
+        )
         if not callable(getattr(self.balancer, "plan", None)):
             raise TypeError(f"balancer {self.balancer_name!r} has no plan(request) method")
-        self.compare_name = (compare_balancer if compare_balancer and compare_balancer != self.balancer_name
-                             else None)
+        self.compare_name = compare_balancer if compare_balancer and compare_balancer != self.balancer_name else None
         self.compare = get_balancer(self.compare_name) if self.compare_name else None
         self.cluster = cluster
         self.cost = cost
@@ -87,9 +98,11 @@ class Planner:
         self.dataset_max_length = max(sampler.lengths)
         if self.dataset_max_length > cluster.largest_capacity:
             i = sampler.lengths.index(self.dataset_max_length)
-            raise ValueError(f"sample {i} has {self.dataset_max_length} tokens; the largest CP group "
-                             f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
-                             f"{cluster.largest_capacity}. Raise cp_max_tokens_per_rank, or truncate/drop it")
+            raise ValueError(
+                f"sample {i} has {self.dataset_max_length} tokens; the largest CP group "
+                f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
+                f"{cluster.largest_capacity}. Raise cp_max_tokens_per_rank, or truncate/drop it"
+            )
         self._lock = threading.Lock()
         self._futures: Dict[int, Future] = {}
         self._pool = None
@@ -109,12 +122,23 @@ class Planner:
 
     def _new_worker_pool(self) -> ProcessPoolExecutor:
         # forked at the first submit; the worker only runs Python planning (no CUDA, no collectives)
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_adopt_planner, initargs=(self, os.getpid()))
+        return ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=multiprocessing.get_context("fork"),
+            initializer=_adopt_planner,
+            initargs=(self, os.getpid()),
+        )
 
     def request(self, batch: GlobalBatch) -> PlanRequest:
-        return PlanRequest(sample_ids=batch.sample_ids, lengths=batch.lengths, cluster=self.cluster, cost=self.cost,
-                           seed=self.seed, step=batch.index, dataset_max_length=self.dataset_max_length)
+        return PlanRequest(
+            sample_ids=batch.sample_ids,
+            lengths=batch.lengths,
+            cluster=self.cluster,
+            cost=self.cost,
+            seed=self.seed,
+            step=batch.index,
+            dataset_max_length=self.dataset_max_length,
+        )
 
     def plan_now(self, index: int) -> PlannedStep:
         """Plan, validate and simulate global step `index` on the calling thread."""
@@ -143,8 +167,11 @@ class Planner:
             with self._lock:
                 for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
                     if k not in self._futures:
-                        self._futures[k] = (self._pool.submit(_plan_in_worker, k) if self.in_process
-                                            else self._pool.submit(self.plan_now, k))
+                        self._futures[k] = (
+                            self._pool.submit(_plan_in_worker, k)
+                            if self.in_process
+                            else self._pool.submit(self.plan_now, k)
+                        )
                 fut = self._futures.pop(index)
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
                     self._futures.pop(k).cancel()
@@ -162,8 +189,12 @@ class Planner:
                 f"step {index}: the planner worker process died {self.worker_restarts} times (last: {err}). "
                 "Check the kernel log for the OOM killer, or set cp_plan_in_process: false to plan on a thread"
             ) from err
-        warnings.warn(f"step {index}: the planner worker process died ({err}); starting a new one "
-                      f"({self.worker_restarts}/{self.MAX_WORKER_RESTARTS}) and planning again", RuntimeWarning)
+        warnings.warn(
+            f"step {index}: the planner worker process died ({err}); starting a new one "
+            f"({self.worker_restarts}/{self.MAX_WORKER_RESTARTS}) and planning again",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         with self._lock:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._futures.clear()

@@ -8,6 +8,7 @@ world size, and checks what a resume would find in output_dir (the sample schedu
 checkpoint of another world size) and what a restart would need. It raises the error training
 would raise, or returns a short report.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ from .planner import Planner
 from .planning_setup import planning_setup
 
 
-def preflight(config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20,
-              max_restarts: int = 0) -> List[str]:
+def preflight(
+    config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20, max_restarts: int = 0
+) -> List[str]:
     """Report lines; raises the error the training launch would raise."""
     cfg = load_config(config_path, overrides)
     src = cfg["_source"]
@@ -39,38 +41,56 @@ def preflight(config_path: str, overrides: Optional[List[str]] = None, world_siz
     data = read_token_columns(train, "train_dataset")
     setup = planning_setup(args, hf_config.to_dict(), data.lengths, world_size)
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
-    planner = Planner(sampler, args.cp_balancer, cluster, cost, seed=args.seed, lookahead=0,
-                      compare_balancer=args.cp_compare_balancer)
+    planner = Planner(
+        sampler, args.cp_balancer, cluster, cost, seed=args.seed, lookahead=0, compare_balancer=args.cp_compare_balancer
+    )
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
-    lines = [f"config {Path(src).name}: {world_size} rank(s), balancer {planner.balancer_name}, "
-             f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
-             f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
-             f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}"]
+    lines = [
+        f"config {Path(src).name}: {world_size} rank(s), balancer {planner.balancer_name}, "
+        f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
+        f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
+        f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
+    ]
     distributes = any(ps.plan.spreads_samples for ps in planned)
     attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
     if distributes and attn != HF_CP_ATTENTION:
-        raise ValueError(f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
-                         f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})")
-    line = (f"first {n} step(s) planned and valid: predicted "
-            f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
-            f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
-            f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step")
+        raise ValueError(
+            f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
+            f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
+        )
+    line = (
+        f"first {n} step(s) planned and valid: predicted "
+        f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
+        f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
+        f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step"
+    )
     if planner.compare is not None:
-        line += (f"; {planner.compare_name} would take "
-                 f"{statistics.mean(ps.compare.makespan_ms for ps in planned):.1f} ms/step")
+        line += (
+            f"; {planner.compare_name} would take "
+            f"{statistics.mean(ps.compare.makespan_ms for ps in planned):.1f} ms/step"
+        )
     lines.append(line)
     if evaluation is not None:
-        plans = plan_evaluation(read_token_columns(evaluation, "eval_dataset"), sampler.tokens_per_step,
-                                args.cp_balancer, cluster, cost, args.seed, "eval_dataset")
+        plans = plan_evaluation(
+            read_token_columns(evaluation, "eval_dataset"),
+            sampler.tokens_per_step,
+            args.cp_balancer,
+            cluster,
+            cost,
+            args.seed,
+            "eval_dataset",
+        )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
     if resume is not None:
-        now = schedule_record(sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size,
-                              data.digest())
+        now = schedule_record(
+            sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size, data.digest()
+        )
         ds = getattr(args, "hf_deepspeed_config", None)
-        notes = check_resume(resume, now, world_size, ds.config if ds is not None else None,
-                             args.cp_allow_schedule_change)
+        notes = check_resume(
+            resume, now, world_size, ds.config if ds is not None else None, args.cp_allow_schedule_change
+        )
         lines.append(f"resume: {resume}: its sample schedule and ZeRO world size fit this run")
         lines += [f"note: {note}" for note in notes]
     elif args.resume_from_checkpoint:

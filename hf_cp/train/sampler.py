@@ -5,6 +5,7 @@ knows every sample and length of every step without communication, and a resumed
 same batches. Steps are numbered globally across epochs (index 0 .. len-1); epochs may have
 different numbers of steps because batches are cut by tokens, not by sample count.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,15 @@ class GlobalBatch:
 
 
 class GlobalBatchSampler:
-    def __init__(self, lengths: Sequence[int], tokens_per_step: int, seed: int = 0, num_epochs: float = 1.0,
-                 max_steps: Optional[int] = None, shuffle: bool = True):
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        tokens_per_step: int,
+        seed: int = 0,
+        num_epochs: float = 1.0,
+        max_steps: Optional[int] = None,
+        shuffle: bool = True,
+    ):
         if len(lengths) == 0:
             raise ValueError("GlobalBatchSampler: the dataset is empty")
         if tokens_per_step <= 0:
@@ -54,8 +62,9 @@ class GlobalBatchSampler:
 
     def epoch_batches(self, epoch: int) -> List[List[int]]:
         if epoch not in self._epochs:
-            self._epochs[epoch] = step_batches(self.lengths, self.tokens_per_step, seed=self.seed, epoch=epoch,
-                                               shuffle=self.shuffle)
+            self._epochs[epoch] = step_batches(
+                self.lengths, self.tokens_per_step, seed=self.seed, epoch=epoch, shuffle=self.shuffle
+            )
         return self._epochs[epoch]
 
     def __len__(self) -> int:
@@ -73,5 +82,10 @@ class GlobalBatchSampler:
     def __getitem__(self, index: int) -> GlobalBatch:
         epoch, k = self.locate(index)
         ids = self.epoch_batches(epoch)[k]
-        return GlobalBatch(index=index, epoch=epoch, step_in_epoch=k, sample_ids=tuple(ids),
-                           lengths=tuple(self.lengths[i] for i in ids))
+        return GlobalBatch(
+            index=index,
+            epoch=epoch,
+            step_in_epoch=k,
+            sample_ids=tuple(ids),
+            lengths=tuple(self.lengths[i] for i in ids),
+        )

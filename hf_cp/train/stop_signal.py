@@ -13,6 +13,7 @@ which the signal arrives and the next one still run (the exchange opens a step),
 period must cover two steps and one checkpoint save; under torchrun, raise its own
 `--shutdown-timeout` (default 30 s) to match.
 """
+
 from __future__ import annotations
 
 import signal

@@ -7,6 +7,7 @@ the batch, global-norm clipping, AdamW. A correct CP trainer ends with the same 
     python -m torch.distributed.run --nproc_per_node N -m hf_cp.train.testing SPEC.json
 runs one distributed job described by SPEC (see `run_distributed`).
 """
+
 from __future__ import annotations
 
 import json
@@ -65,10 +66,17 @@ def synthetic_rows(lengths: Sequence[int], seed: int = 0, prompt_every: int = 3)
 def zero2_config(bucket: int = 500_000_000) -> dict:
     """DeepSpeed ZeRO-2, fp32, torch AdamW (no JIT builds); everything else from the Trainer."""
     return {
-        "zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
-                              "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                  "weight_decay": "auto", "torch_adam": True}},
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+        },
         "gradient_clipping": "auto",
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
@@ -152,9 +160,9 @@ class SpreadEveryDocBalancer:
 def balancer_for(name: str):
     """Scripted balancers for names fixed_<mode> and spread_<mode>, else None (use the registry)."""
     if name.startswith("fixed_"):
-        return FixedModeBalancer(name[len("fixed_"):])
+        return FixedModeBalancer(name[len("fixed_") :])
     if name.startswith("spread_"):
-        return SpreadEveryDocBalancer(name[len("spread_"):])
+        return SpreadEveryDocBalancer(name[len("spread_") :])
     return None
 
 
@@ -189,10 +197,14 @@ def reference_model(spec: dict):
     rows = synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
     model = tiny_model(spec.get("model_seed", 0), attn="sdpa")
     model.train()
-    sampler = GlobalBatchSampler([r["length"] for r in rows], spec["tokens_per_step"], seed=spec.get("seed", 42),
-                                 max_steps=spec["steps"], shuffle=spec.get("shuffle", False))
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=0.0)
+    sampler = GlobalBatchSampler(
+        [r["length"] for r in rows],
+        spec["tokens_per_step"],
+        seed=spec.get("seed", 42),
+        max_steps=spec["steps"],
+        shuffle=spec.get("shuffle", False),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.get("lr", 1e-3), betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     for k in range(spec["steps"]):
         batch = sampler[k]
         opt.zero_grad()
@@ -218,8 +230,8 @@ def max_relative_error(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -
 def run_job(spec: dict) -> None:
     from accelerate import PartialState
 
-    from .trainer import CPTrainer, skip_deepspeed_shm_build
     from .args import CPTrainingArguments
+    from .trainer import CPTrainer, skip_deepspeed_shm_build
 
     skip_deepspeed_shm_build()
     from datetime import timedelta
@@ -235,24 +247,43 @@ def run_job(spec: dict) -> None:
     if spec.get("load_universal"):  # resume a checkpoint converted by DeepSpeed's ds_to_universal
         ds_config["checkpoint"] = {"load_universal": True}
     args = CPTrainingArguments(
-        output_dir=str(out), use_cpu=True, deepspeed=ds_config, seed=spec.get("seed", 42),
-        cp_balancer=spec["balancer"], cp_profile=spec.get("profile", "h200-qwen2.5-7b"),
-        cp_max_tokens_per_rank=spec["max_tokens_per_rank"], cp_tokens_per_step=spec["tokens_per_step"],
-        cp_shuffle=spec.get("shuffle", False), cp_compare_balancer=None, max_steps=spec["steps"],
-        learning_rate=spec.get("lr", 1e-3), lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=spec.get("max_grad_norm", 1.0), logging_steps=1, report_to="none",
-        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps") or 500,
-        disable_tqdm=True, dataloader_num_workers=0, ddp_timeout=timeout_s,
+        output_dir=str(out),
+        use_cpu=True,
+        deepspeed=ds_config,
+        seed=spec.get("seed", 42),
+        cp_balancer=spec["balancer"],
+        cp_profile=spec.get("profile", "h200-qwen2.5-7b"),
+        cp_max_tokens_per_rank=spec["max_tokens_per_rank"],
+        cp_tokens_per_step=spec["tokens_per_step"],
+        cp_shuffle=spec.get("shuffle", False),
+        cp_compare_balancer=None,
+        max_steps=spec["steps"],
+        learning_rate=spec.get("lr", 1e-3),
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=spec.get("max_grad_norm", 1.0),
+        logging_steps=1,
+        report_to="none",
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps") or 500,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        ddp_timeout=timeout_s,
         cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 2048),
-        eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
+        eval_strategy="steps" if spec.get("eval_steps") else "no",
+        eval_steps=spec.get("eval_steps"),
         enable_jit_checkpoint=bool(spec.get("jit_checkpoint")),
         activation_checkpointing=bool(spec.get("activation_checkpointing")),
         cp_stop_on_nonfinite_grad=spec.get("stop_on_nonfinite_grad", True),
     )
     evaluating = bool(spec.get("eval_lengths"))
-    trainer = CPTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                        eval_dataset=Dataset.from_list(eval_rows(spec)) if evaluating else None,
-                        balancer=balancer_for(spec["balancer"]))
+    trainer = CPTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(eval_rows(spec)) if evaluating else None,
+        balancer=balancer_for(spec["balancer"]),
+    )
     if spec.get("fault"):
         _inject_fault(trainer, model, **spec["fault"])
     trainer.train(resume_from_checkpoint=spec.get("resume_from"))
@@ -322,8 +353,9 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: 
     out.mkdir(parents=True, exist_ok=True)
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONWARNINGS="ignore")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore"
+    )
     port = str(spec.get("port") or free_port())
     if max_restarts:
         # restarts need a fresh store per attempt (see hf_cp.train.elastic)
@@ -331,11 +363,21 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: 
         launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts)]
     else:
         launch = ["--master_port", port]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *launch,
-           "-m", "hf_cp.train.testing", str(spec_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        *launch,
+        "-m",
+        "hf_cp.train.testing",
+        str(spec_file),
+    ]
     # own session: on a timeout (a hung collective) the launcher *and* its workers are killed
-    with subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as p:
+    with subprocess.Popen(
+        cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -349,7 +391,9 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: 
             raise TimeoutError(f"distributed job did not finish in {timeout} s (killed):\n{err[-8000:]}") from None
     proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if proc.returncode != 0:
-        raise RuntimeError(f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise RuntimeError(
+            f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 

@@ -12,6 +12,7 @@ the plan). Data-parallel reduction averages over the world, so each rank scales 
 loss by world / global_valid_tokens: the averaged gradient is exactly the single-process
 gradient of the global batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,17 @@ from ..consistency import assert_data_agrees, assert_plans_agree, collective_sco
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
+from .elastic import (
+    check_resume,
+    checkpoint_step,
+    resolve_resume,
+    restart_attempt,
+    restart_problems,
+    schedule_record,
+    truncate_history,
+    write_schedule,
+)
 from .evaluation import evaluation_rank_steps, plan_evaluation
-from .elastic import (check_resume, checkpoint_step, restart_attempt, restart_problems, resolve_resume,
-                      schedule_record, truncate_history, write_schedule)
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
@@ -100,8 +109,9 @@ class CPTrainer(Trainer):
     the registry lookup of `args.cp_balancer`, for balancers built in code.
     """
 
-    def __init__(self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None,
-                 balancer=None, **kwargs):
+    def __init__(
+        self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None, balancer=None, **kwargs
+    ):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         if args.deepspeed:
@@ -109,8 +119,10 @@ class CPTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         pc = getattr(args, "parallelism_config", None)
         if pc is not None and (getattr(pc, "cp_size", 1) or 1) > 1:
-            raise ValueError("CPTrainer plans its own CP groups per step; set ParallelismConfig(cp_size=1) "
-                             "(dp_shard/dp_replicate only) and size CP with cp_max_tokens_per_rank / cp_max_group_size")
+            raise ValueError(
+                "CPTrainer plans its own CP groups per step; set ParallelismConfig(cp_size=1) "
+                "(dp_shard/dp_replicate only) and size CP with cp_max_tokens_per_rank / cp_max_group_size"
+            )
         if train_dataset is None:
             raise ValueError("CPTrainer: training needs a train_dataset")
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
@@ -146,20 +158,32 @@ class CPTrainer(Trainer):
         """Build the group registry and the planner: once, at the same point on every rank."""
         if self.cp_groups is None:
             if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
-                raise RuntimeError(f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}")
+                raise RuntimeError(
+                    f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}"
+                )
             self.cp_groups = CPGroups(self.cp_cluster, timeout=timedelta(seconds=self.args.ddp_timeout))
             assert_data_agrees(self.cp_data.digest(), "training data", group=self.cp_groups.control)
         if self.cp_planner is None:
             a = self.args
-            self.cp_planner = Planner(self.cp_sampler, self.cp_balancer or a.cp_balancer, self.cp_cluster, self.cp_cost, seed=a.seed,
-                                      lookahead=a.cp_plan_lookahead, compare_balancer=a.cp_compare_balancer,
-                                      in_process=a.cp_plan_in_process, workers=a.cp_plan_workers)
+            self.cp_planner = Planner(
+                self.cp_sampler,
+                self.cp_balancer or a.cp_balancer,
+                self.cp_cluster,
+                self.cp_cost,
+                seed=a.seed,
+                lookahead=a.cp_plan_lookahead,
+                compare_balancer=a.cp_compare_balancer,
+                in_process=a.cp_plan_in_process,
+                workers=a.cp_plan_workers,
+            )
         if self._cp_hook is None:
             self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
-        steps = _PlannedSteps(self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts)
+        steps = _PlannedSteps(
+            self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts
+        )
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
 
@@ -207,15 +231,22 @@ class CPTrainer(Trainer):
         """Plan agreement (before any collective of the step) and, in the same exchange, the
         stop decision: a SIGTERM seen by any rank stops every rank after this step."""
         sig = self.cp_stop_signal
-        flagged = assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control,
-                                     flag=bool(sig and sig.requested))
+        flagged = assert_plans_agree(
+            step.plan.digest(), step.index + 1, group=self.cp_groups.control, flag=bool(sig and sig.requested)
+        )
         if flagged and self.cp_stopped_early is None:
             self.cp_stopped_early = {"step": step.index + 1, "signal": sig.name, "ranks": flagged}
             self.control.should_save = True
             self.control.should_training_stop = True
             if self.cp_rank == 0:
-                logger.warning("hf_cp: %s on rank(s) %s: stopping after step %d with checkpoint-%d; resume with "
-                               "resume_from_checkpoint: latest", sig.name, flagged, step.index + 1, step.index + 1)
+                logger.warning(
+                    "hf_cp: %s on rank(s) %s: stopping after step %d with checkpoint-%d; resume with "
+                    "resume_from_checkpoint: latest",
+                    sig.name,
+                    flagged,
+                    step.index + 1,
+                    step.index + 1,
+                )
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
@@ -226,9 +257,11 @@ class CPTrainer(Trainer):
         if step.plan.spreads_samples:
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
-                raise ValueError(f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
-                                 f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
-                                 f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'")
+                raise ValueError(
+                    f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
+                    f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
+                    f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
+                )
         model.train()
         device = self.args.device
         scale = self.cp_world / step.global_valid_tokens if step.global_valid_tokens else 0.0
@@ -243,7 +276,10 @@ class CPTrainer(Trainer):
             self._cp_backward_end = None
             if mb is None:
                 # no work in this wave: a zero-weight micro-batch keeps the backward count equal
-                with cp_context(None), collective_scope(step.index + 1, w, tuple(range(self.cp_world)), "dummy micro-batch"):
+                with (
+                    cp_context(None),
+                    collective_scope(step.index + 1, w, tuple(range(self.cp_world)), "dummy micro-batch"),
+                ):
                     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
                     out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
                     loss = out.logits.sum() * 0.0
@@ -276,8 +312,14 @@ class CPTrainer(Trainer):
         captured: List[torch.Tensor] = []
         with lm_head_bypassed(head, captured):
             model(input_ids=ids, position_ids=pos, use_cache=False)
-        return chunked_lm_head_loss(captured[-1][0], head.weight, targets, self.args.cp_loss_chunk_tokens,
-                                    bias=head.bias, ignore_index=IGNORE_INDEX)
+        return chunked_lm_head_loss(
+            captured[-1][0],
+            head.weight,
+            targets,
+            self.args.cp_loss_chunk_tokens,
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+        )
 
     def _cp_loss_head(self, device) -> Optional[torch.nn.Linear]:
         """The LM head the chunked loss replaces (decided once), or None for full logits."""
@@ -291,9 +333,12 @@ class CPTrainer(Trainer):
             if plain:
                 self._cp_head = head
             elif self.cp_rank == 0:
-                logger.warning("hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
-                               "the model has no linear LM head" if head is None else
-                               "the model post-processes its LM head's output (scaling or soft-capping)")
+                logger.warning(
+                    "hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
+                    "the model has no linear LM head"
+                    if head is None
+                    else "the model post-processes its LM head's output (scaling or soft-capping)",
+                )
         return self._cp_head
 
     def _cp_record(self, step: RankStep, measured_ms: float, tokens: int, loss_sum: float, wall_ms: float) -> None:
@@ -310,8 +355,11 @@ class CPTrainer(Trainer):
             "epoch": step.epoch,
             "step_in_epoch": ps.batch.step_in_epoch if ps is not None else None,
             # the Trainer's own `epoch` counts the whole run as one pass over the step loader
-            "data_epoch": (step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
-                           if ps is not None else float(step.epoch)),
+            "data_epoch": (
+                step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
+                if ps is not None
+                else float(step.epoch)
+            ),
             "global_step": self.state.global_step + 1,
             "num_samples": len(step.plan.sample_ids),
             "global_tokens": step.plan.total_tokens,
@@ -361,9 +409,15 @@ class CPTrainer(Trainer):
             data = read_token_columns(ds, name)
             if int(data.valid_counts.sum()) == 0:
                 raise ValueError(f"CPTrainer.evaluate: {name} has no target tokens (every label is {IGNORE_INDEX})")
-            plans = plan_evaluation(data, self.args.tokens_per_step(self.cp_world),
-                                    self.cp_balancer or self.args.cp_balancer, self.cp_cluster, self.cp_cost,
-                                    self.args.seed, name)
+            plans = plan_evaluation(
+                data,
+                self.args.tokens_per_step(self.cp_world),
+                self.cp_balancer or self.args.cp_balancer,
+                self.cp_cluster,
+                self.cp_cost,
+                self.args.seed,
+                name,
+            )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
         _, data, plans = cached
@@ -380,16 +434,21 @@ class CPTrainer(Trainer):
             with torch.no_grad():
                 for step in evaluation_rank_steps(plans, data, self.cp_rank):
                     # as in training: a rank with another plan would wait in the wrong group
-                    assert_plans_agree(step.plan.digest(), step.index + 1, group=self.cp_groups.control,
-                                       phase="evaluation batch")
+                    assert_plans_agree(
+                        step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
+                    )
                     for w, mb in enumerate(step.waves):
                         if mb is None:  # forward only: no gradient reduction to join
                             continue
                         ctx = mb.context
                         if ctx.group_size > 1:
                             ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-                        with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks,
-                                                               "evaluation micro-batch", "evaluation batch"):
+                        with (
+                            cp_context(ctx),
+                            collective_scope(
+                                step.index + 1, w, ctx.group_ranks, "evaluation micro-batch", "evaluation batch"
+                            ),
+                        ):
                             loss_sum += float(self._cp_wave_loss(model, mb, device))
                         valid += int((mb.shift_labels != IGNORE_INDEX).sum())
                         tokens += mb.num_tokens
@@ -398,17 +457,21 @@ class CPTrainer(Trainer):
         totals = torch.tensor([loss_sum, float(valid), float(tokens)], dtype=torch.float64)
         if self.cp_world > 1:
             dist.all_reduce(totals, group=self.cp_groups.control)
-        metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]),
-                   f"{metric_key_prefix}_tokens": int(totals[2]),
-                   f"{metric_key_prefix}_samples": len(data),
-                   f"{metric_key_prefix}_runtime": round(time.perf_counter() - t0, 4)}
+        metrics = {
+            f"{metric_key_prefix}_loss": float(totals[0] / totals[1]),
+            f"{metric_key_prefix}_tokens": int(totals[2]),
+            f"{metric_key_prefix}_samples": len(data),
+            f"{metric_key_prefix}_runtime": round(time.perf_counter() - t0, 4),
+        }
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
     def predict(self, *args, **kwargs):
-        raise NotImplementedError("CPTrainer.predict: CP-planned prediction (gathering logits of sharded samples) "
-                                  "is not supported; evaluate() gives the planned eval loss")
+        raise NotImplementedError(
+            "CPTrainer.predict: CP-planned prediction (gathering logits of sharded samples) "
+            "is not supported; evaluate() gives the planned eval loss"
+        )
 
     # ------------------------------------------------------------------ non-finite gradients
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
@@ -422,15 +485,21 @@ class CPTrainer(Trainer):
         step = self._cp_last_step
         ids = list(step.plan.sample_ids) if step is not None else []
         shown = ", ".join(map(str, ids[:20])) + (f", ... ({len(ids)} in all)" if len(ids) > 20 else "")
-        what = (f"step {self.state.global_step}: the gradient norm is {norm} (non-finite gradients on some rank). "
-                + ("DeepSpeed skipped the update, so the step's samples were not learned"
-                   if self.is_deepspeed_enabled else "the parameters may no longer be finite")
-                + f"; its samples: [{shown}]")
+        what = (
+            f"step {self.state.global_step}: the gradient norm is {norm} (non-finite gradients on some rank). "
+            + (
+                "DeepSpeed skipped the update, so the step's samples were not learned"
+                if self.is_deepspeed_enabled
+                else "the parameters may no longer be finite"
+            )
+            + f"; its samples: [{shown}]"
+        )
         if self.args.cp_stop_on_nonfinite_grad:
             raise NonFiniteGradientError(
                 f"{what}. Stopped before this step's checkpoint: the newest checkpoint holds the last good state. "
                 f"Common causes: a learning rate too high, fp16 overflow, a corrupt sample. "
-                f"cp_stop_on_nonfinite_grad: false skips such steps with a warning instead")
+                f"cp_stop_on_nonfinite_grad: false skips such steps with a warning instead"
+            )
         if self.cp_rank == 0:
             logger.warning("hf_cp: %s; continuing (cp_stop_on_nonfinite_grad is false)", what)
 
@@ -450,13 +519,14 @@ class CPTrainer(Trainer):
 
     def cp_summary(self, compare: bool = True) -> List[str]:
         name = getattr(self.cp_balancer, "name", None) or self.args.cp_balancer
-        return summary_lines(self.cp_history, name,
-                             self.args.cp_compare_balancer if compare else "")
+        return summary_lines(self.cp_history, name, self.args.cp_compare_balancer if compare else "")
 
     def cp_schedule(self) -> dict:
         """What decides the samples of every step: saved with each checkpoint, checked on resume."""
         sm = self.cp_sampler
-        return schedule_record(sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world, self.cp_data.digest())
+        return schedule_record(
+            sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world, self.cp_data.digest()
+        )
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.args.should_save:  # first, so a checkpoint folder never lacks it
@@ -475,8 +545,13 @@ class CPTrainer(Trainer):
         resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
         if resume is not None:  # on every rank, before any collective: all raise or none
             ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
-            for note in check_resume(resume, self.cp_schedule(), self.cp_world, ds.config if ds is not None else None,
-                                     self.args.cp_allow_schedule_change):
+            for note in check_resume(
+                resume,
+                self.cp_schedule(),
+                self.cp_world,
+                ds.config if ds is not None else None,
+                self.args.cp_allow_schedule_change,
+            ):
                 if self.cp_rank == 0:
                     logger.warning("hf_cp: %s", note)
         if self.args.cp_record_history:
@@ -488,8 +563,10 @@ class CPTrainer(Trainer):
                 truncate_history(hist, checkpoint_step(resume))
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
-            logger.warning("hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "
-                           "live there); SIGTERM keeps its default action")
+            logger.warning(
+                "hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "
+                "live there); SIGTERM keeps its default action"
+            )
         try:
             return super().train(resume, *args, **kwargs)
         finally:
