@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .cluster import ClusterSpec
-from .shard import ShardMode, rank_segments, segment_tokens
+from .modes import mode_spec
+from .shard import ShardMode, mode_name, rank_segments, segment_tokens
 
 FORMAT = "hf_cp.step_plan/1"
 
@@ -30,12 +31,15 @@ class PlanError(ValueError):
 class Group:
     ranks: Tuple[int, ...]
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
-    mode: ShardMode = ShardMode.RING_PER_DOC  # how `distributed` is sharded
+    mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
-        self.mode = ShardMode(self.mode)
+        try:
+            self.mode = mode_name(self.mode)
+        except ValueError as e:
+            raise PlanError(f"group {list(self.ranks)}: {e}") from None
         self.local = {int(r): list(v) for r, v in self.local.items()}
 
     @property
@@ -49,7 +53,7 @@ class Group:
         d = {"ranks": list(self.ranks)}
         if self.distributed:
             d["distributed"] = list(self.distributed)
-            d["mode"] = self.mode.value
+            d["mode"] = self.mode
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
         return d
@@ -59,7 +63,7 @@ class Group:
         return cls(
             ranks=tuple(d["ranks"]),
             distributed=list(d.get("distributed", [])),
-            mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
+            mode=d.get("mode", ShardMode.RING_PER_DOC.value),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
         )
 
@@ -209,9 +213,9 @@ class StepPlan:
                         f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
                         f"(aligned power-of-two blocks of size in {cluster.group_sizes})"
                     )
-                if cost is not None and g.distributed and g.mode == ShardMode.ULYSSES and g.size > 1:
+                if cost is not None and g.distributed and g.size > 1:
                     try:
-                        cost.check_ulysses(g.size)
+                        mode_spec(g.mode).check_group(cost.dims, g.size)
                     except ValueError as e:
                         raise PlanError(f"{where}, wave {w}: group {list(g.ranks)}: {e}") from None
                 for r in g.local:
