@@ -44,12 +44,14 @@ def add_parser(sub) -> None:
         help="tokens per rank in one global batch (global batch = this x world)",
     )
     p.add_argument(
-        "--profile", default="h200-qwen2.5-7b", help="hardware profile: a name under configs/profiles or a YAML file"
+        "--profile",
+        default="h200-qwen2.5-7b",
+        help="hardware profile: a profile name (configs/profiles/ here, then built in) or a YAML file",
     )
     p.add_argument(
         "--model",
         default="qwen2.5-7b",
-        help="model dimensions: a name under configs/models, a config.json, or a model folder",
+        help="model dimensions: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
     p.add_argument("--balancer", default="static", help=f"balancer name; built in: {', '.join(available_balancers())}")
     p.add_argument("--steps", type=int, default=10, help="number of steps to plan (from the start of the epoch)")

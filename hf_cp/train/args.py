@@ -24,7 +24,9 @@ class CPTrainingArguments(TrainingArguments):
     cp_balancer: str = field(default="auto", metadata={"help": "balancer name (hf_cp.balance registry)"})
     cp_profile: Any = field(
         default="h200-qwen2.5-7b",
-        metadata={"help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"},
+        metadata={
+            "help": "hardware profile: a profile name (configs/profiles/ here, then built in), a YAML path, or a dict of its fields"
+        },
     )
     cp_model_dims: Optional[str] = field(
         default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
