@@ -3,13 +3,13 @@ package, are found by name or path in the documented order, and work from a whee
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
@@ -111,6 +111,17 @@ def test_the_checkout_links_to_the_package_files_instead_of_copying_them():
 
 
 # --------------------------------------------------------------------------- the wheel
+def _can_build_here() -> bool:
+    """Whether this environment's setuptools builds the wheel itself (no index needed): pyproject.toml
+    asks for setuptools>=68, and bdist_wheel is built in from 70.1 (a venv's own setuptools, 65.5 on
+    Python 3.11, is older: pip's isolated build then fetches one)."""
+    try:
+        major, minor = (int(x) for x in version("setuptools").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (70, 1)
+
+
 @pytest.fixture(scope="module")
 def unpacked_wheel(tmp_path_factory):
     """The wheel built from this tree (outside it), unpacked as pip would install it."""
@@ -119,8 +130,7 @@ def unpacked_wheel(tmp_path_factory):
     shutil.copytree(REPO / "hf_cp", src / "hf_cp", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    # the venv's setuptools when it has one (no index needed); else pip's isolated build
-    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    isolation = ["--no-build-isolation"] if _can_build_here() else []
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp / "dist"), str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
