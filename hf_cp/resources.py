@@ -17,8 +17,8 @@ A profile or model NAME resolves to the first of:
   3. the package's built-in file hf_cp/configs/<kind>/<name>[suffix].
 When none exists the caller's error lists the names of 2 and 3 (`available_names`).
 
-A PATH an input is read from (a training config, and the deepspeed file, data, and pretrained
-folder a training config names) resolves to the first of:
+A PATH an input is read from (a training config; the data and pretrained folder it names; the
+deepspeed file of CPTrainingArguments, from a config or from Python) resolves to the first of:
   1. the path as given, if it exists (absolute, or relative to the working directory);
   2. the same relative path inside the package, which is where hf_cp ships the repository's
      configs/*.yaml and recipes/*.json (configs/tiny-cpu.yaml -> hf_cp/configs/tiny-cpu.yaml);

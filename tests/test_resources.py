@@ -17,6 +17,7 @@ import yaml
 
 from hf_cp.cost import ConfigError, HardwareProfile, ModelDims
 from hf_cp.resources import BUILTIN_CONFIGS, PACKAGE_ROOT, find_named, input_path
+from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.main import TrainConfigError, load_config, training_arguments
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,6 +82,9 @@ def test_a_training_config_and_its_deepspeed_file_resolve_to_the_package_outside
     assert Path(args.deepspeed) == PACKAGE_ROOT / "recipes" / "ds-zero2-cpu.json"
     # outputs are never resolved: they stay where the user runs
     assert args.output_dir == "outputs/tiny-cpu"
+    # from Python too (the README's CPTrainingArguments example)
+    direct = CPTrainingArguments(output_dir="out", deepspeed="recipes/ds-zero2-cpu.json", use_cpu=True)
+    assert Path(direct.deepspeed) == PACKAGE_ROOT / "recipes" / "ds-zero2-cpu.json"
     # a local file of the same relative path comes first
     local = elsewhere / "configs" / "tiny-cpu.yaml"
     local.parent.mkdir()

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from transformers import TrainingArguments
 
+from ..resources import input_path
+
 
 @dataclass
 class CPTrainingArguments(TrainingArguments):
@@ -100,6 +102,9 @@ class CPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if isinstance(self.deepspeed, str):
+            # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
+            self.deepspeed = str(input_path(self.deepspeed))
         super().__post_init__()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(

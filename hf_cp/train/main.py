@@ -37,7 +37,6 @@ import yaml
 from ..cost import read_yaml_mapping
 from ..resources import input_path, shipped_training_configs
 
-INPUT_PATH_FIELDS = ("deepspeed",)  # training fields read from a file: resolved as inputs (hf_cp.resources)
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
 
 
@@ -176,9 +175,6 @@ def training_arguments(tcfg: dict, source: str):
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
         if v is False and (k.endswith("_strategy") or k == "report_to"):
             t[k] = "no"
-    for k in INPUT_PATH_FIELDS:
-        if isinstance(t.get(k), str):
-            t[k] = _resolve(t[k])
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401
