@@ -22,9 +22,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import yaml
 
 from .modes import mode_spec
+from .resources import available_names, find_named
 from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
-
-PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -91,7 +90,8 @@ class ModelDims:
 
     @classmethod
     def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
-        """A config.json path, a folder holding one, or a name under configs/models/."""
+        """A config.json path, a folder holding one, or a model name (hf_cp.resources: the user's
+        configs/models/ under the working directory, then the package's built-ins)."""
         p = resolve_config(name_or_path, "models", (".json",))
         if p.is_dir():
             p = p / "config.json"
@@ -116,15 +116,14 @@ def read_yaml_mapping(
 
 
 def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    for s in ("",) + suffixes:
-        cand = PACKAGE_CONFIGS / kind / f"{name_or_path}{s}"
-        if cand.exists():
-            return cand
-    avail = sorted(x.stem for x in (PACKAGE_CONFIGS / kind).glob("*")) if (PACKAGE_CONFIGS / kind).exists() else []
-    raise ConfigError(f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, and not one of {avail}")
+    """The file a profile or model name stands for (resolution order: hf_cp.resources)."""
+    p = find_named(name_or_path, kind, suffixes)
+    if p is None:
+        raise ConfigError(
+            f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, not in configs/{kind}/ here, and not "
+            f"built in; available: {available_names(kind)}"
+        )
+    return p
 
 
 # --------------------------------------------------------------------------- hardware profile

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from transformers import TrainingArguments
 
 from ..planning.setup import PlanningSettings
+from ..resources import input_path
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
 
@@ -35,7 +36,10 @@ class CPTrainingArguments(TrainingArguments):
     )
     cp_profile: Any = field(
         default=_DEFAULT("profile"),
-        metadata={"help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"},
+        metadata={
+            "help": "hardware profile: a profile name (configs/profiles/ here, then built in), a YAML path, or a dict "
+            "of its fields"
+        },
     )
     cp_model_dims: Optional[str] = field(
         default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
@@ -115,6 +119,9 @@ class CPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if isinstance(self.deepspeed, str):
+            # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
+            self.deepspeed = str(input_path(self.deepspeed))
         super().__post_init__()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(

@@ -3,7 +3,7 @@
     accelerate launch --config_file recipes/cpu-2proc-zero2.yaml -m hf_cp.train configs/tiny-cpu.yaml
 
 Sections:
-    model:    config (a config.json path or a built-in name such as tiny-llama), attn_implementation
+    model:    config (a config.json path or a model name, hf_cp.resources), attn_implementation
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
               a config that needs it is an error)
@@ -11,8 +11,10 @@ Sections:
               input_ids (and labels) per line; limit: keep the first N samples;
               eval_path (same formats) or eval_split (a held-out fraction) for evaluation
               with training.eval_strategy / eval_steps
-    training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
-              against the working directory, then the repository root.
+    training: CPTrainingArguments fields (TrainingArguments + cp_*); the config file and the
+              inputs it names (deepspeed, data paths, pretrained) resolve against the working
+              directory, then the package's shipped configs/ and recipes/ (hf_cp.resources);
+              output_dir and logging_dir stay relative to the working directory.
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
               a job restartable (torchrun --max-restarts, see hf_cp.train.resume)
 The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
@@ -27,9 +29,8 @@ from typing import List, Optional
 import yaml
 
 from ..cost import read_yaml_mapping
+from ..resources import input_path, shipped_training_configs
 
-ROOT = Path(__file__).resolve().parents[2]
-PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
 
 
@@ -38,17 +39,16 @@ class TrainConfigError(ValueError):
 
 
 def _resolve(p: str) -> str:
-    q = Path(p)
-    if q.is_absolute() or q.exists():
-        return str(q)
-    alt = ROOT / q
-    return str(alt) if alt.exists() else str(q)
+    return str(input_path(p))
 
 
 def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
-    p = Path(path)
-    if not p.exists() and (ROOT / p).exists():
-        p = ROOT / p
+    p = input_path(path)
+    if not p.exists():
+        raise TrainConfigError(
+            f"training config {path}: no such file here, and hf_cp ships none at that path; it ships "
+            f"{shipped_training_configs()}"
+        )
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
@@ -169,9 +169,6 @@ def training_arguments(tcfg: dict, source: str):
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
         if v is False and (k.endswith("_strategy") or k == "report_to"):
             t[k] = "no"
-    for k in PATH_FIELDS:
-        if t.get(k):
-            t[k] = _resolve(t[k])
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401
