@@ -48,12 +48,16 @@ class StepRecord:
     # per-rank lines only
     rank: Optional[int] = None
     trained_sample_ids: Optional[List[int]] = None
+    # this rank's clock, seconds since the epoch: [start, end] of its training_step, and per wave
+    # [start, end of its compute, end of its backward call (after the gradient reduction)]
+    step_span: Optional[List[float]] = None
+    wave_timeline: Optional[List[List[float]]] = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
         if d["rank"] is None:
-            d.pop("rank")
-            d.pop("trained_sample_ids")
+            for k in ("rank", "trained_sample_ids", "step_span", "wave_timeline"):
+                d.pop(k)
         return d
 
     @classmethod
@@ -66,8 +70,15 @@ class StepRecord:
         except TypeError as e:  # a required field is missing
             raise HistoryError(f"{where}: not a step record ({e})") from None
 
-    def for_rank(self, rank: int, trained_sample_ids: List[int]) -> StepRecord:
-        return StepRecord(**{**asdict(self), "rank": rank, "trained_sample_ids": list(trained_sample_ids)})
+    def for_rank(
+        self,
+        rank: int,
+        trained_sample_ids: List[int],
+        step_span: Optional[List[float]] = None,
+        wave_timeline: Optional[List[List[float]]] = None,
+    ) -> StepRecord:
+        extra = {"step_span": step_span, "wave_timeline": [list(w) for w in wave_timeline or []] or None}
+        return StepRecord(**{**asdict(self), "rank": rank, "trained_sample_ids": list(trained_sample_ids), **extra})
 
 
 def history_path(output_dir: Union[str, Path], rank: int) -> Path:

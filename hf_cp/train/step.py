@@ -15,10 +15,11 @@ the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,9 @@ class WaveTotals:
     valid: int = 0  # valid targets in this rank's rows
     tokens: int = 0
     compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
+    # per wave, wall-clock seconds since the epoch: (start, end of this rank's compute, end of its backward
+    # call, which includes the gradient reduction that follows); dummy waves included (training)
+    wave_timeline: List[Tuple[float, float, float]] = field(default_factory=list)
 
 
 class StepExecutor:
@@ -59,6 +63,7 @@ class StepExecutor:
         device: torch.device,
         loss_chunk_tokens: int,
         backward: Callable[[torch.Tensor, bool], None],
+        wave_context: Optional[Callable[[bool], ContextManager]] = None,
     ):
         self.model = model
         self.groups = groups
@@ -67,9 +72,14 @@ class StepExecutor:
         self.device = device
         self.loss_chunk_tokens = loss_chunk_tokens
         self.backward = backward
+        # entered around a whole wave (forward and backward), `last` marking the accumulation
+        # boundary: DDP's no_sync must cover the forward too, where DDP decides to reduce
+        self.wave_context = wave_context or (lambda last: contextlib.nullcontext())
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
         self._backward_end: Optional[float] = None
+        # perf_counter -> seconds since the epoch, so that ranks on one host share a time axis
+        self._epoch_offset = time.time() - time.perf_counter()
         self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
 
     # ------------------------------------------------------------------ timing
@@ -88,6 +98,11 @@ class StepExecutor:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _mark_wave(self, totals: WaveTotals, t0: float) -> None:
+        end = self.now()
+        off = self._epoch_offset
+        totals.wave_timeline.append((off + t0, off + (self._backward_end or end), off + end))
 
     # ------------------------------------------------------------------ waves
     def _context(self, mb: MicroBatch):
@@ -109,17 +124,23 @@ class StepExecutor:
             if mb is None:
                 # no work in this wave: a zero-weight micro-batch keeps the backward count equal
                 everyone = tuple(range(self.world_size))
-                with cp_context(None), collective_scope(step.index + 1, w, everyone, "dummy micro-batch"):
+                with (
+                    self.wave_context(last),
+                    cp_context(None),
+                    collective_scope(step.index + 1, w, everyone, "dummy micro-batch"),
+                ):
                     ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
                     out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
                     self.backward(out.logits.sum() * 0.0, last)
+                self._mark_wave(totals, t0)
                 continue
             ctx = self._context(mb)
-            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
+            with self.wave_context(last), cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
                 wave_sum = self.wave_loss(model, mb)
                 loss = wave_sum * scale
                 self.backward(loss, last)
             totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+            self._mark_wave(totals, t0)
             totals.loss_sum += float(wave_sum.detach())
             totals.valid += mb.num_valid
             totals.tokens += mb.num_tokens

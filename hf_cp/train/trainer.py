@@ -10,6 +10,7 @@ hf_cp.planning (the same setup as the dry run and `hf-cp plan`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -178,6 +179,7 @@ class CPTrainer(Trainer):
                 self.args.device,
                 self.args.cp_loss_chunk_tokens,
                 self._cp_backward,
+                self._cp_wave_context,
             )
 
     def get_train_dataloader(self) -> DataLoader:
@@ -191,14 +193,18 @@ class CPTrainer(Trainer):
     # ------------------------------------------------------------------ one step
     def _cp_backward(self, loss: torch.Tensor, last: bool) -> None:
         """Backward of one wave's loss; `last` is the gradient-accumulation boundary."""
-        model = self.model_wrapped
         if self.is_deepspeed_enabled:
             self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last, scale_wrt_gas=False)
-        elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
-            with model.no_sync():
-                loss.backward()
-        else:
+        else:  # under DDP, _cp_wave_context has switched the reduction off for all but the last wave
             self.accelerator.backward(loss)
+
+    def _cp_wave_context(self, last: bool):
+        """Around a whole wave: DDP's no_sync for all but the last one. It must cover the forward,
+        where DDP prepares the reduction; around the backward alone every wave would reduce."""
+        model = self.model_wrapped
+        if not self.is_deepspeed_enabled and isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            return model.no_sync()
+        return contextlib.nullcontext()
 
     def _cp_replace_jit_checkpoint(self) -> None:
         """transformers' JIT checkpoint decides per rank, at different steps: a hang under
@@ -237,6 +243,7 @@ class CPTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
         t_step = time.perf_counter()
+        t_epoch = time.time()
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         self._cp_agree(step)
@@ -250,11 +257,12 @@ class CPTrainer(Trainer):
                 )
         model.train()
         totals = self.cp_executor.train(model, step)
-        self._cp_record(step, totals, (time.perf_counter() - t_step) * 1e3)
+        wall_ms = (time.perf_counter() - t_step) * 1e3
+        self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3])
         self._cp_last_step = step
         return totals.loss
 
-    def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float) -> None:
+    def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float]) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
         mine = torch.tensor([totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms], dtype=torch.float64)
         if self.cp_world > 1:
@@ -299,7 +307,8 @@ class CPTrainer(Trainer):
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
         if self.args.cp_record_history:
-            append_record(self.args.output_dir, rec.for_rank(self.cp_rank, step.trained_sample_ids))
+            line = rec.for_rank(self.cp_rank, step.trained_sample_ids, span, totals.wave_timeline)
+            append_record(self.args.output_dir, line)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
