@@ -10,6 +10,7 @@ decision every rank takes at the same step, at no extra collective.
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections import defaultdict
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -22,25 +23,31 @@ class CollectiveStallError(RuntimeError):
     """A collective failed or timed out inside a planned wave."""
 
 
-def _digest_tensor(digest: str, flag: bool):
+def _digest_tensor(digest: str, flag: bool, payload: Sequence[float] = ()):
     import torch
 
     raw = bytes.fromhex(digest)[:8].ljust(8, b"\0") + bytes([int(bool(flag))])
+    raw += struct.pack(f"<{len(payload)}d", *payload)
     return torch.tensor(list(raw), dtype=torch.uint8)
 
 
-def _exchange(digest: str, flag: bool, group) -> Optional[Tuple[List[str], List[int]]]:
-    """Every rank's digest (first 8 bytes, hex) and the ranks that raised `flag`, from one
-    all_gather; None without a group of several ranks."""
+def _exchange(
+    digest: str, flag: bool, group, payload: Sequence[float] = ()
+) -> Optional[Tuple[List[str], List[int], List[List[float]]]]:
+    """Every rank's digest (first 8 bytes, hex), the ranks that raised `flag` and every rank's
+    `payload` (floats; as many on every rank), from one all_gather; None without a group of
+    several ranks."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
-    mine = _digest_tensor(digest, flag)
+    mine = _digest_tensor(digest, flag, payload)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
-    return [bytes(t[:8].tolist()).hex() for t in gathered], [r for r, t in enumerate(gathered) if int(t[8])]
+    n = len(payload)
+    payloads = [list(struct.unpack(f"<{n}d", bytes(t[9:].tolist()))) for t in gathered]
+    return [bytes(t[:8].tolist()).hex() for t in gathered], [r for r, t in enumerate(gathered) if int(t[8])], payloads
 
 
 def _who_holds_what(digests: List[str], noun: str) -> Optional[str]:
@@ -57,10 +64,20 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", 
     """All ranks of `group` (default: world) must pass the same plan digest for `step` (named
     "{phase} {step}" in the error; the trainer passes the Trainer's 1-based global step).
     Returns the ranks (of `group`) that passed `flag=True`."""
-    got = _exchange(digest, flag, group)
+    return agree_on_step(digest, step, group, phase, flag)[0]
+
+
+def agree_on_step(
+    digest: str, step: int, group=None, phase: str = "step", flag: bool = False, payload: Sequence[float] = ()
+) -> Tuple[List[int], List[float]]:
+    """assert_plans_agree, carrying a payload in the same exchange: returns the flagged ranks and
+    the payload of the group's first rank, which every rank then adopts (the online calibration's
+    coefficients: fitted alike on every rank, taken from one so that no last bit differs).
+    Every rank must pass a payload of the same length."""
+    got = _exchange(digest, flag, group, payload)
     if got is None:
-        return [0] if flag else []
-    digests, flagged = got
+        return ([0] if flag else []), list(payload)
+    digests, flagged, payloads = got
     groups = _who_holds_what(digests, "plan ")
     if groups:
         raise PlanDisagreementError(
@@ -68,7 +85,7 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", 
             f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
             f"config, profile and seed"
         )
-    return flagged
+    return flagged, payloads[0]
 
 
 class DataDisagreementError(RuntimeError):

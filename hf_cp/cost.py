@@ -21,6 +21,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from .execution import StepExecution
 from .modes import mode_spec
 from .resources import available_names, find_named
 from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
@@ -40,6 +41,7 @@ class ModelDims:
     head_dim: int
     intermediate: int
     vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
@@ -54,6 +56,13 @@ class ModelDims:
         attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
         mlp = 3 * h * self.intermediate  # gate, up, down
         return attn + mlp
+
+    @property
+    def parameters(self) -> int:
+        """Trained parameters, to the precision the gradient reduction needs: the decoder layers'
+        matrices and the embedding (and the LM head unless tied); norms are negligible."""
+        embed = self.vocab_size * self.hidden
+        return self.num_layers * self.linear_params_per_layer + embed * (1 if self.tie_word_embeddings else 2)
 
     @property
     def linear_flops_per_token(self) -> float:
@@ -82,6 +91,7 @@ class ModelDims:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 intermediate=int(cfg["intermediate_size"]),
                 vocab_size=int(cfg.get("vocab_size") or 0),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None
@@ -148,6 +158,12 @@ class HardwareProfile:
     gpus_per_node: int
     links: Mapping[str, Link]
     description: str = ""
+    # Wall clock beyond compute (hf_cp/execution.py), used only when the cost model is given an
+    # execution; 0 by default, so that plain compute comparisons keep their numbers. Online
+    # calibration (hf_cp/planning/calibration.py) fits them to a run's measured step times.
+    reduction_overhead_ms: float = 0.0  # per gradient reduction, beyond its bytes over the link
+    step_overhead_ms: float = 0.0  # per optimizer step (optimizer update, plan agreement, bookkeeping)
+    device: str = ""  # the device type it was measured on ("cuda", "cpu"; "" unknown)
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
@@ -190,10 +206,16 @@ class HardwareProfile:
             gpus_per_node=need("gpus_per_node", int),
             links=links,
             description=str(d.get("description", "")),
+            reduction_overhead_ms=need("reduction_overhead_ms") if "reduction_overhead_ms" in d else 0.0,
+            step_overhead_ms=need("step_overhead_ms") if "step_overhead_ms" in d else 0.0,
+            device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
         )
         for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token"):
             if getattr(prof, k) <= 0:
                 raise ConfigError(f"{source}: {k} must be positive")
+        for k in ("c0_ms", "reduction_overhead_ms", "step_overhead_ms"):
+            if getattr(prof, k) < 0:
+                raise ConfigError(f"{source}: {k} must not be negative")
         if prof.gpus_per_node <= 0:
             raise ConfigError(f"{source}: gpus_per_node must be positive")
         return prof
@@ -214,6 +236,7 @@ class HardwareProfile:
             "head_dim": fd.head_dim,
             "intermediate_size": fd.intermediate,
             "vocab_size": fd.vocab_size,
+            "tie_word_embeddings": fd.tie_word_embeddings,
         }
         d["chunk_efficiency"] = {q: e for q, e in self.chunk_efficiency}
         d["head_split_factor"] = {w: f for w, f in self.head_split_factor}
@@ -251,11 +274,16 @@ class RankCost:
 
 
 class CostModel:
-    """Cost of documents on ranks, for one model on one kind of hardware."""
+    """Cost of documents on ranks, for one model on one kind of hardware.
 
-    def __init__(self, dims: ModelDims, profile: HardwareProfile):
+    `execution` (hf_cp/execution.py): how the run's waves synchronise; with it, `simulate`
+    predicts the step's wall time (dummy micro-batches, gradient reductions, the step's fixed
+    cost), without it the plan's compute alone."""
+
+    def __init__(self, dims: ModelDims, profile: HardwareProfile, execution: Optional[StepExecution] = None):
         self.dims = dims
         self.profile = profile
+        self.execution = execution
         fd = profile.fitted_dims
         # Per layer, scaled from the fitted dimensions by FLOP ratios.
         self.c1 = profile.c1_ms_per_token * dims.linear_flops_per_token / fd.linear_flops_per_token
@@ -404,3 +432,27 @@ class CostModel:
 
     def micro_batch_overhead_ms(self) -> float:
         return self.dims.num_layers * self.c0
+
+    # ---- wall clock beyond compute (used by simulate when `execution` is set)
+    def dummy_micro_batch_ms(self) -> float:
+        """The zero-weight one-token micro-batch a rank without work runs in a wave."""
+        return self.local_ms([1]) + self.micro_batch_overhead_ms()
+
+    def gradient_reduction_ms(self, world_size: int, hidden_behind_ms: float = 0.0) -> float:
+        """One data-parallel gradient reduction over `world_size` ranks, as the wall clock sees
+        it: the gradients' bytes over the slowest link a ring crosses (a reduce-scatter moves
+        (W-1)/W of them per rank, an all-reduce twice that) plus a latency per ring step, less
+        what ran during `hidden_behind_ms` of backward when the reduction overlaps it, plus the
+        profile's fixed cost per reduction."""
+        ex = self.execution
+        fixed = self.profile.reduction_overhead_ms
+        if world_size <= 1:
+            return fixed
+        link = self.link_for(range(world_size))
+        share = (world_size - 1) / world_size * (2 if ex is not None and ex.all_reduce else 1)
+        steps = (world_size - 1) * (2 if ex is not None and ex.all_reduce else 1)
+        grad_bytes = self.dims.parameters * self.profile.bytes_per_element
+        ms = share * grad_bytes / (link.bandwidth_gbps * 1e6) + steps * link.latency_us * 1e-3
+        if ex is not None and ex.overlaps_backward:
+            ms = max(0.0, ms - hidden_behind_ms)
+        return ms + fixed

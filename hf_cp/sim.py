@@ -2,8 +2,14 @@
 
 Timing rule: a group's members start a wave's micro-batch together (when the last of them is
 free), the micro-batch takes as long as its slowest member (attention synchronises the group
-every layer), and each rank runs its waves in order. The step ends when the last rank ends
-(the ZeRO-2 gradient reduction that follows is the same for every plan and left out).
+every layer), and each rank runs its waves in order. The step ends when the last rank ends.
+
+That is the plan's compute alone, what balancers are compared on by default. When the cost
+model carries the run's execution (`CostModel.execution`, hf_cp/execution.py) the result is
+the step's wall time instead: ranks without work in a wave run the dummy micro-batch; under
+ZeRO-2 every wave ends in a world-wide gradient reduction (a barrier: the next wave starts
+when the slowest rank of this one has finished and the reduction is done); under DDP one
+reduction ends the step; and the profile's fixed cost per step is added.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class SimResult:
     runs: List[GroupRun] = field(default_factory=list)
     cp_size_samples: Dict[int, int] = field(default_factory=dict)  # group size -> samples run distributed on it
     cp_size_tokens: Dict[int, int] = field(default_factory=dict)
+    tokens: List[int] = field(default_factory=list)  # per rank, over all its micro-batches
+    micro_batches: List[int] = field(default_factory=list)  # per rank: micro-batches with work
+    reduction_ms: float = 0.0  # wall time in gradient reductions (with an execution)
+    fixed_ms: float = 0.0  # the step's fixed cost (with an execution)
 
     @property
     def mean_busy_ms(self) -> float:
@@ -93,8 +103,20 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     runs: List[GroupRun] = []
     cp_samples: Counter = Counter()
     cp_tokens: Counter = Counter()
+    tokens = [0] * W
+    micro_batches = [0] * W
     overhead = cost.micro_batch_overhead_ms()
+    ex = getattr(cost, "execution", None)
+    dummy = cost.dummy_micro_batch_ms() if ex is not None else 0.0
+    reduction_total = 0.0
     for w, wave in enumerate(plan.waves):
+        if ex is not None and ex.waves_synchronise:  # the previous wave ended in a barrier
+            top = max(clock)
+            for r in range(W):
+                idle[r] += top - clock[r]
+                clock[r] = top
+        worked = [False] * W
+        slowest_compute = 0.0
         for g in wave.groups:
             costs = group_costs(lens, g, cost)
             if all(c[3] == 0 for c in costs):
@@ -111,6 +133,10 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                 comm[r] += cc
                 comm_bytes += cb
                 peak_tokens[r] = max(peak_tokens[r], tk)
+                tokens[r] += tk
+                micro_batches[r] += 1
+                worked[r] = True
+                slowest_compute = max(slowest_compute, cm)
                 clock[r] = start + dur
             if g.distributed:
                 cp_samples[g.size] += len(g.distributed)
@@ -131,7 +157,23 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                     sum(len(v) for v in g.local.values()),
                 )
             )
-    makespan = max(clock) if clock else 0.0
+        if ex is not None:
+            for r in range(W):
+                if not worked[r]:  # a zero-weight micro-batch keeps the backward count equal
+                    idle[r] += dummy
+                    clock[r] += dummy
+            last = w == len(plan.waves) - 1
+            if ex.waves_synchronise or last:
+                # the backward share of the slowest rank's compute (about 2/3) can hide an
+                # overlapping reduction
+                red = cost.gradient_reduction_ms(W, hidden_behind_ms=slowest_compute * 2 / 3)
+                top = max(clock) + red
+                reduction_total += red
+                for r in range(W):
+                    idle[r] += top - clock[r]
+                    clock[r] = top
+    fixed = cost.profile.step_overhead_ms if ex is not None else 0.0
+    makespan = (max(clock) if clock else 0.0) + fixed
     for r in range(W):
         idle[r] += makespan - clock[r]
     return SimResult(
@@ -147,6 +189,10 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         runs=runs,
         cp_size_samples=dict(sorted(cp_samples.items())),
         cp_size_tokens=dict(sorted(cp_tokens.items())),
+        tokens=tokens,
+        micro_batches=micro_batches,
+        reduction_ms=reduction_total,
+        fixed_ms=fixed,
     )
 
 

@@ -12,7 +12,8 @@ import yaml
 
 from ..balance import available_balancers
 from ..cluster import ClusterSpec
-from ..cost import CostModel
+from ..cost import CostModel, ModelDims
+from ..execution import EXECUTIONS, execution_named
 from ..lengths import read_lengths
 from ..plan import PlanError, StepPlan
 from ..planning import Planner, PlanningSettings, planning_setup
@@ -82,6 +83,15 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=10, help="number of steps to plan (from the start of the epoch)")
     p.add_argument("--seed", type=int, default=PlanningSettings.default("seed"), help="shuffle seed of the epoch order")
     p.add_argument("--no-shuffle", action="store_true", help="keep the file's sample order")
+    p.add_argument(
+        "--execution",
+        default="compute",
+        choices=["compute", *EXECUTIONS],
+        help="price plans by the plan's compute alone (compute), or by the step's wall time under this "
+        "execution: zero2 (every wave ends in a gradient reduction over all ranks, as DeepSpeed ZeRO-2 "
+        "runs it; zero2-overlap with overlap_comm), ddp (one reduction per step); adds dummy micro-batches, "
+        "reductions and the profile's reduction_overhead_ms / step_overhead_ms (the lower bound stays compute)",
+    )
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--max-group-size", type=int, help="largest CP group a plan may use (default: the world)")
     p.add_argument("--json", metavar="OUT", help="write the plans and per-step metrics as JSON")
@@ -185,12 +195,13 @@ def settings_from_args(args) -> PlanningSettings:
         gpus_per_node=args.gpus_per_node,
         seed=args.seed,
         shuffle=not args.no_shuffle,
+        execution=args.execution,
     )
 
 
 def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     """--plan-json: plans made elsewhere, to simulate again."""
-    cost = CostModel.load(args.model, args.profile)
+    cost = CostModel(ModelDims.load(args.model), load_profile(args.profile), execution_named(args.execution))
     data = json.loads(Path(args.plan_json).read_text())
     items = data if isinstance(data, list) else data.get("plans", [data]) if isinstance(data, dict) else None
     if not items:

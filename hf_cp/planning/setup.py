@@ -15,6 +15,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Union
 from ..balance import get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel, HardwareProfile, ModelDims
+from ..execution import execution_for_run, execution_named
 from .sampler import GlobalBatchSampler
 
 
@@ -46,6 +47,9 @@ class PlanningSettings:
     """Seed of the epoch order and of seeded balancers."""
     shuffle: bool = True
     """Shuffle the epoch order."""
+    execution: Optional[str] = None
+    """How the run's waves synchronise (hf_cp/execution.py: zero2, zero2-overlap, ddp): plans are then
+    priced by their wall time. None or "compute": the plan's compute alone."""
 
     def __post_init__(self):
         if self.max_tokens_per_rank <= 0:
@@ -59,6 +63,7 @@ class PlanningSettings:
                 f"balancer_options must be a mapping of option names to values, got {self.balancer_options!r}"
             )
         self.balancer_options = dict(self.balancer_options)
+        execution_named(self.execution)  # an unknown name fails here, naming the known ones
 
     def step_tokens(self, world_size: int) -> int:
         return self.tokens_per_step or self.tokens_per_rank_per_step * world_size
@@ -87,7 +92,27 @@ class PlanningSettings:
             gpus_per_node=args.cp_gpus_per_node,
             seed=args.seed,
             shuffle=args.cp_shuffle,
+            execution=execution_for_run(_deepspeed_config(args)),
         )
+
+
+def _deepspeed_config(args) -> Optional[dict]:
+    """The run's DeepSpeed config as a dict (None without DeepSpeed), from TrainingArguments."""
+    ds = getattr(args, "hf_deepspeed_config", None)
+    if ds is not None and isinstance(getattr(ds, "config", None), dict):
+        return ds.config
+    raw = getattr(args, "deepspeed", None)
+    if not raw:
+        return None
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    import json
+
+    try:
+        with open(raw) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}  # TrainingArguments reports an unreadable DeepSpeed config itself
 
 
 @dataclass
@@ -142,4 +167,4 @@ def planning_setup(
         max_steps=max_steps if max_steps and max_steps > 0 else None,
         shuffle=settings.shuffle,
     )
-    return PlanningSetup(settings, CostModel(dims, profile), cluster, sampler)
+    return PlanningSetup(settings, CostModel(dims, profile, execution_named(settings.execution)), cluster, sampler)

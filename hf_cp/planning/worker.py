@@ -23,7 +23,7 @@ import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..balance import PlanRequest, get_balancer
 from ..cluster import ClusterSpec
@@ -42,6 +42,7 @@ class PlannedStep:
     predicted: SimResult
     planner_ms: float
     compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
+    cost_version: int = 0  # the cost model it was planned with: 0 the setup's, k the k-th set_cost
 
 
 _FORKED_PLANNER: Optional[Planner] = None  # in a planner worker process: the Planner it serves
@@ -66,8 +67,10 @@ def _adopt_planner(planner: Planner, parent_pid: int) -> None:
     threading.Thread(target=exit_with_parent, name="hf_cp-planner-parent-watch", daemon=True).start()
 
 
-def _plan_in_worker(index: int) -> PlannedStep:
-    return _FORKED_PLANNER.plan_now(index)
+def _plan_in_worker(index: int, version: int = 0, profile=None) -> PlannedStep:
+    # the worker was forked with the setup's cost model; a later one comes with the request
+    planner = _FORKED_PLANNER
+    return planner.plan_now(index, cost=planner._cost_of_version(version, profile), version=version)
 
 
 class Planner:
@@ -96,6 +99,9 @@ class Planner:
         self.compare = get_balancer(self.compare_name) if self.compare_name else None
         self.cluster = cluster
         self.cost = cost
+        # (first step, version, cost model): steps from `first step` on are planned with it
+        self._costs: List[Tuple[int, int, CostModel]] = [(0, 0, cost)]
+        self._version_costs: Dict[int, CostModel] = {0: cost}  # in a forked worker: models received
         self.seed = seed
         self.lookahead = lookahead
         self.dataset_max_length = max(sampler.lengths)
@@ -132,24 +138,55 @@ class Planner:
             initargs=(self, os.getpid()),
         )
 
-    def request(self, batch: GlobalBatch) -> PlanRequest:
+    # ------------------------------------------------------------------ cost models over the run
+    def cost_for(self, index: int) -> Tuple[int, CostModel]:
+        """(version, cost model) that plans step `index`."""
+        for first, version, cost in reversed(self._costs):
+            if index >= first:
+                return version, cost
+        return self._costs[0][1], self._costs[0][2]  # pragma: no cover - the first entry starts at 0
+
+    def set_cost(self, first_step: int, version: int, cost: CostModel) -> None:
+        """Plan steps from `first_step` on with `cost` (online calibration). Plans of later steps
+        already made or under way with the previous model are dropped and made again: a plan is a
+        pure function of its step and cost model, so every rank that sets the same model from
+        the same step plans the same steps."""
+        if version <= self._costs[-1][1] or first_step < self._costs[-1][0]:
+            raise ValueError(
+                f"set_cost: version {version} from step {first_step} does not follow version "
+                f"{self._costs[-1][1]} from step {self._costs[-1][0]}"
+            )
+        with self._lock:
+            self._costs.append((first_step, version, cost))
+            for k in [k for k in self._futures if k >= first_step]:
+                self._futures.pop(k).cancel()
+
+    def _cost_of_version(self, version: int, profile) -> CostModel:
+        if version not in self._version_costs:
+            self._version_costs[version] = CostModel(self.cost.dims, profile, self.cost.execution)
+        return self._version_costs[version]
+
+    def request(self, batch: GlobalBatch, cost: Optional[CostModel] = None) -> PlanRequest:
         return PlanRequest(
             sample_ids=batch.sample_ids,
             lengths=batch.lengths,
             cluster=self.cluster,
-            cost=self.cost,
+            cost=cost if cost is not None else self.cost,
             seed=self.seed,
             step=batch.index,
             dataset_max_length=self.dataset_max_length,
         )
 
-    def plan_now(self, index: int) -> PlannedStep:
-        """Plan, validate and simulate global step `index` on the calling thread."""
+    def plan_now(self, index: int, cost: Optional[CostModel] = None, version: Optional[int] = None) -> PlannedStep:
+        """Plan, validate and simulate global step `index` on the calling thread, with `cost`
+        (default: the model set for that step)."""
+        if cost is None:
+            version, cost = self.cost_for(index)
         batch = self.sampler[index]
-        req = self.request(batch)
+        req = self.request(batch, cost)
         planned = plan_and_predict(self.balancer, req)
         compare = predict(self.compare.plan(req), req) if self.compare is not None else None
-        return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare)
+        return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0)
 
     @classmethod
     def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
@@ -178,10 +215,11 @@ class Planner:
             with self._lock:
                 for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
                     if k not in self._futures:
+                        version, cost = self.cost_for(k)
                         self._futures[k] = (
-                            self._pool.submit(_plan_in_worker, k)
+                            self._pool.submit(_plan_in_worker, k, version, cost.profile if version else None)
                             if self.in_process
-                            else self._pool.submit(self.plan_now, k)
+                            else self._pool.submit(self.plan_now, k, cost, version)
                         )
                 fut = self._futures.pop(index)
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop

@@ -114,6 +114,17 @@ class CPTrainingArguments(TrainingArguments):
             "would skip the update, silently leaving the step's samples unlearned); false: warn and go on"
         },
     )
+    cp_calibrate: bool = field(
+        default=True,
+        metadata={
+            "help": "fit the cost model to the measured per-rank compute and step wall time during training and plan "
+            "later steps with it (the same coefficients on every rank, from rank 0 through the plan agreement); "
+            "a plan's exactness does not depend on them, only its speed. Off under full_determinism (plans would "
+            "depend on timings)"
+        },
+    )
+    cp_calibrate_min_steps: int = field(default=8, metadata={"help": "steps observed before the first calibration"})
+    cp_calibrate_every: int = field(default=8, metadata={"help": "steps between calibrations"})
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
     )
@@ -149,6 +160,11 @@ class CPTrainingArguments(TrainingArguments):
             )
         if self.cp_plan_workers < 1:
             raise ValueError(f"CPTrainingArguments: cp_plan_workers must be >= 1, got {self.cp_plan_workers}")
+        if self.cp_calibrate_min_steps < 1 or self.cp_calibrate_every < 1:
+            raise ValueError(
+                f"CPTrainingArguments: cp_calibrate_min_steps and cp_calibrate_every must be >= 1, got "
+                f"{self.cp_calibrate_min_steps} and {self.cp_calibrate_every}"
+            )
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
         # the loader yields planned steps, not model inputs: keep every dataset column

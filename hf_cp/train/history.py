@@ -45,6 +45,8 @@ class StepRecord:
     attempt: int = 0  # torchrun restarts before the run that trained this step
     resumed_from: Optional[int] = None  # the checkpoint step this process started from
     dataset_samples: Optional[int] = None  # for the exactly-once audit of hf-cp report
+    wave_max_ms: List[float] = field(default_factory=list)  # per wave: the slowest rank's time (dummies included)
+    calibration: int = 0  # the cost model that planned it: 0 the profile as given, k the k-th online calibration
     # per-rank lines only
     rank: Optional[int] = None
     trained_sample_ids: Optional[List[int]] = None

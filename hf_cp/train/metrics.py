@@ -70,6 +70,57 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
         lines.append(
             f"predicted step time: {balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms "
-            f"({theirs / ours if ours else float('nan'):.2f}x)"
+            f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run, "
+            f"scripts/bench_train_balance.py measures both)"
         )
+    return lines + wall_clock_lines(records)
+
+
+def _relative_errors(pairs) -> List[float]:
+    return [abs(p - m) / m for p, m in pairs if m > 0]
+
+
+def prediction_errors(records: Sequence[StepRecord]) -> Dict[str, float]:
+    """Median relative errors of the predictions of `records`: per-rank compute (over every rank
+    with work in every step) and step wall time."""
+    compute = _relative_errors((p, m) for r in records for p, m in zip(r.predicted_ms, r.measured_ms))
+    wall = _relative_errors((r.predicted_step_ms, r.step_wall_ms) for r in records)
+    return {
+        "compute": statistics.median(compute) if compute else float("nan"),
+        "wall": statistics.median(wall) if wall else float("nan"),
+    }
+
+
+def _span(records: Sequence[StepRecord]) -> str:
+    return f"steps {records[0].index + 1}-{records[-1].index + 1}"
+
+
+def wall_clock_lines(records: Sequence[StepRecord]) -> List[str]:
+    """Measured wall clock beside the prediction, and the prediction error before and after the
+    online calibration (StepRecord.calibration: the cost model each step was planned with)."""
+    wall_ms = statistics.mean(r.step_wall_ms for r in records)
+    tokens_s = sum(r.global_tokens for r in records) / (sum(r.step_wall_ms for r in records) / 1e3 or float("nan"))
+    latest = max(r.calibration for r in records)
+    first = [r for r in records if r.calibration == 0]
+    last = [r for r in records if r.calibration == latest]
+    pred_ms = statistics.mean(r.predicted_step_ms for r in last)
+    lines = [
+        f"wall clock, measured: {tokens_s:.0f} tokens/s, {wall_ms:.0f} ms/step; predicted step "
+        f"{pred_ms:.0f} ms against {statistics.mean(r.step_wall_ms for r in last):.0f} ms measured "
+        f"({_span(last)}{', calibrated' if latest else ''})"
+    ]
+    e0 = prediction_errors(first)
+    if latest == 0:
+        lines.append(
+            f"prediction error (median |predicted - measured| / measured): per-rank compute {100 * e0['compute']:.1f}%, "
+            f"step wall {100 * e0['wall']:.1f}% (not calibrated: cp_calibrate off or too few steps)"
+        )
+        return lines
+    e1 = prediction_errors(last)
+    lines.append(
+        f"prediction error (median |predicted - measured| / measured): per-rank compute "
+        f"{100 * e0['compute']:.1f}% with the profile as given ({_span(first)}) -> {100 * e1['compute']:.1f}% "
+        f"calibrated ({_span(last)}, calibration {latest}); step wall {100 * e0['wall']:.1f}% -> "
+        f"{100 * e1['wall']:.1f}%"
+    )
     return lines

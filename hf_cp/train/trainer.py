@@ -24,9 +24,18 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
-from ..consistency import assert_data_agrees, assert_plans_agree
+from ..consistency import agree_on_step, assert_data_agrees, assert_plans_agree
+from ..cost import CostModel
 from ..planning import Planner, planning_setup
+from ..planning.calibration import (
+    CalibrationSettings,
+    Calibrator,
+    Coefficients,
+    calibrated_profile_yaml,
+    observe_step,
+)
 from ..planning.evaluation import plan_evaluation
+from ..planning.profile_check import profile_warning
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
@@ -54,6 +63,10 @@ try:  # registers attn_implementation="hf_cp" with transformers
     from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 except ImportError:  # pragma: no cover - the attention package is part of hf_cp
     HF_CP_ATTENTION = "hf_cp"
+
+
+# the online calibration's profile, in each checkpoint and in output_dir at the end of training
+CALIBRATED_PROFILE = "cp_profile_calibrated.yaml"
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -134,6 +147,25 @@ class CPTrainer(Trainer):
         )
         self.cp_setup = setup
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
+        if self.cp_rank == 0:
+            settings = setup.settings
+            warning = profile_warning(
+                setup.cost.profile,
+                settings.profile if isinstance(settings.profile, str) else setup.cost.profile.name,
+                setup.cost.dims,
+                args.device.type,
+                settings.model_dims or getattr(self.model.config, "_name_or_path", "") or "",
+            )
+            if warning:
+                logger.warning("hf_cp: %s", warning)
+        # online calibration (hf_cp/planning/calibration.py): version -> (coefficients, cost model)
+        self.cp_calibrator: Optional[Calibrator] = None
+        if args.cp_calibrate and not args.full_determinism:
+            self.cp_calibrator = Calibrator(
+                setup.cost.profile, CalibrationSettings(args.cp_calibrate_min_steps, args.cp_calibrate_every)
+            )
+        self._cp_models: Dict[int, tuple] = {0: (Coefficients.of(setup.cost.profile), setup.cost)}
+        self._cp_pending_fit = None  # a fit made after the last step, offered at the next agreement
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
@@ -223,9 +255,18 @@ class CPTrainer(Trainer):
         """Plan agreement (before any collective of the step) and, in the same exchange, the
         stop decision: a SIGTERM seen by any rank stops every rank after this step."""
         sig = self.cp_stop_signal
-        flagged = assert_plans_agree(
-            step.plan.digest(), step.index + 1, group=self.cp_groups.control, flag=bool(sig and sig.requested)
+        fit, self._cp_pending_fit = self._cp_pending_fit, None
+        offer = fit.coefficients.to_payload(fit.version) if fit is not None else [0.0] * Coefficients.PAYLOAD_SIZE
+        flagged, adopted = agree_on_step(
+            step.plan.digest(),
+            step.index + 1,
+            group=self.cp_groups.control,
+            flag=bool(sig and sig.requested),
+            payload=offer,
         )
+        version, coefficients = Coefficients.from_payload(adopted)
+        if coefficients is not None:
+            self._cp_adopt(version, coefficients, step.index)
         if flagged and self.cp_stopped_early is None:
             self.cp_stopped_early = {"step": step.index + 1, "signal": sig.name, "ranks": flagged}
             self.control.should_save = True
@@ -264,7 +305,10 @@ class CPTrainer(Trainer):
 
     def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float]) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
-        mine = torch.tensor([totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms], dtype=torch.float64)
+        wave_ms = [(c - a) * 1e3 for a, c, _ in totals.wave_timeline]  # every rank has every wave
+        mine = torch.tensor(
+            [totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms, *wave_ms], dtype=torch.float64
+        )
         if self.cp_world > 1:
             got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
             dist.all_gather(got, mine, group=self.cp_groups.control)
@@ -303,12 +347,72 @@ class CPTrainer(Trainer):
             attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
             resumed_from=self._cp_resumed_from,  # the checkpoint step this process started from
             dataset_samples=len(self.cp_data),  # for the exactly-once audit of hf-cp report
+            wave_max_ms=[max(r[4 + w] for r in rows) for w in range(len(wave_ms))],
+            calibration=ps.cost_version if ps is not None else 0,
         )
+        self._cp_calibrate(rec, ps)
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
         if self.args.cp_record_history:
             line = rec.for_rank(self.cp_rank, step.trained_sample_ids, span, totals.wave_timeline)
             append_record(self.args.output_dir, line)
+
+    # ------------------------------------------------------------------ online calibration
+    def _cp_calibrate(self, rec: StepRecord, ps) -> None:
+        """Observe a step; when a refit is due, fit and offer the result at the next agreement."""
+        cal = self.cp_calibrator
+        if cal is None or ps is None:
+            return
+        coefficients, cost = self._cp_models[ps.cost_version]
+        cal.add(
+            observe_step(
+                rec.index,
+                ps.predicted,
+                cost,
+                coefficients.comm_scale,
+                rec.measured_ms,
+                rec.step_wall_ms,
+                rec.wave_max_ms,
+            )
+        )
+        if cal.due():
+            self._cp_pending_fit = cal.refit(prior=self._cp_models[max(self._cp_models)][0])
+
+    def _cp_adopt(self, version: int, coefficients: Coefficients, index: int) -> None:
+        """Rank 0's fit, the same on every rank: plan the steps not yet planned with it."""
+        cal = self.cp_calibrator
+        base = self.cp_cost
+        cost = CostModel(base.dims, cal.profile(coefficients), base.execution)
+        first = index + self.args.cp_plan_lookahead + 1
+        if first >= len(self.cp_sampler):
+            return  # no step left to plan with it
+        self._cp_models[version] = (coefficients, cost)
+        self.cp_planner.set_cost(first, version, cost)
+        fit = cal.fits[version - 1]
+        fit.applies_from = first
+        if self.cp_rank == 0:
+            logger.warning(
+                "hf_cp: %s; steps from %d on are planned with it", fit.describe(cal.base_coefficients), first + 1
+            )
+
+    def cp_calibrated_profile(self) -> Optional[str]:
+        """The latest calibrated profile as YAML (None before the first calibration)."""
+        cal = self.cp_calibrator
+        latest = max(self._cp_models)
+        if cal is None or latest == 0:
+            return None
+        coefficients, _ = self._cp_models[latest]
+        base = self.args.cp_profile if isinstance(self.args.cp_profile, str) else cal.base.name
+        return calibrated_profile_yaml(cal.profile(coefficients), cal.fits[latest - 1], base, self.args.output_dir)
+
+    def _cp_write_calibrated_profile(self, folder: Path, name: str) -> Optional[Path]:
+        text = self.cp_calibrated_profile()
+        if text is None:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / name
+        path.write_text(text)
+        return path
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
@@ -444,6 +548,8 @@ class CPTrainer(Trainer):
 
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             write_schedule(str(folder), self.cp_schedule())
+            # the calibrated cost model (hf-cp plan --profile FILE reads it)
+            self._cp_write_calibrated_profile(folder, CALIBRATED_PROFILE)
         super()._save_checkpoint(model, trial)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -478,7 +584,12 @@ class CPTrainer(Trainer):
                 "live there); SIGTERM keeps its default action"
             )
         try:
-            return super().train(resume, *args, **kwargs)
+            out = super().train(resume, *args, **kwargs)
+            if self.args.should_save:
+                path = self._cp_write_calibrated_profile(Path(self.args.output_dir), CALIBRATED_PROFILE)
+                if path is not None:
+                    logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
+            return out
         finally:
             if self.cp_stop_signal is not None:
                 self.cp_stop_signal.uninstall()

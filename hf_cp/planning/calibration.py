@@ -1,0 +1,484 @@
+"""Online calibration: fit the cost model's coefficients to a run's measured times.
+
+A profile measured on other hardware, under other load or for other dimensions predicts rank
+times that can be several times off, and a balancer that trusts it balances the wrong thing.
+During training every step records, per rank, the measured compute of its micro-batches and
+the step's wall time (CPTrainer's StepRecord). This module turns those into a profile that
+predicts them:
+
+* **Compute** (per rank): the simulator's prediction of a rank is linear in the profile's
+  per-token, per-pair and per-micro-batch coefficients (c1, c2, c0), plus the communication
+  that attention does not hide. So every rank of every step is one row of features, the
+  prediction decomposed through the cost model's own result (`rank_features`): what the rank's
+  tokens, attention and micro-batches cost per unit of c1, c2 and c0, and its unhidden
+  communication per unit of the link scale. `fit_compute` fits the four non-negative
+  coefficients to the measured times, minimising relative error with Huber-weighted
+  iteratively reweighted least squares; a weak prior keeps the profile's *shape* (the ratios
+  between its coefficients) in directions the data cannot tell apart, and a coefficient whose
+  feature is a negligible share of the predictions (communication hidden behind attention)
+  keeps its value.
+* **Wall clock** (per step): under an execution whose waves synchronise, a step's wall time is
+  the sum over waves of the slowest rank's time in the wave, plus one gradient reduction per
+  wave, plus a fixed cost per step (hf_cp/execution.py). `fit_wall` fits the fixed cost of a
+  reduction and of a step to what the measured wall time leaves after the measured slowest
+  ranks and the reductions' bytes over the link.
+
+Every rank fits the same numbers from the same (all-gathered) records; CPTrainer still adopts
+rank 0's through the plan-agreement exchange (`Coefficients.to_payload`), so that the last bits
+of a floating-point fit can never make ranks plan differently. New coefficients apply from a
+step not yet planned on any rank (the planner's lookahead), the same on every rank.
+Pure functions on plain data: no torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import yaml
+
+from ..cost import CostModel, HardwareProfile, Link
+from ..profiling.fit import nonnegative_lstsq
+from ..sim import SimResult
+
+COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale")
+
+
+class CalibrationError(ValueError):
+    """Calibration settings or inputs are invalid."""
+
+
+# --------------------------------------------------------------------------- coefficients
+@dataclass(frozen=True)
+class Coefficients:
+    """The fitted numbers: the profile's compute coefficients, a scale on its links' times, and
+    the wall-clock terms. `apply` turns them into a profile; `comm_scale` divides the links'
+    bandwidth and multiplies their latency (all communication times scale by it)."""
+
+    c1_ms_per_token: float
+    c2_ms_per_pair: float
+    c0_ms: float
+    comm_scale: float = 1.0
+    reduction_overhead_ms: float = 0.0
+    step_overhead_ms: float = 0.0
+
+    @classmethod
+    def of(cls, profile: HardwareProfile) -> Coefficients:
+        return cls(
+            profile.c1_ms_per_token,
+            profile.c2_ms_per_pair,
+            profile.c0_ms,
+            1.0,
+            profile.reduction_overhead_ms,
+            profile.step_overhead_ms,
+        )
+
+    def to_list(self) -> List[float]:
+        return [
+            self.c1_ms_per_token,
+            self.c2_ms_per_pair,
+            self.c0_ms,
+            self.comm_scale,
+            self.reduction_overhead_ms,
+            self.step_overhead_ms,
+        ]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> Coefficients:
+        if len(values) != 6:
+            raise CalibrationError(f"coefficients need 6 values, got {len(values)}")
+        return cls(*(float(v) for v in values))
+
+    def rounded(self, digits: int = 6) -> Coefficients:
+        """To `digits` significant digits: the numbers a profile YAML holds, so that a saved
+        profile plans exactly the steps the run planned with it."""
+        return Coefficients.from_list([float(f"{v:.{digits}g}") for v in self.to_list()])
+
+    def apply(self, base: HardwareProfile, name: Optional[str] = None, description: Optional[str] = None):
+        """`base` with these coefficients (its links scaled by comm_scale)."""
+        s = self.comm_scale
+        links = {k: Link(v.bandwidth_gbps / s, v.latency_us * s) for k, v in base.links.items()}
+        return replace(
+            base,
+            name=name or base.name,
+            description=base.description if description is None else description,
+            c1_ms_per_token=self.c1_ms_per_token,
+            c2_ms_per_pair=self.c2_ms_per_pair,
+            c0_ms=self.c0_ms,
+            links=links,
+            reduction_overhead_ms=self.reduction_overhead_ms,
+            step_overhead_ms=self.step_overhead_ms,
+        )
+
+    # the plan-agreement exchange carries [version, *coefficients]; version 0 = nothing new
+    PAYLOAD_SIZE = 7
+
+    def to_payload(self, version: int) -> List[float]:
+        return [float(version)] + self.to_list()
+
+    @staticmethod
+    def from_payload(payload: Sequence[float]) -> Tuple[int, Optional[Coefficients]]:
+        version = int(round(payload[0])) if payload else 0
+        if version <= 0:
+            return 0, None
+        return version, Coefficients.from_list(payload[1:7])
+
+
+# --------------------------------------------------------------------------- observations
+def rank_features(sim: SimResult, cost: CostModel, comm_scale: float = 1.0) -> List[Tuple[float, float, float, float]]:
+    """Per rank: its predicted busy time decomposed per unit of the profile's c1, c2 and c0, and
+    per unit of `comm_scale` (the link scale the prediction was made with, relative to the
+    reference links), so that busy = x1*c1 + x2*c2 + x0*c0 + xc*comm_scale exactly.
+
+    The cost model's compute of a rank is L*(c1'*tokens + attention) + head*tokens + L*c0 per
+    micro-batch, with c1' and the LM head's per-token time proportional to the profile's c1 and
+    attention proportional to its c2 (hf_cp/cost.py): the tokens and micro-batches come from the
+    simulation, attention is what remains of its compute."""
+    if not sim.tokens or not sim.micro_batches:
+        raise CalibrationError("rank_features needs a SimResult with per-rank tokens and micro-batches")
+    p = cost.profile
+    L = cost.dims.num_layers
+    per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1
+    out = []
+    for r in range(sim.world_size):
+        t1 = per_token * sim.tokens[r]
+        t0 = L * p.c0_ms * sim.micro_batches[r]
+        attn = max(0.0, sim.compute_ms[r] - t1 - t0)
+        out.append(
+            (
+                t1 / p.c1_ms_per_token,
+                attn / p.c2_ms_per_pair,
+                float(L * sim.micro_batches[r]),
+                sim.comm_ms[r] / comm_scale,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one step says about the cost model: per-rank features and measured compute, and the
+    step's measured wall time with what the execution explains of it."""
+
+    step: int
+    features: Tuple[Tuple[float, float, float, float], ...]  # per rank (rank_features)
+    measured_ms: Tuple[float, ...]  # per rank: compute of its micro-batches
+    wall_ms: float  # the step's wall time (slowest rank)
+    critical_ms: (
+        float  # measured: sum over waves of the slowest rank's time (synchronised waves), else the slowest rank
+    )
+    reductions: int  # gradient reductions in the step
+    reduction_bytes_ms: float  # the reductions' bytes over the link (model), excluding fixed costs
+
+
+def observe_step(
+    step: int,
+    sim: SimResult,
+    cost: CostModel,
+    comm_scale: float,
+    measured_ms: Sequence[float],
+    wall_ms: float,
+    wave_max_ms: Sequence[float],
+) -> StepObservation:
+    """One step's observation: `sim` is its plan as predicted with `cost` (whose links are
+    `comm_scale` times the reference's); `wave_max_ms` per wave, the slowest rank's measured time
+    in it (dummy micro-batches included)."""
+    ex = cost.execution
+    n_waves = len(wave_max_ms)
+    sync = ex is None or ex.waves_synchronise
+    reductions = n_waves if sync else 1
+    critical = float(sum(wave_max_ms)) if sync else float(max(measured_ms, default=0.0))
+    bytes_ms = max(0.0, cost.gradient_reduction_ms(sim.world_size) - cost.profile.reduction_overhead_ms)
+    return StepObservation(
+        step=step,
+        features=tuple(rank_features(sim, cost, comm_scale)),
+        measured_ms=tuple(float(m) for m in measured_ms),
+        wall_ms=float(wall_ms),
+        critical_ms=critical,
+        reductions=reductions,
+        reduction_bytes_ms=reductions * bytes_ms,
+    )
+
+
+# --------------------------------------------------------------------------- the fits
+def robust_nonnegative_fit(
+    X: np.ndarray,
+    y: np.ndarray,
+    relative: bool = True,
+    prior_X: Optional[np.ndarray] = None,
+    prior_y: Optional[np.ndarray] = None,
+    huber: float = 1.5,
+    iterations: int = 30,
+) -> np.ndarray:
+    """Non-negative b minimising the Huber loss of the residuals X b - y (relative to y when
+    `relative`), by iteratively reweighted least squares; `prior_X b = prior_y` rows (already
+    weighted) join every iteration unweighted by Huber. Outliers (a step slowed by another
+    process) get weight k*scale/|residual| beyond k = `huber` robust standard deviations."""
+    X = np.asarray(X, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
+        raise CalibrationError(f"fit needs a design matrix matching its measurements, got {X.shape} and {y.shape}")
+    scale_rows = 1.0 / np.maximum(np.abs(y), 1e-9) if relative else np.ones_like(y)
+    Xr, yr = X * scale_rows[:, None], y * scale_rows
+    w = np.ones_like(yr)
+    b = np.zeros(X.shape[1])
+    for _ in range(iterations):
+        A, t = Xr * w[:, None], yr * w
+        if prior_X is not None:
+            A, t = np.vstack([A, prior_X]), np.concatenate([t, prior_y])
+        new = np.asarray(nonnegative_lstsq(A, t))
+        res = Xr @ new - yr
+        mad = float(np.median(np.abs(res - np.median(res)))) * 1.4826
+        scale = max(mad, 1e-3 if relative else 1e-6)
+        a = np.abs(res) / scale
+        w = np.sqrt(np.where(a <= huber, 1.0, huber / np.maximum(a, 1e-12)))
+        if np.allclose(new, b, rtol=1e-9, atol=0.0):
+            b = new
+            break
+        b = new
+    return b
+
+
+def median_relative_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Median over pairs with a measurement of |predicted - measured| / measured."""
+    errs = [abs(p - m) / m for p, m in zip(predicted, measured) if m > 0]
+    return statistics.median(errs) if errs else float("nan")
+
+
+# A coefficient is fitted only when its feature carries at least this share of the predictions.
+MIN_FEATURE_SHARE = 0.02
+PRIOR_WEIGHT = 1.0  # the shape prior counts as this many observations
+
+
+def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[Coefficients, Dict[str, bool]]:
+    """c1, c2, c0 and the link scale fitted to the per-rank compute of `observations` (ranks
+    without work left out); the wall-clock terms are `prior`'s. Returns the coefficients and,
+    per term, whether the data determined it."""
+    rows, ys = [], []
+    for o in observations:
+        for f, m in zip(o.features, o.measured_ms):
+            if m > 0 and any(f):
+                rows.append(f)
+                ys.append(m)
+    if not rows:
+        raise CalibrationError("no rank with measured work in the observations")
+    X, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    theta0 = np.asarray(prior.to_list()[:4])
+    pred0 = X @ theta0
+    share = (X * theta0).sum(axis=0) / max(float(pred0.sum()), 1e-12)
+    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and theta0[i] > 0 for i in range(4)]
+    # the profile's overall scale as the data sees it: the prior keeps the ratios between the
+    # coefficients where the data cannot separate them, at this scale
+    ok = pred0 > 0
+    scale = float(np.median(y[ok] / pred0[ok])) if ok.any() else 1.0
+    cols = [i for i in range(4) if fitted[i]]
+    fixed = [i for i in range(4) if not fitted[i]]
+    y_fit = y - X[:, fixed] @ theta0[fixed] if fixed else y
+    if not cols:
+        return prior, dict(zip(COMPUTE_TERMS, fitted))
+    Xc = X[:, cols]
+    k = math.sqrt(PRIOR_WEIGHT)
+    prior_X = np.zeros((len(cols), len(cols)))
+    for j, i in enumerate(cols):
+        prior_X[j, j] = k / (scale * theta0[i])
+    prior_y = np.full(len(cols), k)
+    b = robust_nonnegative_fit(Xc, np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y)
+    theta = theta0.copy()
+    theta[cols] = b
+    for i in (0, 1):  # the cost model needs positive c1 and c2 (HardwareProfile's contract)
+        theta[i] = max(theta[i], theta0[i] * 1e-6)
+    new = Coefficients(*theta.tolist(), prior.reduction_overhead_ms, prior.step_overhead_ms)
+    return new, dict(zip(COMPUTE_TERMS, fitted))
+
+
+def fit_wall(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[float, float]:
+    """(reduction_overhead_ms, step_overhead_ms): what each step's measured wall time leaves
+    after its measured critical path and its reductions' bytes, as a fixed cost per reduction
+    plus one per step (non-negative, Huber-robust). When every step has as many reductions, the
+    two cannot be told apart: the per-reduction share keeps the prior's split (all of it per
+    reduction without a prior)."""
+    if not observations:
+        raise CalibrationError("no observations")
+    n = np.asarray([o.reductions for o in observations], dtype=np.float64)
+    y = np.asarray([o.wall_ms - o.critical_ms - o.reduction_bytes_ms for o in observations], dtype=np.float64)
+    if np.ptp(n) == 0:
+        per_step = max(0.0, float(np.median(y)))
+        r0, s0 = prior.reduction_overhead_ms, prior.step_overhead_ms
+        per_red_share = r0 * n[0] / (r0 * n[0] + s0) if (r0 + s0) > 0 and n[0] > 0 else 1.0
+        if n[0] == 0:
+            return 0.0, per_step
+        return per_step * per_red_share / n[0], per_step * (1 - per_red_share)
+    X = np.stack([n, np.ones_like(n)], axis=1)
+    b = robust_nonnegative_fit(X, y, relative=False)
+    return float(b[0]), float(b[1])
+
+
+# --------------------------------------------------------------------------- the calibrator
+@dataclass(frozen=True)
+class CalibrationSettings:
+    """When to refit."""
+
+    min_steps: int = 8
+    """Steps observed before the first fit."""
+    refit_every: int = 8
+    """Steps between fits."""
+    window: int = 64
+    """A fit uses at most this many most recent steps (the machine's load and the model's
+    state drift; older steps describe a different machine)."""
+
+    def __post_init__(self):
+        for k in ("min_steps", "refit_every", "window"):
+            if int(getattr(self, k)) < 1:
+                raise CalibrationError(f"calibration {k} must be at least 1, got {getattr(self, k)!r}")
+        if self.window < self.min_steps:
+            raise CalibrationError(f"calibration window {self.window} is smaller than min_steps {self.min_steps}")
+
+
+@dataclass
+class CalibrationFit:
+    """One refit: its coefficients, in-sample errors before and after, the step it used data up to."""
+
+    version: int
+    step: int  # the last observed step (global index)
+    steps: int  # steps used
+    coefficients: Coefficients
+    fitted: Dict[str, bool]
+    error_before: float  # median per-rank relative compute error with the previous coefficients
+    error_after: float
+    wall_error_before: float  # median relative error of the step's wall time (critical path model)
+    wall_error_after: float
+    applies_from: Optional[int] = None  # the first step planned with it (set when adopted)
+
+    def describe(self, base: Coefficients) -> str:
+        c = self.coefficients
+        parts = []
+        for name, short, v, b in (
+            ("c1_ms_per_token", "c1", c.c1_ms_per_token, base.c1_ms_per_token),
+            ("c2_ms_per_pair", "c2", c.c2_ms_per_pair, base.c2_ms_per_pair),
+            ("c0_ms", "c0", c.c0_ms, base.c0_ms),
+            ("comm_scale", "comm", c.comm_scale, base.comm_scale),
+        ):
+            ratio = f"x{v / b:.3g}" if b > 0 else f"{v:.3g}"
+            parts.append(f"{short} {ratio}" + ("" if self.fitted.get(name) else " (kept: not determined)"))
+        return (
+            f"calibration {self.version} from {self.steps} steps: "
+            + ", ".join(parts)
+            + f", {c.reduction_overhead_ms:.1f} ms per gradient reduction, {c.step_overhead_ms:.1f} ms per step; "
+            f"median per-rank compute error {_pct(self.error_before)} -> {_pct(self.error_after)}, "
+            f"step wall {_pct(self.wall_error_before)} -> {_pct(self.wall_error_after)}"
+        )
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x != x else f"{100 * x:.1f}%"
+
+
+@dataclass
+class Calibrator:
+    """Collects step observations and refits the coefficients on schedule (every rank the same)."""
+
+    base: HardwareProfile
+    settings: CalibrationSettings = field(default_factory=CalibrationSettings)
+    observations: List[StepObservation] = field(default_factory=list)
+    fits: List[CalibrationFit] = field(default_factory=list)
+    _since_fit: int = 0
+
+    @property
+    def base_coefficients(self) -> Coefficients:
+        return Coefficients.of(self.base)
+
+    @property
+    def current(self) -> Coefficients:
+        return self.fits[-1].coefficients if self.fits else self.base_coefficients
+
+    def add(self, obs: StepObservation) -> None:
+        self.observations.append(obs)
+        del self.observations[: -self.settings.window]
+        self._since_fit += 1
+
+    def due(self) -> bool:
+        if len(self.observations) < self.settings.min_steps:
+            return False
+        return not self.fits or self._since_fit >= self.settings.refit_every
+
+    def refit(self, prior: Optional[Coefficients] = None) -> Optional[CalibrationFit]:
+        """Fit the observations; None (and nothing changes) when the fit would not lower the
+        in-sample error of the coefficients in force (`prior`, default the latest fit)."""
+        self._since_fit = 0
+        obs = list(self.observations)
+        prior = prior or self.current
+        compute, fitted = fit_compute(obs, prior)
+        before = _compute_error(obs, prior)
+        after = _compute_error(obs, compute)
+        if not after <= before:
+            compute, after = prior, before
+        red, step = fit_wall(obs, prior)
+        new = replace(compute, reduction_overhead_ms=red, step_overhead_ms=step).rounded()
+        fit = CalibrationFit(
+            version=len(self.fits) + 1,
+            step=obs[-1].step,
+            steps=len(obs),
+            coefficients=new,
+            fitted=fitted,
+            error_before=before,
+            error_after=_compute_error(obs, new),
+            wall_error_before=_wall_error(obs, prior),
+            wall_error_after=_wall_error(obs, new),
+        )
+        self.fits.append(fit)
+        return fit
+
+    def profile(self, coefficients: Optional[Coefficients] = None) -> HardwareProfile:
+        """The base profile with `coefficients` (default: the latest fit's), named as calibrated."""
+        c = coefficients or self.current
+        if c == self.base_coefficients:
+            return self.base
+        return c.apply(
+            self.base,
+            name=f"{self.base.name}-calibrated",
+            description=f"{self.base.description} Calibrated online from measured step times.".strip(),
+        )
+
+
+def _compute_error(obs: Sequence[StepObservation], c: Coefficients) -> float:
+    theta = np.asarray(c.to_list()[:4])
+    pred, meas = [], []
+    for o in obs:
+        for f, m in zip(o.features, o.measured_ms):
+            if m > 0:
+                pred.append(float(np.dot(f, theta)))
+                meas.append(m)
+    return median_relative_error(pred, meas)
+
+
+def _wall_error(obs: Sequence[StepObservation], c: Coefficients) -> float:
+    """The wall model on the measured critical path: critical + reductions x (bytes + fixed) +
+    per-step fixed, against the measured wall time."""
+    pred = [
+        o.critical_ms + o.reduction_bytes_ms + o.reductions * c.reduction_overhead_ms + c.step_overhead_ms for o in obs
+    ]
+    return median_relative_error(pred, [o.wall_ms for o in obs])
+
+
+# --------------------------------------------------------------------------- the profile file
+def calibrated_profile_yaml(profile: HardwareProfile, fit: CalibrationFit, base_name: str, run: str = "") -> str:
+    """A profile YAML (HardwareProfile.load / `hf-cp plan --profile FILE` read it) saying how it
+    was made."""
+    d = profile.to_dict()
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = [
+        f"# Hardware profile calibrated online by CPTrainer ({now}){': ' + run if run else ''}.",
+        f"# Started from profile {base_name!r}; fitted to the measured per-rank compute and step wall time",
+        f"# of {fit.steps} steps up to step {fit.step + 1} (calibration {fit.version}).",
+        f"# Median per-rank compute error {_pct(fit.error_before)} before, {_pct(fit.error_after)} after;",
+        f"# step wall time {_pct(fit.wall_error_before)} before, {_pct(fit.wall_error_after)} after.",
+        "# Coefficients the data did not determine kept their previous values: "
+        + (", ".join(k for k, v in fit.fitted.items() if not v) or "none")
+        + ".",
+        f"# links: the base profile's, scaled by the fitted communication scale ({fit.coefficients.comm_scale:.4g}).",
+    ]
+    return "\n".join(head) + "\n" + yaml.safe_dump(d, sort_keys=False, default_flow_style=False, width=110)
