@@ -73,3 +73,18 @@ def test_cp_groups_carry_names_that_nccl_timeouts_print():
             "all": "hf_cp CP group [0, 1, 2, 3]",
             "count": 3,
         }, (rank, got)
+
+
+def _payload(rank, world):
+    from hf_cp.consistency import agree_on_step
+
+    # every rank offers its own numbers (a fit whose last bits differ); all adopt rank 0's
+    flagged, adopted = agree_on_step("ab" * 8, 3, flag=rank == 1, payload=[1.0 + rank * 1e-12, 2.5e-7, -3.0])
+    return flagged, adopted
+
+
+def test_the_agreement_carries_rank_zeros_payload_to_every_rank():
+    res = run_distributed(_payload, 2, timeout_s=90)
+    for rank, (status, got) in res.items():
+        assert status == "ok", got
+        assert got == ([1], [1.0, 2.5e-7, -3.0]), (rank, got)

@@ -250,8 +250,8 @@ def median_relative_error(predicted: Sequence[float], measured: Sequence[float])
 
 
 # A coefficient is fitted only when its feature carries at least this share of the predictions.
-MIN_FEATURE_SHARE = 0.02
-PRIOR_WEIGHT = 1.0  # the shape prior counts as this many observations
+MIN_FEATURE_SHARE = 0.005
+PRIOR_WEIGHT = 0.01  # the shape prior's weight, in relative observations: it decides only what the data cannot
 
 
 def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[Coefficients, Dict[str, bool]]:

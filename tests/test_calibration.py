@@ -1,0 +1,337 @@
+"""Online calibration (hf_cp/planning/calibration.py) and the wall-clock timing rules it fits
+(hf_cp/execution.py, hf_cp/sim.py): fits on synthetic records with known coefficients, the
+execution rules against hand-computed step times, the planner's cost schedule, the calibrated
+profile file, the start-up profile check and the summary lines."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.cluster import ClusterSpec
+from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+from hf_cp.execution import execution_for_run, execution_named
+from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.planning import GlobalBatchSampler, Planner
+from hf_cp.planning.calibration import (
+    CalibrationSettings,
+    Calibrator,
+    Coefficients,
+    StepObservation,
+    calibrated_profile_yaml,
+    fit_compute,
+    fit_wall,
+    observe_step,
+    rank_features,
+)
+from hf_cp.planning.profile_check import profile_mismatches, profile_warning
+from hf_cp.sim import simulate
+
+TINY = ModelDims.load("tiny-llama")
+CPU = HardwareProfile.load("cpu")
+TRUE_SCALES = (3.0, 2.0, 4.0)  # the machine is this much slower than the profile, per coefficient
+
+
+def true_profile(reduction=15.0, step=25.0):
+    return replace(
+        CPU,
+        c1_ms_per_token=CPU.c1_ms_per_token * TRUE_SCALES[0],
+        c2_ms_per_pair=CPU.c2_ms_per_pair * TRUE_SCALES[1],
+        c0_ms=CPU.c0_ms * TRUE_SCALES[2],
+        reduction_overhead_ms=reduction,
+        step_overhead_ms=step,
+    )
+
+
+def wave_max_ms(sim, cost, world):
+    """Per wave: the slowest rank's time (a group's duration; the dummy for a rank without work)."""
+    waves = {}
+    for run in sim.runs:
+        waves.setdefault(run.wave, set()).update(run.ranks)
+        waves[run.wave] = waves[run.wave]
+    out = []
+    for w in sorted(waves):
+        d = max(run.duration_ms for run in sim.runs if run.wave == w)
+        if len(waves[w]) < world:
+            d = max(d, cost.dummy_micro_batch_ms())
+        out.append(d)
+    return out
+
+
+def synthetic_observations(n_steps=24, world=4, noise=0.05, outliers=2, seed=0, execution="zero2"):
+    """Steps planned with the profile as given; 'measured' = the true machine (TRUE_SCALES, its
+    wall terms) simulated, with multiplicative noise and a few ranks slowed 2x by 'another process'."""
+    rng = np.random.default_rng(seed)
+    ex = execution_named(execution)
+    base = CostModel(TINY, CPU, ex)
+    truth = CostModel(TINY, true_profile(), ex)
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=4096)
+    pyr = random.Random(seed)
+    obs = []
+    for k in range(n_steps):
+        lengths = [min(int(x), 8000) for x in np.exp(rng.normal(5.5, 1.3, size=pyr.randint(8, 40)))]
+        balancer = get_balancer(["static", "dynamic_cp", "wlb", "libra"][k % 4])
+        plan = balancer.plan(PlanRequest(range(len(lengths)), lengths, cl, base, step=k))
+        planned = simulate(plan, base)
+        real = simulate(plan, truth)
+        measured = [b * float(np.exp(rng.normal(0, noise))) for b in real.busy_ms]
+        obs.append(
+            observe_step(k, planned, base, 1.0, measured, real.makespan_ms, wave_max_ms(real, truth, world))
+        )
+    for i in range(min(outliers, (n_steps - 4) // 5 + 1)):  # a rank slowed by another process
+        o = obs[3 + 5 * i]
+        m = list(o.measured_ms)
+        m[0] *= 2.0
+        obs[3 + 5 * i] = replace(o, measured_ms=tuple(m))
+    return obs
+
+
+def test_rank_features_decompose_the_prediction_exactly():
+    cost = CostModel(TINY, CPU, execution_named("zero2"))
+    cl = ClusterSpec(world_size=4, max_tokens_per_rank=4096)
+    lengths = [3000, 7000, 200, 50, 900, 4096, 1200]
+    plan = get_balancer("wlb").plan(PlanRequest(range(len(lengths)), lengths, cl, cost))
+    sim = simulate(plan, cost)
+    theta = np.asarray(Coefficients.of(CPU).to_list()[:4])
+    for f, busy in zip(rank_features(sim, cost), sim.busy_ms):
+        assert float(np.dot(f, theta)) == pytest.approx(busy, rel=1e-9)
+    # per unit of coefficient: a profile with doubled c2 doubles only the attention part
+    doubled = CostModel(TINY, replace(CPU, c2_ms_per_pair=2 * CPU.c2_ms_per_pair), cost.execution)
+    sim2 = simulate(plan, doubled)
+    for f, f2 in zip(rank_features(sim, cost), rank_features(sim2, doubled)):
+        assert f2 == pytest.approx(f, rel=1e-9)
+
+
+def test_fit_recovers_known_coefficients_despite_noise_and_outliers():
+    obs = synthetic_observations()
+    prior = Coefficients.of(CPU)
+    fitted, determined = fit_compute(obs, prior)
+    assert determined == {"c1_ms_per_token": True, "c2_ms_per_pair": True, "c0_ms": True, "comm_scale": False}
+    got = (fitted.c1_ms_per_token / CPU.c1_ms_per_token, fitted.c2_ms_per_pair / CPU.c2_ms_per_pair)
+    assert got == pytest.approx(TRUE_SCALES[:2], rel=0.05), got
+    # c0 is a small share (2%) and nearly collinear with c1 when micro-batches are full: the
+    # data only bounds it; the prediction it makes is what must be right
+    assert 1.5 < fitted.c0_ms / CPU.c0_ms < 6
+    assert fitted.comm_scale == 1.0  # communication is hidden behind attention here: kept
+    theta = np.asarray(fitted.to_list()[:4])
+    clean = synthetic_observations(noise=0.0, outliers=0)
+    pred = [float(np.dot(f, theta)) for o in clean for f in o.features]
+    meas = [m for o in clean for m in o.measured_ms]
+    assert pred == pytest.approx(meas, rel=0.03)
+
+
+def test_calibrator_lowers_the_error_below_five_percent_and_fits_the_wall_terms():
+    cal = Calibrator(CPU, CalibrationSettings(min_steps=8, refit_every=8, window=64))
+    obs = synthetic_observations(noise=0.03)
+    for o in obs[:7]:
+        cal.add(o)
+        assert not cal.due()
+    cal.add(obs[7])
+    assert cal.due()
+    fit = cal.refit()
+    assert fit.version == 1 and fit.steps == 8
+    assert fit.error_before > 0.5 and fit.error_after < 0.05, fit
+    for o in obs[8:]:
+        cal.add(o)
+    fit2 = cal.refit()
+    assert fit2.version == 2 and fit2.error_after < 0.05
+    c = fit2.coefficients
+    assert c.reduction_overhead_ms == pytest.approx(15.0, abs=1.0)
+    assert c.step_overhead_ms == pytest.approx(25.0, abs=1.5)
+    assert fit2.wall_error_after < 0.01
+    # the fitted profile predicts what the true machine does, on plans it has not seen
+    truth = CostModel(TINY, true_profile(), execution_named("zero2"))
+    fitted_cost = CostModel(TINY, cal.profile(c), execution_named("zero2"))
+    cl = ClusterSpec(world_size=4, max_tokens_per_rank=4096)
+    lengths = [4000, 3500, 100, 60, 2000, 700, 300, 1500, 5000, 90]
+    for name in ("static", "dynamic_cp"):
+        plan = get_balancer(name).plan(PlanRequest(range(len(lengths)), lengths, cl, fitted_cost))
+        assert simulate(plan, fitted_cost).makespan_ms == pytest.approx(simulate(plan, truth).makespan_ms, rel=0.05)
+
+
+def test_outliers_do_not_move_the_fit():
+    clean, _ = fit_compute(synthetic_observations(outliers=0, noise=0.02), Coefficients.of(CPU))
+    dirty, _ = fit_compute(synthetic_observations(outliers=2, noise=0.02), Coefficients.of(CPU))
+    for a, b in zip(clean.to_list()[:3], dirty.to_list()[:3]):
+        assert b == pytest.approx(a, rel=0.03)
+
+
+def test_wall_terms_cannot_be_split_when_every_step_has_as_many_reductions():
+    obs = [
+        StepObservation(k, ((1.0, 0.0, 0.0, 0.0),), (1.0,), 100.0 + 30.0 + k % 2, 100.0, 1, 0.0) for k in range(10)
+    ]
+    red, step = fit_wall(obs, Coefficients.of(CPU))  # no prior split: all of it per reduction
+    assert (red, step) == pytest.approx((30.5, 0.0), abs=0.6)
+    red, step = fit_wall(obs, replace(Coefficients.of(CPU), reduction_overhead_ms=1.0, step_overhead_ms=3.0))
+    assert red + step == pytest.approx(30.5, abs=0.6) and step == pytest.approx(3 * red)
+
+
+def test_calibrator_schedule_and_window():
+    with pytest.raises(ValueError, match="window 4 is smaller than min_steps 8"):
+        CalibrationSettings(min_steps=8, window=4)
+    cal = Calibrator(CPU, CalibrationSettings(min_steps=3, refit_every=2, window=5))
+    obs = synthetic_observations(n_steps=9)
+    due = []
+    for o in obs:
+        cal.add(o)
+        due.append(cal.due())
+        if due[-1]:
+            cal.refit()
+    assert due == [False, False, True, False, True, False, True, False, True]
+    assert [o.step for o in cal.observations] == [4, 5, 6, 7, 8]
+
+
+def test_coefficients_payload_rounding_and_profile():
+    c = Coefficients(0.0123456789, 2.5e-5, 1.25, 2.0, 12.3456789, 7.0)
+    version, back = Coefficients.from_payload(c.to_payload(3))
+    assert version == 3 and back == c
+    assert Coefficients.from_payload([0.0] * Coefficients.PAYLOAD_SIZE) == (0, None)
+    r = c.rounded()
+    assert r.c1_ms_per_token == 0.0123457 and r.reduction_overhead_ms == 12.3457
+    p = c.apply(CPU)
+    assert p.links["intra_node"].bandwidth_gbps == CPU.links["intra_node"].bandwidth_gbps / 2
+    assert p.links["inter_node"].latency_us == CPU.links["inter_node"].latency_us * 2
+    assert (p.c0_ms, p.step_overhead_ms) == (1.25, 7.0)
+
+
+def test_calibrated_profile_file_plans_what_the_run_planned(tmp_path):
+    cal = Calibrator(CPU, CalibrationSettings(min_steps=8))
+    for o in synthetic_observations(n_steps=8):
+        cal.add(o)
+    fit = cal.refit()
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(calibrated_profile_yaml(cal.profile(), fit, "cpu", "outputs/run"))
+    text = path.read_text()
+    assert "Started from profile 'cpu'" in text and "# Median per-rank compute error" in text
+    loaded = HardwareProfile.load(path)
+    assert loaded == cal.profile()  # the rounded coefficients survive the file exactly
+    assert loaded.name == "cpu-calibrated" and loaded.reduction_overhead_ms == fit.coefficients.reduction_overhead_ms
+    # hf-cp plan reads it
+    from hf_cp.cli import main
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(n) for n in [300, 5000, 40, 1200, 800, 2500] * 4))
+    args = ["plan", "--lengths", str(lengths), "--world", "2", "--model", "tiny-llama", "--profile", str(path)]
+    assert main(args + ["--max-tokens-per-rank", "4096", "--steps", "2", "--execution", "zero2"]) == 0
+
+
+def test_execution_rules_against_hand_computed_step_times():
+    # wave 0: rank 0 long, rank 1 short; wave 1: rank 1 long, rank 0 idle (runs the dummy)
+    lengths = [3000, 500, 2500]
+    plan = StepPlan(
+        world_size=2,
+        max_tokens_per_rank=4096,
+        sample_ids=[0, 1, 2],
+        lengths=lengths,
+        waves=[
+            Wave([Group(ranks=(0,), local={0: [0]}), Group(ranks=(1,), local={1: [1]})]),
+            Wave([Group(ranks=(1,), local={1: [2]})]),
+        ],
+    )
+    prof = replace(CPU, reduction_overhead_ms=7.0, step_overhead_ms=11.0)
+    compute = CostModel(TINY, prof)
+    oh = compute.micro_batch_overhead_ms()
+    a, b, c = (compute.sample_local_ms(n) + oh for n in lengths)
+    dummy = compute.local_ms([1]) + oh
+    grad_bytes = TINY.parameters * prof.bytes_per_element
+    link = prof.links["intra_node"]
+    reduce_scatter = 0.5 * grad_bytes / (link.bandwidth_gbps * 1e6) + link.latency_us * 1e-3 + 7.0
+    all_reduce = 1.0 * grad_bytes / (link.bandwidth_gbps * 1e6) + 2 * link.latency_us * 1e-3 + 7.0
+    # compute alone: the waves flow freely, nothing else is charged (unchanged numbers)
+    assert simulate(plan, compute).makespan_ms == pytest.approx(max(a, b + c))
+    # ZeRO-2: every wave ends in a barrier and a reduction
+    z = simulate(plan, CostModel(TINY, prof, execution_named("zero2")))
+    assert z.makespan_ms == pytest.approx(a + reduce_scatter + max(c, dummy) + reduce_scatter + 11.0)
+    assert z.reduction_ms == pytest.approx(2 * reduce_scatter) and z.fixed_ms == 11.0
+    assert z.busy_ms == pytest.approx([a, b + c])  # the dummy is not the plan's work
+    assert sum(z.busy_ms) + sum(z.idle_ms) == pytest.approx(2 * z.makespan_ms)
+    # DDP: free-flowing waves, the dummy on rank 0, one all-reduce at the end
+    d = simulate(plan, CostModel(TINY, prof, execution_named("ddp")))
+    hidden = max(0.0, all_reduce - 7.0 - (c - oh) * 2 / 3)  # overlaps the last wave's backward
+    assert d.makespan_ms == pytest.approx(max(a + dummy, b + c) + hidden + 7.0 + 11.0)
+    assert TINY.parameters == 2 * TINY.linear_params_per_layer + 2 * 256 * 64
+
+
+def test_execution_of_a_run():
+    assert execution_for_run(None) == "ddp"
+    assert execution_for_run({"zero_optimization": {"stage": 2}}) == "zero2"
+    assert execution_for_run({"zero_optimization": {"stage": 3, "overlap_comm": True}}) == "zero2-overlap"
+    assert execution_for_run({"zero_optimization": {"stage": 1}}) == "ddp"
+    assert execution_named("compute") is None
+    with pytest.raises(ValueError, match="unknown execution 'zero9'; one of: compute"):
+        execution_named("zero9")
+
+
+def test_planner_plans_from_the_set_step_with_the_new_model_in_a_forked_worker():
+    lengths = [int(x) for x in np.random.default_rng(1).integers(20, 3000, size=120)]
+    sampler = GlobalBatchSampler(lengths, 8192, seed=0)
+    cl = ClusterSpec(world_size=2, max_tokens_per_rank=4096)
+    base = CostModel(TINY, CPU, execution_named("zero2"))
+    slow = CostModel(TINY, Coefficients(1e-2, 1e-7, 5.0, 1.0, 20.0, 30.0).apply(CPU), base.execution)
+    forked = Planner(sampler, "auto", cl, base, lookahead=2, in_process=True)
+    inline = Planner(sampler, "auto", cl, base, lookahead=0)
+    try:
+        got = [forked.get(0), forked.get(1)]  # steps 0-3 submitted with the first model
+        forked.set_cost(3, 1, slow)  # step 3's plan under way with the old model is dropped
+        inline.set_cost(3, 1, slow)
+        got += [forked.get(k) for k in range(2, 6)]
+        want = [inline.get(k) for k in range(6)]
+        assert [g.cost_version for g in got] == [0, 0, 0, 1, 1, 1]
+        assert [g.plan.digest() for g in got] == [w.plan.digest() for w in want]
+        assert got[4].predicted.makespan_ms == pytest.approx(simulate(got[4].plan, slow).makespan_ms)
+        assert got[2].predicted.makespan_ms == pytest.approx(simulate(got[2].plan, base).makespan_ms)
+        with pytest.raises(ValueError, match="does not follow version 1"):
+            forked.set_cost(2, 2, slow)
+    finally:
+        forked.close()
+
+
+def test_profile_check_names_device_and_dimensions():
+    h200 = HardwareProfile.load("h200-qwen2.5-7b")
+    problems = profile_mismatches(h200, TINY, "cpu")
+    assert problems[0] == "it was measured on cuda, this run is on cpu"
+    assert "hidden 3584 vs 64" in problems[1] and "num_heads 28 vs 4" in problems[1]
+    text = profile_warning(h200, "h200-qwen2.5-7b", TINY, "cpu", "tiny-llama")
+    assert "hf-cp profile --model tiny-llama --device cpu" in text and "cp_calibrate" in text
+    assert profile_mismatches(CPU, TINY, "cpu") == []
+    assert profile_warning(CPU, "cpu", TINY, "cpu") is None
+    assert profile_mismatches(replace(CPU, device=""), TINY, "cuda") == []  # unknown: no claim
+
+
+def test_summary_states_measured_wall_clock_and_errors_before_and_after():
+    from hf_cp.train.history import StepRecord
+    from hf_cp.train.metrics import summary_lines
+
+    def rec(i, cal, pred, meas, pred_step, wall):
+        return StepRecord(
+            index=i,
+            epoch=0,
+            global_step=i + 1,
+            num_samples=4,
+            global_tokens=1000,
+            global_valid_tokens=900,
+            loss=3.0 - 0.1 * i,
+            measured_ms=meas,
+            rank_tokens=[500, 500],
+            step_wall_ms=wall,
+            predicted_ms=pred,
+            predicted_step_ms=pred_step,
+            waves=1,
+            plan_digest="ab",
+            compare_step_ms=pred_step * 1.2,
+            calibration=cal,
+        )
+
+    records = [rec(i, 0, [30.0, 30.0], [100.0, 90.0], 35.0, 110.0) for i in range(4)]
+    records += [rec(i, 1, [95.0, 92.0], [100.0, 90.0], 105.0, 110.0) for i in range(4, 8)]
+    text = "\n".join(summary_lines(records, "auto", "static"))
+    assert "wall clock, measured: 9091 tokens/s, 110 ms/step; predicted step 105 ms against 110 ms measured" in text
+    assert "per-rank compute 68.3% with the profile as given (steps 1-4) -> 3.6% calibrated (steps 5-8" in text
+    assert "step wall 68.2% -> 4.5%" in text
+    assert "predicted only: static was not run" in text
+    plain = "\n".join(summary_lines(records[:4], "auto"))
+    assert "not calibrated: cp_calibrate off or too few steps" in plain
