@@ -41,6 +41,7 @@ class GroupRun:
     mode: Optional[str]
     n_distributed: int
     n_local: int
+    member_tokens: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +59,10 @@ class SimResult:
     cp_size_samples: Dict[int, int] = field(default_factory=dict)  # group size -> samples run distributed on it
     cp_size_tokens: Dict[int, int] = field(default_factory=dict)
     tokens: List[int] = field(default_factory=list)  # per rank, over all its micro-batches
+    # per rank: time inside its micro-batches, what CPTrainer measures of it: a group's members
+    # wait for each other at every layer, so each spends the group's duration (and, when the
+    # group starts later than the member is free, the wait in its first collective)
+    occupied_ms: List[float] = field(default_factory=list)
     micro_batches: List[int] = field(default_factory=list)  # per rank: micro-batches with work
     reduction_ms: float = 0.0  # wall time in gradient reductions (with an execution)
     fixed_ms: float = 0.0  # the step's fixed cost (with an execution)
@@ -105,6 +110,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     cp_tokens: Counter = Counter()
     tokens = [0] * W
     micro_batches = [0] * W
+    occupied = [0.0] * W
     overhead = cost.micro_batch_overhead_ms()
     ex = getattr(cost, "execution", None)
     dummy = cost.dummy_micro_batch_ms() if ex is not None else 0.0
@@ -135,6 +141,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                 peak_tokens[r] = max(peak_tokens[r], tk)
                 tokens[r] += tk
                 micro_batches[r] += 1
+                occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)
                 worked[r] = True
                 slowest_compute = max(slowest_compute, cm)
                 clock[r] = start + dur
@@ -155,6 +162,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                     g.mode if g.distributed else None,
                     len(g.distributed),
                     sum(len(v) for v in g.local.values()),
+                    [c[3] for c in costs],
                 )
             )
         if ex is not None:
@@ -191,6 +199,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         cp_size_tokens=dict(sorted(cp_tokens.items())),
         tokens=tokens,
         micro_batches=micro_batches,
+        occupied_ms=occupied,
         reduction_ms=reduction_total,
         fixed_ms=fixed,
     )

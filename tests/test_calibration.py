@@ -78,10 +78,8 @@ def synthetic_observations(n_steps=24, world=4, noise=0.05, outliers=2, seed=0, 
         plan = balancer.plan(PlanRequest(range(len(lengths)), lengths, cl, base, step=k))
         planned = simulate(plan, base)
         real = simulate(plan, truth)
-        measured = [b * float(np.exp(rng.normal(0, noise))) for b in real.busy_ms]
-        obs.append(
-            observe_step(k, planned, base, 1.0, measured, real.makespan_ms, wave_max_ms(real, truth, world))
-        )
+        measured = [b * float(np.exp(rng.normal(0, noise))) for b in real.occupied_ms]
+        obs.append(observe_step(k, planned, base, 1.0, measured, real.makespan_ms, wave_max_ms(real, truth, world)))
     for i in range(min(outliers, (n_steps - 4) // 5 + 1)):  # a rank slowed by another process
         o = obs[3 + 5 * i]
         m = list(o.measured_ms)
@@ -96,13 +94,18 @@ def test_rank_features_decompose_the_prediction_exactly():
     lengths = [3000, 7000, 200, 50, 900, 4096, 1200]
     plan = get_balancer("wlb").plan(PlanRequest(range(len(lengths)), lengths, cl, cost))
     sim = simulate(plan, cost)
+    assert sim.cp_size_samples.get(2) or sim.cp_size_samples.get(4)  # some group members wait for others
     theta = np.asarray(Coefficients.of(CPU).to_list()[:4])
-    for f, busy in zip(rank_features(sim, cost), sim.busy_ms):
-        assert float(np.dot(f, theta)) == pytest.approx(busy, rel=1e-9)
-    # per unit of coefficient: a profile with doubled c2 doubles only the attention part
-    doubled = CostModel(TINY, replace(CPU, c2_ms_per_pair=2 * CPU.c2_ms_per_pair), cost.execution)
-    sim2 = simulate(plan, doubled)
-    for f, f2 in zip(rank_features(sim, cost), rank_features(sim2, doubled)):
+    for f, occupied in zip(rank_features(sim, cost), sim.occupied_ms):
+        assert float(np.dot(f, theta)) == pytest.approx(occupied, rel=1e-9)
+    for run in sim.runs:  # every member of a group spends its slowest member's time
+        if run.n_distributed:
+            assert {sim.occupied_ms[r] for r in run.ranks} == {sim.occupied_ms[run.ranks[0]]} or len(plan.waves) > 1
+    # per unit of coefficient: features do not depend on the coefficients they were computed at
+    # (one-rank groups: no slowest member to change with them)
+    local = get_balancer("static").plan(PlanRequest(range(5), [300, 900, 2000, 40, 4000], cl, cost))
+    doubled = CostModel(TINY, replace(CPU, c2_ms_per_pair=2 * CPU.c2_ms_per_pair, c0_ms=0.1), cost.execution)
+    for f, f2 in zip(rank_features(simulate(local, cost), cost), rank_features(simulate(local, doubled), doubled)):
         assert f2 == pytest.approx(f, rel=1e-9)
 
 
@@ -161,9 +164,7 @@ def test_outliers_do_not_move_the_fit():
 
 
 def test_wall_terms_cannot_be_split_when_every_step_has_as_many_reductions():
-    obs = [
-        StepObservation(k, ((1.0, 0.0, 0.0, 0.0),), (1.0,), 100.0 + 30.0 + k % 2, 100.0, 1, 0.0) for k in range(10)
-    ]
+    obs = [StepObservation(k, ((1.0, 0.0, 0.0, 0.0),), (1.0,), 100.0 + 30.0 + k % 2, 100.0, 1, 0.0) for k in range(10)]
     red, step = fit_wall(obs, Coefficients.of(CPU))  # no prior split: all of it per reduction
     assert (red, step) == pytest.approx((30.5, 0.0), abs=0.6)
     red, step = fit_wall(obs, replace(Coefficients.of(CPU), reduction_overhead_ms=1.0, step_overhead_ms=3.0))
@@ -248,6 +249,7 @@ def test_execution_rules_against_hand_computed_step_times():
     assert z.makespan_ms == pytest.approx(a + reduce_scatter + max(c, dummy) + reduce_scatter + 11.0)
     assert z.reduction_ms == pytest.approx(2 * reduce_scatter) and z.fixed_ms == 11.0
     assert z.busy_ms == pytest.approx([a, b + c])  # the dummy is not the plan's work
+    assert z.occupied_ms == pytest.approx([a, b + c])
     assert sum(z.busy_ms) + sum(z.idle_ms) == pytest.approx(2 * z.makespan_ms)
     # DDP: free-flowing waves, the dummy on rank 0, one all-reduce at the end
     d = simulate(plan, CostModel(TINY, prof, execution_named("ddp")))

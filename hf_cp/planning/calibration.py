@@ -130,33 +130,33 @@ class Coefficients:
 
 # --------------------------------------------------------------------------- observations
 def rank_features(sim: SimResult, cost: CostModel, comm_scale: float = 1.0) -> List[Tuple[float, float, float, float]]:
-    """Per rank: its predicted busy time decomposed per unit of the profile's c1, c2 and c0, and
-    per unit of `comm_scale` (the link scale the prediction was made with, relative to the
-    reference links), so that busy = x1*c1 + x2*c2 + x0*c0 + xc*comm_scale exactly.
+    """Per rank: its predicted time inside its micro-batches (SimResult.occupied_ms, what CPTrainer
+    measures) decomposed per unit of the profile's c1, c2 and c0, and per unit of `comm_scale`
+    (the link scale the prediction was made with, relative to the reference links), so that
+    occupied = x1*c1 + x2*c2 + x0*c0 + xc*comm_scale (+ any wait for a group's late member).
 
-    The cost model's compute of a rank is L*(c1'*tokens + attention) + head*tokens + L*c0 per
-    micro-batch, with c1' and the LM head's per-token time proportional to the profile's c1 and
-    attention proportional to its c2 (hf_cp/cost.py): the tokens and micro-batches come from the
-    simulation, attention is what remains of its compute."""
-    if not sim.tokens or not sim.micro_batches:
-        raise CalibrationError("rank_features needs a SimResult with per-rank tokens and micro-batches")
+    A micro-batch lasts as long as its group's slowest member: its compute is L*(c1'*tokens +
+    attention) + head*tokens + L*c0, with c1' and the LM head's per-token time proportional to
+    the profile's c1 and attention proportional to its c2 (hf_cp/cost.py), plus the
+    communication attention does not hide. Tokens come from the simulation; attention is what
+    remains of the member's compute. Every active member of the group is charged the slowest
+    member's features."""
+    if not sim.micro_batches:
+        raise CalibrationError("rank_features needs a SimResult with per-rank micro-batches (hf_cp.sim.simulate)")
     p = cost.profile
     L = cost.dims.num_layers
     per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1
-    out = []
-    for r in range(sim.world_size):
-        t1 = per_token * sim.tokens[r]
-        t0 = L * p.c0_ms * sim.micro_batches[r]
-        attn = max(0.0, sim.compute_ms[r] - t1 - t0)
-        out.append(
-            (
-                t1 / p.c1_ms_per_token,
-                attn / p.c2_ms_per_pair,
-                float(L * sim.micro_batches[r]),
-                sim.comm_ms[r] / comm_scale,
-            )
-        )
-    return out
+    out = [[0.0, 0.0, 0.0, 0.0] for _ in range(sim.world_size)]
+    for run in sim.runs:
+        totals = [c + m for c, m in zip(run.member_compute_ms, run.member_comm_ms)]
+        slowest = max(range(len(totals)), key=lambda m: totals[m])
+        t1 = per_token * run.member_tokens[slowest]
+        attn = max(0.0, run.member_compute_ms[slowest] - t1)
+        f = (t1 / p.c1_ms_per_token, attn / p.c2_ms_per_pair, float(L), run.member_comm_ms[slowest] / comm_scale)
+        for m, r in enumerate(run.ranks):
+            if run.member_tokens[m] or run.n_distributed:  # the members that run the micro-batch
+                out[r] = [a + b for a, b in zip(out[r], f)]
+    return [tuple(x) for x in out]
 
 
 @dataclass(frozen=True)
@@ -324,9 +324,9 @@ class CalibrationSettings:
 
     min_steps: int = 8
     """Steps observed before the first fit."""
-    refit_every: int = 8
+    refit_every: int = 4
     """Steps between fits."""
-    window: int = 64
+    window: int = 32
     """A fit uses at most this many most recent steps (the machine's load and the model's
     state drift; older steps describe a different machine)."""
 
@@ -368,8 +368,9 @@ class CalibrationFit:
             f"calibration {self.version} from {self.steps} steps: "
             + ", ".join(parts)
             + f", {c.reduction_overhead_ms:.1f} ms per gradient reduction, {c.step_overhead_ms:.1f} ms per step; "
-            f"median per-rank compute error {_pct(self.error_before)} -> {_pct(self.error_after)}, "
-            f"step wall {_pct(self.wall_error_before)} -> {_pct(self.wall_error_after)}"
+            f"in-sample median error: per-rank compute {_pct(self.error_before)} -> {_pct(self.error_after)}, "
+            f"step wall given the measured slowest ranks {_pct(self.wall_error_before)} -> "
+            f"{_pct(self.wall_error_after)}"
         )
 
 

@@ -31,7 +31,7 @@ class StepRecord:
     measured_ms: List[float]  # per rank: compute time of its waves (forward + backward)
     rank_tokens: List[int]  # per rank: tokens it processed
     step_wall_ms: float  # slowest rank's wall time of the whole step
-    predicted_ms: List[float]  # per rank: simulated busy time
+    predicted_ms: List[float]  # per rank: simulated time inside its micro-batches (SimResult.occupied_ms)
     predicted_step_ms: float  # simulated makespan
     waves: int
     plan_digest: str

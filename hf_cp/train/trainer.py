@@ -162,7 +162,10 @@ class CPTrainer(Trainer):
         self.cp_calibrator: Optional[Calibrator] = None
         if args.cp_calibrate and not args.full_determinism:
             self.cp_calibrator = Calibrator(
-                setup.cost.profile, CalibrationSettings(args.cp_calibrate_min_steps, args.cp_calibrate_every)
+                setup.cost.profile,
+                CalibrationSettings(
+                    args.cp_calibrate_min_steps, args.cp_calibrate_every, max(32, args.cp_calibrate_min_steps)
+                ),
             )
         self._cp_models: Dict[int, tuple] = {0: (Coefficients.of(setup.cost.profile), setup.cost)}
         self._cp_pending_fit = None  # a fit made after the last step, offered at the next agreement
@@ -335,7 +338,9 @@ class CPTrainer(Trainer):
             measured_ms=[r[0] for r in rows],
             rank_tokens=[int(r[1]) for r in rows],
             step_wall_ms=max(r[3] for r in rows),
-            predicted_ms=list(ps.predicted.busy_ms) if ps is not None else [0.0] * self.cp_world,
+            # what the rank's measured time is: its micro-batches' durations (a group's members
+            # wait for its slowest at every layer), not its own work alone
+            predicted_ms=list(ps.predicted.occupied_ms) if ps is not None else [0.0] * self.cp_world,
             predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
             compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
             planner_ms=ps.planner_ms if ps is not None else 0.0,

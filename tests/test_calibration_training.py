@@ -1,0 +1,75 @@
+"""Online calibration in the main job (slow: two training processes, ~1-2 minutes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_cp.cost import HardwareProfile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def scaled_profile(path: Path, factor: float) -> Path:
+    """The bundled CPU profile with c1, c2 and c0 multiplied by `factor` (a profile `factor` x wrong)."""
+    d = HardwareProfile.load("cpu").to_dict()
+    for k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms"):
+        d[k] *= factor
+    d["name"] = f"cpu-x{factor:g}"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_main_job_calibrates_a_profile_three_times_wrong(tmp_path):
+    profile = scaled_profile(tmp_path / "wrong.yaml", 1 / 3)
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from hf_cp.cli import main; sys.exit(main())",
+        "train",
+        "configs/tiny-cpu.yaml",
+        "--nproc",
+        "2",
+        "--set",
+        f"training.output_dir={out}",
+        "--set",
+        f"training.cp_profile={profile}",
+        "--set",
+        "training.max_steps=24",
+        "--set",
+        "training.eval_strategy=no",
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560, env=env)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    text = proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "cp_history" / "rank0.jsonl").read_text().splitlines()]
+
+    def median_error(recs):
+        return statistics.median(
+            abs(p - m) / m for r in recs for p, m in zip(r["predicted_ms"], r["measured_ms"]) if m > 0
+        )
+
+    before = [r for r in records if r["calibration"] == 0]
+    calibrated = [r for r in records if r["calibration"] > 0 and r["index"] < 20]
+    assert len(before) >= 8 and len(calibrated) >= 4, [r["calibration"] for r in records]
+    assert median_error(before) > 0.5  # the profile is wrong: measured ~3x the prediction
+    assert median_error(calibrated) < 0.15, [(r["index"], r["predicted_ms"], r["measured_ms"]) for r in calibrated]
+    # the summary states the error before and after, and the run saved the fitted profile
+    m = re.search(r"per-rank compute ([\d.]+)% with the profile as given \(steps 1-\d+\) -> ([\d.]+)% calibrated", text)
+    assert m and float(m.group(1)) > 50 and float(m.group(2)) < float(m.group(1)), text[-3000:]
+    assert "calibration 1 from 8 steps" in text
+    saved = HardwareProfile.load(out / "cp_profile_calibrated.yaml")
+    assert saved.c1_ms_per_token > 2 * HardwareProfile.load(profile).c1_ms_per_token
+    assert saved.reduction_overhead_ms + saved.step_overhead_ms > 0
