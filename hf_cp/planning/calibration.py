@@ -326,9 +326,9 @@ class CalibrationSettings:
     """Steps observed before the first fit."""
     refit_every: int = 4
     """Steps between fits."""
-    window: int = 32
-    """A fit uses at most this many most recent steps (the machine's load and the model's
-    state drift; older steps describe a different machine)."""
+    window: int = 16
+    """A fit uses at most this many most recent steps: the machine's speed drifts (on a shared
+    2-core machine by +-40% within a minute), and older steps describe a different machine."""
 
     def __post_init__(self):
         for k in ("min_steps", "refit_every", "window"):

@@ -125,7 +125,10 @@ class CPTrainingArguments(TrainingArguments):
     )
     cp_calibrate_min_steps: int = field(default=8, metadata={"help": "steps observed before the first calibration"})
     cp_calibrate_every: int = field(
-        default=4, metadata={"help": "steps between calibrations (each fits the latest 32 steps)"}
+        default=4,
+        metadata={
+            "help": "steps between calibrations (each fits the latest 16 steps, or cp_calibrate_min_steps if more)"
+        },
     )
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}

@@ -164,7 +164,7 @@ class CPTrainer(Trainer):
             self.cp_calibrator = Calibrator(
                 setup.cost.profile,
                 CalibrationSettings(
-                    args.cp_calibrate_min_steps, args.cp_calibrate_every, max(32, args.cp_calibrate_min_steps)
+                    args.cp_calibrate_min_steps, args.cp_calibrate_every, max(16, args.cp_calibrate_min_steps)
                 ),
             )
         self._cp_models: Dict[int, tuple] = {0: (Coefficients.of(setup.cost.profile), setup.cost)}
