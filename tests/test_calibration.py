@@ -337,3 +337,14 @@ def test_summary_states_measured_wall_clock_and_errors_before_and_after():
     assert "predicted only: static was not run" in text
     plain = "\n".join(summary_lines(records[:4], "auto"))
     assert "not calibrated: cp_calibrate off or too few steps" in plain
+
+
+def test_dry_run_warns_about_a_gpu_profile_on_a_cpu_run():
+    from hf_cp.train.dry_run import dry_run
+
+    lines = dry_run("configs/tiny-cpu.yaml", ["training.cp_profile=h200-qwen2.5-7b"], world_size=2, steps=2)
+    warning = [line for line in lines if line.startswith("warning: the cost profile 'h200-qwen2.5-7b'")]
+    assert warning and "measured on cuda, this run is on cpu" in warning[0], lines
+    assert "hf-cp profile --model tiny-llama --device cpu" in warning[0]
+    assert any("wall time under zero2, the profile as given; training recalibrates it" in line for line in lines)
+    assert not any(line.startswith("warning:") for line in dry_run("configs/tiny-cpu.yaml", [], 2, 2))

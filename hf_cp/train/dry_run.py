@@ -19,6 +19,7 @@ from typing import List, Optional
 from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from ..planning import Planner, planning_setup
 from ..planning.evaluation import plan_evaluation
+from ..planning.profile_check import profile_warning
 from .columns import read_token_columns
 from .config import load_config, load_datasets, model_config, training_arguments
 from .resume import check_resume, resolve_resume, restart_problems, schedule_record
@@ -31,6 +32,7 @@ def dry_run(
     cfg = load_config(config_path, overrides)
     src = cfg["_source"]
     tcfg = dict(cfg.get("training") or {})
+    device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
     # precision and device do not change plans; a login node has no GPU to validate bf16 with
     tcfg.update(bf16=False, fp16=False, use_cpu=True)
     args = training_arguments(tcfg, src)
@@ -63,9 +65,17 @@ def dry_run(
             f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
             f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
         )
+    settings = setup.settings
+    name = settings.profile if isinstance(settings.profile, str) else cost.profile.name
+    model_name = settings.model_dims or mcfg.get("pretrained") or mcfg.get("config") or ""
+    warning = profile_warning(cost.profile, name, cost.dims, device, str(model_name))
+    if warning:
+        lines.append(f"warning: {warning}")
     line = (
         f"first {n} step(s) planned and valid: predicted "
-        f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
+        f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step "
+        f"({'wall time under ' + settings.execution if settings.execution else 'compute'}, the profile as given"
+        f"{'; training recalibrates it' if args.cp_calibrate and not args.full_determinism else ''}), per-rank max/mean "
         f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
         f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step"
     )
