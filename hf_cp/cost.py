@@ -163,6 +163,9 @@ class HardwareProfile:
     # calibration (hf_cp/planning/calibration.py) fits them to a run's measured step times.
     reduction_overhead_ms: float = 0.0  # per gradient reduction, beyond its bytes over the link
     step_overhead_ms: float = 0.0  # per optimizer step (optimizer update, plan agreement, bookkeeping)
+    # attention of a micro-batch whose documents are distributed over a CP group, relative to the
+    # same attention run alone (1: as the per-rank kernels predict)
+    cp_attention_scale: float = 1.0
     device: str = ""  # the device type it was measured on ("cuda", "cpu"; "" unknown)
 
     @classmethod
@@ -208,9 +211,10 @@ class HardwareProfile:
             description=str(d.get("description", "")),
             reduction_overhead_ms=need("reduction_overhead_ms") if "reduction_overhead_ms" in d else 0.0,
             step_overhead_ms=need("step_overhead_ms") if "step_overhead_ms" in d else 0.0,
+            cp_attention_scale=need("cp_attention_scale") if "cp_attention_scale" in d else 1.0,
             device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
         )
-        for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token"):
+        for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token", "cp_attention_scale"):
             if getattr(prof, k) <= 0:
                 raise ConfigError(f"{source}: {k} must be positive")
         for k in ("c0_ms", "reduction_overhead_ms", "step_overhead_ms"):
@@ -419,7 +423,11 @@ class CostModel:
         dist_attn = 0.0
         if doc_lengths and g > 1:
             spec = mode_spec(mode)
-            dist_attn = spec.attention_ms(self, doc_lengths, g, segs)
+            # attention in a CP group runs slower than alone (split kernels, merges, waiting on
+            # peers): the profile's factor, 1 unless measured (online calibration fits it)
+            cp_scale = self.profile.cp_attention_scale
+            dist_attn = spec.attention_ms(self, doc_lengths, g, segs) * cp_scale
+            local_attn *= cp_scale
             comm_bytes = spec.comm_bytes_per_layer(self, doc_lengths, g, member, segments_of)
             if comm_bytes:
                 comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + spec.comm_messages(g) * link.latency_us * 1e-3

@@ -34,6 +34,7 @@ from hf_cp.sim import simulate
 TINY = ModelDims.load("tiny-llama")
 CPU = HardwareProfile.load("cpu")
 TRUE_SCALES = (3.0, 2.0, 4.0)  # the machine is this much slower than the profile, per coefficient
+TRUE_CP_SCALE = 1.8  # and attention in a CP group this much slower than alone
 
 
 def true_profile(reduction=15.0, step=25.0):
@@ -44,6 +45,7 @@ def true_profile(reduction=15.0, step=25.0):
         c0_ms=CPU.c0_ms * TRUE_SCALES[2],
         reduction_overhead_ms=reduction,
         step_overhead_ms=step,
+        cp_attention_scale=TRUE_CP_SCALE,
     )
 
 
@@ -95,7 +97,7 @@ def test_rank_features_decompose_the_prediction_exactly():
     plan = get_balancer("wlb").plan(PlanRequest(range(len(lengths)), lengths, cl, cost))
     sim = simulate(plan, cost)
     assert sim.cp_size_samples.get(2) or sim.cp_size_samples.get(4)  # some group members wait for others
-    theta = np.asarray(Coefficients.of(CPU).to_list()[:4])
+    theta = Coefficients.of(CPU).compute_theta()
     for f, occupied in zip(rank_features(sim, cost), sim.occupied_ms):
         assert float(np.dot(f, theta)) == pytest.approx(occupied, rel=1e-9)
     for run in sim.runs:  # every member of a group spends its slowest member's time
@@ -113,14 +115,21 @@ def test_fit_recovers_known_coefficients_despite_noise_and_outliers():
     obs = synthetic_observations()
     prior = Coefficients.of(CPU)
     fitted, determined = fit_compute(obs, prior)
-    assert determined == {"c1_ms_per_token": True, "c2_ms_per_pair": True, "c0_ms": True, "comm_scale": False}
+    assert determined == {
+        "c1_ms_per_token": True,
+        "c2_ms_per_pair": True,
+        "c0_ms": True,
+        "comm_scale": False,
+        "cp_attention_scale": True,
+    }
     got = (fitted.c1_ms_per_token / CPU.c1_ms_per_token, fitted.c2_ms_per_pair / CPU.c2_ms_per_pair)
     assert got == pytest.approx(TRUE_SCALES[:2], rel=0.05), got
+    assert fitted.cp_attention_scale == pytest.approx(TRUE_CP_SCALE, rel=0.1)
     # c0 is a small share (2%) and nearly collinear with c1 when micro-batches are full: the
     # data only bounds it; the prediction it makes is what must be right
     assert 1.5 < fitted.c0_ms / CPU.c0_ms < 6
     assert fitted.comm_scale == 1.0  # communication is hidden behind attention here: kept
-    theta = np.asarray(fitted.to_list()[:4])
+    theta = fitted.compute_theta()
     clean = synthetic_observations(noise=0.0, outliers=0)
     pred = [float(np.dot(f, theta)) for o in clean for f in o.features]
     meas = [m for o in clean for m in o.measured_ms]
@@ -159,7 +168,7 @@ def test_calibrator_lowers_the_error_below_five_percent_and_fits_the_wall_terms(
 def test_outliers_do_not_move_the_fit():
     clean, _ = fit_compute(synthetic_observations(outliers=0, noise=0.02), Coefficients.of(CPU))
     dirty, _ = fit_compute(synthetic_observations(outliers=2, noise=0.02), Coefficients.of(CPU))
-    for a, b in zip(clean.to_list()[:3], dirty.to_list()[:3]):
+    for a, b in zip(clean.compute_theta()[[0, 1, 4]], dirty.compute_theta()[[0, 1, 4]]):
         assert b == pytest.approx(a, rel=0.03)
 
 
@@ -332,7 +341,7 @@ def test_summary_states_measured_wall_clock_and_errors_before_and_after():
     records += [rec(i, 1, [95.0, 92.0], [100.0, 90.0], 105.0, 110.0) for i in range(4, 8)]
     text = "\n".join(summary_lines(records, "auto", "static"))
     assert "wall clock, measured: 9091 tokens/s, 110 ms/step; predicted step 105 ms against 110 ms measured" in text
-    assert "per-rank compute 68.3% with the profile as given (steps 1-4) -> 3.6% calibrated (steps 5-8" in text
+    assert "per-rank compute 68.3% with the profile as given (steps 1-4) -> 3.6% calibrated (steps 5-8, 1 calib" in text
     assert "step wall 68.2% -> 4.5%" in text
     assert "predicted only: static was not run" in text
     plain = "\n".join(summary_lines(records[:4], "auto"))
@@ -348,3 +357,18 @@ def test_dry_run_warns_about_a_gpu_profile_on_a_cpu_run():
     assert "hf-cp profile --model tiny-llama --device cpu" in warning[0]
     assert any("wall time under zero2, the profile as given; training recalibrates it" in line for line in lines)
     assert not any(line.startswith("warning:") for line in dry_run("configs/tiny-cpu.yaml", [], 2, 2))
+
+
+def test_cp_attention_scale_slows_attention_in_groups_only():
+    base = CostModel(TINY, CPU)
+    slow = CostModel(TINY, replace(CPU, cp_attention_scale=2.0))
+    ranks = (0, 1)
+    alone = base.distributed_rank_cost([], None, (0,), 0, [3000])
+    assert slow.distributed_rank_cost([], None, (0,), 0, [3000]) == alone  # local work: unchanged
+    a = base.distributed_rank_cost([6000], "ring_per_doc", ranks, 0, [500])
+    b = slow.distributed_rank_cost([6000], "ring_per_doc", ranks, 0, [500])
+    L = TINY.num_layers
+    linear = L * base.c1 * a.tokens + base.head_ms_per_token * a.tokens
+    assert b.compute_ms - linear == pytest.approx(2 * (a.compute_ms - linear), rel=1e-12)
+    with pytest.raises(ValueError, match="cp_attention_scale must be positive"):
+        HardwareProfile.from_dict(dict(CPU.to_dict(), cp_attention_scale=0), "p.yaml")

@@ -45,7 +45,7 @@ from ..cost import CostModel, HardwareProfile, Link
 from ..profiling.fit import nonnegative_lstsq
 from ..sim import SimResult
 
-COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale")
+COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale", "cp_attention_scale")
 
 
 class CalibrationError(ValueError):
@@ -65,6 +65,7 @@ class Coefficients:
     comm_scale: float = 1.0
     reduction_overhead_ms: float = 0.0
     step_overhead_ms: float = 0.0
+    cp_attention_scale: float = 1.0
 
     @classmethod
     def of(cls, profile: HardwareProfile) -> Coefficients:
@@ -75,6 +76,7 @@ class Coefficients:
             1.0,
             profile.reduction_overhead_ms,
             profile.step_overhead_ms,
+            profile.cp_attention_scale,
         )
 
     def to_list(self) -> List[float]:
@@ -85,13 +87,27 @@ class Coefficients:
             self.comm_scale,
             self.reduction_overhead_ms,
             self.step_overhead_ms,
+            self.cp_attention_scale,
         ]
 
     @classmethod
     def from_list(cls, values: Sequence[float]) -> Coefficients:
-        if len(values) != 6:
-            raise CalibrationError(f"coefficients need 6 values, got {len(values)}")
+        if len(values) != 7:
+            raise CalibrationError(f"coefficients need 7 values, got {len(values)}")
         return cls(*(float(v) for v in values))
+
+    def compute_theta(self) -> np.ndarray:
+        """The compute fit's unknowns, one per rank_features column: c1, c2, c0, the link scale,
+        and c2 x cp_attention_scale (attention in a CP group)."""
+        return np.asarray(
+            [
+                self.c1_ms_per_token,
+                self.c2_ms_per_pair,
+                self.c0_ms,
+                self.comm_scale,
+                self.c2_ms_per_pair * self.cp_attention_scale,
+            ]
+        )
 
     def rounded(self, digits: int = 6) -> Coefficients:
         """To `digits` significant digits: the numbers a profile YAML holds, so that a saved
@@ -112,10 +128,11 @@ class Coefficients:
             links=links,
             reduction_overhead_ms=self.reduction_overhead_ms,
             step_overhead_ms=self.step_overhead_ms,
+            cp_attention_scale=self.cp_attention_scale,
         )
 
     # the plan-agreement exchange carries [version, *coefficients]; version 0 = nothing new
-    PAYLOAD_SIZE = 7
+    PAYLOAD_SIZE = 8
 
     def to_payload(self, version: int) -> List[float]:
         return [float(version)] + self.to_list()
@@ -125,34 +142,45 @@ class Coefficients:
         version = int(round(payload[0])) if payload else 0
         if version <= 0:
             return 0, None
-        return version, Coefficients.from_list(payload[1:7])
+        return version, Coefficients.from_list(payload[1:8])
 
 
 # --------------------------------------------------------------------------- observations
-def rank_features(sim: SimResult, cost: CostModel, comm_scale: float = 1.0) -> List[Tuple[float, float, float, float]]:
+def rank_features(
+    sim: SimResult, cost: CostModel, comm_scale: float = 1.0
+) -> List[Tuple[float, float, float, float, float]]:
     """Per rank: its predicted time inside its micro-batches (SimResult.occupied_ms, what CPTrainer
-    measures) decomposed per unit of the profile's c1, c2 and c0, and per unit of `comm_scale`
-    (the link scale the prediction was made with, relative to the reference links), so that
-    occupied = x1*c1 + x2*c2 + x0*c0 + xc*comm_scale (+ any wait for a group's late member).
+    measures) decomposed per unit of the compute fit's unknowns (Coefficients.compute_theta):
+    the profile's c1, c2 (attention alone), c0, the link scale (`comm_scale`: the scale the
+    prediction was made with, relative to the reference links) and c2 x cp_attention_scale
+    (attention in a CP group), so that occupied = features . theta (+ any wait for a group's
+    late member).
 
     A micro-batch lasts as long as its group's slowest member: its compute is L*(c1'*tokens +
     attention) + head*tokens + L*c0, with c1' and the LM head's per-token time proportional to
-    the profile's c1 and attention proportional to its c2 (hf_cp/cost.py), plus the
-    communication attention does not hide. Tokens come from the simulation; attention is what
-    remains of the member's compute. Every active member of the group is charged the slowest
-    member's features."""
+    the profile's c1 and attention proportional to its c2 (times cp_attention_scale in a group
+    with distributed documents; hf_cp/cost.py), plus the communication attention does not hide.
+    Tokens come from the simulation; attention is what remains of the member's compute. Every
+    active member of the group is charged the slowest member's features."""
     if not sim.micro_batches:
         raise CalibrationError("rank_features needs a SimResult with per-rank micro-batches (hf_cp.sim.simulate)")
     p = cost.profile
     L = cost.dims.num_layers
     per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1
-    out = [[0.0, 0.0, 0.0, 0.0] for _ in range(sim.world_size)]
+    out = [[0.0] * 5 for _ in range(sim.world_size)]
     for run in sim.runs:
         totals = [c + m for c, m in zip(run.member_compute_ms, run.member_comm_ms)]
         slowest = max(range(len(totals)), key=lambda m: totals[m])
         t1 = per_token * run.member_tokens[slowest]
         attn = max(0.0, run.member_compute_ms[slowest] - t1)
-        f = (t1 / p.c1_ms_per_token, attn / p.c2_ms_per_pair, float(L), run.member_comm_ms[slowest] / comm_scale)
+        in_group = bool(run.n_distributed) and len(run.ranks) > 1
+        f = [
+            t1 / p.c1_ms_per_token,
+            0.0 if in_group else attn / p.c2_ms_per_pair,
+            float(L),
+            run.member_comm_ms[slowest] / comm_scale,
+            attn / (p.c2_ms_per_pair * p.cp_attention_scale) if in_group else 0.0,
+        ]
         for m, r in enumerate(run.ranks):
             if run.member_tokens[m] or run.n_distributed:  # the members that run the micro-batch
                 out[r] = [a + b for a, b in zip(out[r], f)]
@@ -165,7 +193,7 @@ class StepObservation:
     step's measured wall time with what the execution explains of it."""
 
     step: int
-    features: Tuple[Tuple[float, float, float, float], ...]  # per rank (rank_features)
+    features: Tuple[Tuple[float, ...], ...]  # per rank (rank_features)
     measured_ms: Tuple[float, ...]  # per rank: compute of its micro-batches
     wall_ms: float  # the step's wall time (slowest rank)
     critical_ms: (
@@ -255,9 +283,10 @@ PRIOR_WEIGHT = 0.01  # the shape prior's weight, in relative observations: it de
 
 
 def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[Coefficients, Dict[str, bool]]:
-    """c1, c2, c0 and the link scale fitted to the per-rank compute of `observations` (ranks
-    without work left out); the wall-clock terms are `prior`'s. Returns the coefficients and,
-    per term, whether the data determined it."""
+    """c1, c2, c0, the link scale and the CP-group attention scale fitted to the per-rank compute
+    of `observations` (ranks without work left out); the wall-clock terms are `prior`'s. Returns
+    the coefficients and, per term, whether the data determined it (the CP-group scale needs
+    attention both alone and in groups)."""
     rows, ys = [], []
     for o in observations:
         for f, m in zip(o.features, o.measured_ms):
@@ -267,32 +296,42 @@ def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) ->
     if not rows:
         raise CalibrationError("no rank with measured work in the observations")
     X, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    theta0 = np.asarray(prior.to_list()[:4])
+    theta0 = prior.compute_theta()
     pred0 = X @ theta0
     share = (X * theta0).sum(axis=0) / max(float(pred0.sum()), 1e-12)
-    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and theta0[i] > 0 for i in range(4)]
+    fit_cp = bool(share[1] >= MIN_FEATURE_SHARE and share[4] >= MIN_FEATURE_SHARE)
+    if not fit_cp:  # attention of one kind only: the groups' factor keeps its value, c2 serves both
+        X = np.column_stack([X[:, 0], X[:, 1] + X[:, 4] * prior.cp_attention_scale, X[:, 2], X[:, 3]])
+        theta0 = theta0[:4]
+        share = np.append(share[:4], 0.0)
+        share[1] += share[4]
+    n = X.shape[1]
+    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and theta0[i] > 0 for i in range(n)]
     # the profile's overall scale as the data sees it: the prior keeps the ratios between the
     # coefficients where the data cannot separate them, at this scale
     ok = pred0 > 0
     scale = float(np.median(y[ok] / pred0[ok])) if ok.any() else 1.0
-    cols = [i for i in range(4) if fitted[i]]
-    fixed = [i for i in range(4) if not fitted[i]]
-    y_fit = y - X[:, fixed] @ theta0[fixed] if fixed else y
+    cols = [i for i in range(n) if fitted[i]]
+    fixed = [i for i in range(n) if not fitted[i]]
+    determined = dict(zip(COMPUTE_TERMS, fitted + ([] if fit_cp else [False])))
     if not cols:
-        return prior, dict(zip(COMPUTE_TERMS, fitted))
-    Xc = X[:, cols]
+        return prior, determined
+    y_fit = y - X[:, fixed] @ theta0[fixed] if fixed else y
     k = math.sqrt(PRIOR_WEIGHT)
     prior_X = np.zeros((len(cols), len(cols)))
     for j, i in enumerate(cols):
         prior_X[j, j] = k / (scale * theta0[i])
     prior_y = np.full(len(cols), k)
-    b = robust_nonnegative_fit(Xc, np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y)
+    b = robust_nonnegative_fit(X[:, cols], np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y)
     theta = theta0.copy()
     theta[cols] = b
     for i in (0, 1):  # the cost model needs positive c1 and c2 (HardwareProfile's contract)
         theta[i] = max(theta[i], theta0[i] * 1e-6)
-    new = Coefficients(*theta.tolist(), prior.reduction_overhead_ms, prior.step_overhead_ms)
-    return new, dict(zip(COMPUTE_TERMS, fitted))
+    cp_scale = max(float(theta[4] / theta[1]), 1e-3) if fit_cp else prior.cp_attention_scale
+    new = Coefficients(
+        *theta[:4].tolist(), prior.reduction_overhead_ms, prior.step_overhead_ms, cp_attention_scale=cp_scale
+    )
+    return new, determined
 
 
 def fit_wall(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[float, float]:
@@ -361,6 +400,7 @@ class CalibrationFit:
             ("c2_ms_per_pair", "c2", c.c2_ms_per_pair, base.c2_ms_per_pair),
             ("c0_ms", "c0", c.c0_ms, base.c0_ms),
             ("comm_scale", "comm", c.comm_scale, base.comm_scale),
+            ("cp_attention_scale", "attention in CP groups", c.cp_attention_scale, base.cp_attention_scale),
         ):
             ratio = f"x{v / b:.3g}" if b > 0 else f"{v:.3g}"
             parts.append(f"{short} {ratio}" + ("" if self.fitted.get(name) else " (kept: not determined)"))
@@ -446,7 +486,7 @@ class Calibrator:
 
 
 def _compute_error(obs: Sequence[StepObservation], c: Coefficients) -> float:
-    theta = np.asarray(c.to_list()[:4])
+    theta = c.compute_theta()
     pred, meas = [], []
     for o in obs:
         for f, m in zip(o.features, o.measured_ms):

@@ -102,7 +102,7 @@ def wall_clock_lines(records: Sequence[StepRecord]) -> List[str]:
     tokens_s = sum(r.global_tokens for r in records) / (sum(r.step_wall_ms for r in records) / 1e3 or float("nan"))
     latest = max(r.calibration for r in records)
     first = [r for r in records if r.calibration == 0]
-    last = [r for r in records if r.calibration == latest]
+    last = [r for r in records if r.calibration > 0] or records
     pred_ms = statistics.mean(r.predicted_step_ms for r in last)
     lines = [
         f"wall clock, measured: {tokens_s:.0f} tokens/s, {wall_ms:.0f} ms/step; predicted step "
@@ -120,7 +120,7 @@ def wall_clock_lines(records: Sequence[StepRecord]) -> List[str]:
     lines.append(
         f"prediction error (median |predicted - measured| / measured): per-rank compute "
         f"{100 * e0['compute']:.1f}% with the profile as given ({_span(first)}) -> {100 * e1['compute']:.1f}% "
-        f"calibrated ({_span(last)}, calibration {latest}); step wall {100 * e0['wall']:.1f}% -> "
+        f"calibrated ({_span(last)}, {latest} calibration(s)); step wall {100 * e0['wall']:.1f}% -> "
         f"{100 * e1['wall']:.1f}%"
     )
     return lines
