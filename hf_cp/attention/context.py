@@ -8,6 +8,8 @@ Token layout of one rank's micro-batch (the collator builds it, attention relies
     [ this rank's shards of the distributed documents: shard.rank_segments(mode,
       distributed_lengths, group_size, member), in that order ]
 position_ids keep each token's position inside its own document (rotary embeddings).
+A document's mask (local_masks / distributed_masks, None = causal) says which of its keys each
+of its queries attends; without masks every document is causal.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class CPContext:
     mode: ShardMode = ShardMode.RING_PER_DOC
     distributed_lengths: Tuple[int, ...] = ()  # full lengths of the distributed documents (same on all members)
     local_lengths: Tuple[int, ...] = ()  # this rank's local documents
+    # per document, its SampleMask (hf_cp/masks.py) or None for causal; () = every one causal
+    local_masks: Tuple[Any, ...] = ()  # aligned with local_lengths
+    distributed_masks: Tuple[Any, ...] = ()  # aligned with distributed_lengths (same on all members)
 
     @property
     def group_size(self) -> int:

@@ -34,7 +34,7 @@ def plan_evaluation(
     on every rank, and the same at every evaluation of the run (plan once, reuse)."""
     sampler = GlobalBatchSampler(data.lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)
     try:
-        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0)
+        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0, masks=data.masks)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     plans = []
@@ -46,6 +46,6 @@ def plan_evaluation(
 
 def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns, rank: int) -> Iterator[RankStep]:
     """This rank's share of every evaluation batch, collated one batch at a time."""
-    collate = PlanCollator(data.fetch)
+    collate = PlanCollator(data.fetch, data.masks)
     for plan, valid in plans:
         yield collate.rank_step(plan, rank, valid)

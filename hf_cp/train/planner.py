@@ -23,11 +23,12 @@ import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional
 
-from ..balance import PlanRequest, get_balancer
+from ..balance import PlanRequest, check_mask_support, get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel
+from ..masks import SampleMask
 from ..plan import StepPlan
 from ..sim import SimResult, simulate
 from .sampler import GlobalBatch, GlobalBatchSampler
@@ -80,8 +81,10 @@ class Planner:
         compare_balancer: Optional[str] = None,
         in_process: bool = False,
         workers: int = 1,
+        masks: Optional[Mapping[int, SampleMask]] = None,
     ):
         self.sampler = sampler
+        self.masks = dict(masks or {})  # sample id -> non-causal mask; the others are causal
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
         self.balancer_name = (
@@ -138,12 +141,14 @@ class Planner:
             seed=self.seed,
             step=batch.index,
             dataset_max_length=self.dataset_max_length,
+            masks={s: self.masks[s] for s in batch.sample_ids if s in self.masks} if self.masks else None,
         )
 
     def plan_now(self, index: int) -> PlannedStep:
         """Plan, validate and simulate global step `index` on the calling thread."""
         batch = self.sampler[index]
         req = self.request(batch)
+        check_mask_support(self.balancer, req, self.balancer_name)
         t0 = time.perf_counter()
         plan = self.balancer.plan(req)
         planner_ms = (time.perf_counter() - t0) * 1e3
@@ -152,6 +157,7 @@ class Planner:
             raise ValueError(f"step {index}: balancer {self.balancer_name!r} returned a plan for other samples")
         compare = None
         if self.compare is not None:
+            check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
             cplan = self.compare.plan(req)
             cplan.validate(self.cluster, self.cost)
             compare = simulate(cplan, self.cost)

@@ -42,7 +42,14 @@ def preflight(
     setup = planning_setup(args, hf_config.to_dict(), data.lengths, world_size)
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
     planner = Planner(
-        sampler, args.cp_balancer, cluster, cost, seed=args.seed, lookahead=0, compare_balancer=args.cp_compare_balancer
+        sampler,
+        args.cp_balancer,
+        cluster,
+        cost,
+        seed=args.seed,
+        lookahead=0,
+        compare_balancer=args.cp_compare_balancer,
+        masks=data.masks,
     )
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
@@ -54,10 +61,14 @@ def preflight(
     ]
     distributes = any(ps.plan.spreads_samples for ps in planned)
     attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
-    if distributes and attn != HF_CP_ATTENTION:
+    if (distributes or data.masks) and attn != HF_CP_ATTENTION:
+        why = (
+            f"the {planner.balancer_name!r} plans spread samples over CP groups"
+            if distributes
+            else f"{len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only it reads"
+        )
         raise ValueError(
-            f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
-            f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
+            f"{src}: {why}, which needs model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
         )
     line = (
         f"first {n} step(s) planned and valid: predicted "

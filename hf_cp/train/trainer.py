@@ -27,7 +27,6 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
@@ -49,7 +48,7 @@ from .elastic import (
 from .evaluation import evaluation_rank_steps, plan_evaluation
 from .gc_schedule import ScheduledGarbageCollection
 from .groups import CPGroups
-from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
+from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
 from .metrics import aggregate, summary_lines
 from .planner import Planner
 from .planning_setup import planning_setup
@@ -175,6 +174,7 @@ class CPTrainer(Trainer):
                 compare_balancer=a.cp_compare_balancer,
                 in_process=a.cp_plan_in_process,
                 workers=a.cp_plan_workers,
+                masks=self.cp_data.masks,
             )
         if self._cp_hook is None:
             self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
@@ -182,7 +182,10 @@ class CPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
         steps = _PlannedSteps(
-            self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts
+            self.cp_planner,
+            PlanCollator(self.cp_data.fetch, self.cp_data.masks),
+            self.cp_rank,
+            self.cp_data.valid_counts,
         )
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
@@ -254,14 +257,7 @@ class CPTrainer(Trainer):
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         self._cp_agree(step)
-        if step.plan.spreads_samples:
-            impl = getattr(self.model.config, "_attn_implementation", None)
-            if impl != HF_CP_ATTENTION:
-                raise ValueError(
-                    f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
-                    f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
-                    f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
-                )
+        self._cp_check_attention(step)
         model.train()
         device = self.args.device
         scale = self.cp_world / step.global_valid_tokens if step.global_valid_tokens else 0.0
@@ -300,15 +296,30 @@ class CPTrainer(Trainer):
         self._cp_last_step = step
         return total
 
+    def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
+        if step.plan.spreads_samples or step.has_masks:
+            impl = getattr(self.model.config, "_attn_implementation", None)
+            if impl != HF_CP_ATTENTION:
+                why = (
+                    f"the {step.plan.balancer!r} plan distributes samples over CP groups"
+                    if step.plan.spreads_samples
+                    else "samples carry attention masks (e.g. shared-prompt) that only it reads"
+                )
+                raise ValueError(
+                    f"{what} {step.index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "
+                    f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
+                )
+
     def _cp_wave_loss(self, model, mb, device) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
         loss when the model allows it, else from the full logits."""
         ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
         targets = mb.shift_labels[0].to(device)
+        extra_rows, extra_targets = mb.extra_rows.to(device), mb.extra_targets.to(device)
         head = self._cp_loss_head(device)
         if head is None:
             out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            return F.cross_entropy(out.logits[0].float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+            return logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
         captured: List[torch.Tensor] = []
         with lm_head_bypassed(head, captured):
             model(input_ids=ids, position_ids=pos, use_cache=False)
@@ -319,6 +330,8 @@ class CPTrainer(Trainer):
             self.args.cp_loss_chunk_tokens,
             bias=head.bias,
             ignore_index=IGNORE_INDEX,
+            extra_rows=extra_rows,
+            extra_targets=extra_targets,
         )
 
     def _cp_loss_head(self, device) -> Optional[torch.nn.Linear]:
@@ -437,6 +450,7 @@ class CPTrainer(Trainer):
                     assert_plans_agree(
                         step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
                     )
+                    self._cp_check_attention(step, "evaluation batch")
                     for w, mb in enumerate(step.waves):
                         if mb is None:  # forward only: no gradient reduction to join
                             continue
@@ -450,7 +464,7 @@ class CPTrainer(Trainer):
                             ),
                         ):
                             loss_sum += float(self._cp_wave_loss(model, mb, device))
-                        valid += int((mb.shift_labels != IGNORE_INDEX).sum())
+                        valid += mb.num_valid
                         tokens += mb.num_tokens
         finally:
             model.train(was_training)
