@@ -23,7 +23,7 @@ MASK_COLUMN = "attn_mask"
 
 def encode_mask(mask: Optional[SampleMask]) -> Optional[str]:
     """The column value of a mask: None for a causal one (the default needs no data)."""
-    if mask is None or mask.kind == "causal":
+    if mask is None or mask.is_causal:
         return None
     return json.dumps(mask.to_dict(), sort_keys=True, separators=(",", ":"))
 

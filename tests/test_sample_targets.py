@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from hf_cp.masks import SampleMask
 from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.sample_targets import sample_targets, sample_valid_targets
 from hf_cp.shard import ShardMode
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
 from hf_cp.train.loss import chunked_lm_head_loss, logits_loss
-from hf_cp.train.sample_targets import sample_targets, sample_valid_targets
 
 
 def reference_pairs(prompt, answers, prompt_labels, answer_labels):

@@ -28,8 +28,8 @@ import torch
 from ..attention.context import CPContext
 from ..masks import SampleMask
 from ..plan import Group, StepPlan
+from ..sample_targets import sample_targets
 from ..shard import ShardMode, rank_segments
-from .sample_targets import sample_targets
 
 IGNORE_INDEX = -100
 

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..masks import SampleMask
+from .masks import SampleMask
 
 IGNORE_INDEX = -100
 
