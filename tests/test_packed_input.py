@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from hf_cp.packed_input import PackedInputError, row_documents
 from hf_cp.train.columns import read_token_columns
-from hf_cp.train.packed_input import PackedInputError, row_documents
 
 
 def test_each_boundary_column_reads_the_same_documents():

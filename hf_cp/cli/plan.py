@@ -9,11 +9,12 @@ from collections import Counter
 from pathlib import Path
 from typing import List
 
-from ..balance import PlanRequest, available_balancers, get_balancer
+from ..balance import PlanRequest, available_balancers, check_mask_support, get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel
-from ..lengths import read_lengths, step_batches
+from ..lengths import step_batches
 from ..plan import PlanError, StepPlan
+from ..plan_inputs import read_plan_inputs
 from ..sim import SimResult, lower_bound_ms, simulate
 from .formatting import HelpFormatter
 
@@ -30,7 +31,10 @@ def add_parser(sub) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--lengths", help="text file with one token count per line, or a saved dataset folder with a 'length' column"
+        "--lengths",
+        help="text file with one token count per line; a JSON-lines file of shared-prompt groups "
+        '{"prompt": P, "answers": [a1, ...]} in tokens (one sample with a shared-prompt mask each); or a '
+        "saved dataset folder (its 'length' and 'attn_mask' columns; pre-packed rows are planned as their documents)",
     )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
     p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
@@ -148,7 +152,8 @@ def run(args) -> int:
         cluster = ClusterSpec(
             args.world, args.max_tokens_per_rank, args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size
         )
-        lengths = read_lengths(args.lengths)
+        inputs = read_plan_inputs(args.lengths)
+        lengths, masks = inputs.lengths, inputs.masks
         longest = max(lengths)
         if longest > cluster.largest_capacity:
             i = lengths.index(longest)
@@ -170,13 +175,15 @@ def run(args) -> int:
                 seed=args.seed,
                 step=step,
                 dataset_max_length=longest,
+                masks={i: masks[i] for i in ids if i in masks} or None,
             )
+            check_mask_support(balancer, req, args.balancer)
             t0 = time.perf_counter()
             plan = balancer.plan(req)
             planner_ms.append((time.perf_counter() - t0) * 1e3)
             plans.append(plan)
         header = (
-            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
+            f"hf-cp plan: {args.lengths} ({len(lengths)} samples: {inputs.describe()}; longest {longest}), balancer "
             f"{args.balancer}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{tps} tokens/step, model {args.model}, profile {args.profile}"
         )

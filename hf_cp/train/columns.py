@@ -17,9 +17,9 @@ import numpy as np
 
 from ..mask_column import MASK_COLUMN, decode_mask_column, masks_digest_items
 from ..masks import MaskError, SampleMask
+from ..packed_input import PackedInputError, boundary_columns, row_documents
 from ..sample_targets import sample_valid_targets
 from .collator import valid_targets
-from .packed_input import PackedInputError, boundary_columns, row_documents
 
 
 @dataclass
