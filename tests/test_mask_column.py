@@ -50,7 +50,7 @@ def test_causal_masks_need_no_data_and_struct_rows_read_too():
         ("{not json", 5, r"sample 7 of ds: column 'attn_mask' is not JSON"),
         ("[1, 2]", 5, r"sample 7 of ds: column 'attn_mask' must hold a mask object"),
         (
-            encode_mask(SampleMask.shared_prompt(2, [3])),
+            encode_mask(SampleMask.shared_prompt(2, [1, 2])),
             6,
             r"sample 7 of ds: the mask covers 5 tokens but the sample has 6",
         ),

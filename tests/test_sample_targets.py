@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_cp.block_plan import doc_slices, random_layout
 from hf_cp.masks import SampleMask
 from hf_cp.plan import Group, StepPlan, Wave
 from hf_cp.sample_targets import sample_targets, sample_valid_targets
@@ -111,16 +112,19 @@ def test_collator_puts_every_target_of_a_masked_sample_on_exactly_one_member(mod
     rng = np.random.default_rng(0)
     rows = {s: rng.integers(0, 90, n).tolist() for s, n in [(0, 19), (1, 13), (2, 15), (3, 6)]}
     fetch = lambda s: (rows[s], None)  # noqa: E731
-    plan = StepPlan(
-        size, 1000, [0, 1, 2, 3], [19, 13, 15, 6], [Wave([Group(tuple(range(size)), [0, 1, 2], mode, {0: [3]})])]
-    )
+    blocks = None
+    if mode == ShardMode.BLOCKS:  # chunks in a random permutation of owners
+        blocks = random_layout([19, 13, 15], size, 4, doc_slices([19, 13, 15], [masks[0], None, masks[2]]), seed=3)
+    group = Group(tuple(range(size)), [0, 1, 2], mode, {0: [3]}, blocks=blocks)
+    plan = StepPlan(size, 1000, [0, 1, 2, 3], [19, 13, 15, 6], [Wave([group])], masks=masks)
+    plan.validate()
     collate = PlanCollator(fetch, masks)
     got = Counter()
     valid = 0
     for r in range(size):
         mb = collate.micro_batch(plan, 0, plan.waves[0].groups[0], r)
         ctx = mb.context
-        assert ctx.distributed_masks == (masks[0], None, masks[2])
+        assert ctx.masks == (masks[0], None, masks[2]) and ctx.blocks is blocks
         assert ctx.local_masks == (() if r else ())  # sample 3 is causal
         valid += mb.num_valid
         ids, pos, y = mb.input_ids[0].tolist(), mb.position_ids[0].tolist(), mb.shift_labels[0].tolist()

@@ -73,7 +73,6 @@ def separate_sequences_reference(parts):
     the definition, without hf_cp's collator, targets or loss."""
     import torch
     import torch.nn.functional as F
-
     from masked_training import tiny_llama
 
     model = tiny_llama(0, attn="sdpa")

@@ -74,6 +74,7 @@ class PlanRequest:
             lengths=list(self.lengths),
             step=self.step,
             balancer=balancer,
+            masks=dict(self.masks or {}),  # the plan carries its samples' masks (self-contained JSON)
         )
 
 

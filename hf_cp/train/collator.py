@@ -2,7 +2,8 @@
 
 Token layout of a micro-batch (hf_cp/attention/context.py): this rank's local documents,
 whole and in order, then its segments of the group's distributed documents in
-`shard.rank_segments` order. For every token:
+`Group.member_segments` order (`shard.rank_segments`; in mode "blocks", the chunks it owns).
+For every token:
     input_ids      the token
     shift_labels   the next token of the same document (already shifted, so a segment cut
                    inside a document still has its true target); -100 at a document's last
@@ -14,7 +15,7 @@ A sample with a mask (hf_cp/masks.py, read from the dataset's mask column) takes
 and targets from it (sample_targets.py: a shared-prompt sample's answers continue from the
 prompt's end, targets never cross answers, and the prompt's last token predicts every answer's
 first token, the extra ones as `extra_rows`/`extra_targets`); the masks travel to the attention
-in the CP context (`local_masks`, `distributed_masks`, aligned with the lengths, None = causal).
+in the CP context (`local_masks`, `masks` (distributed documents), aligned with the lengths, None = causal).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..attention.context import CPContext
 from ..masks import SampleMask
 from ..plan import Group, StepPlan
 from ..sample_targets import sample_targets
-from ..shard import ShardMode, rank_segments
+from ..shard import ShardMode
 
 IGNORE_INDEX = -100
 
@@ -79,7 +80,7 @@ class MicroBatch:
     @property
     def has_masks(self) -> bool:
         """Whether some sample of the micro-batch has a non-causal mask."""
-        return any(m is not None for m in self.context.local_masks + self.context.distributed_masks)
+        return any(m is not None for m in self.context.local_masks + self.context.masks)
 
 
 @dataclass
@@ -147,7 +148,8 @@ class PlanCollator:
         dist_lengths = [len(x) for x, _ in dist_docs]
         if group.distributed:
             full = [sample_targets(x, y, self.masks.get(sid)) for sid, (x, y) in zip(group.distributed, dist_docs)]
-            for seg in rank_segments(group.mode, dist_lengths, group.size, member):
+            # whole-document modes cut by lengths; mode "blocks" takes the chunks the member owns
+            for seg in group.member_segments(member, dict(zip(group.distributed, dist_lengths))):
                 x = np.asarray(dist_docs[seg.doc][0], dtype=np.int64)
                 t = full[seg.doc]
                 sl = slice(seg.start, seg.start + seg.length)
@@ -178,8 +180,9 @@ class PlanCollator:
             mode=ShardMode(group.mode),
             distributed_lengths=tuple(dist_lengths),
             local_lengths=tuple(local_lengths),
+            blocks=group.blocks if group.distributed and ShardMode(group.mode) == ShardMode.BLOCKS else None,
             local_masks=_aligned_masks(self.masks, local, len(local_lengths)),
-            distributed_masks=_aligned_masks(self.masks, group.distributed, len(dist_lengths)),
+            masks=_aligned_masks(self.masks, group.distributed, len(dist_lengths)),
         )
         flat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))  # noqa: E731
         return MicroBatch(
