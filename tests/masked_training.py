@@ -34,6 +34,37 @@ def tiny_llama(seed: int = 0, attn: str = "hf_cp"):
     return model
 
 
+class BlocksBalancer:
+    """Every sample of the step distributed over the whole world in mode "blocks", in one wave:
+    `placement` identity (contiguous chunks, blocks run by their query's owner), random (random
+    cuts, owners in a random permutation) or remote (random chunks, every block run away from
+    its query's owner)."""
+
+    handles_masks = True
+
+    def __init__(self, placement: str):
+        if placement not in ("identity", "random", "remote"):
+            raise ValueError(f"placement {placement!r}: expected identity, random or remote")
+        self.placement, self.name = placement, f"blocks_{placement}"
+
+    def plan(self, req):
+        from hf_cp.block_plan import all_remote_layout, contiguous_layout, doc_slices, random_layout
+        from hf_cp.plan import Group, Wave
+
+        g, heads = req.cluster.world_size, req.cost.dims.num_heads
+        masks = req.masks or {}
+        slices = doc_slices(list(req.lengths), [masks.get(s) for s in req.sample_ids])
+        if self.placement == "identity":
+            layout = contiguous_layout(list(req.lengths), g, heads, slices)
+        else:
+            layout = random_layout(list(req.lengths), g, heads, slices, seed=req.step + 1)
+            if self.placement == "remote":
+                layout = all_remote_layout(layout, g, seed=req.step + 2)
+        plan = req.empty_plan(self.name)
+        plan.waves = [Wave([Group(tuple(range(g)), list(req.sample_ids), "blocks", blocks=layout)])]
+        return plan
+
+
 def one_step(rows: List[dict], out_dir: str, balancer="static", cap: int = 4096, attn: str = "hf_cp", **extra) -> dict:
     """Train one optimizer step over all of `rows` (one global batch); return
     {"loss", "grads", "history"} as the trainer saw them (gradients before the optimizer step,
@@ -73,6 +104,8 @@ def one_step(rows: List[dict], out_dir: str, balancer="static", cap: int = 4096,
         cp_plan_in_process=False,
         **extra,
     )
+    if isinstance(balancer, str) and balancer.startswith("blocks_"):
+        balancer = BlocksBalancer(balancer[len("blocks_") :])
     trainer = CPTrainer(
         model=tiny_llama(0, attn),
         args=args,

@@ -105,3 +105,19 @@ def test_masked_samples_need_the_hf_cp_attention(tmp_path):
     rows, _ = shared_prompt_rows()
     with pytest.raises(ValueError, match=r"step 1: samples carry attention masks .* needs attn_implementation='hf_cp'"):
         one_step(rows, str(tmp_path / "sdpa"), cap=256, attn="sdpa")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("balancer", ["static", "blocks_identity", "blocks_random", "blocks_remote"])
+def test_shared_prompt_samples_train_like_separate_sequences_distributed(tmp_path, world, balancer):
+    """Static zigzag-splits packs over the world (a cap below the longest sample); the block
+    balancers place every sample's chunks over the world (identity, random permutation, every
+    block executed away from its query's owner)."""
+    rows, parts = shared_prompt_rows()
+    ref_loss, ref_grads = separate_sequences_reference(parts)
+    cap = 20 // world if balancer == "static" else 4096  # static: the longest sample (19) needs the whole world
+    got = run_processes(dict(rows=rows, out=str(tmp_path / balancer), cap=cap, balancer=balancer), nproc=world)
+    assert got["history"][0]["cp_size_samples"] == {str(world): len(rows)}  # every sample is distributed
+    assert got["loss"] == pytest.approx(ref_loss, rel=1e-6)
+    assert max_relative_error(got["grads"], ref_grads) < 1e-5
