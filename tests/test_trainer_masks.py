@@ -89,7 +89,7 @@ def separate_sequences_reference(parts):
                     count += 1
     loss = torch.stack(terms).sum() / count
     loss.backward()
-    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_shared_prompt_samples_train_like_separate_sequences_one_process(tmp_path):
