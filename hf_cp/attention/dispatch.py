@@ -105,12 +105,6 @@ def cp_attention(
             f"{n_local} local tokens (local_lengths {list(ctx.local_lengths)}) + {n_dist} tokens of its shards of "
             f"the distributed documents {list(ctx.distributed_lengths)}; see hf_cp/attention/context.py for the layout"
         )
-    masked = next((m for m in tuple(ctx.local_masks) + tuple(ctx.masks) if m is not None), None)
-    if masked is not None:  # until the attention honours sample masks: refuse, never run them as causal
-        raise ValueError(
-            f"hf_cp attention: a sample of this micro-batch has a {masked.kind!r} mask "
-            f"({masked.to_dict()!r:.120}), which this attention does not support yet; only causal samples run"
-        )
     kernel = kernel or kernel_for(q.device)
     parts = []
     if n_local:
