@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -65,10 +65,18 @@ class BlocksBalancer:
         return plan
 
 
-def one_step(rows: List[dict], out_dir: str, balancer="static", cap: int = 4096, attn: str = "hf_cp", **extra) -> dict:
+def one_step(
+    rows: List[dict],
+    out_dir: str,
+    balancer="static",
+    cap: int = 4096,
+    attn: str = "hf_cp",
+    eval_rows: Optional[List[dict]] = None,
+    **extra,
+) -> dict:
     """Train one optimizer step over all of `rows` (one global batch); return
     {"loss", "grads", "history"} as the trainer saw them (gradients before the optimizer step,
-    no clipping)."""
+    no clipping), and with `eval_rows` "eval_loss": CPTrainer.evaluate on them before training."""
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -113,8 +121,11 @@ def one_step(rows: List[dict], out_dir: str, balancer="static", cap: int = 4096,
         balancer=None if isinstance(balancer, str) else balancer,
         callbacks=[Grab()],
     )
+    out = {}
+    if eval_rows is not None:
+        out["eval_loss"] = trainer.evaluate(Dataset.from_list(eval_rows))["eval_loss"]
     trainer.train()
-    return {"loss": trainer.cp_history[0]["loss"], "grads": grads, "history": trainer.cp_history}
+    return dict(out, loss=trainer.cp_history[0]["loss"], grads=grads, history=trainer.cp_history)
 
 
 def max_relative_error(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

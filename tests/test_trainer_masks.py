@@ -95,8 +95,9 @@ def separate_sequences_reference(parts):
 def test_shared_prompt_samples_train_like_separate_sequences_one_process(tmp_path):
     rows, parts = shared_prompt_rows()
     ref_loss, ref_grads = separate_sequences_reference(parts)
-    got = one_step(rows, str(tmp_path / "grouped"), cap=256)
+    got = one_step(rows, str(tmp_path / "grouped"), cap=256, eval_rows=rows)
     assert got["history"][0]["num_samples"] == len(rows)
+    assert got["eval_loss"] == pytest.approx(ref_loss, rel=1e-6)  # planned evaluation, before the step
     assert got["loss"] == pytest.approx(ref_loss, rel=1e-6)
     assert max_relative_error(got["grads"], ref_grads) < 1e-5
 
