@@ -132,12 +132,21 @@ def test_planner_hands_masks_to_the_balancer_and_refuses_those_that_cannot(h200_
         refusing.get(0)
 
 
-def test_cli_plans_the_shared_prompt_trace(capsys, traces_dir):
+def test_cli_plans_the_shared_prompt_trace(capsys, traces_dir, tmp_path, h200_cost):
+    from hf_cp.sim import lower_bound_ms
+
     trace = traces_dir / "shared_prompt_alpaca_eval_n8.jsonl"
     args = ["plan", "--lengths", str(trace), "--world", "8", "--steps", "2"]
-    assert main(args) == 0
+    assert main(args + ["--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
     assert "805 samples: shared-prompt records; 805 samples with masks (shared_prompt)" in out
+    got = json.loads((tmp_path / "p.json").read_text())
+    plan, metrics = got["plans"][0], got["metrics"][0]
+    lengths = [n for _, n in plan["samples"]]
+    assert len(plan["masks"]) == len(lengths)  # the plan carries its samples' masks
+    # the bound prices the shared prompts by their masked area: below the causal documents' bound
+    causal = lower_bound_ms(lengths, ClusterSpec(8, 32768, h200_cost.profile.gpus_per_node), h200_cost)
+    assert metrics["lower_bound_ms"] < 0.99 * causal
     assert main(args + ["--balancer", "wlb"]) == 2
     err = capsys.readouterr().err
     assert re.search(

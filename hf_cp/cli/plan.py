@@ -191,7 +191,10 @@ def run(args) -> int:
     for plan, pms in zip(plans, planner_ms):
         plan.validate(cluster, cost)
         sim = simulate(plan, cost)
-        lb = lower_bound_ms(plan.lengths, cluster, cost)
+        # masked samples (shared prompts, windows) bound by their masked area, as they are simulated
+        lb = lower_bound_ms(
+            plan.lengths, cluster, cost, [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
+        )
         sims.append(sim)
         rows.append(step_metrics(plan, sim, lb, pms))
     print_report(rows, header, cluster.max_tokens_per_rank)
