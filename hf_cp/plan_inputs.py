@@ -34,7 +34,7 @@ class PlanInputs:
         if not self.masks:
             return self.kind
         kinds = sorted({m.kind for m in self.masks.values()})
-        return f"{self.kind}; {len(self.masks)} samples with masks ({', '.join(kinds)})"
+        return f"{self.kind}, {len(self.masks)} with masks ({', '.join(kinds)})"
 
 
 def read_plan_inputs(path: Union[str, Path]) -> PlanInputs:

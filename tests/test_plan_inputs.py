@@ -139,7 +139,7 @@ def test_cli_plans_the_shared_prompt_trace(capsys, traces_dir, tmp_path, h200_co
     args = ["plan", "--lengths", str(trace), "--world", "8", "--steps", "2"]
     assert main(args + ["--json", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().out
-    assert "805 samples: shared-prompt records; 805 samples with masks (shared_prompt)" in out
+    assert "(805 samples, longest 11967; shared-prompt records, 805 with masks (shared_prompt))" in out
     got = json.loads((tmp_path / "p.json").read_text())
     plan, metrics = got["plans"][0], got["metrics"][0]
     lengths = [n for _, n in plan["samples"]]

@@ -183,7 +183,9 @@ def run(args) -> int:
             planner_ms.append((time.perf_counter() - t0) * 1e3)
             plans.append(plan)
         header = (
-            f"hf-cp plan: {args.lengths} ({len(lengths)} samples: {inputs.describe()}; longest {longest}), balancer "
+            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}"
+            + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
+            + "), balancer "
             f"{args.balancer}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{tps} tokens/step, model {args.model}, profile {args.profile}"
         )
