@@ -38,10 +38,8 @@ PREFERENCE_RECORDS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from hf_cp.data_prep.smollm2 import load_tokenizer
-
-    return load_tokenizer()
+def tok(smol_tokenizer):
+    return smol_tokenizer
 
 
 def write_jsonl(path, records):
@@ -227,9 +225,8 @@ def test_overlong_groups_keep_whole_answers_or_are_dropped(tmp_path, tok):
         truncate_group(row, m.prompt)
 
 
-def test_cli_writes_the_mask_column_and_reports_the_saving(tmp_path, capsys, tok):
-    tok_dir = tmp_path / "tok"
-    tok.save_pretrained(str(tok_dir))
+def test_cli_writes_the_mask_column_and_reports_the_saving(tmp_path, capsys, smol_tokenizer_dir):
+    tok_dir = smol_tokenizer_dir
     src = write_jsonl(tmp_path / "g.jsonl", TEXT_RECORDS)
     rc = main(["preprocess", str(src), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "o"), "--group-answers"])
     out = capsys.readouterr().out
