@@ -102,7 +102,10 @@ class CPTrainer(Trainer):
     """Trainer for long-tailed data with per-step load-balanced context parallelism.
 
     `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
-    (HF convention, -100 = no loss, e.g. prompt tokens) and `length`. Row index = sample id.
+    (HF convention, -100 = no loss, e.g. prompt tokens), `length` and `attn_mask` (a sample's
+    mask, e.g. shared-prompt groups from `hf-cp preprocess --group-answers`). Row index = sample
+    id, except for pre-packed rows (TRL's `seq_lengths`, `cu_seqlens`, restarting
+    `position_ids`), which are unpacked into their documents (columns.py).
     Samples a plan distributes over a CP group need the model loaded with
     `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
     the registry lookup of `args.cp_balancer`, for balancers built in code.
