@@ -108,9 +108,16 @@ def test_masked_samples_need_the_hf_cp_attention(tmp_path):
         one_step(rows, str(tmp_path / "sdpa"), cap=256, attn="sdpa")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("balancer", ["static", "blocks_identity", "blocks_random", "blocks_remote"])
+@pytest.mark.parametrize(
+    "world, balancer",
+    [(2, "blocks_remote")]  # the fast representative: every block away from its query's owner
+    + [
+        pytest.param(w, b, marks=pytest.mark.slow)
+        for w in (2, 4)
+        for b in ("static", "blocks_identity", "blocks_random", "blocks_remote")
+        if (w, b) != (2, "blocks_remote")
+    ],
+)
 def test_shared_prompt_samples_train_like_separate_sequences_distributed(tmp_path, world, balancer):
     """Static zigzag-splits packs over the world (a cap below the longest sample); the block
     balancers place every sample's chunks over the world (identity, random permutation, every
