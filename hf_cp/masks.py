@@ -269,7 +269,13 @@ class SampleMask:
 
     @property
     def is_causal(self) -> bool:
-        return self.kind == "causal" or (self.kind == "sliding_window" and self.window >= self.length)
+        """The plain causal pattern with positions 0..n-1 (a window as long as the sample, or a
+        shared prompt with a single answer, is that)."""
+        return (
+            self.kind == "causal"
+            or (self.kind == "sliding_window" and self.window >= self.length)
+            or (self.kind == "shared_prompt" and len(self.answers) == 1)
+        )
 
     def pairs(self) -> int:
         return rect_pairs(self.slices(), 0, self.length, 0, self.length)

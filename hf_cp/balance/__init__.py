@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib.metadata import entry_points
 from typing import Callable, Dict, List
 
-from .base import Balancer, PlanRequest, SampleTooLongError, max_member_tokens
+from .base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError, check_mask_support, max_member_tokens
 
 _REGISTRY: Dict[str, Callable[..., Balancer]] = {}
 _entry_points_loaded = False
@@ -40,6 +40,11 @@ def available_balancers() -> List[str]:
     return sorted(_REGISTRY)
 
 
+def balancers_handling_masks() -> List[str]:
+    """Registered balancers that declare `handles_masks` (they plan samples with masks)."""
+    return [n for n in available_balancers() if getattr(_REGISTRY[n], "handles_masks", False)]
+
+
 def get_balancer(name: str, **options) -> Balancer:
     _load_entry_points()
     if name not in _REGISTRY:
@@ -67,7 +72,10 @@ __all__ = [
     "Balancer",
     "PlanRequest",
     "SampleTooLongError",
+    "UnsupportedMaskError",
     "available_balancers",
+    "balancers_handling_masks",
+    "check_mask_support",
     "get_balancer",
     "max_member_tokens",
     "register_balancer",

@@ -17,6 +17,8 @@ from .packing import first_fit
 @register_balancer("static")
 class StaticBalancer:
     name = "static"
+    # places by token counts alone, never by attention cost: a sample's mask cannot change its plan
+    handles_masks = True
 
     def plan(self, req: PlanRequest) -> StepPlan:
         cl = req.cluster

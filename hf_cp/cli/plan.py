@@ -13,8 +13,8 @@ import yaml
 from ..balance import available_balancers
 from ..cluster import ClusterSpec
 from ..cost import CostModel
-from ..lengths import read_lengths
 from ..plan import PlanError, StepPlan
+from ..plan_inputs import read_plan_inputs
 from ..planning import Planner, PlanningSettings, planning_setup
 from ..planning.setup import load_profile
 from ..sim import SimResult, lower_bound_ms, simulate
@@ -33,7 +33,10 @@ def add_parser(sub) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--lengths", help="text file with one token count per line, or a saved dataset folder with a 'length' column"
+        "--lengths",
+        help="text file with one token count per line; a JSON-lines file of shared-prompt groups "
+        '{"prompt": P, "answers": [a1, ...]} in tokens (one sample with a shared-prompt mask each); or a '
+        "saved dataset folder (its 'length' and 'attn_mask' columns; pre-packed rows are planned as their documents)",
     )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
     p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
@@ -218,7 +221,8 @@ def run(args) -> int:
         if not args.world:
             raise ValueError("--world is required with --lengths")
         settings = settings_from_args(args)
-        lengths = read_lengths(args.lengths)
+        inputs = read_plan_inputs(args.lengths)
+        lengths, masks = inputs.lengths, inputs.masks
         setup = planning_setup(settings, lengths, args.world)
         cluster, cost = setup.cluster, setup.cost
         longest = max(lengths)
@@ -230,7 +234,7 @@ def run(args) -> int:
                 f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
                 f"it with `hf-cp preprocess`"
             )
-        planner = Planner.from_setup(setup, lookahead=0)
+        planner = Planner.from_setup(setup, lookahead=0, masks=masks)
         steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
         planned = [planner.get(k) for k in range(steps)]  # the epoch's first steps, as training plans them
         plans = [ps.plan for ps in planned]
@@ -239,13 +243,16 @@ def run(args) -> int:
         compare_ms = [ps.compare.makespan_ms if ps.compare is not None else None for ps in planned]
         opts = "".join(f" {k}={v}" for k, v in settings.balancer_options.items())
         header = (
-            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
-            f"{args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
+            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}"
+            + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
+            + f"), balancer {args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
         )
     rows = []
     for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):
-        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost), pms, cms))
+        # masked samples (shared prompts, windows) bound by their masked area, as they are simulated
+        masks_of = [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
+        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms))
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
     if args.json:

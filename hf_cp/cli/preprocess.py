@@ -36,7 +36,11 @@ def add_parser(sub) -> None:
         action="store_true",
         help="run tokeniser code shipped with the --tokenizer folder or Hub repo (off by default)",
     )
-    p.add_argument("--out", required=True, help="output folder for save_to_disk (columns input_ids, labels, length)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder for save_to_disk (columns input_ids, labels, length; attn_mask with --group-answers)",
+    )
     p.add_argument(
         "--text-field",
         help="plain-text samples: the column holding the text (default: chat samples when "
@@ -53,9 +57,36 @@ def add_parser(sub) -> None:
         choices=("auto", "assistant", "last-assistant", "none"),
         help="which tokens get labels -100: 'assistant' trains every assistant turn of a chat (prompt, "
         "system and user tokens masked), 'last-assistant' only the final turn, 'none' trains every "
-        "token; 'auto' is 'assistant' for chat and 'none' for text",
+        "token; 'auto' is 'assistant' for chat, 'none' for text, and with --group-answers trains the "
+        "answers only ('none' then trains the prompt too, counted once)",
     )
     p.add_argument("--no-eos", action="store_true", help="text samples: do not append the tokenizer's EOS token")
+    g = p.add_argument_group(
+        "shared-prompt samples",
+        "one prompt and several answers (GRPO/RLOO groups, n samples per prompt, DPO chosen/rejected) as one "
+        "sample: [prompt][answer 1]...[answer n], each answer attending to the prompt and itself, positions "
+        "continuing from the prompt, labels never crossing answers, the prompt stored and computed once. The "
+        "mask goes to the 'attn_mask' column; training equals each (prompt, answer) as its own sequence with "
+        "the prompt's targets counted once",
+    )
+    g.add_argument(
+        "--group-answers",
+        action="store_true",
+        help="read records {prompt, answers|responses|completions: [...]}, {prompt, chosen, rejected} or "
+        "{prompt, completion}; prompt and answers as text or as TRL conversational messages",
+    )
+    g.add_argument("--prompt-field", default="prompt", help="with --group-answers: the column holding the prompt")
+    g.add_argument(
+        "--answers-field",
+        help="with --group-answers: the column holding the list of answers (default: answers, responses or "
+        "completions, else chosen + rejected, else completion)",
+    )
+    g.add_argument(
+        "--train-rejected",
+        action="store_true",
+        help="with --group-answers on chosen/rejected pairs: give rejected answers labels too (default: only "
+        "chosen answers are trained; hf_cp's loss is cross-entropy)",
+    )
     p.add_argument(
         "--max-length",
         type=int,
@@ -92,6 +123,7 @@ def run(args) -> int:
     from ..cost import CostModel
     from ..data_prep import length_report, load_tokenizer, preprocess
     from ..data_prep.length_report import plot_length_report
+    from ..mask_column import MASK_COLUMN, decode_mask_column
 
     cost = CostModel.load(args.model, args.profile)  # fail on a bad name before the slow part
     if args.num_proc < 1:
@@ -111,12 +143,26 @@ def run(args) -> int:
         subset=args.subset,
         limit=args.limit,
         add_eos=not args.no_eos,
+        group_answers=args.group_answers,
+        prompt_field=args.prompt_field,
+        answers_field=args.answers_field,
+        train_rejected=args.train_rejected,
     )
     print(f"hf-cp preprocess: {args.input} -> {args.out}")
     for line in res.summary_lines(args.max_length, args.overlong):
         print("  " + line)
+    masks = (
+        decode_mask_column(res.dataset[MASK_COLUMN], res.dataset["length"], str(args.out))
+        if MASK_COLUMN in res.dataset.column_names
+        else None
+    )
     rep = length_report(
-        res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=str(args.model), profile=str(args.profile)
+        res.dataset["length"],
+        cost,
+        trained_tokens=res.trained_tokens,
+        model=str(args.model),
+        profile=str(args.profile),
+        masks=masks,
     )
     print(rep.text())
     if args.report_json:

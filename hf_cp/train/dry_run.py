@@ -47,7 +47,7 @@ def dry_run(
         max_steps=args.max_steps,
     )
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
-    planner = Planner.from_setup(setup, lookahead=0)
+    planner = Planner.from_setup(setup, lookahead=0, masks=data.masks)
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
     lines = [
@@ -58,10 +58,14 @@ def dry_run(
     ]
     distributes = any(ps.plan.spreads_samples for ps in planned)
     attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
-    if distributes and attn != HF_CP_ATTENTION:
+    if (distributes or data.masks) and attn != HF_CP_ATTENTION:
+        why = (
+            f"the {planner.balancer_name!r} plans spread samples over CP groups"
+            if distributes
+            else f"{len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only it reads"
+        )
         raise ValueError(
-            f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
-            f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
+            f"{src}: {why}, which needs model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
         )
     line = (
         f"first {n} step(s) planned and valid: predicted "
@@ -86,6 +90,7 @@ def dry_run(
             cost,
             args.seed,
             "eval_dataset",
+            masks=eval_data.masks,
         )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)

@@ -95,7 +95,10 @@ class CPTrainer(Trainer):
     """Trainer for long-tailed data with per-step load-balanced context parallelism.
 
     `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
-    (HF convention, -100 = no loss, e.g. prompt tokens) and `length`. Row index = sample id.
+    (HF convention, -100 = no loss, e.g. prompt tokens), `length` and `attn_mask` (a sample's
+    mask, e.g. shared-prompt groups from `hf-cp preprocess --group-answers`). Row index = sample
+    id, except for pre-packed rows (TRL's `seq_lengths`, `cu_seqlens`, restarting
+    `position_ids`), which are unpacked into their documents (columns.py).
     Samples a plan distributes over a CP group need the model loaded with
     `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
     the registry lookup of `args.cp_balancer`, for balancers built in code.
@@ -168,6 +171,7 @@ class CPTrainer(Trainer):
                 lookahead=a.cp_plan_lookahead,
                 in_process=a.cp_plan_in_process,
                 workers=a.cp_plan_workers,
+                masks=self.cp_data.masks,
             )
         if self.cp_executor is None:
             self.cp_executor = StepExecutor(
@@ -183,7 +187,10 @@ class CPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
         steps = _PlannedSteps(
-            self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts
+            self.cp_planner,
+            PlanCollator(self.cp_data.fetch, self.cp_data.masks),
+            self.cp_rank,
+            self.cp_data.valid_counts,
         )
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
@@ -240,19 +247,26 @@ class CPTrainer(Trainer):
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         self._cp_agree(step)
-        if step.plan.spreads_samples:
-            impl = getattr(self.model.config, "_attn_implementation", None)
-            if impl != HF_CP_ATTENTION:
-                raise ValueError(
-                    f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
-                    f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
-                    f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
-                )
+        self._cp_check_attention(step)
         model.train()
         totals = self.cp_executor.train(model, step)
         self._cp_record(step, totals, (time.perf_counter() - t_step) * 1e3)
         self._cp_last_step = step
         return totals.loss
+
+    def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
+        if step.plan.spreads_samples or step.has_masks:
+            impl = getattr(self.model.config, "_attn_implementation", None)
+            if impl != HF_CP_ATTENTION:
+                why = (
+                    f"the {step.plan.balancer!r} plan distributes samples over CP groups"
+                    if step.plan.spreads_samples
+                    else "samples carry attention masks (e.g. shared-prompt) that only it reads"
+                )
+                raise ValueError(
+                    f"{what} {step.index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "
+                    f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
+                )
 
     def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
@@ -331,6 +345,7 @@ class CPTrainer(Trainer):
                 self.cp_cost,
                 self.args.seed,
                 name,
+                masks=data.masks,
             )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
@@ -351,6 +366,7 @@ class CPTrainer(Trainer):
                     assert_plans_agree(
                         step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
                     )
+                    self._cp_check_attention(step, "evaluation batch")
                     got = self.cp_executor.evaluate(model, step)
                     loss_sum, valid, tokens = loss_sum + got.loss_sum, valid + got.valid, tokens + got.tokens
         finally:
