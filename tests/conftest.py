@@ -31,3 +31,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+@pytest.fixture(scope="session")
+def world2_job(tmp_path_factory):
+    """Every run of world2_job.world2_runs(), trained once per session by one torchrun job of
+    two gloo processes: {name: spec with its output folder}."""
+    from world2_job import train_world2_runs
+
+    return train_world2_runs(tmp_path_factory.mktemp("world2"))

@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def run_job(spec: dict) -> None:
     timeout_s = max(r.get("ddp_timeout", 1800) for r in runs)
     PartialState(backend="gloo", timeout=timedelta(seconds=timeout_s))
     for run in runs:
+        t0 = time.perf_counter()
         train_one(run)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"harness.job: {Path(run['out']).name} trained in {time.perf_counter() - t0:.1f} s", flush=True)
     shutdown_distributed()
 
 
@@ -199,8 +203,6 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
     sleeps `seconds` (a hung rank) while the others wait in a collective, `sigterm` sends the
     process a SIGTERM (a preemption notice reaching one rank), `nan` makes that forward's
     hidden states NaN (an overflow on one rank)."""
-    import time
-
     from transformers import TrainerCallback
 
     if kind not in ("kill", "stall", "sigterm", "nan"):
