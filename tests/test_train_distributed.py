@@ -19,6 +19,7 @@ from harness.reference import reference_eval_loss
 from world2_job import (
     BALANCERS,
     CAP,
+    COLLECTIVE_TIMEOUT,
     EVAL_LENGTHS,
     LENGTHS,
     TOKENS_PER_STEP,
@@ -175,13 +176,31 @@ def test_activation_checkpointing_equals_single_process(request, tmp_path, mode)
 
 
 # ---------------------------------------------------------------------------------- slow matrix
+MATRIX_TIMEOUT = 1800  # one job per world trains every balancer and mode; the first test waits for it
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(tmp_path_factory):
+    """world -> {balancer or mode: spec}: one job per world size trains them all, in sequence."""
+    done = {}
+
+    def runs_at(world: int) -> dict:
+        if world not in done:
+            folder = tmp_path_factory.mktemp(f"matrix-w{world}")
+            runs = {b: dict(spec_for(folder, b), ddp_timeout=COLLECTIVE_TIMEOUT) for b in BALANCERS + MODES}
+            run_distributed({"runs": list(runs.values())}, world, timeout=MATRIX_TIMEOUT)
+            done[world] = runs
+        return done[world]
+
+    return runs_at
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(JOB_TIMEOUT + 120)
+@pytest.mark.timeout(MATRIX_TIMEOUT + 120)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("balancer", BALANCERS + MODES)
-def test_balancer_and_mode_equal_single_process(tmp_path, balancer, world):
-    spec = spec_for(tmp_path, balancer, tag=f"w{world}")
-    run_distributed(spec, world, timeout=JOB_TIMEOUT)
+def test_balancer_and_mode_equal_single_process(matrix_runs, balancer, world):
+    spec = matrix_runs(world)[balancer]
     assert_matches_reference(spec)
     assert [r["index"] for r in history(spec)] == [0, 1, 2]
 
@@ -221,6 +240,8 @@ def test_resume_after_step_two_equals_uninterrupted_run(tmp_path, balancer):
         assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-6, k
     ha, hb = history(full), history(resumed)
     assert [r["index"] for r in hb] == [2, 3]  # only steps 3-4 ran after the resume
+    assert_matches_reference(full)
+    assert_matches_reference(resumed)  # steps 3-4 step by step: the optimizer state came back whole
     assert [r["loss"] for r in hb] == pytest.approx([r["loss"] for r in ha[2:]], rel=1e-6)
     trained = _trained_ids(Path(full["out"]), below=2) + _trained_ids(Path(resumed["out"]))
     assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
