@@ -123,9 +123,9 @@ def test_kv_cache_decoding_is_refused():
     model = _llama(train=False)
     with torch.no_grad():
         prefill = model(input_ids=IDS, use_cache=True)  # queries and keys of the same 16 tokens: allowed
-        assert prefill.past_key_values is not None and torch.isfinite(prefill.logits).all()
+        assert prefill.cache is not None and torch.isfinite(prefill.logits).all()
         with pytest.raises(ValueError, match=r"1 queries against 17 keys, i.e. KV-cache decoding"):
-            model(input_ids=IDS[:, :1], past_key_values=prefill.past_key_values, use_cache=True)
+            model(input_ids=IDS[:, :1], cache=prefill.cache, use_cache=True)
 
 
 def test_padded_batch_is_refused():

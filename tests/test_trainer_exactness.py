@@ -124,7 +124,7 @@ def test_reference_loss_is_transformers_own_causal_lm_loss():
     assert sample_valid_targets(row) == 39 - 12  # targets are labels 1..39
     theirs = model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([row["labels"]])).loss
     ours = sample_loss_sum(model, row) / sample_valid_targets(row)
-    assert float(ours) == pytest.approx(float(theirs), rel=1e-6)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6)
     assert row["labels"][12] == IGNORE_INDEX and row["labels"][13] != IGNORE_INDEX
 
 
