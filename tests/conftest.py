@@ -47,3 +47,12 @@ def smol_tokenizer_dir(smol_tokenizer, tmp_path_factory):
     d = tmp_path_factory.mktemp("smollm2_tokenizer")
     smol_tokenizer.save_pretrained(str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def world2_job(tmp_path_factory):
+    """Every run of world2_job.world2_runs(), trained once per session by one torchrun job of
+    two gloo processes: {name: spec with its output folder}."""
+    from world2_job import train_world2_runs
+
+    return train_world2_runs(tmp_path_factory.mktemp("world2"))
