@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import cost_memo
+from hf_cp.balance.costs import cost_memo
 from hf_cp.balance.dynamic_cp import balance_sizes, memory_min_sizes
 from hf_cp.cluster import ClusterSpec
 from hf_cp.lengths import read_lengths, step_batches

@@ -31,8 +31,12 @@ from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from ..sim import simulate
 from . import register_balancer
+from .assign import lpt_assign
 from .base import PlanRequest
-from .common import CostMemo, WaveBuilder, block_ranks, cost_memo, lpt_assign, pick_ring_mode, split_to_cap
+from .costs import CostMemo, cost_memo
+from .packing import split_to_cap
+from .ring_layout import pick_ring_mode
+from .waves import WaveBuilder, block_ranks
 
 DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125)
 
@@ -111,7 +115,7 @@ def fill_ranks(
     """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
     sample, final loads).
 
-    common.lpt_assign with a finer exact part: samples heavier than `light_fraction` of the
+    assign.lpt_assign with a finer exact part: samples heavier than `light_fraction` of the
     mean final load (and at least the `exact_per_rank` x world heaviest) go one by one to the
     least loaded rank; the light tail is water-filled, so every rank ends within one light
     sample of a common level.
@@ -129,7 +133,7 @@ def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> L
     Returns (rank, sample indices) per micro-batch, by rank. Fast path: each rank takes the
     fewest micro-batches its tokens allow and deals its samples, longest first, in a snake
     order over them (near-equal token sums); ranks where that overflows fall back to
-    first-fit decreasing (common.split_to_cap).
+    first-fit decreasing (packing.split_to_cap).
     """
     out: List[Tuple[int, np.ndarray]] = []
     if len(rank_of) == 0:

@@ -15,7 +15,7 @@ makespan C found by bisection:
                sum_k d * t_k(d) x[k, d] + light work <= world * C   all work fits by C
     minimise   sum_k d * t_k(d) x[k, d]                           rank-time spent
 
-t_k(d) is the cost model's time of sample k on d ranks (CostModel via common.CostMemo).
+t_k(d) is the cost model's time of sample k on d ranks (CostModel via costs.CostMemo).
 Heavy samples: those too long for one rank and the heaviest others (FlexSP solves per
 sequence; the light tail is filled by LPT, which the MILP accounts for as divisible work).
 The MILP runs in highspy (optional extra `milp`) under node and time limits; without
@@ -37,7 +37,7 @@ import numpy as np
 from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, cost_memo
+from .costs import CostMemo, cost_memo
 from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest
 
 

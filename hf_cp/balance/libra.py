@@ -1,7 +1,7 @@
 """`libra` (Libra's VRSP, survey section 2.1): LPT placement of packed sequences over bounded pools.
 
 Libra leaves the packing alone: the step's samples are packed to a fixed length in data
-order (common.lookahead_pack, a streaming packer with first fit's property that the waste
+order (packing.lookahead_pack, a streaming packer with first fit's property that the waste
 gathers in the last packs; to N ranks x cap tokens, N one CP size: by default the smallest
 registered group holding the step's longest sample, `cp_scope="dataset"` the dataset's), and
 no packed sequence is ever split, merged or repacked. What it changes is *where* each
@@ -21,7 +21,7 @@ packed sequence runs:
   inside a pool with tile-level attention placement, TAP, which moves computation rather
   than data; that needs a block-placement executor hf_cp does not have yet.)
 Each packed sequence on N > 1 ranks takes zigzag or per-document sharding, whichever the
-cost model predicts faster and fits (common.pick_ring_mode).
+cost model predicts faster and fits (ring_layout.pick_ring_mode).
 """
 
 from __future__ import annotations
@@ -34,19 +34,13 @@ import numpy as np
 
 from ..plan import Group, StepPlan
 from . import register_balancer
+from .assign import descending_order, group_indices
 from .base import PlanRequest
-from .common import (
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    lookahead_pack,
-    pick_ring_mode,
-)
+from .costs import cost_memo
+from .cp_size import check_cp_options, fixed_cp_size
+from .packing import even_cap, lookahead_pack
+from .ring_layout import pick_ring_mode
+from .waves import WaveBuilder, block_ranks
 
 
 @dataclass

@@ -29,7 +29,8 @@ from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, WaveBuilder, block_ranks, cost_memo
+from .costs import CostMemo, cost_memo
+from .waves import WaveBuilder, block_ranks
 
 INSTALL_HINT = (
     "the `megatron` balancer needs megatron-core, the optional extra `megatron`: "

@@ -3,11 +3,11 @@
 The parallel configuration is fixed within a step, as in Skrull: one CP size N, so the world
 is W/N data-parallel replicas of N ranks each. Skrull takes N from its configuration; by
 default (`cp_scope="search"`) each step starts at the size at which its longest sample stops
-being the straggler (common.fixed_cp_size, scope "balanced") and halves it, down to the
+being the straggler (cp_size.fixed_cp_size, scope "balanced") and halves it, down to the
 smallest registered group that holds that sample, while the plan's predicted time improves,
 at most `search_halvings` times (default 1: two plans per step, to stay within the planning
 time budget). `cp_size` fixes N; `cp_scope`
-"step", "balanced" or "dataset" picks one size as common.fixed_cp_size does.
+"step", "balanced" or "dataset" picks one size as cp_size.fixed_cp_size does.
 
 1. GDS, across replicas: bin packing of the step's samples on predicted compute
    (CostModel.sample_local_ms, Skrull's FLOPs proxy), heaviest first onto the lightest
@@ -47,24 +47,13 @@ import numpy as np
 from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
+from .assign import descending_order, group_indices, lpt_assign, serpentine, water_fill
 from .base import PlanRequest
-from .common import (
-    CP_SCOPES,
-    CostMemo,
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    lpt_assign,
-    pick_ring_mode,
-    serpentine,
-    split_to_cap,
-    water_fill,
-)
+from .costs import CostMemo, cost_memo
+from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .packing import even_cap, split_to_cap
+from .ring_layout import pick_ring_mode
+from .waves import WaveBuilder, block_ranks
 
 
 def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: int) -> List[np.ndarray]:

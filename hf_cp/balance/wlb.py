@@ -1,7 +1,7 @@
 """`wlb` (WLB-LLM, Wang et al. 2025; survey sections 2.3 and 4.3): workload-aware packing.
 
 The parallel configuration stays fixed within a step: one CP size N. WLB-LLM takes it from
-its configuration; by default (`cp_scope="balanced"`, common.fixed_cp_size) it is the
+its configuration; by default (`cp_scope="balanced"`, cp_size.fixed_cp_size) it is the
 smallest registered group that holds the step's longest sample, doubled while that sample
 alone would still outlast the mean rank's share of the step. `cp_scope="search"` plans the
 step with both that size and the memory minimum and keeps the plan the cost model predicts
@@ -9,7 +9,7 @@ faster (every micro-batch's slowest member, from the same comparison that picks 
 sharding mode): better plans on some data (a long-tailed step whose longest sample is
 cheap enough at the smaller size), at twice the planning time and more for the predictions,
 over the 300 ms budget at 512 ranks on Wikipedia. `cp_size` fixes N; `cp_scope` "step" or
-"dataset" picks one size as common.fixed_cp_size does. What changes is the packing:
+"dataset" picks one size as cp_size.fixed_cp_size does. What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
@@ -28,7 +28,7 @@ over the 300 ms budget at 512 ranks on Wikipedia. `cp_size` fixes N; `cp_scope` 
   effect of the queue, without moving samples between steps.
 * Per-sequence vs per-document sharding. For every micro-batch on N > 1 ranks the cost model
   predicts zigzag over the packed sequence and per-document sharding, and the faster mode
-  that fits memory is kept (common.pick_ring_mode).
+  that fits memory is kept (ring_layout.pick_ring_mode).
 WLB-LLM balances micro-batches because in its pipeline each one synchronises the stages;
 under data parallelism what synchronises is each replica's whole step, so the greedy's
 "least workload" is the replica's (see workload_greedy). Each replica runs its micro-batches
@@ -44,21 +44,13 @@ import numpy as np
 
 from ..plan import Group, StepPlan
 from . import register_balancer
+from .assign import descending_order, group_indices, split_exact_tail, water_fill
 from .base import PlanRequest
-from .common import (
-    CP_SCOPES,
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    ring_mode_and_ms,
-    split_exact_tail,
-    water_fill,
-)
+from .costs import cost_memo
+from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .packing import even_cap
+from .ring_layout import ring_mode_and_ms
+from .waves import WaveBuilder, block_ranks
 
 
 def workload_greedy(
@@ -83,9 +75,9 @@ def workload_greedy(
     `first` items (the outlier queue) go one per micro-batch before the rest, spread over
     the replicas first (the i-th to replica i mod n_replicas); they may exceed `capacity`
     (a document alone always fits its group in per-document sharding), and such a
-    micro-batch takes nothing else. For speed the light tail (common.split_exact_tail, or
+    micro-batch takes nothing else. For speed the light tail (assign.split_exact_tail, or
     past `exact_items`) is water-filled over replicas on workload and, inside each replica,
-    over its micro-batches on tokens (common.water_fill), kept when that respects every
+    over its micro-batches on tokens (assign.water_fill), kept when that respects every
     capacity, else placed one by one too.
     """
     n = len(lengths)
@@ -210,7 +202,7 @@ class WlbBalancer:
         cl = req.cluster
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
-        window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (common.even_cap)
+        window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (packing.even_cap)
         # (a document longer than that, possible with an odd cap, is an outlier: alone in its micro-batch)
         memo = cost_memo(req.cost)
         ids = np.asarray(req.sample_ids, dtype=np.int64)
