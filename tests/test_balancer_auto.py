@@ -1,6 +1,6 @@
 import pytest
 
-from hf_cp.balance import PlanRequest, available_balancers, get_balancer
+from hf_cp.balance import PlanRequest, auto_member_balancers, available_balancers, get_balancer
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
 
@@ -14,11 +14,13 @@ def request(lengths, world, cost, cap=32768):
 LONG_TAIL = [120000, 60000, 33000] + [300 + (i * 7919) % 12000 for i in range(250)]
 
 
-def test_default_members_are_every_registered_balancer_but_megatron_and_itself():
+def test_default_members_are_the_auto_members_every_built_in_but_megatron_and_itself():
     auto = get_balancer("auto")
     names = [n for n, _ in auto.members]
-    assert names == [n for n in available_balancers() if n not in ("auto", "megatron")]
-    assert {"static", "dynamic_cp", "flexsp"} <= set(names)
+    assert names == auto_member_balancers()
+    built_in = {"dynamic_cp", "flexsp", "libra", "skrull", "static", "wlb"}
+    assert built_in <= set(names) and {"auto", "megatron"}.isdisjoint(names)
+    assert set(names) <= set(available_balancers())
 
 
 def test_never_worse_than_any_member_and_records_the_winner(h200_cost):

@@ -8,41 +8,61 @@ recorded in the plan as `auto:<member>`.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
 from ..sim import simulate
-from . import available_balancers, get_balancer, register_balancer
+from . import auto_member_balancers, get_balancer, register_balancer
 from .base import Balancer, PlanRequest
-
-# Not members by default: itself, and the external peer it is compared against.
-EXCLUDED_BY_DEFAULT = ("auto", "megatron")
+from .options import BalancerOptionError, BalancerOptions, option
 
 
 def default_members() -> List[str]:
-    return [n for n in available_balancers() if n not in EXCLUDED_BY_DEFAULT]
+    """Every balancer registered with auto_member=True (the built-ins but `megatron`)."""
+    return auto_member_balancers()
+
+
+@dataclass(frozen=True)
+class AutoOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "auto"
+
+    members: Optional[Tuple[str, ...]] = option(
+        None, "balancers to plan with (default: every one registered with auto_member=True)"
+    )
+    member_options: Dict[str, Dict[str, Any]] = option(
+        {}, "per-member options, e.g. {wlb: {fill: 0.9}} (command line: member_options.wlb.fill=0.9)"
+    )
+
+    def check(self) -> None:
+        names = list(default_members() if self.members is None else self.members)
+        if not names:
+            raise BalancerOptionError("auto: needs at least one member balancer")
+        if "auto" in names:
+            raise BalancerOptionError("auto: cannot be a member of itself")
+        if len(set(names)) != len(names):
+            raise BalancerOptionError(f"auto: members listed twice in {names}")
+        unknown = set(self.member_options) - set(names)
+        if unknown:
+            raise BalancerOptionError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
 
 
 @register_balancer("auto")
 class AutoBalancer:
-    """members: balancer names (default: every registered one but `megatron` and `auto`);
-    member_options: per-member keyword options for their factories."""
+    """Plans with every member and keeps the fastest predicted plan (see the module docstring)."""
 
     name = "auto"
+    options_class = AutoOptions
 
-    def __init__(self, members: Optional[Sequence[str]] = None, member_options: Optional[Dict[str, dict]] = None):
-        names = list(default_members() if members is None else members)
-        if not names:
-            raise ValueError("auto: needs at least one member balancer")
-        if "auto" in names:
-            raise ValueError("auto: cannot be a member of itself")
-        if len(set(names)) != len(names):
-            raise ValueError(f"auto: members listed twice in {names}")
-        member_options = dict(member_options or {})
-        unknown = set(member_options) - set(names)
-        if unknown:
-            raise ValueError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
-        self.members: List[Tuple[str, Balancer]] = [(n, get_balancer(n, **member_options.get(n, {}))) for n in names]
+    def __init__(self, **options):
+        self.options = o = AutoOptions.from_dict(options)
+        names = list(default_members() if o.members is None else o.members)
+        self.members: List[Tuple[str, Balancer]] = []
+        for n in names:
+            try:
+                self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
+            except BalancerOptionError as e:
+                raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms of the last step
 
     def plan(self, req: PlanRequest) -> StepPlan:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 import numpy as np
 
 from .costs import cost_memo
+from .options import BalancerOptionError
 
 if TYPE_CHECKING:
     from .base import PlanRequest
@@ -52,7 +53,8 @@ def fixed_cp_size(req: PlanRequest, cp_size: Optional[int], balancer: str, scope
 
 
 def check_cp_options(cp_size: Optional[int], scope: str, balancer: str, scopes: Tuple[str, ...] = CP_SCOPES) -> None:
+    """Raise BalancerOptionError unless `cp_size` is None or a power of two and `scope` is one of `scopes`."""
     if cp_size is not None and (not isinstance(cp_size, int) or cp_size <= 0 or cp_size & (cp_size - 1)):
-        raise ValueError(f"{balancer}: cp_size {cp_size!r} must be a power of two")
+        raise BalancerOptionError(f"{balancer}: cp_size {cp_size!r} must be a power of two")
     if scope not in scopes:
-        raise ValueError(f"{balancer}: cp_scope {scope!r} must be one of {scopes}")
+        raise BalancerOptionError(f"{balancer}: cp_scope {scope!r} must be one of {scopes}")

@@ -22,7 +22,8 @@ work before it and reach it at the same moment.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,6 +35,7 @@ from . import register_balancer
 from .assign import lpt_assign
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
+from .options import BalancerOptionError, BalancerOptions, option
 from .packing import split_to_cap
 from .ring_layout import pick_ring_mode
 from .waves import WaveBuilder, block_ranks
@@ -285,31 +287,41 @@ def pick_fastest(
     return plans[int(np.argmin(times))]
 
 
-@register_balancer("dynamic_cp")
-class DynamicCPBalancer:
-    """Per-sample CP size (workload first, then memory filling); best simulated candidate.
+@dataclass(frozen=True)
+class DynamicCPOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "dynamic_cp"
 
-    thetas: quota fractions tried in the workload pass (None = memory-minimal sizes only).
-    simulate_within: candidates predicted within this fraction of the best are simulated
-    (at most two, and only in steps of at most simulate_samples_per_rank x world samples).
-    """
+    thetas: Tuple[Optional[float], ...] = option(
+        DEFAULT_THETAS,
+        "quota fractions tried in the workload pass, one candidate plan each (null: memory-minimal CP sizes only)",
+    )
+    simulate_within: float = option(
+        0.003, "candidates predicted within this fraction of the best are simulated (at most two)"
+    )
+    simulate_samples_per_rank: float = option(
+        16.0, "steps of more than this many samples per rank skip the simulation and keep the best prediction"
+    )
+
+    def check(self) -> None:
+        if not self.thetas:
+            raise BalancerOptionError("dynamic_cp: thetas must name at least one candidate")
+        for t in self.thetas:
+            if t is not None and not t > 0:
+                raise BalancerOptionError(f"dynamic_cp: theta {t!r} must be positive (or null for memory-only)")
+
+
+@register_balancer("dynamic_cp", auto_member=True)
+class DynamicCPBalancer:
+    """Per-sample CP size (workload first, then memory filling); best simulated candidate."""
 
     name = "dynamic_cp"
+    options_class = DynamicCPOptions
 
-    def __init__(
-        self,
-        thetas: Sequence[Optional[float]] = DEFAULT_THETAS,
-        simulate_within: float = 0.003,
-        simulate_samples_per_rank: float = 16.0,
-    ):
-        if not thetas:
-            raise ValueError("dynamic_cp: thetas must name at least one candidate")
-        for t in thetas:
-            if t is not None and not t > 0:
-                raise ValueError(f"dynamic_cp: theta {t!r} must be positive (or None for memory-only)")
-        self.thetas = tuple(thetas)
-        self.simulate_within = float(simulate_within)
-        self.simulate_samples_per_rank = float(simulate_samples_per_rank)
+    def __init__(self, **options):
+        self.options = o = DynamicCPOptions.from_dict(options)
+        self.thetas = o.thetas
+        self.simulate_within = o.simulate_within
+        self.simulate_samples_per_rank = o.simulate_samples_per_rank
 
     def plan(self, req: PlanRequest) -> StepPlan:
         memo = cost_memo(req.cost)

@@ -30,7 +30,8 @@ import math
 import os
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from . import register_balancer
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
 from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest
+from .options import BalancerOptionError, BalancerOptions, option
 
 
 def highs_available() -> bool:
@@ -274,39 +276,43 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
     return cand
 
 
-@register_balancer("flexsp")
+@dataclass(frozen=True)
+class FlexSPOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "flexsp"
+
+    solver: str = option("auto", "auto (the MILP when highspy imports, else greedy), milp or greedy")
+    time_limit_s: float = option(1.5, "HiGHS's own time limit for the whole MILP search, split over the solves")
+    node_limit: int = option(200, "branch-and-bound nodes per MILP solve (keeps results deterministic)")
+    bisection_steps: int = option(10, "bisection steps on the target makespan")
+    max_heavy: int = option(128, "at most this many optional heavy samples in the MILP")
+    heavy_fraction: float = option(0.05, "samples heavier than this fraction of a rank's quota are heavy")
+    simulate_within: float = option(0.003, "candidates predicted within this fraction of the best are simulated")
+
+    def check(self) -> None:
+        if self.solver not in ("auto", "milp", "greedy"):
+            raise BalancerOptionError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {self.solver!r}")
+        if self.time_limit_s <= 0 or self.bisection_steps < 1 or self.max_heavy < 0:
+            raise BalancerOptionError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
+
+
+@register_balancer("flexsp", auto_member=True)
 class FlexSPBalancer:
-    """solver: "auto" (MILP when highspy imports, else greedy), "milp" or "greedy".
-    time_limit_s: wall-clock limit of the whole MILP search; node_limit: per solve (keeps
-    results deterministic when the time limit is not reached)."""
-
     name = "flexsp"
+    options_class = FlexSPOptions
 
-    def __init__(
-        self,
-        solver: str = "auto",
-        time_limit_s: float = 1.5,
-        node_limit: int = 200,
-        bisection_steps: int = 10,
-        max_heavy: int = 128,
-        heavy_fraction: float = 0.05,
-        simulate_within: float = 0.003,
-    ):
-        if solver not in ("auto", "milp", "greedy"):
-            raise ValueError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {solver!r}")
-        if solver == "milp" and not highs_available():
+    def __init__(self, **options):
+        self.options = o = FlexSPOptions.from_dict(options)
+        if o.solver == "milp" and not highs_available():
             raise ImportError(
                 "flexsp: solver='milp' needs highspy, the optional extra `milp`: pip install 'hf_cp[milp]'"
             )
-        if time_limit_s <= 0 or bisection_steps < 1 or max_heavy < 0:
-            raise ValueError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
-        self.solver = solver
-        self.time_limit_s = float(time_limit_s)
-        self.node_limit = int(node_limit)
-        self.bisection_steps = int(bisection_steps)
-        self.max_heavy = int(max_heavy)
-        self.heavy_fraction = float(heavy_fraction)
-        self.simulate_within = float(simulate_within)
+        self.solver = o.solver
+        self.time_limit_s = o.time_limit_s
+        self.node_limit = o.node_limit
+        self.bisection_steps = o.bisection_steps
+        self.max_heavy = o.max_heavy
+        self.heavy_fraction = o.heavy_fraction
+        self.simulate_within = o.simulate_within
 
     def uses_milp(self) -> bool:
         return self.solver == "milp" or (self.solver == "auto" and highs_available())

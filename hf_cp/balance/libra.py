@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from .assign import descending_order, group_indices
 from .base import PlanRequest
 from .costs import cost_memo
 from .cp_size import check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
 from .packing import even_cap, lookahead_pack
 from .ring_layout import pick_ring_mode
 from .waves import WaveBuilder, block_ranks
@@ -72,17 +73,29 @@ def vrsp(work: np.ndarray, n_pools: int, pool_capacity: int) -> List[List[int]]:
     return pools
 
 
-@register_balancer("libra")
+@dataclass(frozen=True)
+class LibraOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "libra"
+
+    pool_size: int = option(8, "DP replicas per pool, a power of two: the balancing domain never grows past it")
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    cp_scope: str = option("step", "how the CP size is chosen when cp_size is not set: step, balanced or dataset")
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER)
+        p = self.pool_size
+        if p <= 0 or p & (p - 1):
+            raise BalancerOptionError(f"libra: pool_size {p!r} must be a power of two (replicas per pool)")
+
+
+@register_balancer("libra", auto_member=True)
 class LibraBalancer:
     name = "libra"
+    options_class = LibraOptions
 
-    def __init__(self, pool_size: int = 8, cp_size: Optional[int] = None, cp_scope: str = "step"):
-        check_cp_options(cp_size, cp_scope, self.name)
-        if not isinstance(pool_size, int) or pool_size <= 0 or pool_size & (pool_size - 1):
-            raise ValueError(f"libra: pool_size {pool_size!r} must be a power of two (replicas per pool)")
-        self.pool_size = pool_size
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
+    def __init__(self, **options):
+        self.options = o = LibraOptions.from_dict(options)
+        self.pool_size, self.cp_size, self.cp_scope = o.pool_size, o.cp_size, o.cp_scope
 
     def layout(self, req: PlanRequest) -> PoolLayout:
         cl = req.cluster

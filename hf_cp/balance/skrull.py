@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from .assign import descending_order, group_indices, lpt_assign, serpentine, wat
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
 from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
 from .packing import even_cap, split_to_cap
 from .ring_layout import pick_ring_mode
 from .waves import WaveBuilder, block_ranks
@@ -207,28 +209,41 @@ class Dacp:
         return out
 
 
-@register_balancer("skrull")
+@dataclass(frozen=True)
+class SkrullOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "skrull"
+
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    fill: float = option(0.9, "fraction of a group's memory the interleaved micro-batches are packed to, in (0, 1]")
+    cp_scope: str = option(
+        "search",
+        "how the CP size is chosen when cp_size is not set: search (halve from balanced while the estimate "
+        "improves), balanced, step or dataset",
+    )
+    split_stragglers: bool = option(
+        True, "also try distributing the documents whose compute alone exceeds the group's mean member load"
+    )
+    search_halvings: int = option(1, "how many times cp_scope=search may halve the CP size")
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER, CP_SCOPES + ("search",))
+        if self.search_halvings < 0:
+            raise BalancerOptionError(
+                f"skrull: search_halvings {self.search_halvings!r} must be a non-negative integer"
+            )
+        if not 0 < self.fill <= 1:
+            raise BalancerOptionError(f"skrull: fill {self.fill} must be in (0, 1]")
+
+
+@register_balancer("skrull", auto_member=True)
 class SkrullBalancer:
     name = "skrull"
+    options_class = SkrullOptions
 
-    def __init__(
-        self,
-        cp_size: Optional[int] = None,
-        fill: float = 0.9,
-        cp_scope: str = "search",
-        split_stragglers: bool = True,
-        search_halvings: int = 1,
-    ):
-        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
-        self.split_stragglers = split_stragglers
-        if not isinstance(search_halvings, int) or search_halvings < 0:
-            raise ValueError(f"skrull: search_halvings {search_halvings!r} must be a non-negative integer")
-        self.search_halvings = search_halvings
-        if not 0 < fill <= 1:
-            raise ValueError(f"skrull: fill {fill} must be in (0, 1]")
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
-        self.fill = fill
+    def __init__(self, **options):
+        self.options = o = SkrullOptions.from_dict(options)
+        self.cp_size, self.cp_scope, self.fill = o.cp_size, o.cp_scope, o.fill
+        self.split_stragglers, self.search_halvings = o.split_stragglers, o.search_halvings
 
     def plan(self, req: PlanRequest) -> StepPlan:
         if self.cp_size is None and self.cp_scope == "search":

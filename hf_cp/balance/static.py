@@ -7,16 +7,31 @@ pack zigzag-split over its CP group, packs dealt to DP replicas in data order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from ..plan import Group, StepPlan, Wave
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
+from .options import BalancerOptions
 from .packing import first_fit
 
 
-@register_balancer("static")
+@dataclass(frozen=True)
+class StaticOptions(BalancerOptions):
+    """static takes no options."""
+
+    BALANCER: ClassVar[str] = "static"
+
+
+@register_balancer("static", auto_member=True)
 class StaticBalancer:
     name = "static"
+    options_class = StaticOptions
+
+    def __init__(self, **options):
+        self.options = StaticOptions.from_dict(options)
 
     def plan(self, req: PlanRequest) -> StepPlan:
         cl = req.cluster

@@ -38,7 +38,8 @@ one per wave.
 from __future__ import annotations
 
 import heapq
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 import numpy as np
 
@@ -48,6 +49,7 @@ from .assign import descending_order, group_indices, split_exact_tail, water_fil
 from .base import PlanRequest
 from .costs import cost_memo
 from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
 from .packing import even_cap
 from .ring_layout import ring_mode_and_ms
 from .waves import WaveBuilder, block_ranks
@@ -158,26 +160,37 @@ def workload_greedy(
 ALL_MEMBERS_BUDGET = 50_000
 
 
-@register_balancer("wlb")
+@dataclass(frozen=True)
+class WlbOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "wlb"
+
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    outlier_fraction: float = option(
+        0.5, "documents of at least this fraction of the packing window are outliers, one per micro-batch"
+    )
+    fill: float = option(0.95, "target fill of the micro-batches' memory when choosing how many to pack, in (0, 1]")
+    cp_scope: str = option(
+        "balanced",
+        "how the CP size is chosen when cp_size is not set: balanced, step, dataset or search (cp_size.fixed_cp_size)",
+    )
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER, CP_SCOPES + ("search",))
+        if not 0 < self.fill <= 1:
+            raise BalancerOptionError(f"wlb: fill {self.fill} must be in (0, 1]")
+        if not 0 < self.outlier_fraction <= 1:
+            raise BalancerOptionError(f"wlb: outlier_fraction {self.outlier_fraction} must be in (0, 1]")
+
+
+@register_balancer("wlb", auto_member=True)
 class WlbBalancer:
     name = "wlb"
+    options_class = WlbOptions
 
-    def __init__(
-        self,
-        cp_size: Optional[int] = None,
-        outlier_fraction: float = 0.5,
-        fill: float = 0.95,
-        cp_scope: str = "balanced",
-    ):
-        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
-        if not 0 < fill <= 1:
-            raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
-        self.fill = fill
-        if not 0 < outlier_fraction <= 1:
-            raise ValueError(f"wlb: outlier_fraction {outlier_fraction} must be in (0, 1]")
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
-        self.outlier_fraction = outlier_fraction
+    def __init__(self, **options):
+        self.options = o = WlbOptions.from_dict(options)
+        self.cp_size, self.cp_scope = o.cp_size, o.cp_scope
+        self.fill, self.outlier_fraction = o.fill, o.outlier_fraction
 
     def plan(self, req: PlanRequest) -> StepPlan:
         if self.cp_size is None and self.cp_scope == "search":
