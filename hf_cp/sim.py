@@ -17,6 +17,15 @@ from .cost import CostModel
 from .plan import Group, StepPlan
 
 
+def max_over_mean(values: Sequence[float]) -> float:
+    """Slowest over mean of per-rank times (1.0 = perfectly balanced; 1.0 when all are zero).
+
+    The one definition for plans, measured step records and reports. Not a quality signal on
+    its own: a plan can be balanced and far slower than the bound (see SimResult.flags)."""
+    m = sum(values) / len(values) if len(values) else 0.0
+    return max(values) / m if m > 0 else 1.0
+
+
 @dataclass
 class GroupRun:
     wave: int
@@ -52,8 +61,7 @@ class SimResult:
     @property
     def imbalance(self) -> float:
         """max / mean of per-rank busy time (1.0 = perfectly balanced)."""
-        m = self.mean_busy_ms
-        return max(self.busy_ms) / m if m > 0 else 1.0
+        return max_over_mean(self.busy_ms)
 
     @property
     def idle_share(self) -> float:

@@ -90,3 +90,12 @@ def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
         match=r"group \[0, 1, 2, 3, 4, 5, 6, 7\]: Ulysses over a CP group of 8 ranks needs the number of query heads to be divisible by 8",
     ):
         p.validate(cl, h200_cost)
+
+
+def test_max_over_mean_is_the_one_definition():
+    from hf_cp.sim import max_over_mean
+
+    assert max_over_mean([1.0, 3.0]) == 1.5
+    assert max_over_mean([0.0, 0.0]) == 1.0  # nothing to do is balanced
+    assert max_over_mean([]) == 1.0
+    assert max_over_mean([2.0, 2.0, 2.0, 6.0]) == 2.0

@@ -83,9 +83,9 @@ def pick_ring_mode(
 ) -> ShardMode:
     """WLB-LLM's per-sequence (zigzag) vs per-document choice, within the memory cap.
 
-    Of the modes that fit, the one the cost model predicts faster (CostModel.best_ring_mode's
-    comparison, on sampled members of large groups; locals add the same work under either
-    mode and are left out). Large packs are compared more cheaply or not at all, see
+    Of the modes that fit, the one whose slowest member the cost model predicts faster
+    (CostModel.distributed_rank_costs, on sampled members of large groups; per-document
+    sharding on ties; locals add the same work under either mode and are left out). Large packs are compared more cheaply or not at all, see
     PER_DOC_MAX_DOCS. Raises ValueError if neither mode fits.
     """
     return ring_mode_and_ms(cost, doc_lengths, ranks, cap, local_tokens, memo, estimate=False)[0]
@@ -131,8 +131,8 @@ def ring_mode_and_ms(
         return ShardMode.RING_ZIGZAG, (
             predicted_group_ms(cost, ShardMode.RING_ZIGZAG, docs, ranks, all_members) if estimate else float("nan")
         )
-    # both fit and per-document is cheap enough to weigh: the faster (per-document on ties,
-    # as CostModel.best_ring_mode). Zigzag's slowest member can be any, so it is only chosen
+    # both fit and per-document is cheap enough to weigh: the faster (per-document on ties).
+    # Zigzag's slowest member can be any, so it is only chosen
     # when every member could be predicted; otherwise per-document sharding, balanced by
     # construction, is the safe choice.
     pd = per_doc_ms()

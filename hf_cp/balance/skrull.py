@@ -32,7 +32,7 @@ time budget). `cp_size` fixes N; `cp_scope`
    heaviest first onto the least loaded member with room (LPT), which balances the same
    classification better (kept only when it fits, else DACP's own placement stays).
    The distributed sequences take zigzag or per-document sharding, whichever the cost
-   model predicts faster and fits (CostModel.best_ring_mode).
+   model predicts faster and fits (ring_layout.pick_ring_mode).
 A micro-batch DACP cannot fit (fragmentation) is split in two and each half planned again.
 """
 
