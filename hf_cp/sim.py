@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
+from .shard import ShardMode
 
 
 def max_over_mean(values: Sequence[float]) -> float:
@@ -53,6 +54,30 @@ class SimResult:
     runs: List[GroupRun] = field(default_factory=list)
     cp_size_samples: Dict[int, int] = field(default_factory=dict)  # group size -> samples run distributed on it
     cp_size_tokens: Dict[int, int] = field(default_factory=dict)
+    lower_bound_ms: Optional[float] = None  # lower_bound_ms of the plan's samples (simulate with a cluster)
+    charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
+
+    @property
+    def ratio_to_bound(self) -> float:
+        """Predicted time over the charged bound (nan without bounds)."""
+        b = self.charged_bound_ms
+        return self.makespan_ms / b if b else float("nan")
+
+    @property
+    def far_above_bound(self) -> bool:
+        """At least FAR_ABOVE_BOUND times the charged bound, balanced or not."""
+        return bool(self.charged_bound_ms) and self.makespan_ms >= FAR_ABOVE_BOUND * self.charged_bound_ms
+
+    @property
+    def flags(self) -> List[str]:
+        """Warnings for the plan summary: a plan far above the bound is flagged even when its
+        ranks are balanced (max/mean alone is not a quality signal)."""
+        if not self.far_above_bound:
+            return []
+        return [
+            f"far above the bound: predicted {self.makespan_ms:.1f} ms is {self.ratio_to_bound:.2f}x the charged "
+            f"lower bound {self.charged_bound_ms:.1f} ms (max/mean {self.imbalance:.3f})"
+        ]
 
     @property
     def mean_busy_ms(self) -> float:
@@ -83,7 +108,9 @@ def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel):
     return out
 
 
-def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
+def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
+    """Per-rank times of the plan by the timing rule of the module docstring. With the
+    cluster, the result also carries the plan's lower bounds and flags."""
     W = plan.world_size
     lens = plan.length_of()
     clock = [0.0] * W
@@ -136,6 +163,13 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     makespan = max(clock) if clock else 0.0
     for r in range(W):
         idle[r] += makespan - clock[r]
+    bounds = {}
+    if cluster is not None:
+        local = [cost.sample_local_ms(n) for n in plan.lengths]
+        bounds = {
+            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, local),
+            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local),
+        }
     return SimResult(
         world_size=W,
         compute_ms=compute,
@@ -149,10 +183,13 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         runs=runs,
         cp_size_samples=dict(sorted(cp_samples.items())),
         cp_size_tokens=dict(sorted(cp_tokens.items())),
+        **bounds,
     )
 
 
-def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel) -> float:
+def lower_bound_ms(
+    lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel, local_ms: Optional[Sequence[float]] = None
+) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
     max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
@@ -160,10 +197,82 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
     sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
     extra, communication and per-micro-batch overheads are never negative). On a group of g
     ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
-    that share at the largest registered group size.
+    that share at the largest registered group size. `local_ms`: the samples'
+    CostModel.sample_local_ms, if already known.
     """
-    total_area = 0.0
-    longest = 0.0
+    _check_fits(lengths, cluster)
+    gmax = cluster.group_sizes[-1]
+    areas = [cost.sample_local_ms(n) for n in lengths] if local_ms is None else local_ms
+    if not len(areas):
+        return 0.0
+    return max(sum(areas) / cluster.world_size, max(areas) / gmax)
+
+
+# A plan is flagged when its predicted time is at least this many times the charged bound:
+# balanced or not, it leaves most of the hardware's time on the table.
+FAR_ABOVE_BOUND = 1.5
+
+
+def charged_lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    local_ms: Optional[Sequence[float]] = None,
+    alone_ms: Optional[Callable[[int, int], float]] = None,
+    longest_checked: int = 8,
+) -> float:
+    """A tighter bound that charges a group's communication, kernel efficiency and overheads.
+
+    max( (sum of the samples' single-rank compute + ceil(tokens / cap) micro-batch overheads)
+    / world, the longest samples' best time alone on a group: min over the group sizes
+    whose per-document shards fit the cap of the slowest member's time (CostModel, the
+    sample per-document sharded over an aligned block) plus one overhead ).
+
+    The first term holds for every plan: a rank holds at most `cap` tokens per micro-batch,
+    each micro-batch costs an overhead, and sharding never lowers compute. The second holds
+    for plans that run every distributed sample per-document sharded or local (as
+    dynamic_cp, flexsp, skrull and megatron do): a member's tokens, attention and ring bytes
+    only grow when other documents share its micro-batch, so the sample's micro-batch lasts
+    at least as long as the sample alone. lower_bound_ms instead lets the costliest sample
+    spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
+    A zigzag pack splits its documents differently; the argument does not cover it (the
+    benchmark reports plan / charged bound, so a plan under it would show).
+    `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
+    """
+    _check_fits(lengths, cluster)
+    if not len(lengths):
+        return 0.0
+    areas = [cost.sample_local_ms(n) for n in lengths] if local_ms is None else local_ms
+    cap = cluster.max_tokens_per_rank
+    overhead = cost.micro_batch_overhead_ms()
+    tokens = sum(lengths)
+    area = (sum(areas) + -(-tokens // cap) * overhead) / cluster.world_size
+    alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
+    critical = 0.0
+    for n in sorted(set(lengths), reverse=True)[:longest_checked]:
+        best = min(
+            (alone(n, g) for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap),
+            default=float("inf"),
+        )
+        critical = max(critical, best + overhead)
+    return max(area, critical)
+
+
+def per_doc_max_member_tokens(length: int, group_size: int) -> int:
+    """Tokens of the fullest member when one document is split in 2g parts, member m holding
+    parts m and 2g-1-m (shard.per_doc_segments): 2q, plus one per remainder token it holds."""
+    q, r = divmod(length, 2 * group_size)
+    return 2 * q + (0 if r == 0 else 1 if r <= group_size else 2)
+
+
+def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
+    if group_size == 1:
+        return cost.sample_local_ms(length)
+    ranks = list(range(group_size))
+    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
+
+
+def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> None:
     gmax = cluster.group_sizes[-1]
     for i, n in enumerate(lengths):
         if n > cluster.largest_capacity:
@@ -171,7 +280,3 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
                 f"sample {i} has {n} tokens, more than the largest group holds "
                 f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
             )
-        area = cost.sample_local_ms(n)
-        total_area += area
-        longest = max(longest, area / gmax)
-    return max(total_area / cluster.world_size, longest)

@@ -85,6 +85,7 @@ def test_every_built_in_balancer_lists_its_options_with_help():
         "thetas",
         "simulate_within",
         "simulate_samples_per_rank",
+        "refine_candidates",
     }
     assert describe_options("static") == []
     # options round-trip through plain data

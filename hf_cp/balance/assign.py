@@ -6,7 +6,7 @@ Deterministic in the arguments: equal weights keep their input order, ties go to
 from __future__ import annotations
 
 import heapq
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -53,17 +53,20 @@ def lpt_assign(
     )
     heap = [(float(l), b) for b, l in enumerate(load.tolist())]
     heapq.heapify(heap)
-    wl = w.tolist()
-    for i in order[:k].tolist():
+    exact = order[:k]
+    chosen = []
+    replace = heapq.heapreplace
+    for x in w[exact].tolist():
         l, b = heap[0]
-        bins[i] = b
-        heapq.heapreplace(heap, (l + wl[i], b))
+        chosen.append(b)
+        replace(heap, (l + x, b))
+    bins[exact] = chosen
     for l, b in heap:
         load[b] = l
     if k < n:
         tail = order[k:]
         bins[tail] = water_fill(w[tail], load)
-        np.add.at(load, bins[tail], w[tail])
+        load += np.bincount(bins[tail], weights=w[tail], minlength=n_bins)
     return bins, load
 
 
@@ -98,3 +101,90 @@ def serpentine(n_items: int, n_bins: int) -> np.ndarray:
     p = np.arange(n_items)
     r = p % (2 * n_bins)
     return np.where(r < n_bins, r, 2 * n_bins - 1 - r)
+
+
+def improve_max_load(
+    weights: np.ndarray,
+    bins: np.ndarray,
+    loads: np.ndarray,
+    partners: int = 4,
+    tolerance: float = 1e-3,
+    max_rounds: Optional[int] = None,
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Lower the heaviest bin by moving one item out or swapping two (after LPT's greedy pass).
+
+    Each round takes the heaviest bin (lowest index on ties) and, over its items a, the
+    `partners` lightest bins p and their items b (b = 0: a move), the exchange that sheds
+    d = a - b in (0, gap_p) closest to half the gap: it leaves the larger of the two bins
+    lowest. The search ends when no exchange lowers the heaviest bin, when that bin is within
+    `tolerance` of the mean, or after `max_rounds` (default 2 x bins). LPT leaves coarse
+    items (a few per bin) up to a few percent uneven; this closes most of that. `loads` may
+    include work that cannot move (it is only added to). Returns new (bins, loads);
+    deterministic (ties: lowest indices).
+    """
+    bins = np.array(bins, dtype=np.int64, copy=True)
+    loads = np.array(loads, dtype=np.float64, copy=True)
+    w = np.asarray(weights, dtype=np.float64)
+    n_bins = len(loads)
+    if len(w) == 0 or n_bins < 2:
+        return bins, loads
+    grouped = group_indices(bins, n_bins)
+    members: Dict[int, List[int]] = {}  # bins whose items are looked at, as lists
+
+    def items(b: int) -> List[int]:
+        m = members.get(b)
+        if m is None:
+            m = members[b] = grouped[b].tolist()
+        return m
+
+    mean = float(loads.mean())
+    k = min(partners, n_bins - 1)
+    span = 2.0 * (float(w.max()) + float(loads.max()) + 1.0)  # keeps the partners' keys apart
+    for _ in range(2 * n_bins if max_rounds is None else max_rounds):
+        hi = int(np.argmax(loads))
+        top = float(loads[hi])
+        if top <= mean * (1.0 + tolerance) or not items(hi):
+            break
+        a_idx = np.asarray(items(hi), dtype=np.int64)
+        a = w[a_idx]
+        light = np.argpartition(loads, k)[: k + 1] if k + 1 < n_bins else np.arange(n_bins)
+        light = light[np.lexsort((light, loads[light]))]
+        light = light[light != hi][:k]
+        gaps = top - loads[light]
+        # every partner's items (and a 0 for a move), sorted by weight within the partner,
+        # on one axis: partner q's keys are its weights + q * span
+        b_idx = np.asarray([x for p in light.tolist() for x in [-1] + items(p)], dtype=np.int64)
+        q_of = np.repeat(np.arange(len(light)), [len(items(p)) + 1 for p in light.tolist()])
+        b_w = np.where(b_idx >= 0, w[np.maximum(b_idx, 0)], 0.0)
+        key = b_w + q_of * span
+        order = np.argsort(key, kind="stable")
+        key, b_idx, b_w, q_of = key[order], b_idx[order], b_w[order], q_of[order]
+        # for every (item a, partner q): the b nearest a - gap_q / 2, from below and above
+        target = (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(light))[None, :] * span
+        pos = np.searchsorted(key, target)
+        best_kept, best = 0.0, None
+        for cand in (pos - 1, pos):
+            c = np.clip(cand, 0, len(key) - 1)
+            same = q_of[c] == np.arange(len(light))[None, :]
+            d = a[:, None] - b_w[c]
+            g = gaps[None, :]
+            kept = np.where(same & (d > 0) & (d < g), np.minimum(d, g - d), -np.inf)
+            flat = int(np.argmax(kept))
+            if kept.flat[flat] > best_kept:
+                i, q = np.unravel_index(flat, kept.shape)
+                best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(c[i, q]))
+        if best is None or best_kept <= 1e-12 * max(top, 1.0):
+            break
+        i, q, c = best
+        p, item, j = int(light[q]), int(a_idx[i]), int(b_idx[c])
+        d = w[item] - (w[j] if j >= 0 else 0.0)
+        loads[hi] -= d
+        loads[p] += d
+        bins[item] = p
+        members[hi].remove(item)
+        members[p].append(item)
+        if j >= 0:
+            bins[j] = hi
+            members[p].remove(j)
+            members[hi].append(j)
+    return bins, loads

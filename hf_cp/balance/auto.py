@@ -1,9 +1,22 @@
-"""`auto`: plan each step with several balancers, simulate every plan, keep the fastest.
+"""`auto`: plan each step with several balancers and keep the fastest predicted plan, cheaply.
 
-Never slower (predicted) than any of its members by construction: every member's plan is
-validated and run through `hf_cp.sim.simulate` with the request's cost model, and the one
-with the smallest makespan wins (the first member in order on ties). The winner is
-recorded in the plan as `auto:<member>`.
+Members are planned in order (`dynamic_cp` first: it is the usual winner and among the
+cheapest), each plan priced by `pricing.PlanPricer` (the simulator's makespan from
+per-length tables shared by every member; no validation or simulation per member). Before
+planning a member, `auto` skips it when it cannot matter:
+
+* the best plan so far is within `stop_within` of the step's charged lower bound
+  (sim.charged_lower_bound_ms): no member can beat it by more than that fraction;
+* the member's own bound (its `lower_bound_ms(request, bounds)`, for the balancers whose
+  plans run every sample on groups of one size: static, wlb, libra) is no better than the
+  best plan so far.
+
+So `auto` is never slower (predicted) than any member it planned, and no member it skipped
+could have been more than `stop_within` faster. Everything is a pure function of the
+request: the same members are planned and skipped on every rank. No member's plan is
+validated here: the caller validates the winner (the planner worker and `hf-cp plan` do,
+before any collective). The winner is recorded in the plan as `auto:<member>`; `last_makespans` and `last_skipped`
+say what happened to each member on the last step.
 """
 
 from __future__ import annotations
@@ -12,15 +25,23 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
-from ..sim import simulate
 from . import auto_member_balancers, get_balancer, register_balancer
 from .base import Balancer, PlanRequest
+from .bounds import BoundCache
 from .options import BalancerOptionError, BalancerOptions, option
+from .pricing import pricer_for
+
+# The order members are planned in by default: the usual winners and cheap planners first,
+# so that the bounds can skip the rest. Members not listed (plugins) come after, by name.
+PLANNING_ORDER = ("dynamic_cp", "wlb", "skrull", "libra", "static", "flexsp")
 
 
 def default_members() -> List[str]:
-    """Every balancer registered with auto_member=True (the built-ins but `megatron`)."""
-    return auto_member_balancers()
+    """Every balancer registered with auto_member=True (the built-ins but `megatron`), in
+    PLANNING_ORDER."""
+    names = auto_member_balancers()
+    first = [n for n in PLANNING_ORDER if n in names]
+    return first + [n for n in names if n not in first]
 
 
 @dataclass(frozen=True)
@@ -28,10 +49,16 @@ class AutoOptions(BalancerOptions):
     BALANCER: ClassVar[str] = "auto"
 
     members: Optional[Tuple[str, ...]] = option(
-        None, "balancers to plan with (default: every one registered with auto_member=True)"
+        None,
+        "balancers to plan with, in this order (default: every one registered with auto_member=True, dynamic_cp first)",
     )
     member_options: Dict[str, Dict[str, Any]] = option(
         {}, "per-member options, e.g. {wlb: {fill: 0.9}} (command line: member_options.wlb.fill=0.9)"
+    )
+    stop_within: float = option(
+        0.015,
+        "plan no further member once the best plan is within this fraction of the step's lower bound "
+        "(0: plan every member a bound cannot rule out)",
     )
 
     def check(self) -> None:
@@ -45,11 +72,13 @@ class AutoOptions(BalancerOptions):
         unknown = set(self.member_options) - set(names)
         if unknown:
             raise BalancerOptionError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
+        if not self.stop_within >= 0:
+            raise BalancerOptionError(f"auto: stop_within {self.stop_within} must be >= 0")
 
 
 @register_balancer("auto")
 class AutoBalancer:
-    """Plans with every member and keeps the fastest predicted plan (see the module docstring)."""
+    """Plans with its members in order, skipping those that cannot win (module docstring)."""
 
     name = "auto"
     options_class = AutoOptions
@@ -63,15 +92,29 @@ class AutoBalancer:
                 self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
             except BalancerOptionError as e:
                 raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
-        self.last_makespans: Dict[str, float] = {}  # member -> predicted ms of the last step
+        self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step
+        self.last_skipped: Dict[str, str] = {}  # member -> why it was not planned on the last step
+        self.last_lower_bound_ms = float("nan")
 
     def plan(self, req: PlanRequest) -> StepPlan:
+        pricer = pricer_for(req.cost)
+        bounds = BoundCache(req)
+        lower = bounds.charged()
+        stop_at = lower * (1.0 + self.options.stop_within)
         best: Optional[Tuple[float, str, StepPlan]] = None
-        self.last_makespans = {}
+        self.last_makespans, self.last_skipped, self.last_lower_bound_ms = {}, {}, lower
         for name, balancer in self.members:
+            if best is not None:
+                if best[0] <= stop_at:
+                    self.last_skipped[name] = f"{best[1]} is within {self.options.stop_within:g} of the bound"
+                    continue
+                member_bound = getattr(balancer, "lower_bound_ms", None)
+                bound = member_bound(req, bounds) if member_bound is not None else None
+                if bound is not None and bound >= best[0]:
+                    self.last_skipped[name] = f"its bound {bound:.1f} ms >= {best[1]}'s {best[0]:.1f} ms"
+                    continue
             plan = balancer.plan(req)
-            plan.validate(req.cluster)
-            t = simulate(plan, req.cost).makespan_ms
+            t = pricer.makespan_ms(plan)
             self.last_makespans[name] = t
             if best is None or t < best[0]:
                 best = (t, name, plan)

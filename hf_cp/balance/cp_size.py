@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Optional, Tuple
 
 import numpy as np
 
+from .bounds import BoundCache
 from .costs import cost_memo
 from .options import BalancerOptionError
 
@@ -23,11 +24,15 @@ def fixed_cp_size(req: PlanRequest, cp_size: Optional[int], balancer: str, scope
     smallest registered group whose combined cap holds the longest sample: of the step
     (scope "step": every group is pre-built, so the size may change between steps at no
     cost) or of the whole dataset (scope "dataset": one size for the run, as `static`).
-    Scope "balanced" goes on doubling the step's size while the longest sample alone on
-    such a group would still outlast the mean rank's share of the step's work (its
-    predicted time, CostModel.distributed_rank_cost, against the sum of
-    CostModel.sample_local_ms over the world): a sample that long is the straggler
-    whatever else is balanced.
+    Scope "balanced" goes on doubling the step's size while the longest sample alone on such
+    a group (CostModel.distributed_rank_cost, one micro-batch overhead included) outlasts
+    the world's share of the step's work at that size (bounds.fixed_size_area_ms: ring
+    traffic and overheads charged), and only while doubling lowers the larger of that
+    sample's time and the bound on any plan with groups of that size
+    (bounds.BoundCache.fixed_size, which also counts samples piling onto too few blocks). A
+    sample that long is the straggler whatever else is balanced; but spreading every short
+    document of a small step over hundreds of ranks costs more in traffic and queueing than
+    it saves (WLB-LLM's degenerate 512-rank plans, 19-65x the bound at max/mean 1.000).
     """
     cl = req.cluster
     if cp_size is None:
@@ -37,9 +42,17 @@ def fixed_cp_size(req: PlanRequest, cp_size: Optional[int], balancer: str, scope
         g = cl.smallest_group_for(longest)
         if scope == "balanced":
             memo = cost_memo(req.cost)
-            mean_rank_ms = float(memo.local_ms_array(np.asarray(req.lengths, dtype=np.int64)).sum()) / cl.world_size
-            while g < cl.group_sizes[-1] and memo.doc_on_group_ms(longest, g) > mean_rank_ms:
-                g *= 2
+            bounds = BoundCache(req)
+
+            def estimate(size: int) -> float:
+                return max(memo.doc_on_group_ms(longest, size) + memo.overhead_ms, bounds.fixed_size(size))
+
+            est = estimate(g)
+            while g < cl.group_sizes[-1] and memo.doc_on_group_ms(longest, g) + memo.overhead_ms > bounds.area(g):
+                est2 = estimate(2 * g)
+                if est2 >= est:
+                    break
+                g, est = 2 * g, est2
         return g
     if cp_size not in cl.group_sizes:
         raise ValueError(f"{balancer}: cp_size {cp_size} is not a registered group size {cl.group_sizes}")

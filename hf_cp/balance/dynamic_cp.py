@@ -11,8 +11,8 @@ power-of-two groups. Two passes, as in the survey's algorithm:
    is least loaded, then the remaining (local) samples fill the ranks lightest-first by LPT,
    packed into micro-batches under the per-rank token cap.
 
-One candidate plan per `theta` (and the memory-only one); each distinct candidate is run
-through `hf_cp.sim.simulate` and the fastest is kept.
+One candidate plan per `theta` (and the memory-only one); the fastest predicted candidate
+is kept (the closest ones priced by the simulator's timing rule, pricing.PlanPricer).
 
 Execution order makes groups never wait for each other: every rank runs its distributed
 micro-batches from the largest group size to the smallest, then its local ones. Aligned
@@ -27,16 +27,15 @@ from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..cost import CostModel, RankCost
 from ..plan import Group, StepPlan
 from ..shard import ShardMode
-from ..sim import simulate
 from . import register_balancer
-from .assign import lpt_assign
+from .assign import improve_max_load, lpt_assign
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
 from .options import BalancerOptionError, BalancerOptions, option
 from .packing import split_to_cap
+from .pricing import pricer_for
 from .ring_layout import pick_ring_mode
 from .waves import WaveBuilder, block_ranks
 
@@ -219,35 +218,40 @@ class Candidate:
         self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
         self.local_idx = np.flatnonzero(sizes == 1)
         self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], self.loads)
-        # predicted makespan: per-rank work plus one overhead per cap-full of local tokens
+        self.refined = False
+        self.estimate(req, memo, lengths)
+
+    def estimate(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray) -> float:
+        """Predicted makespan: per-rank work plus one overhead per cap-full of local tokens."""
+        world = req.cluster.world_size
         local_tokens = np.bincount(self.local_rank_of, weights=lengths[self.local_idx], minlength=world)
         cap = req.cluster.max_tokens_per_rank
         self.estimate_ms = float(np.max(self.loads + np.ceil(local_tokens / cap) * memo.overhead_ms))
+        return self.estimate_ms
+
+    def refine(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray) -> None:
+        """Even out the local samples by moves and swaps off the busiest rank (assign.improve_max_load)."""
+        if not self.refined:
+            w = local_ms[self.local_idx]
+            self.local_rank_of, self.loads = improve_max_load(w, self.local_rank_of, self.loads)
+            self.refined = True
+            self.estimate(req, memo, lengths)
 
     def plan(self, req: PlanRequest, memo: CostMemo, name: str) -> StepPlan:
         return assemble_plan(req, memo, self.placed, self.local_rank_of, self.local_idx, name)
 
 
-class MemoizedCost(CostModel):
-    """The request's CostModel with per-length memoised costs for local-only micro-batches.
-
-    Identical numbers (a local-only member's cost is the sum of its documents' single-rank
-    costs), so `simulate` gives the same result, minus the per-document recomputation.
-    """
-
-    def __init__(self, base: CostModel, memo: CostMemo):
-        self.__dict__.update(base.__dict__)
-        self._memo = memo
-
-    def distributed_rank_cost(self, doc_lengths, mode, ranks, member, local_lengths=()):
-        if doc_lengths or not local_lengths:
-            return super().distributed_rank_cost(doc_lengths, mode, ranks, member, local_lengths)
-        return RankCost(
-            compute_ms=sum(map(self._memo.local_ms, local_lengths)),
-            comm_ms=0.0,
-            comm_bytes=0,
-            tokens=sum(local_lengths),
-        )
+def refine_best(
+    req: PlanRequest,
+    memo: CostMemo,
+    candidates: Sequence[Candidate],
+    lengths: np.ndarray,
+    local_ms: np.ndarray,
+    top: int,
+) -> None:
+    """Refine the `top` candidates of lowest estimate (refinement costs more than a candidate)."""
+    for i in sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))[:top]:
+        candidates[i].refine(req, memo, lengths, local_ms)
 
 
 def pick_fastest(
@@ -264,8 +268,8 @@ def pick_fastest(
     Candidates are ranked by their predicted makespan (the cost model's per-rank work under a
     schedule that never waits). Its only approximations are per-micro-batch overheads (one
     per distributed sample, one per cap-full of local tokens), so the (at most
-    `max_simulated`) candidates within `tolerance` of the best are run through
-    `hf_cp.sim.simulate` and the fastest simulated plan wins (the first on ties). Steps with
+    `max_simulated`) candidates within `tolerance` of the best are priced with the
+    simulator's timing rule (pricing.PlanPricer) and the fastest wins (the first on ties). Steps with
     more than `simulate_up_to_samples` samples skip that check: their ranks hold many light
     samples, an overhead is a negligible share of a rank's time, and simulating every
     document would cost more than the planning budget.
@@ -282,8 +286,8 @@ def pick_fastest(
     plans = [c.plan(req, memo, name) for c in shortlist]
     if len(plans) == 1:
         return plans[0]
-    sim_cost = MemoizedCost(req.cost, memo)
-    times = [simulate(p, sim_cost).makespan_ms for p in plans]
+    pricer = pricer_for(req.cost)
+    times = [pricer.makespan_ms(p) for p in plans]
     return plans[int(np.argmin(times))]
 
 
@@ -301,10 +305,15 @@ class DynamicCPOptions(BalancerOptions):
     simulate_samples_per_rank: float = option(
         16.0, "steps of more than this many samples per rank skip the simulation and keep the best prediction"
     )
+    refine_candidates: int = option(
+        2, "candidates (lowest estimates first) whose local samples are evened out by moves and swaps afterwards"
+    )
 
     def check(self) -> None:
         if not self.thetas:
             raise BalancerOptionError("dynamic_cp: thetas must name at least one candidate")
+        if self.refine_candidates < 0:
+            raise BalancerOptionError(f"dynamic_cp: refine_candidates {self.refine_candidates} must be >= 0")
         for t in self.thetas:
             if t is not None and not t > 0:
                 raise BalancerOptionError(f"dynamic_cp: theta {t!r} must be positive (or null for memory-only)")
@@ -322,6 +331,7 @@ class DynamicCPBalancer:
         self.thetas = o.thetas
         self.simulate_within = o.simulate_within
         self.simulate_samples_per_rank = o.simulate_samples_per_rank
+        self.refine_candidates = o.refine_candidates
 
     def plan(self, req: PlanRequest) -> StepPlan:
         memo = cost_memo(req.cost)
@@ -339,6 +349,7 @@ class DynamicCPBalancer:
                 continue
             seen.add(key)
             candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
+        refine_best(req, memo, candidates, lengths, local_ms, self.refine_candidates)
         return pick_fastest(
             req,
             memo,

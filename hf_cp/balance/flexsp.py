@@ -39,7 +39,7 @@ from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
-from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest
+from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest, refine_best
 from .options import BalancerOptionError, BalancerOptions, option
 
 
@@ -271,8 +271,8 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
     rank_of, loads = fill_ranks(prob.local_ms[local], loads)
     cand = Candidate.__new__(Candidate)
     cand.placed, cand.local_idx, cand.local_rank_of, cand.loads = placed, local, rank_of, loads
-    local_tokens = np.bincount(rank_of, weights=prob.lengths[local], minlength=world)
-    cand.estimate_ms = float(np.max(loads + np.ceil(local_tokens / req.cluster.max_tokens_per_rank) * memo.overhead_ms))
+    cand.refined = False
+    cand.estimate(req, memo, prob.lengths)
     return cand
 
 
@@ -342,4 +342,5 @@ class FlexSPBalancer:
                 hi = mid
                 found.append((mid, sizes))
         candidates = [realise(req, memo, prob, sizes, c) for c, sizes in found[-3:]]
+        refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
         return pick_fastest(req, memo, candidates, self.name, self.simulate_within)

@@ -36,6 +36,7 @@ from ..plan import Group, StepPlan
 from . import register_balancer
 from .assign import descending_order, group_indices
 from .base import PlanRequest
+from .bounds import BoundCache
 from .costs import cost_memo
 from .cp_size import check_cp_options, fixed_cp_size
 from .options import BalancerOptionError, BalancerOptions, option
@@ -96,6 +97,10 @@ class LibraBalancer:
     def __init__(self, **options):
         self.options = o = LibraOptions.from_dict(options)
         self.pool_size, self.cp_size, self.cp_scope = o.pool_size, o.cp_size, o.cp_scope
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No libra plan of the request is faster (every pack on a group of the step's CP size)."""
+        return bounds.fixed_size(fixed_cp_size(req, self.cp_size, self.name, self.cp_scope))
 
     def layout(self, req: PlanRequest) -> PoolLayout:
         cl = req.cluster

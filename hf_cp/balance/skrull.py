@@ -50,6 +50,7 @@ from ..shard import ShardMode
 from . import register_balancer
 from .assign import descending_order, group_indices, lpt_assign, serpentine, water_fill
 from .base import PlanRequest
+from .bounds import BoundCache
 from .costs import CostMemo, cost_memo
 from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
 from .options import BalancerOptionError, BalancerOptions, option
@@ -244,6 +245,22 @@ class SkrullBalancer:
         self.options = o = SkrullOptions.from_dict(options)
         self.cp_size, self.cp_scope, self.fill = o.cp_size, o.cp_scope, o.fill
         self.split_stragglers, self.search_halvings = o.split_stragglers, o.search_halvings
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No skrull plan of the request is faster: every sample runs inside one block of the
+        CP size (bounds.blocks_bound_ms), for the sizes the search may end on."""
+        if self.cp_size is None and self.cp_scope == "search":
+            smallest = fixed_cp_size(req, None, self.name, "step")
+            n = fixed_cp_size(req, None, self.name, "balanced")
+            sizes = [n]
+            for _ in range(self.search_halvings):
+                if n // 2 < smallest:
+                    break
+                n //= 2
+                sizes.append(n)
+        else:
+            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        return max(bounds.step(), min(bounds.blocks(n) for n in sizes))
 
     def plan(self, req: PlanRequest) -> StepPlan:
         if self.cp_size is None and self.cp_scope == "search":

@@ -14,6 +14,7 @@ from ..plan import Group, StepPlan, Wave
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
+from .bounds import BoundCache
 from .options import BalancerOptions
 from .packing import first_fit
 
@@ -33,10 +34,19 @@ class StaticBalancer:
     def __init__(self, **options):
         self.options = StaticOptions.from_dict(options)
 
+    @staticmethod
+    def cp_size(req: PlanRequest) -> int:
+        """The run's one CP size: the smallest group holding the dataset's longest sample."""
+        return req.cluster.smallest_group_for(max(req.dataset_max_length or 0, max(req.lengths)))
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No static plan of the request is faster (every sample on a group of cp_size ranks)."""
+        return bounds.fixed_size(self.cp_size(req))
+
     def plan(self, req: PlanRequest) -> StepPlan:
         cl = req.cluster
         longest = max(req.dataset_max_length or 0, max(req.lengths))
-        cp = cl.smallest_group_for(longest)
+        cp = self.cp_size(req)
         if cp is None:  # PlanRequest already rejects samples that fit no group
             raise ValueError(f"dataset_max_length {longest} fits no group of {cl.group_sizes}")
         dp = cl.world_size // cp

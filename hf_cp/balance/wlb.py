@@ -47,6 +47,7 @@ from ..plan import Group, StepPlan
 from . import register_balancer
 from .assign import descending_order, group_indices, split_exact_tail, water_fill
 from .base import PlanRequest
+from .bounds import BoundCache
 from .costs import cost_memo
 from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
 from .options import BalancerOptionError, BalancerOptions, option
@@ -192,16 +193,23 @@ class WlbBalancer:
         self.cp_size, self.cp_scope = o.cp_size, o.cp_scope
         self.fill, self.outlier_fraction = o.fill, o.outlier_fraction
 
-    def plan(self, req: PlanRequest) -> StepPlan:
+    def cp_sizes(self, req: PlanRequest) -> List[int]:
+        """The CP sizes the step is planned with (one, or two with cp_scope "search")."""
         if self.cp_size is None and self.cp_scope == "search":
             # the CP size is a configuration knob in WLB-LLM; here each step tries the smallest
             # size that holds its longest sample and the size at which that sample stops being
             # the straggler, and keeps the plan the cost model predicts faster
-            sizes = sorted(
+            return sorted(
                 {fixed_cp_size(req, None, self.name, "step"), fixed_cp_size(req, None, self.name, "balanced")}
             )
-        else:
-            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        return [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No wlb plan of the request is faster (every sample on groups of one of cp_sizes)."""
+        return min(bounds.fixed_size(n) for n in self.cp_sizes(req))
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        sizes = self.cp_sizes(req)
         best = min((self._plan_groups(req, N, estimate=len(sizes) > 1) for N in sizes), key=lambda r: r[0])
         builder = WaveBuilder(req.cluster.world_size)
         for group in best[1]:
