@@ -81,6 +81,9 @@ class StepPlan:
     waves: List[Wave] = field(default_factory=list)
     step: int = 0
     balancer: str = ""
+    # What the step record should carry about how the plan was made, e.g. a solver that passed
+    # its deadline and the greedy plan taken instead. Serialised only when not empty.
+    notes: List[str] = field(default_factory=list)
 
     # ---- lookups
     def length_of(self) -> Dict[int, int]:
@@ -128,6 +131,7 @@ class StepPlan:
             "max_tokens_per_rank": self.max_tokens_per_rank,
             "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
             "waves": [w.to_dict() for w in self.waves],
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
 
     def to_json(self) -> str:
@@ -153,6 +157,7 @@ class StepPlan:
                 waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
                 step=int(d.get("step", 0)),
                 balancer=str(d.get("balancer", "")),
+                notes=[str(n) for n in d.get("notes", [])],
             )
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}") from None

@@ -20,8 +20,13 @@ Heavy samples: those too long for one rank and the heaviest others (FlexSP solve
 sequence; the light tail is filled by LPT, which the MILP accounts for as divisible work).
 The MILP runs in highspy (optional extra `milp`) under node and time limits; without
 highspy, a greedy picks for every heavy sample the smallest group that meets C and counts
-groups by first-fit decreasing. Plans realised from the best few targets are simulated and
+groups by first-fit decreasing. Plans realised from the best few targets are priced and
 the fastest is kept.
+
+HiGHS can ignore its own time limit (inside MIP presolve it ran one 1,000-sample MILP for
+more than 4 minutes), so the MILP search runs in a worker process killed at `deadline_s`
+(deadline.call_with_deadline); past it the step is planned with the greedy sizes and the
+plan says so in its notes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
+from .deadline import DeadlinePassed, call_with_deadline
 from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest, refine_best
 from .options import BalancerOptionError, BalancerOptions, option
 
@@ -287,12 +293,19 @@ class FlexSPOptions(BalancerOptions):
     max_heavy: int = option(128, "at most this many optional heavy samples in the MILP")
     heavy_fraction: float = option(0.05, "samples heavier than this fraction of a rank's quota are heavy")
     simulate_within: float = option(0.003, "candidates predicted within this fraction of the best are simulated")
+    deadline_s: Optional[float] = option(
+        3.0,
+        "wall-clock deadline of the MILP search, enforced by killing its worker process (HiGHS can ignore its own "
+        "time limit); past it the plan takes the greedy sizes and says so in its notes (null: no deadline)",
+    )
 
     def check(self) -> None:
         if self.solver not in ("auto", "milp", "greedy"):
             raise BalancerOptionError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {self.solver!r}")
         if self.time_limit_s <= 0 or self.bisection_steps < 1 or self.max_heavy < 0:
             raise BalancerOptionError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise BalancerOptionError(f"flexsp: deadline_s {self.deadline_s} must be positive (or null)")
 
 
 @register_balancer("flexsp", auto_member=True)
@@ -313,6 +326,7 @@ class FlexSPBalancer:
         self.max_heavy = o.max_heavy
         self.heavy_fraction = o.heavy_fraction
         self.simulate_within = o.simulate_within
+        self.deadline_s = o.deadline_s
 
     def uses_milp(self) -> bool:
         return self.solver == "milp" or (self.solver == "auto" and highs_available())
@@ -322,25 +336,65 @@ class FlexSPBalancer:
         prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
         if not prob.heavy:
             return pick_fastest(req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0)
+        notes: List[str] = []
         if self.uses_milp():
-            milp = MilpSolver(prob, self.node_limit, self.time_limit_s / self.bisection_steps)
-            solve = milp.solve
-        else:
-            solve = lambda c: greedy_sizes(prob, c)  # noqa: E731
-        lo, hi = prob.lower_ms(), prob.upper_ms()
-        found: List[Tuple[float, List[int]]] = []
-        best = solve(hi)
-        if best is None:  # the upper target holds by construction for the greedy; guard the MILP
-            best = [max(o) for o in prob.options]
-        found.append((hi, best))
-        for _ in range(self.bisection_steps):
-            mid = math.sqrt(lo * hi)
-            sizes = solve(mid)
-            if sizes is None:
-                lo = mid
+            search = (milp_search, (prob, self.node_limit, self.time_limit_s, self.bisection_steps))
+            if self.deadline_s is None:
+                found = search[0](*search[1])
             else:
-                hi = mid
-                found.append((mid, sizes))
+                try:
+                    found = call_with_deadline(*search, deadline_s=self.deadline_s)
+                except DeadlinePassed:
+                    found = greedy_search(prob, self.bisection_steps)
+                    notes.append(
+                        f"flexsp: the MILP passed its {self.deadline_s:g} s deadline; planned with the greedy sizes"
+                    )
+        else:
+            found = greedy_search(prob, self.bisection_steps)
         candidates = [realise(req, memo, prob, sizes, c) for c, sizes in found[-3:]]
         refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
+        plan = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        plan.notes.extend(notes)
+        return plan
+
+    def plan_fallback(self, req: PlanRequest) -> StepPlan:
+        """The plan a passed deadline leads to: the greedy sizes, with no solver (deterministic,
+        for ranks that must agree on a step one of them planned past the deadline)."""
+        memo = cost_memo(req.cost)
+        prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
+        if not prob.heavy:
+            return pick_fastest(req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0)
+        candidates = [realise(req, memo, prob, sizes, c) for c, sizes in greedy_search(prob, self.bisection_steps)[-3:]]
+        refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
         return pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+
+
+def bisect_targets(prob: Problem, solve, steps: int) -> List[Tuple[float, List[int]]]:
+    """(target makespan, heavy samples' sizes) of every feasible target of a geometric
+    bisection between the problem's lower and upper makespans, the best last."""
+    lo, hi = prob.lower_ms(), prob.upper_ms()
+    found: List[Tuple[float, List[int]]] = []
+    best = solve(hi)
+    if best is None:  # the upper target holds by construction for the greedy; guard the MILP
+        best = [max(o) for o in prob.options]
+    found.append((hi, best))
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        sizes = solve(mid)
+        if sizes is None:
+            lo = mid
+        else:
+            hi = mid
+            found.append((mid, sizes))
+    return found
+
+
+def milp_search(prob: Problem, node_limit: int, time_limit_s: float, steps: int) -> List[Tuple[float, List[int]]]:
+    """bisect_targets with the MILP (HiGHS's own limit: time_limit_s over all the solves)."""
+    milp = MilpSolver(prob, node_limit, time_limit_s / steps)
+    return bisect_targets(prob, milp.solve, steps)
+
+
+def greedy_search(prob: Problem, steps: int) -> List[Tuple[float, List[int]]]:
+    """bisect_targets with greedy_sizes: no solver, the fallback when the MILP cannot be used."""
+    return bisect_targets(prob, lambda c: greedy_sizes(prob, c), steps)
