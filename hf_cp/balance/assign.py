@@ -108,7 +108,7 @@ def improve_max_load(
     bins: np.ndarray,
     loads: np.ndarray,
     partners: int = 4,
-    tolerance: float = 1e-3,
+    tolerance: float = 2e-3,
     max_rounds: Optional[int] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Lower the heaviest bin by moving one item out or swapping two (after LPT's greedy pass).
@@ -128,14 +128,15 @@ def improve_max_load(
     n_bins = len(loads)
     if len(w) == 0 or n_bins < 2:
         return bins, loads
-    grouped = group_indices(bins, n_bins)
-    members: Dict[int, List[int]] = {}  # bins whose items are looked at, as lists
+    members: Dict[int, np.ndarray] = dict(enumerate(group_indices(bins, n_bins)))
+    by_weight: Dict[int, np.ndarray] = {}  # bins looked at: their items by (weight, index)
 
-    def items(b: int) -> List[int]:
-        m = members.get(b)
-        if m is None:
-            m = members[b] = grouped[b].tolist()
-        return m
+    def sorted_items(b: int) -> np.ndarray:
+        v = by_weight.get(b)
+        if v is None:
+            ix = members[b]
+            v = by_weight[b] = ix[np.lexsort((ix, w[ix]))]
+        return v
 
     mean = float(loads.mean())
     k = min(partners, n_bins - 1)
@@ -143,22 +144,21 @@ def improve_max_load(
     for _ in range(2 * n_bins if max_rounds is None else max_rounds):
         hi = int(np.argmax(loads))
         top = float(loads[hi])
-        if top <= mean * (1.0 + tolerance) or not items(hi):
+        a_idx = members[hi]
+        if top <= mean * (1.0 + tolerance) or not len(a_idx):
             break
-        a_idx = np.asarray(items(hi), dtype=np.int64)
         a = w[a_idx]
         light = np.argpartition(loads, k)[: k + 1] if k + 1 < n_bins else np.arange(n_bins)
         light = light[np.lexsort((light, loads[light]))]
         light = light[light != hi][:k]
         gaps = top - loads[light]
-        # every partner's items (and a 0 for a move), sorted by weight within the partner,
-        # on one axis: partner q's keys are its weights + q * span
-        b_idx = np.asarray([x for p in light.tolist() for x in [-1] + items(p)], dtype=np.int64)
-        q_of = np.repeat(np.arange(len(light)), [len(items(p)) + 1 for p in light.tolist()])
+        # every partner's items after a 0 (a move), by weight: partner q's keys are its
+        # weights + q * span, so the keys of all partners are sorted as they stand
+        segments = [sorted_items(p) for p in light.tolist()]
+        b_idx = np.concatenate([x for seg in segments for x in (np.array([-1]), seg)])
+        q_of = np.repeat(np.arange(len(light)), [len(seg) + 1 for seg in segments])
         b_w = np.where(b_idx >= 0, w[np.maximum(b_idx, 0)], 0.0)
         key = b_w + q_of * span
-        order = np.argsort(key, kind="stable")
-        key, b_idx, b_w, q_of = key[order], b_idx[order], b_w[order], q_of[order]
         # for every (item a, partner q): the b nearest a - gap_q / 2, from below and above
         target = (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(light))[None, :] * span
         pos = np.searchsorted(key, target)
@@ -181,10 +181,13 @@ def improve_max_load(
         loads[hi] -= d
         loads[p] += d
         bins[item] = p
-        members[hi].remove(item)
-        members[p].append(item)
+        hi_items = members[hi][members[hi] != item]
+        p_items = np.append(members[p], item)
         if j >= 0:
             bins[j] = hi
-            members[p].remove(j)
-            members[hi].append(j)
+            hi_items = np.append(hi_items, j)
+            p_items = p_items[p_items != j]
+        members[hi], members[p] = hi_items, p_items
+        by_weight.pop(hi, None)
+        by_weight.pop(p, None)
     return bins, loads
