@@ -12,6 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
@@ -200,12 +202,12 @@ def lower_bound_ms(
     that share at the largest registered group size. `local_ms`: the samples'
     CostModel.sample_local_ms, if already known.
     """
-    _check_fits(lengths, cluster)
+    lens = _check_fits(lengths, cluster)
     gmax = cluster.group_sizes[-1]
-    areas = [cost.sample_local_ms(n) for n in lengths] if local_ms is None else local_ms
+    areas = np.asarray([cost.sample_local_ms(n) for n in lens.tolist()] if local_ms is None else local_ms)
     if not len(areas):
         return 0.0
-    return max(sum(areas) / cluster.world_size, max(areas) / gmax)
+    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
 
 
 # A plan is flagged when its predicted time is at least this many times the charged bound:
@@ -239,17 +241,17 @@ def charged_lower_bound_ms(
     benchmark reports plan / charged bound, so a plan under it would show).
     `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
     """
-    _check_fits(lengths, cluster)
-    if not len(lengths):
+    lens = _check_fits(lengths, cluster)
+    if not len(lens):
         return 0.0
-    areas = [cost.sample_local_ms(n) for n in lengths] if local_ms is None else local_ms
+    areas = np.asarray([cost.sample_local_ms(n) for n in lens.tolist()] if local_ms is None else local_ms)
     cap = cluster.max_tokens_per_rank
     overhead = cost.micro_batch_overhead_ms()
-    tokens = sum(lengths)
-    area = (sum(areas) + -(-tokens // cap) * overhead) / cluster.world_size
+    tokens = int(lens.sum())
+    area = (float(areas.sum()) + -(-tokens // cap) * overhead) / cluster.world_size
     alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
     critical = 0.0
-    for n in sorted(set(lengths), reverse=True)[:longest_checked]:
+    for n in np.unique(lens)[::-1][:longest_checked].tolist():
         best = min(
             (alone(n, g) for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap),
             default=float("inf"),
@@ -272,11 +274,13 @@ def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
     return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
 
 
-def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> None:
-    gmax = cluster.group_sizes[-1]
-    for i, n in enumerate(lengths):
-        if n > cluster.largest_capacity:
-            raise ValueError(
-                f"sample {i} has {n} tokens, more than the largest group holds "
-                f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
-            )
+def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """The lengths as an array; ValueError naming the first sample no group holds."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(lens) and int(lens.max()) > cluster.largest_capacity:
+        i = int(np.argmax(lens > cluster.largest_capacity))
+        raise ValueError(
+            f"sample {i} has {int(lens[i])} tokens, more than the largest group holds "
+            f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
+        )
+    return lens

@@ -12,7 +12,9 @@ planning a member, `auto` skips it when it cannot matter:
   best plan so far.
 
 So `auto` is never slower (predicted) than any member it planned, and no member it skipped
-could have been more than `stop_within` faster. Everything is a pure function of the
+could have been more than `stop_within` faster. The first member's plan is not priced
+unless another member is planned: its own prediction (`last_predicted_ms`, which dynamic_cp
+and flexsp set on every plan()) decides whether to stop. Everything is a pure function of the
 request: the same members are planned and skipped on every rank. No member's plan is
 validated here: the caller validates the winner (the planner worker and `hf-cp plan` do,
 before any collective). The winner is recorded in the plan as `auto:<member>`; `last_makespans` and `last_skipped`
@@ -101,7 +103,7 @@ class AutoBalancer:
         bounds = BoundCache(req)
         lower = bounds.charged()
         stop_at = lower * (1.0 + self.options.stop_within)
-        best: Optional[Tuple[float, str, StepPlan]] = None
+        best: Optional[List] = None  # [predicted ms, member, plan, priced by the pricer]
         self.last_makespans, self.last_skipped, self.last_lower_bound_ms = {}, {}, lower
         for name, balancer in self.members:
             if best is not None:
@@ -114,10 +116,20 @@ class AutoBalancer:
                     self.last_skipped[name] = f"its bound {bound:.1f} ms >= {best[1]}'s {best[0]:.1f} ms"
                     continue
             plan = balancer.plan(req)
+            if best is None:
+                # the first member's own prediction (built-ins set last_predicted_ms on every
+                # plan()) decides whether anything else is planned; it is priced only if so
+                own = getattr(balancer, "last_predicted_ms", None)
+                best = [own, name, plan, False] if own is not None else [pricer.makespan_ms(plan), name, plan, True]
+                self.last_makespans[name] = best[0]
+                continue
+            if not best[3]:
+                best[0], best[3] = pricer.makespan_ms(best[2]), True
+                self.last_makespans[best[1]] = best[0]
             t = pricer.makespan_ms(plan)
             self.last_makespans[name] = t
-            if best is None or t < best[0]:
-                best = (t, name, plan)
-        _, winner, plan = best
+            if t < best[0]:
+                best = [t, name, plan, True]
+        _, winner, plan, _ = best
         plan.balancer = f"{self.name}:{winner}"
         return plan

@@ -125,7 +125,7 @@ class BoundCache:
     def __init__(self, req: PlanRequest):
         self.req = req
         memo = cost_memo(req.cost)
-        self.local_ms = memo.local_ms_array(np.asarray(req.lengths, dtype=np.int64))
+        self.local_ms = memo.step_local_ms(req.lengths)
         self.totals = StepTotals.of(req, memo, self.local_ms)
         self._by_size: Dict[int, float] = {}
         self._charged: Optional[float] = None

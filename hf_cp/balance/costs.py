@@ -7,7 +7,7 @@ depend on the cache state.
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -29,6 +29,8 @@ class CostMemo:
         self._on_group: Dict[Tuple[int, int], float] = {}
         self._member_tokens: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self.overhead_ms = cost.micro_batch_overhead_ms()
+        self._step_lengths: Optional[Tuple[int, ...]] = None
+        self._step_local = np.zeros(0)
 
     def local_ms(self, length: int) -> float:
         """Whole-document compute of one sample on one rank (CostModel.sample_local_ms)."""
@@ -36,6 +38,16 @@ class CostMemo:
         if v is None:
             v = self._local[length] = self.cost.sample_local_ms(length)
         return v
+
+    def step_local_ms(self, lengths: Sequence[int]) -> np.ndarray:
+        """local_ms_array of a step's lengths, kept for the last step asked: every member of
+        `auto`, every bound and the pricer ask for the same step's (do not modify it)."""
+        if self._step_lengths is not lengths:
+            key = lengths if isinstance(lengths, tuple) else tuple(lengths)
+            if key != self._step_lengths:
+                self._step_local = self.local_ms_array(np.asarray(key, dtype=np.int64))
+            self._step_lengths = key
+        return self._step_local
 
     def local_ms_array(self, lengths: np.ndarray) -> np.ndarray:
         """local_ms of every entry of an integer array."""

@@ -262,8 +262,8 @@ def pick_fastest(
     tolerance: float,
     max_simulated: int = 2,
     simulate_up_to_samples: Optional[int] = None,
-) -> StepPlan:
-    """Keep the candidate with the smallest makespan.
+) -> Tuple[StepPlan, float]:
+    """Keep the candidate with the smallest makespan: (its plan, its predicted makespan).
 
     Candidates are ranked by their predicted makespan (the cost model's per-rank work under a
     schedule that never waits). Its only approximations are per-micro-batch overheads (one
@@ -285,10 +285,11 @@ def pick_fastest(
         shortlist = shortlist[:1]
     plans = [c.plan(req, memo, name) for c in shortlist]
     if len(plans) == 1:
-        return plans[0]
+        return plans[0], shortlist[0].estimate_ms
     pricer = pricer_for(req.cost)
     times = [pricer.makespan_ms(p) for p in plans]
-    return plans[int(np.argmin(times))]
+    best = int(np.argmin(times))
+    return plans[best], times[best]
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,8 @@ class DynamicCPBalancer:
     name = "dynamic_cp"
     options_class = DynamicCPOptions
 
+    last_predicted_ms: Optional[float] = None  # set by every plan(): the kept candidate's predicted makespan
+
     def __init__(self, **options):
         self.options = o = DynamicCPOptions.from_dict(options)
         self.thetas = o.thetas
@@ -337,7 +340,7 @@ class DynamicCPBalancer:
         memo = cost_memo(req.cost)
         cl = req.cluster
         lengths = np.asarray(req.lengths, dtype=np.int64)
-        local_ms = memo.local_ms_array(lengths)
+        local_ms = memo.step_local_ms(req.lengths)
         min_sizes = memory_min_sizes(memo, lengths, req)
         quota = float(local_ms.sum()) / cl.world_size
         seen = set()
@@ -350,7 +353,7 @@ class DynamicCPBalancer:
             seen.add(key)
             candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
         refine_best(req, memo, candidates, lengths, local_ms, self.refine_candidates)
-        return pick_fastest(
+        plan, self.last_predicted_ms = pick_fastest(
             req,
             memo,
             candidates,
@@ -358,3 +361,4 @@ class DynamicCPBalancer:
             self.simulate_within,
             simulate_up_to_samples=int(self.simulate_samples_per_rank * cl.world_size),
         )
+        return plan

@@ -94,7 +94,7 @@ class Problem:
         cl = req.cluster
         self.world = cl.world_size
         self.lengths = np.asarray(req.lengths, dtype=np.int64)
-        self.local_ms = memo.local_ms_array(self.lengths)
+        self.local_ms = memo.step_local_ms(req.lengths)
         self.min_sizes = memory_min_sizes(memo, self.lengths, req)
         self.quota = float(self.local_ms.sum()) / self.world
         forced = np.flatnonzero(self.min_sizes > 1)
@@ -313,6 +313,8 @@ class FlexSPBalancer:
     name = "flexsp"
     options_class = FlexSPOptions
 
+    last_predicted_ms: Optional[float] = None  # set by every plan(): the kept candidate's predicted makespan
+
     def __init__(self, **options):
         self.options = o = FlexSPOptions.from_dict(options)
         if o.solver == "milp" and not highs_available():
@@ -335,7 +337,10 @@ class FlexSPBalancer:
         memo = cost_memo(req.cost)
         prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
         if not prob.heavy:
-            return pick_fastest(req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0)
+            plan, self.last_predicted_ms = pick_fastest(
+                req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0
+            )
+            return plan
         notes: List[str] = []
         if self.uses_milp():
             search = (milp_search, (prob, self.node_limit, self.time_limit_s, self.bisection_steps))
@@ -353,7 +358,7 @@ class FlexSPBalancer:
             found = greedy_search(prob, self.bisection_steps)
         candidates = [realise(req, memo, prob, sizes, c) for c, sizes in found[-3:]]
         refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
-        plan = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
         plan.notes.extend(notes)
         return plan
 
@@ -363,21 +368,31 @@ class FlexSPBalancer:
         memo = cost_memo(req.cost)
         prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
         if not prob.heavy:
-            return pick_fastest(req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0)
+            plan, self.last_predicted_ms = pick_fastest(
+                req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0
+            )
+            return plan
         candidates = [realise(req, memo, prob, sizes, c) for c, sizes in greedy_search(prob, self.bisection_steps)[-3:]]
         refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
-        return pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        return plan
 
 
-def bisect_targets(prob: Problem, solve, steps: int) -> List[Tuple[float, List[int]]]:
+def bisect_targets(
+    prob: Problem, solve, steps: int, start: Optional[Tuple[float, List[int]]] = None
+) -> List[Tuple[float, List[int]]]:
     """(target makespan, heavy samples' sizes) of every feasible target of a geometric
-    bisection between the problem's lower and upper makespans, the best last."""
-    lo, hi = prob.lower_ms(), prob.upper_ms()
-    found: List[Tuple[float, List[int]]] = []
-    best = solve(hi)
-    if best is None:  # the upper target holds by construction for the greedy; guard the MILP
-        best = [max(o) for o in prob.options]
-    found.append((hi, best))
+    bisection between the problem's lower makespan and `start` (a feasible target and its
+    sizes; default: the upper makespan, solved), the best last."""
+    lo = prob.lower_ms()
+    if start is None:
+        hi = prob.upper_ms()
+        best = solve(hi)
+        if best is None:  # the upper target holds by construction for the greedy; guard the MILP
+            best = [max(o) for o in prob.options]
+        start = (hi, best)
+    hi = start[0]
+    found: List[Tuple[float, List[int]]] = [start]
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
         sizes = solve(mid)
@@ -390,9 +405,13 @@ def bisect_targets(prob: Problem, solve, steps: int) -> List[Tuple[float, List[i
 
 
 def milp_search(prob: Problem, node_limit: int, time_limit_s: float, steps: int) -> List[Tuple[float, List[int]]]:
-    """bisect_targets with the MILP (HiGHS's own limit: time_limit_s over all the solves)."""
-    milp = MilpSolver(prob, node_limit, time_limit_s / steps)
-    return bisect_targets(prob, milp.solve, steps)
+    """The greedy's bisection, then the MILP's below the greedy's best target (its sizes are
+    a solution of the MILP there), in half the steps: the MILP only has to beat the greedy.
+    HiGHS's own limit: time_limit_s over all the solves."""
+    greedy = greedy_search(prob, steps)
+    milp_steps = max(1, (steps + 1) // 2)
+    milp = MilpSolver(prob, node_limit, time_limit_s / milp_steps)
+    return greedy[:-1] + bisect_targets(prob, milp.solve, milp_steps, start=greedy[-1])
 
 
 def greedy_search(prob: Problem, steps: int) -> List[Tuple[float, List[int]]]:

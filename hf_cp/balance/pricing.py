@@ -149,7 +149,7 @@ class PlanPricer:
         by_id = np.argsort(ids, kind="stable")
         sorted_ids = ids[by_id]
         lens = np.asarray(plan.lengths, dtype=np.int64)
-        local_ms = self.memo.local_ms_array(lens)
+        local_ms = self.memo.step_local_ms(plan.lengths)
 
         # pass 1: every local list's samples, flattened, labelled with its slot
         flat: List[int] = []

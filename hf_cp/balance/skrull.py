@@ -55,6 +55,7 @@ from .costs import CostMemo, cost_memo
 from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
 from .options import BalancerOptionError, BalancerOptions, option
 from .packing import even_cap, split_to_cap
+from .pricing import pricer_for
 from .ring_layout import pick_ring_mode
 from .waves import WaveBuilder, block_ranks
 
@@ -365,17 +366,14 @@ class SkrullBalancer:
         loads = dacp.member_loads(lens, costs, where)
         dist_lens = [lens[i] for i in dist]
         if dist_lens:
-            # the cost model on the slowest member by DACP's estimate (which sums every
-            # distributed sequence's time alone, over-counting the communication that one
-            # ring pass over all of them pays once) and on member 0 (per-document
-            # remainders land there)
-            slowest = max(range(N), key=lambda m: (loads[m], -m))
-            est = max(
-                req.cost.distributed_rank_cost(
-                    dist_lens, ShardMode.RING_PER_DOC, ranks, m, local_lens.get(m, ())
-                ).total_ms
-                for m in {0, slowest}
-            )
+            # every member by the cost model (pricing.PlanPricer: its share of one ring pass
+            # over all the distributed sequences, plus its locals), not DACP's estimate, which
+            # sums every distributed sequence's time alone and over-counts the communication
+            pricer = pricer_for(req.cost)
+            member = pricer.distributed_member_ms(dist_lens, ShardMode.RING_PER_DOC, ranks)
+            for m, ls in local_lens.items():
+                member[m] += sum(map(dacp.memo.local_ms, ls))
+            est = float(member.max())
         else:
             est = max(loads)
         return group, est, dist_lens, local_tokens
