@@ -307,7 +307,9 @@ class DynamicCPOptions(BalancerOptions):
         16.0, "steps of more than this many samples per rank skip the simulation and keep the best prediction"
     )
     refine_candidates: int = option(
-        2, "candidates (lowest estimates first) whose local samples are evened out by moves and swaps afterwards"
+        1,
+        "candidates (lowest estimates first) whose local samples are evened out by moves and swaps afterwards "
+        "(a second one gains ~0.2% on coarse steps such as long documents at 64 ranks, for ~60% more time)",
     )
 
     def check(self) -> None:
