@@ -225,17 +225,21 @@ def charged_lower_bound_ms(
 ) -> float:
     """A tighter bound that charges a group's communication, kernel efficiency and overheads.
 
-    max( (sum of the samples' single-rank compute + ceil(tokens / cap) micro-batch overheads)
-    / world, the longest samples' best time alone on a group: min over the group sizes
-    whose per-document shards fit the cap of the slowest member's time (CostModel, the
-    sample per-document sharded over an aligned block) plus one overhead ).
+    max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
+    longest samples' best time alone on a group: min over the group sizes whose
+    per-document shards fit the cap of the slowest member's time (CostModel, the sample
+    per-document sharded over an aligned block) plus one overhead ). A sample's rank-time is
+    its single-rank compute, or for a sample over the cap the least g x its time alone on g
+    ranks over the sizes it fits.
 
-    The first term holds for every plan: a rank holds at most `cap` tokens per micro-batch,
-    each micro-batch costs an overhead, and sharding never lowers compute. The second holds
-    for plans that run every distributed sample per-document sharded or local (as
-    dynamic_cp, flexsp, skrull and megatron do): a member's tokens, attention and ring bytes
-    only grow when other documents share its micro-batch, so the sample's micro-batch lasts
-    at least as long as the sample alone. lower_bound_ms instead lets the costliest sample
+    A rank holds at most `cap` tokens per micro-batch, each micro-batch costs an overhead,
+    and sharding never lowers compute. The rest holds for plans that run every distributed
+    sample per-document sharded or local (as dynamic_cp, flexsp, skrull and megatron do): a
+    member's tokens, attention and ring bytes only grow when other documents share its
+    micro-batch, so the sample's micro-batch lasts at least as long as the sample alone, on
+    every rank of its group. The longest sample's two charges come from one group size: the
+    bound is at least, at the best size for it, the larger of its time there and the world's
+    work with its rank-time there. lower_bound_ms instead lets the costliest sample
     spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
     A zigzag pack splits its documents differently; the argument does not cover it (the
     benchmark reports plan / charged bound, so a plan under it would show).
@@ -247,17 +251,31 @@ def charged_lower_bound_ms(
     areas = np.asarray([cost.sample_local_ms(n) for n in lens.tolist()] if local_ms is None else local_ms)
     cap = cluster.max_tokens_per_rank
     overhead = cost.micro_batch_overhead_ms()
-    tokens = int(lens.sum())
-    area = (float(areas.sum()) + -(-tokens // cap) * overhead) / cluster.world_size
     alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
-    critical = 0.0
+
+    def fitting_sizes(n: int) -> List[int]:
+        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap]
+
+    # a sample over the cap holds a whole group for at least its time alone there: charge it
+    # the cheapest such group's rank-time instead of its single-rank compute
+    def held(n: int) -> float:
+        return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
+
+    work = float(areas.sum())
+    over = lens > cap
+    if over.any():
+        uniq, counts = np.unique(lens[over], return_counts=True)
+        work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
+    world = cluster.world_size
+    work += -(-int(lens.sum()) // cap) * overhead
+    bound = work / world
     for n in np.unique(lens)[::-1][:longest_checked].tolist():
-        best = min(
-            (alone(n, g) for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap),
-            default=float("inf"),
-        )
-        critical = max(critical, best + overhead)
-    return max(area, critical)
+        bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
+    # the longest sample picks one group size for both: its time there, and its rank-time
+    # there beside everything else's
+    n = int(lens.max())
+    rest = work - held(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
 
 
 def per_doc_max_member_tokens(length: int, group_size: int) -> int:

@@ -137,3 +137,24 @@ def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
     assert charged > 3 * old
     one = StepPlan(512, 32768, [0], [8818], [Wave([Group(tuple(range(16)), [0])])])
     assert charged_lower_bound_ms([8818], cl, h200_cost) <= simulate(one, h200_cost).makespan_ms
+
+
+def test_charged_bound_charges_a_sample_that_fits_only_the_whole_world_the_whole_world(h200_cost):
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.sim import charged_lower_bound_ms
+
+    # a sample that fits only the whole world holds all 32 ranks for its time alone there;
+    # everything else comes on top of that, not beside it
+    cl = ClusterSpec(world_size=32, max_tokens_per_rank=2048)
+    big = 32 * 2048 - 8
+    lengths = [big] + [1500] * 100
+    alone = max(
+        c.total_ms for c in h200_cost.distributed_rank_costs([big], "ring_per_doc", list(range(32)), list(range(32)))
+    )
+    rest = sum(h200_cost.sample_local_ms(n) for n in lengths[1:])
+    charged = charged_lower_bound_ms(lengths, cl, h200_cost)
+    assert charged >= alone + rest / 32
+    assert charged > 1.05 * max(lower_bound_ms(lengths, cl, h200_cost), alone)
+    for name in ("dynamic_cp", "flexsp"):
+        plan = get_balancer(name).plan(PlanRequest(range(len(lengths)), lengths, cl, h200_cost))
+        assert charged <= simulate(plan, h200_cost).makespan_ms
