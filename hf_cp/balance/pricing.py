@@ -12,7 +12,8 @@ sums are taken in another order) from vectorised pieces:
 * per-document sharding: every document's per-member tokens and attention are a table per
   (length, group size), built once with numpy; zigzag: the segments of the packed sequence
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
-  O(documents + g); Ulysses (no built-in balancer plans it) goes through the cost model;
+  O(documents + g); every other mode (Ulysses, which no built-in balancer plans) goes
+  through the cost model;
 * the timing loop runs once per group, size-1 groups without arithmetic on arrays.
 
 Nothing here has a cost formula of its own beyond re-arranging CostModel's; the test suite
@@ -116,11 +117,11 @@ class PlanPricer:
         """Every member's time (compute + unhidden communication, overhead excluded) for the
         distributed documents of one micro-batch; CostModel.distributed_rank_cost's total_ms."""
         g = len(ranks)
-        if mode == ShardMode.ULYSSES:
-            costs = self.cost.distributed_rank_costs(doc_lengths, mode, ranks, range(g))
-            return np.asarray([c.total_ms for c in costs], dtype=np.float64)
         if mode == ShardMode.RING_ZIGZAG:
             tok, attn = self.zigzag_members(doc_lengths, g)
+        elif mode != ShardMode.RING_PER_DOC:  # Ulysses, and any other mode: the cost model itself
+            costs = self.cost.distributed_rank_costs(doc_lengths, mode, ranks, range(g))
+            return np.asarray([c.total_ms for c in costs], dtype=np.float64)
         else:
             tables = [self.per_doc_table(n, g) for n in doc_lengths]
             if len(tables) == 1:
