@@ -21,10 +21,8 @@ from .shard import ShardMode
 
 
 def max_over_mean(values: Sequence[float]) -> float:
-    """Slowest over mean of per-rank times (1.0 = perfectly balanced; 1.0 when all are zero).
-
-    The one definition for plans, measured step records and reports. Not a quality signal on
-    its own: a plan can be balanced and far slower than the bound (see SimResult.flags)."""
+    """max / mean of per-rank times (1.0 = perfectly balanced; 1.0 for no work). Not a quality
+    signal on its own: compare a plan's makespan with the lower bound too (SimResult.flags)."""
     m = sum(values) / len(values) if len(values) else 0.0
     return max(values) / m if m > 0 else 1.0
 
@@ -60,6 +58,20 @@ class SimResult:
     charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
 
     @property
+    def mean_busy_ms(self) -> float:
+        return sum(self.busy_ms) / len(self.busy_ms)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of per-rank busy time (1.0 = perfectly balanced)."""
+        return max_over_mean(self.busy_ms)
+
+    @property
+    def idle_share(self) -> float:
+        total = self.makespan_ms * self.world_size
+        return sum(self.idle_ms) / total if total > 0 else 0.0
+
+    @property
     def ratio_to_bound(self) -> float:
         """Predicted time over the charged bound (nan without bounds)."""
         b = self.charged_bound_ms
@@ -81,31 +93,33 @@ class SimResult:
             f"lower bound {self.charged_bound_ms:.1f} ms (max/mean {self.imbalance:.3f})"
         ]
 
-    @property
-    def mean_busy_ms(self) -> float:
-        return sum(self.busy_ms) / len(self.busy_ms)
 
-    @property
-    def imbalance(self) -> float:
-        """max / mean of per-rank busy time (1.0 = perfectly balanced)."""
-        return max_over_mean(self.busy_ms)
-
-    @property
-    def idle_share(self) -> float:
-        total = self.makespan_ms * self.world_size
-        return sum(self.idle_ms) / total if total > 0 else 0.0
-
-
-def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel):
-    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch."""
+def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None):
+    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch;
+    `masks` (sample id -> SampleMask) prices masked samples by their masked area."""
+    masks = masks or {}
     dist = [plan_lens[s] for s in group.distributed]
+    dist_masks = [masks.get(s) for s in group.distributed] if masks else None
+    if group.distributed and group.mode == ShardMode.BLOCKS:
+        from .block_cost import block_group_costs
+
+        local = {m: [plan_lens[s] for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        local_masks = {m: [masks.get(s) for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        costs = block_group_costs(group.blocks, dist, group.ranks, cost, dist_masks, local, local_masks)
+        return [(rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens) for rc in costs]
     out = []
     for m, r in enumerate(group.ranks):
         local = [plan_lens[s] for s in group.local.get(r, [])]
         if not dist and not local:
             out.append((0.0, 0.0, 0, 0))
             continue
-        rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
+        local_masks = [masks.get(s) for s in group.local.get(r, [])] if masks else None
+        if any(x is not None for x in (dist_masks or []) + (local_masks or [])):
+            rc = cost.distributed_rank_cost(
+                dist, group.mode, group.ranks, m, local, masks=dist_masks, local_masks=local_masks
+            )
+        else:  # the causal call (cost models that balancers wrap keep this signature)
+            rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
         out.append((rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens))
     return out
 
@@ -127,7 +141,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     overhead = cost.micro_batch_overhead_ms()
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
-            costs = group_costs(lens, g, cost)
+            costs = group_costs(lens, g, cost, plan.masks)
             if all(c[3] == 0 for c in costs):
                 continue  # an empty group issues nothing
             start = max(clock[r] for r in g.ranks)
@@ -157,7 +171,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                     dur,
                     [c[0] for c in costs],
                     [c[1] for c in costs],
-                    g.mode.value if g.distributed else None,
+                    g.mode if g.distributed else None,
                     len(g.distributed),
                     sum(len(v) for v in g.local.values()),
                 )
@@ -167,10 +181,11 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         idle[r] += makespan - clock[r]
     bounds = {}
     if cluster is not None:
-        local = [cost.sample_local_ms(n) for n in plan.lengths]
+        masks = [plan.masks.get(sid) for sid in plan.sample_ids] if plan.masks else None
+        local = _local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
         bounds = {
-            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, local),
-            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local),
+            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local),
+            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks),
         }
     return SimResult(
         world_size=W,
@@ -190,7 +205,11 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
 
 
 def lower_bound_ms(
-    lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel, local_ms: Optional[Sequence[float]] = None
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    masks=None,
+    local_ms: Optional[Sequence[float]] = None,
 ) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
@@ -199,12 +218,13 @@ def lower_bound_ms(
     sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
     extra, communication and per-micro-batch overheads are never negative). On a group of g
     ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
-    that share at the largest registered group size. `local_ms`: the samples'
-    CostModel.sample_local_ms, if already known.
+    that share at the largest registered group size. `masks` (aligned with the lengths, None
+    entries causal) price masked samples by their masked area, as the simulator does;
+    `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
     """
     lens = _check_fits(lengths, cluster)
     gmax = cluster.group_sizes[-1]
-    areas = np.asarray([cost.sample_local_ms(n) for n in lens.tolist()] if local_ms is None else local_ms)
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
     if not len(areas):
         return 0.0
     return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
@@ -222,6 +242,7 @@ def charged_lower_bound_ms(
     local_ms: Optional[Sequence[float]] = None,
     alone_ms: Optional[Callable[[int, int], float]] = None,
     longest_checked: int = 8,
+    masks=None,
 ) -> float:
     """A tighter bound that charges a group's communication, kernel efficiency and overheads.
 
@@ -244,11 +265,20 @@ def charged_lower_bound_ms(
     A zigzag pack splits its documents differently; the argument does not cover it (the
     benchmark reports plan / charged bound, so a plan under it would show).
     `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
+    `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
+    masked area and is left out of the group charges (its time alone would be a causal one's).
     """
     lens = _check_fits(lengths, cluster)
     if not len(lens):
         return 0.0
-    areas = np.asarray([cost.sample_local_ms(n) for n in lens.tolist()] if local_ms is None else local_ms)
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if masks is not None and any(m is not None for m in masks):
+        causal = np.asarray([m is None for m in masks], dtype=bool)
+        work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
+        if not causal.any():
+            return work / cluster.world_size
+        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
+        return max(inner, work / cluster.world_size)
     cap = cluster.max_tokens_per_rank
     overhead = cost.micro_batch_overhead_ms()
     alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
@@ -276,6 +306,13 @@ def charged_lower_bound_ms(
     n = int(lens.max())
     rest = work - held(n)
     return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
+
+
+def _local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
+    """Every sample's single-rank time (masked area where masked)."""
+    if masks is None or all(m is None for m in masks):
+        return [cost.sample_local_ms(n) for n in lens.tolist()]
+    return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
 
 
 def per_doc_max_member_tokens(length: int, group_size: int) -> int:

@@ -12,8 +12,8 @@ sums are taken in another order) from vectorised pieces:
 * per-document sharding: every document's per-member tokens and attention are a table per
   (length, group size), built once with numpy; zigzag: the segments of the packed sequence
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
-  O(documents + g); every other mode (Ulysses, which no built-in balancer plans) goes
-  through the cost model;
+  O(documents + g); every other mode (Ulysses, blocks: no built-in balancer plans them)
+  and every plan with masked samples go through the cost model (sim.group_costs);
 * the timing loop runs once per group, size-1 groups without arithmetic on arrays.
 
 Nothing here has a cost formula of its own beyond re-arranging CostModel's; the test suite
@@ -30,6 +30,7 @@ import numpy as np
 from ..cost import CostModel
 from ..plan import StepPlan
 from ..shard import ShardMode
+from ..sim import group_costs
 from .costs import CostMemo, cost_memo
 
 
@@ -146,6 +147,8 @@ class PlanPricer:
         members start together when the last of them is free, the micro-batch takes its
         slowest member's time plus one overhead, members with no tokens in a group without
         distributed documents are not held."""
+        if plan.masks:  # masked samples are priced by their masked area: the cost model's own path
+            return self._finish_by_cost_model(plan)
         ids = np.asarray(plan.sample_ids, dtype=np.int64)
         by_id = np.argsort(ids, kind="stable")
         sorted_ids = ids[by_id]
@@ -197,13 +200,32 @@ class PlanPricer:
                 continue
             if length_of is None:
                 length_of = dict(zip(plan.sample_ids, plan.lengths))
-            member = self.distributed_member_ms([length_of[s] for s in g.distributed], g.mode, g.ranks)
-            for m, s in mine:
-                member[m] += slot_ms_l[s]
+            if g.mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC):
+                member = self.distributed_member_ms([length_of[s] for s in g.distributed], g.mode, g.ranks)
+                for m, s in mine:
+                    member[m] += slot_ms_l[s]
+            else:  # every other mode (Ulysses, blocks): the cost model prices the whole group
+                member = np.asarray([c[0] + c[1] for c in group_costs(length_of, g, self.cost)])
             start = max(clock[r] for r in g.ranks)
             end = start + float(member.max()) + overhead
             for r in g.ranks:
                 clock[r] = end
+        return np.asarray(clock)
+
+    def _finish_by_cost_model(self, plan: StepPlan) -> np.ndarray:
+        """rank_finish_ms by sim.group_costs for every group (plans with masked samples)."""
+        lens = plan.length_of()
+        clock = [0.0] * plan.world_size
+        overhead = self.overhead_ms
+        for wave in plan.waves:
+            for g in wave.groups:
+                costs = group_costs(lens, g, self.cost, plan.masks)
+                if all(c[3] == 0 for c in costs):
+                    continue
+                end = max(clock[r] for r in g.ranks) + max(c[0] + c[1] for c in costs) + overhead
+                for c, r in zip(costs, g.ranks):
+                    if c[3] or g.distributed:
+                        clock[r] = end
         return np.asarray(clock)
 
     def makespan_ms(self, plan: StepPlan) -> float:
