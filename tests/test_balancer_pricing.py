@@ -132,3 +132,25 @@ def test_blocks_bound_is_the_pigeonhole_of_the_heaviest_samples():
     assert blocks_bound_ms(np.array([40.0, 30.0, 20.0]), 8, 4) == pytest.approx(max(40, 2 * 20) / 4)
     assert blocks_bound_ms(np.array([40.0, 30.0, 30.0, 30.0, 30.0]), 8, 4) == pytest.approx(3 * 30 / 4)
     assert blocks_bound_ms(np.array([]), 8, 4) == 0.0
+
+
+def test_pricer_hands_masked_samples_and_other_modes_to_the_cost_model(h200_cost):
+    from hf_cp.block_plan import all_remote_layout, doc_slices, zigzag_layout
+    from hf_cp.masks import SampleMask
+    from hf_cp.plan import Group, StepPlan, Wave
+    from hf_cp.shard import ShardMode
+
+    lengths = [30000, 12000, 5000, 700]
+    masks = {1: SampleMask.shared_prompt(2000, [2500] * 4)}
+    slices = doc_slices(lengths[:2], [None, masks[1]])
+    lay = all_remote_layout(zigzag_layout(lengths[:2], 4, 28, slices), 4, seed=2)
+    blocks = Group((0, 1, 2, 3), [0, 1], ShardMode.BLOCKS, blocks=lay)
+    ring = Group((4, 5), [2], ShardMode.RING_ZIGZAG, local={5: [3]})
+    plan = StepPlan(8, 32768, [0, 1, 2, 3], lengths, [Wave([blocks, ring]), Wave([Group((4,), local={4: [3]})])])
+    plan.waves[1].groups[0].local[4] = []  # an empty group issues nothing
+    plan.masks = masks
+    plan.validate(ClusterSpec(8, 32768), h200_cost)
+    pricer = PlanPricer(h200_cost)
+    assert pricer.makespan_ms(plan) == pytest.approx(simulate(plan, h200_cost).makespan_ms, rel=1e-12)
+    plan.masks = {}  # causal: the fast path, blocks still through the cost model
+    assert pricer.makespan_ms(plan) == pytest.approx(simulate(plan, h200_cost).makespan_ms, rel=1e-12)
