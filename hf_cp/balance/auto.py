@@ -6,19 +6,21 @@ per-length tables shared by every member; no validation or simulation per member
 planning a member, `auto` skips it when it cannot matter:
 
 * the best plan so far is within `stop_within` of the step's charged lower bound
-  (sim.charged_lower_bound_ms): no member can beat it by more than that fraction;
-* the member's own bound (its `lower_bound_ms(request, bounds)`, for the balancers whose
-  plans run every sample on groups of one size: static, wlb, libra) is no better than the
-  best plan so far.
+  (sim.charged_lower_bound_ms): no member can beat it by more than that fraction (the
+  charged bound is proven for per-document and local plans; for zigzag packs it is checked
+  on the traces only, see its docstring);
+* the member's own bound (its `lower_bound_ms(request, bounds)`: static, wlb and libra,
+  whose plans run every sample on groups of one size, and skrull, whose samples stay in
+  one block each) is no better than the best plan so far.
 
-So `auto` is never slower (predicted) than any member it planned, and no member it skipped
-could have been more than `stop_within` faster. The first member's plan is not priced
-unless another member is planned: its own prediction (`last_predicted_ms`, which dynamic_cp
-and flexsp set on every plan()) decides whether to stop. Everything is a pure function of the
-request: the same members are planned and skipped on every rank. No member's plan is
-validated here: the caller validates the winner (the planner worker and `hf-cp plan` do,
-before any collective). The winner is recorded in the plan as `auto:<member>`; `last_makespans` and `last_skipped`
-say what happened to each member on the last step.
+So `auto` is never slower (predicted) than any member it planned. The first member's plan
+is not priced unless another member is planned: its own prediction (`last_predicted_ms`,
+which dynamic_cp and flexsp set on every plan()) decides whether to stop. Everything is a
+pure function of the request: the same members are planned and skipped on every rank. No
+member's plan is validated here: the caller validates the winner (the planner worker and
+`hf-cp plan` do, before any collective). The winner is recorded in the plan as
+`auto:<member>`; `last_makespans` and `last_skipped` say what happened to each member on
+the last step.
 """
 
 from __future__ import annotations
