@@ -106,6 +106,9 @@ class StepPlan:
     step: int = 0
     balancer: str = ""
     masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> mask; absent: causal
+    # What the step record should carry about how the plan was made, e.g. a solver that passed
+    # its deadline and the greedy plan taken instead. Serialised only when not empty.
+    notes: List[str] = field(default_factory=list)
 
     # ---- lookups
     def length_of(self) -> Dict[int, int]:
@@ -160,6 +163,7 @@ class StepPlan:
             "max_tokens_per_rank": self.max_tokens_per_rank,
             "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
             "waves": [w.to_dict() for w in self.waves],
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
         if self.masks:  # absent when every sample is causal: such plans serialise as before
             d["masks"] = {str(s): m.to_dict() for s, m in sorted(self.masks.items())}
@@ -188,6 +192,7 @@ class StepPlan:
                 waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
                 step=int(d.get("step", 0)),
                 balancer=str(d.get("balancer", "")),
+                notes=[str(n) for n in d.get("notes", [])],
             )
             plan.masks = masks_from_json(d.get("masks"), plan.length_of())
         except KeyError as e:

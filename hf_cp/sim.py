@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
 
 from .cluster import ClusterSpec
 from .cost import CostModel
@@ -20,7 +22,7 @@ from .shard import ShardMode
 
 def max_over_mean(values: Sequence[float]) -> float:
     """max / mean of per-rank times (1.0 = perfectly balanced; 1.0 for no work). Not a quality
-    signal on its own: compare a plan's makespan with the lower bound too."""
+    signal on its own: compare a plan's makespan with the lower bound too (SimResult.flags)."""
     m = sum(values) / len(values) if len(values) else 0.0
     return max(values) / m if m > 0 else 1.0
 
@@ -52,6 +54,8 @@ class SimResult:
     runs: List[GroupRun] = field(default_factory=list)
     cp_size_samples: Dict[int, int] = field(default_factory=dict)  # group size -> samples run distributed on it
     cp_size_tokens: Dict[int, int] = field(default_factory=dict)
+    lower_bound_ms: Optional[float] = None  # lower_bound_ms of the plan's samples (simulate with a cluster)
+    charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
 
     @property
     def mean_busy_ms(self) -> float:
@@ -66,6 +70,28 @@ class SimResult:
     def idle_share(self) -> float:
         total = self.makespan_ms * self.world_size
         return sum(self.idle_ms) / total if total > 0 else 0.0
+
+    @property
+    def ratio_to_bound(self) -> float:
+        """Predicted time over the charged bound (nan without bounds)."""
+        b = self.charged_bound_ms
+        return self.makespan_ms / b if b else float("nan")
+
+    @property
+    def far_above_bound(self) -> bool:
+        """At least FAR_ABOVE_BOUND times the charged bound, balanced or not."""
+        return bool(self.charged_bound_ms) and self.makespan_ms >= FAR_ABOVE_BOUND * self.charged_bound_ms
+
+    @property
+    def flags(self) -> List[str]:
+        """Warnings for the plan summary: a plan far above the bound is flagged even when its
+        ranks are balanced (max/mean alone is not a quality signal)."""
+        if not self.far_above_bound:
+            return []
+        return [
+            f"far above the bound: predicted {self.makespan_ms:.1f} ms is {self.ratio_to_bound:.2f}x the charged "
+            f"lower bound {self.charged_bound_ms:.1f} ms (max/mean {self.imbalance:.3f})"
+        ]
 
 
 def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None):
@@ -98,7 +124,9 @@ def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks:
     return out
 
 
-def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
+def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
+    """Per-rank times of the plan by the timing rule of the module docstring. With the
+    cluster, the result also carries the plan's lower bounds and flags."""
     W = plan.world_size
     lens = plan.length_of()
     clock = [0.0] * W
@@ -151,6 +179,14 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     makespan = max(clock) if clock else 0.0
     for r in range(W):
         idle[r] += makespan - clock[r]
+    bounds = {}
+    if cluster is not None:
+        masks = [plan.masks.get(sid) for sid in plan.sample_ids] if plan.masks else None
+        local = _local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
+        bounds = {
+            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local),
+            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks),
+        }
     return SimResult(
         world_size=W,
         compute_ms=compute,
@@ -164,10 +200,17 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         runs=runs,
         cp_size_samples=dict(sorted(cp_samples.items())),
         cp_size_tokens=dict(sorted(cp_tokens.items())),
+        **bounds,
     )
 
 
-def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel, masks=None) -> float:
+def lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    masks=None,
+    local_ms: Optional[Sequence[float]] = None,
+) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
     max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
@@ -176,18 +219,123 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
     extra, communication and per-micro-batch overheads are never negative). On a group of g
     ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
     that share at the largest registered group size. `masks` (aligned with the lengths, None
-    entries causal) price masked samples by their masked area, as the simulator does.
+    entries causal) price masked samples by their masked area, as the simulator does;
+    `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
     """
-    total_area = 0.0
-    longest = 0.0
+    lens = _check_fits(lengths, cluster)
     gmax = cluster.group_sizes[-1]
-    for i, n in enumerate(lengths):
-        if n > cluster.largest_capacity:
-            raise ValueError(
-                f"sample {i} has {n} tokens, more than the largest group holds "
-                f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
-            )
-        area = cost.local_ms([n], [masks[i]] if masks else None)
-        total_area += area
-        longest = max(longest, area / gmax)
-    return max(total_area / cluster.world_size, longest)
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if not len(areas):
+        return 0.0
+    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
+
+
+# A plan is flagged when its predicted time is at least this many times the charged bound:
+# balanced or not, it leaves most of the hardware's time on the table.
+FAR_ABOVE_BOUND = 1.5
+
+
+def charged_lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    local_ms: Optional[Sequence[float]] = None,
+    alone_ms: Optional[Callable[[int, int], float]] = None,
+    longest_checked: int = 8,
+    masks=None,
+) -> float:
+    """A tighter bound that charges a group's communication, kernel efficiency and overheads.
+
+    max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
+    longest samples' best time alone on a group: min over the group sizes whose
+    per-document shards fit the cap of the slowest member's time (CostModel, the sample
+    per-document sharded over an aligned block) plus one overhead ). A sample's rank-time is
+    its single-rank compute, or for a sample over the cap the least g x its time alone on g
+    ranks over the sizes it fits.
+
+    A rank holds at most `cap` tokens per micro-batch, each micro-batch costs an overhead,
+    and sharding never lowers compute. The rest holds for plans that run every distributed
+    sample per-document sharded or local (as dynamic_cp, flexsp, skrull and megatron do): a
+    member's tokens, attention and ring bytes only grow when other documents share its
+    micro-batch, so the sample's micro-batch lasts at least as long as the sample alone, on
+    every rank of its group. The longest sample's two charges come from one group size: the
+    bound is at least, at the best size for it, the larger of its time there and the world's
+    work with its rank-time there. lower_bound_ms instead lets the costliest sample
+    spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
+    A zigzag pack splits its documents differently; the argument does not cover it (the
+    benchmark reports plan / charged bound, so a plan under it would show).
+    `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
+    `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
+    masked area and is left out of the group charges (its time alone would be a causal one's).
+    """
+    lens = _check_fits(lengths, cluster)
+    if not len(lens):
+        return 0.0
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if masks is not None and any(m is not None for m in masks):
+        causal = np.asarray([m is None for m in masks], dtype=bool)
+        work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
+        if not causal.any():
+            return work / cluster.world_size
+        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
+        return max(inner, work / cluster.world_size)
+    cap = cluster.max_tokens_per_rank
+    overhead = cost.micro_batch_overhead_ms()
+    alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
+
+    def fitting_sizes(n: int) -> List[int]:
+        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap]
+
+    # a sample over the cap holds a whole group for at least its time alone there: charge it
+    # the cheapest such group's rank-time instead of its single-rank compute
+    def held(n: int) -> float:
+        return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
+
+    work = float(areas.sum())
+    over = lens > cap
+    if over.any():
+        uniq, counts = np.unique(lens[over], return_counts=True)
+        work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
+    world = cluster.world_size
+    work += -(-int(lens.sum()) // cap) * overhead
+    bound = work / world
+    for n in np.unique(lens)[::-1][:longest_checked].tolist():
+        bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
+    # the longest sample picks one group size for both: its time there, and its rank-time
+    # there beside everything else's
+    n = int(lens.max())
+    rest = work - held(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
+
+
+def _local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
+    """Every sample's single-rank time (masked area where masked)."""
+    if masks is None or all(m is None for m in masks):
+        return [cost.sample_local_ms(n) for n in lens.tolist()]
+    return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
+
+
+def per_doc_max_member_tokens(length: int, group_size: int) -> int:
+    """Tokens of the fullest member when one document is split in 2g parts, member m holding
+    parts m and 2g-1-m (shard.per_doc_segments): 2q, plus one per remainder token it holds."""
+    q, r = divmod(length, 2 * group_size)
+    return 2 * q + (0 if r == 0 else 1 if r <= group_size else 2)
+
+
+def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
+    if group_size == 1:
+        return cost.sample_local_ms(length)
+    ranks = list(range(group_size))
+    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
+
+
+def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """The lengths as an array; ValueError naming the first sample no group holds."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(lens) and int(lens.max()) > cluster.largest_capacity:
+        i = int(np.argmax(lens > cluster.largest_capacity))
+        raise ValueError(
+            f"sample {i} has {int(lens[i])} tokens, more than the largest group holds "
+            f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
+        )
+    return lens

@@ -4,7 +4,7 @@ from balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import cost_memo
+from hf_cp.balance.costs import cost_memo
 from hf_cp.balance.skrull import Dacp, interleave_micro_batches
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
@@ -65,7 +65,7 @@ def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
         for g in (1, 2, 4, 32):
             expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
             assert list(memo.per_doc_member_tokens(n, g)) == expect
-    from hf_cp.balance.common import member_tokens
+    from hf_cp.balance.ring_layout import member_tokens
 
     docs = [5, 700, 33, 1]
     for g in (1, 2, 8):
@@ -103,7 +103,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
 def test_ring_mode_choice_equals_predicting_every_zigzag_member(h200_cost):
     import random
 
-    from hf_cp.balance.common import ring_mode_and_ms
+    from hf_cp.balance.ring_layout import ring_mode_and_ms
     from hf_cp.shard import ShardMode
 
     rng = random.Random(1)

@@ -8,9 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-import yaml
-
-from ..balance import available_balancers
+from ..balance import available_balancers, parse_assignments
 from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..plan import PlanError, StepPlan
@@ -162,14 +160,9 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
 
 
 def balancer_options(items: List[str]) -> dict:
-    """--balancer-opt KEY=VALUE items -> options (values read as YAML)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--balancer-opt {item!r}: expected KEY=VALUE, e.g. outlier_fraction=0.05")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+    """--balancer-opt KEY=VALUE items -> options (values read as YAML; dotted keys nest:
+    member_options.wlb.fill=0.8)."""
+    return parse_assignments(items)
 
 
 def settings_from_args(args) -> PlanningSettings:
