@@ -8,6 +8,7 @@ from typing import Any, Optional
 from transformers import TrainingArguments
 
 from ..planning.setup import PlanningSettings
+from .setup_checks import check_parallelism
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
 
@@ -115,6 +116,9 @@ class CPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        # accelerate's CP and DeepSpeed's SP would split the sequences hf_cp plans: refused by name
+        # here (and in the dry run), not as a bare assertion inside DeepSpeed
+        check_parallelism(self.parallelism_config)
         super().__post_init__()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(

@@ -27,14 +27,13 @@ from typing import List, Optional
 import yaml
 
 from ..cost import read_yaml_mapping
+from .config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
+
+__all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
-
-
-class TrainConfigError(ValueError):
-    """The training config is malformed; the message names the file and field."""
 
 
 def _resolve(p: str) -> str:
@@ -49,6 +48,8 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     p = Path(path)
     if not p.exists() and (ROOT / p).exists():
         p = ROOT / p
+    if not p.exists():
+        raise TrainConfigError(f"training config {path} does not exist")
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
@@ -60,7 +61,15 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
             raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
         key, value = item.split("=", 1)
         section, field = key.split(".", 1)
+        if section not in ("model", "data", "training"):
+            raise TrainConfigError(f"override {item!r}: unknown section {section!r}; expected model, data or training")
         cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    # every section against its schema: a typo names the key and the nearest valid one
+    check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
+    check_section("data", cfg.get("data"), DATA_KEYS, str(p))
+    if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
+        raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
+    check_training_keys(cfg.get("training") or {}, str(p))
     cfg["_source"] = str(p)
     return cfg
 
@@ -74,13 +83,44 @@ def trust_remote_code(mcfg: dict, source: str) -> bool:
     return value
 
 
+def looks_like_a_path(name: str) -> bool:
+    """A Hub model name is `org/name` or `name`; anything else (./x, /x, ~/x, a/b/c) is a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".json")
+
+
+def pretrained_path(mcfg: dict, source: str) -> str:
+    """model.pretrained resolved; a path that does not exist is reported as missing (not as a
+    Hub download that failed)."""
+    name = str(mcfg["pretrained"])
+    path = _resolve(name)
+    if not Path(path).exists() and looks_like_a_path(name):
+        raise TrainConfigError(f"{source}: model.pretrained {name} does not exist (looked in {Path.cwd()} and {ROOT})")
+    return path
+
+
+def _from_pretrained(load, path: str, source: str, **kwargs):
+    """`load(path, **kwargs)`; when `path` is no local folder and the Hub cannot give it either,
+    the error says first that the folder does not exist."""
+    try:
+        return load(path, **kwargs)
+    except OSError as e:
+        if Path(path).exists():
+            raise
+        raise TrainConfigError(
+            f"{source}: model.pretrained {path} does not exist (looked in {Path.cwd()} and {ROOT}), and it "
+            f"could not be loaded as a Hugging Face Hub model either: {str(e).splitlines()[0]}"
+        ) from None
+
+
 def model_config(mcfg: dict, source: str):
     """The model's transformers config, without building the model or reading weights."""
     from transformers import AutoConfig
 
     trusted = trust_remote_code(mcfg, source)
     if "pretrained" in mcfg:
-        return AutoConfig.from_pretrained(_resolve(mcfg["pretrained"]), trust_remote_code=trusted)
+        return _from_pretrained(
+            AutoConfig.from_pretrained, pretrained_path(mcfg, source), source, trust_remote_code=trusted
+        )
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
     from ..cost import resolve_config
@@ -102,8 +142,12 @@ def build_model(mcfg: dict, source: str):
 
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
-        model = AutoModelForCausalLM.from_pretrained(
-            _resolve(mcfg["pretrained"]), attn_implementation=attn, trust_remote_code=trust_remote_code(mcfg, source)
+        model = _from_pretrained(
+            AutoModelForCausalLM.from_pretrained,
+            pretrained_path(mcfg, source),
+            source,
+            attn_implementation=attn,
+            trust_remote_code=trust_remote_code(mcfg, source),
         )
     else:
         config = model_config(mcfg, source)
@@ -117,6 +161,8 @@ def _read_dataset(path: str, field: str, source: str):
     from datasets import Dataset, load_from_disk
 
     p = Path(_resolve(path))
+    if not p.exists():
+        raise TrainConfigError(f"{source}: data.{field} {path} does not exist (looked in {Path.cwd()} and {ROOT})")
     if p.is_dir():
         ds = load_from_disk(str(p))
         if hasattr(ds, "keys"):
@@ -136,6 +182,7 @@ def load_datasets(dcfg: dict, source: str):
     data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
     from ..data import load_sample_dataset
 
+    check_section("data", dcfg, DATA_KEYS, source)
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
         if dcfg["bundled"] != "longtail_sample":
@@ -169,9 +216,13 @@ def training_arguments(tcfg: dict, source: str):
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
         if v is False and (k.endswith("_strategy") or k == "report_to"):
             t[k] = "no"
+    check_training_keys(t, source)
     for k in PATH_FIELDS:
-        if t.get(k):
+        if t.get(k) and isinstance(t[k], str):
             t[k] = _resolve(t[k])
+    ds = t.get("deepspeed")
+    if isinstance(ds, str) and not Path(ds).exists():
+        raise TrainConfigError(f"{source}: training.deepspeed {tcfg['deepspeed']} does not exist (a DeepSpeed JSON)")
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401

@@ -22,6 +22,7 @@ from ..planning.evaluation import plan_evaluation
 from .columns import read_token_columns
 from .config import load_config, load_datasets, model_config, training_arguments
 from .resume import check_resume, resolve_resume, restart_problems, schedule_record
+from .setup_checks import check_attention
 
 
 def dry_run(
@@ -47,6 +48,8 @@ def dry_run(
         max_steps=args.max_steps,
     )
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
+    # the check CPTrainer makes when it is built
+    check_attention(mcfg.get("attn_implementation", HF_CP_ATTENTION), cluster.group_sizes[-1], f"{src}: the model")
     planner = Planner.from_setup(setup, lookahead=0)
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
@@ -56,13 +59,6 @@ def dry_run(
         f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
         f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
     ]
-    distributes = any(ps.plan.spreads_samples for ps in planned)
-    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
-    if distributes and attn != HF_CP_ATTENTION:
-        raise ValueError(
-            f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
-            f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
-        )
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
