@@ -37,6 +37,7 @@ def tiny_chat_model(seed: int = 0, attn: str = "hf_cp"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
     from hf_cp.train.testing import TINY_MODEL
 
     cfg = LlamaConfig(**dict(json.loads(TINY_MODEL.read_text()), vocab_size=VOCAB_SIZE))

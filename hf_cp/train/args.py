@@ -111,6 +111,13 @@ class CPTrainingArguments(TrainingArguments):
             "would skip the update, silently leaving the step's samples unlearned); false: warn and go on"
         },
     )
+    cp_save_final_model: bool = field(
+        default=True,
+        metadata={
+            "help": "hf-cp train saves the final model (and the tokenizer, when the run has one) to "
+            "output_dir/final when training ends, whatever save_strategy says about checkpoints"
+        },
+    )
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
     )

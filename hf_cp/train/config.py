@@ -5,6 +5,7 @@
 Sections:
     model:    config (a config.json path or a built-in name such as tiny-llama), attn_implementation
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
+              tokenizer: a folder saved with the final model (default: the pretrained folder's);
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
               a config that needs it is an error)
     data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
@@ -14,7 +15,9 @@ Sections:
     training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
               against the working directory, then the repository root.
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
-              a job restartable (torchrun --max-restarts, see hf_cp.train.resume)
+              a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
+              model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
+A key a section does not know is an error naming the nearest valid key (config_schema.py).
 The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
 """
 
@@ -155,6 +158,28 @@ def build_model(mcfg: dict, source: str):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.config.use_cache = False
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_run_tokenizer(mcfg: dict, source: str):
+    """The run's tokenizer, saved with the final model: model.tokenizer (a folder), else the one
+    in the model.pretrained folder; None when the run has none (a model built from a config)."""
+    name = mcfg.get("tokenizer")
+    if name is None and "pretrained" in mcfg:
+        folder = Path(pretrained_path(mcfg, source))
+        if not any((folder / f).exists() for f in TOKENIZER_FILES):
+            return None
+        name = str(folder)
+    if name is None:
+        return None
+    path = Path(_resolve(str(name)))
+    if not path.exists():
+        raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist (looked in {Path.cwd()} and {ROOT})")
+    from ..data_prep.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(path), trust_remote_code=trust_remote_code(mcfg, source))
 
 
 def _read_dataset(path: str, field: str, source: str):

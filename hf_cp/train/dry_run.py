@@ -20,7 +20,7 @@ from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from ..planning import Planner, planning_setup
 from ..planning.evaluation import plan_evaluation
 from .columns import read_token_columns
-from .config import load_config, load_datasets, model_config, training_arguments
+from .config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from .resume import check_resume, resolve_resume, restart_problems, schedule_record
 from .setup_checks import check_attention
 
@@ -37,6 +37,7 @@ def dry_run(
     args = training_arguments(tcfg, src)
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
+    load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset")
     setup = planning_setup(
