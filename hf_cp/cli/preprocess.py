@@ -11,10 +11,11 @@ from .formatting import HelpFormatter
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "preprocess",
-        help="tokenise text or chat samples into input_ids/labels/length and report the length distribution",
+        help="tokenise text, chat or prompt-completion samples into input_ids/labels/length and report the lengths",
         description="Read samples (a local .json/.jsonl/.parquet/.csv file, a folder saved with save_to_disk, or a "
         "Hugging Face Hub dataset name when a network is available), tokenise them - chat samples "
-        "through the tokenizer's chat template - with SFT labels (-100 on masked prompt tokens, aligned "
+        "(messages) through the tokenizer's chat template, prompt-completion samples (TRL's format) as TRL's "
+        "SFTTrainer does - with SFT labels (-100 on masked prompt tokens, aligned "
         "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
         "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
         "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
@@ -48,12 +49,20 @@ def add_parser(sub) -> None:
         help="chat samples: the column holding a list of {role, content} messages (a JSON string in CSV)",
     )
     p.add_argument(
+        "--prompt-field",
+        default="prompt",
+        help="prompt-completion samples (TRL's format, used when there is no --messages-field column): the prompt "
+        "column (a string, or a list of messages)",
+    )
+    p.add_argument("--completion-field", default="completion", help="prompt-completion samples: the completion column")
+    p.add_argument(
         "--mask",
         default="auto",
-        choices=("auto", "assistant", "last-assistant", "none"),
+        choices=("auto", "assistant", "last-assistant", "completion", "none"),
         help="which tokens get labels -100: 'assistant' trains every assistant turn of a chat (prompt, "
-        "system and user tokens masked), 'last-assistant' only the final turn, 'none' trains every "
-        "token; 'auto' is 'assistant' for chat and 'none' for text",
+        "system and user tokens masked), 'last-assistant' only the final turn, 'completion' only the completion "
+        "of a prompt-completion sample (tokenised as TRL's SFTTrainer does), 'none' trains every token; 'auto' is "
+        "'assistant' for chat, 'completion' for prompt-completion and 'none' for text",
     )
     p.add_argument("--no-eos", action="store_true", help="text samples: do not append the tokenizer's EOS token")
     p.add_argument(
@@ -80,8 +89,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--model",
-        default="qwen2.5-7b",
-        help="model dimensions for the cost shares: a name under configs/models, a config.json, or a model folder",
+        default=None,
+        help="model dimensions for the cost shares: a name under configs/models, a config.json, or a model folder "
+        "(default: the config.json beside --tokenizer, or the GGUF's own config; qwen2.5-7b when there is none)",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw the length report as a PNG")
     p.add_argument("--report-json", metavar="OUT.json", help="also write the length report as JSON")
@@ -89,11 +99,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..cost import CostModel
+    from ..cost import CostModel, HardwareProfile
     from ..data_prep import length_report, load_tokenizer, preprocess
     from ..data_prep.length_report import plot_length_report
+    from ..data_prep.model_dims import report_model_dims
 
-    cost = CostModel.load(args.model, args.profile)  # fail on a bad name before the slow part
+    dims, model_name = report_model_dims(args.model, args.tokenizer)  # fail on a bad name before the slow part
+    cost = CostModel(dims, HardwareProfile.load(args.profile))
     if args.num_proc < 1:
         raise ValueError(f"--num-proc must be at least 1, got {args.num_proc}")
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
@@ -103,6 +115,8 @@ def run(args) -> int:
         args.out,
         text_field=args.text_field,
         messages_field=args.messages_field,
+        prompt_field=args.prompt_field,
+        completion_field=args.completion_field,
         mask=args.mask,
         max_length=args.max_length,
         overlong=args.overlong,
@@ -116,7 +130,7 @@ def run(args) -> int:
     for line in res.summary_lines(args.max_length, args.overlong):
         print("  " + line)
     rep = length_report(
-        res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=str(args.model), profile=str(args.profile)
+        res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=model_name, profile=str(args.profile)
     )
     print(rep.text())
     if args.report_json:
