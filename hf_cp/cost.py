@@ -22,9 +22,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import yaml
 
 from .modes import mode_spec
+from .resources import available_names, find_named
 from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
-
-PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class ConfigError(ValueError):
@@ -91,7 +90,8 @@ class ModelDims:
 
     @classmethod
     def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
-        """A config.json path, a folder holding one, or a name under configs/models/."""
+        """A config.json path, a folder holding one, or a model name (hf_cp.resources: the user's
+        configs/models/ under the working directory, then the package's built-ins)."""
         p = resolve_config(name_or_path, "models", (".json",))
         if p.is_dir():
             p = p / "config.json"
@@ -116,15 +116,14 @@ def read_yaml_mapping(
 
 
 def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    for s in ("",) + suffixes:
-        cand = PACKAGE_CONFIGS / kind / f"{name_or_path}{s}"
-        if cand.exists():
-            return cand
-    avail = sorted(x.stem for x in (PACKAGE_CONFIGS / kind).glob("*")) if (PACKAGE_CONFIGS / kind).exists() else []
-    raise ConfigError(f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, and not one of {avail}")
+    """The file a profile or model name stands for (resolution order: hf_cp.resources)."""
+    p = find_named(name_or_path, kind, suffixes)
+    if p is None:
+        raise ConfigError(
+            f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, not in configs/{kind}/ here, and not "
+            f"built in; available: {available_names(kind)}"
+        )
+    return p
 
 
 # --------------------------------------------------------------------------- hardware profile
@@ -298,23 +297,38 @@ class CostModel:
         per_doubling = (f_max - 1.0) / math.log2(w_max)
         return 1.0 + per_doubling * math.log2(ways)
 
-    def segments_attention_ms(self, segments: Sequence[Segment]) -> float:
-        """Causal attention of query segments over their documents' earlier keys, per layer."""
+    def segments_attention_ms(self, segments: Sequence[Segment], doc_lengths=None, masks=None) -> float:
+        """Attention of query segments over their documents' keys, per layer: causal pairs, or the
+        masked area of a masked sample (masks aligned with doc_lengths, None entries causal)."""
         c2 = self.c2
         total = 0.0
         for s in segments:
-            pairs = s.length * s.start + s.length * (s.length + 1) // 2
+            if masks and masks[s.doc] is not None:  # a masked sample: its masked area (block_cost.py)
+                from .block_cost import masked_segment_pairs
+
+                pairs = masked_segment_pairs(s, doc_lengths[s.doc], masks[s.doc])
+            else:
+                pairs = s.length * s.start + s.length * (s.length + 1) // 2
             total += c2 * pairs / self.chunk_efficiency(s.length)
         return total
 
+    def docs_attention_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        """Attention of whole documents on one rank, per layer (masked area where masked)."""
+        if not masks or all(m is None for m in masks):
+            return sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        from .block_cost import masked_doc_pairs
+
+        return sum(self.c2 * masked_doc_pairs(n, m) / self.chunk_efficiency(n) for n, m in zip(doc_lengths, masks))
+
     # ---- local documents: no communication
-    def local_ms(self, doc_lengths: Sequence[int]) -> float:
-        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0)."""
+    def local_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0); `masks`
+        (aligned with the lengths, None entries causal) price masked samples by their area."""
         if not doc_lengths:
             return 0.0
         L = self.dims.num_layers
         t = sum(doc_lengths)
-        attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        attn = self.docs_attention_ms(doc_lengths, masks)
         return L * (self.c1 * t + attn) + self.head_ms_per_token * t
 
     def sample_local_ms(self, length: int) -> float:
@@ -340,10 +354,18 @@ class CostModel:
         ranks: Sequence[int],
         member: int,
         local_lengths: Sequence[int] = (),
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
-        are this member's local documents (computed with no communication)."""
+        are this member's local documents (computed with no communication). `masks` and
+        `local_masks` (aligned with the lengths; None entries causal) price masked samples by
+        their masked area. Mode BLOCKS is priced from its layout: block_cost.block_group_costs."""
+        if mode_spec(mode).priced_per_group:
+            raise ValueError(
+                f"a {mode_spec(mode).name!r} group is priced from its placement: use block_cost.block_group_costs"
+            )
         return self._rank_cost(
             doc_lengths,
             mode,
@@ -352,6 +374,8 @@ class CostModel:
             local_lengths,
             _segments_builder(mode, doc_lengths, len(ranks)),
             self.link_for(ranks),
+            masks,
+            local_masks,
         )
 
     def distributed_rank_costs(
@@ -379,6 +403,8 @@ class CostModel:
         local_lengths: Sequence[int],
         segments_of,
         link: Link,
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         g = len(ranks)
         L = self.dims.num_layers
@@ -386,20 +412,20 @@ class CostModel:
         dist_tokens = segment_tokens(segs)
         local_tokens = sum(local_lengths)
         tokens = dist_tokens + local_tokens
-        local_attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in local_lengths)
+        local_attn = self.docs_attention_ms(local_lengths, local_masks)
         comm_bytes = 0
         comm_ms = 0.0
         dist_attn = 0.0
         if doc_lengths and g > 1:
             spec = mode_spec(mode)
-            dist_attn = spec.attention_ms(self, doc_lengths, g, segs)
+            dist_attn = spec.attention_ms(self, doc_lengths, g, segs, masks)
             comm_bytes = spec.comm_bytes_per_layer(self, doc_lengths, g, member, segments_of)
             if comm_bytes:
                 comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + spec.comm_messages(g) * link.latency_us * 1e-3
                 if spec.overlaps_compute:  # only the exchange that outlasts attention shows
                     comm_ms = max(0.0, comm_ms - dist_attn)
         elif doc_lengths:
-            dist_attn = self.segments_attention_ms(segs)
+            dist_attn = self.segments_attention_ms(segs, doc_lengths, masks)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
         return RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * comm_bytes, tokens=tokens)
 

@@ -77,7 +77,7 @@ def test_overrides_are_checked_too():
 
 
 def test_missing_paths_are_reported_as_missing(tmp_path, monkeypatch):
-    with pytest.raises(TrainConfigError, match=r"training config .*nope\.yaml does not exist"):
+    with pytest.raises(TrainConfigError, match=r"training config .*nope\.yaml: no such file here"):
         load_config(str(tmp_path / "nope.yaml"))
     with pytest.raises(TrainConfigError, match=r"cfg\.yaml: data\.path outputs/no-such-data does not exist"):
         load_datasets({"path": "outputs/no-such-data"}, "cfg.yaml")

@@ -56,12 +56,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--profile",
         default=PlanningSettings.default("profile"),
-        help="hardware profile: a built-in name, configs/profiles/NAME.yaml, or a YAML file",
+        help="hardware profile: a profile name (configs/profiles/ here, then built in) or a YAML file",
     )
     p.add_argument(
         "--model",
         default="qwen2.5-7b",
-        help="model dimensions: a name under configs/models, a config.json, or a model folder",
+        help="model dimensions: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
     p.add_argument(
         "--balancer",

@@ -8,6 +8,7 @@ from typing import Optional, Union
 from transformers import TrainingArguments
 
 from ..planning.setup import PlanningSettings
+from ..resources import input_path
 from .setup_checks import check_parallelism
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
@@ -38,7 +39,10 @@ class CPTrainingArguments(TrainingArguments):
     )
     cp_profile: Union[dict, str, None] = field(
         default=_DEFAULT("profile"),
-        metadata={"help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"},
+        metadata={
+            "help": "hardware profile: a profile name (configs/profiles/ here, then built in), a YAML path, or a dict "
+            "of its fields"
+        },
     )
     cp_model_dims: Optional[str] = field(
         default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
@@ -128,6 +132,9 @@ class CPTrainingArguments(TrainingArguments):
         # accelerate's CP and DeepSpeed's SP would split the sequences hf_cp plans: refused by name
         # here (and in the dry run), not as a bare assertion inside DeepSpeed
         check_parallelism(self.parallelism_config)
+        if isinstance(self.deepspeed, str):
+            # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
+            self.deepspeed = str(input_path(self.deepspeed))
         super().__post_init__()
         for name in ("cp_balancer_options", "cp_profile"):
             value = getattr(self, name)

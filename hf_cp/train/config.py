@@ -3,7 +3,7 @@
     accelerate launch --config_file recipes/cpu-2proc-zero2.yaml -m hf_cp.train configs/tiny-cpu.yaml
 
 Sections:
-    model:    config (a config.json path or a built-in name such as tiny-llama), attn_implementation
+    model:    config (a config.json path or a model name, hf_cp.resources), attn_implementation
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
               tokenizer: a folder saved with the final model (default: the pretrained folder's);
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
@@ -12,8 +12,10 @@ Sections:
               input_ids (and labels) per line; limit: keep the first N samples;
               eval_path (same formats) or eval_split (a held-out fraction) for evaluation
               with training.eval_strategy / eval_steps
-    training: CPTrainingArguments fields (TrainingArguments + cp_*); relative paths resolve
-              against the working directory, then the repository root.
+    training: CPTrainingArguments fields (TrainingArguments + cp_*); the config file and the
+              inputs it names (deepspeed, data paths, pretrained) resolve against the working
+              directory, then the package's shipped configs/ and recipes/ (hf_cp.resources);
+              output_dir and logging_dir stay relative to the working directory.
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
               a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
               model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
@@ -30,29 +32,26 @@ from typing import List, Optional
 import yaml
 
 from ..cost import read_yaml_mapping
+from ..resources import input_path, shipped_training_configs
 from .config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
 
 __all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
 
-ROOT = Path(__file__).resolve().parents[2]
-PATH_FIELDS = ("deepspeed", "output_dir", "logging_dir")
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
+LOOKED = "looked in the working directory, then among the files hf_cp ships"
 
 
 def _resolve(p: str) -> str:
-    q = Path(p)
-    if q.is_absolute() or q.exists():
-        return str(q)
-    alt = ROOT / q
-    return str(alt) if alt.exists() else str(q)
+    return str(input_path(p))
 
 
 def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
-    p = Path(path)
-    if not p.exists() and (ROOT / p).exists():
-        p = ROOT / p
+    p = input_path(path)
     if not p.exists():
-        raise TrainConfigError(f"training config {path} does not exist")
+        raise TrainConfigError(
+            f"training config {path}: no such file here, and hf_cp ships none at that path; it ships "
+            f"{shipped_training_configs()}"
+        )
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
@@ -97,7 +96,7 @@ def pretrained_path(mcfg: dict, source: str) -> str:
     name = str(mcfg["pretrained"])
     path = _resolve(name)
     if not Path(path).exists() and looks_like_a_path(name):
-        raise TrainConfigError(f"{source}: model.pretrained {name} does not exist (looked in {Path.cwd()} and {ROOT})")
+        raise TrainConfigError(f"{source}: model.pretrained {name} does not exist ({LOOKED})")
     return path
 
 
@@ -110,7 +109,7 @@ def _from_pretrained(load, path: str, source: str, **kwargs):
         if Path(path).exists():
             raise
         raise TrainConfigError(
-            f"{source}: model.pretrained {path} does not exist (looked in {Path.cwd()} and {ROOT}), and it "
+            f"{source}: model.pretrained {path} does not exist ({LOOKED}), and it "
             f"could not be loaded as a Hugging Face Hub model either: {str(e).splitlines()[0]}"
         ) from None
 
@@ -176,7 +175,7 @@ def load_run_tokenizer(mcfg: dict, source: str):
         return None
     path = Path(_resolve(str(name)))
     if not path.exists():
-        raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist (looked in {Path.cwd()} and {ROOT})")
+        raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist ({LOOKED})")
     from ..data_prep.tokenizer import load_tokenizer
 
     return load_tokenizer(str(path), trust_remote_code=trust_remote_code(mcfg, source))
@@ -187,7 +186,7 @@ def _read_dataset(path: str, field: str, source: str):
 
     p = Path(_resolve(path))
     if not p.exists():
-        raise TrainConfigError(f"{source}: data.{field} {path} does not exist (looked in {Path.cwd()} and {ROOT})")
+        raise TrainConfigError(f"{source}: data.{field} {path} does not exist ({LOOKED})")
     if p.is_dir():
         ds = load_from_disk(str(p))
         if hasattr(ds, "keys"):
@@ -242,12 +241,9 @@ def training_arguments(tcfg: dict, source: str):
         if v is False and (k.endswith("_strategy") or k == "report_to"):
             t[k] = "no"
     check_training_keys(t, source)
-    for k in PATH_FIELDS:
-        if t.get(k) and isinstance(t[k], str):
-            t[k] = _resolve(t[k])
     ds = t.get("deepspeed")
-    if isinstance(ds, str) and not Path(ds).exists():
-        raise TrainConfigError(f"{source}: training.deepspeed {tcfg['deepspeed']} does not exist (a DeepSpeed JSON)")
+    if isinstance(ds, str) and not input_path(ds).exists():
+        raise TrainConfigError(f"{source}: training.deepspeed {ds} does not exist ({LOOKED})")
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401

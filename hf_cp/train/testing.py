@@ -23,11 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from ..planning import GlobalBatchSampler
+from ..resources import BUILTIN_CONFIGS
 from ..shard import ShardMode
 from .collator import IGNORE_INDEX, shifted_targets, valid_targets
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_MODEL = ROOT / "configs" / "models" / "tiny-llama.json"
+TINY_MODEL = BUILTIN_CONFIGS / "models" / "tiny-llama.json"
 
 
 def hf_cp_attention_available() -> bool:
