@@ -361,7 +361,12 @@ def test_num_proc_gives_the_same_dataset(tmp_path, smol_tokenizer):
             [],
             "sample 0: message 0 is an assistant",
         ),
-        ([{"prompt": "a", "answer": "b"}], [], "no 'messages' column (chat) and no 'text' column"),
+        (
+            [{"prompt": "a", "answer": "b"}],
+            [],
+            "need both a 'prompt' and a 'completion' column; 'completion' is missing",
+        ),
+        ([{"question": "a"}], [], "no 'messages' column (chat), no 'prompt' and 'completion' columns and no 'text'"),
         ([{"text": "a"}], ["--text-field", "body"], "--text-field 'body' is not a column"),
         ([{"text": "a"}], ["--mask", "assistant"], "--mask 'assistant' does not apply to text samples"),
         ([{"text": "a"}], ["--max-length", "0"], "--max-length must be positive"),

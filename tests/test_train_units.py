@@ -300,8 +300,11 @@ def test_single_process_trainer_matches_reference(tmp_path):
     assert report.steps == [0, 1, 2]
     assert [r.index for r in trainer.cp_history] == [0, 1, 2]
     logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
-    assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
-    assert [h["cp/data_epoch"] for h in logged] == pytest.approx([0.25, 0.5, 0.75])  # 3 of the epoch's 4 steps
+    assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_max_ms" in h for h in logged)
+    # epochs of data: the share of the dataset's samples trained after each step
+    batches = GlobalBatchSampler(LENGTHS, 500, seed=42, shuffle=False)
+    seen = np.cumsum([len(batches[k].sample_ids) for k in range(3)]) / len(LENGTHS)
+    assert [h["cp/data_epoch"] for h in logged] == pytest.approx(list(seen))
 
 
 def test_member_with_an_empty_shard_runs_one_ignored_padding_token():

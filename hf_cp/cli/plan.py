@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -88,7 +90,35 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="write the plans and per-step metrics as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw one step's per-rank timeline")
     p.add_argument("--plot-step", type=int, default=0, help="which planned step --plot draws")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help=f"report progress on stderr (reading, batching, a bar over the planned steps); auto: for inputs of "
+        f"{PROGRESS_MIN_SAMPLES:,} samples or more, where planning takes seconds per step",
+    )
     p.set_defaults(func=run)
+
+
+# from this many samples on, `--progress auto` reports progress (a 1M-line trace plans for 10-20 s)
+PROGRESS_MIN_SAMPLES = 100_000
+
+
+class Progress:
+    """Stage lines and a bar over planned steps, on stderr (stdout keeps the report)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.t0:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    def steps(self, n: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(range(n), desc=desc, unit="step", file=sys.stderr, disable=not self.enabled, leave=False)
 
 
 def step_metrics(
@@ -214,8 +244,12 @@ def run(args) -> int:
         if not args.world:
             raise ValueError("--world is required with --lengths")
         settings = settings_from_args(args)
+        progress = Progress(args.progress == "on")
+        progress.say(f"reading lengths from {args.lengths}")
         inputs = read_plan_inputs(args.lengths)
         lengths, masks = inputs.lengths, inputs.masks
+        progress.enabled = args.progress == "on" or (args.progress == "auto" and len(lengths) >= PROGRESS_MIN_SAMPLES)
+        progress.say(f"{len(lengths):,} samples; cutting the epoch into steps of the token budget")
         setup = planning_setup(settings, lengths, args.world)
         cluster, cost = setup.cluster, setup.cost
         longest = max(lengths)
@@ -229,7 +263,11 @@ def run(args) -> int:
             )
         planner = Planner.from_setup(setup, lookahead=0, masks=masks)
         steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
-        planned = [planner.get(k) for k in range(steps)]  # the epoch's first steps, as training plans them
+        what = f"planning with {args.balancer}" + (f" (and {planner.compare_name})" if planner.compare_name else "")
+        progress.say(f"{len(setup.sampler.epoch_batches(0)):,} steps in the epoch; {what}")
+        # the epoch's first steps, as training plans them
+        planned = [planner.get(k) for k in progress.steps(steps, "planning steps")]
+        progress.say("simulating and reporting")
         plans = [ps.plan for ps in planned]
         sims = [ps.predicted for ps in planned]
         planner_ms = [ps.planner_ms for ps in planned]

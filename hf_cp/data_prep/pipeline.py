@@ -1,4 +1,7 @@
-"""preprocess(): load -> tokenise with labels -> over-long policy -> save_to_disk -> length report."""
+"""preprocess(): load -> tokenise with labels -> over-long policy -> save_to_disk -> length report.
+
+Three kinds of samples: chat (`messages`), prompt-completion (TRL's `prompt` + `completion`,
+strings or message lists) and text."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class PreprocessResult:
     out_dir: Optional[Path] = None
     overlong_examples: List[Tuple[int, int]] = field(default_factory=list)  # (input index, length)
     grouped: Optional[dict] = None  # --group-answers: answers, tokens as one sample vs as separate sequences
+    prompt_not_prefix: int = 0  # prompt-completion samples whose prompt tokens change when the completion follows
 
     def summary_lines(self, max_length: Optional[int], policy: str) -> List[str]:
         kept = len(self.dataset)
@@ -68,6 +72,12 @@ class PreprocessResult:
                 lines.append(f"note: {g['untrained']}")
         if self.dropped_empty:
             lines.append(f"dropped {self.dropped_empty} samples that encode to no tokens")
+        if self.prompt_not_prefix:
+            lines.append(
+                f"warning: in {self.prompt_not_prefix} sample(s) the tokenised prompt is not a prefix of the tokenised "
+                f"prompt + completion (a template that renders the prompt alone differently, or tokens merging across "
+                f"the boundary); as TRL does, the completion starts where the two diverge"
+            )
         if self.untrained:
             lines.append(
                 f"warning: {self.untrained} kept samples have no trained token (all labels -100); "
@@ -76,18 +86,33 @@ class PreprocessResult:
         return lines
 
 
-def infer_kind(columns, text_field: Optional[str], messages_field: str) -> Tuple[str, str]:
+def infer_kind(
+    columns,
+    text_field: Optional[str],
+    messages_field: str,
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+) -> Tuple[str, str]:
     if text_field:
         if text_field not in columns:
             raise InputError(f"--text-field {text_field!r} is not a column of the input (columns: {columns})")
         return "text", text_field
     if messages_field in columns:
         return "chat", messages_field
+    if prompt_field in columns and completion_field in columns:
+        return "prompt-completion", prompt_field
+    if prompt_field in columns or completion_field in columns:
+        missing = completion_field if prompt_field in columns else prompt_field
+        raise InputError(
+            f"prompt-completion samples need both a {prompt_field!r} and a {completion_field!r} column; "
+            f"{missing!r} is missing (columns: {columns}); name them with --prompt-field / --completion-field"
+        )
     if "text" in columns:
         return "text", "text"
     raise InputError(
-        f"cannot tell text from chat samples: no {messages_field!r} column (chat) and no 'text' column "
-        f"(columns: {columns}); name the field with --text-field or --messages-field"
+        f"cannot tell text, chat or prompt-completion samples apart: no {messages_field!r} column (chat), no "
+        f"{prompt_field!r} and {completion_field!r} columns and no 'text' column (columns: {columns}); name the "
+        f"fields with --text-field, --messages-field or --prompt-field/--completion-field"
     )
 
 
@@ -98,6 +123,8 @@ def preprocess(
     *,
     text_field: Optional[str] = None,
     messages_field: str = "messages",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
     mask: str = "auto",
     max_length: Optional[int] = None,
     overlong: str = "error",
@@ -108,7 +135,6 @@ def preprocess(
     add_eos: bool = True,
     batch_size: int = 256,
     group_answers: bool = False,
-    prompt_field: str = "prompt",
     answers_field: Optional[str] = None,
     train_rejected: bool = False,
 ) -> PreprocessResult:
@@ -137,8 +163,8 @@ def preprocess(
                 f"positions (--group-answers writes shared-prompt masks), so an input mask would be dropped: "
                 f"rename or remove the column"
             )
-        kind, fld = infer_kind(raw.column_names, text_field, messages_field)
-        encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos)
+        kind, fld = infer_kind(raw.column_names, text_field, messages_field, prompt_field, completion_field)
+        encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos, completion_field=completion_field)
         columns, cut = OUTPUT_COLUMNS, truncate
     num_proc = num_proc if num_proc and num_proc > 1 else None
     ds = raw.map(
@@ -215,6 +241,7 @@ def preprocess(
     if len(ds) == 0:
         raise ValueError(f"{source}: no samples left after the over-long policy and dropping empty samples")
     trained = np.asarray(ds["trained_tokens"], dtype=np.int64)
+    not_prefix = int(np.sum(ds["prompt_not_prefix"])) if "prompt_not_prefix" in ds.column_names else 0
     ds = ds.remove_columns([c for c in ds.column_names if c not in columns])
     result = PreprocessResult(
         dataset=ds,
@@ -229,6 +256,7 @@ def preprocess(
         longest_input=longest,
         overlong_examples=examples,
         grouped=grouped,
+        prompt_not_prefix=not_prefix,
     )
     if out_dir is not None:
         out_dir = Path(out_dir)

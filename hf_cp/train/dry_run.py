@@ -20,8 +20,9 @@ from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from ..planning import Planner, planning_setup
 from ..planning.evaluation import plan_evaluation
 from .columns import read_token_columns
-from .config import load_config, load_datasets, model_config, training_arguments
+from .config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from .resume import check_resume, resolve_resume, restart_problems, schedule_record
+from .setup_checks import check_attention
 
 
 def dry_run(
@@ -36,6 +37,7 @@ def dry_run(
     args = training_arguments(tcfg, src)
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
+    load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset")
     setup = planning_setup(
@@ -47,7 +49,16 @@ def dry_run(
         max_steps=args.max_steps,
     )
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
+    # the check CPTrainer makes when it is built
+    check_attention(mcfg.get("attn_implementation", HF_CP_ATTENTION), cluster.group_sizes[-1], f"{src}: the model")
     planner = Planner.from_setup(setup, lookahead=0, masks=data.masks)
+    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
+    if data.masks and attn != HF_CP_ATTENTION:
+        raise ValueError(
+            f"{src}: {len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only the "
+            f"{HF_CP_ATTENTION} attention reads, which needs model.attn_implementation: {HF_CP_ATTENTION} (the "
+            f"config sets {attn!r})"
+        )
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
     lines = [
@@ -56,17 +67,6 @@ def dry_run(
         f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
         f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
     ]
-    distributes = any(ps.plan.spreads_samples for ps in planned)
-    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
-    if (distributes or data.masks) and attn != HF_CP_ATTENTION:
-        why = (
-            f"the {planner.balancer_name!r} plans spread samples over CP groups"
-            if distributes
-            else f"{len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only it reads"
-        )
-        raise ValueError(
-            f"{src}: {why}, which needs model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
-        )
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "

@@ -44,8 +44,11 @@ from .resume import (
     truncate_history,
     write_schedule,
 )
+from .setup_checks import check_attention, check_parallelism
 from .step import StepExecutor, WaveTotals
 from .stop_signal import StopSignal
+from .trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
+from .user_collator import check_data_collator
 
 logger = logging.getLogger(__name__)
 
@@ -109,20 +112,28 @@ class CPTrainer(Trainer):
     ):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
+        # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
+        check_parallelism(getattr(args, "parallelism_config", None))
         if args.deepspeed:
             skip_deepspeed_shm_build()
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
-        pc = getattr(args, "parallelism_config", None)
-        if pc is not None and (getattr(pc, "cp_size", 1) or 1) > 1:
-            raise ValueError(
-                "CPTrainer plans its own CP groups per step; set ParallelismConfig(cp_size=1) "
-                "(dp_shard/dp_replicate only) and size CP with cp_max_tokens_per_rank / cp_max_group_size"
-            )
+        # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
+        # prompt/completion or messages into input_ids and labels): read what it left, not the argument.
+        train_dataset = self.train_dataset
         if train_dataset is None:
             raise ValueError("CPTrainer: training needs a train_dataset")
+        columns = getattr(train_dataset, "column_names", None) or []
+        collator_note = check_data_collator(kwargs.get("data_collator"), has_labels="labels" in columns)
+        if collator_note and int(args.process_index) == 0:
+            logger.warning("hf_cp: %s", collator_note)
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
         if args.cp_gc_interval_steps > 0:
             self.add_callback(ScheduledGarbageCollection(args.cp_gc_interval_steps))
+        # first, so that every other callback, log and checkpoint sees the epochs of data trained
+        self.callback_handler.callbacks.insert(
+            0, DataEpochCallback(lambda: self.cp_history[-1].data_epoch if self.cp_history else None)
+        )
+        self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
@@ -136,6 +147,8 @@ class CPTrainer(Trainer):
         )
         self.cp_setup = setup
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
+        # now, not at the first step that spreads a sample (after the model is placed and minutes in)
+        check_attention(getattr(self.model.config, "_attn_implementation", None), self.cp_cluster.group_sizes[-1])
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
@@ -283,9 +296,13 @@ class CPTrainer(Trainer):
             index=step.index,
             epoch=step.epoch,
             step_in_epoch=ps.batch.step_in_epoch if ps is not None else None,
-            # the Trainer's own `epoch` counts the whole run as one pass over the step loader
+            # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback)
             data_epoch=(
-                step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
+                data_epoch(
+                    step.epoch,
+                    sum(map(len, self.cp_sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1])),
+                    len(self.cp_sampler.lengths),
+                )
                 if ps is not None
                 else float(step.epoch)
             ),
@@ -300,6 +317,7 @@ class CPTrainer(Trainer):
             predicted_ms=list(ps.predicted.busy_ms) if ps is not None else [0.0] * self.cp_world,
             predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
             compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
+            compare_balancer=self.cp_planner.compare_name if ps is not None and ps.compare is not None else None,
             planner_ms=ps.planner_ms if ps is not None else 0.0,
             cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
             waves=len(step.waves),
@@ -425,6 +443,8 @@ class CPTrainer(Trainer):
         if self._cp_pending and "loss" in logs:
             logs.update(aggregate(self._cp_pending))
             self._cp_pending = []
+        # in place: the same dict is train()'s TrainOutput.metrics
+        corrected_speed_metrics(logs, self.cp_history[self._cp_history_start :])
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs) -> int:
@@ -479,6 +499,7 @@ class CPTrainer(Trainer):
                 # a resumed one continues it from the checkpoint: steps after it run again
                 truncate_history(hist, checkpoint_step(resume))
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
+        self._cp_history_start = len(self.cp_history)
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
             logger.warning(
                 "hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "
