@@ -4,6 +4,8 @@ A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks 
 the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
 its members with one sharding mode, plus documents *local* to single members (computed with
 no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
+A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
+sample cut into dependent chunks run in order on that rank, one sample after another.
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
 DESIGN.md's invariants before any collective is issued.
@@ -14,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+from .chunking import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from .cluster import ClusterSpec
 from .shard import ShardMode, rank_segments, segment_tokens
 
@@ -26,24 +29,40 @@ class PlanError(ValueError):
     """A plan breaks an invariant; the message names the sample, rank and wave."""
 
 
+class ChunkedSample(NamedTuple):
+    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/chunking.py)."""
+
+    sample: int
+    chunk_size: int  # its chunks are chunking.dependent_chunk_sizes(length, chunk_size)
+    keep: int  # K: chunks whose activations are kept; the first N-K are recomputed in backward
+
+
 @dataclass
 class Group:
     ranks: Tuple[int, ...]
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
     mode: ShardMode = ShardMode.RING_PER_DOC  # how `distributed` is sharded
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
+    # rank -> samples run as dependent chunks, one after another; only in a one-rank group
+    # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
+    chunked: Dict[int, List[ChunkedSample]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
         self.mode = ShardMode(self.mode)
         self.local = {int(r): list(v) for r, v in self.local.items()}
+        self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def sample_ids(self) -> List[int]:
-        return list(self.distributed) + [s for r in sorted(self.local) for s in self.local[r]]
+        return (
+            list(self.distributed)
+            + [s for r in sorted(self.local) for s in self.local[r]]
+            + [c.sample for r in sorted(self.chunked) for c in self.chunked[r]]
+        )
 
     def to_dict(self) -> dict:
         d = {"ranks": list(self.ranks)}
@@ -52,6 +71,8 @@ class Group:
             d["mode"] = self.mode.value
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
+        if any(self.chunked.values()):
+            d["chunked"] = {str(r): [list(c) for c in v] for r, v in sorted(self.chunked.items()) if v}
         return d
 
     @classmethod
@@ -61,6 +82,7 @@ class Group:
             distributed=list(d.get("distributed", [])),
             mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
+            chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
         )
 
 
@@ -97,6 +119,8 @@ class StepPlan:
         t = sum(lens[s] for s in group.local.get(rank, []))
         if group.distributed:
             t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+        for c in group.chunked.get(rank, []):  # run one after another: the largest counts
+            t = max(t, activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
         return t
 
     def cp_size_of_samples(self) -> Dict[int, int]:
@@ -107,7 +131,14 @@ class StepPlan:
                 out.update({s: g.size for s in g.distributed})
                 for ids in g.local.values():
                     out.update({s: 1 for s in ids})
+                for cs in g.chunked.values():
+                    out.update({c.sample: 1 for c in cs})
         return out
+
+    @property
+    def chunked_samples(self) -> List[int]:
+        """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
+        return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
 
     @property
     def spreads_samples(self) -> bool:
@@ -220,6 +251,8 @@ class StepPlan:
                             f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
                             f"which is not in group {list(g.ranks)}"
                         )
+                if any(g.chunked.values()):
+                    self._validate_chunked(g, f"{where}, wave {w}", lens, cost)
                 for s in g.sample_ids():
                     if s not in lens:
                         raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
@@ -228,6 +261,12 @@ class StepPlan:
                     seen[s] = w
                 for r in g.ranks:
                     t = self.rank_tokens(g, r, lens)
+                    if t > self.max_tokens_per_rank and any(g.chunked.values()):
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds the activations of {t} tokens of the chunked "
+                            f"samples {[list(c) for c in g.chunked[r]]}, over the cap of {self.max_tokens_per_rank}: "
+                            f"lower their chunk_size or keep (K)"
+                        )
                     if t > self.max_tokens_per_rank:
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
@@ -241,3 +280,36 @@ class StepPlan:
                 f"({len(missing)} in all) are never scheduled"
             )
         return self
+
+    def _validate_chunked(self, g: Group, where: str, lens: Mapping[int, int], cost) -> None:
+        """A chunked group: one rank running only chunked samples with sane chunk settings; with a
+        CostModel, each sample's activations plus its K/V state store fit the rank's memory."""
+        for r, cs in g.chunked.items():
+            ids = [c.sample for c in cs]
+            if g.size != 1 or r not in g.ranks:
+                raise PlanError(
+                    f"{where}: chunked samples {ids} on rank {r} in group {list(g.ranks)}: chunked samples "
+                    f"run in a one-rank group of their own rank"
+                )
+            if g.distributed or any(g.local.values()):
+                raise PlanError(
+                    f"{where}: rank {r} runs chunked samples {ids} and other samples in one group; a chunked "
+                    f"sample's group runs nothing else (put the others in another wave)"
+                )
+            for c in cs:
+                if c.sample not in lens:
+                    continue  # named by the global-batch check
+                if c.chunk_size <= 0 or c.keep <= 0:
+                    raise PlanError(
+                        f"{where}: chunked sample {c.sample} has chunk_size {c.chunk_size} and keep {c.keep}; "
+                        f"both must be positive"
+                    )
+                if cost is not None:
+                    sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                    need, have = chunked_memory_bytes(cost, sizes, c.keep), cost.memory_bytes(self.max_tokens_per_rank)
+                    if need > have:
+                        raise PlanError(
+                            f"{where}: chunked sample {c.sample} ({lens[c.sample]} tokens in {len(sizes)} chunks, "
+                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
+                            f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
+                        )
