@@ -14,10 +14,11 @@ def request(lengths, world, cost, cap=32768):
 LONG_TAIL = [120000, 60000, 33000] + [300 + (i * 7919) % 12000 for i in range(250)]
 
 
-def test_default_members_are_every_registered_balancer_but_megatron_and_itself():
+def test_default_members_are_every_registered_balancer_but_megatron_chunkflow_and_itself():
     auto = get_balancer("auto")
     names = [n for n, _ in auto.members]
-    assert names == [n for n in available_balancers() if n not in ("auto", "megatron")]
+    # chunkflow: CPTrainer does not execute chunked samples yet
+    assert names == [n for n in available_balancers() if n not in ("auto", "megatron", "chunkflow")]
     assert {"static", "dynamic_cp", "flexsp"} <= set(names)
 
 
