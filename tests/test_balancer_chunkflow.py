@@ -45,7 +45,8 @@ def test_places_by_real_cost_not_by_length():
     cost = toy_cost()
     lengths = [150] + [10] * 30
     req = PlanRequest(range(len(lengths)), lengths, ClusterSpec(2, 1000), cost)
-    plan = get_balancer("chunkflow", chunk_size=100).plan(req).validate(req.cluster, cost)
+    # (a CP group of 2 would be faster still: spread_stragglers is off to see the placement alone)
+    plan = get_balancer("chunkflow", chunk_size=100, spread_stragglers=False).plan(req).validate(req.cluster, cost)
     chunked = [g for w in plan.waves for g in w.groups if g.chunked]
     assert len(chunked) == 1 and chunked[0].chunked == {chunked[0].ranks[0]: [(0, 75, 1)]}
     long_rank = chunked[0].ranks[0]
@@ -92,3 +93,16 @@ def test_options_are_checked():
         ValueError, match=r"keep 3 x chunk_size 500 = 1500 tokens of activations exceed the cap of 1000"
     ):
         get_balancer("chunkflow", chunk_size=500, keep=3).plan(req)
+
+
+def test_a_straggling_chunked_sample_moves_to_a_cp_group_when_faster(h200_cost):
+    # 57K tokens chunked on one rank take longer than a rank's share of this step; on a CP group
+    # of 2 they are faster. spread_stragglers=False keeps ChunkFlow's no-communication placement.
+    lengths = [56963] + [2000] * 120
+    cl = ClusterSpec(8, 32768)
+    req = PlanRequest(range(len(lengths)), lengths, cl, h200_cost)
+    mixed = get_balancer("chunkflow").plan(req).validate(cl, h200_cost)
+    pure = get_balancer("chunkflow", spread_stragglers=False).plan(req).validate(cl, h200_cost)
+    assert pure.chunked_samples == [0] and not pure.spreads_samples
+    assert mixed.chunked_samples == [] and mixed.cp_size_of_samples()[0] > 1
+    assert simulate(mixed, h200_cost).makespan_ms < 0.9 * simulate(pure, h200_cost).makespan_ms

@@ -24,7 +24,7 @@ def _dp_worker(rank, world, model_name, lengths, cap, keep):
     model = build_model(model_name, "hf_cp")
     cost = CostModel(ModelDims.from_hf_config(model.config.to_dict()), HardwareProfile.load("cpu"))
     cluster = ClusterSpec(world, cap)
-    plan = get_balancer("chunkflow", keep=keep, min_chunk_size=8).plan(
+    plan = get_balancer("chunkflow", keep=keep, min_chunk_size=8, spread_stragglers=False).plan(
         PlanRequest(range(len(lengths)), lengths, cluster, cost)
     )
     plan.validate(cluster, cost)

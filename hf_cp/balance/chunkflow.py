@@ -7,6 +7,11 @@ rank's memory. A sample that does not fit one rank even in chunks of `min_chunk_
 runs whole on one rank when it fits the cap, else distributed over the smallest CP group that
 holds it (per-document ring), as the other balancers would place it.
 
+On one rank a long sample needs no communication, but it may take longer than a rank's share
+of the step: with `spread_stragglers` (default), a chunked sample that alone takes longer than
+the mean rank load runs on the smallest CP group that brings it under that load (or the one
+where it is fastest), when that is faster than chunked; then `chunkflow` mixes with CP.
+
 Every unit (a standalone chunk, a chunked sample, a CP sample) is priced by the cost model:
 a dependent chunk by the keys it really attends to (chunk i over chunks 0..i), not by its
 length as ChunkFlow's own scheduler does, plus the recompute of the first N-K chunks. CP
@@ -40,11 +45,19 @@ class ChunkFlowBalancer:
     keep: K, dependent chunks whose activations are kept (the first N-K are recomputed);
     min_chunk_size: a long sample that would need shorter chunks to fit one rank runs on a CP
     group instead (short chunks run attention at low kernel efficiency and pay the per-micro-
-    batch overhead each)."""
+    batch overhead each);
+    spread_stragglers: run a chunked sample slower than the mean rank load on a CP group when
+    the cost model says it is faster there (False: CP only for samples no rank can hold)."""
 
     name = "chunkflow"
 
-    def __init__(self, chunk_size: Optional[int] = None, keep: int = 1, min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE):
+    def __init__(
+        self,
+        chunk_size: Optional[int] = None,
+        keep: int = 1,
+        min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE,
+        spread_stragglers: bool = True,
+    ):
         if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
             raise ValueError(f"chunkflow: chunk_size must be a positive integer, got {chunk_size!r}")
         if not isinstance(keep, int) or keep <= 0:
@@ -52,6 +65,7 @@ class ChunkFlowBalancer:
         if not isinstance(min_chunk_size, int) or min_chunk_size <= 0:
             raise ValueError(f"chunkflow: min_chunk_size must be a positive integer, got {min_chunk_size!r}")
         self.chunk_size, self.keep, self.min_chunk_size = chunk_size, keep, min_chunk_size
+        self.spread_stragglers = bool(spread_stragglers)
 
     def step_chunk_size(self, cap: int) -> int:
         """The chunk size of a step on ranks of `cap` tokens: K chunks must fit the cap."""
@@ -88,9 +102,7 @@ class ChunkFlowBalancer:
             if n <= cap:  # too long for its chunks' K/V state, short enough to run whole
                 units.append((standalone_chunk_ms(cost, [n]), "pack", [dep.sample]))
                 continue
-            g = next(
-                (g for g in cl.group_sizes if g > 1 and max_member_tokens(ShardMode.RING_PER_DOC, [n], g) <= cap), None
-            )
+            g = next((g for g in self._cp_sizes(cl, n)), None)
             if g is None:
                 raise SampleTooLongError(
                     f"chunkflow: sample {dep.sample} ({n} tokens) fits neither one rank as dependent chunks of "
@@ -98,6 +110,8 @@ class ChunkFlowBalancer:
                     f"group of {cl.group_sizes} ranks with {cap} tokens each"
                 )
             units.append((cost.sample_time_on_group(n, g) + cost.micro_batch_overhead_ms(), "cp", (dep.sample, g)))
+        if self.spread_stragglers and cl.world_size > 1:
+            self._spread_stragglers(units, lens, req)
 
         load = [0.0] * cl.world_size
         waves = WaveBuilder(cl.world_size)
@@ -122,3 +136,28 @@ class ChunkFlowBalancer:
         plan = req.empty_plan(self.name)
         plan.waves = waves.build()
         return plan
+
+    @staticmethod
+    def _cp_sizes(cl, n: int) -> List[int]:
+        """CP group sizes (> 1) whose members hold a per-document split of `n` tokens."""
+        cap = cl.max_tokens_per_rank
+        return [g for g in cl.group_sizes if g > 1 and max_member_tokens(ShardMode.RING_PER_DOC, [n], g) <= cap]
+
+    def _spread_stragglers(self, units: List[Tuple[float, str, object]], lens, req: PlanRequest) -> None:
+        """Chunked samples slower than the mean rank load go to a CP group where they are faster:
+        the smallest that brings them under the mean, else the fastest."""
+        cost, cl = req.cost, req.cluster
+        mean = sum(ms * (p[1] if kind == "cp" else 1) for ms, kind, p in units) / cl.world_size  # rank-ms
+        overhead = cost.micro_batch_overhead_ms()
+        for i, (ms, kind, payload) in enumerate(units):
+            if kind != "chunked" or ms <= mean:
+                continue
+            best: Optional[Tuple[float, int]] = None
+            for g in self._cp_sizes(cl, lens[payload.sample]):
+                t = cost.sample_time_on_group(lens[payload.sample], g) + overhead
+                if best is None or t < best[0]:
+                    best = (t, g)
+                if t <= mean:
+                    break
+            if best is not None and best[0] < ms:
+                units[i] = (best[0], "cp", (payload.sample, best[1]))
