@@ -21,9 +21,9 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 
-from .shard import Segment, ShardMode, check_ulysses_heads, doc_pairs, rank_segments, segment_tokens
-
-PACKAGE_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+from .modes import mode_spec
+from .resources import available_names, find_named
+from .shard import Segment, ShardMode, doc_pairs, rank_segments, segment_tokens
 
 
 class ConfigError(ValueError):
@@ -95,7 +95,8 @@ class ModelDims:
 
     @classmethod
     def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
-        """A config.json path, a folder holding one, or a name under configs/models/."""
+        """A config.json path, a folder holding one, or a model name (hf_cp.resources: the user's
+        configs/models/ under the working directory, then the package's built-ins)."""
         p = resolve_config(name_or_path, "models", (".json",))
         if p.is_dir():
             p = p / "config.json"
@@ -120,15 +121,14 @@ def read_yaml_mapping(
 
 
 def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
-    p = Path(name_or_path)
-    if p.exists():
-        return p
-    for s in ("",) + suffixes:
-        cand = PACKAGE_CONFIGS / kind / f"{name_or_path}{s}"
-        if cand.exists():
-            return cand
-    avail = sorted(x.stem for x in (PACKAGE_CONFIGS / kind).glob("*")) if (PACKAGE_CONFIGS / kind).exists() else []
-    raise ConfigError(f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, and not one of {avail}")
+    """The file a profile or model name stands for (resolution order: hf_cp.resources)."""
+    p = find_named(name_or_path, kind, suffixes)
+    if p is None:
+        raise ConfigError(
+            f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, not in configs/{kind}/ here, and not "
+            f"built in; available: {available_names(kind)}"
+        )
+    return p
 
 
 # --------------------------------------------------------------------------- hardware profile
@@ -233,7 +233,7 @@ class HardwareProfile:
 
 
 # --------------------------------------------------------------------------- the cost model
-def _segments_builder(mode: ShardMode, doc_lengths: Sequence[int], group_size: int):
+def _segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
     """member -> its query segments (shard.rank_segments), each member's built once: a ring
     member's cost also needs its successor's share."""
     built: dict = {}
@@ -308,7 +308,8 @@ class CostModel:
         per_doubling = (f_max - 1.0) / math.log2(w_max)
         return 1.0 + per_doubling * math.log2(ways)
 
-    def _segments_attention_ms(self, segments: Sequence[Segment]) -> float:
+    def segments_attention_ms(self, segments: Sequence[Segment]) -> float:
+        """Causal attention of query segments over their documents' earlier keys, per layer."""
         c2 = self.c2
         total = 0.0
         for s in segments:
@@ -333,55 +334,8 @@ class CostModel:
     def memory_bytes(self, tokens: int) -> float:
         return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes
 
-    def max_tokens_for_memory(self, device_bytes: float) -> int:
-        free = device_bytes - self.profile.static_bytes
-        if free <= 0:
-            raise ValueError(
-                f"device memory {device_bytes:.3g} B is below the static footprint {self.profile.static_bytes:.3g} B"
-            )
-        return int(free // self.profile.activation_bytes_per_token)
-
-    # ---- communication volumes (per layer, per rank, bytes sent) -- the attention code matches these
-    def kv_heads_after_replication(self, group_size: int) -> int:
-        """KV heads the Ulysses all-to-all moves: replicated up to the group size when fewer."""
-        hkv = self.dims.num_kv_heads
-        return hkv if hkv >= group_size else group_size
-
-    def ulysses_bytes_per_layer(self, rank_tokens: int, total_tokens: int, group_size: int) -> int:
-        """Bytes one rank sends per layer (fwd+bwd) in Ulysses all-to-alls.
-
-        fwd: q,k,v of this rank's tokens for the other ranks' heads, then the output of this
-        rank's heads for the other ranks' tokens; bwd mirrors it (dO like q, dq/dk/dv like out).
-        """
-        g = group_size
-        if g == 1:
-            return 0
-        self.check_ulysses(g)
-        d = self.dims
-        q_heads, kv_heads = d.num_heads // g, self.kv_heads_after_replication(g) // g  # per rank
-        others_tokens = total_tokens - rank_tokens
-        send_qkv = rank_tokens * (q_heads + 2 * kv_heads) * (g - 1)
-        send_out = others_tokens * q_heads
-        send_dout = rank_tokens * q_heads * (g - 1)
-        send_dqkv = others_tokens * (q_heads + 2 * kv_heads)
-        elems = (send_qkv + send_out + send_dout + send_dqkv) * d.head_dim
-        return elems * self.profile.bytes_per_element
-
     def check_ulysses(self, group_size: int) -> None:
-        check_ulysses_heads(self.dims.num_heads, self.dims.num_kv_heads, group_size)
-
-    def ring_bytes_per_layer(self, next_rank_tokens: int, total_tokens: int, group_size: int) -> int:
-        """Bytes one rank sends per layer (fwd+bwd) in ring attention.
-
-        fwd: the K,V blocks travel g-1 hops (a rank forwards every block but its successor's);
-        bwd: K,V travel again and the dK,dV accumulators travel g hops to come home.
-        """
-        g = group_size
-        if g == 1:
-            return 0
-        kv_elems_per_token = 2 * self.dims.num_kv_heads * self.dims.head_dim
-        tokens_sent = 2 * (total_tokens - next_rank_tokens) + total_tokens
-        return tokens_sent * kv_elems_per_token * self.profile.bytes_per_element
+        mode_spec(ShardMode.ULYSSES).check_group(self.dims, group_size)
 
     def link_for(self, ranks: Sequence[int]) -> Link:
         gpn = self.profile.gpus_per_node
@@ -392,7 +346,7 @@ class CostModel:
     def distributed_rank_cost(
         self,
         doc_lengths: Sequence[int],
-        mode: ShardMode,
+        mode,
         ranks: Sequence[int],
         member: int,
         local_lengths: Sequence[int] = (),
@@ -400,7 +354,6 @@ class CostModel:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
         are this member's local documents (computed with no communication)."""
-        mode = ShardMode(mode)
         return self._rank_cost(
             doc_lengths,
             mode,
@@ -414,7 +367,7 @@ class CostModel:
     def distributed_rank_costs(
         self,
         doc_lengths: Sequence[int],
-        mode: ShardMode,
+        mode,
         ranks: Sequence[int],
         members: Sequence[int],
         local: Optional[Mapping[int, Sequence[int]]] = None,
@@ -422,7 +375,6 @@ class CostModel:
         """distributed_rank_cost of each of `members` (local: member index -> its local lengths),
         with every member's segments built once: a ring member's cost also needs its successor's
         share, so costing a whole group member by member would build each share twice."""
-        mode = ShardMode(mode)
         local = local or {}
         segments_of = _segments_builder(mode, doc_lengths, len(ranks))
         link = self.link_for(ranks)
@@ -431,7 +383,7 @@ class CostModel:
     def _rank_cost(
         self,
         doc_lengths: Sequence[int],
-        mode: ShardMode,
+        mode,
         ranks: Sequence[int],
         member: int,
         local_lengths: Sequence[int],
@@ -445,67 +397,21 @@ class CostModel:
         local_tokens = sum(local_lengths)
         tokens = dist_tokens + local_tokens
         local_attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in local_lengths)
-        total = sum(doc_lengths)
         comm_bytes = 0
+        comm_ms = 0.0
         dist_attn = 0.0
         if doc_lengths and g > 1:
-            if mode == ShardMode.ULYSSES:
-                # after the all-to-all each rank runs whole documents on H/g heads
-                dist_attn = (
-                    self.head_split_factor(g)
-                    * sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
-                    / g
-                )
-                comm_bytes = self.ulysses_bytes_per_layer(dist_tokens, total, g)
-            else:
-                dist_attn = self._segments_attention_ms(segs)
-                nxt = segment_tokens(segments_of((member + 1) % g))
-                comm_bytes = self.ring_bytes_per_layer(nxt, total, g)
+            spec = mode_spec(mode)
+            dist_attn = spec.attention_ms(self, doc_lengths, g, segs)
+            comm_bytes = spec.comm_bytes_per_layer(self, doc_lengths, g, member, segments_of)
+            if comm_bytes:
+                comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + spec.comm_messages(g) * link.latency_us * 1e-3
+                if spec.overlaps_compute:  # only the exchange that outlasts attention shows
+                    comm_ms = max(0.0, comm_ms - dist_attn)
         elif doc_lengths:
-            dist_attn = self._segments_attention_ms(segs)
-        comm_ms = 0.0
-        if comm_bytes:
-            n_msgs = 4 * (g - 1) if mode == ShardMode.ULYSSES else 3 * (g - 1)
-            comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + n_msgs * link.latency_us * 1e-3
-            if mode != ShardMode.ULYSSES:
-                # ring transfers overlap the attention of the previous block: only the excess shows
-                comm_ms = max(0.0, comm_ms - dist_attn)
+            dist_attn = self.segments_attention_ms(segs)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
         return RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * comm_bytes, tokens=tokens)
 
     def micro_batch_overhead_ms(self) -> float:
         return self.dims.num_layers * self.c0
-
-    def sample_time_on_group(
-        self, length: int, group_size: int, mode: ShardMode = ShardMode.RING_PER_DOC, intra_node: bool = True
-    ) -> float:
-        """Wall time of one sample alone on a group (slowest member), c0 excluded."""
-        if group_size == 1:
-            return self.sample_local_ms(length)
-        ranks = list(range(group_size)) if intra_node else [i * self.profile.gpus_per_node for i in range(group_size)]
-        return max(self.distributed_rank_cost([length], mode, ranks, m).total_ms for m in range(group_size))
-
-    def group_member_costs(
-        self,
-        doc_lengths: Sequence[int],
-        mode: ShardMode,
-        ranks: Sequence[int],
-        local: Optional[Mapping[int, Sequence[int]]] = None,
-    ) -> List[RankCost]:
-        """Cost of every member of a group's micro-batch (local: member index -> lengths)."""
-        return self.distributed_rank_costs(doc_lengths, mode, ranks, range(len(ranks)), local)
-
-    def best_ring_mode(
-        self, doc_lengths: Sequence[int], ranks: Sequence[int], local: Optional[Mapping[int, Sequence[int]]] = None
-    ) -> ShardMode:
-        """Zigzag of the whole packed sequence or per-document split, whichever finishes first.
-
-        Per-document sharding balances every document exactly but cuts short documents into
-        tiny, inefficient query chunks; zigzag keeps chunks long but balances only in bulk.
-        """
-        best, best_t = ShardMode.RING_PER_DOC, float("inf")
-        for mode in (ShardMode.RING_PER_DOC, ShardMode.RING_ZIGZAG):
-            t = max(c.total_ms for c in self.group_member_costs(doc_lengths, mode, ranks, local))
-            if t < best_t - 1e-12:
-                best, best_t = mode, t
-        return best

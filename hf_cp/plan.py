@@ -20,7 +20,8 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from .chunking import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from .cluster import ClusterSpec
-from .shard import ShardMode, rank_segments, segment_tokens
+from .modes import mode_spec
+from .shard import ShardMode, mode_name, rank_segments, segment_tokens
 
 FORMAT = "hf_cp.step_plan/1"
 
@@ -41,7 +42,7 @@ class ChunkedSample(NamedTuple):
 class Group:
     ranks: Tuple[int, ...]
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
-    mode: ShardMode = ShardMode.RING_PER_DOC  # how `distributed` is sharded
+    mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
     # rank -> samples run as dependent chunks, one after another; only in a one-rank group
     # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
@@ -49,7 +50,10 @@ class Group:
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
-        self.mode = ShardMode(self.mode)
+        try:
+            self.mode = mode_name(self.mode)
+        except ValueError as e:
+            raise PlanError(f"group {list(self.ranks)}: {e}") from None
         self.local = {int(r): list(v) for r, v in self.local.items()}
         self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
 
@@ -68,7 +72,7 @@ class Group:
         d = {"ranks": list(self.ranks)}
         if self.distributed:
             d["distributed"] = list(self.distributed)
-            d["mode"] = self.mode.value
+            d["mode"] = self.mode
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
         if any(self.chunked.values()):
@@ -80,7 +84,7 @@ class Group:
         return cls(
             ranks=tuple(d["ranks"]),
             distributed=list(d.get("distributed", [])),
-            mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
+            mode=d.get("mode", ShardMode.RING_PER_DOC.value),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
             chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
         )
@@ -240,9 +244,9 @@ class StepPlan:
                         f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
                         f"(aligned power-of-two blocks of size in {cluster.group_sizes})"
                     )
-                if cost is not None and g.distributed and g.mode == ShardMode.ULYSSES and g.size > 1:
+                if cost is not None and g.distributed and g.size > 1:
                     try:
-                        cost.check_ulysses(g.size)
+                        mode_spec(g.mode).check_group(cost.dims, g.size)
                     except ValueError as e:
                         raise PlanError(f"{where}, wave {w}: group {list(g.ranks)}: {e}") from None
                 for r in g.local:

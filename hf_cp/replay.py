@@ -25,7 +25,7 @@ from .plan import PlanError, StepPlan
 from .profiling.layers import DecoderStack, RankWork
 from .profiling.timing import time_each
 from .shard import ShardMode, rank_segments, segment_tokens
-from .sim import simulate
+from .sim import max_over_mean, simulate
 
 
 def load_plans(path: Union[str, Path]) -> List[StepPlan]:
@@ -107,11 +107,6 @@ class RankReplay:
         return self.measured_ms / self.predicted_ms - 1.0 if self.predicted_ms > 0 else 0.0
 
 
-def _max_over_mean(xs: Sequence[float]) -> float:
-    m = sum(xs) / len(xs) if xs else 0.0
-    return max(xs) / m if m > 0 else 1.0
-
-
 @dataclass
 class ReplayResult:
     step: int
@@ -122,11 +117,11 @@ class ReplayResult:
 
     @property
     def measured_max_over_mean(self) -> float:
-        return _max_over_mean([r.measured_ms for r in self.ranks])
+        return max_over_mean([r.measured_ms for r in self.ranks])
 
     @property
     def predicted_max_over_mean(self) -> float:
-        return _max_over_mean([r.predicted_ms for r in self.ranks])
+        return max_over_mean([r.predicted_ms for r in self.ranks])
 
     @property
     def abs_errors(self) -> List[float]:

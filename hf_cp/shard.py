@@ -1,7 +1,9 @@
-"""Shard geometry: which tokens of a packed sequence each member of a CP group holds.
+"""Shard geometry primitives: segments of documents, their token and causal-pair counts.
 
-Pure functions on lengths. The cost model, the simulator, the collator and the attention
-functions all take their layouts from here, so predicted and executed work agree.
+Pure functions on lengths. Which tokens each member of a CP group holds is a shard *mode*'s
+business (hf_cp/modes/, one module per mode, looked up by name); `rank_segments` asks the
+mode. The cost model, the simulator, the collator and the attention functions all take their
+layouts from there, so predicted and executed work agree.
 
 A *segment* is a contiguous run of query tokens of one document held by one rank:
 (doc index in the packed sequence, start position inside the document, length).
@@ -15,7 +17,8 @@ from typing import List, NamedTuple, Sequence
 
 
 class ShardMode(str, Enum):
-    """How a distributed (packed) sequence is spread over a CP group."""
+    """Names of the built-in shard modes (hf_cp/modes/). Plans store a mode by its name, and a
+    registered mode needs no member here: this is a convenience for code and tests."""
 
     ULYSSES = "ulysses"  # contiguous token split; all-to-all over heads
     RING_ZIGZAG = "ring_zigzag"  # whole packed sequence in 2g chunks, rank r: chunks r, 2g-1-r
@@ -45,7 +48,7 @@ def doc_pairs(length: int) -> int:
     return causal_pairs(0, length)
 
 
-def _cut(doc_lengths: Sequence[int], begin: int, end: int) -> List[Segment]:
+def cut(doc_lengths: Sequence[int], begin: int, end: int) -> List[Segment]:
     """Segments covering packed-token range [begin, end)."""
     out: List[Segment] = []
     offset = 0
@@ -59,54 +62,30 @@ def _cut(doc_lengths: Sequence[int], begin: int, end: int) -> List[Segment]:
     return out
 
 
-def _chunk_bounds(n: int, parts: int) -> List[int]:
+def chunk_bounds(n: int, parts: int) -> List[int]:
     bounds = [0]
     for s in split_sizes(n, parts):
         bounds.append(bounds[-1] + s)
     return bounds
 
 
-def zigzag_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
-    """Rank `rank`'s query segments when the whole packed sequence is zigzag-split."""
-    g = group_size
-    b = _chunk_bounds(sum(doc_lengths), 2 * g)
-    return _cut(doc_lengths, b[rank], b[rank + 1]) + _cut(doc_lengths, b[2 * g - 1 - rank], b[2 * g - rank])
-
-
-def per_doc_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
-    """Rank `rank`'s segments when each document is split in 2g parts (r and 2g-1-r).
-
-    Remainder tokens go to the first parts, so no padding is ever needed; a document shorter
-    than 2g leaves some parts empty.
-    """
-    parts = 2 * group_size
-    out: List[Segment] = []
-    for d, ln in enumerate(doc_lengths):
-        # part p of split_sizes(ln, parts) starts at p*q + min(p, r): O(1) per part, since
-        # planners cost every document of a pack on several members (their inner loop)
-        q, r = divmod(ln, parts)
-        for part in (rank, parts - 1 - rank):
-            size = q + 1 if part < r else q
-            if size:
-                out.append(Segment(d, part * q + min(part, r), size))
-    return out
-
-
-def contiguous_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
-    """Rank `rank`'s token segments under Ulysses (contiguous split of the packed sequence)."""
-    b = _chunk_bounds(sum(doc_lengths), group_size)
-    return _cut(doc_lengths, b[rank], b[rank + 1])
-
-
-def rank_segments(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
-    mode = ShardMode(mode)
+def rank_segments(mode, doc_lengths: Sequence[int], group_size: int, rank: int, params=None) -> List[Segment]:
+    """Member `rank`'s segments of the documents a group distributes with `mode` (a mode name)."""
     if not 0 <= rank < group_size:
         raise ValueError(f"rank {rank} outside group of size {group_size}")
-    if mode == ShardMode.ULYSSES:
-        return contiguous_segments(doc_lengths, group_size, rank)
-    if mode == ShardMode.RING_ZIGZAG:
-        return zigzag_segments(doc_lengths, group_size, rank)
-    return per_doc_segments(doc_lengths, group_size, rank)
+    return _mode_spec(mode).segments(doc_lengths, group_size, rank, params)
+
+
+def mode_name(mode) -> str:
+    """A mode's registered name, from a name or a ShardMode member (checked against the registry)."""
+    return _mode_spec(mode).name
+
+
+def _mode_spec(mode):
+    # the registry imports this module for its primitives: look it up on first use
+    from .modes import mode_spec
+
+    return mode_spec(mode)
 
 
 def segment_tokens(segments: Sequence[Segment]) -> int:

@@ -22,6 +22,13 @@ from .cost import CostModel
 from .plan import Group, StepPlan
 
 
+def max_over_mean(values: Sequence[float]) -> float:
+    """max / mean of per-rank times (1.0 = perfectly balanced; 1.0 for no work). Not a quality
+    signal on its own: compare a plan's makespan with the lower bound too."""
+    m = sum(values) / len(values) if len(values) else 0.0
+    return max(values) / m if m > 0 else 1.0
+
+
 @dataclass
 class GroupRun:
     wave: int
@@ -57,8 +64,7 @@ class SimResult:
     @property
     def imbalance(self) -> float:
         """max / mean of per-rank busy time (1.0 = perfectly balanced)."""
-        m = self.mean_busy_ms
-        return max(self.busy_ms) / m if m > 0 else 1.0
+        return max_over_mean(self.busy_ms)
 
     @property
     def idle_share(self) -> float:
@@ -151,7 +157,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                     dur,
                     [c[0] for c in costs],
                     [c[1] for c in costs],
-                    g.mode.value if g.distributed else None,
+                    g.mode if g.distributed else None,
                     len(g.distributed),
                     sum(len(v) for v in g.local.values()),
                 )

@@ -22,8 +22,7 @@ def main() -> None:
     from hf_cp.cluster import ClusterSpec
     from hf_cp.cost import CostModel
     from hf_cp.lengths import read_lengths
-    from hf_cp.train.planner import Planner
-    from hf_cp.train.sampler import GlobalBatchSampler
+    from hf_cp.planning import GlobalBatchSampler, Planner
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))

@@ -18,6 +18,8 @@ from attention_pool import collective_spy, pools, process_group  # noqa: F401  (
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from hf_cp.modes.ring import ring_bytes_per_layer
+from hf_cp.modes.ulysses import ulysses_bytes_per_layer
 from hf_cp.shard import ShardMode, rank_segments
 
 MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
@@ -83,8 +85,8 @@ def _expected_bytes(cost, mode, distributed, group_size, member):
     total = sum(distributed)
     tokens = [sum(s.length for s in rank_segments(mode, distributed, group_size, m)) for m in range(group_size)]
     if mode == ShardMode.ULYSSES:
-        return cost.ulysses_bytes_per_layer(tokens[member], total, group_size)
-    return cost.ring_bytes_per_layer(tokens[(member + 1) % group_size], total, group_size)
+        return ulysses_bytes_per_layer(cost, tokens[member], total, group_size)
+    return ring_bytes_per_layer(cost, tokens[(member + 1) % group_size], total, group_size)
 
 
 def _worker(rank, world, cases):

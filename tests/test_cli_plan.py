@@ -43,7 +43,8 @@ def test_plan_static_on_code_trace_prints_report_and_plot(capsys, tmp_path, trac
 def test_plan_json_is_byte_identical_and_resimulates(capsys, tmp_path, traces_dir):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     common = ["--lengths", traces_dir / "longdoc_leval_multiturn.txt", "--world", 8, "--steps", 3]
-    assert run(capsys, *common, "--json", a)[0] == 0
+    rc, _, err = run(capsys, *common, "--json", a)
+    assert rc == 0, err
     assert run(capsys, *common, "--json", b)[0] == 0
     plans_a, plans_b = (json.dumps(json.loads(f.read_text())["plans"], sort_keys=True) for f in (a, b))
     assert plans_a == plans_b  # metrics differ only in the measured planner time

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from hf_cp.cost import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.modes.ulysses import ulysses_bytes_per_layer
 from hf_cp.shard import ShardMode
 
 
@@ -51,7 +52,7 @@ def test_sharding_costs_more_in_total_than_local(h200_cost):
 def test_ulysses_bytes_formula_even_split(h200_cost):
     d = h200_cost.dims
     L, g = 8192, 4
-    b = h200_cost.ulysses_bytes_per_layer(L // g, L, g)
+    b = ulysses_bytes_per_layer(h200_cost, L // g, L, g)
     kv = max(d.num_kv_heads, g)
     expected = 2 * (L // g) * (g - 1) / g * d.head_dim * (2 * d.num_heads + 2 * kv) * 2
     assert b == pytest.approx(expected)

@@ -8,7 +8,9 @@ import pytest
 
 from hf_cp.cli import main
 from hf_cp.report.runs import read_run
-from hf_cp.train.metrics import aggregate, max_over_mean
+from hf_cp.sim import max_over_mean
+from hf_cp.train.history import StepRecord
+from hf_cp.train.metrics import aggregate
 
 WORLD = 4
 STEPS = 8
@@ -16,32 +18,34 @@ LOG_EVERY = 4
 
 
 def step_records():
-    """Step records shaped like CPTrainer._cp_record: rank 3 is a straggler on odd steps."""
+    """Step records as CPTrainer._cp_record makes them: rank 3 is a straggler on odd steps."""
     recs = []
     for k in range(STEPS):
         pred = [100.0 + 10 * r + 5 * k for r in range(WORLD)]
         meas = [p * 1.1 + (60.0 if (r == 3 and k % 2) else 0.0) for r, p in enumerate(pred)]
         recs.append(
-            {
-                "index": k,
-                "epoch": 0,
-                "step_in_epoch": k,
-                "global_step": k + 1,
-                "num_samples": 5 + k,
-                "global_tokens": 4096,
-                "global_valid_tokens": 3000,
-                "loss": 3.0 - 0.1 * k,
-                "measured_ms": meas,
-                "rank_tokens": [1024] * WORLD,
-                "step_wall_ms": max(meas) + 5,
-                "predicted_ms": pred,
-                "predicted_step_ms": max(pred),
-                "compare_step_ms": max(pred) * 1.3,
-                "planner_ms": 2.0,
-                "cp_size_samples": {"1": 4 + k, "2": 1} if k % 2 else {"1": 5 + k},
-                "waves": 1 + k % 2,
-                "plan_digest": f"d{k}",
-            }
+            StepRecord.from_dict(
+                {
+                    "index": k,
+                    "epoch": 0,
+                    "step_in_epoch": k,
+                    "global_step": k + 1,
+                    "num_samples": 5 + k,
+                    "global_tokens": 4096,
+                    "global_valid_tokens": 3000,
+                    "loss": 3.0 - 0.1 * k,
+                    "measured_ms": meas,
+                    "rank_tokens": [1024] * WORLD,
+                    "step_wall_ms": max(meas) + 5,
+                    "predicted_ms": pred,
+                    "predicted_step_ms": max(pred),
+                    "compare_step_ms": max(pred) * 1.3,
+                    "planner_ms": 2.0,
+                    "cp_size_samples": {"1": 4 + k, "2": 1} if k % 2 else {"1": 5 + k},
+                    "waves": 1 + k % 2,
+                    "plan_digest": f"d{k}",
+                }
+            )
         )
     return recs
 
@@ -54,11 +58,11 @@ def write_run(run_dir, history=True, state=True, tensorboard=True):
         for r in range(WORLD):
             with open(d / f"rank{r}.jsonl", "w") as f:
                 for rec in recs:
-                    f.write(json.dumps(dict(rec, rank=r, trained_sample_ids=[r])) + "\n")
+                    f.write(json.dumps(rec.for_rank(r, [r]).to_dict()) + "\n")
     # what CPTrainer.log adds to the Trainer's logs every LOG_EVERY steps
     logs = []
     for end in range(LOG_EVERY, STEPS + 1, LOG_EVERY):
-        entry = {"loss": recs[end - 1]["loss"], "grad_norm": 1.0, "learning_rate": 1e-3, "epoch": 0.5}
+        entry = {"loss": recs[end - 1].loss, "grad_norm": 1.0, "learning_rate": 1e-3, "epoch": 0.5}
         entry.update(aggregate(recs[end - LOG_EVERY : end]))
         entry["step"] = end
         logs.append(entry)
@@ -87,9 +91,9 @@ def test_history_is_read_per_step(tmp_path):
     s = read_run(tmp_path / "run")
     assert s.source == "cp_history/rank0.jsonl" and s.per_step and s.world == WORLD
     assert s.steps == list(range(1, STEPS + 1))
-    assert s.measured_ms == [r["measured_ms"] for r in recs]
-    assert s.predicted_ms == [r["predicted_ms"] for r in recs]
-    assert s.measured_imbalance == pytest.approx([max_over_mean(r["measured_ms"]) for r in recs])
+    assert s.measured_ms == [r.measured_ms for r in recs]
+    assert s.predicted_ms == [r.predicted_ms for r in recs]
+    assert s.measured_imbalance == pytest.approx([max_over_mean(r.measured_ms) for r in recs])
     assert s.cp_size_samples[1] == {1: 5.0, 2: 1.0} and s.cp_size_samples[0] == {1: 5.0}
     # a straggler on odd steps: measured imbalance exceeds predicted there only
     assert all(
@@ -99,7 +103,7 @@ def test_history_is_read_per_step(tmp_path):
 
 def test_resumed_history_keeps_the_last_record_of_a_step(tmp_path):
     recs, _ = write_run(tmp_path / "run", state=False, tensorboard=False)
-    again = dict(recs[STEPS - 1], measured_ms=[1.0, 2.0, 3.0, 4.0])
+    again = dict(recs[STEPS - 1].to_dict(), measured_ms=[1.0, 2.0, 3.0, 4.0])
     with open(tmp_path / "run" / "cp_history" / "rank0.jsonl", "a") as f:
         f.write(json.dumps(again) + "\n")
     s = read_run(tmp_path / "run")
@@ -115,7 +119,7 @@ def test_interrupted_runs_are_shown_as_segments(tmp_path, capsys):
     d.mkdir(parents=True)
     with open(d / "rank0.jsonl", "w") as f:
         for rec, (attempt, resumed) in zip(recs, runs):
-            f.write(json.dumps(dict(rec, attempt=attempt, resumed_from=resumed)) + "\n")
+            f.write(json.dumps(dict(rec.to_dict(), attempt=attempt, resumed_from=resumed)) + "\n")
     s = read_run(tmp_path / "run")
     assert s.segments == [(1, 3, 0, None), (4, 5, 1, 3), (6, 8, 0, 5)]
     assert main(["report", str(tmp_path / "run"), "--out", str(tmp_path / "rep")]) == 0
@@ -132,8 +136,11 @@ def test_interrupted_runs_are_shown_as_segments(tmp_path, capsys):
 def test_sample_audit_counts_each_sample_once_per_epoch(tmp_path, capsys):
     from hf_cp.report.samples import audit_samples
 
+    base = step_records()[0].to_dict()
+
     def rec(index, epoch, ids):
-        return json.dumps({"index": index, "epoch": epoch, "trained_sample_ids": ids, "dataset_samples": 4}) + "\n"
+        fields = {"index": index, "epoch": epoch, "rank": 0, "trained_sample_ids": ids, "dataset_samples": 4}
+        return json.dumps({**base, **fields}) + "\n"
 
     d = tmp_path / "run" / "cp_history"
     d.mkdir(parents=True)
@@ -186,12 +193,12 @@ def test_cli_writes_pngs_and_summary(capsys, tmp_path):
         p = tmp_path / "run" / "report" / name
         assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 10_000, name
         assert f"wrote {p}" in out.out
-    meas = statistics.mean(max_over_mean(r["measured_ms"]) for r in recs)
-    pred = statistics.mean(max_over_mean(r["predicted_ms"]) for r in recs)
+    meas = statistics.mean(max_over_mean(r.measured_ms) for r in recs)
+    pred = statistics.mean(max_over_mean(r.predicted_ms) for r in recs)
     assert f"{STEPS} steps from cp_history/rank0.jsonl, {WORLD} ranks" in out.out
     assert f"predicted {pred:.3f}, measured {meas:.3f}" in out.out
-    n1 = sum(r["cp_size_samples"].get("1", 0) for r in recs)
-    n2 = sum(r["cp_size_samples"].get("2", 0) for r in recs)
+    n1 = sum(r.cp_size_samples.get("1", 0) for r in recs)
+    n2 = sum(r.cp_size_samples.get("2", 0) for r in recs)
     assert f"samples per CP size: 1:{n1} 2:{n2}" in out.out
     assert f"training loss: 3.0000 at step 1 -> {3.0 - 0.1 * (STEPS - 1):.4f} at step {STEPS}" in out.out
     assert f"eval loss: 3.3000 at step {LOG_EVERY} -> 3.1000 at step {STEPS} (2 evaluations)" in out.out

@@ -17,8 +17,7 @@ import torch
 from hf_cp.balance import available_balancers
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
-from hf_cp.train.planner import Planner
-from hf_cp.train.sampler import GlobalBatchSampler
+from hf_cp.planning import GlobalBatchSampler, Planner
 from hf_cp.train.testing import balancer_for, reference_eval_loss, reference_params, run_distributed
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one

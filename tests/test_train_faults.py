@@ -11,8 +11,9 @@ import pytest
 from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
+from hf_cp.planning import GlobalBatchSampler
 from hf_cp.report.samples import audit_samples
-from hf_cp.train.elastic import (
+from hf_cp.train.resume import (
     SCHEDULE_FILE,
     SHARED_STORE_ADVICE,
     ReshardNeededError,
@@ -26,7 +27,6 @@ from hf_cp.train.elastic import (
     truncate_history,
     write_schedule,
 )
-from hf_cp.train.sampler import GlobalBatchSampler
 from hf_cp.train.testing import run_distributed
 
 

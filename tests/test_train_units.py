@@ -9,10 +9,9 @@ from hf_cp.attention.context import CPContext
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.planning import GlobalBatchSampler, Planner
 from hf_cp.shard import ShardMode
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
-from hf_cp.train.planner import Planner
-from hf_cp.train.sampler import GlobalBatchSampler
 from hf_cp.train.testing import FixedModeBalancer, synthetic_rows
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: an idle rank in wave 2
@@ -79,7 +78,7 @@ def test_collator_shards_cover_documents_exactly_once(mode, size):
         (mb,) = step.waves
         ctx = mb.context
         assert isinstance(ctx, CPContext) and ctx.member == r and ctx.group_ranks == tuple(range(size))
-        assert ctx.distributed_lengths == (37, 64) and ctx.mode is mode
+        assert ctx.distributed_lengths == (37, 64) and ctx.mode == mode
         ids, tgt, pos = mb.input_ids[0].numpy(), mb.shift_labels[0].numpy(), mb.position_ids[0].numpy()
         assert mb.cu_seq_lens[-1] == len(ids) == len(tgt) == len(pos)
         off = 0
@@ -289,7 +288,7 @@ def test_single_process_trainer_matches_reference(tmp_path):
     got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
     ref = reference_params(spec)
     assert max(max_relative_error(got, ref).values()) < 1e-5
-    assert [r["index"] for r in trainer.cp_history] == [0, 1, 2]
+    assert [r.index for r in trainer.cp_history] == [0, 1, 2]
     logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
     assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
     assert [h["cp/data_epoch"] for h in logged] == pytest.approx([0.25, 0.5, 0.75])  # 3 of the epoch's 4 steps
@@ -433,8 +432,8 @@ def test_planner_worker_exits_when_its_training_process_is_killed():
         "import os\n"
         "from hf_cp.cluster import ClusterSpec\n"
         "from hf_cp.cost import CostModel\n"
-        "from hf_cp.train.planner import Planner\n"
-        "from hf_cp.train.sampler import GlobalBatchSampler\n"
+        "from hf_cp.planning import Planner\n"
+        "from hf_cp.planning import GlobalBatchSampler\n"
         "p = Planner(GlobalBatchSampler([10] * 40, 100), 'static', ClusterSpec(2, 256),\n"
         "            CostModel.load('tiny-llama', 'h200-qwen2.5-7b'), lookahead=1, in_process=True)\n"
         "p.get(0)\n"

@@ -143,3 +143,11 @@ def ring_attention(
 
         return block_attention(q, k, v, segment_blocks(spec.segments[0], spec.segments[0]), scale, kernel)
     return _RingAttention.apply(q, k, v, spec, kernel, scale)
+
+
+def ring_mode_attention(
+    q: Tensor, k: Tensor, v: Tensor, ctx, segments, scale: float, kernel: AttentionKernel
+) -> Tensor:
+    """The ring modes' entry for dispatch.cp_attention (hf_cp/modes/ring.py): this member's
+    distributed rows, every member's segments."""
+    return ring_attention(q, k, v, RingSpec(ctx.group, tuple(ctx.group_ranks), ctx.member, segments), scale, kernel)

@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..shard import check_ulysses_heads  # noqa: F401  (re-exported: the attention API names it)
+from ..shard import check_ulysses_heads
 from .blocks import document_blocks
 from .comm import all_to_all
 from .kernels import AttentionKernel, kernel_for
@@ -70,3 +70,13 @@ def ulysses_attention(
     out_h = block_attention(q_h, k_h, v_h, blocks, scale, kernel) if total else q_h
     back = all_to_all(out_h, spec.rank_tokens, [n] * g, spec.group, me)  # [g * n, hq_r, D], by head owner
     return back.reshape(g, n, hq_r, d).transpose(0, 1).reshape(n, h, d)
+
+
+def ulysses_mode_attention(
+    q: Tensor, k: Tensor, v: Tensor, ctx, segments, scale: float, kernel: AttentionKernel
+) -> Tensor:
+    """The Ulysses mode's entry for dispatch.cp_attention (hf_cp/modes/ulysses.py)."""
+    spec = UlyssesSpec(
+        ctx.group, ctx.member, tuple(sum(s.length for s in m) for m in segments), tuple(ctx.distributed_lengths)
+    )
+    return ulysses_attention(q, k, v, spec, scale, kernel)

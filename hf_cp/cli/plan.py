@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections import Counter
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
-from ..balance import PlanRequest, available_balancers, get_balancer
+import yaml
+
+from ..balance import available_balancers
 from ..cluster import ClusterSpec
 from ..cost import CostModel
-from ..lengths import read_lengths, step_batches
+from ..lengths import read_lengths
 from ..plan import PlanError, StepPlan
+from ..planning import Planner, PlanningSettings, planning_setup
+from ..planning.setup import load_profile
 from ..sim import SimResult, lower_bound_ms, simulate
 from .formatting import HelpFormatter
 
@@ -34,26 +37,50 @@ def add_parser(sub) -> None:
     )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
     p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
-    p.add_argument("--max-tokens-per-rank", type=int, default=32768, help="memory cap per rank, in tokens")
+    p.add_argument(
+        "--max-tokens-per-rank",
+        type=int,
+        default=PlanningSettings.default("max_tokens_per_rank"),
+        help="memory cap per rank, in tokens",
+    )
     tps = p.add_mutually_exclusive_group()
     tps.add_argument("--tokens-per-step", type=int, help="tokens in one global batch (all ranks together)")
     tps.add_argument(
         "--tokens-per-rank-per-step",
         type=int,
-        default=65536,
+        default=PlanningSettings.default("tokens_per_rank_per_step"),
         help="tokens per rank in one global batch (global batch = this x world)",
     )
     p.add_argument(
-        "--profile", default="h200-qwen2.5-7b", help="hardware profile: a name under configs/profiles or a YAML file"
+        "--profile",
+        default=PlanningSettings.default("profile"),
+        help="hardware profile: a profile name (configs/profiles/ here, then built in) or a YAML file",
     )
     p.add_argument(
         "--model",
         default="qwen2.5-7b",
-        help="model dimensions: a name under configs/models, a config.json, or a model folder",
+        help="model dimensions: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
-    p.add_argument("--balancer", default="static", help=f"balancer name; built in: {', '.join(available_balancers())}")
+    p.add_argument(
+        "--balancer",
+        default=PlanningSettings.default("balancer"),
+        help=f"balancer name; built in: {', '.join(available_balancers())}",
+    )
+    p.add_argument(
+        "--balancer-opt",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the balancer (repeatable; VALUE is read as YAML: 0.05, true, [1, 2]); the same "
+        "options as training.cp_balancer_options in a training config",
+    )
+    p.add_argument(
+        "--compare-balancer",
+        default=PlanningSettings.default("compare_balancer"),
+        help="also plan every step with this balancer and show its predicted step time ('none': off)",
+    )
     p.add_argument("--steps", type=int, default=10, help="number of steps to plan (from the start of the epoch)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed of the epoch order")
+    p.add_argument("--seed", type=int, default=PlanningSettings.default("seed"), help="shuffle seed of the epoch order")
     p.add_argument("--no-shuffle", action="store_true", help="keep the file's sample order")
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--max-group-size", type=int, help="largest CP group a plan may use (default: the world)")
@@ -63,7 +90,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def step_metrics(plan: StepPlan, sim: SimResult, lb: float, planner_ms: float) -> dict:
+def step_metrics(
+    plan: StepPlan, sim: SimResult, lb: float, planner_ms: float, compare_ms: Optional[float] = None
+) -> dict:
     return {
         "step": plan.step,
         "samples": len(plan.sample_ids),
@@ -79,6 +108,7 @@ def step_metrics(plan: StepPlan, sim: SimResult, lb: float, planner_ms: float) -
         "peak_memory_gb": max(sim.peak_memory_bytes) / 1e9,
         "waves": len(plan.waves),
         "planner_ms": planner_ms,
+        "compare_ms": compare_ms,
     }
 
 
@@ -86,7 +116,7 @@ def _hist(c: dict) -> str:
     return " ".join(f"{g}:{n}" for g, n in sorted(c.items()))
 
 
-def print_report(rows: List[dict], header: str, cap: int) -> None:
+def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str] = None) -> None:
     print(header)
     cols = (
         f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'ratio':>6} "
@@ -120,35 +150,77 @@ def print_report(rows: List[dict], header: str, cap: int) -> None:
         f"predicted time / lower bound over {len(rows)} steps: {tot_pred / tot_lb:.3f}; peak tokens per rank "
         f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} ms"
     )
+    if compare and all(r.get("compare_ms") is not None for r in rows):
+        theirs = sum(r["compare_ms"] for r in rows)
+        print(
+            f"comparison: {compare} would take {theirs:.1f} ms over these steps, {theirs / tot_pred:.3f}x the "
+            f"plans above ({theirs / tot_lb if tot_lb else float('nan'):.3f}x the bound)"
+        )
+
+
+def balancer_options(items: List[str]) -> dict:
+    """--balancer-opt KEY=VALUE items -> options (values read as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--balancer-opt {item!r}: expected KEY=VALUE, e.g. outlier_fraction=0.05")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def settings_from_args(args) -> PlanningSettings:
+    """The CLI's options as the planning settings the trainer and the dry run use."""
+    compare = args.compare_balancer
+    return PlanningSettings(
+        balancer=args.balancer,
+        balancer_options=balancer_options(args.balancer_opt),
+        compare_balancer=None if not compare or str(compare).lower() == "none" else compare,
+        profile=args.profile,
+        model_dims=args.model,
+        max_tokens_per_rank=args.max_tokens_per_rank,
+        tokens_per_step=args.tokens_per_step,
+        tokens_per_rank_per_step=args.tokens_per_rank_per_step,
+        max_group_size=args.max_group_size,
+        gpus_per_node=args.gpus_per_node,
+        seed=args.seed,
+        shuffle=not args.no_shuffle,
+    )
+
+
+def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
+    """--plan-json: plans made elsewhere, to simulate again."""
+    cost = CostModel.load(args.model, args.profile)
+    data = json.loads(Path(args.plan_json).read_text())
+    items = data if isinstance(data, list) else data.get("plans", [data]) if isinstance(data, dict) else None
+    if not items:
+        raise PlanError(f"{args.plan_json}: expected a plan object or a list of plans")
+    plans = [StepPlan.from_dict(d, source=f"{args.plan_json}[{i}]") for i, d in enumerate(items)]
+    world = plans[0].world_size
+    if args.world and args.world != world:
+        raise PlanError(f"--world {args.world} disagrees with the plan's world_size {world}")
+    gpus = args.gpus_per_node or load_profile(args.profile).gpus_per_node
+    cluster = ClusterSpec(world, plans[0].max_tokens_per_rank, gpus, args.max_group_size)
+    return plans, cluster, cost, f"simulated {len(plans)} plan(s) from {args.plan_json}"
 
 
 def run(args) -> int:
-    cost = CostModel.load(args.model, args.profile)
-    plans: List[StepPlan] = []
-    planner_ms: List[float] = []
+    compare_ms: List[Optional[float]] = []
     if args.plan_json:
-        text = Path(args.plan_json).read_text()
-        data = json.loads(text)
-        items = data if isinstance(data, list) else data.get("plans", [data]) if isinstance(data, dict) else None
-        if not items:
-            raise PlanError(f"{args.plan_json}: expected a plan object or a list of plans")
-        for i, d in enumerate(items):
-            plans.append(StepPlan.from_dict(d, source=f"{args.plan_json}[{i}]"))
-            planner_ms.append(0.0)
-        world = plans[0].world_size
-        if args.world and args.world != world:
-            raise PlanError(f"--world {args.world} disagrees with the plan's world_size {world}")
-        cluster = ClusterSpec(
-            world, plans[0].max_tokens_per_rank, args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size
-        )
-        header = f"simulated {len(plans)} plan(s) from {args.plan_json}"
+        plans, cluster, cost, header = _replan(args)
+        planner_ms = [0.0] * len(plans)
+        sims = []
+        for plan in plans:
+            plan.validate(cluster, cost)
+            sims.append(simulate(plan, cost))
+        compare_ms = [None] * len(plans)
     else:
         if not args.world:
             raise ValueError("--world is required with --lengths")
-        cluster = ClusterSpec(
-            args.world, args.max_tokens_per_rank, args.gpus_per_node or cost.profile.gpus_per_node, args.max_group_size
-        )
+        settings = settings_from_args(args)
         lengths = read_lengths(args.lengths)
+        setup = planning_setup(settings, lengths, args.world)
+        cluster, cost = setup.cluster, setup.cost
         longest = max(lengths)
         if longest > cluster.largest_capacity:
             i = lengths.index(longest)
@@ -158,36 +230,24 @@ def run(args) -> int:
                 f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
                 f"it with `hf-cp preprocess`"
             )
-        tps = args.tokens_per_step or args.tokens_per_rank_per_step * args.world
-        batches = step_batches(lengths, tps, seed=args.seed, shuffle=not args.no_shuffle)[: args.steps]
-        balancer = get_balancer(args.balancer)
-        for step, ids in enumerate(batches):
-            req = PlanRequest(
-                sample_ids=ids,
-                lengths=[lengths[i] for i in ids],
-                cluster=cluster,
-                cost=cost,
-                seed=args.seed,
-                step=step,
-                dataset_max_length=longest,
-            )
-            t0 = time.perf_counter()
-            plan = balancer.plan(req)
-            planner_ms.append((time.perf_counter() - t0) * 1e3)
-            plans.append(plan)
+        planner = Planner.from_setup(setup, lookahead=0)
+        steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
+        planned = [planner.get(k) for k in range(steps)]  # the epoch's first steps, as training plans them
+        plans = [ps.plan for ps in planned]
+        sims = [ps.predicted for ps in planned]
+        planner_ms = [ps.planner_ms for ps in planned]
+        compare_ms = [ps.compare.makespan_ms if ps.compare is not None else None for ps in planned]
+        opts = "".join(f" {k}={v}" for k, v in settings.balancer_options.items())
         header = (
             f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
-            f"{args.balancer}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
-            f"{tps} tokens/step, model {args.model}, profile {args.profile}"
+            f"{args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
+            f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
         )
-    rows, sims = [], []
-    for plan, pms in zip(plans, planner_ms):
-        plan.validate(cluster, cost)
-        sim = simulate(plan, cost)
-        lb = lower_bound_ms(plan.lengths, cluster, cost)
-        sims.append(sim)
-        rows.append(step_metrics(plan, sim, lb, pms))
-    print_report(rows, header, cluster.max_tokens_per_rank)
+    rows = []
+    for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):
+        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost), pms, cms))
+    compare = None if args.plan_json else settings.compare_balancer
+    print_report(rows, header, cluster.max_tokens_per_rank, compare)
     if args.json:
         out = {"plans": [p.to_dict() for p in plans], "metrics": rows}
         Path(args.json).write_text(json.dumps(out, sort_keys=True, separators=(",", ":")))

@@ -76,12 +76,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--profile",
         default="h200-qwen2.5-7b",
-        help="hardware profile for the attention-cost shares: a name under configs/profiles or a YAML file",
+        help="hardware profile for the attention-cost shares: a profile name (configs/profiles/ here, then built in) or a YAML file",
     )
     p.add_argument(
         "--model",
         default="qwen2.5-7b",
-        help="model dimensions for the cost shares: a name under configs/models, a config.json, or a model folder",
+        help="model dimensions for the cost shares: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw the length report as a PNG")
     p.add_argument("--report-json", metavar="OUT.json", help="also write the length report as JSON")

@@ -19,7 +19,9 @@ def add_parser(sub) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument(
-        "--model", required=True, help="model config: a name under configs/models, a config.json, or a model folder"
+        "--model",
+        required=True,
+        help="model config: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
     p.add_argument("--out", required=True, metavar="PROFILE.yaml", help="where to write the profile")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")

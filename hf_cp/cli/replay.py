@@ -20,7 +20,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("plan", metavar="PLAN.json", help="output of `hf-cp plan --json`, a list of plans, or one plan")
     p.add_argument(
-        "--model", required=True, help="model config: a name under configs/models, a config.json, or a model folder"
+        "--model",
+        required=True,
+        help="model config: a model name (configs/models/ here, then built in), a config.json, or a model folder",
     )
     p.add_argument(
         "--profile", help="hardware profile for the prediction (default: cpu on CPU, h200-qwen2.5-7b on CUDA)"

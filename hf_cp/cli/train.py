@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train a model from a YAML config (CPTrainer on DeepSpeed ZeRO-2)",
-        description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/main.py). "
+        description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/config.py). "
         "Under a launcher every process runs this command; with --nproc N it starts N local "
         "processes itself (torch.distributed.run).",
         formatter_class=HelpFormatter,
@@ -77,11 +77,11 @@ def _with_restart_overrides(overrides, max_restarts: int):
 
 def run(args) -> int:
     if args.dry_run:
-        from ..train.preflight import preflight
+        from ..train.dry_run import dry_run
 
         world = args.world or args.nproc or 1
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
-        for line in preflight(args.config, overrides, world, args.dry_run_steps, args.max_restarts):
+        for line in dry_run(args.config, overrides, world, args.dry_run_steps, args.max_restarts):
             print(line)
         print("dry run passed: nothing was launched")
         return 0
@@ -96,7 +96,7 @@ def run(args) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher_args = []
         if args.max_restarts > 0:
-            # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.elastic)
+            # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.resume)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             launcher_args = ["--max-restarts", str(args.max_restarts)]
         if args.shutdown_timeout is not None:
@@ -114,7 +114,7 @@ def run(args) -> int:
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
         return _run_forwarding_sigterm(cmd, env)
-    from ..train.main import run as train_run
+    from ..train.launch import run as train_run
 
     return train_run(args.config, args.overrides)
 

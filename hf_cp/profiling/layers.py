@@ -49,7 +49,8 @@ class RankWork:
 
 
 def load_hf_config(model: Union[str, Path, dict]):
-    """A transformers config from a config.json path, a model folder or a name under configs/models."""
+    """A transformers config from a config.json path, a model folder or a model name (the user's
+    configs/models/ here, then the built-ins: hf_cp.resources)."""
     from transformers import AutoConfig
 
     if isinstance(model, dict):

@@ -17,8 +17,10 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
+from ..sim import max_over_mean
+from ..train.history import HistoryError, latest_records
 from .figures import pyplot, save_figure
 
 SOURCES = ("history", "trainer-state", "tensorboard")
@@ -57,43 +59,28 @@ class RunSeries:
         return len(self.steps)
 
 
-def _max_over_mean(values: Sequence[float]) -> float:
-    m = sum(values) / len(values) if values else 0.0
-    return max(values) / m if m > 0 else 1.0
-
-
 # ------------------------------------------------------------------------------ readers
 def read_history(run_dir: Path) -> RunSeries:
     files = sorted((run_dir / "cp_history").glob("rank*.jsonl"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     if not files:
         raise RunLogError(f"{run_dir}: no cp_history/rank*.jsonl")
-    by_index: Dict[int, dict] = {}
-    with files[0].open() as f:  # every rank records the same step metrics
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                by_index[int(rec["index"])] = rec  # a resumed run appends: the last record wins
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                raise RunLogError(f"{files[0]}, line {lineno}: not a step record ({e})") from None
+    try:  # every rank records the same step metrics
+        records = latest_records(files[0])
+    except HistoryError as e:
+        raise RunLogError(str(e)) from None
     s = RunSeries(source=str(files[0].relative_to(run_dir)), per_step=True)
-    for idx in sorted(by_index):
-        r = by_index[idx]
-        try:
-            pred, meas = [float(x) for x in r["predicted_ms"]], [float(x) for x in r["measured_ms"]]
-        except KeyError as e:
-            raise RunLogError(f"{files[0]}: step {idx} has no {e.args[0]!r}") from None
-        s.steps.append(int(r.get("global_step", idx + 1)))
+    for r in records:
+        pred, meas = [float(x) for x in r.predicted_ms], [float(x) for x in r.measured_ms]
+        s.steps.append(int(r.global_step))
         s.predicted_ms.append(pred)
         s.measured_ms.append(meas)
-        s.predicted_imbalance.append(_max_over_mean(pred))
-        s.measured_imbalance.append(_max_over_mean(meas))
-        s.cp_size_samples.append({int(g): float(n) for g, n in (r.get("cp_size_samples") or {}).items()})
-        s.loss.append(r.get("loss"))
-        s.predicted_step_ms.append(r.get("predicted_step_ms"))
-        s.compare_step_ms.append(r.get("compare_step_ms"))
-        run = (int(r.get("attempt") or 0), r.get("resumed_from"))
+        s.predicted_imbalance.append(max_over_mean(pred))
+        s.measured_imbalance.append(max_over_mean(meas))
+        s.cp_size_samples.append({int(g): float(n) for g, n in (r.cp_size_samples or {}).items()})
+        s.loss.append(r.loss)
+        s.predicted_step_ms.append(r.predicted_step_ms)
+        s.compare_step_ms.append(r.compare_step_ms)
+        run = (int(r.attempt or 0), r.resumed_from)
         if s.segments and s.segments[-1][2:] == run:
             s.segments[-1] = (s.segments[-1][0], s.steps[-1]) + run
         else:
@@ -117,8 +104,8 @@ def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSerie
         s.measured_ms.append(meas)
         s.predicted_ms.append(pred)
         # the logged ratios are means of per-step ratios, finer than the ratio of the means
-        s.measured_imbalance.append(float(g("measured_max_over_mean") or _max_over_mean(meas)))
-        s.predicted_imbalance.append(float(g("predicted_max_over_mean") or _max_over_mean(pred)))
+        s.measured_imbalance.append(float(g("measured_max_over_mean") or max_over_mean(meas)))
+        s.predicted_imbalance.append(float(g("predicted_max_over_mean") or max_over_mean(pred)))
         s.cp_size_samples.append({int(m.group(1)): float(v) for k, v in e.items() if (m := size_key.match(k))})
         s.loss.append(e.get("loss", e.get("train/loss")))
         s.predicted_step_ms.append(g("predicted_step_ms"))

@@ -10,11 +10,12 @@ than the dataset is incomplete (normal for the last epoch of a run cut by max_st
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
+
+from ..train.history import read_history
 
 
 @dataclass
@@ -38,17 +39,11 @@ def audit_samples(run_dir: Union[str, Path]) -> Optional[SampleAudit]:
     steps: Dict[Tuple[str, int], Tuple[int, List[int]]] = {}
     dataset_samples = None
     for f in files:
-        for lineno, line in enumerate(f.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}, line {lineno}: not a JSON step record ({e})") from None
-            if not all(k in rec for k in ("index", "epoch", "trained_sample_ids")):
+        for _, rec in read_history(f):
+            if rec.trained_sample_ids is None:
                 return None  # a history without sample ids (another writer): nothing to audit
-            steps[(f.name, int(rec["index"]))] = (int(rec["epoch"]), [int(s) for s in rec["trained_sample_ids"]])
-            dataset_samples = rec.get("dataset_samples", dataset_samples)
+            steps[(f.name, rec.index)] = (int(rec.epoch), [int(s) for s in rec.trained_sample_ids])
+            dataset_samples = rec.dataset_samples if rec.dataset_samples is not None else dataset_samples
     # per step, the union over ranks (a CP group's members all list its distributed samples)
     by_step: Dict[int, Tuple[int, Set[int]]] = {}
     for (_, index), (epoch, ids) in steps.items():

@@ -10,24 +10,33 @@
 
 `tokenised` has input_ids (and optionally labels with -100 on prompt tokens) per row. From a
 YAML config: `python -m hf_cp.train CONFIG` under a launcher, or `hf-cp train CONFIG`.
+
+Modules, by role: trainer.py (the Trainer's hooks), step.py (one step's waves, for training and
+evaluation), collator.py / columns.py (data), loss.py (chunked LM-head loss), history.py (the
+typed step record), metrics.py (logged aggregates), groups.py (CP process groups), config.py
+and launch.py (YAML config, entry point), dry_run.py (`hf-cp train --dry-run`), resume.py
+(restarts, resumption), stop_signal.py, gc_schedule.py. Planning lives in hf_cp.planning.
+
+Names are imported lazily: `hf_cp.train.history` or `.config` do not load transformers.
 """
 
-from .args import CPTrainingArguments
-from .collator import MicroBatch, PlanCollator, RankStep
-from .groups import CPGroups
-from .planner import PlannedStep, Planner
-from .sampler import GlobalBatch, GlobalBatchSampler
-from .trainer import CPTrainer
+from importlib import import_module
 
-__all__ = [
-    "CPGroups",
-    "CPTrainer",
-    "CPTrainingArguments",
-    "GlobalBatch",
-    "GlobalBatchSampler",
-    "MicroBatch",
-    "PlanCollator",
-    "PlannedStep",
-    "Planner",
-    "RankStep",
-]
+_EXPORTS = {
+    "CPTrainer": "trainer",
+    "CPTrainingArguments": "args",
+    "CPGroups": "groups",
+    "MicroBatch": "collator",
+    "PlanCollator": "collator",
+    "RankStep": "collator",
+    "StepExecutor": "step",
+    "StepRecord": "history",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,11 @@ from typing import Any, Optional
 
 from transformers import TrainingArguments
 
+from ..planning.setup import PlanningSettings
+from ..resources import input_path
+
+_DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
+
 
 @dataclass
 class CPTrainingArguments(TrainingArguments):
@@ -21,22 +26,36 @@ class CPTrainingArguments(TrainingArguments):
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "must stay 1: one loader item is one whole planned step"}
     )
-    cp_balancer: str = field(default="auto", metadata={"help": "balancer name (hf_cp.balance registry)"})
+    cp_balancer: str = field(default=_DEFAULT("balancer"), metadata={"help": "balancer name (hf_cp.balance registry)"})
+    cp_balancer_options: Optional[dict] = field(
+        default=None,
+        metadata={
+            "help": "keyword options of cp_balancer, e.g. {'outlier_fraction': 0.05}; unknown keys are errors "
+            "(`hf-cp plan --list-balancer-options` lists them)"
+        },
+    )
     cp_profile: Any = field(
-        default="h200-qwen2.5-7b",
-        metadata={"help": "hardware profile: a name under configs/profiles, a YAML path, or a dict of its fields"},
+        default=_DEFAULT("profile"),
+        metadata={
+            "help": "hardware profile: a profile name (configs/profiles/ here, then built in), a YAML path, or a dict "
+            "of its fields"
+        },
     )
     cp_model_dims: Optional[str] = field(
         default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
     )
-    cp_max_tokens_per_rank: int = field(default=32768, metadata={"help": "memory cap per rank per micro-batch"})
+    cp_max_tokens_per_rank: int = field(
+        default=_DEFAULT("max_tokens_per_rank"), metadata={"help": "memory cap per rank per micro-batch"}
+    )
     cp_tokens_per_step: Optional[int] = field(
         default=None,
         metadata={
             "help": "tokens of one global batch, all ranks together (default: cp_tokens_per_rank_per_step x world)"
         },
     )
-    cp_tokens_per_rank_per_step: int = field(default=65536, metadata={"help": "used when cp_tokens_per_step is unset"})
+    cp_tokens_per_rank_per_step: int = field(
+        default=_DEFAULT("tokens_per_rank_per_step"), metadata={"help": "used when cp_tokens_per_step is unset"}
+    )
     cp_max_group_size: Optional[int] = field(default=None, metadata={"help": "largest CP group (default: world)"})
     cp_gpus_per_node: Optional[int] = field(default=None, metadata={"help": "ranks per node (default: profile's)"})
     cp_plan_lookahead: int = field(
@@ -59,9 +78,11 @@ class CPTrainingArguments(TrainingArguments):
             "than one training step (the auto balancer at hundreds of ranks)"
         },
     )
-    cp_shuffle: bool = field(default=True, metadata={"help": "shuffle the epoch order (seeded by `seed`)"})
+    cp_shuffle: bool = field(
+        default=_DEFAULT("shuffle"), metadata={"help": "shuffle the epoch order (seeded by `seed`)"}
+    )
     cp_compare_balancer: Optional[str] = field(
-        default="static",
+        default=_DEFAULT("compare_balancer"),
         metadata={"help": "also plan every step with this balancer (not run) to report what it would have cost"},
     )
     cp_loss_chunk_tokens: int = field(
@@ -98,6 +119,9 @@ class CPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if isinstance(self.deepspeed, str):
+            # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
+            self.deepspeed = str(input_path(self.deepspeed))
         super().__post_init__()
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
@@ -110,12 +134,10 @@ class CPTrainingArguments(TrainingArguments):
                 f"CPTrainingArguments: per_device_train_batch_size is {self.per_device_train_batch_size}; "
                 f"one loader item is one whole planned step, so it must be 1 (use cp_tokens_per_step)"
             )
-        if self.cp_max_tokens_per_rank <= 0:
-            raise ValueError(
-                f"CPTrainingArguments: cp_max_tokens_per_rank must be positive, got {self.cp_max_tokens_per_rank}"
-            )
-        if self.cp_tokens_per_step is not None and self.cp_tokens_per_step <= 0:
-            raise ValueError(f"CPTrainingArguments: cp_tokens_per_step must be positive, got {self.cp_tokens_per_step}")
+        try:  # the planning settings check themselves (the same checks serve `hf-cp plan`)
+            self.planning_settings()
+        except ValueError as e:
+            raise ValueError(f"CPTrainingArguments: cp_{e}") from None
         if self.cp_loss_chunk_tokens < 0:
             raise ValueError(
                 f"CPTrainingArguments: cp_loss_chunk_tokens must be >= 0 (0: full logits), got "
@@ -132,5 +154,8 @@ class CPTrainingArguments(TrainingArguments):
         # the loader yields planned steps, not model inputs: keep every dataset column
         self.remove_unused_columns = False
 
+    def planning_settings(self) -> PlanningSettings:
+        return PlanningSettings.from_training_args(self)
+
     def tokens_per_step(self, world_size: int) -> int:
-        return self.cp_tokens_per_step or self.cp_tokens_per_rank_per_step * world_size
+        return self.planning_settings().step_tokens(world_size)

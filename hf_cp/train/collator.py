@@ -21,7 +21,7 @@ import torch
 
 from ..attention.context import CPContext
 from ..plan import Group, StepPlan
-from ..shard import ShardMode, rank_segments
+from ..shard import rank_segments
 
 IGNORE_INDEX = -100
 
@@ -142,7 +142,7 @@ class PlanCollator:
             group=None,
             group_ranks=tuple(group.ranks),
             member=member,
-            mode=ShardMode(group.mode),
+            mode=group.mode,
             distributed_lengths=tuple(dist_lengths),
             local_lengths=tuple(local_lengths),
         )

@@ -4,65 +4,63 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Sequence
+
+from ..sim import max_over_mean
+from .history import StepRecord
 
 
-def max_over_mean(values: Sequence[float]) -> float:
-    m = sum(values) / len(values) if values else 0.0
-    return max(values) / m if m > 0 else 1.0
-
-
-def aggregate(records: Sequence[Mapping], prefix: str = "cp/") -> Dict[str, float]:
-    """Log entries for the steps in `records` (one dict per step, see CPTrainer.training_step)."""
+def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, float]:
+    """Log entries for the steps in `records` (one StepRecord per step)."""
     if not records:
         return {}
-    world = len(records[0]["measured_ms"])
-    wall_s = sum(r["step_wall_ms"] for r in records) / 1e3
+    world = len(records[0].measured_ms)
+    wall_s = sum(r.step_wall_ms for r in records) / 1e3
     out: Dict[str, float] = {
-        "tokens_per_s": sum(r["global_tokens"] for r in records) / wall_s if wall_s > 0 else 0.0,
-        "measured_max_over_mean": statistics.mean(max_over_mean(r["measured_ms"]) for r in records),
-        "predicted_max_over_mean": statistics.mean(max_over_mean(r["predicted_ms"]) for r in records),
-        "measured_max_ms": statistics.mean(max(r["measured_ms"]) for r in records),
-        "measured_mean_ms": statistics.mean(statistics.mean(r["measured_ms"]) for r in records),
-        "predicted_step_ms": statistics.mean(r["predicted_step_ms"] for r in records),
-        "planner_ms": statistics.mean(r["planner_ms"] for r in records),
-        "waves": statistics.mean(r["waves"] for r in records),
-        "step_wall_ms": statistics.mean(r["step_wall_ms"] for r in records),
-        "data_epoch": records[-1].get("data_epoch", records[-1]["epoch"]),
+        "tokens_per_s": sum(r.global_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
+        "measured_max_over_mean": statistics.mean(max_over_mean(r.measured_ms) for r in records),
+        "predicted_max_over_mean": statistics.mean(max_over_mean(r.predicted_ms) for r in records),
+        "measured_max_ms": statistics.mean(max(r.measured_ms) for r in records),
+        "measured_mean_ms": statistics.mean(statistics.mean(r.measured_ms) for r in records),
+        "predicted_step_ms": statistics.mean(r.predicted_step_ms for r in records),
+        "planner_ms": statistics.mean(r.planner_ms for r in records),
+        "waves": statistics.mean(r.waves for r in records),
+        "step_wall_ms": statistics.mean(r.step_wall_ms for r in records),
+        "data_epoch": records[-1].data_epoch if records[-1].data_epoch is not None else records[-1].epoch,
     }
-    if all(r.get("compare_step_ms") is not None for r in records):
-        out["compare_predicted_step_ms"] = statistics.mean(r["compare_step_ms"] for r in records)
+    if all(r.compare_step_ms is not None for r in records):
+        out["compare_predicted_step_ms"] = statistics.mean(r.compare_step_ms for r in records)
     for k in range(world):
-        out[f"measured_ms_rank{k}"] = statistics.mean(r["measured_ms"][k] for r in records)
-        out[f"predicted_ms_rank{k}"] = statistics.mean(r["predicted_ms"][k] for r in records)
+        out[f"measured_ms_rank{k}"] = statistics.mean(r.measured_ms[k] for r in records)
+        out[f"predicted_ms_rank{k}"] = statistics.mean(r.predicted_ms[k] for r in records)
     hist: Counter = Counter()
     for r in records:
-        hist.update({int(g): n for g, n in r["cp_size_samples"].items()})
+        hist.update({int(g): n for g, n in r.cp_size_samples.items()})
     for g, n in sorted(hist.items()):
         out[f"cp_size{g}_samples"] = float(n)
     return {prefix + k: float(v) for k, v in out.items()}
 
 
-def summary_lines(records: Sequence[Mapping], balancer: str, compare: str = "") -> List[str]:
+def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "") -> List[str]:
     """Human-readable end-of-run summary (printed by the main job on rank 0)."""
     if not records:
         return ["no steps were trained"]
     n = len(records)
     head = max(1, min(3, n // 4 or 1))
-    loss_first = statistics.mean(r["loss"] for r in records[:head])
-    loss_last = statistics.mean(r["loss"] for r in records[-head:])
+    loss_first = statistics.mean(r.loss for r in records[:head])
+    loss_last = statistics.mean(r.loss for r in records[-head:])
     agg = aggregate(records, prefix="")
     lines = [
-        f"steps {n}, samples {sum(r['num_samples'] for r in records)}, tokens {sum(r['global_tokens'] for r in records)}, "
+        f"steps {n}, samples {sum(r.num_samples for r in records)}, tokens {sum(r.global_tokens for r in records)}, "
         f"{agg['tokens_per_s']:.0f} tokens/s",
         f"loss: first {head} step(s) {loss_first:.4f} -> last {head} step(s) {loss_last:.4f}"
         f" ({'down' if loss_last < loss_first else 'NOT down'})",
         f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
         f"measured {agg['measured_max_over_mean']:.3f}",
         "per-rank compute, mean per step (ms): predicted "
-        + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0]["measured_ms"])))
+        + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0].measured_ms)))
         + " | measured "
-        + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0]["measured_ms"]))),
+        + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0].measured_ms))),
         f"planner {agg['planner_ms']:.1f} ms/step (planned ahead, off the training thread), waves/step {agg['waves']:.2f}, cp-size:samples "
         + " ".join(
             f"{k[len('cp_size') : -len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")

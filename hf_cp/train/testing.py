@@ -22,12 +22,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..planning import GlobalBatchSampler
+from ..resources import BUILTIN_CONFIGS
 from ..shard import ShardMode
 from .collator import IGNORE_INDEX, shifted_targets, valid_targets
-from .sampler import GlobalBatchSampler
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_MODEL = ROOT / "configs" / "models" / "tiny-llama.json"
+TINY_MODEL = BUILTIN_CONFIGS / "models" / "tiny-llama.json"
 
 
 def hf_cp_attention_available() -> bool:
@@ -99,8 +100,8 @@ class FixedModeBalancer:
     """
 
     def __init__(self, mode):
-        self.mode = ShardMode(mode)
-        self.name = f"fixed_{self.mode.value}"
+        self.mode = ShardMode(mode).value
+        self.name = f"fixed_{self.mode}"
 
     def plan(self, req):
         from ..balance import max_member_tokens
@@ -145,8 +146,8 @@ class SpreadEveryDocBalancer:
     samples shorter than the split leave some members with an empty shard."""
 
     def __init__(self, mode):
-        self.mode = ShardMode(mode)
-        self.name = f"spread_{self.mode.value}"
+        self.mode = ShardMode(mode).value
+        self.name = f"spread_{self.mode}"
 
     def plan(self, req):
         from ..plan import Group, Wave
@@ -297,8 +298,8 @@ def run_job(spec: dict) -> None:
     if trainer.cp_rank == 0:
         params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
         torch.save(params, out / "params.pt")
-        (out / "history.json").write_text(json.dumps(trainer.cp_history))
-    from .main import shutdown_distributed
+        (out / "history.json").write_text(json.dumps([r.to_dict() for r in trainer.cp_history]))
+    from .launch import shutdown_distributed
 
     shutdown_distributed()
 

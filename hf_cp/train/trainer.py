@@ -1,25 +1,18 @@
 """CPTrainer: a `transformers.Trainer` whose every optimizer step follows a balanced plan.
 
-One item of the training loader is one planned optimizer step (`RankStep`). The trainer runs
-one forward+backward per wave of the plan on *every* rank, so every rank issues the same
-number of backward calls per step: DeepSpeed ZeRO-2 (and DDP) reduce gradients inside
-backward, and a rank that skipped one would deadlock the others. A rank with no work in a wave
-runs a zero-weight dummy micro-batch instead, joining the reduction with zero gradient. The
-gradient-accumulation boundary is set at the last wave only.
-
-Loss of a step = sum of token losses / valid targets of the whole global batch (known from
-the plan). Data-parallel reduction averages over the world, so each rank scales its summed
-loss by world / global_valid_tokens: the averaged gradient is exactly the single-process
-gradient of the global batch.
+Only the Trainer's hooks live here: one item of the training loader is one planned optimizer
+step (`RankStep`), `training_step` hands it to the step executor (step.py: the waves, the loss
+scaling, the dummy micro-batches that keep ZeRO-2's reduction in step), `evaluate` runs planned
+evaluation batches through the same executor, and every step leaves a `StepRecord`
+(history.py) for the logs, the per-rank history files and `hf-cp report`. Planning comes from
+hf_cp.planning (the same setup as the dry run and `hf-cp plan`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -27,16 +20,21 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
-from ..attention.context import cp_context
-from ..consistency import assert_data_agrees, assert_plans_agree, collective_scope
+from ..consistency import assert_data_agrees, assert_plans_agree
+from ..planning import Planner, planning_setup
+from ..planning.evaluation import plan_evaluation
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
-from .elastic import (
+from .evaluation import evaluation_rank_steps
+from .gc_schedule import ScheduledGarbageCollection
+from .groups import CPGroups
+from .history import StepRecord, append_record, history_path
+from .metrics import aggregate, summary_lines
+from .resume import (
     check_resume,
     checkpoint_step,
     resolve_resume,
@@ -46,13 +44,7 @@ from .elastic import (
     truncate_history,
     write_schedule,
 )
-from .evaluation import evaluation_rank_steps, plan_evaluation
-from .gc_schedule import ScheduledGarbageCollection
-from .groups import CPGroups
-from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
-from .metrics import aggregate, summary_lines
-from .planner import Planner
-from .planning_setup import planning_setup
+from .step import StepExecutor, WaveTotals
 from .stop_signal import StopSignal
 
 logger = logging.getLogger(__name__)
@@ -131,19 +123,24 @@ class CPTrainer(Trainer):
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
-        setup = planning_setup(args, self.model.config.to_dict(), self.cp_data.lengths, self.cp_world)
+        setup = planning_setup(
+            args.planning_settings(),
+            self.cp_data.lengths,
+            self.cp_world,
+            model_config=self.model.config.to_dict(),
+            num_epochs=args.num_train_epochs,
+            max_steps=args.max_steps,
+        )
+        self.cp_setup = setup
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
         self.cp_planner: Optional[Planner] = None
         self.cp_groups: Optional[CPGroups] = None
-        self.cp_history: List[dict] = []  # one record per step, identical on every rank
-        self._cp_pending: List[dict] = []  # records not yet logged
-        self._cp_backward_end: Optional[float] = None
-        self._cp_hook = None
-        self._cp_head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
-        self._cp_head_checked = False
+        self.cp_history: List[StepRecord] = []  # one record per step, identical on every rank
+        self._cp_pending: List[StepRecord] = []  # records not yet logged
+        self.cp_executor: Optional[StepExecutor] = None
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
         self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
         self._cp_last_step: Optional[RankStep] = None  # the step the next grad-norm check is about
@@ -165,19 +162,23 @@ class CPTrainer(Trainer):
             assert_data_agrees(self.cp_data.digest(), "training data", group=self.cp_groups.control)
         if self.cp_planner is None:
             a = self.args
-            self.cp_planner = Planner(
-                self.cp_sampler,
-                self.cp_balancer or a.cp_balancer,
-                self.cp_cluster,
-                self.cp_cost,
-                seed=a.seed,
+            self.cp_planner = Planner.from_setup(
+                self.cp_setup,
+                balancer=self.cp_balancer,
                 lookahead=a.cp_plan_lookahead,
-                compare_balancer=a.cp_compare_balancer,
                 in_process=a.cp_plan_in_process,
                 workers=a.cp_plan_workers,
             )
-        if self._cp_hook is None:
-            self._cp_hook = self.model.get_input_embeddings().register_forward_hook(self._cp_embedding_hook)
+        if self.cp_executor is None:
+            self.cp_executor = StepExecutor(
+                self.model,
+                self.cp_groups,
+                self.cp_world,
+                self.cp_rank,
+                self.args.device,
+                self.args.cp_loss_chunk_tokens,
+                self._cp_backward,
+            )
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
@@ -187,25 +188,10 @@ class CPTrainer(Trainer):
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
 
-    # ------------------------------------------------------------------ timing
-    def _cp_embedding_hook(self, module, inputs, output):
-        # the embedding output's gradient is the last big piece of backward: its arrival marks
-        # the end of this rank's compute, before the data-parallel gradient reduction waits
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(self._cp_mark_backward_end)
-
-    def _cp_mark_backward_end(self, grad):
-        self._cp_backward_end = self._cp_now()
-        return None
-
-    def _cp_now(self) -> float:
-        # GPU kernels run asynchronously: wait for them so the clock measures compute
-        if self.args.device.type == "cuda":
-            torch.cuda.synchronize(self.args.device)
-        return time.perf_counter()
-
     # ------------------------------------------------------------------ one step
-    def _cp_backward(self, model, loss: torch.Tensor, last: bool) -> None:
+    def _cp_backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one wave's loss; `last` is the gradient-accumulation boundary."""
+        model = self.model_wrapped
         if self.is_deepspeed_enabled:
             self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last, scale_wrt_gas=False)
         elif isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
@@ -263,86 +249,14 @@ class CPTrainer(Trainer):
                     f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
                 )
         model.train()
-        device = self.args.device
-        scale = self.cp_world / step.global_valid_tokens if step.global_valid_tokens else 0.0
-        total = torch.zeros((), device=device)
-        loss_sum = 0.0
-        measured = 0.0
-        tokens = 0
-        n = len(step.waves)
-        for w, mb in enumerate(step.waves):
-            last = w == n - 1
-            t0 = self._cp_now()
-            self._cp_backward_end = None
-            if mb is None:
-                # no work in this wave: a zero-weight micro-batch keeps the backward count equal
-                with (
-                    cp_context(None),
-                    collective_scope(step.index + 1, w, tuple(range(self.cp_world)), "dummy micro-batch"),
-                ):
-                    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-                    out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
-                    loss = out.logits.sum() * 0.0
-                    self._cp_backward(model, loss, last)
-                continue
-            ctx = mb.context
-            if ctx.group_size > 1:
-                ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
-                wave_sum = self._cp_wave_loss(model, mb, device)
-                loss = wave_sum * scale
-                self._cp_backward(model, loss, last)
-            measured += (self._cp_backward_end or self._cp_now()) - t0
-            loss_sum += float(wave_sum.detach())
-            tokens += mb.num_tokens
-            total = total + loss.detach()
-        self._cp_record(step, measured * 1e3, tokens, loss_sum, (time.perf_counter() - t_step) * 1e3)
+        totals = self.cp_executor.train(model, step)
+        self._cp_record(step, totals, (time.perf_counter() - t_step) * 1e3)
         self._cp_last_step = step
-        return total
+        return totals.loss
 
-    def _cp_wave_loss(self, model, mb, device) -> torch.Tensor:
-        """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
-        loss when the model allows it, else from the full logits."""
-        ids, pos = mb.input_ids.to(device), mb.position_ids.to(device)
-        targets = mb.shift_labels[0].to(device)
-        head = self._cp_loss_head(device)
-        if head is None:
-            out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            return F.cross_entropy(out.logits[0].float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        captured: List[torch.Tensor] = []
-        with lm_head_bypassed(head, captured):
-            model(input_ids=ids, position_ids=pos, use_cache=False)
-        return chunked_lm_head_loss(
-            captured[-1][0],
-            head.weight,
-            targets,
-            self.args.cp_loss_chunk_tokens,
-            bias=head.bias,
-            ignore_index=IGNORE_INDEX,
-        )
-
-    def _cp_loss_head(self, device) -> Optional[torch.nn.Linear]:
-        """The LM head the chunked loss replaces (decided once), or None for full logits."""
-        if self._cp_head_checked:
-            return self._cp_head
-        self._cp_head_checked = True
-        if self.args.cp_loss_chunk_tokens > 0:
-            head = chunkable_head(self.model)
-            with cp_context(None):
-                plain = head is not None and head_output_is_logits(self.model, head, device)
-            if plain:
-                self._cp_head = head
-            elif self.cp_rank == 0:
-                logger.warning(
-                    "hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
-                    "the model has no linear LM head"
-                    if head is None
-                    else "the model post-processes its LM head's output (scaling or soft-capping)",
-                )
-        return self._cp_head
-
-    def _cp_record(self, step: RankStep, measured_ms: float, tokens: int, loss_sum: float, wall_ms: float) -> None:
-        mine = torch.tensor([measured_ms, float(tokens), loss_sum, wall_ms], dtype=torch.float64)
+    def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float) -> None:
+        """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
+        mine = torch.tensor([totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms], dtype=torch.float64)
         if self.cp_world > 1:
             got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
             dist.all_gather(got, mine, group=self.cp_groups.control)
@@ -350,43 +264,42 @@ class CPTrainer(Trainer):
             got = [mine]
         rows = torch.stack(got).tolist()
         ps = step.planned
-        rec = {
-            "index": step.index,
-            "epoch": step.epoch,
-            "step_in_epoch": ps.batch.step_in_epoch if ps is not None else None,
+        gv = step.global_valid_tokens
+        rec = StepRecord(
+            index=step.index,
+            epoch=step.epoch,
+            step_in_epoch=ps.batch.step_in_epoch if ps is not None else None,
             # the Trainer's own `epoch` counts the whole run as one pass over the step loader
-            "data_epoch": (
+            data_epoch=(
                 step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
                 if ps is not None
                 else float(step.epoch)
             ),
-            "global_step": self.state.global_step + 1,
-            "num_samples": len(step.plan.sample_ids),
-            "global_tokens": step.plan.total_tokens,
-            "global_valid_tokens": step.global_valid_tokens,
-            "loss": sum(r[2] for r in rows) / step.global_valid_tokens if step.global_valid_tokens else 0.0,
-            "measured_ms": [r[0] for r in rows],
-            "rank_tokens": [int(r[1]) for r in rows],
-            "step_wall_ms": max(r[3] for r in rows),
-            "predicted_ms": list(ps.predicted.busy_ms) if ps is not None else [0.0] * self.cp_world,
-            "predicted_step_ms": ps.predicted.makespan_ms if ps is not None else 0.0,
-            "compare_step_ms": ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
-            "planner_ms": ps.planner_ms if ps is not None else 0.0,
-            "cp_size_samples": {str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
-            "waves": len(step.waves),
-            "plan_digest": step.plan.digest(),
-            "attempt": restart_attempt(),  # torchrun restarts so far: which run trained this step
-            "resumed_from": self._cp_resumed_from,  # the checkpoint step this process started from
-            "dataset_samples": len(self.cp_data),  # for the exactly-once audit of hf-cp report
-        }
+            global_step=self.state.global_step + 1,
+            num_samples=len(step.plan.sample_ids),
+            global_tokens=step.plan.total_tokens,
+            global_valid_tokens=gv,
+            loss=sum(r[2] for r in rows) / gv if gv else 0.0,
+            measured_ms=[r[0] for r in rows],
+            rank_tokens=[int(r[1]) for r in rows],
+            step_wall_ms=max(r[3] for r in rows),
+            predicted_ms=list(ps.predicted.busy_ms) if ps is not None else [0.0] * self.cp_world,
+            predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
+            compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
+            planner_ms=ps.planner_ms if ps is not None else 0.0,
+            cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
+            waves=len(step.waves),
+            plan_digest=step.plan.digest(),
+            balancer=step.plan.balancer,
+            plan_notes=list(getattr(step.plan, "notes", None) or []),
+            attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
+            resumed_from=self._cp_resumed_from,  # the checkpoint step this process started from
+            dataset_samples=len(self.cp_data),  # for the exactly-once audit of hf-cp report
+        )
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
         if self.args.cp_record_history:
-            d = Path(self.args.output_dir) / "cp_history"
-            d.mkdir(parents=True, exist_ok=True)
-            line = dict(rec, rank=self.cp_rank, trained_sample_ids=step.trained_sample_ids)
-            with open(d / f"rank{self.cp_rank}.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
+            append_record(self.args.output_dir, rec.for_rank(self.cp_rank, step.trained_sample_ids))
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
@@ -410,9 +323,10 @@ class CPTrainer(Trainer):
             if int(data.valid_counts.sum()) == 0:
                 raise ValueError(f"CPTrainer.evaluate: {name} has no target tokens (every label is {IGNORE_INDEX})")
             plans = plan_evaluation(
-                data,
+                data.lengths,
+                data.valid_counts,
                 self.args.tokens_per_step(self.cp_world),
-                self.cp_balancer or self.args.cp_balancer,
+                self.cp_balancer or self.cp_setup.balancer(),
                 self.cp_cluster,
                 self.cp_cost,
                 self.args.seed,
@@ -437,21 +351,8 @@ class CPTrainer(Trainer):
                     assert_plans_agree(
                         step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
                     )
-                    for w, mb in enumerate(step.waves):
-                        if mb is None:  # forward only: no gradient reduction to join
-                            continue
-                        ctx = mb.context
-                        if ctx.group_size > 1:
-                            ctx = replace(ctx, group=self.cp_groups.get(ctx.group_ranks))
-                        with (
-                            cp_context(ctx),
-                            collective_scope(
-                                step.index + 1, w, ctx.group_ranks, "evaluation micro-batch", "evaluation batch"
-                            ),
-                        ):
-                            loss_sum += float(self._cp_wave_loss(model, mb, device))
-                        valid += int((mb.shift_labels != IGNORE_INDEX).sum())
-                        tokens += mb.num_tokens
+                    got = self.cp_executor.evaluate(model, step)
+                    loss_sum, valid, tokens = loss_sum + got.loss_sum, valid + got.valid, tokens + got.tokens
         finally:
             model.train(was_training)
         totals = torch.tensor([loss_sum, float(valid), float(tokens)], dtype=torch.float64)
@@ -555,7 +456,7 @@ class CPTrainer(Trainer):
                 if self.cp_rank == 0:
                     logger.warning("hf_cp: %s", note)
         if self.args.cp_record_history:
-            hist = Path(self.args.output_dir) / "cp_history" / f"rank{self.cp_rank}.jsonl"
+            hist = history_path(self.args.output_dir, self.cp_rank)
             if resume is None:
                 hist.unlink(missing_ok=True)  # a fresh run starts a fresh history
             else:

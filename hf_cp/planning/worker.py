@@ -29,8 +29,10 @@ from ..balance import PlanRequest, get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..plan import StepPlan
-from ..sim import SimResult, simulate
+from ..sim import SimResult
+from .predict import plan_and_predict, predict
 from .sampler import GlobalBatch, GlobalBatchSampler
+from .setup import PlanningSetup
 
 
 @dataclass
@@ -80,11 +82,12 @@ class Planner:
         compare_balancer: Optional[str] = None,
         in_process: bool = False,
         workers: int = 1,
+        balancer_name: Optional[str] = None,
     ):
         self.sampler = sampler
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
-        self.balancer_name = (
+        self.balancer_name = balancer_name or (
             balancer if isinstance(balancer, str) else getattr(balancer, "name", type(balancer).__name__)
         )
         if not callable(getattr(self.balancer, "plan", None)):
@@ -144,18 +147,26 @@ class Planner:
         """Plan, validate and simulate global step `index` on the calling thread."""
         batch = self.sampler[index]
         req = self.request(batch)
-        t0 = time.perf_counter()
-        plan = self.balancer.plan(req)
-        planner_ms = (time.perf_counter() - t0) * 1e3
-        plan.validate(self.cluster, self.cost)  # with the cost model: Ulysses groups must split the heads
-        if list(plan.sample_ids) != list(batch.sample_ids):
-            raise ValueError(f"step {index}: balancer {self.balancer_name!r} returned a plan for other samples")
-        compare = None
-        if self.compare is not None:
-            cplan = self.compare.plan(req)
-            cplan.validate(self.cluster, self.cost)
-            compare = simulate(cplan, self.cost)
-        return PlannedStep(batch, plan, simulate(plan, self.cost), planner_ms, compare)
+        planned = plan_and_predict(self.balancer, req)
+        compare = predict(self.compare.plan(req), req) if self.compare is not None else None
+        return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare)
+
+    @classmethod
+    def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
+        """A planner for a PlanningSetup: its balancer (with its options) unless `balancer` (an
+        object with .plan(PlanRequest)) replaces it, and its comparison balancer. kwargs:
+        lookahead, in_process, workers."""
+        s = setup.settings
+        return cls(
+            setup.sampler,
+            balancer if balancer is not None else setup.balancer(),
+            setup.cluster,
+            setup.cost,
+            seed=s.seed,
+            compare_balancer=s.compare_balancer,
+            balancer_name=s.balancer if balancer is None else None,
+            **kwargs,
+        )
 
     def get(self, index: int) -> PlannedStep:
         """The planned step `index`; schedules the next `lookahead` steps in the background."""

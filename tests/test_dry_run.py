@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 from hf_cp.cli import main as cli_main
-from hf_cp.train.elastic import ScheduleChangedError, schedule_record, write_schedule
-from hf_cp.train.preflight import preflight
+from hf_cp.train.dry_run import dry_run
+from hf_cp.train.resume import ScheduleChangedError, schedule_record, write_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 
 
 def test_dry_run_plans_the_first_steps_and_the_eval_set(tmp_path):
-    lines = preflight(TINY, [f"training.output_dir={tmp_path}"], world_size=2, steps=5)
+    lines = dry_run(TINY, [f"training.output_dir={tmp_path}"], world_size=2, steps=5)
     text = "\n".join(lines)
     assert "2 rank(s), balancer auto, 228 training samples, 46 steps of 8192 tokens" in text
     assert "longest sample 5479 tokens" in text
@@ -27,11 +27,11 @@ def test_dry_run_plans_the_first_steps_and_the_eval_set(tmp_path):
 def test_dry_run_raises_what_the_launch_would(tmp_path):
     out = [f"training.output_dir={tmp_path}"]
     with pytest.raises(ValueError, match="sample 211 has 5479 tokens"):  # one rank cannot hold it
-        preflight(TINY, out, world_size=1, steps=2)
+        dry_run(TINY, out, world_size=1, steps=2)
     with pytest.raises(ValueError, match="needs model.attn_implementation: hf_cp"):
-        preflight(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
+        dry_run(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
     with pytest.raises(KeyError, match="unknown balancer"):
-        preflight(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
+        dry_run(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
     # a checkpoint in output_dir trained on another global batch size
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()
@@ -39,7 +39,7 @@ def test_dry_run_raises_what_the_launch_would(tmp_path):
     lengths = [0]  # any schedule other than the current one
     write_schedule(str(ckpt), dict(schedule_record(lengths, 4096, 0, True, 2), num_samples=228))
     with pytest.raises(ScheduleChangedError, match="tokens per step: 4096 in the checkpoint, 8192 now"):
-        preflight(TINY, out + ["training.resume_from_checkpoint=latest"], world_size=2, steps=2)
+        dry_run(TINY, out + ["training.resume_from_checkpoint=latest"], world_size=2, steps=2)
 
 
 def test_dry_run_from_the_command_line(tmp_path, capsys):

@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import List, Optional
 
 from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+from ..planning import Planner, planning_setup
+from ..planning.evaluation import plan_evaluation
 from .columns import read_token_columns
-from .elastic import check_resume, resolve_resume, restart_problems, schedule_record
-from .evaluation import plan_evaluation
-from .main import load_config, load_datasets, model_config, training_arguments
-from .planner import Planner
-from .planning_setup import planning_setup
+from .config import load_config, load_datasets, model_config, training_arguments
+from .resume import check_resume, resolve_resume, restart_problems, schedule_record
 
 
-def preflight(
+def dry_run(
     config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20, max_restarts: int = 0
 ) -> List[str]:
     """Report lines; raises the error the training launch would raise."""
@@ -39,11 +38,16 @@ def preflight(
     hf_config = model_config(mcfg, src)
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset")
-    setup = planning_setup(args, hf_config.to_dict(), data.lengths, world_size)
-    cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
-    planner = Planner(
-        sampler, args.cp_balancer, cluster, cost, seed=args.seed, lookahead=0, compare_balancer=args.cp_compare_balancer
+    setup = planning_setup(
+        args.planning_settings(),
+        data.lengths,
+        world_size,
+        model_config=hf_config.to_dict(),
+        num_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
     )
+    cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
+    planner = Planner.from_setup(setup, lookahead=0)
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
     lines = [
@@ -72,10 +76,12 @@ def preflight(
         )
     lines.append(line)
     if evaluation is not None:
+        eval_data = read_token_columns(evaluation, "eval_dataset")
         plans = plan_evaluation(
-            read_token_columns(evaluation, "eval_dataset"),
+            eval_data.lengths,
+            eval_data.valid_counts,
             sampler.tokens_per_step,
-            args.cp_balancer,
+            setup.balancer(),
             cluster,
             cost,
             args.seed,

@@ -1,0 +1,20 @@
+"""Planning ahead of training, torch-free: the global batch sampler, the planning setup shared
+by the trainer, the dry run and `hf-cp plan`, plan prediction, and the planner worker."""
+
+from .predict import PredictedPlan, plan_and_predict, predict
+from .sampler import GlobalBatch, GlobalBatchSampler
+from .setup import PlanningSettings, PlanningSetup, planning_setup
+from .worker import PlannedStep, Planner
+
+__all__ = [
+    "GlobalBatch",
+    "GlobalBatchSampler",
+    "PlannedStep",
+    "Planner",
+    "PlanningSettings",
+    "PlanningSetup",
+    "PredictedPlan",
+    "plan_and_predict",
+    "planning_setup",
+    "predict",
+]

@@ -1,0 +1,41 @@
+"""Evaluation batches, planned: the eval set cut into global batches in dataset order (no
+shuffling) and every batch planned by the training balancer on the same cluster, so samples
+longer than one rank's cap are evaluated over a CP group exactly as they are trained. Planned
+once, the same on every rank and at every evaluation of the run."""
+
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from ..cluster import ClusterSpec
+from ..cost import CostModel
+from ..plan import StepPlan
+from .sampler import GlobalBatchSampler
+from .worker import Planner
+
+
+def plan_evaluation(
+    lengths: Sequence[int],
+    valid_counts: Sequence[int],
+    tokens_per_step: int,
+    balancer,
+    cluster: ClusterSpec,
+    cost: CostModel,
+    seed: int = 0,
+    name: str = "eval_dataset",
+) -> List[Tuple[StepPlan, int]]:
+    """(plan, valid targets of the batch) for every evaluation batch, in dataset order.
+    `balancer`: a registered name or a balancer object."""
+    sampler = GlobalBatchSampler(lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)
+    try:
+        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    valid = np.asarray(valid_counts, dtype=np.int64)
+    plans = []
+    for k in range(len(sampler)):
+        ps = planner.get(k)
+        plans.append((ps.plan, int(valid[list(ps.batch.sample_ids)].sum())))
+    return plans

@@ -1,0 +1,37 @@
+"""Plan one step and predict it: the one place where a balancer's plan is validated and
+simulated (the planner worker, the dry run and `hf-cp plan` all come through here)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..balance import PlanRequest
+from ..plan import PlanError, StepPlan
+from ..sim import SimResult, simulate
+
+
+@dataclass
+class PredictedPlan:
+    plan: StepPlan
+    predicted: SimResult
+    planner_ms: float  # the balancer's own time (validation and simulation excluded)
+
+
+def predict(plan: StepPlan, req: PlanRequest) -> SimResult:
+    """Validate `plan` against the request's cluster and model (Ulysses groups must split the
+    heads), check that it plans the request's samples, and simulate it."""
+    plan.validate(req.cluster, req.cost)
+    if list(plan.sample_ids) != list(req.sample_ids):
+        raise PlanError(
+            f"step {req.step}: the {plan.balancer or 'balancer'!r} plan is for other samples than the step's"
+        )
+    return simulate(plan, req.cost)
+
+
+def plan_and_predict(balancer, req: PlanRequest) -> PredictedPlan:
+    """Plan the request with `balancer`, timing only the balancer, then validate and simulate."""
+    t0 = time.perf_counter()
+    plan = balancer.plan(req)
+    planner_ms = (time.perf_counter() - t0) * 1e3
+    return PredictedPlan(plan, predict(plan, req), planner_ms)

@@ -1,0 +1,145 @@
+"""From planning settings, the model's dimensions and the sample lengths to everything planning
+needs: the cost model, the cluster, the global batch sampler and the balancers.
+
+One function with one set of defaults (`PlanningSettings`), shared by CPTrainer, the dry run
+(`hf-cp train --dry-run`) and `hf-cp plan`, so that the three plan exactly the same steps for
+the same settings. `CPTrainingArguments`' `cp_*` fields and `hf-cp plan`'s options take their
+defaults from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
+
+from ..balance import get_balancer
+from ..cluster import ClusterSpec
+from ..cost import CostModel, HardwareProfile, ModelDims
+from .sampler import GlobalBatchSampler
+
+
+@dataclass
+class PlanningSettings:
+    """What decides the plans of a run, apart from the data and the world size."""
+
+    balancer: str = "auto"
+    """Balancer name (hf_cp.balance registry)."""
+    balancer_options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the balancer (its own dataclass checks them; unknown keys are errors)."""
+    compare_balancer: Optional[str] = "static"
+    """Also plan every step with this balancer (never run) to report what it would cost; None: off."""
+    profile: Union[str, Mapping] = "h200-qwen2.5-7b"
+    """Hardware profile: a built-in name, a YAML path, or a dict of its fields."""
+    model_dims: Optional[str] = None
+    """Model dimensions for the cost model: a name, config.json or folder (None: the model's own config)."""
+    max_tokens_per_rank: int = 32768
+    """Memory cap per rank per micro-batch, in tokens."""
+    tokens_per_step: Optional[int] = None
+    """Tokens of one global batch, all ranks together (None: tokens_per_rank_per_step x world)."""
+    tokens_per_rank_per_step: int = 65536
+    """Used when tokens_per_step is unset."""
+    max_group_size: Optional[int] = None
+    """Largest CP group a plan may use (None: the world)."""
+    gpus_per_node: Optional[int] = None
+    """Ranks per node (None: the profile's)."""
+    seed: int = 0
+    """Seed of the epoch order and of seeded balancers."""
+    shuffle: bool = True
+    """Shuffle the epoch order."""
+
+    def __post_init__(self):
+        if self.max_tokens_per_rank <= 0:
+            raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
+        if self.tokens_per_step is not None and self.tokens_per_step <= 0:
+            raise ValueError(f"tokens_per_step must be positive, got {self.tokens_per_step}")
+        if self.tokens_per_rank_per_step <= 0:
+            raise ValueError(f"tokens_per_rank_per_step must be positive, got {self.tokens_per_rank_per_step}")
+        if not isinstance(self.balancer_options, Mapping):
+            raise ValueError(
+                f"balancer_options must be a mapping of option names to values, got {self.balancer_options!r}"
+            )
+        self.balancer_options = dict(self.balancer_options)
+
+    def step_tokens(self, world_size: int) -> int:
+        return self.tokens_per_step or self.tokens_per_rank_per_step * world_size
+
+    @classmethod
+    def default(cls, name: str):
+        """The default of one setting (for the trainer's arguments and the CLI's options)."""
+        for f in fields(cls):
+            if f.name == name:
+                return f.default_factory() if callable(f.default_factory) else f.default
+        raise KeyError(name)
+
+    @classmethod
+    def from_training_args(cls, args) -> PlanningSettings:
+        """The settings of CPTrainingArguments (its cp_* fields)."""
+        return cls(
+            balancer=args.cp_balancer,
+            balancer_options=dict(args.cp_balancer_options or {}),
+            compare_balancer=args.cp_compare_balancer or None,
+            profile=args.cp_profile,
+            model_dims=args.cp_model_dims,
+            max_tokens_per_rank=args.cp_max_tokens_per_rank,
+            tokens_per_step=args.cp_tokens_per_step,
+            tokens_per_rank_per_step=args.cp_tokens_per_rank_per_step,
+            max_group_size=args.cp_max_group_size,
+            gpus_per_node=args.cp_gpus_per_node,
+            seed=args.seed,
+            shuffle=args.cp_shuffle,
+        )
+
+
+@dataclass
+class PlanningSetup:
+    settings: PlanningSettings
+    cost: CostModel
+    cluster: ClusterSpec
+    sampler: GlobalBatchSampler
+
+    def balancer(self):
+        """The configured balancer, built with its options."""
+        return get_balancer(self.settings.balancer, **self.settings.balancer_options)
+
+
+def load_profile(profile: Union[str, Mapping]) -> HardwareProfile:
+    if isinstance(profile, Mapping):
+        return HardwareProfile.from_dict(profile, source="profile")
+    return HardwareProfile.load(profile)
+
+
+def planning_setup(
+    settings: PlanningSettings,
+    lengths: Sequence[int],
+    world_size: int,
+    model_config: Optional[Mapping] = None,
+    num_epochs: float = 1.0,
+    max_steps: Optional[int] = None,
+) -> PlanningSetup:
+    """The cost model, cluster and sampler of a run of `world_size` ranks over `lengths`.
+
+    Model dimensions come from `settings.model_dims` when set, else from `model_config` (the
+    model's transformers config as a dict); one of the two is required.
+    """
+    if settings.model_dims:
+        dims = ModelDims.load(settings.model_dims)
+    elif model_config is not None:
+        dims = ModelDims.from_hf_config(model_config, source="model config")
+    else:
+        raise ValueError("planning needs the model's dimensions: set model_dims (a name, config.json or folder)")
+    profile = load_profile(settings.profile)
+    cluster = ClusterSpec(
+        world_size,
+        settings.max_tokens_per_rank,
+        settings.gpus_per_node or profile.gpus_per_node,
+        settings.max_group_size,
+    )
+    sampler = GlobalBatchSampler(
+        lengths,
+        settings.step_tokens(world_size),
+        seed=settings.seed,
+        num_epochs=num_epochs,
+        max_steps=max_steps if max_steps and max_steps > 0 else None,
+        shuffle=settings.shuffle,
+    )
+    return PlanningSetup(settings, CostModel(dims, profile), cluster, sampler)

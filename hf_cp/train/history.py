@@ -1,0 +1,105 @@
+"""The step record: what one optimizer step of a CP run did, predicted and measured.
+
+One typed schema for the per-rank history files (`output_dir/cp_history/rank<R>.jsonl`), the
+logged metrics (train/metrics.py) and the reports (hf_cp/report/). CPTrainer builds one record
+per step, identical on every rank; each rank's line adds its rank and the sample ids it trained.
+Readers go through `StepRecord.from_dict`, which accepts histories written before a field
+existed (missing fields take their defaults) and names the file and line of a malformed one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+
+class HistoryError(ValueError):
+    """A history line is not a step record; the message names the file and line."""
+
+
+@dataclass
+class StepRecord:
+    index: int  # global step index, from 0
+    epoch: int
+    global_step: int  # the Trainer's step counter after this step (from 1)
+    num_samples: int
+    global_tokens: int
+    global_valid_tokens: int
+    loss: float  # sum of token losses / valid targets of the whole global batch
+    measured_ms: List[float]  # per rank: compute time of its waves (forward + backward)
+    rank_tokens: List[int]  # per rank: tokens it processed
+    step_wall_ms: float  # slowest rank's wall time of the whole step
+    predicted_ms: List[float]  # per rank: simulated busy time
+    predicted_step_ms: float  # simulated makespan
+    waves: int
+    plan_digest: str
+    step_in_epoch: Optional[int] = None
+    data_epoch: Optional[float] = None  # epochs of data seen at the end of this step (fractional)
+    compare_step_ms: Optional[float] = None  # the comparison balancer's simulated makespan
+    planner_ms: float = 0.0
+    cp_size_samples: Dict[str, int] = field(default_factory=dict)  # group size -> samples run on it
+    balancer: str = ""  # the plan's balancer (auto records its winner: auto:dynamic_cp)
+    plan_notes: List[str] = field(default_factory=list)  # what the planner said (e.g. a solver fallback)
+    attempt: int = 0  # torchrun restarts before the run that trained this step
+    resumed_from: Optional[int] = None  # the checkpoint step this process started from
+    dataset_samples: Optional[int] = None  # for the exactly-once audit of hf-cp report
+    # per-rank lines only
+    rank: Optional[int] = None
+    trained_sample_ids: Optional[List[int]] = None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["rank"] is None:
+            d.pop("rank")
+            d.pop("trained_sample_ids")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "step record") -> StepRecord:
+        if not isinstance(d, Mapping):
+            raise HistoryError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names})
+        except TypeError as e:  # a required field is missing
+            raise HistoryError(f"{where}: not a step record ({e})") from None
+
+    def for_rank(self, rank: int, trained_sample_ids: List[int]) -> StepRecord:
+        return StepRecord(**{**asdict(self), "rank": rank, "trained_sample_ids": list(trained_sample_ids)})
+
+
+def history_path(output_dir: Union[str, Path], rank: int) -> Path:
+    return Path(output_dir) / "cp_history" / f"rank{rank}.jsonl"
+
+
+def append_record(output_dir: Union[str, Path], record: StepRecord) -> None:
+    """Append one rank's line (record.rank must be set)."""
+    if record.rank is None:
+        raise ValueError("append_record: a history line needs the rank (StepRecord.for_rank)")
+    path = history_path(output_dir, record.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record.to_dict()) + "\n")
+
+
+def read_history(path: Union[str, Path]) -> Iterator[Tuple[int, StepRecord]]:
+    """(line number, record) of every non-empty line of one rank's history file."""
+    p = Path(path)
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise HistoryError(f"{p}, line {lineno}: not a JSON step record ({e})") from None
+        yield lineno, StepRecord.from_dict(d, f"{p}, line {lineno}")
+
+
+def latest_records(path: Union[str, Path]) -> List[StepRecord]:
+    """One rank's records by step index; a resumed run appends, so the last record of a step wins."""
+    by_index: Dict[int, StepRecord] = {}
+    for _, rec in read_history(path):
+        by_index[rec.index] = rec
+    return [by_index[k] for k in sorted(by_index)]

@@ -1,0 +1,117 @@
+"""Entry point of a training run from one YAML config (hf_cp.train.config reads it).
+
+accelerate launch --config_file recipes/cpu-2proc-zero2.yaml -m hf_cp.train configs/tiny-cpu.yaml
+torchrun --nproc_per_node 2 -m hf_cp.train configs/tiny-cpu.yaml
+hf-cp train configs/tiny-cpu.yaml              # one process, or under a launcher
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import List, Optional
+
+from . import config as config_module
+from .config import DEFAULT_DDP_TIMEOUT_S, build_model, load_config, load_datasets, training_arguments
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group in step: exiting with gloo's threads still attached to live
+    groups can abort the interpreter (std::terminate) after training finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
+    import torch
+
+    from .trainer import CPTrainer, skip_deepspeed_shm_build
+
+    cfg = load_config(config_path, overrides)
+    src = cfg["_source"]
+    tcfg = cfg.get("training") or {}
+    if not torch.cuda.is_available():
+        # CPU: gloo for every collective (DeepSpeed's CPU default is not available here),
+        # set before the Trainer's Accelerator exists
+        if tcfg.get("deepspeed"):
+            skip_deepspeed_shm_build()
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from accelerate import PartialState
+
+            # the world group gets the run's collective timeout too (ddp_timeout, as on GPU)
+            PartialState(backend="gloo", timeout=timedelta(seconds=int(tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))))
+    t0 = time.perf_counter()
+    model = build_model(cfg.get("model") or {}, src)
+    dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
+    args = training_arguments(tcfg, src)
+    trainer = CPTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset)
+    # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
+    stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
+    if str(args.save_strategy) not in ("no", "SaveStrategy.NO") and not stopped:
+        trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
+    if trainer.cp_rank == 0:
+        world = trainer.cp_world
+        print(
+            f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
+            f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ===="
+        )
+        for line in trainer.cp_summary():
+            print("  " + line)
+        evals = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
+        if evals:
+            print(
+                f"  eval loss ({len(eval_dataset)} samples): "
+                + " -> ".join(f"{loss:.4f} at step {step}" for step, loss in evals)
+            )
+        if stopped:
+            checkpoint = Path(args.output_dir) / f"checkpoint-{stopped['step']}"
+            print(
+                f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
+                f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest"
+            )
+        print(f"  logs and per-step history: {args.output_dir}")
+    shutdown_distributed()
+    return 0
+
+
+def _record_errors(fn):
+    """torchrun's failure summary then shows the failing rank's exception, not 'To enable
+    traceback see ...' (torch.distributed.elastic's @record; a no-op without torchrun)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import record
+    except ImportError:  # pragma: no cover - torch without the elastic package
+        return fn
+    return record(fn)
+
+
+@_record_errors
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m hf_cp.train",
+        description=__doc__ + "\n" + config_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="training config YAML (e.g. configs/tiny-cpu.yaml)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
+    )
+    a = p.parse_args(argv)
+    return run(a.config, a.overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The step executor: one rank's waves of a planned step, for training and for evaluation.
+
+Training runs one forward+backward per wave on *every* rank, so every rank issues the same
+number of backward calls per step: DeepSpeed ZeRO-2 (and DDP) reduce gradients inside
+backward, and a rank that skipped one would deadlock the others. A rank with no work in a wave
+runs a zero-weight dummy micro-batch instead, joining the reduction with zero gradient. The
+gradient-accumulation boundary is set at the last wave only. Evaluation runs forward only:
+no gradient reduction to join, so a rank without work in a wave skips it.
+
+Loss of a step = sum of token losses / valid targets of the whole global batch (known from the
+plan). Data-parallel reduction averages over the world, so each rank scales its summed loss by
+world / global_valid_tokens: the averaged gradient is exactly the single-process gradient of
+the global batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.context import cp_context
+from ..consistency import collective_scope
+from .collator import IGNORE_INDEX, MicroBatch, RankStep
+from .groups import CPGroups
+from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WaveTotals:
+    """What this rank did in one step (or one evaluation batch)."""
+
+    loss: torch.Tensor  # the scaled loss handed to backward, summed over waves (training)
+    loss_sum: float = 0.0  # unscaled sum of token losses
+    valid: int = 0  # valid targets in this rank's rows
+    tokens: int = 0
+    compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
+
+
+class StepExecutor:
+    """Runs a RankStep's waves on one rank.
+
+    `backward(loss, last)` is the trainer's backward (DeepSpeed, DDP or plain autograd), with
+    `last` marking the gradient-accumulation boundary. `groups` is the CP group registry.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: CPGroups,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        loss_chunk_tokens: int,
+        backward: Callable[[torch.Tensor, bool], None],
+    ):
+        self.model = model
+        self.groups = groups
+        self.world_size = world_size
+        self.rank = rank
+        self.device = device
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.backward = backward
+        self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
+        self._head_checked = False
+        self._backward_end: Optional[float] = None
+        self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
+
+    # ------------------------------------------------------------------ timing
+    def _embedding_hook(self, module, inputs, output):
+        # the embedding output's gradient is the last big piece of backward: its arrival marks
+        # the end of this rank's compute, before the data-parallel gradient reduction waits
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._mark_backward_end)
+
+    def _mark_backward_end(self, grad):
+        self._backward_end = self.now()
+        return None
+
+    def now(self) -> float:
+        # GPU kernels run asynchronously: wait for them so the clock measures compute
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ waves
+    def _context(self, mb: MicroBatch):
+        ctx = mb.context
+        if ctx.group_size > 1:
+            ctx = replace(ctx, group=self.groups.get(ctx.group_ranks))
+        return ctx
+
+    def train(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
+        """Forward+backward of every wave; the loss handed to backward is scaled so that the
+        data-parallel average is the gradient of (sum of token losses / global valid targets)."""
+        scale = self.world_size / step.global_valid_tokens if step.global_valid_tokens else 0.0
+        totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        n = len(step.waves)
+        for w, mb in enumerate(step.waves):
+            last = w == n - 1
+            t0 = self.now()
+            self._backward_end = None
+            if mb is None:
+                # no work in this wave: a zero-weight micro-batch keeps the backward count equal
+                everyone = tuple(range(self.world_size))
+                with cp_context(None), collective_scope(step.index + 1, w, everyone, "dummy micro-batch"):
+                    ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+                    out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+                    self.backward(out.logits.sum() * 0.0, last)
+                continue
+            ctx = self._context(mb)
+            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
+                wave_sum = self.wave_loss(model, mb)
+                loss = wave_sum * scale
+                self.backward(loss, last)
+            totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+            totals.loss_sum += float(wave_sum.detach())
+            totals.valid += mb.num_valid
+            totals.tokens += mb.num_tokens
+            totals.loss = totals.loss + loss.detach()
+        return totals
+
+    def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
+        """Forward only, every wave with work on this rank (call under torch.no_grad())."""
+        totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        for w, mb in enumerate(step.waves):
+            if mb is None:  # forward only: no gradient reduction to join
+                continue
+            ctx = self._context(mb)
+            with (
+                cp_context(ctx),
+                collective_scope(step.index + 1, w, ctx.group_ranks, "evaluation micro-batch", "evaluation batch"),
+            ):
+                totals.loss_sum += float(self.wave_loss(model, mb))
+            totals.valid += mb.num_valid
+            totals.tokens += mb.num_tokens
+        return totals
+
+    # ------------------------------------------------------------------ loss
+    def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
+        loss when the model allows it, else from the full logits."""
+        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
+        targets = mb.shift_labels[0].to(self.device)
+        head = self.loss_head()
+        if head is None:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            return F.cross_entropy(out.logits[0].float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        captured: List[torch.Tensor] = []
+        with lm_head_bypassed(head, captured):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        return chunked_lm_head_loss(
+            captured[-1][0], head.weight, targets, self.loss_chunk_tokens, bias=head.bias, ignore_index=IGNORE_INDEX
+        )
+
+    def loss_head(self) -> Optional[torch.nn.Linear]:
+        """The LM head the chunked loss replaces (decided once), or None for full logits."""
+        if self._head_checked:
+            return self._head
+        self._head_checked = True
+        if self.loss_chunk_tokens > 0:
+            head = chunkable_head(self.model)
+            with cp_context(None):
+                plain = head is not None and head_output_is_logits(self.model, head, self.device)
+            if plain:
+                self._head = head
+            elif self.rank == 0:
+                logger.warning(
+                    "hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
+                    "the model has no linear LM head"
+                    if head is None
+                    else "the model post-processes its LM head's output (scaling or soft-capping)",
+                )
+        return self._head
