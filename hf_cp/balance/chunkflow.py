@@ -34,7 +34,7 @@ from ..plan import ChunkedSample, Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest, SampleTooLongError, max_member_tokens
-from .common import WaveBuilder, block_ranks, lpt_assign
+from .common import WaveBuilder, block_ranks, cost_memo, lpt_assign
 
 DEFAULT_MIN_CHUNK_SIZE = 256
 
@@ -109,7 +109,9 @@ class ChunkFlowBalancer:
                     f">= {min(self.min_chunk_size, natural)} tokens (its K/V state store is too large) nor any CP "
                     f"group of {cl.group_sizes} ranks with {cap} tokens each"
                 )
-            units.append((cost.sample_time_on_group(n, g) + cost.micro_batch_overhead_ms(), "cp", (dep.sample, g)))
+            units.append(
+                (cost_memo(cost).doc_on_group_ms(n, g) + cost.micro_batch_overhead_ms(), "cp", (dep.sample, g))
+            )
         if self.spread_stragglers and cl.world_size > 1:
             self._spread_stragglers(units, lens, req)
 
@@ -154,7 +156,7 @@ class ChunkFlowBalancer:
                 continue
             best: Optional[Tuple[float, int]] = None
             for g in self._cp_sizes(cl, lens[payload.sample]):
-                t = cost.sample_time_on_group(lens[payload.sample], g) + overhead
+                t = cost_memo(cost).doc_on_group_ms(lens[payload.sample], g) + overhead
                 if best is None or t < best[0]:
                     best = (t, g)
                 if t <= mean:
