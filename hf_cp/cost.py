@@ -60,6 +60,11 @@ class ModelDims:
         """fwd + bwd matmul FLOPs per token and layer (2 fwd + 4 bwd per parameter)."""
         return 6.0 * self.linear_params_per_layer
 
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """Bytes of one token's keys and values over all layers (ChunkFlow's state store):
+        2 (K and V) * kv heads * head dim * bytes * layers."""
+        return 2 * self.num_kv_heads * self.head_dim * int(bytes_per_element) * self.num_layers
+
     @property
     def attention_flops_per_pair(self) -> float:
         """fwd + bwd FLOPs per causal query-key pair and layer: fwd 4*H*D, flash bwd 2.5x fwd."""
@@ -148,6 +153,9 @@ class HardwareProfile:
     gpus_per_node: int
     links: Mapping[str, Link]
     description: str = ""
+    # share of fwd+bwd time that is the forward alone (what a recomputed forward costs);
+    # 1/3 (backward twice the forward) unless the profile measured it
+    forward_share: float = 1.0 / 3.0
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
@@ -190,7 +198,10 @@ class HardwareProfile:
             gpus_per_node=need("gpus_per_node", int),
             links=links,
             description=str(d.get("description", "")),
+            forward_share=need("forward_share") if "forward_share" in d else 1.0 / 3.0,
         )
+        if not 0 < prof.forward_share < 1:
+            raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
         for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token"):
             if getattr(prof, k) <= 0:
                 raise ConfigError(f"{source}: {k} must be positive")

@@ -6,6 +6,9 @@ its members with one sharding mode, plus documents *local* to single members (co
 no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
 mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
 compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
+no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
+A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
+sample cut into dependent chunks run in order on that rank, one sample after another.
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
 DESIGN.md's invariants before any collective is issued.
@@ -16,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from .block_plan import BlockLayout, BlockLayoutError, doc_slices
+from .chunking import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from .cluster import ClusterSpec
 from .masks import MaskError, SampleMask, masks_from_json
 from .modes import mode_spec
@@ -31,6 +35,14 @@ class PlanError(ValueError):
     """A plan breaks an invariant; the message names the sample, rank and wave."""
 
 
+class ChunkedSample(NamedTuple):
+    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/chunking.py)."""
+
+    sample: int
+    chunk_size: int  # its chunks are chunking.dependent_chunk_sizes(length, chunk_size)
+    keep: int  # K: chunks whose activations are kept; the first N-K are recomputed in backward
+
+
 @dataclass
 class Group:
     ranks: Tuple[int, ...]
@@ -38,6 +50,9 @@ class Group:
     mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
     blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_plan.py)
+    # rank -> samples run as dependent chunks, one after another; only in a one-rank group
+    # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
+    chunked: Dict[int, List[ChunkedSample]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
@@ -48,13 +63,18 @@ class Group:
         self.local = {int(r): list(v) for r, v in self.local.items()}
         if isinstance(self.blocks, Mapping):
             self.blocks = BlockLayout.from_dict(self.blocks)
+        self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def sample_ids(self) -> List[int]:
-        return list(self.distributed) + [s for r in sorted(self.local) for s in self.local[r]]
+        return (
+            list(self.distributed)
+            + [s for r in sorted(self.local) for s in self.local[r]]
+            + [c.sample for r in sorted(self.chunked) for c in self.chunked[r]]
+        )
 
     def member_segments(self, member: int, lens: Mapping[int, int]) -> List[Segment]:
         """The segments of the distributed samples `member` holds, in its row order."""
@@ -75,6 +95,8 @@ class Group:
                 d["blocks"] = self.blocks.to_dict()
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
+        if any(self.chunked.values()):
+            d["chunked"] = {str(r): [list(c) for c in v] for r, v in sorted(self.chunked.items()) if v}
         return d
 
     @classmethod
@@ -85,6 +107,7 @@ class Group:
             mode=d.get("mode", ShardMode.RING_PER_DOC.value),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
             blocks=BlockLayout.from_dict(d["blocks"], "group blocks") if "blocks" in d else None,
+            chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
         )
 
 
@@ -128,6 +151,8 @@ class StepPlan:
                 t += group.blocks.member_tokens(member)
             elif group.mode != ShardMode.BLOCKS:
                 t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+        for c in group.chunked.get(rank, []):  # run one after another: the largest counts
+            t = max(t, activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
         return t
 
     def group_masks(self, group: Group) -> List[Optional[SampleMask]]:
@@ -142,7 +167,14 @@ class StepPlan:
                 out.update({s: g.size for s in g.distributed})
                 for ids in g.local.values():
                     out.update({s: 1 for s in ids})
+                for cs in g.chunked.values():
+                    out.update({c.sample: 1 for c in cs})
         return out
+
+    @property
+    def chunked_samples(self) -> List[int]:
+        """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
+        return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
 
     @property
     def spreads_samples(self) -> bool:
@@ -274,6 +306,8 @@ class StepPlan:
                             f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
                             f"which is not in group {list(g.ranks)}"
                         )
+                if any(g.chunked.values()):
+                    self._validate_chunked(g, f"{where}, wave {w}", lens, cost)
                 for s in g.sample_ids():
                     if s not in lens:
                         raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
@@ -283,6 +317,12 @@ class StepPlan:
                 extra = self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
                 for m, r in enumerate(g.ranks):
                     t = self.rank_tokens(g, r, lens) + extra[m]
+                    if t > self.max_tokens_per_rank and any(g.chunked.values()):
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds the activations of {t} tokens of the chunked "
+                            f"samples {[list(c) for c in g.chunked[r]]}, over the cap of {self.max_tokens_per_rank}: "
+                            f"lower their chunk_size or keep (K)"
+                        )
                     if t > self.max_tokens_per_rank:
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
@@ -319,3 +359,36 @@ class StepPlan:
         from .block_cost import received_token_equivalent
 
         return [received_token_equivalent(g.blocks, m, cost) for m in range(g.size)]
+
+    def _validate_chunked(self, g: Group, where: str, lens: Mapping[int, int], cost) -> None:
+        """A chunked group: one rank running only chunked samples with sane chunk settings; with a
+        CostModel, each sample's activations plus its K/V state store fit the rank's memory."""
+        for r, cs in g.chunked.items():
+            ids = [c.sample for c in cs]
+            if g.size != 1 or r not in g.ranks:
+                raise PlanError(
+                    f"{where}: chunked samples {ids} on rank {r} in group {list(g.ranks)}: chunked samples "
+                    f"run in a one-rank group of their own rank"
+                )
+            if g.distributed or any(g.local.values()):
+                raise PlanError(
+                    f"{where}: rank {r} runs chunked samples {ids} and other samples in one group; a chunked "
+                    f"sample's group runs nothing else (put the others in another wave)"
+                )
+            for c in cs:
+                if c.sample not in lens:
+                    continue  # named by the global-batch check
+                if c.chunk_size <= 0 or c.keep <= 0:
+                    raise PlanError(
+                        f"{where}: chunked sample {c.sample} has chunk_size {c.chunk_size} and keep {c.keep}; "
+                        f"both must be positive"
+                    )
+                if cost is not None:
+                    sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                    need, have = chunked_memory_bytes(cost, sizes, c.keep), cost.memory_bytes(self.max_tokens_per_rank)
+                    if need > have:
+                        raise PlanError(
+                            f"{where}: chunked sample {c.sample} ({lens[c.sample]} tokens in {len(sizes)} chunks, "
+                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
+                            f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
+                        )

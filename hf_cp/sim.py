@@ -4,6 +4,10 @@ Timing rule: a group's members start a wave's micro-batch together (when the las
 free), the micro-batch takes as long as its slowest member (attention synchronises the group
 every layer), and each rank runs its waves in order. The step ends when the last rank ends
 (the ZeRO-2 gradient reduction that follows is the same for every plan and left out).
+
+A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
+chunking.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
+its memory adds the samples' K/V state store to their activations.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .chunking import chunked_sample_cost, dependent_chunk_sizes
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
@@ -124,6 +129,19 @@ def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks:
     return out
 
 
+def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel):
+    """(compute_ms, activation tokens, peak bytes) of a one-rank group of chunked samples: their
+    times add up; memory is the largest sample's (one runs at a time, its store freed after)."""
+    ms, tokens, peak = 0.0, 0, 0.0
+    for cs in group.chunked.values():
+        for c in cs:
+            cc = chunked_sample_cost(cost, dependent_chunk_sizes(plan_lens[c.sample], c.chunk_size), c.keep)
+            ms += cc.compute_ms
+            tokens = max(tokens, cc.activation_tokens)
+            peak = max(peak, cost.memory_bytes(cc.activation_tokens) + cc.state_bytes)
+    return ms, tokens, peak
+
+
 def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
     """Per-rank times of the plan by the timing rule of the module docstring. With the
     cluster, the result also carries the plan's lower bounds and flags."""
@@ -134,6 +152,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     comm = [0.0] * W
     idle = [0.0] * W
     peak_tokens = [0] * W
+    peak_bytes = [cost.memory_bytes(0)] * W
     comm_bytes = 0
     runs: List[GroupRun] = []
     cp_samples: Counter = Counter()
@@ -141,6 +160,17 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     overhead = cost.micro_batch_overhead_ms()
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
+            if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
+                ms, tk, mem = chunked_group_cost(lens, g, cost)
+                r = g.ranks[0]
+                runs.append(GroupRun(w, g.ranks, clock[r], ms, [ms], [0.0], None, 0, 0))
+                compute[r] += ms
+                clock[r] += ms
+                peak_tokens[r] = max(peak_tokens[r], tk)
+                peak_bytes[r] = max(peak_bytes[r], mem)
+                cp_samples[1] += sum(len(cs) for cs in g.chunked.values())
+                cp_tokens[1] += sum(lens[c.sample] for cs in g.chunked.values() for c in cs)
+                continue
             costs = group_costs(lens, g, cost, plan.masks)
             if all(c[3] == 0 for c in costs):
                 continue  # an empty group issues nothing
@@ -156,6 +186,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 comm[r] += cc
                 comm_bytes += cb
                 peak_tokens[r] = max(peak_tokens[r], tk)
+                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(tk))
                 clock[r] = start + dur
             if g.distributed:
                 cp_samples[g.size] += len(g.distributed)
@@ -194,7 +225,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         idle_ms=idle,
         busy_ms=[a + b for a, b in zip(compute, comm)],
         peak_tokens=peak_tokens,
-        peak_memory_bytes=[cost.memory_bytes(t) for t in peak_tokens],
+        peak_memory_bytes=peak_bytes,
         comm_bytes=comm_bytes,
         makespan_ms=makespan,
         runs=runs,

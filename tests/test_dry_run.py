@@ -32,6 +32,9 @@ def test_dry_run_raises_what_the_launch_would(tmp_path):
         dry_run(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
     with pytest.raises(KeyError, match="unknown balancer"):
         dry_run(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
+    chunkflow = ["training.cp_balancer=chunkflow", "training.cp_balancer_options={chunk_size: 256}"]
+    with pytest.raises(NotImplementedError, match=r"the 'chunkflow' plans run samples \[6, .* as dependent chunks"):
+        dry_run(TINY, out + chunkflow, world_size=2, steps=2)
     # a checkpoint in output_dir trained on another global batch size
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()

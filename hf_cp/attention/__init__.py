@@ -7,6 +7,7 @@ registers "hf_cp" with its AttentionInterface / AttentionMaskInterface.
 """
 
 from .blocks import Block, document_blocks, segment_blocks
+from .chunk_state import ChunkContext, ChunkOrderError, ChunkStateStore, chunk_attention, chunk_context
 from .comm import COUNTER as COMM_COUNTER
 from .comm import CommStats
 from .context import CPContext, cp_context, current_cp_context
@@ -32,6 +33,11 @@ __all__ = [
     "Block",
     "document_blocks",
     "segment_blocks",
+    "ChunkContext",
+    "ChunkOrderError",
+    "ChunkStateStore",
+    "chunk_attention",
+    "chunk_context",
     "COMM_COUNTER",
     "CommStats",
     "CPContext",

@@ -9,7 +9,9 @@ Dispatch on current_cp_context():
   cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or from where
   position_ids stop counting up by one;
 - a context: this rank's micro-batch in context.py's layout (dispatch.cp_attention), with
-  each sample's mask from the context.
+  each sample's mask from the context;
+- a chunk context: one dependent chunk of a long sample, over the K/V state store
+  (chunk_state.chunk_attention, keyed by the module's layer_idx).
 No dense mask is ever built. The mask function tells the attention function which pattern
 transformers asked for on each layer: None for causal layers, a LayerMask carrying the window
 for sliding-window layers, which is how a window the model applies only through its mask
@@ -30,6 +32,7 @@ from typing import List, Optional
 
 import torch
 
+from .chunk_state import chunk_attention, current_chunk_context
 from .context import current_cp_context
 from .dispatch import cp_attention, layer_slices
 from .local import packed_attention
@@ -159,6 +162,21 @@ def hf_cp_attention(
     scale = scaling if scaling is not None else d**-0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, heads, D] views
     ctx = current_cp_context()
+    chunk = current_chunk_context()
+    if chunk is not None:
+        name = type(module).__name__
+        if ctx is not None:
+            raise ValueError(
+                f"hf_cp attention ({name}): a chunk context and a CP context at once; chunked samples run on one rank"
+            )
+        if b != 1:
+            raise ValueError(f"hf_cp attention ({name}): a dependent chunk runs as one row, got batch {b}")
+        layer = getattr(module, "layer_idx", None)
+        if layer is None:
+            raise ValueError(
+                f"hf_cp attention ({name}): ChunkFlow's state store needs the module's layer_idx, it has none"
+            )
+        return chunk_attention(q[0], k[0], v[0], int(layer), chunk, scale).unsqueeze(0), None
     if ctx is not None:
         if b != 1:
             raise ValueError(f"hf_cp attention under a CP context needs one packed row per micro-batch, got batch {b}")

@@ -125,6 +125,12 @@ class PlanCollator:
         self.masks = dict(masks or {})
 
     def micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> Optional[MicroBatch]:
+        if group.chunked.get(rank):
+            raise NotImplementedError(
+                f"step {plan.step + 1}, wave {wave}: the {plan.balancer!r} plan runs samples "
+                f"{[c.sample for c in group.chunked[rank]]} on rank {rank} as dependent chunks (ChunkFlow), which "
+                f"CPTrainer does not execute yet (hf_cp/train/chunkflow.py has the executor); use another balancer"
+            )
         local = list(group.local.get(rank, []))
         if not local and not group.distributed:
             return None

@@ -67,6 +67,12 @@ def dry_run(
         f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
         f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
     ]
+    chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
+    if chunked:
+        raise NotImplementedError(
+            f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks "
+            f"(ChunkFlow), which CPTrainer does not execute yet; use another balancer"
+        )
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step, per-rank max/mean "
