@@ -69,6 +69,11 @@ class ModelDims:
         """fwd + bwd matmul FLOPs per token and layer (2 fwd + 4 bwd per parameter)."""
         return 6.0 * self.linear_params_per_layer
 
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """Bytes of one token's keys and values over all layers (ChunkFlow's state store):
+        2 (K and V) * kv heads * head dim * bytes * layers."""
+        return 2 * self.num_kv_heads * self.head_dim * int(bytes_per_element) * self.num_layers
+
     @property
     def attention_flops_per_pair(self) -> float:
         """fwd + bwd FLOPs per causal query-key pair and layer: fwd 4*H*D, flash bwd 2.5x fwd."""
@@ -158,6 +163,9 @@ class HardwareProfile:
     gpus_per_node: int
     links: Mapping[str, Link]
     description: str = ""
+    # share of fwd+bwd time that is the forward alone (what a recomputed forward costs);
+    # 1/3 (backward twice the forward) unless the profile measured it
+    forward_share: float = 1.0 / 3.0
     # Wall clock beyond compute (hf_cp/execution.py), used only when the cost model is given an
     # execution; 0 by default, so that plain compute comparisons keep their numbers. Online
     # calibration (hf_cp/planning/calibration.py) fits them to a run's measured step times.
@@ -209,11 +217,14 @@ class HardwareProfile:
             gpus_per_node=need("gpus_per_node", int),
             links=links,
             description=str(d.get("description", "")),
+            forward_share=need("forward_share") if "forward_share" in d else 1.0 / 3.0,
             reduction_overhead_ms=need("reduction_overhead_ms") if "reduction_overhead_ms" in d else 0.0,
             step_overhead_ms=need("step_overhead_ms") if "step_overhead_ms" in d else 0.0,
             cp_attention_scale=need("cp_attention_scale") if "cp_attention_scale" in d else 1.0,
             device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
         )
+        if not 0 < prof.forward_share < 1:
+            raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
         for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token", "cp_attention_scale"):
             if getattr(prof, k) <= 0:
                 raise ConfigError(f"{source}: {k} must be positive")
@@ -329,23 +340,38 @@ class CostModel:
         per_doubling = (f_max - 1.0) / math.log2(w_max)
         return 1.0 + per_doubling * math.log2(ways)
 
-    def segments_attention_ms(self, segments: Sequence[Segment]) -> float:
-        """Causal attention of query segments over their documents' earlier keys, per layer."""
+    def segments_attention_ms(self, segments: Sequence[Segment], doc_lengths=None, masks=None) -> float:
+        """Attention of query segments over their documents' keys, per layer: causal pairs, or the
+        masked area of a masked sample (masks aligned with doc_lengths, None entries causal)."""
         c2 = self.c2
         total = 0.0
         for s in segments:
-            pairs = s.length * s.start + s.length * (s.length + 1) // 2
+            if masks and masks[s.doc] is not None:  # a masked sample: its masked area (block_cost.py)
+                from .block_cost import masked_segment_pairs
+
+                pairs = masked_segment_pairs(s, doc_lengths[s.doc], masks[s.doc])
+            else:
+                pairs = s.length * s.start + s.length * (s.length + 1) // 2
             total += c2 * pairs / self.chunk_efficiency(s.length)
         return total
 
+    def docs_attention_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        """Attention of whole documents on one rank, per layer (masked area where masked)."""
+        if not masks or all(m is None for m in masks):
+            return sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        from .block_cost import masked_doc_pairs
+
+        return sum(self.c2 * masked_doc_pairs(n, m) / self.chunk_efficiency(n) for n, m in zip(doc_lengths, masks))
+
     # ---- local documents: no communication
-    def local_ms(self, doc_lengths: Sequence[int]) -> float:
-        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0)."""
+    def local_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0); `masks`
+        (aligned with the lengths, None entries causal) price masked samples by their area."""
         if not doc_lengths:
             return 0.0
         L = self.dims.num_layers
         t = sum(doc_lengths)
-        attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        attn = self.docs_attention_ms(doc_lengths, masks)
         return L * (self.c1 * t + attn) + self.head_ms_per_token * t
 
     def sample_local_ms(self, length: int) -> float:
@@ -371,10 +397,18 @@ class CostModel:
         ranks: Sequence[int],
         member: int,
         local_lengths: Sequence[int] = (),
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
-        are this member's local documents (computed with no communication)."""
+        are this member's local documents (computed with no communication). `masks` and
+        `local_masks` (aligned with the lengths; None entries causal) price masked samples by
+        their masked area. Mode BLOCKS is priced from its layout: block_cost.block_group_costs."""
+        if mode_spec(mode).priced_per_group:
+            raise ValueError(
+                f"a {mode_spec(mode).name!r} group is priced from its placement: use block_cost.block_group_costs"
+            )
         return self._rank_cost(
             doc_lengths,
             mode,
@@ -383,6 +417,8 @@ class CostModel:
             local_lengths,
             _segments_builder(mode, doc_lengths, len(ranks)),
             self.link_for(ranks),
+            masks,
+            local_masks,
         )
 
     def distributed_rank_costs(
@@ -410,6 +446,8 @@ class CostModel:
         local_lengths: Sequence[int],
         segments_of,
         link: Link,
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         g = len(ranks)
         L = self.dims.num_layers
@@ -417,7 +455,7 @@ class CostModel:
         dist_tokens = segment_tokens(segs)
         local_tokens = sum(local_lengths)
         tokens = dist_tokens + local_tokens
-        local_attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in local_lengths)
+        local_attn = self.docs_attention_ms(local_lengths, local_masks)
         comm_bytes = 0
         comm_ms = 0.0
         dist_attn = 0.0
@@ -426,7 +464,7 @@ class CostModel:
             # attention in a CP group runs slower than alone (split kernels, merges, waiting on
             # peers): the profile's factor, 1 unless measured (online calibration fits it)
             cp_scale = self.profile.cp_attention_scale
-            dist_attn = spec.attention_ms(self, doc_lengths, g, segs) * cp_scale
+            dist_attn = spec.attention_ms(self, doc_lengths, g, segs, masks) * cp_scale
             local_attn *= cp_scale
             comm_bytes = spec.comm_bytes_per_layer(self, doc_lengths, g, member, segments_of)
             if comm_bytes:
@@ -434,7 +472,7 @@ class CostModel:
                 if spec.overlaps_compute:  # only the exchange that outlasts attention shows
                     comm_ms = max(0.0, comm_ms - dist_attn)
         elif doc_lengths:
-            dist_attn = self.segments_attention_ms(segs)
+            dist_attn = self.segments_attention_ms(segs, doc_lengths, masks)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
         return RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * comm_bytes, tokens=tokens)
 

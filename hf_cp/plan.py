@@ -3,7 +3,12 @@
 A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks taken from
 the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
 its members with one sharding mode, plus documents *local* to single members (computed with
+no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
+mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
+compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
 no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
+A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
+sample cut into dependent chunks run in order on that rank, one sample after another.
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
 DESIGN.md's invariants before any collective is issued.
@@ -14,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+from .block_plan import BlockLayout, BlockLayoutError, doc_slices
+from .chunking import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from .cluster import ClusterSpec
+from .masks import MaskError, SampleMask, masks_from_json
 from .modes import mode_spec
-from .shard import ShardMode, mode_name, rank_segments, segment_tokens
+from .shard import Segment, ShardMode, mode_name, rank_segments, segment_tokens
 
 FORMAT = "hf_cp.step_plan/1"
 
@@ -27,12 +35,24 @@ class PlanError(ValueError):
     """A plan breaks an invariant; the message names the sample, rank and wave."""
 
 
+class ChunkedSample(NamedTuple):
+    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/chunking.py)."""
+
+    sample: int
+    chunk_size: int  # its chunks are chunking.dependent_chunk_sizes(length, chunk_size)
+    keep: int  # K: chunks whose activations are kept; the first N-K are recomputed in backward
+
+
 @dataclass
 class Group:
     ranks: Tuple[int, ...]
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
     mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
+    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_plan.py)
+    # rank -> samples run as dependent chunks, one after another; only in a one-rank group
+    # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
+    chunked: Dict[int, List[ChunkedSample]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
@@ -41,21 +61,42 @@ class Group:
         except ValueError as e:
             raise PlanError(f"group {list(self.ranks)}: {e}") from None
         self.local = {int(r): list(v) for r, v in self.local.items()}
+        if isinstance(self.blocks, Mapping):
+            self.blocks = BlockLayout.from_dict(self.blocks)
+        self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def sample_ids(self) -> List[int]:
-        return list(self.distributed) + [s for r in sorted(self.local) for s in self.local[r]]
+        return (
+            list(self.distributed)
+            + [s for r in sorted(self.local) for s in self.local[r]]
+            + [c.sample for r in sorted(self.chunked) for c in self.chunked[r]]
+        )
+
+    def member_segments(self, member: int, lens: Mapping[int, int]) -> List[Segment]:
+        """The segments of the distributed samples `member` holds, in its row order."""
+        if not self.distributed:
+            return []
+        if self.mode == ShardMode.BLOCKS:
+            if self.blocks is None:
+                raise PlanError(f"group {list(self.ranks)} has mode 'blocks' but no block layout")
+            return self.blocks.member_segments(member)
+        return rank_segments(self.mode, [lens[s] for s in self.distributed], self.size, member)
 
     def to_dict(self) -> dict:
         d = {"ranks": list(self.ranks)}
         if self.distributed:
             d["distributed"] = list(self.distributed)
             d["mode"] = self.mode
+            if self.mode == ShardMode.BLOCKS and self.blocks is not None:
+                d["blocks"] = self.blocks.to_dict()
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
+        if any(self.chunked.values()):
+            d["chunked"] = {str(r): [list(c) for c in v] for r, v in sorted(self.chunked.items()) if v}
         return d
 
     @classmethod
@@ -65,6 +106,8 @@ class Group:
             distributed=list(d.get("distributed", [])),
             mode=d.get("mode", ShardMode.RING_PER_DOC.value),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
+            blocks=BlockLayout.from_dict(d["blocks"], "group blocks") if "blocks" in d else None,
+            chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
         )
 
 
@@ -85,6 +128,10 @@ class StepPlan:
     waves: List[Wave] = field(default_factory=list)
     step: int = 0
     balancer: str = ""
+    masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> mask; absent: causal
+    # What the step record should carry about how the plan was made, e.g. a solver that passed
+    # its deadline and the greedy plan taken instead. Serialised only when not empty.
+    notes: List[str] = field(default_factory=list)
 
     # ---- lookups
     def length_of(self) -> Dict[int, int]:
@@ -100,8 +147,17 @@ class StepPlan:
         member = group.ranks.index(rank)
         t = sum(lens[s] for s in group.local.get(rank, []))
         if group.distributed:
-            t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+            if group.mode == ShardMode.BLOCKS and group.blocks is not None:
+                t += group.blocks.member_tokens(member)
+            elif group.mode != ShardMode.BLOCKS:
+                t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+        for c in group.chunked.get(rank, []):  # run one after another: the largest counts
+            t = max(t, activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
         return t
+
+    def group_masks(self, group: Group) -> List[Optional[SampleMask]]:
+        """The masks of a group's distributed samples, in order (None: causal)."""
+        return [self.masks.get(s) for s in group.distributed]
 
     def cp_size_of_samples(self) -> Dict[int, int]:
         """Sample id -> ranks it runs on (the group size if distributed, 1 if local)."""
@@ -111,7 +167,14 @@ class StepPlan:
                 out.update({s: g.size for s in g.distributed})
                 for ids in g.local.values():
                     out.update({s: 1 for s in ids})
+                for cs in g.chunked.values():
+                    out.update({c.sample: 1 for c in cs})
         return out
+
+    @property
+    def chunked_samples(self) -> List[int]:
+        """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
+        return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
 
     @property
     def spreads_samples(self) -> bool:
@@ -124,7 +187,7 @@ class StepPlan:
 
     # ---- serialisation
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": FORMAT,
             "step": self.step,
             "balancer": self.balancer,
@@ -132,7 +195,11 @@ class StepPlan:
             "max_tokens_per_rank": self.max_tokens_per_rank,
             "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
             "waves": [w.to_dict() for w in self.waves],
+            **({"notes": list(self.notes)} if self.notes else {}),
         }
+        if self.masks:  # absent when every sample is causal: such plans serialise as before
+            d["masks"] = {str(s): m.to_dict() for s, m in sorted(self.masks.items())}
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -157,9 +224,13 @@ class StepPlan:
                 waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
                 step=int(d.get("step", 0)),
                 balancer=str(d.get("balancer", "")),
+                notes=[str(n) for n in d.get("notes", [])],
             )
+            plan.masks = masks_from_json(d.get("masks"), plan.length_of())
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
+        except (MaskError, BlockLayoutError) as e:
+            raise PlanError(f"{source}: {e}") from None
         except (TypeError, ValueError, IndexError) as e:
             raise PlanError(f"{source}: malformed plan: {e}") from None
         return plan
@@ -176,7 +247,11 @@ class StepPlan:
     def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> StepPlan:
         """Raise PlanError naming the first broken invariant; return self when valid.
 
-        With a CostModel, also check that Ulysses groups split the model's heads evenly.
+        With a CostModel, also check that Ulysses groups split the model's heads evenly, that
+        a blocks group's head ranges cover the model's heads, and count each blocks-group
+        member's received K/V and Q rows (in tokens of activation memory, block_cost.py)
+        against the cap. Masks must match their samples; a blocks layout must follow its
+        format (block_plan.BlockLayout.validate), its errors naming the sample, chunk and block.
         """
         where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
         if len(self.sample_ids) != len(self.lengths):
@@ -193,6 +268,13 @@ class StepPlan:
             if cluster.world_size != self.world_size:
                 raise PlanError(f"{where}: plan is for world {self.world_size}, cluster has {cluster.world_size}")
         lens = self.length_of()
+        for s, m in sorted(self.masks.items()):
+            if s not in lens:
+                raise PlanError(f"{where}: a mask is given for sample {s}, which is not in the step")
+            try:
+                m.validate(s, lens[s])
+            except MaskError as e:
+                raise PlanError(f"{where}: {e}") from None
         seen: Dict[int, int] = {}  # sample -> wave
         for w, wave in enumerate(self.waves):
             busy: Dict[int, int] = {}
@@ -224,19 +306,30 @@ class StepPlan:
                             f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
                             f"which is not in group {list(g.ranks)}"
                         )
+                if any(g.chunked.values()):
+                    self._validate_chunked(g, f"{where}, wave {w}", lens, cost)
                 for s in g.sample_ids():
                     if s not in lens:
                         raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
                     if s in seen:
                         raise PlanError(f"{where}: sample {s} is scheduled twice (waves {seen[s]} and {w})")
                     seen[s] = w
-                for r in g.ranks:
-                    t = self.rank_tokens(g, r, lens)
+                extra = self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
+                for m, r in enumerate(g.ranks):
+                    t = self.rank_tokens(g, r, lens) + extra[m]
+                    if t > self.max_tokens_per_rank and any(g.chunked.values()):
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds the activations of {t} tokens of the chunked "
+                            f"samples {[list(c) for c in g.chunked[r]]}, over the cap of {self.max_tokens_per_rank}: "
+                            f"lower their chunk_size or keep (K)"
+                        )
                     if t > self.max_tokens_per_rank:
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
                             f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
-                            f"{g.distributed} distributed over {list(g.ranks)})"
+                            f"{g.distributed} distributed over {list(g.ranks)}"
+                            + (f", received K/V and Q rows counted as {extra[m]} tokens" if extra[m] else "")
+                            + ")"
                         )
         missing = [s for s in self.sample_ids if s not in seen]
         if missing:
@@ -245,3 +338,57 @@ class StepPlan:
                 f"({len(missing)} in all) are never scheduled"
             )
         return self
+
+    def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> List[int]:
+        """Check a blocks-mode group's layout; return each member's received rows in token
+        units (block_cost.received_token_equivalent; zero without a cost model or layout)."""
+        if g.mode != ShardMode.BLOCKS or not g.distributed:
+            if g.blocks is not None and g.distributed:
+                raise PlanError(f"{where}: a block layout is given but the mode is {mode_name(g.mode)!r}, not 'blocks'")
+            return [0] * g.size
+        if g.blocks is None:
+            raise PlanError(f"{where}: mode 'blocks' needs a block layout ('blocks': chunks and compute)")
+        dist = [lens[s] for s in g.distributed]
+        heads = cost.dims.num_heads if cost is not None else None
+        try:
+            g.blocks.validate(dist, g.size, doc_slices(dist, self.group_masks(g)), heads, g.distributed)
+        except BlockLayoutError as e:
+            raise PlanError(f"{where}: {e}") from None
+        if cost is None:
+            return [0] * g.size
+        from .block_cost import received_token_equivalent
+
+        return [received_token_equivalent(g.blocks, m, cost) for m in range(g.size)]
+
+    def _validate_chunked(self, g: Group, where: str, lens: Mapping[int, int], cost) -> None:
+        """A chunked group: one rank running only chunked samples with sane chunk settings; with a
+        CostModel, each sample's activations plus its K/V state store fit the rank's memory."""
+        for r, cs in g.chunked.items():
+            ids = [c.sample for c in cs]
+            if g.size != 1 or r not in g.ranks:
+                raise PlanError(
+                    f"{where}: chunked samples {ids} on rank {r} in group {list(g.ranks)}: chunked samples "
+                    f"run in a one-rank group of their own rank"
+                )
+            if g.distributed or any(g.local.values()):
+                raise PlanError(
+                    f"{where}: rank {r} runs chunked samples {ids} and other samples in one group; a chunked "
+                    f"sample's group runs nothing else (put the others in another wave)"
+                )
+            for c in cs:
+                if c.sample not in lens:
+                    continue  # named by the global-batch check
+                if c.chunk_size <= 0 or c.keep <= 0:
+                    raise PlanError(
+                        f"{where}: chunked sample {c.sample} has chunk_size {c.chunk_size} and keep {c.keep}; "
+                        f"both must be positive"
+                    )
+                if cost is not None:
+                    sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                    need, have = chunked_memory_bytes(cost, sizes, c.keep), cost.memory_bytes(self.max_tokens_per_rank)
+                    if need > have:
+                        raise PlanError(
+                            f"{where}: chunked sample {c.sample} ({lens[c.sample]} tokens in {len(sizes)} chunks, "
+                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
+                            f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
+                        )

@@ -61,7 +61,12 @@ def rank_micro_batches(plan: StepPlan, rank: int) -> List[RankWork]:
     """The work of `rank` in each micro-batch (wave) it takes part in, in execution order."""
     lens = plan.length_of()
     out: List[RankWork] = []
-    for _, group in plan.rank_waves(rank):
+    for w, group in plan.rank_waves(rank):
+        if group.chunked.get(rank):
+            raise PlanError(
+                f"step {plan.step}, wave {w}: rank {rank} runs chunked samples "
+                f"{[c.sample for c in group.chunked[rank]]} (ChunkFlow); replay does not time dependent chunks"
+            )
         segments = [(0, lens[s]) for s in group.local.get(rank, [])]
         split_docs, split_tokens = (), 0
         if group.distributed:

@@ -10,22 +10,30 @@ the step's wall time instead: ranks without work in a wave run the dummy micro-b
 ZeRO-2 every wave ends in a world-wide gradient reduction (a barrier: the next wave starts
 when the slowest rank of this one has finished and the reduction is done); under DDP one
 reduction ends the step; and the profile's fixed cost per step is added.
+
+A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
+chunking.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
+its memory adds the samples' K/V state store to their activations.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
+import numpy as np
+
+from .chunking import chunked_sample_cost, dependent_chunk_sizes
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
+from .shard import ShardMode
 
 
 def max_over_mean(values: Sequence[float]) -> float:
     """max / mean of per-rank times (1.0 = perfectly balanced; 1.0 for no work). Not a quality
-    signal on its own: compare a plan's makespan with the lower bound too."""
+    signal on its own: compare a plan's makespan with the lower bound too (SimResult.flags)."""
     m = sum(values) / len(values) if len(values) else 0.0
     return max(values) / m if m > 0 else 1.0
 
@@ -42,6 +50,7 @@ class GroupRun:
     n_distributed: int
     n_local: int
     member_tokens: List[int] = field(default_factory=list)
+    chunked: bool = False  # a one-rank group of chunked samples (priced as a whole, not by c1/c2/c0)
 
 
 @dataclass
@@ -59,13 +68,15 @@ class SimResult:
     cp_size_samples: Dict[int, int] = field(default_factory=dict)  # group size -> samples run distributed on it
     cp_size_tokens: Dict[int, int] = field(default_factory=dict)
     tokens: List[int] = field(default_factory=list)  # per rank, over all its micro-batches
+    micro_batches: List[int] = field(default_factory=list)  # per rank: micro-batches with work
     # per rank: time inside its micro-batches, what CPTrainer measures of it: a group's members
     # wait for each other at every layer, so each spends the group's duration (and, when the
     # group starts later than the member is free, the wait in its first collective)
     occupied_ms: List[float] = field(default_factory=list)
-    micro_batches: List[int] = field(default_factory=list)  # per rank: micro-batches with work
     reduction_ms: float = 0.0  # wall time in gradient reductions (with an execution)
     fixed_ms: float = 0.0  # the step's fixed cost (with an execution)
+    lower_bound_ms: Optional[float] = None  # lower_bound_ms of the plan's samples (simulate with a cluster)
+    charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
 
     @property
     def mean_busy_ms(self) -> float:
@@ -81,22 +92,75 @@ class SimResult:
         total = self.makespan_ms * self.world_size
         return sum(self.idle_ms) / total if total > 0 else 0.0
 
+    @property
+    def ratio_to_bound(self) -> float:
+        """Predicted time over the charged bound (nan without bounds)."""
+        b = self.charged_bound_ms
+        return self.makespan_ms / b if b else float("nan")
 
-def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel):
-    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch."""
+    @property
+    def far_above_bound(self) -> bool:
+        """At least FAR_ABOVE_BOUND times the charged bound, balanced or not."""
+        return bool(self.charged_bound_ms) and self.makespan_ms >= FAR_ABOVE_BOUND * self.charged_bound_ms
+
+    @property
+    def flags(self) -> List[str]:
+        """Warnings for the plan summary: a plan far above the bound is flagged even when its
+        ranks are balanced (max/mean alone is not a quality signal)."""
+        if not self.far_above_bound:
+            return []
+        return [
+            f"far above the bound: predicted {self.makespan_ms:.1f} ms is {self.ratio_to_bound:.2f}x the charged "
+            f"lower bound {self.charged_bound_ms:.1f} ms (max/mean {self.imbalance:.3f})"
+        ]
+
+
+def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None):
+    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch;
+    `masks` (sample id -> SampleMask) prices masked samples by their masked area."""
+    masks = masks or {}
     dist = [plan_lens[s] for s in group.distributed]
+    dist_masks = [masks.get(s) for s in group.distributed] if masks else None
+    if group.distributed and group.mode == ShardMode.BLOCKS:
+        from .block_cost import block_group_costs
+
+        local = {m: [plan_lens[s] for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        local_masks = {m: [masks.get(s) for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        costs = block_group_costs(group.blocks, dist, group.ranks, cost, dist_masks, local, local_masks)
+        return [(rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens) for rc in costs]
     out = []
     for m, r in enumerate(group.ranks):
         local = [plan_lens[s] for s in group.local.get(r, [])]
         if not dist and not local:
             out.append((0.0, 0.0, 0, 0))
             continue
-        rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
+        local_masks = [masks.get(s) for s in group.local.get(r, [])] if masks else None
+        if any(x is not None for x in (dist_masks or []) + (local_masks or [])):
+            rc = cost.distributed_rank_cost(
+                dist, group.mode, group.ranks, m, local, masks=dist_masks, local_masks=local_masks
+            )
+        else:  # the causal call (cost models that balancers wrap keep this signature)
+            rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
         out.append((rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens))
     return out
 
 
-def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
+def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel):
+    """(compute_ms, activation tokens, peak bytes) of a one-rank group of chunked samples: their
+    times add up; memory is the largest sample's (one runs at a time, its store freed after)."""
+    ms, tokens, peak = 0.0, 0, 0.0
+    for cs in group.chunked.values():
+        for c in cs:
+            cc = chunked_sample_cost(cost, dependent_chunk_sizes(plan_lens[c.sample], c.chunk_size), c.keep)
+            ms += cc.compute_ms
+            tokens = max(tokens, cc.activation_tokens)
+            peak = max(peak, cost.memory_bytes(cc.activation_tokens) + cc.state_bytes)
+    return ms, tokens, peak
+
+
+def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
+    """Per-rank times of the plan by the timing rule of the module docstring. With the
+    cluster, the result also carries the plan's lower bounds and flags."""
     W = plan.world_size
     lens = plan.length_of()
     clock = [0.0] * W
@@ -104,6 +168,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     comm = [0.0] * W
     idle = [0.0] * W
     peak_tokens = [0] * W
+    peak_bytes = [cost.memory_bytes(0)] * W
     comm_bytes = 0
     runs: List[GroupRun] = []
     cp_samples: Counter = Counter()
@@ -124,7 +189,23 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         worked = [False] * W
         slowest_compute = 0.0
         for g in wave.groups:
-            costs = group_costs(lens, g, cost)
+            if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
+                ms, tk, mem = chunked_group_cost(lens, g, cost)
+                r = g.ranks[0]
+                runs.append(GroupRun(w, g.ranks, clock[r], ms, [ms], [0.0], None, 0, 0, [tk], True))
+                compute[r] += ms
+                clock[r] += ms
+                tokens[r] += tk
+                micro_batches[r] += 1
+                occupied[r] += ms
+                worked[r] = True
+                slowest_compute = max(slowest_compute, ms)
+                peak_tokens[r] = max(peak_tokens[r], tk)
+                peak_bytes[r] = max(peak_bytes[r], mem)
+                cp_samples[1] += sum(len(cs) for cs in g.chunked.values())
+                cp_tokens[1] += sum(lens[c.sample] for cs in g.chunked.values() for c in cs)
+                continue
+            costs = group_costs(lens, g, cost, plan.masks)
             if all(c[3] == 0 for c in costs):
                 continue  # an empty group issues nothing
             start = max(clock[r] for r in g.ranks)
@@ -139,6 +220,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
                 comm[r] += cc
                 comm_bytes += cb
                 peak_tokens[r] = max(peak_tokens[r], tk)
+                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(tk))
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)
@@ -184,6 +266,14 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     makespan = (max(clock) if clock else 0.0) + fixed
     for r in range(W):
         idle[r] += makespan - clock[r]
+    bounds = {}
+    if cluster is not None:
+        masks = [plan.masks.get(sid) for sid in plan.sample_ids] if plan.masks else None
+        local = _local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
+        bounds = {
+            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local),
+            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks),
+        }
     return SimResult(
         world_size=W,
         compute_ms=compute,
@@ -191,7 +281,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         idle_ms=idle,
         busy_ms=[a + b for a, b in zip(compute, comm)],
         peak_tokens=peak_tokens,
-        peak_memory_bytes=[cost.memory_bytes(t) for t in peak_tokens],
+        peak_memory_bytes=peak_bytes,
         comm_bytes=comm_bytes,
         makespan_ms=makespan,
         runs=runs,
@@ -202,10 +292,17 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
         occupied_ms=occupied,
         reduction_ms=reduction_total,
         fixed_ms=fixed,
+        **bounds,
     )
 
 
-def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel) -> float:
+def lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    masks=None,
+    local_ms: Optional[Sequence[float]] = None,
+) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
     max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
@@ -213,18 +310,124 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
     sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
     extra, communication and per-micro-batch overheads are never negative). On a group of g
     ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
-    that share at the largest registered group size.
+    that share at the largest registered group size. `masks` (aligned with the lengths, None
+    entries causal) price masked samples by their masked area, as the simulator does;
+    `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
     """
-    total_area = 0.0
-    longest = 0.0
+    lens = _check_fits(lengths, cluster)
     gmax = cluster.group_sizes[-1]
-    for i, n in enumerate(lengths):
-        if n > cluster.largest_capacity:
-            raise ValueError(
-                f"sample {i} has {n} tokens, more than the largest group holds "
-                f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
-            )
-        area = cost.sample_local_ms(n)
-        total_area += area
-        longest = max(longest, area / gmax)
-    return max(total_area / cluster.world_size, longest)
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if not len(areas):
+        return 0.0
+    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
+
+
+# A plan is flagged when its predicted time is at least this many times the charged bound:
+# balanced or not, it leaves most of the hardware's time on the table.
+FAR_ABOVE_BOUND = 1.5
+
+
+def charged_lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    local_ms: Optional[Sequence[float]] = None,
+    alone_ms: Optional[Callable[[int, int], float]] = None,
+    longest_checked: int = 8,
+    masks=None,
+) -> float:
+    """A tighter bound that charges a group's communication, kernel efficiency and overheads.
+
+    max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
+    longest samples' best time alone on a group: min over the group sizes whose
+    per-document shards fit the cap of the slowest member's time (CostModel, the sample
+    per-document sharded over an aligned block) plus one overhead ). A sample's rank-time is
+    its single-rank compute, or for a sample over the cap the least g x its time alone on g
+    ranks over the sizes it fits.
+
+    A rank holds at most `cap` tokens per micro-batch, each micro-batch costs an overhead,
+    and sharding never lowers compute. The rest holds for plans that run every distributed
+    sample per-document sharded or local (as dynamic_cp, flexsp, skrull and megatron do): a
+    member's tokens, attention and ring bytes only grow when other documents share its
+    micro-batch, so the sample's micro-batch lasts at least as long as the sample alone, on
+    every rank of its group. The longest sample's two charges come from one group size: the
+    bound is at least, at the best size for it, the larger of its time there and the world's
+    work with its rank-time there. lower_bound_ms instead lets the costliest sample
+    spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
+    A zigzag pack splits its documents differently; the argument does not cover it (the
+    benchmark reports plan / charged bound, so a plan under it would show).
+    `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
+    `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
+    masked area and is left out of the group charges (its time alone would be a causal one's).
+    """
+    lens = _check_fits(lengths, cluster)
+    if not len(lens):
+        return 0.0
+    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if masks is not None and any(m is not None for m in masks):
+        causal = np.asarray([m is None for m in masks], dtype=bool)
+        work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
+        if not causal.any():
+            return work / cluster.world_size
+        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
+        return max(inner, work / cluster.world_size)
+    cap = cluster.max_tokens_per_rank
+    overhead = cost.micro_batch_overhead_ms()
+    alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
+
+    def fitting_sizes(n: int) -> List[int]:
+        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap]
+
+    # a sample over the cap holds a whole group for at least its time alone there: charge it
+    # the cheapest such group's rank-time instead of its single-rank compute
+    def held(n: int) -> float:
+        return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
+
+    work = float(areas.sum())
+    over = lens > cap
+    if over.any():
+        uniq, counts = np.unique(lens[over], return_counts=True)
+        work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
+    world = cluster.world_size
+    work += -(-int(lens.sum()) // cap) * overhead
+    bound = work / world
+    for n in np.unique(lens)[::-1][:longest_checked].tolist():
+        bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
+    # the longest sample picks one group size for both: its time there, and its rank-time
+    # there beside everything else's
+    n = int(lens.max())
+    rest = work - held(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
+
+
+def _local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
+    """Every sample's single-rank time (masked area where masked)."""
+    if masks is None or all(m is None for m in masks):
+        return [cost.sample_local_ms(n) for n in lens.tolist()]
+    return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
+
+
+def per_doc_max_member_tokens(length: int, group_size: int) -> int:
+    """Tokens of the fullest member when one document is split in 2g parts, member m holding
+    parts m and 2g-1-m (shard.per_doc_segments): 2q, plus one per remainder token it holds."""
+    q, r = divmod(length, 2 * group_size)
+    return 2 * q + (0 if r == 0 else 1 if r <= group_size else 2)
+
+
+def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
+    if group_size == 1:
+        return cost.sample_local_ms(length)
+    ranks = list(range(group_size))
+    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
+
+
+def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """The lengths as an array; ValueError naming the first sample no group holds."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(lens) and int(lens.max()) > cluster.largest_capacity:
+        i = int(np.argmax(lens > cluster.largest_capacity))
+        raise ValueError(
+            f"sample {i} has {int(lens[i])} tokens, more than the largest group holds "
+            f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
+        )
+    return lens

@@ -1,8 +1,8 @@
 import pytest
 
-from hf_cp.balance import PlanRequest, available_balancers, get_balancer
+from hf_cp.balance import PlanRequest, auto_member_balancers, get_balancer
 from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import simulate
+from hf_cp.sim import charged_lower_bound_ms, simulate
 
 
 def request(lengths, world, cost, cap=32768):
@@ -14,25 +14,68 @@ def request(lengths, world, cost, cap=32768):
 LONG_TAIL = [120000, 60000, 33000] + [300 + (i * 7919) % 12000 for i in range(250)]
 
 
-def test_default_members_are_every_registered_balancer_but_megatron_and_itself():
+def test_default_members_are_the_auto_members_every_built_in_but_megatron_and_itself():
     auto = get_balancer("auto")
     names = [n for n, _ in auto.members]
-    assert names == [n for n in available_balancers() if n not in ("auto", "megatron")]
-    assert {"static", "dynamic_cp", "flexsp"} <= set(names)
+    assert sorted(names) == auto_member_balancers()
+    assert names[0] == "dynamic_cp"  # planned first: the usual winner, so the bounds can skip the rest
+    built_in = {"dynamic_cp", "flexsp", "libra", "skrull", "static", "wlb"}
+    assert built_in <= set(names) and {"auto", "megatron"}.isdisjoint(names)
 
 
-def test_never_worse_than_any_member_and_records_the_winner(h200_cost):
+def member_makespans(req, cost):
+    return {n: simulate(get_balancer(n).plan(req), cost).makespan_ms for n in auto_member_balancers()}
+
+
+def test_with_stop_within_zero_never_worse_than_any_member_and_records_the_winner(h200_cost):
     req = request(LONG_TAIL, 16, h200_cost)
-    auto = get_balancer("auto")
+    auto = get_balancer("auto", stop_within=0)
     plan = auto.plan(req).validate(req.cluster)
     t = simulate(plan, h200_cost).makespan_ms
     assert plan.balancer.startswith("auto:")
     winner = plan.balancer.split(":", 1)[1]
-    assert t == pytest.approx(auto.last_makespans[winner])
-    for name, _ in auto.members:
-        member_plan = get_balancer(name).plan(req)
-        assert t <= simulate(member_plan, h200_cost).makespan_ms + 1e-9, name
+    assert t == pytest.approx(auto.last_makespans[winner], rel=1e-12)
+    for name, member_t in member_makespans(req, h200_cost).items():
+        assert t <= member_t + 1e-9, name
+    assert set(auto.last_makespans) | set(auto.last_skipped) == set(auto_member_balancers())
+    for name, why in auto.last_skipped.items():  # with stop_within 0 only a bound skips a member
+        assert why.startswith("its bound"), (name, why)
     assert t < simulate(get_balancer("static").plan(req), h200_cost).makespan_ms
+
+
+def test_stops_planning_once_within_stop_within_of_the_charged_bound(h200_cost):
+    req = request(LONG_TAIL, 16, h200_cost)
+    auto = get_balancer("auto", stop_within=0.5)
+    plan = auto.plan(req)
+    assert list(auto.last_makespans) == ["dynamic_cp"]  # the first member was close enough
+    assert all("within 0.5 of the bound" in why for why in auto.last_skipped.values())
+    bound = charged_lower_bound_ms(req.lengths, req.cluster, h200_cost)
+    t = simulate(plan, h200_cost).makespan_ms
+    assert t <= 1.5 * bound
+    # the contract: no skipped member could have been more than stop_within faster
+    assert min(member_makespans(req, h200_cost).values()) * 1.5 >= t
+
+
+def test_skips_a_member_whose_bound_cannot_win(h200_cost):
+    # thousands of short documents and a dataset whose longest sample needs the whole world:
+    # static shreds every pack over 16 ranks, and its bound (ring traffic) shows it cannot win
+    lengths = [300 + (i * 7919) % 1500 for i in range(3000)]
+    req = PlanRequest(range(len(lengths)), lengths, ClusterSpec(16, 32768), h200_cost, dataset_max_length=16 * 32768)
+    auto = get_balancer("auto", members=["dynamic_cp", "static"], stop_within=0)
+    auto.plan(req)
+    assert list(auto.last_makespans) == ["dynamic_cp"]
+    assert auto.last_skipped["static"].startswith("its bound")
+    assert simulate(get_balancer("static").plan(req), h200_cost).makespan_ms > auto.last_makespans["dynamic_cp"]
+
+
+def test_plans_are_identical_across_fresh_instances_and_cost_models(h200_cost):
+    from hf_cp.cost import CostModel
+
+    req = request(LONG_TAIL, 16, h200_cost)
+    a = get_balancer("auto").plan(req)
+    fresh = CostModel(h200_cost.dims, h200_cost.profile)
+    b = get_balancer("auto").plan(request(LONG_TAIL, 16, fresh))
+    assert a.to_json() == b.to_json()
 
 
 def test_members_are_configurable(h200_cost):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import cost_memo
+from hf_cp.balance.costs import cost_memo
 from hf_cp.balance.dynamic_cp import balance_sizes, memory_min_sizes
 from hf_cp.cluster import ClusterSpec
 from hf_cp.lengths import read_lengths, step_batches
@@ -83,3 +83,38 @@ def test_bad_options_are_named():
         get_balancer("dynamic_cp", thetas=(None, -1))
     with pytest.raises(ValueError, match="at least one candidate"):
         get_balancer("dynamic_cp", thetas=())
+
+
+def test_improve_max_load_lowers_the_heaviest_bin_and_keeps_every_item():
+    import numpy as np
+
+    from hf_cp.balance.assign import improve_max_load, lpt_assign
+
+    rng = np.random.default_rng(5)
+    w = np.concatenate([rng.uniform(400, 900, 40), rng.uniform(1, 50, 200)])
+    fixed = rng.uniform(0, 300, 16)  # work that cannot move (distributed samples)
+    bins, loads = lpt_assign(w, 16, fixed, exact_items=len(w))
+    new_bins, new_loads = improve_max_load(w, bins, loads, tolerance=0.0)
+    assert new_loads.max() < loads.max()
+    assert np.allclose(new_loads, fixed + np.bincount(new_bins, weights=w, minlength=16))  # nothing lost
+    assert np.allclose(new_loads.sum(), loads.sum())
+    again = improve_max_load(w, bins, loads, tolerance=0.0)
+    assert np.array_equal(again[0], new_bins)  # deterministic
+    # nothing to gain: equal items, equal bins
+    eq_bins, eq_loads = improve_max_load(np.ones(8), np.repeat(np.arange(4), 2), np.full(4, 2.0))
+    assert np.array_equal(eq_bins, np.repeat(np.arange(4), 2)) and np.all(eq_loads == 2.0)
+
+
+def test_refinement_closes_lpt_gaps_of_coarse_steps(h200_cost, traces_dir):
+    from hf_cp.lengths import read_lengths
+
+    lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:400]  # ~6 long documents per rank
+    req = PlanRequest(range(len(lengths)), lengths, ClusterSpec(64, 32768), h200_cost, dataset_max_length=max(lengths))
+    from hf_cp.sim import lower_bound_ms, simulate
+
+    lb = lower_bound_ms(lengths, req.cluster, h200_cost)
+    coarse = simulate(get_balancer("dynamic_cp", refine_candidates=0).plan(req), h200_cost).makespan_ms
+    refined = simulate(get_balancer("dynamic_cp").plan(req), h200_cost).makespan_ms
+    both = simulate(get_balancer("dynamic_cp", refine_candidates=2).plan(req), h200_cost).makespan_ms
+    assert both <= refined < coarse
+    assert both / lb < 1.01 < coarse / lb

@@ -3,7 +3,7 @@ import sys
 import pytest
 
 from hf_cp.balance import PlanRequest, flexsp, get_balancer
-from hf_cp.balance.common import cost_memo
+from hf_cp.balance.costs import cost_memo
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import lower_bound_ms, simulate
 

@@ -5,8 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import group_indices, lookahead_pack
+from hf_cp.balance.assign import group_indices
 from hf_cp.balance.libra import vrsp
+from hf_cp.balance.packing import lookahead_pack
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
 

@@ -44,6 +44,8 @@ def scheduled(plan):
             out.update(g.distributed)
             for ids in g.local.values():
                 out.update(ids)
+            for cs in g.chunked.values():  # ChunkFlow's dependent chunks
+                out.update(c.sample for c in cs)
     return out
 
 

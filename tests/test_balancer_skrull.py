@@ -4,7 +4,7 @@ from balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.common import cost_memo
+from hf_cp.balance.costs import cost_memo
 from hf_cp.balance.skrull import Dacp, interleave_micro_batches
 from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
@@ -65,7 +65,7 @@ def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
         for g in (1, 2, 4, 32):
             expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
             assert list(memo.per_doc_member_tokens(n, g)) == expect
-    from hf_cp.balance.common import member_tokens
+    from hf_cp.balance.ring_layout import member_tokens
 
     docs = [5, 700, 33, 1]
     for g in (1, 2, 8):
@@ -79,7 +79,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
     import random
 
     from hf_cp.cost import _segments_builder
-    from hf_cp.shard import ShardMode, rank_segments
+    from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode, rank_segments
 
     rng = random.Random(0)
     for _ in range(300):
@@ -87,7 +87,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
         docs = [rng.choice([1, 3, rng.randint(1, 2 * g), rng.randint(1, 300_000)]) for _ in range(rng.randint(1, 9))]
         ranks = list(range(8, 8 + g)) if g <= 8 else list(range(g))
         local = {m: [rng.randint(1, 5000)] for m in range(g) if rng.random() < 0.3}
-        for mode in ShardMode:
+        for mode in WHOLE_DOCUMENT_MODES:
             if mode == ShardMode.ULYSSES and g > 4:
                 continue  # the model's 28 heads split over at most 4
             seg = _segments_builder(mode, docs, g)
@@ -103,7 +103,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
 def test_ring_mode_choice_equals_predicting_every_zigzag_member(h200_cost):
     import random
 
-    from hf_cp.balance.common import ring_mode_and_ms
+    from hf_cp.balance.ring_layout import ring_mode_and_ms
     from hf_cp.shard import ShardMode
 
     rng = random.Random(1)

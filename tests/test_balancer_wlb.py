@@ -71,3 +71,26 @@ def test_wlb_rejects_bad_options():
         get_balancer("wlb", cp_size=3)
     with pytest.raises(ValueError, match="outlier_fraction"):
         get_balancer("wlb", outlier_fraction=0)
+
+
+def test_a_small_step_at_a_large_world_is_not_shredded_over_one_huge_group(h200_cost, traces_dir):
+    """WLB-LLM's 'balanced' CP size used to double while the longest sample outlasted the
+    mean rank's share, which on a small step at 512 ranks is tiny: every short document went
+    over one 512-rank group, balanced (max/mean 1.000) and 19-65x the bound. The size now
+    stops where doubling no longer lowers the bound on plans of that size."""
+    from hf_cp.lengths import read_lengths
+    from hf_cp.sim import charged_lower_bound_ms
+
+    lengths = read_lengths(traces_dir / "chat_lmsys_chat1m_191conv.txt")  # 191 samples, one partial step
+    cl = ClusterSpec(512, 32768, gpus_per_node=8)
+    req = PlanRequest(range(len(lengths)), lengths, cl, h200_cost, dataset_max_length=max(lengths))
+    plan = get_balancer("wlb").plan(req)
+    sim = simulate(plan, h200_cost, cl)
+    sizes = {g.size for w in plan.waves for g in w.groups}
+    assert max(sizes) <= 32
+    assert sim.makespan_ms <= 1.2 * charged_lower_bound_ms(lengths, cl, h200_cost)
+    assert not sim.flags
+    # the rule it replaced, for the record: the whole world in one group, flagged though balanced
+    whole = simulate(get_balancer("wlb", cp_size=512).plan(req), h200_cost, cl)
+    assert whole.imbalance < 1.01 and whole.far_above_bound and "far above the bound" in whole.flags[0]
+    assert whole.makespan_ms > 5 * sim.makespan_ms

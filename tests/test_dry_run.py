@@ -28,10 +28,13 @@ def test_dry_run_raises_what_the_launch_would(tmp_path):
     out = [f"training.output_dir={tmp_path}"]
     with pytest.raises(ValueError, match="sample 211 has 5479 tokens"):  # one rank cannot hold it
         dry_run(TINY, out, world_size=1, steps=2)
-    with pytest.raises(ValueError, match="needs model.attn_implementation: hf_cp"):
+    with pytest.raises(ValueError, match="needs attn_implementation='hf_cp'.*model.attn_implementation: hf_cp"):
         dry_run(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
     with pytest.raises(KeyError, match="unknown balancer"):
         dry_run(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
+    chunkflow = ["training.cp_balancer=chunkflow", "training.cp_balancer_options={chunk_size: 256}"]
+    with pytest.raises(NotImplementedError, match=r"the 'chunkflow' plans run samples \[6, .* as dependent chunks"):
+        dry_run(TINY, out + chunkflow, world_size=2, steps=2)
     # a checkpoint in output_dir trained on another global batch size
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()

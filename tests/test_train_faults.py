@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.job import run_distributed
 from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 from hf_cp.consistency import CollectiveStallError, collective_scope
@@ -27,7 +28,6 @@ from hf_cp.train.resume import (
     truncate_history,
     write_schedule,
 )
-from hf_cp.train.testing import run_distributed
 
 
 def _history_lines(out: Path):

@@ -67,10 +67,12 @@ def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):
     f.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
     train, ev = load_datasets({"bundled": "longtail_sample", "eval_path": str(f)}, "cfg.yaml")
     assert len(train) == 240 and ev["input_ids"] == [[1, 2, 3], [4, 5]]
+    (tmp_path / "x.csv").write_text("input_ids\n")  # there, but not a format the trainer reads
     for bad, message in [
         ({"eval_split": 1.5}, "data.eval_split must be a fraction"),
         ({"eval_split": 0.1, "eval_path": str(f)}, "data.eval_path and data.eval_split both set"),
         ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path .*x.csv is neither"),
+        ({"eval_path": str(tmp_path / "y.jsonl")}, "data.eval_path .*y.jsonl does not exist"),
     ]:
         with pytest.raises(TrainConfigError, match=f"cfg.yaml: {message}"):
             load_datasets(dict({"bundled": "longtail_sample"}, **bad), "cfg.yaml")
@@ -157,7 +159,7 @@ def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
 def _custom_code_model(folder: Path) -> None:
     """A model folder whose config names Python shipped in the folder (auto_map), as Hub repos
     with custom architectures do: a Llama under another model_type."""
-    from hf_cp.train.testing import tiny_model
+    from harness.models import tiny_model
 
     tiny_model().save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())

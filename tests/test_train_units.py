@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness.balancers import FixedModeBalancer
+from harness.models import synthetic_rows
 
 from hf_cp.attention.context import CPContext
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.plan import Group, StepPlan, Wave
 from hf_cp.planning import GlobalBatchSampler, Planner
-from hf_cp.shard import ShardMode
+from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
-from hf_cp.train.testing import FixedModeBalancer, synthetic_rows
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: an idle rank in wave 2
 # of static on 2 ranks), [3] alone (a step that leaves ranks without samples), [4..9], [10..16].
@@ -58,7 +59,7 @@ def test_shifted_targets_mask_prompt_and_document_end():
     assert valid_targets(ids, None) == 4 and valid_targets(ids, labels) == 3
 
 
-@pytest.mark.parametrize("mode", list(ShardMode))
+@pytest.mark.parametrize("mode", WHOLE_DOCUMENT_MODES)
 @pytest.mark.parametrize("size", [2, 4])
 def test_collator_shards_cover_documents_exactly_once(mode, size):
     rows = synthetic_rows([37, 5, 64, 11], seed=1)
@@ -257,11 +258,14 @@ def test_arguments_reject_trainer_batching_knobs():
 
 
 def test_single_process_trainer_matches_reference(tmp_path):
-    """World of one, no DeepSpeed: the CPTrainer path against the sample-by-sample reference."""
+    """World of one, no DeepSpeed: the CPTrainer path against the sample-by-sample reference,
+    every step (loss, gradients before clipping, parameters after the optimizer)."""
     from datasets import Dataset
+    from harness.capture import capture_steps
+    from harness.check import compare_with_reference
+    from harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
-    from hf_cp.train.testing import max_relative_error, reference_params, tiny_model
 
     spec = dict(lengths=LENGTHS, tokens_per_step=500, max_tokens_per_rank=256, steps=3, balancer="static")
     rows = synthetic_rows(LENGTHS)
@@ -277,6 +281,7 @@ def test_single_process_trainer_matches_reference(tmp_path):
         learning_rate=1e-3,
         lr_scheduler_type="constant",
         weight_decay=0.0,
+        max_grad_norm=1.0,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
@@ -284,14 +289,22 @@ def test_single_process_trainer_matches_reference(tmp_path):
         cp_compare_balancer=None,
     )
     trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(rows))
-    trainer.train()
-    got = {k: v.detach() for k, v in trainer.model.state_dict().items()}
-    ref = reference_params(spec)
-    assert max(max_relative_error(got, ref).values()) < 1e-5
+    records, stop = capture_steps(trainer)
+    try:
+        trainer.train()
+    finally:
+        stop()
+    final = {k: v.detach() for k, v in trainer.model.state_dict().items()}
+    history = [r.to_dict() for r in trainer.cp_history]
+    report = compare_with_reference(spec, history, trainer.state.log_history, records, final)
+    assert report.steps == [0, 1, 2]
     assert [r.index for r in trainer.cp_history] == [0, 1, 2]
     logged = [h for h in trainer.state.log_history if "cp/measured_max_over_mean" in h]
-    assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_ms_rank0" in h for h in logged)
-    assert [h["cp/data_epoch"] for h in logged] == pytest.approx([0.25, 0.5, 0.75])  # 3 of the epoch's 4 steps
+    assert len(logged) == 3 and all(h["cp/tokens_per_s"] > 0 and "cp/predicted_max_ms" in h for h in logged)
+    # epochs of data: the share of the dataset's samples trained after each step
+    batches = GlobalBatchSampler(LENGTHS, 500, seed=42, shuffle=False)
+    seen = np.cumsum([len(batches[k].sample_ids) for k in range(3)]) / len(LENGTHS)
+    assert [h["cp/data_epoch"] for h in logged] == pytest.approx(list(seen))
 
 
 def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
@@ -326,9 +339,9 @@ def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
 )
 def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
     from datasets import Dataset
+    from harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
-    from hf_cp.train.testing import tiny_model
 
     args = CPTrainingArguments(
         output_dir=str(tmp_path),
@@ -346,9 +359,10 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
 
 def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do(tmp_path):
     from datasets import Dataset
+    from harness.models import eval_rows, synthetic_rows, tiny_model
+    from harness.reference import reference_eval_loss
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
-    from hf_cp.train.testing import eval_rows, reference_eval_loss, synthetic_rows, tiny_model
 
     spec = dict(lengths=[40, 30], eval_lengths=[60, 9, 200], steps=0, tokens_per_step=300)
     args = CPTrainingArguments(

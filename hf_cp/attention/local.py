@@ -12,31 +12,40 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .blocks import Block, document_blocks
+from .blocks import FULL, INV_CAUSAL, Block, Slices, document_blocks
 from .kernels import AttentionKernel, kernel_for
 
 Tensor = torch.Tensor
 
 
-def _range_index(starts: Sequence[int], lens: Sequence[int]) -> Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n), built without a Python loop per row."""
+def _range_index(starts: Sequence[int], lens: Sequence[int], reverse: Optional[Sequence[bool]] = None) -> Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n) (descending where `reverse`), built
+    without a Python loop per row."""
     starts_t = torch.tensor(list(starts), dtype=torch.long)
     lens_t = torch.tensor(list(lens), dtype=torch.long)
     total = int(lens_t.sum())
     offsets = torch.cumsum(lens_t, 0) - lens_t
-    return torch.repeat_interleave(starts_t - offsets, lens_t, output_size=total) + torch.arange(total)
+    step = torch.arange(total) - torch.repeat_interleave(offsets, lens_t, output_size=total)  # 0..n-1 per block
+    if reverse is not None and any(reverse):
+        rev = torch.repeat_interleave(torch.tensor(list(reverse), dtype=torch.bool), lens_t, output_size=total)
+        last = torch.repeat_interleave(lens_t - 1, lens_t, output_size=total)
+        step = torch.where(rev, last - step, step)
+    return torch.repeat_interleave(starts_t, lens_t, output_size=total) + step
 
 
 class _KindPlan:
-    """The blocks of one mask kind (causal or full), sorted so equal shapes are adjacent."""
+    """The blocks a kernel runs with one mask (causal or full), sorted so equal shapes are
+    adjacent. Inverse-causal squares run as causal ones on reversed rows and keys: query i sees
+    keys j >= i exactly when reversed query n-1-i sees reversed keys n-1-j <= n-1-i."""
 
     def __init__(self, blocks: List[Block], causal: bool, device):
         blocks = sorted(blocks, key=lambda b: (b.q_len, b.k_len))
         self.causal = causal
         self.q_lens = [b.q_len for b in blocks]
         self.k_lens = [b.k_len for b in blocks]
-        self.q_index = _range_index([b.q_row for b in blocks], self.q_lens).to(device)
-        self.k_index = _range_index([b.k_row for b in blocks], self.k_lens).to(device)
+        rev = [b.kind == INV_CAUSAL for b in blocks]
+        self.q_index = _range_index([b.q_row for b in blocks], self.q_lens, rev).to(device)
+        self.k_index = _range_index([b.k_row for b in blocks], self.k_lens, rev).to(device)
 
 
 def merge_lse(out_a: Optional[Tensor], lse_a: Optional[Tensor], out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -59,9 +68,9 @@ class BlockPlan:
         self.n_q = n_q
         device = torch.device("cpu") if device is None else device
         self.kinds = [
-            _KindPlan([b for b in self.blocks if b.causal == c], c, device)
+            _KindPlan([b for b in self.blocks if (b.kind != FULL) == c], c, device)
             for c in (True, False)
-            if any(b.causal == c for b in self.blocks)
+            if any((b.kind != FULL) == c for b in self.blocks)
         ]
 
     def __bool__(self) -> bool:
@@ -133,34 +142,70 @@ class BlockPlan:
         return dq, dk, dv
 
 
+def apply_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Attention sinks (GPT-OSS `s_aux`): one extra logit per head in every row's softmax
+    denominator, with no value. On merged (out, lse) it is one more log-sum-exp merge with an
+    empty output: out * exp(lse - lse'), lse' = logaddexp(lse, sink)."""
+    if sinks is None:
+        return out, lse
+    s = sinks.detach().float().reshape(1, -1)
+    lse2 = torch.logaddexp(lse, s)
+    return out * torch.exp(lse - lse2).unsqueeze(-1), lse2
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sink per head, from the rows' final out and lse (sinks included): the sink's
+    probability p = exp(sink - lse) scales every row's output by (1 - p), so the gradient is
+    -sum over rows of p * (dO . O)."""
+    p = torch.exp(sinks.detach().float().reshape(1, -1) - lse)
+    return -((dout.float() * out.float()).sum(-1) * p).sum(0).to(sinks.dtype)
+
+
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockPlan, kernel: AttentionKernel, scale: float):
+    def forward(ctx, q, k, v, sinks, plan: BlockPlan, kernel: AttentionKernel, scale: float):
         out, lse = plan.forward(kernel, q, k, v, scale)
+        out, lse = apply_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.plan.backward(ctx.kernel, dout, q, k, v, out, lse, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
 def block_attention(
-    q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block], scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Sequence[Block],
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Differentiable attention of q rows over k/v rows restricted to `blocks` (no communication)."""
+    """Differentiable attention of q rows over k/v rows restricted to `blocks` (no
+    communication); `sinks` [H]: one extra logit per head (apply_sinks)."""
     kernel = kernel or kernel_for(q.device)
-    return _BlockAttention.apply(q, k, v, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
+    return _BlockAttention.apply(q, k, v, sinks, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
 
 
 def packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, doc_lengths: Sequence[int], scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_lengths: Sequence[int],
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    slices: Optional[Sequence[Optional[Slices]]] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Causal attention inside each of the documents packed back to back in q/k/v."""
+    """Attention inside each of the documents packed back to back in q/k/v: causal, or under
+    the document's mask slices where `slices` gives them (None entries causal)."""
     if sum(doc_lengths) != q.shape[0]:
         raise ValueError(f"document lengths sum to {sum(doc_lengths)} but the packed sequence has {q.shape[0]} tokens")
-    return block_attention(q, k, v, document_blocks(doc_lengths), scale, kernel)
+    return block_attention(q, k, v, document_blocks(doc_lengths, 0, slices), scale, kernel, sinks)

@@ -1,60 +1,137 @@
-"""`auto`: plan each step with several balancers, simulate every plan, keep the fastest.
+"""`auto`: plan each step with several balancers and keep the fastest predicted plan, cheaply.
 
-Never slower (predicted) than any of its members by construction: every member's plan is
-validated and run through `hf_cp.sim.simulate` with the request's cost model, and the one
-with the smallest makespan wins (the first member in order on ties). The winner is
-recorded in the plan as `auto:<member>`.
+Members are planned in order (`dynamic_cp` first: it is the usual winner and among the
+cheapest), each plan priced by `pricing.PlanPricer` (the simulator's makespan from
+per-length tables shared by every member; no validation or simulation per member). Before
+planning a member, `auto` skips it when it cannot matter:
+
+* the best plan so far is within `stop_within` of the step's charged lower bound
+  (sim.charged_lower_bound_ms): no member can beat it by more than that fraction (the
+  charged bound is proven for per-document and local plans; for zigzag packs it is checked
+  on the traces only, see its docstring);
+* the member's own bound (its `lower_bound_ms(request, bounds)`: static, wlb and libra,
+  whose plans run every sample on groups of one size, and skrull, whose samples stay in
+  one block each) is no better than the best plan so far.
+
+So `auto` is never slower (predicted) than any member it planned. The first member's plan
+is not priced unless another member is planned: its own prediction (`last_predicted_ms`,
+which dynamic_cp and flexsp set on every plan()) decides whether to stop. Everything is a
+pure function of the request: the same members are planned and skipped on every rank. No
+member's plan is validated here: the caller validates the winner (the planner worker and
+`hf-cp plan` do, before any collective). The winner is recorded in the plan as
+`auto:<member>`; `last_makespans` and `last_skipped` say what happened to each member on
+the last step.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
-from ..sim import simulate
-from . import available_balancers, get_balancer, register_balancer
+from . import auto_member_balancers, get_balancer, register_balancer
 from .base import Balancer, PlanRequest
+from .bounds import BoundCache
+from .options import BalancerOptionError, BalancerOptions, option
+from .pricing import pricer_for
 
-# Not members by default: itself, and the external peer it is compared against.
-EXCLUDED_BY_DEFAULT = ("auto", "megatron")
+# The order members are planned in by default: the usual winners and cheap planners first,
+# so that the bounds can skip the rest. Members not listed (plugins) come after, by name.
+PLANNING_ORDER = ("dynamic_cp", "wlb", "skrull", "libra", "static", "flexsp")
 
 
 def default_members() -> List[str]:
-    return [n for n in available_balancers() if n not in EXCLUDED_BY_DEFAULT]
+    """Every balancer registered with auto_member=True (the built-ins but `megatron`), in
+    PLANNING_ORDER."""
+    names = auto_member_balancers()
+    first = [n for n in PLANNING_ORDER if n in names]
+    return first + [n for n in names if n not in first]
+
+
+@dataclass(frozen=True)
+class AutoOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "auto"
+
+    members: Optional[Tuple[str, ...]] = option(
+        None,
+        "balancers to plan with, in this order (default: every one registered with auto_member=True, dynamic_cp first)",
+    )
+    member_options: Dict[str, Dict[str, Any]] = option(
+        {}, "per-member options, e.g. {wlb: {fill: 0.9}} (command line: member_options.wlb.fill=0.9)"
+    )
+    stop_within: float = option(
+        0.015,
+        "plan no further member once the best plan is within this fraction of the step's lower bound "
+        "(0: plan every member a bound cannot rule out)",
+    )
+
+    def check(self) -> None:
+        names = list(default_members() if self.members is None else self.members)
+        if not names:
+            raise BalancerOptionError("auto: needs at least one member balancer")
+        if "auto" in names:
+            raise BalancerOptionError("auto: cannot be a member of itself")
+        if len(set(names)) != len(names):
+            raise BalancerOptionError(f"auto: members listed twice in {names}")
+        unknown = set(self.member_options) - set(names)
+        if unknown:
+            raise BalancerOptionError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
+        if not self.stop_within >= 0:
+            raise BalancerOptionError(f"auto: stop_within {self.stop_within} must be >= 0")
 
 
 @register_balancer("auto")
 class AutoBalancer:
-    """members: balancer names (default: every registered one but `megatron` and `auto`);
-    member_options: per-member keyword options for their factories."""
+    """Plans with its members in order, skipping those that cannot win (module docstring)."""
 
     name = "auto"
+    options_class = AutoOptions
 
-    def __init__(self, members: Optional[Sequence[str]] = None, member_options: Optional[Dict[str, dict]] = None):
-        names = list(default_members() if members is None else members)
-        if not names:
-            raise ValueError("auto: needs at least one member balancer")
-        if "auto" in names:
-            raise ValueError("auto: cannot be a member of itself")
-        if len(set(names)) != len(names):
-            raise ValueError(f"auto: members listed twice in {names}")
-        member_options = dict(member_options or {})
-        unknown = set(member_options) - set(names)
-        if unknown:
-            raise ValueError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
-        self.members: List[Tuple[str, Balancer]] = [(n, get_balancer(n, **member_options.get(n, {}))) for n in names]
-        self.last_makespans: Dict[str, float] = {}  # member -> predicted ms of the last step
+    def __init__(self, **options):
+        self.options = o = AutoOptions.from_dict(options)
+        names = list(default_members() if o.members is None else o.members)
+        self.members: List[Tuple[str, Balancer]] = []
+        for n in names:
+            try:
+                self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
+            except BalancerOptionError as e:
+                raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
+        self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step
+        self.last_skipped: Dict[str, str] = {}  # member -> why it was not planned on the last step
+        self.last_lower_bound_ms = float("nan")
 
     def plan(self, req: PlanRequest) -> StepPlan:
-        best: Optional[Tuple[float, str, StepPlan]] = None
-        self.last_makespans = {}
+        pricer = pricer_for(req.cost)
+        bounds = BoundCache(req)
+        lower = bounds.charged()
+        stop_at = lower * (1.0 + self.options.stop_within)
+        best: Optional[List] = None  # [predicted ms, member, plan, priced by the pricer]
+        self.last_makespans, self.last_skipped, self.last_lower_bound_ms = {}, {}, lower
         for name, balancer in self.members:
+            if best is not None:
+                if best[0] <= stop_at:
+                    self.last_skipped[name] = f"{best[1]} is within {self.options.stop_within:g} of the bound"
+                    continue
+                member_bound = getattr(balancer, "lower_bound_ms", None)
+                bound = member_bound(req, bounds) if member_bound is not None else None
+                if bound is not None and bound >= best[0]:
+                    self.last_skipped[name] = f"its bound {bound:.1f} ms >= {best[1]}'s {best[0]:.1f} ms"
+                    continue
             plan = balancer.plan(req)
-            plan.validate(req.cluster)
-            t = simulate(plan, req.cost).makespan_ms
+            if best is None:
+                # the first member's own prediction (built-ins set last_predicted_ms on every
+                # plan()) decides whether anything else is planned; it is priced only if so
+                own = getattr(balancer, "last_predicted_ms", None)
+                best = [own, name, plan, False] if own is not None else [pricer.makespan_ms(plan), name, plan, True]
+                self.last_makespans[name] = best[0]
+                continue
+            if not best[3]:
+                best[0], best[3] = pricer.makespan_ms(best[2]), True
+                self.last_makespans[best[1]] = best[0]
+            t = pricer.makespan_ms(plan)
             self.last_makespans[name] = t
-            if best is None or t < best[0]:
-                best = (t, name, plan)
-        _, winner, plan = best
+            if t < best[0]:
+                best = [t, name, plan, True]
+        _, winner, plan, _ = best
         plan.balancer = f"{self.name}:{winner}"
         return plan

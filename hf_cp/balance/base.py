@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Tuple, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from ..cluster import ClusterSpec
 from ..cost import CostModel
+from ..masks import SampleMask
 from ..plan import StepPlan
 from ..shard import ShardMode, rank_segments, segment_tokens
 
 
 class SampleTooLongError(ValueError):
     """A sample cannot fit even the largest registered group."""
+
+
+class UnsupportedMaskError(ValueError):
+    """A balancer was asked to plan samples with masks it cannot price or place."""
 
 
 @dataclass(frozen=True)
@@ -26,12 +31,28 @@ class PlanRequest:
     seed: int = 0
     step: int = 0
     dataset_max_length: Optional[int] = None  # longest sample of the whole dataset, if known
+    # sample id -> its non-causal mask (hf_cp/masks.py); samples not in it are causal. Balancers
+    # that cannot price masked samples are refused them (check_mask_support).
+    masks: Optional[Mapping[int, SampleMask]] = field(default=None, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "sample_ids", tuple(int(s) for s in self.sample_ids))
         object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
         if len(self.sample_ids) != len(self.lengths):
             raise ValueError(f"{len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
+        if self.masks:
+            lens = dict(zip(self.sample_ids, self.lengths))
+            for s, m in self.masks.items():
+                if s not in lens:
+                    raise ValueError(f"step {self.step}: a mask is given for sample {s}, which is not in the step")
+                if not isinstance(m, SampleMask) or m.length != lens[s]:
+                    raise ValueError(
+                        f"step {self.step}: sample {s} has {lens[s]} tokens but its mask is {m!r:.120}; "
+                        f"masks must be SampleMasks of the sample's length"
+                    )
+            object.__setattr__(self, "masks", {int(s): m for s, m in self.masks.items() if not m.is_causal} or None)
+        else:
+            object.__setattr__(self, "masks", None)
         if not self.sample_ids:
             raise ValueError(f"step {self.step}: empty global batch, nothing to plan")
         cap = self.cluster.largest_capacity
@@ -53,16 +74,39 @@ class PlanRequest:
             lengths=list(self.lengths),
             step=self.step,
             balancer=balancer,
+            masks=dict(self.masks or {}),  # the plan carries its samples' masks (self-contained JSON)
         )
 
 
 @runtime_checkable
 class Balancer(Protocol):
-    """Plans one optimizer step. Must be deterministic in its request."""
+    """Plans one optimizer step. Must be deterministic in its request.
+
+    A balancer that plans samples with masks (PlanRequest.masks) correctly, pricing them by
+    their masked area or placing them independently of their attention cost, says so with a
+    class attribute `handles_masks = True`; the others are refused masked samples."""
 
     name: str
 
     def plan(self, request: PlanRequest) -> StepPlan: ...
+
+
+def check_mask_support(balancer, request: PlanRequest, name: Optional[str] = None) -> None:
+    """Raise UnsupportedMaskError, naming the balancer and a masked sample, when `request` has
+    masked samples and `balancer` does not declare `handles_masks`."""
+    if not request.masks or getattr(balancer, "handles_masks", False):
+        return
+    from . import balancers_handling_masks  # the registry imports this module
+
+    name = name or getattr(balancer, "name", type(balancer).__name__)
+    sid = min(request.masks)
+    kinds = sorted({m.kind for m in request.masks.values()})
+    raise UnsupportedMaskError(
+        f"step {request.step}: balancer {name!r} prices every sample as a causal document, so it cannot plan "
+        f"masked samples: sample {sid} has a {request.masks[sid].kind!r} mask ({len(request.masks)} masked samples "
+        f"in the step, kinds {kinds}). Balancers that plan masked samples: "
+        f"{', '.join(balancers_handling_masks()) or 'none'}"
+    )
 
 
 def max_member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int) -> int:

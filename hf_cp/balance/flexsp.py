@@ -15,13 +15,18 @@ makespan C found by bisection:
                sum_k d * t_k(d) x[k, d] + light work <= world * C   all work fits by C
     minimise   sum_k d * t_k(d) x[k, d]                           rank-time spent
 
-t_k(d) is the cost model's time of sample k on d ranks (CostModel via common.CostMemo).
+t_k(d) is the cost model's time of sample k on d ranks (CostModel via costs.CostMemo).
 Heavy samples: those too long for one rank and the heaviest others (FlexSP solves per
 sequence; the light tail is filled by LPT, which the MILP accounts for as divisible work).
 The MILP runs in highspy (optional extra `milp`) under node and time limits; without
 highspy, a greedy picks for every heavy sample the smallest group that meets C and counts
-groups by first-fit decreasing. Plans realised from the best few targets are simulated and
+groups by first-fit decreasing. Plans realised from the best few targets are priced and
 the fastest is kept.
+
+HiGHS can ignore its own time limit (inside MIP presolve it ran one 1,000-sample MILP for
+more than 4 minutes), so the MILP search runs in a worker process killed at `deadline_s`
+(deadline.call_with_deadline); past it the step is planned with the greedy sizes and the
+plan says so in its notes.
 """
 
 from __future__ import annotations
@@ -30,15 +35,18 @@ import math
 import os
 import sys
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, cost_memo
-from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest
+from .costs import CostMemo, cost_memo
+from .deadline import DeadlinePassed, call_with_deadline
+from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest, refine_best
+from .options import BalancerOptionError, BalancerOptions, option
 
 
 def highs_available() -> bool:
@@ -86,7 +94,7 @@ class Problem:
         cl = req.cluster
         self.world = cl.world_size
         self.lengths = np.asarray(req.lengths, dtype=np.int64)
-        self.local_ms = memo.local_ms_array(self.lengths)
+        self.local_ms = memo.step_local_ms(req.lengths)
         self.min_sizes = memory_min_sizes(memo, self.lengths, req)
         self.quota = float(self.local_ms.sum()) / self.world
         forced = np.flatnonzero(self.min_sizes > 1)
@@ -269,44 +277,58 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
     rank_of, loads = fill_ranks(prob.local_ms[local], loads)
     cand = Candidate.__new__(Candidate)
     cand.placed, cand.local_idx, cand.local_rank_of, cand.loads = placed, local, rank_of, loads
-    local_tokens = np.bincount(rank_of, weights=prob.lengths[local], minlength=world)
-    cand.estimate_ms = float(np.max(loads + np.ceil(local_tokens / req.cluster.max_tokens_per_rank) * memo.overhead_ms))
+    cand.refined = False
+    cand.estimate(req, memo, prob.lengths)
     return cand
 
 
-@register_balancer("flexsp")
+@dataclass(frozen=True)
+class FlexSPOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "flexsp"
+
+    solver: str = option("auto", "auto (the MILP when highspy imports, else greedy), milp or greedy")
+    time_limit_s: float = option(1.5, "HiGHS's own time limit for the whole MILP search, split over the solves")
+    node_limit: int = option(200, "branch-and-bound nodes per MILP solve (keeps results deterministic)")
+    bisection_steps: int = option(10, "bisection steps on the target makespan")
+    max_heavy: int = option(128, "at most this many optional heavy samples in the MILP")
+    heavy_fraction: float = option(0.05, "samples heavier than this fraction of a rank's quota are heavy")
+    simulate_within: float = option(0.003, "candidates predicted within this fraction of the best are simulated")
+    deadline_s: Optional[float] = option(
+        3.0,
+        "wall-clock deadline of the MILP search, enforced by killing its worker process (HiGHS can ignore its own "
+        "time limit); past it the plan takes the greedy sizes and says so in its notes (null: no deadline)",
+    )
+
+    def check(self) -> None:
+        if self.solver not in ("auto", "milp", "greedy"):
+            raise BalancerOptionError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {self.solver!r}")
+        if self.time_limit_s <= 0 or self.bisection_steps < 1 or self.max_heavy < 0:
+            raise BalancerOptionError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise BalancerOptionError(f"flexsp: deadline_s {self.deadline_s} must be positive (or null)")
+
+
+@register_balancer("flexsp", auto_member=True)
 class FlexSPBalancer:
-    """solver: "auto" (MILP when highspy imports, else greedy), "milp" or "greedy".
-    time_limit_s: wall-clock limit of the whole MILP search; node_limit: per solve (keeps
-    results deterministic when the time limit is not reached)."""
-
     name = "flexsp"
+    options_class = FlexSPOptions
 
-    def __init__(
-        self,
-        solver: str = "auto",
-        time_limit_s: float = 1.5,
-        node_limit: int = 200,
-        bisection_steps: int = 10,
-        max_heavy: int = 128,
-        heavy_fraction: float = 0.05,
-        simulate_within: float = 0.003,
-    ):
-        if solver not in ("auto", "milp", "greedy"):
-            raise ValueError(f"flexsp: solver must be 'auto', 'milp' or 'greedy', got {solver!r}")
-        if solver == "milp" and not highs_available():
+    last_predicted_ms: Optional[float] = None  # set by every plan(): the kept candidate's predicted makespan
+
+    def __init__(self, **options):
+        self.options = o = FlexSPOptions.from_dict(options)
+        if o.solver == "milp" and not highs_available():
             raise ImportError(
                 "flexsp: solver='milp' needs highspy, the optional extra `milp`: pip install 'hf_cp[milp]'"
             )
-        if time_limit_s <= 0 or bisection_steps < 1 or max_heavy < 0:
-            raise ValueError("flexsp: time_limit_s must be positive, bisection_steps >= 1, max_heavy >= 0")
-        self.solver = solver
-        self.time_limit_s = float(time_limit_s)
-        self.node_limit = int(node_limit)
-        self.bisection_steps = int(bisection_steps)
-        self.max_heavy = int(max_heavy)
-        self.heavy_fraction = float(heavy_fraction)
-        self.simulate_within = float(simulate_within)
+        self.solver = o.solver
+        self.time_limit_s = o.time_limit_s
+        self.node_limit = o.node_limit
+        self.bisection_steps = o.bisection_steps
+        self.max_heavy = o.max_heavy
+        self.heavy_fraction = o.heavy_fraction
+        self.simulate_within = o.simulate_within
+        self.deadline_s = o.deadline_s
 
     def uses_milp(self) -> bool:
         return self.solver == "milp" or (self.solver == "auto" and highs_available())
@@ -315,25 +337,83 @@ class FlexSPBalancer:
         memo = cost_memo(req.cost)
         prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
         if not prob.heavy:
-            return pick_fastest(req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0)
+            plan, self.last_predicted_ms = pick_fastest(
+                req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0
+            )
+            return plan
+        notes: List[str] = []
         if self.uses_milp():
-            milp = MilpSolver(prob, self.node_limit, self.time_limit_s / self.bisection_steps)
-            solve = milp.solve
+            search = (milp_search, (prob, self.node_limit, self.time_limit_s, self.bisection_steps))
+            if self.deadline_s is None:
+                found = search[0](*search[1])
+            else:
+                try:
+                    found = call_with_deadline(*search, deadline_s=self.deadline_s)
+                except DeadlinePassed:
+                    found = greedy_search(prob, self.bisection_steps)
+                    notes.append(
+                        f"flexsp: the MILP passed its {self.deadline_s:g} s deadline; planned with the greedy sizes"
+                    )
         else:
-            solve = lambda c: greedy_sizes(prob, c)  # noqa: E731
-        lo, hi = prob.lower_ms(), prob.upper_ms()
-        found: List[Tuple[float, List[int]]] = []
+            found = greedy_search(prob, self.bisection_steps)
+        candidates = [realise(req, memo, prob, sizes, c) for c, sizes in found[-3:]]
+        refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
+        plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        plan.notes.extend(notes)
+        return plan
+
+    def plan_fallback(self, req: PlanRequest) -> StepPlan:
+        """The plan a passed deadline leads to: the greedy sizes, with no solver (deterministic,
+        for ranks that must agree on a step one of them planned past the deadline)."""
+        memo = cost_memo(req.cost)
+        prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
+        if not prob.heavy:
+            plan, self.last_predicted_ms = pick_fastest(
+                req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0
+            )
+            return plan
+        candidates = [realise(req, memo, prob, sizes, c) for c, sizes in greedy_search(prob, self.bisection_steps)[-3:]]
+        refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
+        plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        return plan
+
+
+def bisect_targets(
+    prob: Problem, solve, steps: int, start: Optional[Tuple[float, List[int]]] = None
+) -> List[Tuple[float, List[int]]]:
+    """(target makespan, heavy samples' sizes) of every feasible target of a geometric
+    bisection between the problem's lower makespan and `start` (a feasible target and its
+    sizes; default: the upper makespan, solved), the best last."""
+    lo = prob.lower_ms()
+    if start is None:
+        hi = prob.upper_ms()
         best = solve(hi)
         if best is None:  # the upper target holds by construction for the greedy; guard the MILP
             best = [max(o) for o in prob.options]
-        found.append((hi, best))
-        for _ in range(self.bisection_steps):
-            mid = math.sqrt(lo * hi)
-            sizes = solve(mid)
-            if sizes is None:
-                lo = mid
-            else:
-                hi = mid
-                found.append((mid, sizes))
-        candidates = [realise(req, memo, prob, sizes, c) for c, sizes in found[-3:]]
-        return pick_fastest(req, memo, candidates, self.name, self.simulate_within)
+        start = (hi, best)
+    hi = start[0]
+    found: List[Tuple[float, List[int]]] = [start]
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        sizes = solve(mid)
+        if sizes is None:
+            lo = mid
+        else:
+            hi = mid
+            found.append((mid, sizes))
+    return found
+
+
+def milp_search(prob: Problem, node_limit: int, time_limit_s: float, steps: int) -> List[Tuple[float, List[int]]]:
+    """The greedy's bisection, then the MILP's below the greedy's best target (its sizes are
+    a solution of the MILP there), in half the steps: the MILP only has to beat the greedy.
+    HiGHS's own limit: time_limit_s over all the solves."""
+    greedy = greedy_search(prob, steps)
+    milp_steps = max(1, (steps + 1) // 2)
+    milp = MilpSolver(prob, node_limit, time_limit_s / milp_steps)
+    return greedy[:-1] + bisect_targets(prob, milp.solve, milp_steps, start=greedy[-1])
+
+
+def greedy_search(prob: Problem, steps: int) -> List[Tuple[float, List[int]]]:
+    """bisect_targets with greedy_sizes: no solver, the fallback when the MILP cannot be used."""
+    return bisect_targets(prob, lambda c: greedy_sizes(prob, c), steps)

@@ -1,7 +1,7 @@
 """`libra` (Libra's VRSP, survey section 2.1): LPT placement of packed sequences over bounded pools.
 
 Libra leaves the packing alone: the step's samples are packed to a fixed length in data
-order (common.lookahead_pack, a streaming packer with first fit's property that the waste
+order (packing.lookahead_pack, a streaming packer with first fit's property that the waste
 gathers in the last packs; to N ranks x cap tokens, N one CP size: by default the smallest
 registered group holding the step's longest sample, `cp_scope="dataset"` the dataset's), and
 no packed sequence is ever split, merged or repacked. What it changes is *where* each
@@ -21,32 +21,28 @@ packed sequence runs:
   inside a pool with tile-level attention placement, TAP, which moves computation rather
   than data; that needs a block-placement executor hf_cp does not have yet.)
 Each packed sequence on N > 1 ranks takes zigzag or per-document sharding, whichever the
-cost model predicts faster and fits (common.pick_ring_mode).
+cost model predicts faster and fits (ring_layout.pick_ring_mode).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 import numpy as np
 
 from ..plan import Group, StepPlan
 from . import register_balancer
+from .assign import descending_order, group_indices
 from .base import PlanRequest
-from .common import (
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    lookahead_pack,
-    pick_ring_mode,
-)
+from .bounds import BoundCache
+from .costs import cost_memo
+from .cp_size import check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
+from .packing import even_cap, lookahead_pack
+from .ring_layout import pick_ring_mode
+from .waves import WaveBuilder, block_ranks
 
 
 @dataclass
@@ -78,17 +74,33 @@ def vrsp(work: np.ndarray, n_pools: int, pool_capacity: int) -> List[List[int]]:
     return pools
 
 
-@register_balancer("libra")
+@dataclass(frozen=True)
+class LibraOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "libra"
+
+    pool_size: int = option(8, "DP replicas per pool, a power of two: the balancing domain never grows past it")
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    cp_scope: str = option("step", "how the CP size is chosen when cp_size is not set: step, balanced or dataset")
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER)
+        p = self.pool_size
+        if p <= 0 or p & (p - 1):
+            raise BalancerOptionError(f"libra: pool_size {p!r} must be a power of two (replicas per pool)")
+
+
+@register_balancer("libra", auto_member=True)
 class LibraBalancer:
     name = "libra"
+    options_class = LibraOptions
 
-    def __init__(self, pool_size: int = 8, cp_size: Optional[int] = None, cp_scope: str = "step"):
-        check_cp_options(cp_size, cp_scope, self.name)
-        if not isinstance(pool_size, int) or pool_size <= 0 or pool_size & (pool_size - 1):
-            raise ValueError(f"libra: pool_size {pool_size!r} must be a power of two (replicas per pool)")
-        self.pool_size = pool_size
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
+    def __init__(self, **options):
+        self.options = o = LibraOptions.from_dict(options)
+        self.pool_size, self.cp_size, self.cp_scope = o.pool_size, o.cp_size, o.cp_scope
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No libra plan of the request is faster (every pack on a group of the step's CP size)."""
+        return bounds.fixed_size(fixed_cp_size(req, self.cp_size, self.name, self.cp_scope))
 
     def layout(self, req: PlanRequest) -> PoolLayout:
         cl = req.cluster

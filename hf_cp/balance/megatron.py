@@ -23,13 +23,16 @@ We call megatron-core's own scheduler (optional extra `megatron`: megatron-core=
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Tuple
 
 from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
 from .base import PlanRequest
-from .common import CostMemo, WaveBuilder, block_ranks, cost_memo
+from .costs import CostMemo, cost_memo
+from .options import BalancerOptions
+from .waves import WaveBuilder, block_ranks
 
 INSTALL_HINT = (
     "the `megatron` balancer needs megatron-core, the optional extra `megatron`: "
@@ -89,13 +92,24 @@ def round_groups(per_rank: List[List[int]], rnd: int, sizes: Tuple[int, ...]) ->
     return out
 
 
+@dataclass(frozen=True)
+class MegatronOptions(BalancerOptions):
+    """megatron takes no options."""
+
+    BALANCER: ClassVar[str] = "megatron"
+
+
 @register_balancer("megatron")
 class MegatronBalancer:
-    """Megatron-Core 0.16.1 BalancedCPScheduler (hybrid CP), translated into a StepPlan."""
+    """Megatron-Core 0.16.1 BalancedCPScheduler (hybrid CP), translated into a StepPlan.
+
+    Not one of `auto`'s members: it is the external peer `auto` is compared against."""
 
     name = "megatron"
+    options_class = MegatronOptions
 
-    def __init__(self):
+    def __init__(self, **options):
+        self.options = MegatronOptions.from_dict(options)
         load_scheduler_class()  # fail at construction, with the install hint
 
     def plan(self, req: PlanRequest) -> StepPlan:

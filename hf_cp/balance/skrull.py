@@ -3,11 +3,11 @@
 The parallel configuration is fixed within a step, as in Skrull: one CP size N, so the world
 is W/N data-parallel replicas of N ranks each. Skrull takes N from its configuration; by
 default (`cp_scope="search"`) each step starts at the size at which its longest sample stops
-being the straggler (common.fixed_cp_size, scope "balanced") and halves it, down to the
+being the straggler (cp_size.fixed_cp_size, scope "balanced") and halves it, down to the
 smallest registered group that holds that sample, while the plan's predicted time improves,
 at most `search_halvings` times (default 1: two plans per step, to stay within the planning
 time budget). `cp_size` fixes N; `cp_scope`
-"step", "balanced" or "dataset" picks one size as common.fixed_cp_size does.
+"step", "balanced" or "dataset" picks one size as cp_size.fixed_cp_size does.
 
 1. GDS, across replicas: bin packing of the step's samples on predicted compute
    (CostModel.sample_local_ms, Skrull's FLOPs proxy), heaviest first onto the lightest
@@ -32,7 +32,7 @@ time budget). `cp_size` fixes N; `cp_scope`
    heaviest first onto the least loaded member with room (LPT), which balances the same
    classification better (kept only when it fits, else DACP's own placement stays).
    The distributed sequences take zigzag or per-document sharding, whichever the cost
-   model predicts faster and fits (CostModel.best_ring_mode).
+   model predicts faster and fits (ring_layout.pick_ring_mode).
 A micro-batch DACP cannot fit (fragmentation) is split in two and each half planned again.
 """
 
@@ -40,31 +40,24 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..plan import Group, StepPlan
 from ..shard import ShardMode
 from . import register_balancer
+from .assign import descending_order, group_indices, lpt_assign, serpentine, water_fill
 from .base import PlanRequest
-from .common import (
-    CP_SCOPES,
-    CostMemo,
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    lpt_assign,
-    pick_ring_mode,
-    serpentine,
-    split_to_cap,
-    water_fill,
-)
+from .bounds import BoundCache
+from .costs import CostMemo, cost_memo
+from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
+from .packing import even_cap, split_to_cap
+from .pricing import pricer_for
+from .ring_layout import pick_ring_mode
+from .waves import WaveBuilder, block_ranks
 
 
 def interleave_micro_batches(lengths: np.ndarray, weights: np.ndarray, budget: int) -> List[np.ndarray]:
@@ -218,28 +211,57 @@ class Dacp:
         return out
 
 
-@register_balancer("skrull")
+@dataclass(frozen=True)
+class SkrullOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "skrull"
+
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    fill: float = option(0.9, "fraction of a group's memory the interleaved micro-batches are packed to, in (0, 1]")
+    cp_scope: str = option(
+        "search",
+        "how the CP size is chosen when cp_size is not set: search (halve from balanced while the estimate "
+        "improves), balanced, step or dataset",
+    )
+    split_stragglers: bool = option(
+        True, "also try distributing the documents whose compute alone exceeds the group's mean member load"
+    )
+    search_halvings: int = option(1, "how many times cp_scope=search may halve the CP size")
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER, CP_SCOPES + ("search",))
+        if self.search_halvings < 0:
+            raise BalancerOptionError(
+                f"skrull: search_halvings {self.search_halvings!r} must be a non-negative integer"
+            )
+        if not 0 < self.fill <= 1:
+            raise BalancerOptionError(f"skrull: fill {self.fill} must be in (0, 1]")
+
+
+@register_balancer("skrull", auto_member=True)
 class SkrullBalancer:
     name = "skrull"
+    options_class = SkrullOptions
 
-    def __init__(
-        self,
-        cp_size: Optional[int] = None,
-        fill: float = 0.9,
-        cp_scope: str = "search",
-        split_stragglers: bool = True,
-        search_halvings: int = 1,
-    ):
-        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
-        self.split_stragglers = split_stragglers
-        if not isinstance(search_halvings, int) or search_halvings < 0:
-            raise ValueError(f"skrull: search_halvings {search_halvings!r} must be a non-negative integer")
-        self.search_halvings = search_halvings
-        if not 0 < fill <= 1:
-            raise ValueError(f"skrull: fill {fill} must be in (0, 1]")
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
-        self.fill = fill
+    def __init__(self, **options):
+        self.options = o = SkrullOptions.from_dict(options)
+        self.cp_size, self.cp_scope, self.fill = o.cp_size, o.cp_scope, o.fill
+        self.split_stragglers, self.search_halvings = o.split_stragglers, o.search_halvings
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No skrull plan of the request is faster: every sample runs inside one block of the
+        CP size (bounds.blocks_bound_ms), for the sizes the search may end on."""
+        if self.cp_size is None and self.cp_scope == "search":
+            smallest = fixed_cp_size(req, None, self.name, "step")
+            n = fixed_cp_size(req, None, self.name, "balanced")
+            sizes = [n]
+            for _ in range(self.search_halvings):
+                if n // 2 < smallest:
+                    break
+                n //= 2
+                sizes.append(n)
+        else:
+            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        return max(bounds.step(), min(bounds.blocks(n) for n in sizes))
 
     def plan(self, req: PlanRequest) -> StepPlan:
         if self.cp_size is None and self.cp_scope == "search":
@@ -344,17 +366,14 @@ class SkrullBalancer:
         loads = dacp.member_loads(lens, costs, where)
         dist_lens = [lens[i] for i in dist]
         if dist_lens:
-            # the cost model on the slowest member by DACP's estimate (which sums every
-            # distributed sequence's time alone, over-counting the communication that one
-            # ring pass over all of them pays once) and on member 0 (per-document
-            # remainders land there)
-            slowest = max(range(N), key=lambda m: (loads[m], -m))
-            est = max(
-                req.cost.distributed_rank_cost(
-                    dist_lens, ShardMode.RING_PER_DOC, ranks, m, local_lens.get(m, ())
-                ).total_ms
-                for m in {0, slowest}
-            )
+            # every member by the cost model (pricing.PlanPricer: its share of one ring pass
+            # over all the distributed sequences, plus its locals), not DACP's estimate, which
+            # sums every distributed sequence's time alone and over-counts the communication
+            pricer = pricer_for(req.cost)
+            member = pricer.distributed_member_ms(dist_lens, ShardMode.RING_PER_DOC, ranks)
+            for m, ls in local_lens.items():
+                member[m] += sum(map(dacp.memo.local_ms, ls))
+            est = float(member.max())
         else:
             est = max(loads)
         return group, est, dist_lens, local_tokens

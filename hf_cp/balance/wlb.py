@@ -1,7 +1,7 @@
 """`wlb` (WLB-LLM, Wang et al. 2025; survey sections 2.3 and 4.3): workload-aware packing.
 
 The parallel configuration stays fixed within a step: one CP size N. WLB-LLM takes it from
-its configuration; by default (`cp_scope="balanced"`, common.fixed_cp_size) it is the
+its configuration; by default (`cp_scope="balanced"`, cp_size.fixed_cp_size) it is the
 smallest registered group that holds the step's longest sample, doubled while that sample
 alone would still outlast the mean rank's share of the step. `cp_scope="search"` plans the
 step with both that size and the memory minimum and keeps the plan the cost model predicts
@@ -9,7 +9,7 @@ faster (every micro-batch's slowest member, from the same comparison that picks 
 sharding mode): better plans on some data (a long-tailed step whose longest sample is
 cheap enough at the smaller size), at twice the planning time and more for the predictions,
 over the 300 ms budget at 512 ranks on Wikipedia. `cp_size` fixes N; `cp_scope` "step" or
-"dataset" picks one size as common.fixed_cp_size does. What changes is the packing:
+"dataset" picks one size as cp_size.fixed_cp_size does. What changes is the packing:
 
 * Variable-length packing. Micro-batches are no longer cut at a fixed context window: the
   only size limit is memory (N ranks x cap tokens). The step is packed into as few
@@ -28,7 +28,7 @@ over the 300 ms budget at 512 ranks on Wikipedia. `cp_size` fixes N; `cp_scope` 
   effect of the queue, without moving samples between steps.
 * Per-sequence vs per-document sharding. For every micro-batch on N > 1 ranks the cost model
   predicts zigzag over the packed sequence and per-document sharding, and the faster mode
-  that fits memory is kept (common.pick_ring_mode).
+  that fits memory is kept (ring_layout.pick_ring_mode).
 WLB-LLM balances micro-batches because in its pipeline each one synchronises the stages;
 under data parallelism what synchronises is each replica's whole step, so the greedy's
 "least workload" is the replica's (see workload_greedy). Each replica runs its micro-batches
@@ -38,27 +38,22 @@ one per wave.
 from __future__ import annotations
 
 import heapq
-from typing import List, Optional, Tuple
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional, Tuple
 
 import numpy as np
 
 from ..plan import Group, StepPlan
 from . import register_balancer
+from .assign import descending_order, group_indices, split_exact_tail, water_fill
 from .base import PlanRequest
-from .common import (
-    CP_SCOPES,
-    WaveBuilder,
-    block_ranks,
-    check_cp_options,
-    cost_memo,
-    descending_order,
-    even_cap,
-    fixed_cp_size,
-    group_indices,
-    ring_mode_and_ms,
-    split_exact_tail,
-    water_fill,
-)
+from .bounds import BoundCache
+from .costs import cost_memo
+from .cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
+from .options import BalancerOptionError, BalancerOptions, option
+from .packing import even_cap
+from .ring_layout import ring_mode_and_ms
+from .waves import WaveBuilder, block_ranks
 
 
 def workload_greedy(
@@ -83,9 +78,9 @@ def workload_greedy(
     `first` items (the outlier queue) go one per micro-batch before the rest, spread over
     the replicas first (the i-th to replica i mod n_replicas); they may exceed `capacity`
     (a document alone always fits its group in per-document sharding), and such a
-    micro-batch takes nothing else. For speed the light tail (common.split_exact_tail, or
+    micro-batch takes nothing else. For speed the light tail (assign.split_exact_tail, or
     past `exact_items`) is water-filled over replicas on workload and, inside each replica,
-    over its micro-batches on tokens (common.water_fill), kept when that respects every
+    over its micro-batches on tokens (assign.water_fill), kept when that respects every
     capacity, else placed one by one too.
     """
     n = len(lengths)
@@ -166,37 +161,55 @@ def workload_greedy(
 ALL_MEMBERS_BUDGET = 50_000
 
 
-@register_balancer("wlb")
+@dataclass(frozen=True)
+class WlbOptions(BalancerOptions):
+    BALANCER: ClassVar[str] = "wlb"
+
+    cp_size: Optional[int] = option(None, "the step's one CP size (a power of two); default: chosen by cp_scope")
+    outlier_fraction: float = option(
+        0.5, "documents of at least this fraction of the packing window are outliers, one per micro-batch"
+    )
+    fill: float = option(0.95, "target fill of the micro-batches' memory when choosing how many to pack, in (0, 1]")
+    cp_scope: str = option(
+        "balanced",
+        "how the CP size is chosen when cp_size is not set: balanced, step, dataset or search (cp_size.fixed_cp_size)",
+    )
+
+    def check(self) -> None:
+        check_cp_options(self.cp_size, self.cp_scope, self.BALANCER, CP_SCOPES + ("search",))
+        if not 0 < self.fill <= 1:
+            raise BalancerOptionError(f"wlb: fill {self.fill} must be in (0, 1]")
+        if not 0 < self.outlier_fraction <= 1:
+            raise BalancerOptionError(f"wlb: outlier_fraction {self.outlier_fraction} must be in (0, 1]")
+
+
+@register_balancer("wlb", auto_member=True)
 class WlbBalancer:
     name = "wlb"
+    options_class = WlbOptions
 
-    def __init__(
-        self,
-        cp_size: Optional[int] = None,
-        outlier_fraction: float = 0.5,
-        fill: float = 0.95,
-        cp_scope: str = "balanced",
-    ):
-        check_cp_options(cp_size, cp_scope, self.name, CP_SCOPES + ("search",))
-        if not 0 < fill <= 1:
-            raise ValueError(f"wlb: fill {fill} must be in (0, 1]")
-        self.fill = fill
-        if not 0 < outlier_fraction <= 1:
-            raise ValueError(f"wlb: outlier_fraction {outlier_fraction} must be in (0, 1]")
-        self.cp_size = cp_size
-        self.cp_scope = cp_scope
-        self.outlier_fraction = outlier_fraction
+    def __init__(self, **options):
+        self.options = o = WlbOptions.from_dict(options)
+        self.cp_size, self.cp_scope = o.cp_size, o.cp_scope
+        self.fill, self.outlier_fraction = o.fill, o.outlier_fraction
 
-    def plan(self, req: PlanRequest) -> StepPlan:
+    def cp_sizes(self, req: PlanRequest) -> List[int]:
+        """The CP sizes the step is planned with (one, or two with cp_scope "search")."""
         if self.cp_size is None and self.cp_scope == "search":
             # the CP size is a configuration knob in WLB-LLM; here each step tries the smallest
             # size that holds its longest sample and the size at which that sample stops being
             # the straggler, and keeps the plan the cost model predicts faster
-            sizes = sorted(
+            return sorted(
                 {fixed_cp_size(req, None, self.name, "step"), fixed_cp_size(req, None, self.name, "balanced")}
             )
-        else:
-            sizes = [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+        return [fixed_cp_size(req, self.cp_size, self.name, self.cp_scope)]
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> float:
+        """No wlb plan of the request is faster (every sample on groups of one of cp_sizes)."""
+        return min(bounds.fixed_size(n) for n in self.cp_sizes(req))
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        sizes = self.cp_sizes(req)
         best = min((self._plan_groups(req, N, estimate=len(sizes) > 1) for N in sizes), key=lambda r: r[0])
         builder = WaveBuilder(req.cluster.world_size)
         for group in best[1]:
@@ -210,7 +223,7 @@ class WlbBalancer:
         cl = req.cluster
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
-        window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (common.even_cap)
+        window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (packing.even_cap)
         # (a document longer than that, possible with an odd cap, is an outlier: alone in its micro-batch)
         memo = cost_memo(req.cost)
         ids = np.asarray(req.sample_ids, dtype=np.int64)

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-import yaml
-
-from ..balance import available_balancers
+from ..balance import available_balancers, parse_assignments
 from ..cluster import ClusterSpec
 from ..cost import CostModel, ModelDims
 from ..execution import EXECUTIONS, execution_named
-from ..lengths import read_lengths
 from ..plan import PlanError, StepPlan
+from ..plan_inputs import read_plan_inputs
 from ..planning import Planner, PlanningSettings, planning_setup
 from ..planning.setup import load_profile
 from ..sim import SimResult, lower_bound_ms, simulate
@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--lengths", help="text file with one token count per line, or a saved dataset folder with a 'length' column"
+        "--lengths",
+        help="text file with one token count per line; a JSON-lines file of shared-prompt groups "
+        '{"prompt": P, "answers": [a1, ...]} in tokens (one sample with a shared-prompt mask each); or a '
+        "saved dataset folder (its 'length' and 'attn_mask' columns; pre-packed rows are planned as their documents)",
     )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
     p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
@@ -97,7 +100,35 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="OUT", help="write the plans and per-step metrics as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw one step's per-rank timeline")
     p.add_argument("--plot-step", type=int, default=0, help="which planned step --plot draws")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help=f"report progress on stderr (reading, batching, a bar over the planned steps); auto: for inputs of "
+        f"{PROGRESS_MIN_SAMPLES:,} samples or more, where planning takes seconds per step",
+    )
     p.set_defaults(func=run)
+
+
+# from this many samples on, `--progress auto` reports progress (a 1M-line trace plans for 10-20 s)
+PROGRESS_MIN_SAMPLES = 100_000
+
+
+class Progress:
+    """Stage lines and a bar over planned steps, on stderr (stdout keeps the report)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.t0:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    def steps(self, n: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(range(n), desc=desc, unit="step", file=sys.stderr, disable=not self.enabled, leave=False)
 
 
 def step_metrics(
@@ -169,14 +200,9 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
 
 
 def balancer_options(items: List[str]) -> dict:
-    """--balancer-opt KEY=VALUE items -> options (values read as YAML)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--balancer-opt {item!r}: expected KEY=VALUE, e.g. outlier_fraction=0.05")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
+    """--balancer-opt KEY=VALUE items -> options (values read as YAML; dotted keys nest:
+    member_options.wlb.fill=0.8)."""
+    return parse_assignments(items)
 
 
 def settings_from_args(args) -> PlanningSettings:
@@ -229,7 +255,12 @@ def run(args) -> int:
         if not args.world:
             raise ValueError("--world is required with --lengths")
         settings = settings_from_args(args)
-        lengths = read_lengths(args.lengths)
+        progress = Progress(args.progress == "on")
+        progress.say(f"reading lengths from {args.lengths}")
+        inputs = read_plan_inputs(args.lengths)
+        lengths, masks = inputs.lengths, inputs.masks
+        progress.enabled = args.progress == "on" or (args.progress == "auto" and len(lengths) >= PROGRESS_MIN_SAMPLES)
+        progress.say(f"{len(lengths):,} samples; cutting the epoch into steps of the token budget")
         setup = planning_setup(settings, lengths, args.world)
         cluster, cost = setup.cluster, setup.cost
         longest = max(lengths)
@@ -241,22 +272,29 @@ def run(args) -> int:
                 f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
                 f"it with `hf-cp preprocess`"
             )
-        planner = Planner.from_setup(setup, lookahead=0)
+        planner = Planner.from_setup(setup, lookahead=0, masks=masks)
         steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
-        planned = [planner.get(k) for k in range(steps)]  # the epoch's first steps, as training plans them
+        what = f"planning with {args.balancer}" + (f" (and {planner.compare_name})" if planner.compare_name else "")
+        progress.say(f"{len(setup.sampler.epoch_batches(0)):,} steps in the epoch; {what}")
+        # the epoch's first steps, as training plans them
+        planned = [planner.get(k) for k in progress.steps(steps, "planning steps")]
+        progress.say("simulating and reporting")
         plans = [ps.plan for ps in planned]
         sims = [ps.predicted for ps in planned]
         planner_ms = [ps.planner_ms for ps in planned]
         compare_ms = [ps.compare.makespan_ms if ps.compare is not None else None for ps in planned]
         opts = "".join(f" {k}={v}" for k, v in settings.balancer_options.items())
         header = (
-            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}), balancer "
-            f"{args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
+            f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}"
+            + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
+            + f"), balancer {args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
         )
     rows = []
     for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):
-        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost), pms, cms))
+        # masked samples (shared prompts, windows) bound by their masked area, as they are simulated
+        masks_of = [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
+        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms))
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
     if args.json:

@@ -11,10 +11,11 @@ from .formatting import HelpFormatter
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "preprocess",
-        help="tokenise text or chat samples into input_ids/labels/length and report the length distribution",
+        help="tokenise text, chat or prompt-completion samples into input_ids/labels/length and report the lengths",
         description="Read samples (a local .json/.jsonl/.parquet/.csv file, a folder saved with save_to_disk, or a "
         "Hugging Face Hub dataset name when a network is available), tokenise them - chat samples "
-        "through the tokenizer's chat template - with SFT labels (-100 on masked prompt tokens, aligned "
+        "(messages) through the tokenizer's chat template, prompt-completion samples (TRL's format) as TRL's "
+        "SFTTrainer does - with SFT labels (-100 on masked prompt tokens, aligned "
         "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
         "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
         "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
@@ -36,7 +37,11 @@ def add_parser(sub) -> None:
         action="store_true",
         help="run tokeniser code shipped with the --tokenizer folder or Hub repo (off by default)",
     )
-    p.add_argument("--out", required=True, help="output folder for save_to_disk (columns input_ids, labels, length)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output folder for save_to_disk (columns input_ids, labels, length; attn_mask with --group-answers)",
+    )
     p.add_argument(
         "--text-field",
         help="plain-text samples: the column holding the text (default: chat samples when "
@@ -48,14 +53,48 @@ def add_parser(sub) -> None:
         help="chat samples: the column holding a list of {role, content} messages (a JSON string in CSV)",
     )
     p.add_argument(
+        "--prompt-field",
+        default="prompt",
+        help="the prompt column (a string, or a list of messages): of prompt-completion samples (TRL's format, "
+        "used when there is no --messages-field column), and with --group-answers of the grouped records",
+    )
+    p.add_argument("--completion-field", default="completion", help="prompt-completion samples: the completion column")
+    p.add_argument(
         "--mask",
         default="auto",
-        choices=("auto", "assistant", "last-assistant", "none"),
+        choices=("auto", "assistant", "last-assistant", "completion", "none"),
         help="which tokens get labels -100: 'assistant' trains every assistant turn of a chat (prompt, "
-        "system and user tokens masked), 'last-assistant' only the final turn, 'none' trains every "
-        "token; 'auto' is 'assistant' for chat and 'none' for text",
+        "system and user tokens masked), 'last-assistant' only the final turn, 'completion' only the completion "
+        "of a prompt-completion sample (tokenised as TRL's SFTTrainer does), 'none' trains every token; 'auto' is "
+        "'assistant' for chat, 'completion' for prompt-completion and 'none' for text; with --group-answers "
+        "only the answers are trained ('none' then trains the prompt too, counted once)",
     )
     p.add_argument("--no-eos", action="store_true", help="text samples: do not append the tokenizer's EOS token")
+    g = p.add_argument_group(
+        "shared-prompt samples",
+        "one prompt and several answers (GRPO/RLOO groups, n samples per prompt, DPO chosen/rejected) as one "
+        "sample: [prompt][answer 1]...[answer n], each answer attending to the prompt and itself, positions "
+        "continuing from the prompt, labels never crossing answers, the prompt stored and computed once. The "
+        "mask goes to the 'attn_mask' column; training equals each (prompt, answer) as its own sequence with "
+        "the prompt's targets counted once",
+    )
+    g.add_argument(
+        "--group-answers",
+        action="store_true",
+        help="read records {prompt, answers|responses|completions: [...]}, {prompt, chosen, rejected} or "
+        "{prompt, completion}; prompt and answers as text or as TRL conversational messages",
+    )
+    g.add_argument(
+        "--answers-field",
+        help="with --group-answers: the column holding the list of answers (default: answers, responses or "
+        "completions, else chosen + rejected, else completion)",
+    )
+    g.add_argument(
+        "--train-rejected",
+        action="store_true",
+        help="with --group-answers on chosen/rejected pairs: give rejected answers labels too (default: only "
+        "chosen answers are trained; hf_cp's loss is cross-entropy)",
+    )
     p.add_argument(
         "--max-length",
         type=int,
@@ -80,8 +119,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--model",
-        default="qwen2.5-7b",
-        help="model dimensions for the cost shares: a model name (configs/models/ here, then built in), a config.json, or a model folder",
+        default=None,
+        help="model dimensions for the cost shares: a model name (configs/models/ here, then built in), a "
+        "config.json, or a model folder (default: the config.json beside --tokenizer, or the GGUF's own config; "
+        "qwen2.5-7b when there is none)",
     )
     p.add_argument("--plot", metavar="OUT.png", help="also draw the length report as a PNG")
     p.add_argument("--report-json", metavar="OUT.json", help="also write the length report as JSON")
@@ -89,11 +130,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..cost import CostModel
+    from ..cost import CostModel, HardwareProfile
     from ..data_prep import length_report, load_tokenizer, preprocess
     from ..data_prep.length_report import plot_length_report
+    from ..data_prep.model_dims import report_model_dims
+    from ..mask_column import MASK_COLUMN, decode_mask_column
 
-    cost = CostModel.load(args.model, args.profile)  # fail on a bad name before the slow part
+    dims, model_name = report_model_dims(args.model, args.tokenizer)  # fail on a bad name before the slow part
+    cost = CostModel(dims, HardwareProfile.load(args.profile))
     if args.num_proc < 1:
         raise ValueError(f"--num-proc must be at least 1, got {args.num_proc}")
     tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
@@ -103,6 +147,8 @@ def run(args) -> int:
         args.out,
         text_field=args.text_field,
         messages_field=args.messages_field,
+        prompt_field=args.prompt_field,
+        completion_field=args.completion_field,
         mask=args.mask,
         max_length=args.max_length,
         overlong=args.overlong,
@@ -111,12 +157,25 @@ def run(args) -> int:
         subset=args.subset,
         limit=args.limit,
         add_eos=not args.no_eos,
+        group_answers=args.group_answers,
+        answers_field=args.answers_field,
+        train_rejected=args.train_rejected,
     )
     print(f"hf-cp preprocess: {args.input} -> {args.out}")
     for line in res.summary_lines(args.max_length, args.overlong):
         print("  " + line)
+    masks = (
+        decode_mask_column(res.dataset[MASK_COLUMN], res.dataset["length"], str(args.out))
+        if MASK_COLUMN in res.dataset.column_names
+        else None
+    )
     rep = length_report(
-        res.dataset["length"], cost, trained_tokens=res.trained_tokens, model=str(args.model), profile=str(args.profile)
+        res.dataset["length"],
+        cost,
+        trained_tokens=res.trained_tokens,
+        model=model_name,
+        profile=str(args.profile),
+        masks=masks,
     )
     print(rep.text())
     if args.report_json:

@@ -1,7 +1,8 @@
 """Tokenise one batch of samples and build SFT labels.
 
 Text samples: the tokenizer's own special tokens plus an end-of-sequence token; every token is
-trained. Chat samples (a list of {role, content} messages): rendered with the tokenizer's chat
+trained. Prompt-completion samples (TRL's format: `prompt` and `completion`, strings or lists of
+messages) are tokenised exactly as TRL's SFTTrainer does, the completion alone trained. Chat samples (a list of {role, content} messages): rendered with the tokenizer's chat
 template and tokenised without adding special tokens again (the template already has them),
 so `decode(input_ids)` is exactly the rendered text. Labels are -100 outside the trained
 spans: with mask "assistant", every assistant turn (its content and the template's
@@ -21,6 +22,8 @@ from typing import Dict, List, Sequence, Tuple
 IGNORE_INDEX = -100
 CHAT_MASKS = ("assistant", "last-assistant", "none")
 TEXT_MASKS = ("none",)
+PROMPT_COMPLETION_MASKS = ("completion", "none")
+KINDS = ("text", "chat", "prompt-completion")
 
 
 class EncodeError(ValueError):
@@ -48,13 +51,23 @@ def _messages(value, index: int, field: str) -> List[dict]:
 class SampleEncoder:
     """Picklable batched map function: raw columns -> input_ids, labels, length."""
 
-    def __init__(self, tokenizer, kind: str, field: str, mask: str = "auto", add_eos: bool = True):
-        if kind not in ("text", "chat"):
-            raise ValueError(f"sample kind must be 'text' or 'chat', got {kind!r}")
-        mask = ("assistant" if kind == "chat" else "none") if mask == "auto" else mask
-        allowed = CHAT_MASKS if kind == "chat" else TEXT_MASKS
+    def __init__(
+        self,
+        tokenizer,
+        kind: str,
+        field: str,
+        mask: str = "auto",
+        add_eos: bool = True,
+        completion_field: str = "completion",
+    ):
+        if kind not in KINDS:
+            raise ValueError(f"sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        default = {"chat": "assistant", "prompt-completion": "completion", "text": "none"}[kind]
+        mask = default if mask == "auto" else mask
+        allowed = {"chat": CHAT_MASKS, "prompt-completion": PROMPT_COMPLETION_MASKS, "text": TEXT_MASKS}[kind]
         if mask not in allowed:
             raise ValueError(f"--mask {mask!r} does not apply to {kind} samples; choose from {', '.join(allowed)}")
+        self.completion_field = completion_field
         if kind == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
@@ -109,6 +122,40 @@ class SampleEncoder:
                 labels[j] = ids[j]
         return ids, labels
 
+    # ---------------------------------------------------------------- prompt-completion
+    def _encode_prompt_completion(self, prompt, completion, index: int) -> Tuple[List[int], List[int], bool]:
+        """TRL's SFTTrainer tokenisation of one prompt-completion sample, so that data prepared here
+        and data TRL prepares train the same tokens: a text prompt and completion are tokenised as
+        `prompt` and `prompt + completion` (the completion ending in the EOS token), a conversational
+        one (lists of messages) rendered as prompt + generation prompt and as prompt + completion.
+        The completion starts where the two token sequences diverge; it alone is trained (mask
+        'completion'). Returns (input_ids, labels, whether the prompt's tokens were not a prefix)."""
+        if isinstance(prompt, (list, tuple)):  # conversational, as TRL tells it: a list of messages
+            p_msgs = _messages(prompt, index, self.field)
+            c_msgs = _messages(completion, index, self.completion_field)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise EncodeError(
+                    f"sample {index}: conversational prompt/completion needs a tokenizer with a chat template"
+                )
+            prompt_text = self._render(p_msgs, index, generation_prompt=True)
+            full_text = self._render(p_msgs + c_msgs, index)
+            prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+            ids = list(self.tokenizer(full_text, add_special_tokens=False)["input_ids"])
+        else:
+            for name, value in ((self.field, prompt), (self.completion_field, completion)):
+                if not isinstance(value, str):
+                    raise EncodeError(f"sample {index}: field {name!r} must be a string, got {type(value).__name__}")
+            eos = self.tokenizer.eos_token
+            if self.add_eos and eos is not None and not completion.endswith(eos):
+                completion = completion + eos
+            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = list(self.tokenizer(prompt + completion)["input_ids"])
+        k = 0
+        while k < min(len(prompt_ids), len(ids)) and prompt_ids[k] == ids[k]:
+            k += 1
+        labels = list(ids) if self.mask == "none" else [IGNORE_INDEX] * k + ids[k:]
+        return ids, labels, k < len(prompt_ids)
+
     # ---------------------------------------------------------------- text
     def _encode_texts(self, texts: Sequence, indices: Sequence[int]) -> List[List[int]]:
         for t, i in zip(texts, indices):
@@ -131,6 +178,22 @@ class SampleEncoder:
         if self.kind == "text":
             all_ids = self._encode_texts(values, indices)
             all_labels = [list(x) for x in all_ids]
+        elif self.kind == "prompt-completion":
+            if self.completion_field not in batch:
+                raise EncodeError(f"samples have no field {self.completion_field!r} (fields: {sorted(batch)})")
+            triples = [
+                self._encode_prompt_completion(p, c, i)
+                for p, c, i in zip(values, batch[self.completion_field], indices)
+            ]
+            all_ids = [t[0] for t in triples]
+            all_labels = [t[1] for t in triples]
+            return {
+                "input_ids": all_ids,
+                "labels": all_labels,
+                "length": [len(x) for x in all_ids],
+                "trained_tokens": [trained_tokens(y) for y in all_labels],
+                "prompt_not_prefix": [t[2] for t in triples],
+            }
         else:
             pairs = [self._encode_chat(v, i) for v, i in zip(values, indices)]
             all_ids = [p[0] for p in pairs]

@@ -3,6 +3,7 @@ of samples, of tokens and of predicted attention time (hf_cp.cost.CostModel).
 
 Tokens drive memory and linear compute; attention grows with the square of each document's
 length, so a few long samples can hold most of the attention work. Buckets are powers of two.
+A sample with a mask (a shared prompt, say) is priced by the pairs its mask attends.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from ..cost import CostModel
+from ..masks import SampleMask
 from ..shard import doc_pairs
 
 PERCENTILES = (50, 90, 99, 99.9)
@@ -110,8 +112,15 @@ class LengthReport:
 
 
 def length_report(
-    lengths: Sequence[int], cost: CostModel, trained_tokens: Optional[int] = None, model: str = "", profile: str = ""
+    lengths: Sequence[int],
+    cost: CostModel,
+    trained_tokens: Optional[int] = None,
+    model: str = "",
+    profile: str = "",
+    masks: Optional[Mapping[int, SampleMask]] = None,
 ) -> LengthReport:
+    """`masks`: sample index -> its mask; a masked sample's attention is priced by its exact
+    attended pairs (SampleMask.pairs) instead of a causal document's."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         raise ValueError("length report: no samples")
@@ -120,6 +129,11 @@ def length_report(
     # one cost evaluation per distinct length keeps this fast for millions of samples
     attn = np.array([layers * cost.c2 * doc_pairs(int(n)) / cost.chunk_efficiency(int(n)) for n in values])
     comp = np.array([cost.sample_local_ms(int(n)) for n in values])
+    # masked samples: the difference to the causal price of their length, added per distinct length
+    fix = np.zeros(len(values))
+    for i, m in (masks or {}).items():
+        n = int(lens[i])
+        fix[np.searchsorted(values, n)] += layers * cost.c2 * (m.pairs() - doc_pairs(n)) / cost.chunk_efficiency(n)
     top_exp = max(7, int(math.ceil(math.log2(max(int(values[-1]), 1)))))
     low_exp = min(7, top_exp)
     edges = [0] + [2**e for e in range(low_exp, top_exp + 1)]
@@ -133,8 +147,8 @@ def length_report(
                 high=edges[i + 1],
                 samples=int(counts[sel].sum()),
                 tokens=int((values[sel] * counts[sel]).sum()),
-                attention_ms=float((attn[sel] * counts[sel]).sum()),
-                compute_ms=float((comp[sel] * counts[sel]).sum()),
+                attention_ms=float((attn[sel] * counts[sel]).sum() + fix[sel].sum()),
+                compute_ms=float((comp[sel] * counts[sel]).sum() + fix[sel].sum()),
             )
         )
     pct = [(p, int(np.percentile(lens, p, method="inverted_cdf"))) for p in PERCENTILES]

@@ -1,24 +1,31 @@
-"""preprocess(): load -> tokenise with labels -> over-long policy -> save_to_disk -> length report."""
+"""preprocess(): load -> tokenise with labels -> over-long policy -> save_to_disk -> length report.
+
+Three kinds of samples: chat (`messages`), prompt-completion (TRL's `prompt` + `completion`,
+strings or message lists) and text."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import numpy as np
 
+from ..mask_column import MASK_COLUMN
 from .encode import SampleEncoder, truncate
+from .group_answers import GroupAnswersEncoder, group_layout, truncate_group
 from .inputs import InputError, load_input
 
 OVERLONG_POLICIES = ("error", "drop", "truncate")
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
+GROUPED_COLUMNS = OUTPUT_COLUMNS + (MASK_COLUMN,)  # --group-answers adds the shared-prompt mask
 
 
 @dataclass
 class PreprocessResult:
-    dataset: object  # the saved datasets.Dataset (input_ids, labels, length)
-    kind: str  # "text" or "chat"
+    dataset: object  # the saved datasets.Dataset (input_ids, labels, length[, attn_mask])
+    kind: str  # "text", "chat", or "grouped answers (...)"
     input_samples: int
     overlong: int  # samples longer than max_length (0 when no limit)
     dropped_overlong: int
@@ -29,6 +36,8 @@ class PreprocessResult:
     longest_input: int  # longest sample before the policy
     out_dir: Optional[Path] = None
     overlong_examples: List[Tuple[int, int]] = field(default_factory=list)  # (input index, length)
+    grouped: Optional[dict] = None  # --group-answers: answers, tokens as one sample vs as separate sequences
+    prompt_not_prefix: int = 0  # prompt-completion samples whose prompt tokens change when the completion follows
 
     def summary_lines(self, max_length: Optional[int], policy: str) -> List[str]:
         kept = len(self.dataset)
@@ -51,8 +60,24 @@ class PreprocessResult:
             lines.append(
                 f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)"
             )
+        if self.grouped:
+            g = self.grouped
+            saved = 1 - g["tokens"] / g["separate_tokens"] if g["separate_tokens"] else 0.0
+            lines.append(
+                f"grouped answers: {kept} shared-prompt samples of {g['answers']} answers "
+                f"({g['answers'] / max(kept, 1):.1f} per prompt); {g['tokens']} tokens, {g['separate_tokens']} as "
+                f"separate (prompt, answer) sequences: the prompt counted once saves {100 * saved:.1f}%"
+            )
+            if g.get("untrained"):
+                lines.append(f"note: {g['untrained']}")
         if self.dropped_empty:
             lines.append(f"dropped {self.dropped_empty} samples that encode to no tokens")
+        if self.prompt_not_prefix:
+            lines.append(
+                f"warning: in {self.prompt_not_prefix} sample(s) the tokenised prompt is not a prefix of the tokenised "
+                f"prompt + completion (a template that renders the prompt alone differently, or tokens merging across "
+                f"the boundary); as TRL does, the completion starts where the two diverge"
+            )
         if self.untrained:
             lines.append(
                 f"warning: {self.untrained} kept samples have no trained token (all labels -100); "
@@ -61,18 +86,33 @@ class PreprocessResult:
         return lines
 
 
-def infer_kind(columns, text_field: Optional[str], messages_field: str) -> Tuple[str, str]:
+def infer_kind(
+    columns,
+    text_field: Optional[str],
+    messages_field: str,
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+) -> Tuple[str, str]:
     if text_field:
         if text_field not in columns:
             raise InputError(f"--text-field {text_field!r} is not a column of the input (columns: {columns})")
         return "text", text_field
     if messages_field in columns:
         return "chat", messages_field
+    if prompt_field in columns and completion_field in columns:
+        return "prompt-completion", prompt_field
+    if prompt_field in columns or completion_field in columns:
+        missing = completion_field if prompt_field in columns else prompt_field
+        raise InputError(
+            f"prompt-completion samples need both a {prompt_field!r} and a {completion_field!r} column; "
+            f"{missing!r} is missing (columns: {columns}); name them with --prompt-field / --completion-field"
+        )
     if "text" in columns:
         return "text", "text"
     raise InputError(
-        f"cannot tell text from chat samples: no {messages_field!r} column (chat) and no 'text' column "
-        f"(columns: {columns}); name the field with --text-field or --messages-field"
+        f"cannot tell text, chat or prompt-completion samples apart: no {messages_field!r} column (chat), no "
+        f"{prompt_field!r} and {completion_field!r} columns and no 'text' column (columns: {columns}); name the "
+        f"fields with --text-field, --messages-field or --prompt-field/--completion-field"
     )
 
 
@@ -83,6 +123,8 @@ def preprocess(
     *,
     text_field: Optional[str] = None,
     messages_field: str = "messages",
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
     mask: str = "auto",
     max_length: Optional[int] = None,
     overlong: str = "error",
@@ -92,8 +134,14 @@ def preprocess(
     limit: Optional[int] = None,
     add_eos: bool = True,
     batch_size: int = 256,
+    group_answers: bool = False,
+    answers_field: Optional[str] = None,
+    train_rejected: bool = False,
 ) -> PreprocessResult:
-    """Tokenise `source` for CPTrainer and save it to `out_dir` (when given)."""
+    """Tokenise `source` for CPTrainer and save it to `out_dir` (when given).
+
+    `group_answers`: records of a prompt and several answers become shared-prompt samples
+    (group_answers.py), with their mask in the `attn_mask` column."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"over-long policy must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
     if max_length is not None and max_length <= 0:
@@ -103,8 +151,21 @@ def preprocess(
         raw = raw.select(range(min(limit, len(raw))))
     if len(raw) == 0:
         raise InputError(f"{source}: no samples")
-    kind, fld = infer_kind(raw.column_names, text_field, messages_field)
-    encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos)
+    if group_answers:
+        layout = group_layout(raw.column_names, prompt_field, answers_field, train_rejected)
+        kind = f"grouped answers ({layout.describe()})"
+        encoder = GroupAnswersEncoder(tokenizer, layout, mask=mask, add_eos=add_eos)
+        columns, cut = GROUPED_COLUMNS, truncate_group
+    else:
+        if MASK_COLUMN in raw.column_names:
+            raise InputError(
+                f"{source}: the input has an {MASK_COLUMN!r} column; masks are written by preprocessing in token "
+                f"positions (--group-answers writes shared-prompt masks), so an input mask would be dropped: "
+                f"rename or remove the column"
+            )
+        kind, fld = infer_kind(raw.column_names, text_field, messages_field, prompt_field, completion_field)
+        encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos, completion_field=completion_field)
+        columns, cut = OUTPUT_COLUMNS, truncate
     num_proc = num_proc if num_proc and num_proc > 1 else None
     ds = raw.map(
         encoder,
@@ -115,6 +176,23 @@ def preprocess(
         remove_columns=raw.column_names,
         desc=f"tokenising {kind} samples",
     )
+    grouped = None
+    if group_answers:
+        answers = np.asarray(ds["answers"], dtype=np.int64)
+        tokens = np.asarray(ds["length"], dtype=np.int64)
+        prompts = np.asarray(
+            [0 if m is None else json.loads(m)["prompt"] for m in ds[MASK_COLUMN]], dtype=np.int64
+        )  # a one-answer group is stored causal; its prompt is not shared
+        grouped = {
+            "answers": int(answers.sum()),
+            "tokens": int(tokens.sum()),
+            "separate_tokens": int(tokens.sum() + ((answers - 1) * prompts).sum()),
+        }
+        if layout.untrained:
+            grouped["untrained"] = (
+                f"{' and '.join(layout.untrained)} answers carry no labels (hf_cp's loss is cross-entropy, which "
+                f"would teach them); --train-rejected trains them"
+            )
 
     lengths = np.asarray(ds["length"], dtype=np.int64)
     longest = int(lengths.max())
@@ -146,7 +224,7 @@ def preprocess(
         dropped_overlong = len(over)
     elif len(over) and overlong == "truncate":
         ds = ds.map(
-            lambda row: truncate(row, max_length) if row["length"] > max_length else {},
+            lambda row: cut(row, max_length) if row["length"] > max_length else {},
             num_proc=num_proc,
             desc=f"truncating samples to {max_length} tokens",
         )
@@ -163,7 +241,8 @@ def preprocess(
     if len(ds) == 0:
         raise ValueError(f"{source}: no samples left after the over-long policy and dropping empty samples")
     trained = np.asarray(ds["trained_tokens"], dtype=np.int64)
-    ds = ds.remove_columns([c for c in ds.column_names if c not in OUTPUT_COLUMNS])
+    not_prefix = int(np.sum(ds["prompt_not_prefix"])) if "prompt_not_prefix" in ds.column_names else 0
+    ds = ds.remove_columns([c for c in ds.column_names if c not in columns])
     result = PreprocessResult(
         dataset=ds,
         kind=kind,
@@ -176,6 +255,8 @@ def preprocess(
         trained_tokens=int(trained.sum()),
         longest_input=longest,
         overlong_examples=examples,
+        grouped=grouped,
+        prompt_not_prefix=not_prefix,
     )
     if out_dir is not None:
         out_dir = Path(out_dir)

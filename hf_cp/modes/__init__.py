@@ -7,7 +7,8 @@ and its execution (the attention function, imported lazily so that planning stay
 The cost model, the simulator, the plan validator, the collator and the attention dispatch all
 look a mode up here, so a new mode is one module plus its tests (CONTRIBUTING.md).
 
-Built in: `ulysses` (modes/ulysses.py), `ring_zigzag` and `ring_per_doc` (modes/ring.py).
+Built in: `ulysses` (modes/ulysses.py), `ring_zigzag` and `ring_per_doc` (modes/ring.py), and
+`blocks` (modes/blocks.py: the block engine's placements, whose geometry is plan data).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class ShardModeSpec:
     description: str = ""
     splits_heads: bool = False  # members compute all tokens on a share of the heads (Ulysses)
     overlaps_compute: bool = False  # the exchange runs behind attention; only the excess shows
+    priced_per_group: bool = False  # its cost needs the whole group's placement (sim asks block_cost)
     attention: str = ""  # "module:function" executing the mode (hf_cp.attention), see dispatch.py
 
     # ---- geometry
@@ -56,10 +58,15 @@ class ShardModeSpec:
 
     # ---- cost (per layer, one member)
     def attention_ms(
-        self, cost: CostModel, doc_lengths: Sequence[int], group_size: int, segments: Sequence[Segment]
+        self,
+        cost: CostModel,
+        doc_lengths: Sequence[int],
+        group_size: int,
+        segments: Sequence[Segment],
+        masks: Optional[Sequence] = None,
     ) -> float:
-        """Attention compute of one member holding `segments`."""
-        return cost.segments_attention_ms(segments)
+        """Attention compute of one member holding `segments` (masks: per document, None causal)."""
+        return cost.segments_attention_ms(segments, doc_lengths, masks)
 
     def comm_bytes_per_layer(
         self, cost: CostModel, doc_lengths: Sequence[int], group_size: int, member: int, segments_of: SegmentsOf
@@ -107,6 +114,6 @@ def mode_attention(name) -> Callable:
 
 
 # the built-in modes register themselves
-from . import ring, ulysses  # noqa: E402,F401
+from . import blocks, ring, ulysses  # noqa: E402,F401
 
 __all__ = ["SegmentsOf", "ShardModeSpec", "mode_attention", "mode_names", "mode_spec", "register_mode"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence
 
-from ..shard import Segment, check_ulysses_heads, chunk_bounds, cut, doc_pairs, split_sizes
+from ..shard import Segment, check_ulysses_heads, chunk_bounds, cut, split_sizes
 from . import SegmentsOf, ShardModeSpec, register_mode
 
 
@@ -62,10 +62,9 @@ class Ulysses(ShardModeSpec):
     def check_group(self, dims, group_size: int) -> None:
         check_ulysses_heads(dims.num_heads, dims.num_kv_heads, group_size)
 
-    def attention_ms(self, cost, doc_lengths, group_size, segments) -> float:
+    def attention_ms(self, cost, doc_lengths, group_size, segments, masks=None) -> float:
         # after the all-to-all each member runs whole documents on H/g heads
-        whole = sum(cost.c2 * doc_pairs(n) / cost.chunk_efficiency(n) for n in doc_lengths)
-        return cost.head_split_factor(group_size) * whole / group_size
+        return cost.head_split_factor(group_size) * cost.docs_attention_ms(doc_lengths, masks) / group_size
 
     def comm_bytes_per_layer(self, cost, doc_lengths, group_size, member, segments_of: SegmentsOf) -> int:
         mine = sum(s.length for s in segments_of(member))

@@ -169,6 +169,8 @@ def rank_features(
     per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1
     out = [[0.0] * 5 for _ in range(sim.world_size)]
     for run in sim.runs:
+        if getattr(run, "chunked", False):  # priced as a whole (ChunkFlow): observe_step leaves the rank out
+            continue
         totals = [c + m for c, m in zip(run.member_compute_ms, run.member_comm_ms)]
         slowest = max(range(len(totals)), key=lambda m: totals[m])
         t1 = per_token * run.member_tokens[slowest]
@@ -221,10 +223,12 @@ def observe_step(
     reductions = n_waves if sync else 1
     critical = float(sum(wave_max_ms)) if sync else float(max(measured_ms, default=0.0))
     bytes_ms = max(0.0, cost.gradient_reduction_ms(sim.world_size) - cost.profile.reduction_overhead_ms)
+    # a rank that ran chunked samples (ChunkFlow: recomputes, state) is not c1/c2/c0 work alone
+    unmodelled = {r for run in sim.runs if getattr(run, "chunked", False) for r in run.ranks}
     return StepObservation(
         step=step,
         features=tuple(rank_features(sim, cost, comm_scale)),
-        measured_ms=tuple(float(m) for m in measured_ms),
+        measured_ms=tuple(0.0 if r in unmodelled else float(m) for r, m in enumerate(measured_ms)),
         wall_ms=float(wall_ms),
         critical_ms=critical,
         reductions=reductions,

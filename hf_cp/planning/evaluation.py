@@ -5,12 +5,13 @@ once, the same on every rank and at every evaluation of the run."""
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..cluster import ClusterSpec
 from ..cost import CostModel
+from ..masks import SampleMask
 from ..plan import StepPlan
 from .sampler import GlobalBatchSampler
 from .worker import Planner
@@ -25,12 +26,13 @@ def plan_evaluation(
     cost: CostModel,
     seed: int = 0,
     name: str = "eval_dataset",
+    masks: Optional[Mapping[int, SampleMask]] = None,
 ) -> List[Tuple[StepPlan, int]]:
     """(plan, valid targets of the batch) for every evaluation batch, in dataset order.
-    `balancer`: a registered name or a balancer object."""
+    `balancer`: a registered name or a balancer object; `masks`: sample id -> non-causal mask."""
     sampler = GlobalBatchSampler(lengths, tokens_per_step, seed=seed, num_epochs=1, shuffle=False)
     try:
-        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0)
+        planner = Planner(sampler, balancer, cluster, cost, seed=seed, lookahead=0, masks=masks)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     valid = np.asarray(valid_counts, dtype=np.int64)

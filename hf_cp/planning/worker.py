@@ -23,11 +23,12 @@ import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..balance import PlanRequest, get_balancer
+from ..balance import PlanRequest, check_mask_support, get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel
+from ..masks import SampleMask
 from ..plan import StepPlan
 from ..sim import SimResult
 from .predict import plan_and_predict, predict
@@ -86,8 +87,10 @@ class Planner:
         in_process: bool = False,
         workers: int = 1,
         balancer_name: Optional[str] = None,
+        masks: Optional[Mapping[int, SampleMask]] = None,
     ):
         self.sampler = sampler
+        self.masks = dict(masks or {})  # sample id -> non-causal mask; the others are causal
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
         self.balancer_name = balancer_name or (
@@ -175,6 +178,7 @@ class Planner:
             seed=self.seed,
             step=batch.index,
             dataset_max_length=self.dataset_max_length,
+            masks={s: self.masks[s] for s in batch.sample_ids if s in self.masks} if self.masks else None,
         )
 
     def plan_now(self, index: int, cost: Optional[CostModel] = None, version: Optional[int] = None) -> PlannedStep:
@@ -184,8 +188,12 @@ class Planner:
             version, cost = self.cost_for(index)
         batch = self.sampler[index]
         req = self.request(batch, cost)
+        check_mask_support(self.balancer, req, self.balancer_name)
         planned = plan_and_predict(self.balancer, req)
-        compare = predict(self.compare.plan(req), req) if self.compare is not None else None
+        compare = None
+        if self.compare is not None:
+            check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
+            compare = predict(self.compare.plan(req), req)
         return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0)
 
     @classmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -37,14 +38,21 @@ class RunSeries:
     source: str
     per_step: bool
     steps: List[int] = field(default_factory=list)
-    predicted_ms: List[List[float]] = field(default_factory=list)  # [point][rank]
+    # [point][rank]; empty rows when the source keeps only the spread over ranks (the logs)
+    predicted_ms: List[List[float]] = field(default_factory=list)
     measured_ms: List[List[float]] = field(default_factory=list)
+    # [point] = (min, mean, max) over ranks
+    predicted_spread: List[Tuple[float, float, float]] = field(default_factory=list)
+    measured_spread: List[Tuple[float, float, float]] = field(default_factory=list)
+    slowest_rank: List[Optional[int]] = field(default_factory=list)
     predicted_imbalance: List[float] = field(default_factory=list)  # max/mean over ranks
     measured_imbalance: List[float] = field(default_factory=list)
     cp_size_samples: List[Dict[int, float]] = field(default_factory=list)
     loss: List[Optional[float]] = field(default_factory=list)
     predicted_step_ms: List[Optional[float]] = field(default_factory=list)
     compare_step_ms: List[Optional[float]] = field(default_factory=list)
+    compare_balancer: Optional[str] = None  # the balancer compare_step_ms is of, when recorded
+    world_size: int = 0
     # evaluation name ("eval", "eval_chat", ...) -> [(optimizer step, loss)], from log_history
     eval_loss: Dict[str, List[Tuple[int, float]]] = field(default_factory=dict)
     # per-step history only: (first step, last step, torchrun attempt, checkpoint step resumed
@@ -53,10 +61,36 @@ class RunSeries:
 
     @property
     def world(self) -> int:
+        if self.world_size:
+            return self.world_size
         return len(self.measured_ms[0]) if self.measured_ms else 0
+
+    @property
+    def per_rank(self) -> bool:
+        """Every point has each rank's numbers (not only their spread)."""
+        return bool(self.measured_ms) and all(self.measured_ms)
+
+    def add_point(self, step: int, predicted: List[float], measured: List[float]) -> None:
+        """A point with per-rank numbers: the spread and the slowest rank follow from them."""
+        self.steps.append(int(step))
+        self.predicted_ms.append(predicted)
+        self.measured_ms.append(measured)
+        self.predicted_spread.append(_spread(predicted))
+        self.measured_spread.append(_spread(measured))
+        self.slowest_rank.append(max(range(len(measured)), key=lambda k: (measured[k], -k)))
 
     def __len__(self) -> int:
         return len(self.steps)
+
+
+# points fewer than this give no correlation (or other statistic): 2 steps make any two series look related
+MIN_POINTS_FOR_STATISTICS = 5
+# beyond this many ranks the per-rank time plot is a rank x step heatmap, not one line per rank
+MAX_RANK_LINES = 16
+
+
+def _spread(values: List[float]) -> Tuple[float, float, float]:
+    return (min(values), statistics.mean(values), max(values))
 
 
 # ------------------------------------------------------------------------------ readers
@@ -71,9 +105,8 @@ def read_history(run_dir: Path) -> RunSeries:
     s = RunSeries(source=str(files[0].relative_to(run_dir)), per_step=True)
     for r in records:
         pred, meas = [float(x) for x in r.predicted_ms], [float(x) for x in r.measured_ms]
-        s.steps.append(int(r.global_step))
-        s.predicted_ms.append(pred)
-        s.measured_ms.append(meas)
+        s.add_point(r.global_step, pred, meas)
+        s.compare_balancer = r.compare_balancer or s.compare_balancer
         s.predicted_imbalance.append(max_over_mean(pred))
         s.measured_imbalance.append(max_over_mean(meas))
         s.cp_size_samples.append({int(g): float(n) for g, n in (r.cp_size_samples or {}).items()})
@@ -89,31 +122,45 @@ def read_history(run_dir: Path) -> RunSeries:
 
 
 def _series_from_logs(entries: List[dict], source: str, prefix: str) -> RunSeries:
-    """Entries: dicts with `step` and keys `<prefix>measured_ms_rank<k>` etc."""
+    """Entries: dicts with `step` and the keys metrics.aggregate logs: the spread over ranks
+    (`<prefix>measured_max_ms`, ..._mean_ms, ..._min_ms, the same for predicted, slowest_rank,
+    world_size), or, from hf_cp versions that logged every rank, `<prefix>measured_ms_rank<k>`."""
     rank_key = re.compile(re.escape(prefix) + r"measured_ms_rank(\d+)$")
     size_key = re.compile(re.escape(prefix) + r"cp_size(\d+)_samples$")
     s = RunSeries(source=source, per_step=False)
     for e in sorted(entries, key=lambda e: e["step"]):
         ranks = sorted(int(m.group(1)) for k in e if (m := rank_key.match(k)))
-        if not ranks:
-            continue
         g = lambda name, e=e: e.get(prefix + name)  # noqa: E731
-        meas = [float(e[f"{prefix}measured_ms_rank{k}"]) for k in ranks]
-        pred = [float(e.get(f"{prefix}predicted_ms_rank{k}", 0.0)) for k in ranks]
-        s.steps.append(int(e["step"]))
-        s.measured_ms.append(meas)
-        s.predicted_ms.append(pred)
+        if ranks:  # an older log line with every rank's numbers
+            meas = [float(e[f"{prefix}measured_ms_rank{k}"]) for k in ranks]
+            pred = [float(e.get(f"{prefix}predicted_ms_rank{k}", 0.0)) for k in ranks]
+            s.add_point(e["step"], pred, meas)
+            meas_ratio, pred_ratio = max_over_mean(meas), max_over_mean(pred)
+        elif g("measured_max_ms") is not None and g("measured_mean_ms") is not None:
+            s.steps.append(int(e["step"]))
+            s.measured_ms.append([])
+            s.predicted_ms.append([])
+            mean = float(g("measured_mean_ms"))
+            s.measured_spread.append((float(g("measured_min_ms") or mean), mean, float(g("measured_max_ms"))))
+            pmean = float(g("predicted_mean_ms") or 0.0)
+            s.predicted_spread.append(
+                (float(g("predicted_min_ms") or pmean), pmean, float(g("predicted_max_ms") or pmean))
+            )
+            s.slowest_rank.append(int(g("slowest_rank")) if g("slowest_rank") is not None else None)
+            s.world_size = int(g("world_size") or s.world_size)
+            meas_ratio = s.measured_spread[-1][2] / mean if mean > 0 else 1.0
+            pred_ratio = s.predicted_spread[-1][2] / pmean if pmean > 0 else 1.0
+        else:
+            continue
         # the logged ratios are means of per-step ratios, finer than the ratio of the means
-        s.measured_imbalance.append(float(g("measured_max_over_mean") or max_over_mean(meas)))
-        s.predicted_imbalance.append(float(g("predicted_max_over_mean") or max_over_mean(pred)))
+        s.measured_imbalance.append(float(g("measured_max_over_mean") or meas_ratio))
+        s.predicted_imbalance.append(float(g("predicted_max_over_mean") or pred_ratio))
         s.cp_size_samples.append({int(m.group(1)): float(v) for k, v in e.items() if (m := size_key.match(k))})
         s.loss.append(e.get("loss", e.get("train/loss")))
         s.predicted_step_ms.append(g("predicted_step_ms"))
         s.compare_step_ms.append(g("compare_predicted_step_ms"))
     if not s.steps:
-        raise RunLogError(
-            f"{source}: no entries with {prefix}measured_ms_rank<k> (was the run trained with CPTrainer?)"
-        )
+        raise RunLogError(f"{source}: no entries with {prefix}measured_max_ms (was the run trained with CPTrainer?)")
     return s
 
 
@@ -209,17 +256,27 @@ def read_run(run_dir: Union[str, Path], source: str = "auto") -> RunSeries:
 def summary_lines(s: RunSeries) -> List[str]:
     unit = "steps" if s.per_step else "logging intervals"
     lines = [f"{len(s)} {unit} from {s.source}, {s.world} ranks"]
-    pairs = [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
     lines.append(
-        f"per-rank time, mean: predicted {statistics.mean(p for p, _ in pairs):.1f} ms, "
-        f"measured {statistics.mean(m for _, m in pairs):.1f} ms"
+        f"per-rank time, mean: predicted {statistics.mean(p[1] for p in s.predicted_spread):.1f} ms, "
+        f"measured {statistics.mean(m[1] for m in s.measured_spread):.1f} ms"
     )
-    if len(pairs) > 2 and len({p for p, _ in pairs}) > 1 and len({m for _, m in pairs}) > 1:
-        lines.append(f"correlation of predicted and measured rank times: {correlation(pairs):.3f}")
+    if s.per_rank:
+        pairs = rank_time_pairs(s)
+        if len(s) < MIN_POINTS_FOR_STATISTICS:
+            lines.append(
+                f"correlation of predicted and measured rank times: not computed from {len(s)} {unit} "
+                f"(needs at least {MIN_POINTS_FOR_STATISTICS})"
+            )
+        elif len({p for p, _ in pairs}) > 1 and len({m for _, m in pairs}) > 1:
+            lines.append(f"correlation of predicted and measured rank times: {correlation(pairs):.3f}")
     lines.append(
         f"max/mean over ranks, mean over {unit}: predicted {statistics.mean(s.predicted_imbalance):.3f}, "
         f"measured {statistics.mean(s.measured_imbalance):.3f}"
     )
+    slow = [r for r in s.slowest_rank if r is not None]
+    if slow and s.world > 1:
+        rank, n = Counter(slow).most_common(1)[0]
+        lines.append(f"slowest rank: {rank} in {n} of {len(slow)} {unit}")
     total: Dict[int, float] = {}
     for h in s.cp_size_samples:
         for g, n in h.items():
@@ -247,6 +304,11 @@ def summary_lines(s: RunSeries) -> List[str]:
     return lines
 
 
+def rank_time_pairs(s: RunSeries) -> List[Tuple[float, float]]:
+    """(predicted, measured) of every (point, rank)."""
+    return [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
+
+
 def correlation(pairs) -> float:
     xs, ys = [p for p, _ in pairs], [m for _, m in pairs]
     mx, my = statistics.mean(xs), statistics.mean(ys)
@@ -256,36 +318,80 @@ def correlation(pairs) -> float:
     return sxy / (sxx * syy) ** 0.5 if sxx > 0 and syy > 0 else float("nan")
 
 
-def plot_rank_times(s: RunSeries, out: Path) -> Path:
+def integer_steps(ax) -> None:
+    """Step axes show whole steps only (a 2-step run would otherwise tick at 1.25, 1.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _step_label(s: RunSeries) -> str:
+    return "optimizer step" if s.per_step else "optimizer step (end of logging interval)"
+
+
+def draw_rank_times(s: RunSeries):
+    """Per-rank time per step, measured vs predicted: one line per rank up to MAX_RANK_LINES
+    ranks, a rank x step heatmap beyond, the min/mean/max band when the source keeps only the
+    spread; beside it, predicted against measured for every (step, rank)."""
     plt = pyplot()
     W = s.world
-    cmap = plt.get_cmap("tab10" if W <= 10 else "viridis", max(W, 2))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
     x = s.steps
-    for r in range(W):
-        c = cmap(r)
-        lab = W <= 10
-        ax1.plot(x, [m[r] for m in s.measured_ms], "-o", color=c, ms=3, label=f"rank {r} measured" if lab else None)
-        ax1.plot(
-            x, [p[r] for p in s.predicted_ms], "--", color=c, alpha=0.7, label=f"rank {r} predicted" if lab else None
-        )
-    ax1.set_xlabel("optimizer step" if s.per_step else "optimizer step (end of logging interval)")
-    ax1.set_ylabel("compute time per step (ms)")
-    ax1.set_title("per-rank time: measured (solid) vs predicted (dashed)")
-    if W <= 10:
-        ax1.legend(fontsize=7, ncol=2)
-    pairs = [(p, m) for ps, ms in zip(s.predicted_ms, s.measured_ms) for p, m in zip(ps, ms)]
-    ax2.scatter([p for p, _ in pairs], [m for _, m in pairs], s=10, alpha=0.7)
-    hi = max(max(p for p, _ in pairs), max(m for _, m in pairs), 1e-9)
-    ax2.plot([0, hi], [0, hi], color="grey", linewidth=0.8, linestyle=":")
-    ax2.set_xlabel("predicted (ms)")
-    ax2.set_ylabel("measured (ms)")
-    rho = correlation(pairs) if len(pairs) > 2 else float("nan")
-    ax2.set_title(f"every (step, rank); corr {rho:.2f}")
-    return save_figure(fig, out)
+    if s.per_rank and W <= MAX_RANK_LINES:
+        cmap = plt.get_cmap("tab10" if W <= 10 else "tab20", max(W, 2))
+        for r in range(W):
+            c = cmap(r)
+            ax1.plot(x, [m[r] for m in s.measured_ms], "-o", color=c, ms=3, label=f"rank {r}")
+            ax1.plot(x, [p[r] for p in s.predicted_ms], "--", color=c, alpha=0.7)
+        ax1.set_title("per-rank time: measured (solid) vs predicted (dashed)")
+        ax1.legend(fontsize=7, ncol=2 if W > 8 else 1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax1.set_ylabel("compute time per step (ms)")
+        integer_steps(ax1)
+        ax1.set_xlabel(_step_label(s))
+    elif s.per_rank:
+        # rows are ranks, columns steps: a straggler is a bright cell, a slow rank a bright row
+        grid = [[m[r] for m in s.measured_ms] for r in range(W)]
+        im = ax1.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", origin="upper")
+        fig.colorbar(im, ax=ax1, label="measured compute per step (ms)")
+        cols = list(range(len(x)))
+        shown = cols if len(cols) <= 20 else cols[:: max(1, len(cols) // 10)]
+        ax1.set_xticks(shown, [str(x[k]) for k in shown])
+        ax1.set_ylabel("rank")
+        ax1.set_xlabel(_step_label(s))
+        ax1.set_title(f"measured time per rank and step ({W} ranks)")
+    else:
+        for spread, style, name in ((s.measured_spread, "-", "measured"), (s.predicted_spread, "--", "predicted")):
+            ax1.fill_between(x, [v[0] for v in spread], [v[2] for v in spread], alpha=0.2)
+            ax1.plot(x, [v[1] for v in spread], style, marker="o", ms=3, label=f"{name}: mean (band: min-max)")
+        ax1.set_title(f"time over {W} ranks, mean per logging interval")
+        ax1.set_ylabel("compute time per step (ms)")
+        ax1.legend(fontsize=8)
+        integer_steps(ax1)
+        ax1.set_xlabel(_step_label(s))
+    if s.per_rank:
+        pairs = rank_time_pairs(s)
+        ax2.scatter([p for p, _ in pairs], [m for _, m in pairs], s=10, alpha=0.7)
+        hi = max(max(p for p, _ in pairs), max(m for _, m in pairs), 1e-9)
+        ax2.plot([0, hi], [0, hi], color="grey", linewidth=0.8, linestyle=":")
+        ax2.set_xlabel("predicted (ms)")
+        ax2.set_ylabel("measured (ms)")
+        if len(s) >= MIN_POINTS_FOR_STATISTICS:
+            ax2.set_title(f"every (step, rank); corr {correlation(pairs):.2f}")
+        else:
+            ax2.set_title(f"every (step, rank); {len(s)} steps, too few for a correlation")
+    else:
+        ax2.plot([v[2] for v in s.predicted_spread], [v[2] for v in s.measured_spread], "o", ms=4)
+        ax2.set_xlabel("slowest rank, predicted (ms)")
+        ax2.set_ylabel("slowest rank, measured (ms)")
+        ax2.set_title("per logging interval")
+    return fig
 
 
-def plot_imbalance(s: RunSeries, out: Path) -> Path:
+def plot_rank_times(s: RunSeries, out: Path) -> Path:
+    return save_figure(draw_rank_times(s), out)
+
+
+def draw_imbalance(s: RunSeries):
     plt = pyplot()
     has_step = any(v is not None for v in s.predicted_step_ms)
     fig, axes = plt.subplots(1, 2 if has_step else 1, figsize=(13 if has_step else 8, 4.5), squeeze=False)
@@ -293,7 +399,8 @@ def plot_imbalance(s: RunSeries, out: Path) -> Path:
     ax.plot(s.steps, s.measured_imbalance, "-o", ms=3, label="measured")
     ax.plot(s.steps, s.predicted_imbalance, "--s", ms=3, label="predicted")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("optimizer step")
+    ax.set_xlabel(_step_label(s))
+    integer_steps(ax)
     ax.set_ylabel("max / mean rank time")
     ax.set_title("load imbalance (1.0 = perfectly balanced)")
     ax.legend()
@@ -307,19 +414,25 @@ def plot_imbalance(s: RunSeries, out: Path) -> Path:
             label="planned (predicted)",
         )
         if any(v is not None for v in s.compare_step_ms):
+            name = s.compare_balancer or "comparison balancer"
             ax.plot(
                 s.steps,
                 [v if v is not None else float("nan") for v in s.compare_step_ms],
                 "--",
                 ms=3,
-                label="comparison balancer (predicted)",
+                label=f"{name} (predicted, not run)",
             )
-        ax.plot(s.steps, [max(m) for m in s.measured_ms], ":^", ms=3, label="slowest rank (measured)")
-        ax.set_xlabel("optimizer step")
+        ax.plot(s.steps, [v[2] for v in s.measured_spread], ":^", ms=3, label="slowest rank (measured)")
+        ax.set_xlabel(_step_label(s))
+        integer_steps(ax)
         ax.set_ylabel("ms")
         ax.set_title("step time")
         ax.legend(fontsize=8)
-    return save_figure(fig, out)
+    return fig
+
+
+def plot_imbalance(s: RunSeries, out: Path) -> Path:
+    return save_figure(draw_imbalance(s), out)
 
 
 def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
@@ -344,7 +457,7 @@ def plot_cp_sizes(s: RunSeries, out: Path) -> Path:
     return save_figure(fig, out)
 
 
-def plot_loss(s: RunSeries, out: Path) -> Path:
+def draw_loss(s: RunSeries):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     pts = [(x, v) for x, v in zip(s.steps, s.loss) if v is not None]
@@ -362,10 +475,15 @@ def plot_loss(s: RunSeries, out: Path) -> Path:
     for k, segment in enumerate(s.segments[1:]):  # where a restarted or relaunched run took over
         ax.axvline(segment[0] - 0.5, color="grey", ls=":", lw=1, label="resumed" if k == 0 else None)
     ax.set_xlabel("optimizer step")
+    integer_steps(ax)
     ax.set_ylabel("loss per valid token")
     ax.set_title("loss")
     ax.legend()
-    return save_figure(fig, out)
+    return fig
+
+
+def plot_loss(s: RunSeries, out: Path) -> Path:
+    return save_figure(draw_loss(s), out)
 
 
 def write_report(s: RunSeries, out_dir: Union[str, Path]) -> List[Path]:

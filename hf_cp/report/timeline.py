@@ -10,6 +10,12 @@ from .figures import pyplot, save_figure
 
 
 def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Path:
+    return save_figure(draw_timeline(sim, title), out)
+
+
+def draw_timeline(sim: SimResult, title: str = ""):
+    """One bar row per rank over the step's time; the legend sits outside the axes, right of
+    them, so that it covers no rank."""
     plt = pyplot()
     from matplotlib.patches import Patch
 
@@ -41,5 +47,5 @@ def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Pat
     ax.set_title(title or f"per-rank timeline: makespan {sim.makespan_ms:.1f} ms, max/mean {sim.imbalance:.3f}")
     handles = [Patch(color=color[g], label=f"group of {g}") for g in sizes]
     handles.append(Patch(color="grey", alpha=0.25, label="waiting on group / idle inside group"))
-    ax.legend(handles=handles, loc="lower right", fontsize=8)
-    return save_figure(fig, out)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+    return fig

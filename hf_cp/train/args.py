@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Union
 
 from transformers import TrainingArguments
 
 from ..planning.setup import PlanningSettings
 from ..resources import input_path
+from .setup_checks import check_parallelism
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
 
@@ -27,14 +28,16 @@ class CPTrainingArguments(TrainingArguments):
         default=1, metadata={"help": "must stay 1: one loader item is one whole planned step"}
     )
     cp_balancer: str = field(default=_DEFAULT("balancer"), metadata={"help": "balancer name (hf_cp.balance registry)"})
-    cp_balancer_options: Optional[dict] = field(
+    # dict | str: a mapping in Python and YAML configs, a JSON/YAML string on a command line
+    # (HfArgumentParser parses these fields as str), read in __post_init__
+    cp_balancer_options: Union[dict, str, None] = field(
         default=None,
         metadata={
             "help": "keyword options of cp_balancer, e.g. {'outlier_fraction': 0.05}; unknown keys are errors "
             "(`hf-cp plan --list-balancer-options` lists them)"
         },
     )
-    cp_profile: Any = field(
+    cp_profile: Union[dict, str, None] = field(
         default=_DEFAULT("profile"),
         metadata={
             "help": "hardware profile: a profile name (configs/profiles/ here, then built in), a YAML path, or a dict "
@@ -130,15 +133,36 @@ class CPTrainingArguments(TrainingArguments):
             "help": "steps between calibrations (each fits the latest 16 steps, or cp_calibrate_min_steps if more)"
         },
     )
+    cp_save_final_model: bool = field(
+        default=True,
+        metadata={
+            "help": "hf-cp train saves the final model (and the tokenizer, when the run has one) to "
+            "output_dir/final when training ends, whatever save_strategy says about checkpoints"
+        },
+    )
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
     )
 
     def __post_init__(self):
+        # accelerate's CP and DeepSpeed's SP would split the sequences hf_cp plans: refused by name
+        # here (and in the dry run), not as a bare assertion inside DeepSpeed
+        check_parallelism(self.parallelism_config)
         if isinstance(self.deepspeed, str):
             # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
             self.deepspeed = str(input_path(self.deepspeed))
         super().__post_init__()
+        for name in ("cp_balancer_options", "cp_profile"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.lstrip().startswith("{"):  # a mapping given on a command line
+                import yaml
+
+                parsed = yaml.safe_load(value)
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"CPTrainingArguments: {name} {value!r} is not a mapping")
+                setattr(self, name, parsed)
+        if isinstance(self.cp_compare_balancer, str) and self.cp_compare_balancer.lower() in ("", "none", "null"):
+            self.cp_compare_balancer = None  # as `hf-cp plan --compare-balancer none`: a command-line flag's None
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "

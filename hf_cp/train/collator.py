@@ -2,26 +2,35 @@
 
 Token layout of a micro-batch (hf_cp/attention/context.py): this rank's local documents,
 whole and in order, then its segments of the group's distributed documents in
-`shard.rank_segments` order. For every token:
+`Group.member_segments` order (`shard.rank_segments`; in mode "blocks", the chunks it owns).
+For every token:
     input_ids      the token
     shift_labels   the next token of the same document (already shifted, so a segment cut
                    inside a document still has its true target); -100 at a document's last
                    token and where the target is masked (prompt tokens, labels == -100)
     position_ids   the token's position inside its document (rotary embeddings)
 `cu_seq_lens` are the boundaries of the contiguous pieces (whole documents or segments).
+
+A sample with a mask (hf_cp/masks.py, read from the dataset's mask column) takes its positions
+and targets from it (sample_targets.py: a shared-prompt sample's answers continue from the
+prompt's end, targets never cross answers, and the prompt's last token predicts every answer's
+first token, the extra ones as `extra_rows`/`extra_targets`); the masks travel to the attention
+in the CP context (`local_masks`, `masks` (distributed documents), aligned with the lengths, None = causal).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..attention.context import CPContext
+from ..masks import SampleMask
 from ..plan import Group, StepPlan
-from ..shard import rank_segments
+from ..sample_targets import sample_targets
+from ..shard import ShardMode
 
 IGNORE_INDEX = -100
 
@@ -55,6 +64,10 @@ class MicroBatch:
     context: CPContext  # group filled in by the trainer from the registry
     local_ids: List[int] = field(default_factory=list)
     distributed_ids: List[int] = field(default_factory=list)
+    # second and further targets of a row (a shared prompt's last token predicts the first
+    # token of every answer): the loss adds CE(row's hidden state, target) for each pair
+    extra_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
+    extra_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +75,12 @@ class MicroBatch:
 
     @property
     def num_valid(self) -> int:
-        return int((self.shift_labels != IGNORE_INDEX).sum())
+        return int((self.shift_labels != IGNORE_INDEX).sum()) + int(self.extra_targets.numel())
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether some sample of the micro-batch has a non-causal mask."""
+        return any(m is not None for m in self.context.local_masks + self.context.masks)
 
 
 @dataclass
@@ -76,6 +94,13 @@ class RankStep:
     waves: List[Optional[MicroBatch]]
     global_valid_tokens: int  # loss normaliser: valid targets of the whole global batch
     planned: object = None  # the PlannedStep (predictions, planner time)
+    masked_samples: Tuple[int, ...] = ()  # samples of the whole step with a non-causal mask
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether some sample of the step (on any rank: the same answer everywhere) has a
+        non-causal mask."""
+        return bool(self.masked_samples)
 
     @property
     def trained_sample_ids(self) -> List[int]:
@@ -92,34 +117,56 @@ class RankStep:
 
 
 class PlanCollator:
-    def __init__(self, fetch: FetchFn):
+    """`fetch(sid)` gives a sample's (input_ids, labels); `masks` the non-causal masks by
+    sample id (samples without one are causal)."""
+
+    def __init__(self, fetch: FetchFn, masks: Optional[Mapping[int, SampleMask]] = None):
         self.fetch = fetch
+        self.masks = dict(masks or {})
 
     def micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> Optional[MicroBatch]:
+        if group.chunked.get(rank):
+            raise NotImplementedError(
+                f"step {plan.step + 1}, wave {wave}: the {plan.balancer!r} plan runs samples "
+                f"{[c.sample for c in group.chunked[rank]]} on rank {rank} as dependent chunks (ChunkFlow), which "
+                f"CPTrainer does not execute yet (hf_cp/train/chunkflow.py has the executor); use another balancer"
+            )
         local = list(group.local.get(rank, []))
         if not local and not group.distributed:
             return None
         member = group.ranks.index(rank)
         ids, tgts, pos, pieces = [], [], [], []
+        extra_rows, extra_targets = [], []
         local_lengths = []
+        row = 0
         for sid in local:
             x, y = self.fetch(sid)
+            t = sample_targets(x, y, self.masks.get(sid))
             ids.append(np.asarray(x, dtype=np.int64))
-            tgts.append(shifted_targets(x, y))
-            pos.append(np.arange(len(x), dtype=np.int64))
+            tgts.append(t.shifted)
+            pos.append(t.positions)
+            extra_rows.append(t.extra_rows + row)
+            extra_targets.append(t.extra_tokens)
             pieces.append(len(x))
             local_lengths.append(len(x))
+            row += len(x)
         dist_docs = [self.fetch(sid) for sid in group.distributed]
         dist_lengths = [len(x) for x, _ in dist_docs]
         if group.distributed:
-            full_targets = [shifted_targets(x, y) for x, y in dist_docs]
-            for seg in rank_segments(group.mode, dist_lengths, group.size, member):
+            full = [sample_targets(x, y, self.masks.get(sid)) for sid, (x, y) in zip(group.distributed, dist_docs)]
+            # whole-document modes cut by lengths; mode "blocks" takes the chunks the member owns
+            for seg in group.member_segments(member, dict(zip(group.distributed, dist_lengths))):
                 x = np.asarray(dist_docs[seg.doc][0], dtype=np.int64)
+                t = full[seg.doc]
                 sl = slice(seg.start, seg.start + seg.length)
                 ids.append(x[sl])
-                tgts.append(full_targets[seg.doc][sl])
-                pos.append(np.arange(seg.start, seg.start + seg.length, dtype=np.int64))
+                tgts.append(t.shifted[sl])
+                pos.append(t.positions[sl])
+                mine = (t.extra_rows >= seg.start) & (t.extra_rows < seg.start + seg.length)
+                extra_rows.append(t.extra_rows[mine] - seg.start + row)
+                extra_targets.append(t.extra_tokens[mine])
                 pieces.append(seg.length)
+                row += seg.length
         if not pieces:
             # A member whose shard of the distributed documents is empty (documents shorter than
             # the group's split) still joins the group's collectives; a zero-token batch cannot
@@ -139,7 +186,11 @@ class PlanCollator:
             mode=group.mode,
             distributed_lengths=tuple(dist_lengths),
             local_lengths=tuple(local_lengths),
+            blocks=group.blocks if group.distributed and ShardMode(group.mode) == ShardMode.BLOCKS else None,
+            local_masks=_aligned_masks(self.masks, local, len(local_lengths)),
+            masks=_aligned_masks(self.masks, group.distributed, len(dist_lengths)),
         )
+        flat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))  # noqa: E731
         return MicroBatch(
             wave=wave,
             input_ids=cat(ids),
@@ -149,6 +200,8 @@ class PlanCollator:
             context=ctx,
             local_ids=local,
             distributed_ids=list(group.distributed),
+            extra_rows=flat(extra_rows),
+            extra_targets=flat(extra_targets),
         )
 
     def rank_step(
@@ -166,4 +219,12 @@ class PlanCollator:
             waves=waves,
             global_valid_tokens=global_valid_tokens,
             planned=planned,
+            masked_samples=tuple(s for s in plan.sample_ids if s in self.masks),
         )
+
+
+def _aligned_masks(masks: Mapping[int, SampleMask], ids: Sequence[int], n: int) -> Tuple[Optional[SampleMask], ...]:
+    """One entry per document (None = causal); () when every one is causal, as before masks.
+    `n` may exceed len(ids) by the padding token of a member with an empty shard."""
+    got = tuple(masks.get(s) for s in ids) + (None,) * (n - len(ids))
+    return got if any(m is not None for m in got) else ()

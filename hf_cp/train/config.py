@@ -5,6 +5,7 @@
 Sections:
     model:    config (a config.json path or a model name, hf_cp.resources), attn_implementation
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
+              tokenizer: a folder saved with the final model (default: the pretrained folder's);
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
               a config that needs it is an error)
     data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
@@ -16,7 +17,9 @@ Sections:
               directory, then the package's shipped configs/ and recipes/ (hf_cp.resources);
               output_dir and logging_dir stay relative to the working directory.
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
-              a job restartable (torchrun --max-restarts, see hf_cp.train.resume)
+              a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
+              model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
+A key a section does not know is an error naming the nearest valid key (config_schema.py).
 The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
 """
 
@@ -30,12 +33,12 @@ import yaml
 
 from ..cost import read_yaml_mapping
 from ..resources import input_path, shipped_training_configs
+from .config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
+
+__all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
 
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
-
-
-class TrainConfigError(ValueError):
-    """The training config is malformed; the message names the file and field."""
+LOOKED = "looked in the working directory, then among the files hf_cp ships"
 
 
 def _resolve(p: str) -> str:
@@ -60,7 +63,15 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
             raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
         key, value = item.split("=", 1)
         section, field = key.split(".", 1)
+        if section not in ("model", "data", "training"):
+            raise TrainConfigError(f"override {item!r}: unknown section {section!r}; expected model, data or training")
         cfg.setdefault(section, {})[field] = yaml.safe_load(value)
+    # every section against its schema: a typo names the key and the nearest valid one
+    check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
+    check_section("data", cfg.get("data"), DATA_KEYS, str(p))
+    if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
+        raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
+    check_training_keys(cfg.get("training") or {}, str(p))
     cfg["_source"] = str(p)
     return cfg
 
@@ -74,13 +85,44 @@ def trust_remote_code(mcfg: dict, source: str) -> bool:
     return value
 
 
+def looks_like_a_path(name: str) -> bool:
+    """A Hub model name is `org/name` or `name`; anything else (./x, /x, ~/x, a/b/c) is a path."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".json")
+
+
+def pretrained_path(mcfg: dict, source: str) -> str:
+    """model.pretrained resolved; a path that does not exist is reported as missing (not as a
+    Hub download that failed)."""
+    name = str(mcfg["pretrained"])
+    path = _resolve(name)
+    if not Path(path).exists() and looks_like_a_path(name):
+        raise TrainConfigError(f"{source}: model.pretrained {name} does not exist ({LOOKED})")
+    return path
+
+
+def _from_pretrained(load, path: str, source: str, **kwargs):
+    """`load(path, **kwargs)`; when `path` is no local folder and the Hub cannot give it either,
+    the error says first that the folder does not exist."""
+    try:
+        return load(path, **kwargs)
+    except OSError as e:
+        if Path(path).exists():
+            raise
+        raise TrainConfigError(
+            f"{source}: model.pretrained {path} does not exist ({LOOKED}), and it "
+            f"could not be loaded as a Hugging Face Hub model either: {str(e).splitlines()[0]}"
+        ) from None
+
+
 def model_config(mcfg: dict, source: str):
     """The model's transformers config, without building the model or reading weights."""
     from transformers import AutoConfig
 
     trusted = trust_remote_code(mcfg, source)
     if "pretrained" in mcfg:
-        return AutoConfig.from_pretrained(_resolve(mcfg["pretrained"]), trust_remote_code=trusted)
+        return _from_pretrained(
+            AutoConfig.from_pretrained, pretrained_path(mcfg, source), source, trust_remote_code=trusted
+        )
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
     from ..cost import resolve_config
@@ -102,8 +144,12 @@ def build_model(mcfg: dict, source: str):
 
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
-        model = AutoModelForCausalLM.from_pretrained(
-            _resolve(mcfg["pretrained"]), attn_implementation=attn, trust_remote_code=trust_remote_code(mcfg, source)
+        model = _from_pretrained(
+            AutoModelForCausalLM.from_pretrained,
+            pretrained_path(mcfg, source),
+            source,
+            attn_implementation=attn,
+            trust_remote_code=trust_remote_code(mcfg, source),
         )
     else:
         config = model_config(mcfg, source)
@@ -113,10 +159,34 @@ def build_model(mcfg: dict, source: str):
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_run_tokenizer(mcfg: dict, source: str):
+    """The run's tokenizer, saved with the final model: model.tokenizer (a folder), else the one
+    in the model.pretrained folder; None when the run has none (a model built from a config)."""
+    name = mcfg.get("tokenizer")
+    if name is None and "pretrained" in mcfg:
+        folder = Path(pretrained_path(mcfg, source))
+        if not any((folder / f).exists() for f in TOKENIZER_FILES):
+            return None
+        name = str(folder)
+    if name is None:
+        return None
+    path = Path(_resolve(str(name)))
+    if not path.exists():
+        raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist ({LOOKED})")
+    from ..data_prep.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(path), trust_remote_code=trust_remote_code(mcfg, source))
+
+
 def _read_dataset(path: str, field: str, source: str):
     from datasets import Dataset, load_from_disk
 
     p = Path(_resolve(path))
+    if not p.exists():
+        raise TrainConfigError(f"{source}: data.{field} {path} does not exist ({LOOKED})")
     if p.is_dir():
         ds = load_from_disk(str(p))
         if hasattr(ds, "keys"):
@@ -136,6 +206,7 @@ def load_datasets(dcfg: dict, source: str):
     data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
     from ..data import load_sample_dataset
 
+    check_section("data", dcfg, DATA_KEYS, source)
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
         if dcfg["bundled"] != "longtail_sample":
@@ -169,6 +240,10 @@ def training_arguments(tcfg: dict, source: str):
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
         if v is False and (k.endswith("_strategy") or k == "report_to"):
             t[k] = "no"
+    check_training_keys(t, source)
+    ds = t.get("deepspeed")
+    if isinstance(ds, str) and not input_path(ds).exists():
+        raise TrainConfigError(f"{source}: training.deepspeed {ds} does not exist ({LOOKED})")
     if t.get("report_to") == "tensorboard_if_installed":
         try:
             import tensorboard  # noqa: F401

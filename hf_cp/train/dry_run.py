@@ -21,8 +21,9 @@ from ..planning import Planner, planning_setup
 from ..planning.evaluation import plan_evaluation
 from ..planning.profile_check import profile_warning
 from .columns import read_token_columns
-from .config import load_config, load_datasets, model_config, training_arguments
+from .config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from .resume import check_resume, resolve_resume, restart_problems, schedule_record
+from .setup_checks import check_attention
 
 
 def dry_run(
@@ -38,6 +39,7 @@ def dry_run(
     args = training_arguments(tcfg, src)
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
+    load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset")
     setup = planning_setup(
@@ -49,7 +51,16 @@ def dry_run(
         max_steps=args.max_steps,
     )
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
-    planner = Planner.from_setup(setup, lookahead=0)
+    # the check CPTrainer makes when it is built
+    check_attention(mcfg.get("attn_implementation", HF_CP_ATTENTION), cluster.group_sizes[-1], f"{src}: the model")
+    planner = Planner.from_setup(setup, lookahead=0, masks=data.masks)
+    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
+    if data.masks and attn != HF_CP_ATTENTION:
+        raise ValueError(
+            f"{src}: {len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only the "
+            f"{HF_CP_ATTENTION} attention reads, which needs model.attn_implementation: {HF_CP_ATTENTION} (the "
+            f"config sets {attn!r})"
+        )
     n = min(steps, len(sampler))
     planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
     lines = [
@@ -58,12 +69,11 @@ def dry_run(
         f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
         f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
     ]
-    distributes = any(ps.plan.spreads_samples for ps in planned)
-    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
-    if distributes and attn != HF_CP_ATTENTION:
-        raise ValueError(
-            f"{src}: the {planner.balancer_name!r} plans spread samples over CP groups, which needs "
-            f"model.attn_implementation: {HF_CP_ATTENTION} (the config sets {attn!r})"
+    chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
+    if chunked:
+        raise NotImplementedError(
+            f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks "
+            f"(ChunkFlow), which CPTrainer does not execute yet; use another balancer"
         )
     settings = setup.settings
     name = settings.profile if isinstance(settings.profile, str) else cost.profile.name
@@ -96,6 +106,7 @@ def dry_run(
             cost,
             args.seed,
             "eval_dataset",
+            masks=eval_data.masks,
         )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
     resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)

@@ -15,6 +15,6 @@ from .columns import TokenColumns
 
 def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns, rank: int) -> Iterator[RankStep]:
     """This rank's share of every evaluation batch, collated one batch at a time."""
-    collate = PlanCollator(data.fetch)
+    collate = PlanCollator(data.fetch, data.masks)
     for plan, valid in plans:
         yield collate.rank_step(plan, rank, valid)

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import List, Optional
 
 from . import config as config_module
-from .config import DEFAULT_DDP_TIMEOUT_S, build_model, load_config, load_datasets, training_arguments
+from .config import (
+    DEFAULT_DDP_TIMEOUT_S,
+    build_model,
+    load_config,
+    load_datasets,
+    load_run_tokenizer,
+    training_arguments,
+)
 
 
 def shutdown_distributed() -> None:
@@ -48,16 +55,21 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
             # the world group gets the run's collective timeout too (ddp_timeout, as on GPU)
             PartialState(backend="gloo", timeout=timedelta(seconds=int(tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))))
     t0 = time.perf_counter()
+    args = training_arguments(tcfg, src)  # first: the cheap checks before the model loads
+    tokenizer = load_run_tokenizer(cfg.get("model") or {}, src)
     model = build_model(cfg.get("model") or {}, src)
     dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
-    args = training_arguments(tcfg, src)
-    trainer = CPTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset)
+    trainer = CPTrainer(
+        model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer
+    )
     # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
     stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
-    if str(args.save_strategy) not in ("no", "SaveStrategy.NO") and not stopped:
-        trainer.save_model(str(Path(args.output_dir) / "final"))  # every rank: DeepSpeed gathers collectively
+    final = Path(args.output_dir) / "final"
+    saved = args.cp_save_final_model and not stopped
+    if saved:  # whatever save_strategy says about checkpoints: a run ends with its model
+        trainer.save_model(str(final))  # every rank: DeepSpeed gathers collectively; the tokenizer too
     if trainer.cp_rank == 0:
         world = trainer.cp_world
         print(
@@ -78,6 +90,11 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
                 f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
                 f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest"
             )
+        if saved:
+            what = "model and tokenizer" if tokenizer is not None else "model (no tokenizer in this run)"
+            print(f"  final {what} saved to {final} (AutoModelForCausalLM.from_pretrained({str(final)!r}))")
+        elif not stopped:
+            print("  final model not saved (cp_save_final_model: false)")
         print(f"  logs and per-step history: {args.output_dir}")
     shutdown_distributed()
     return 0

@@ -16,7 +16,7 @@ full-logits path.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +39,16 @@ def chunked_lm_head_loss(
     chunk_tokens: int,
     bias: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_targets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, `chunk_tokens` tokens at a time.
+    """sum_t CE(hidden[t] @ weight.T + bias, targets[t]) in fp32, `chunk_tokens` tokens at a time,
+    plus sum_j CE(hidden[extra_rows[j]] @ weight.T + bias, extra_targets[j]).
 
     hidden: [T, H]; weight: [V, H]; targets: [T] (ignore_index where no loss). Every chunk stays
     in the graph even when all its targets are ignored, so the head always receives a gradient
-    (zero), as with the full logits.
+    (zero), as with the full logits. The extra targets are rows with more than one target (a
+    shared prompt's last token predicts the first token of every answer: sample_targets.py).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -64,7 +68,51 @@ def chunked_lm_head_loss(
             use_reentrant=False,
         )
         total = part if total is None else total + part
+    rows, extra = _checked_extras(hidden.shape[0], extra_rows, extra_targets)
+    for s in range(0, rows.numel(), chunk_tokens):
+        part = checkpoint(
+            _chunk_loss,
+            hidden.index_select(0, rows[s : s + chunk_tokens]),
+            weight,
+            bias,
+            extra[s : s + chunk_tokens],
+            ignore_index,
+            use_reentrant=False,
+        )
+        total = total + part
     return total
+
+
+def logits_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_targets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The same sum from full logits [T, V] (models whose head output is not the logits)."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()  # the loss in fp32 at least, as in the chunked path
+    total = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+    rows, extra = _checked_extras(logits.shape[0], extra_rows, extra_targets)
+    if rows.numel():
+        total = total + F.cross_entropy(logits.index_select(0, rows), extra, reduction="sum")
+    return total
+
+
+def _checked_extras(
+    n_rows: int, rows: Optional[torch.Tensor], targets: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    if rows is None and targets is None:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    if rows is None or targets is None or rows.shape != targets.shape or rows.dim() != 1:
+        raise ValueError(
+            f"extra_rows and extra_targets must be given together, as [k] tensors of one shape; got "
+            f"{None if rows is None else tuple(rows.shape)} and {None if targets is None else tuple(targets.shape)}"
+        )
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
+        raise ValueError(f"extra_rows must index the {n_rows} rows, got rows {int(rows.min())}..{int(rows.max())}")
+    return rows, targets
 
 
 @contextlib.contextmanager

@@ -16,12 +16,20 @@ def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, f
         return {}
     world = len(records[0].measured_ms)
     wall_s = sum(r.step_wall_ms for r in records) / 1e3
+    # per-rank values stay in the history files and the reports; a log line keeps their spread
+    # (max, mean, min) and the slowest rank: a fixed number of keys at any world size
     out: Dict[str, float] = {
         "tokens_per_s": sum(r.global_tokens for r in records) / wall_s if wall_s > 0 else 0.0,
         "measured_max_over_mean": statistics.mean(max_over_mean(r.measured_ms) for r in records),
         "predicted_max_over_mean": statistics.mean(max_over_mean(r.predicted_ms) for r in records),
         "measured_max_ms": statistics.mean(max(r.measured_ms) for r in records),
         "measured_mean_ms": statistics.mean(statistics.mean(r.measured_ms) for r in records),
+        "measured_min_ms": statistics.mean(min(r.measured_ms) for r in records),
+        "predicted_max_ms": statistics.mean(max(r.predicted_ms) for r in records),
+        "predicted_mean_ms": statistics.mean(statistics.mean(r.predicted_ms) for r in records),
+        "predicted_min_ms": statistics.mean(min(r.predicted_ms) for r in records),
+        "slowest_rank": slowest_rank(records),
+        "world_size": world,
         "predicted_step_ms": statistics.mean(r.predicted_step_ms for r in records),
         "planner_ms": statistics.mean(r.planner_ms for r in records),
         "waves": statistics.mean(r.waves for r in records),
@@ -30,15 +38,28 @@ def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, f
     }
     if all(r.compare_step_ms is not None for r in records):
         out["compare_predicted_step_ms"] = statistics.mean(r.compare_step_ms for r in records)
-    for k in range(world):
-        out[f"measured_ms_rank{k}"] = statistics.mean(r.measured_ms[k] for r in records)
-        out[f"predicted_ms_rank{k}"] = statistics.mean(r.predicted_ms[k] for r in records)
     hist: Counter = Counter()
     for r in records:
         hist.update({int(g): n for g, n in r.cp_size_samples.items()})
     for g, n in sorted(hist.items()):
         out[f"cp_size{g}_samples"] = float(n)
     return {prefix + k: float(v) for k, v in out.items()}
+
+
+def rank_means(records: Sequence[StepRecord], what: str = "measured_ms") -> List[float]:
+    """Per rank: the mean over `records` of its measured (or predicted) time."""
+    world = len(getattr(records[0], what))
+    return [statistics.mean(getattr(r, what)[k] for r in records) for k in range(world)]
+
+
+def slowest_rank(records: Sequence[StepRecord]) -> int:
+    """The rank with the most measured compute over `records`: the one the others waited for."""
+    totals = [sum(col) for col in zip(*(r.measured_ms for r in records))]
+    return max(range(len(totals)), key=lambda k: (totals[k], -k))
+
+
+# per-rank numbers in the end-of-run summary up to this many ranks; beyond, their spread
+SUMMARY_MAX_RANKS = 16
 
 
 def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "") -> List[str]:
@@ -57,10 +78,7 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
         f" ({'down' if loss_last < loss_first else 'NOT down'})",
         f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
         f"measured {agg['measured_max_over_mean']:.3f}",
-        "per-rank compute, mean per step (ms): predicted "
-        + " ".join(f"{agg[f'predicted_ms_rank{k}']:.0f}" for k in range(len(records[0].measured_ms)))
-        + " | measured "
-        + " ".join(f"{agg[f'measured_ms_rank{k}']:.0f}" for k in range(len(records[0].measured_ms))),
+        per_rank_line(records),
         f"planner {agg['planner_ms']:.1f} ms/step (planned ahead, off the training thread), waves/step {agg['waves']:.2f}, cp-size:samples "
         + " ".join(
             f"{k[len('cp_size') : -len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")
@@ -124,3 +142,22 @@ def wall_clock_lines(records: Sequence[StepRecord]) -> List[str]:
         f"{100 * e1['wall']:.1f}%"
     )
     return lines
+
+
+def per_rank_line(records: Sequence[StepRecord]) -> str:
+    """Per-rank compute, mean per step: every rank up to SUMMARY_MAX_RANKS, else min/mean/max and
+    the slowest rank (the history files keep every rank's numbers)."""
+    pred, meas = rank_means(records, "predicted_ms"), rank_means(records, "measured_ms")
+    if len(meas) <= SUMMARY_MAX_RANKS:
+        return (
+            "per-rank compute, mean per step (ms): predicted "
+            + " ".join(f"{v:.0f}" for v in pred)
+            + " | measured "
+            + " ".join(f"{v:.0f}" for v in meas)
+        )
+    return (
+        f"per-rank compute, mean per step (ms) over {len(meas)} ranks: predicted min/mean/max "
+        f"{min(pred):.0f}/{statistics.mean(pred):.0f}/{max(pred):.0f} | measured min/mean/max "
+        f"{min(meas):.0f}/{statistics.mean(meas):.0f}/{max(meas):.0f}, slowest rank {slowest_rank(records)} "
+        f"(every rank: cp_history/rank<R>.jsonl, hf-cp report)"
+    )

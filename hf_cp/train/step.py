@@ -22,13 +22,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.context import cp_context
 from ..consistency import collective_scope
 from .collator import IGNORE_INDEX, MicroBatch, RankStep
 from .groups import CPGroups
-from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
+from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +168,24 @@ class StepExecutor:
         loss when the model allows it, else from the full logits."""
         ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
         targets = mb.shift_labels[0].to(self.device)
+        # shared-prompt samples: more targets for some rows (a prompt's last token predicts every answer)
+        extra_rows, extra_targets = mb.extra_rows.to(self.device), mb.extra_targets.to(self.device)
         head = self.loss_head()
         if head is None:
             out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            return F.cross_entropy(out.logits[0].float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+            return logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
         captured: List[torch.Tensor] = []
         with lm_head_bypassed(head, captured):
             model(input_ids=ids, position_ids=pos, use_cache=False)
         return chunked_lm_head_loss(
-            captured[-1][0], head.weight, targets, self.loss_chunk_tokens, bias=head.bias, ignore_index=IGNORE_INDEX
+            captured[-1][0],
+            head.weight,
+            targets,
+            self.loss_chunk_tokens,
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+            extra_rows=extra_rows,
+            extra_targets=extra_targets,
         )
 
     def loss_head(self) -> Optional[torch.nn.Linear]:

@@ -54,8 +54,11 @@ from .resume import (
     truncate_history,
     write_schedule,
 )
+from .setup_checks import check_attention, check_parallelism
 from .step import StepExecutor, WaveTotals
 from .stop_signal import StopSignal
+from .trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
+from .user_collator import check_data_collator
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +112,10 @@ class CPTrainer(Trainer):
     """Trainer for long-tailed data with per-step load-balanced context parallelism.
 
     `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
-    (HF convention, -100 = no loss, e.g. prompt tokens) and `length`. Row index = sample id.
+    (HF convention, -100 = no loss, e.g. prompt tokens), `length` and `attn_mask` (a sample's
+    mask, e.g. shared-prompt groups from `hf-cp preprocess --group-answers`). Row index = sample
+    id, except for pre-packed rows (TRL's `seq_lengths`, `cu_seqlens`, restarting
+    `position_ids`), which are unpacked into their documents (columns.py).
     Samples a plan distributes over a CP group need the model loaded with
     `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
     the registry lookup of `args.cp_balancer`, for balancers built in code.
@@ -120,20 +126,28 @@ class CPTrainer(Trainer):
     ):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
+        # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
+        check_parallelism(getattr(args, "parallelism_config", None))
         if args.deepspeed:
             skip_deepspeed_shm_build()
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
-        pc = getattr(args, "parallelism_config", None)
-        if pc is not None and (getattr(pc, "cp_size", 1) or 1) > 1:
-            raise ValueError(
-                "CPTrainer plans its own CP groups per step; set ParallelismConfig(cp_size=1) "
-                "(dp_shard/dp_replicate only) and size CP with cp_max_tokens_per_rank / cp_max_group_size"
-            )
+        # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
+        # prompt/completion or messages into input_ids and labels): read what it left, not the argument.
+        train_dataset = self.train_dataset
         if train_dataset is None:
             raise ValueError("CPTrainer: training needs a train_dataset")
+        columns = getattr(train_dataset, "column_names", None) or []
+        collator_note = check_data_collator(kwargs.get("data_collator"), has_labels="labels" in columns)
+        if collator_note and int(args.process_index) == 0:
+            logger.warning("hf_cp: %s", collator_note)
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
         if args.cp_gc_interval_steps > 0:
             self.add_callback(ScheduledGarbageCollection(args.cp_gc_interval_steps))
+        # first, so that every other callback, log and checkpoint sees the epochs of data trained
+        self.callback_handler.callbacks.insert(
+            0, DataEpochCallback(lambda: self.cp_history[-1].data_epoch if self.cp_history else None)
+        )
+        self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
@@ -147,6 +161,8 @@ class CPTrainer(Trainer):
         )
         self.cp_setup = setup
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
+        # now, not at the first step that spreads a sample (after the model is placed and minutes in)
+        check_attention(getattr(self.model.config, "_attn_implementation", None), self.cp_cluster.group_sizes[-1])
         if self.cp_rank == 0:
             settings = setup.settings
             warning = profile_warning(
@@ -204,6 +220,7 @@ class CPTrainer(Trainer):
                 lookahead=a.cp_plan_lookahead,
                 in_process=a.cp_plan_in_process,
                 workers=a.cp_plan_workers,
+                masks=self.cp_data.masks,
             )
         if self.cp_executor is None:
             self.cp_executor = StepExecutor(
@@ -220,7 +237,10 @@ class CPTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
         steps = _PlannedSteps(
-            self.cp_planner, PlanCollator(self.cp_data.fetch), self.cp_rank, self.cp_data.valid_counts
+            self.cp_planner,
+            PlanCollator(self.cp_data.fetch, self.cp_data.masks),
+            self.cp_rank,
+            self.cp_data.valid_counts,
         )
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
@@ -291,20 +311,27 @@ class CPTrainer(Trainer):
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         self._cp_agree(step)
-        if step.plan.spreads_samples:
-            impl = getattr(self.model.config, "_attn_implementation", None)
-            if impl != HF_CP_ATTENTION:
-                raise ValueError(
-                    f"step {step.index + 1}: the {step.plan.balancer!r} plan distributes samples over CP "
-                    f"groups, which needs attn_implementation='{HF_CP_ATTENTION}' (the model uses "
-                    f"{impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
-                )
+        self._cp_check_attention(step)
         model.train()
         totals = self.cp_executor.train(model, step)
         wall_ms = (time.perf_counter() - t_step) * 1e3
         self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3])
         self._cp_last_step = step
         return totals.loss
+
+    def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
+        if step.plan.spreads_samples or step.has_masks:
+            impl = getattr(self.model.config, "_attn_implementation", None)
+            if impl != HF_CP_ATTENTION:
+                why = (
+                    f"the {step.plan.balancer!r} plan distributes samples over CP groups"
+                    if step.plan.spreads_samples
+                    else "samples carry attention masks (e.g. shared-prompt) that only it reads"
+                )
+                raise ValueError(
+                    f"{what} {step.index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "
+                    f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
+                )
 
     def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float]) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
@@ -324,9 +351,13 @@ class CPTrainer(Trainer):
             index=step.index,
             epoch=step.epoch,
             step_in_epoch=ps.batch.step_in_epoch if ps is not None else None,
-            # the Trainer's own `epoch` counts the whole run as one pass over the step loader
+            # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback)
             data_epoch=(
-                step.epoch + (ps.batch.step_in_epoch + 1) / len(self.cp_sampler.epoch_batches(step.epoch))
+                data_epoch(
+                    step.epoch,
+                    sum(map(len, self.cp_sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1])),
+                    len(self.cp_sampler.lengths),
+                )
                 if ps is not None
                 else float(step.epoch)
             ),
@@ -343,6 +374,7 @@ class CPTrainer(Trainer):
             predicted_ms=list(ps.predicted.occupied_ms) if ps is not None else [0.0] * self.cp_world,
             predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
             compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
+            compare_balancer=self.cp_planner.compare_name if ps is not None and ps.compare is not None else None,
             planner_ms=ps.planner_ms if ps is not None else 0.0,
             cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
             waves=len(step.waves),
@@ -449,6 +481,7 @@ class CPTrainer(Trainer):
                 self.cp_cost,
                 self.args.seed,
                 name,
+                masks=data.masks,
             )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
@@ -469,6 +502,7 @@ class CPTrainer(Trainer):
                     assert_plans_agree(
                         step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
                     )
+                    self._cp_check_attention(step, "evaluation batch")
                     got = self.cp_executor.evaluate(model, step)
                     loss_sum, valid, tokens = loss_sum + got.loss_sum, valid + got.valid, tokens + got.tokens
         finally:
@@ -527,6 +561,8 @@ class CPTrainer(Trainer):
         if self._cp_pending and "loss" in logs:
             logs.update(aggregate(self._cp_pending))
             self._cp_pending = []
+        # in place: the same dict is train()'s TrainOutput.metrics
+        corrected_speed_metrics(logs, self.cp_history[self._cp_history_start :])
         super().log(logs, start_time)
 
     def floating_point_ops(self, inputs) -> int:
@@ -583,6 +619,7 @@ class CPTrainer(Trainer):
                 # a resumed one continues it from the checkpoint: steps after it run again
                 truncate_history(hist, checkpoint_step(resume))
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
+        self._cp_history_start = len(self.cp_history)
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
             logger.warning(
                 "hf_cp: enable_jit_checkpoint needs train() on the main thread (signal handlers "

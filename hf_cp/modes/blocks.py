@@ -1,0 +1,43 @@
+"""The block engine's mode: a placement of chunks and compute blocks (hf_cp/block_plan.py).
+
+Geometry: each member owns the chunks the group's layout gives it (any permutation, any
+sizes), so segments come from the layout (`params`), not from the lengths alone. Cost: every
+compute block is charged at its executor by its masked area, and the exchange is what the
+placement moves (hf_cp/block_cost.py prices a whole group at once: the simulator calls it for
+this mode). Exchange: all-to-all-v of K/V (and Q, partial O with LSE for blocks executed away
+from their query's owner). Execution: hf_cp.attention.engine.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from . import ShardModeSpec, register_mode
+
+
+def _layout(params, what: str):
+    from ..block_plan import BlockLayout
+
+    if params is None:
+        raise ValueError(
+            f"shard mode 'blocks' places chunks explicitly: {what} come from the group's block layout "
+            "(plan.Group.member_segments / block_plan.BlockLayout), not from the lengths alone"
+        )
+    return params if isinstance(params, BlockLayout) else BlockLayout.from_dict(params)
+
+
+class Blocks(ShardModeSpec):
+    name = "blocks"
+    description = "placed chunks with owners and compute blocks with executors; K/V by all-to-all-v"
+    attention = "hf_cp.attention.engine:engine_mode_attention"
+    priced_per_group = True  # block_cost.block_group_costs prices the whole group
+
+    def segments(self, doc_lengths, group_size, member, params: Optional[Mapping] = None):
+        return _layout(params, "a member's segments").member_segments(member)
+
+    def member_tokens(self, doc_lengths, group_size, params=None):
+        layout = _layout(params, "a member's tokens")
+        return [layout.member_tokens(m) for m in range(group_size)]
+
+
+BLOCKS = register_mode(Blocks())

@@ -1,0 +1,82 @@
+"""Scripted balancers: deterministic plan shapes that exercise one CP mode and every execution
+path, for tests. Not registered (auto would pick them up as members): pass them to
+CPTrainer(balancer=...), or name them in a job spec (`balancer_for`)."""
+
+from __future__ import annotations
+
+from hf_cp.shard import ShardMode
+
+
+class FixedModeBalancer:
+    """Wave 0: the longest samples distributed over ranks [0, g) with `mode` (g the smallest
+    registered group of at least 2 ranks that holds the longest sample), one local sample on
+    each other rank. Then the leftovers, first-fit packed to the cap, one pack per wave on
+    rank 0 alone, so every other rank idles in those waves.
+    """
+
+    def __init__(self, mode):
+        self.mode = ShardMode(mode)
+        self.name = f"fixed_{self.mode.value}"
+
+    def plan(self, req):
+        from hf_cp.balance import max_member_tokens
+        from hf_cp.balance.packing import first_fit
+        from hf_cp.plan import Group, Wave
+
+        cl = req.cluster
+        W, cap = cl.world_size, cl.max_tokens_per_rank
+        lens = dict(zip(req.sample_ids, req.lengths))
+        order = sorted(req.sample_ids, key=lambda s: (-lens[s], s))
+        plan = req.empty_plan(self.name)
+        groups, rest = [], list(order)
+        g = max(2, cl.smallest_group_for(lens[order[0]]) or 2) if W > 1 else 1
+        if g > 1:
+            dist = []
+            while rest and max_member_tokens(self.mode, [lens[s] for s in dist + [rest[0]]], g) <= cap:
+                dist.append(rest.pop(0))
+                if len(dist) == 2:
+                    break
+            if dist:
+                groups.append(Group(ranks=tuple(range(g)), distributed=dist, mode=self.mode))
+        for r in range(g if g > 1 else 0, W):
+            fits = [s for s in rest if lens[s] <= cap]
+            if fits:
+                rest.remove(fits[0])
+                groups.append(Group(ranks=(r,), local={r: [fits[0]]}))
+        if groups:
+            plan.waves.append(Wave(groups))
+        too_long = [s for s in rest if lens[s] > cap]
+        for s in too_long:
+            size = cl.smallest_group_for(lens[s])
+            plan.waves.append(Wave([Group(ranks=tuple(range(size)), distributed=[s], mode=self.mode)]))
+        short = [s for s in rest if lens[s] <= cap]
+        if short:
+            for pack in first_fit(short, [lens[s] for s in short], cap):
+                plan.waves.append(Wave([Group(ranks=(0,), local={0: list(pack)})]))
+        return plan
+
+
+class SpreadEveryDocBalancer:
+    """Every sample alone in its own wave, distributed over the whole world with `mode`:
+    samples shorter than the split leave some members with an empty shard."""
+
+    def __init__(self, mode):
+        self.mode = ShardMode(mode)
+        self.name = f"spread_{self.mode.value}"
+
+    def plan(self, req):
+        from hf_cp.plan import Group, Wave
+
+        plan = req.empty_plan(self.name)
+        ranks = tuple(range(req.cluster.world_size))
+        plan.waves = [Wave([Group(ranks=ranks, distributed=[s], mode=self.mode)]) for s in req.sample_ids]
+        return plan
+
+
+def balancer_for(name: str):
+    """Scripted balancers for names fixed_<mode> and spread_<mode>, else None (use the registry)."""
+    if name.startswith("fixed_"):
+        return FixedModeBalancer(name[len("fixed_") :])
+    if name.startswith("spread_"):
+        return SpreadEveryDocBalancer(name[len("spread_") :])
+    return None

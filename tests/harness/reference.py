@@ -1,0 +1,133 @@
+"""The single-process reference the trainer is checked against, built from torch and
+transformers alone: nothing of hf_cp's data path (sampler, collator, token columns, loss,
+attention) is used, so a bug there cannot hide by appearing on both sides.
+
+It trains the same tiny model on the same global batches with plain torch, one sample at a
+time (no packing, no CP, no DeepSpeed, SDPA attention): loss of a step = sum of token losses
+/ valid targets of the global batch, global-norm clipping, AdamW. For every step it keeps the
+loss, the gradients and their global norm before clipping, and the parameters after the
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .models import IGNORE_INDEX, eval_rows, tiny_model, train_rows
+
+Tensors = Dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    index: int  # 0-based global step
+    sample_ids: tuple
+    loss: float  # sum of token losses / valid targets of the global batch
+    valid_targets: int
+    grad_norm: float  # global L2 norm of the gradients, before clipping
+    grads: Tensors  # before clipping and the optimizer step
+    params: Tensors  # after the optimizer step
+
+
+def reference_batches(lengths: Sequence[int], tokens_per_step: int, steps: int) -> List[List[int]]:
+    """The sample ids of the first `steps` global batches, unshuffled: samples in data order, a
+    batch closes when the next sample would take it past `tokens_per_step` (a longer sample is
+    a batch alone); every epoch cuts the data the same way."""
+    epoch: List[List[int]] = []
+    for sid, n in enumerate(lengths):
+        if epoch and sum(lengths[s] for s in epoch[-1]) + n <= tokens_per_step:
+            epoch[-1].append(sid)
+        else:
+            epoch.append([sid])
+    return [list(epoch[k % len(epoch)]) for k in range(steps)]
+
+
+def next_token_targets(labels: Sequence[int]) -> torch.Tensor:
+    """Targets of positions 0..n-2 (the label of the next token); the last position predicts nothing."""
+    return torch.tensor(list(labels[1:]), dtype=torch.long)
+
+
+def sample_loss_sum(model, row: dict) -> torch.Tensor:
+    """Sum of the sample's next-token cross-entropies (fp32), the sample run alone."""
+    ids = torch.tensor(row["input_ids"])[None]
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    return F.cross_entropy(logits, next_token_targets(row["labels"]), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def sample_valid_targets(row: dict) -> int:
+    return int((next_token_targets(row["labels"]) != IGNORE_INDEX).sum())
+
+
+def _key(spec: dict) -> str:
+    if spec.get("shuffle"):
+        raise ValueError("the reference reproduces unshuffled global batches only (spec shuffle=True)")
+    keys = ("lengths", "tokens_per_step", "model_seed", "data_seed", "lr", "max_grad_norm")
+    return json.dumps({k: spec.get(k) for k in keys}, sort_keys=True)
+
+
+@lru_cache(maxsize=16)
+def _reference_run(key: str, steps: int) -> tuple:
+    spec = json.loads(key)
+    rows = train_rows({k: v for k, v in spec.items() if v is not None})
+    model = tiny_model(spec["model_seed"] or 0, attn="sdpa")
+    model.train()
+    lr = spec["lr"] if spec["lr"] is not None else 1e-3
+    max_norm = spec["max_grad_norm"] if spec["max_grad_norm"] is not None else 1.0
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    out = []
+    for k, batch in enumerate(reference_batches(spec["lengths"], spec["tokens_per_step"], steps)):
+        opt.zero_grad()
+        valid = sum(sample_valid_targets(rows[s]) for s in batch)
+        # a batch without targets (one-token samples) has loss 0 and zero gradients; the
+        # optimizer still steps (Adam's step count, and so its bias correction, moves on)
+        weight = 1.0 / valid if valid else 0.0
+        total = 0.0
+        for s in batch:
+            part = sample_loss_sum(model, rows[s])
+            (part * weight).backward()
+            total += float(part.detach())
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+        opt.step()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out.append(ReferenceStep(k, tuple(batch), total * weight, valid, norm, grads, params))
+    return tuple(out)
+
+
+def reference_steps(spec: dict, steps: Optional[int] = None) -> List[ReferenceStep]:
+    """The first `steps` (default spec['steps']) reference steps of the job described by `spec`."""
+    return list(_reference_run(_key(spec), spec["steps"] if steps is None else steps))
+
+
+def initial_params(spec: dict) -> Tensors:
+    return {n: p.detach().clone() for n, p in tiny_model(spec.get("model_seed", 0), attn="sdpa").named_parameters()}
+
+
+def reference_params(spec: dict) -> Tensors:
+    """Parameters after spec['steps'] optimizer steps, trained on one process, sample by sample."""
+    steps = reference_steps(spec)
+    return dict(steps[-1].params) if steps else initial_params(spec)
+
+
+def reference_eval_loss(spec: dict, steps: int) -> float:
+    """Loss over spec['eval_lengths'] rows (sum of token losses / valid targets) of the reference
+    model after `steps` optimizer steps, one sample at a time."""
+    model = tiny_model(spec.get("model_seed", 0), attn="sdpa")
+    if steps:
+        trained = reference_steps(spec, steps)[-1].params  # trains (with gradients) unless cached
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(trained[n])
+    model.eval()
+    total, valid = 0.0, 0
+    with torch.no_grad():
+        for row in eval_rows(spec):
+            total += float(sample_loss_sum(model, row))
+            valid += sample_valid_targets(row)
+    return total / valid

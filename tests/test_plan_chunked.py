@@ -1,0 +1,133 @@
+"""Chunked samples in a StepPlan (Group.chunked): JSON, validate(), the simulator's price, refusals."""
+
+import pytest
+from test_chunking import toy_cost
+
+from hf_cp.chunking import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms, state_bytes
+from hf_cp.cluster import ClusterSpec
+from hf_cp.plan import ChunkedSample, Group, PlanError, StepPlan, Wave
+from hf_cp.sim import simulate
+
+CL = ClusterSpec(world_size=4, max_tokens_per_rank=1000)
+
+
+def chunked_plan() -> StepPlan:
+    return StepPlan(
+        world_size=4,
+        max_tokens_per_rank=1000,
+        sample_ids=[10, 11, 12, 13],
+        lengths=[3000, 500, 200, 2500],
+        waves=[
+            Wave(
+                [
+                    Group(ranks=(0,), chunked={0: [ChunkedSample(10, 1000, 1)]}),
+                    Group(ranks=(1,), local={1: [11, 12]}),
+                    Group(ranks=(2,), chunked={2: [ChunkedSample(13, 500, 2)]}),
+                ]
+            )
+        ],
+    )
+
+
+def test_chunked_group_round_trips_and_counts_its_samples():
+    p = chunked_plan().validate(CL)
+    d = p.to_dict()
+    assert d["waves"][0]["groups"][0] == {"ranks": [0], "chunked": {"0": [[10, 1000, 1]]}}
+    q = StepPlan.from_json(p.to_json())
+    assert q.to_json() == p.to_json() and q.digest() == p.digest()
+    assert q.waves[0].groups[2].chunked == {2: [ChunkedSample(13, 500, 2)]}
+    assert p.waves[0].groups[0].sample_ids() == [10]
+    assert p.chunked_samples == [10, 13]
+    assert p.cp_size_of_samples() == {10: 1, 11: 1, 12: 1, 13: 1}
+    assert not p.spreads_samples
+    # rank tokens: the activations of the kept chunks (K=2 of 500-token chunks), not the sample
+    assert p.rank_tokens(p.waves[0].groups[2], 2) == 1000
+    assert p.rank_tokens(p.waves[0].groups[0], 0) == 1000
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda p: setattr(p.waves[0].groups[0], "ranks", (0, 1)) or p.waves[0].groups.pop(1),
+            r"chunked samples \[10\] on rank 0 in group \[0, 1\]: chunked samples run in a one-rank group",
+        ),
+        (
+            lambda p: p.waves[0].groups[0].local.__setitem__(0, [11]) or p.waves[0].groups[1].local[1].remove(11),
+            r"rank 0 runs chunked samples \[10\] and other samples in one group",
+        ),
+        (
+            lambda p: p.waves[0].groups[0].chunked.__setitem__(0, [ChunkedSample(10, 0, 1)]),
+            "chunked sample 10 has chunk_size 0 and keep 1; both must be positive",
+        ),
+        (
+            lambda p: p.waves[0].groups[2].chunked.__setitem__(2, [ChunkedSample(13, 500, 3)]),
+            r"rank 2 holds the activations of 1500 tokens of the chunked samples \[\[13, 500, 3\]\], over the cap of 1000",
+        ),
+        (
+            lambda p: p.waves[0].groups[2].chunked[2].append(ChunkedSample(10, 500, 1)),
+            "sample 10 is scheduled twice",
+        ),
+        (
+            lambda p: p.waves[0].groups[2].chunked.__setitem__(2, [ChunkedSample(99, 500, 1)]),
+            "sample 99 is not in the step's global batch",
+        ),
+        (lambda p: p.waves[0].groups[2].chunked.pop(2), r"samples \[13\] .* never scheduled"),
+    ],
+)
+def test_validate_rejects_broken_chunked_groups(mutate, message):
+    p = chunked_plan()
+    mutate(p)
+    with pytest.raises(PlanError, match=message):
+        p.validate(CL)
+
+
+def test_validate_with_a_cost_model_counts_the_state_store():
+    cost = toy_cost()  # alpha 100 B/token, static 1000 B, state 96 B/token
+    cap = 1000  # 101,000 B per rank
+    ok = StepPlan(4, cap, [1], [900], [Wave([Group(ranks=(0,), chunked={0: [ChunkedSample(1, 50, 1)]})])])
+    ok.validate(CL, cost)  # 1000 + 50 x 100 + 900 x 96 = 92,400 B <= 101,000 B
+    assert cost.memory_bytes(50) + state_bytes(cost, 1040) > cost.memory_bytes(cap)  # 1040 x 96 + 6,000
+    big = StepPlan(4, cap, [1], [1040], [Wave([Group(ranks=(0,), chunked={0: [ChunkedSample(1, 50, 1)]})])])
+    big.validate(CL)  # activations alone fit
+    with pytest.raises(PlanError, match=r"chunked sample 1 \(1040 tokens in 21 chunks, K=1\) needs .* GiB"):
+        big.validate(CL, cost)
+
+
+def test_simulator_prices_chunked_samples_with_the_chunk_cost():
+    cost = toy_cost()
+    p = StepPlan(
+        world_size=2,
+        max_tokens_per_rank=1000,
+        sample_ids=[1, 2, 3],
+        lengths=[40, 30, 10],
+        waves=[
+            Wave([Group(ranks=(0,), chunked={0: [ChunkedSample(1, 16, 1), ChunkedSample(2, 16, 2)]})]),
+            Wave([Group(ranks=(0,), local={0: [3]})]),
+        ],
+    )
+    sim = simulate(p.validate(), cost)
+    one = chunked_sample_cost(cost, dependent_chunk_sizes(40, 16), 1)
+    two = chunked_sample_cost(cost, dependent_chunk_sizes(30, 16), 2)
+    assert sim.compute_ms[0] == pytest.approx(one.compute_ms + two.compute_ms + standalone_chunk_ms(cost, [10]))
+    assert sim.makespan_ms == pytest.approx(sim.compute_ms[0])
+    assert sim.compute_ms[1] == 0 and sim.idle_ms[1] == pytest.approx(sim.makespan_ms)
+    # memory: the larger of the two samples' activations + their own store, one sample at a time
+    assert sim.peak_memory_bytes[0] == pytest.approx(
+        max(cost.memory_bytes(one.activation_tokens) + one.state_bytes, cost.memory_bytes(30) + two.state_bytes)
+    )
+    assert sim.peak_tokens[0] == max(one.activation_tokens, two.activation_tokens, 10)
+    assert sim.cp_size_samples == {1: 3}
+
+
+def test_the_collator_and_replay_refuse_chunked_samples():
+    from hf_cp.replay import rank_micro_batches
+    from hf_cp.train.collator import PlanCollator
+
+    p = chunked_plan().validate(CL)
+    coll = PlanCollator(lambda sid: (list(range(p.length_of()[sid])), None))
+    with pytest.raises(NotImplementedError, match=r"runs samples \[10\] on rank 0 as dependent chunks"):
+        coll.rank_step(p, 0, global_valid_tokens=100)
+    assert coll.rank_step(p, 1, global_valid_tokens=100).waves[0].local_ids == [11, 12]
+    with pytest.raises(PlanError, match=r"rank 2 runs chunked samples \[13\]"):
+        rank_micro_batches(p, 2)

@@ -1,0 +1,159 @@
+"""Every balancer at world 2 equals single-process training, step by step, and the check that
+says so fails on a trainer that is wrong by 0.1%.
+
+The runs come from the session's world-2 job (world2_job.py): two gloo processes under
+DeepSpeed ZeRO-2 train each registered balancer (megatron where its extra is installed) and
+three deliberately broken trainers on the same data. harness.check compares each run with the
+single-process reference per step: loss (recorded and logged), gradient norm and gradients
+before the optimizer, parameters after it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness.balancers import balancer_for
+from harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
+from harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
+from harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
+from world2_job import BALANCERS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
+
+from hf_cp.cluster import ClusterSpec
+from hf_cp.cost import CostModel
+from hf_cp.planning import GlobalBatchSampler, Planner
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE_TIMEOUT = WORLD2_JOB_TIMEOUT + 60  # the first test to ask for the job waits for it
+
+
+def executed_plans(spec: dict):
+    """The plans of the run's steps, re-planned here and matched to the digests the run
+    recorded (so the placement checks below are about what actually ran)."""
+    sampler = GlobalBatchSampler(
+        spec["lengths"], spec["tokens_per_step"], seed=42, max_steps=spec["steps"], shuffle=False
+    )
+    planner = Planner(
+        sampler,
+        balancer_for(spec["balancer"]) or spec["balancer"],
+        ClusterSpec(2, spec["max_tokens_per_rank"]),
+        CostModel.load("tiny-llama", "h200-qwen2.5-7b"),
+        seed=42,
+        lookahead=0,
+    )
+    plans = [planner.get(k).plan for k in range(spec["steps"])]
+    recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
+    assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
+    return plans
+
+
+def placements(plans) -> tuple:
+    """(samples distributed over a CP group of several ranks, samples kept on one rank)."""
+    spread = sum(len(g.distributed) for p in plans for w in p.waves for g in w.groups if g.size > 1)
+    local = sum(len(ids) for p in plans for w in p.waves for g in w.groups for ids in g.local.values())
+    return spread, local
+
+
+# ------------------------------------------------------------------ every balancer
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", BALANCERS)
+def test_balancer_equals_single_process_step_by_step(world2_job, balancer):
+    spec = world2_job[f"balancer-{balancer}"]
+    spread, local = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
+    if balancer == "static":
+        # one CP size for the whole run, sized for its longest sample: every sample is split;
+        # static's all-local path is test_train_distributed's static test
+        assert local == 0
+    else:
+        assert local >= 1, f"{balancer} kept no sample local: the local path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+# ------------------------------------------------------------------ the check can fail
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_check_fails_on_a_loss_scaled_by_one_part_in_a_thousand(world2_job):
+    spec = world2_job["mutation-loss_scale"]
+    assert spec["balancer"] == MUTATED_BALANCER
+    with pytest.raises(ExactnessMismatch) as caught:
+        check_run(spec)
+    worst, failures = caught.value.report.worst, caught.value.failures
+    assert worst["loss"] == pytest.approx(1e-3, rel=0.05) and worst["grads"] == pytest.approx(1e-3, rel=0.05)
+    assert "step 1 loss: relative error" in "\n".join(failures)
+    # what the old check saw (final parameters after AdamW, 1e-5): nothing. Adam divides each
+    # update by the gradient's own magnitude, so only the loss and the gradients show the scale
+    assert worst["final"] < PARAM_RTOL
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_check_fails_on_gradients_scaled_by_one_part_in_a_thousand(world2_job):
+    # the recorded loss is right; only the gradients (and their norm) are 0.1% off
+    with pytest.raises(ExactnessMismatch) as caught:
+        check_run(world2_job["mutation-grad_scale"])
+    worst = caught.value.report.worst
+    assert worst["loss"] < LOSS_RTOL and worst["logged_loss"] < LOSS_RTOL
+    assert worst["grads"] == pytest.approx(1e-3, rel=0.05) and worst["grads"] > GRAD_RTOL
+    assert worst["grad_norm"] == pytest.approx(1e-3, rel=0.05)
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_check_fails_on_a_dropped_target(world2_job):
+    with pytest.raises(ExactnessMismatch) as caught:
+        check_run(world2_job["mutation-drop_target"])
+    assert caught.value.report.worst["loss"] > 100 * LOSS_RTOL
+    assert any(f.startswith("step 1 loss") for f in caught.value.failures)
+
+
+# ------------------------------------------------------------------ the reference itself
+def test_reference_batches_cut_in_data_order():
+    lengths = [200, 150, 130, 250, 255, 90, 7, 33, 60, 40, 120, 100, 18, 5, 64, 21, 77]
+    want = [[0, 1, 2], [3], [4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    assert reference_batches(lengths, 500, 6) == want + want[:2]  # the second epoch cuts the same way
+    assert reference_batches([10, 900, 20], 100, 3) == [[0], [1], [2]]  # a long sample is a batch alone
+
+
+def test_reference_loss_is_transformers_own_causal_lm_loss():
+    # the reference shifts and counts targets itself; transformers' loss (labels=...) agrees
+    model = tiny_model(0, attn="sdpa")
+    (row,) = synthetic_rows([40], seed=3, prompt_every=1)  # labels 0..12 masked (a prompt)
+    assert sample_valid_targets(row) == 39 - 12  # targets are labels 1..39
+    theirs = model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([row["labels"]])).loss
+    ours = sample_loss_sum(model, row) / sample_valid_targets(row)
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-6)
+    assert row["labels"][12] == IGNORE_INDEX and row["labels"][13] != IGNORE_INDEX
+
+
+def test_reference_trains_and_records_every_step():
+    spec = dict(lengths=[30, 20, 50, 10], tokens_per_step=60, steps=3)
+    steps = reference_steps(spec)
+    assert [s.sample_ids for s in steps] == [(0, 1), (2, 3), (0, 1)]
+    assert all(s.grad_norm > 0 and s.loss > 0 for s in steps)
+    assert steps[0].params["lm_head.weight"].ne(steps[1].params["lm_head.weight"]).any()
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module
+
+
+def test_reference_uses_nothing_of_hf_cp():
+    # models.py may register hf_cp's attention, for the runs under test (never for the reference's "sdpa")
+    allowed = {"reference.py": set(), "models.py": {"hf_cp.attention.interface"}}
+    for name, ok in allowed.items():
+        used = [m for m in _imports(REPO / "tests" / "harness" / name) if m.split(".")[0] == "hf_cp" and m not in ok]
+        assert used == [], f"tests/harness/{name} imports {used}: the reference must not share code it checks"
+
+
+def test_package_imports_no_test_code():
+    for path in sorted((REPO / "hf_cp").rglob("*.py")):
+        bad = [m for m in _imports(path) if m.split(".")[0] in ("harness", "tests", "conftest", "pytest")]
+        assert bad == [], f"{path.relative_to(REPO)} imports test code: {bad}"
+    assert not (REPO / "hf_cp" / "train" / "testing.py").exists()
