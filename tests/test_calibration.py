@@ -372,3 +372,25 @@ def test_cp_attention_scale_slows_attention_in_groups_only():
     assert b.compute_ms - linear == pytest.approx(2 * (a.compute_ms - linear), rel=1e-12)
     with pytest.raises(ValueError, match="cp_attention_scale must be positive"):
         HardwareProfile.from_dict(dict(CPU.to_dict(), cp_attention_scale=0), "p.yaml")
+
+
+def test_collinear_features_keep_the_profiles_shape_and_never_price_attention_at_zero():
+    # every rank holds tokens and attention in one proportion (full local packs of the main job):
+    # the data fixes only their sum, and an earlier fit that priced attention at ~0 must not stick
+    rng = np.random.default_rng(0)
+    ref = Coefficients.of(CPU)
+    obs = []
+    for k in range(16):
+        rows, meas = [], []
+        for _ in range(2):
+            t = rng.uniform(3000, 4096)
+            x = (t, 60.0 * t, 2.0, 0.0, 0.0)
+            rows.append(x)
+            meas.append(3.0 * float(np.dot(x, ref.compute_theta())) * float(np.exp(rng.normal(0, 0.2))))
+        obs.append(StepObservation(k, tuple(rows), tuple(meas), 0.0, 0.0, 1, 0.0))
+    collapsed = replace(ref, c2_ms_per_pair=ref.c2_ms_per_pair * 1e-6)
+    fitted, determined = fit_compute(obs, collapsed, ref)
+    assert determined["c2_ms_per_pair"]
+    assert fitted.c2_ms_per_pair >= 0.1 * 2.5 * ref.c2_ms_per_pair  # the floor, at the data's scale (~3x)
+    ratio = (fitted.c2_ms_per_pair / fitted.c1_ms_per_token) / (ref.c2_ms_per_pair / ref.c1_ms_per_token)
+    assert 0.5 < ratio < 2, ratio

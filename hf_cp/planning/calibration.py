@@ -245,6 +245,7 @@ def robust_nonnegative_fit(
     prior_y: Optional[np.ndarray] = None,
     huber: float = 1.5,
     iterations: int = 30,
+    row_scale: Optional[np.ndarray] = None,
 ) -> np.ndarray:
     """Non-negative b minimising the Huber loss of the residuals X b - y (relative to y when
     `relative`), by iteratively reweighted least squares; `prior_X b = prior_y` rows (already
@@ -254,7 +255,9 @@ def robust_nonnegative_fit(
     y = np.asarray(y, dtype=np.float64)
     if X.ndim != 2 or X.shape[0] != y.shape[0] or X.shape[0] == 0:
         raise CalibrationError(f"fit needs a design matrix matching its measurements, got {X.shape} and {y.shape}")
-    scale_rows = 1.0 / np.maximum(np.abs(y), 1e-9) if relative else np.ones_like(y)
+    # relative: each row divided by its measurement (`row_scale` when y is already shifted)
+    denom = np.abs(np.asarray(row_scale, dtype=np.float64) if row_scale is not None else y)
+    scale_rows = 1.0 / np.maximum(denom, 1e-9) if relative else np.ones_like(y)
     Xr, yr = X * scale_rows[:, None], y * scale_rows
     w = np.ones_like(yr)
     b = np.zeros(X.shape[1])
@@ -283,14 +286,26 @@ def median_relative_error(predicted: Sequence[float], measured: Sequence[float])
 
 # A coefficient is fitted only when its feature carries at least this share of the predictions.
 MIN_FEATURE_SHARE = 0.005
-PRIOR_WEIGHT = 0.01  # the shape prior's weight, in relative observations: it decides only what the data cannot
+# The shape prior's weight, in relative observations: it decides only what the data cannot
+# (c1 against c2 when every micro-batch holds a similar mix of tokens and attention).
+PRIOR_WEIGHT = 0.3
+# c1, c2 and attention in CP groups stay above this fraction of the reference profile's value at
+# the data's overall scale: a noisy fit of collinear features must not price attention at zero.
+COEFFICIENT_FLOOR = 0.1
 
 
-def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) -> Tuple[Coefficients, Dict[str, bool]]:
+def fit_compute(
+    observations: Sequence[StepObservation], prior: Coefficients, reference: Optional[Coefficients] = None
+) -> Tuple[Coefficients, Dict[str, bool]]:
     """c1, c2, c0, the link scale and the CP-group attention scale fitted to the per-rank compute
     of `observations` (ranks without work left out); the wall-clock terms are `prior`'s. Returns
     the coefficients and, per term, whether the data determined it (the CP-group scale needs
-    attention both alone and in groups)."""
+    attention both alone and in groups); undetermined terms keep `prior`'s values.
+
+    `reference` (default `prior`): the profile the run started from. Which terms the data
+    determines, the shape prior (its ratios between coefficients, at the data's overall scale)
+    and the floors are taken from it, so that no fit depends on an earlier fit's noise."""
+    reference = reference or prior
     rows, ys = [], []
     for o in observations:
         for f, m in zip(o.features, o.measured_ms):
@@ -300,38 +315,42 @@ def fit_compute(observations: Sequence[StepObservation], prior: Coefficients) ->
     if not rows:
         raise CalibrationError("no rank with measured work in the observations")
     X, y = np.asarray(rows, dtype=np.float64), np.asarray(ys, dtype=np.float64)
-    theta0 = prior.compute_theta()
-    pred0 = X @ theta0
-    share = (X * theta0).sum(axis=0) / max(float(pred0.sum()), 1e-12)
+    ref, theta_prior = reference.compute_theta(), prior.compute_theta()
+    pred_ref = X @ ref
+    share = (X * ref).sum(axis=0) / max(float(pred_ref.sum()), 1e-12)
     fit_cp = bool(share[1] >= MIN_FEATURE_SHARE and share[4] >= MIN_FEATURE_SHARE)
     if not fit_cp:  # attention of one kind only: the groups' factor keeps its value, c2 serves both
         X = np.column_stack([X[:, 0], X[:, 1] + X[:, 4] * prior.cp_attention_scale, X[:, 2], X[:, 3]])
-        theta0 = theta0[:4]
         share = np.append(share[:4], 0.0)
         share[1] += share[4]
+        ref, theta_prior = ref[:4], theta_prior[:4]
     n = X.shape[1]
-    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and theta0[i] > 0 for i in range(n)]
-    # the profile's overall scale as the data sees it: the prior keeps the ratios between the
-    # coefficients where the data cannot separate them, at this scale
-    ok = pred0 > 0
-    scale = float(np.median(y[ok] / pred0[ok])) if ok.any() else 1.0
+    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and ref[i] > 0 for i in range(n)]
+    determined = dict(zip(COMPUTE_TERMS, fitted + ([] if fit_cp else [False])))
+    ok = pred_ref > 0
+    scale = float(np.median(y[ok] / pred_ref[ok])) if ok.any() else 1.0  # the data's overall scale
     cols = [i for i in range(n) if fitted[i]]
     fixed = [i for i in range(n) if not fitted[i]]
-    determined = dict(zip(COMPUTE_TERMS, fitted + ([] if fit_cp else [False])))
     if not cols:
         return prior, determined
-    y_fit = y - X[:, fixed] @ theta0[fixed] if fixed else y
+    floor = np.zeros(n)
+    for i in (0, 1, 4):
+        if i < n:
+            floor[i] = COEFFICIENT_FLOOR * scale * ref[i]
+    # theta = floor + phi, phi >= 0: the floors move to the measurements' side
+    y_fit = y - X[:, fixed] @ theta_prior[fixed] - X[:, cols] @ floor[cols]
     k = math.sqrt(PRIOR_WEIGHT)
     prior_X = np.zeros((len(cols), len(cols)))
-    for j, i in enumerate(cols):
-        prior_X[j, j] = k / (scale * theta0[i])
-    prior_y = np.full(len(cols), k)
-    b = robust_nonnegative_fit(X[:, cols], np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y)
-    theta = theta0.copy()
-    theta[cols] = b
-    for i in (0, 1):  # the cost model needs positive c1 and c2 (HardwareProfile's contract)
-        theta[i] = max(theta[i], theta0[i] * 1e-6)
-    cp_scale = max(float(theta[4] / theta[1]), 1e-3) if fit_cp else prior.cp_attention_scale
+    prior_y = np.zeros(len(cols))
+    for j, i in enumerate(cols):  # k * theta_i / (scale * ref_i) = k
+        prior_X[j, j] = k / (scale * ref[i])
+        prior_y[j] = k * (1.0 - floor[i] / (scale * ref[i]))
+    phi = robust_nonnegative_fit(
+        X[:, cols], np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y, row_scale=y
+    )
+    theta = theta_prior.copy()
+    theta[cols] = floor[cols] + phi
+    cp_scale = float(theta[4] / theta[1]) if fit_cp else prior.cp_attention_scale
     new = Coefficients(
         *theta[:4].tolist(), prior.reduction_overhead_ms, prior.step_overhead_ms, cp_attention_scale=cp_scale
     )
@@ -456,7 +475,7 @@ class Calibrator:
         self._since_fit = 0
         obs = list(self.observations)
         prior = prior or self.current
-        compute, fitted = fit_compute(obs, prior)
+        compute, fitted = fit_compute(obs, prior, self.base_coefficients)
         before = _compute_error(obs, prior)
         after = _compute_error(obs, compute)
         if not after <= before:
