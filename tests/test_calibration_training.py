@@ -65,7 +65,13 @@ def test_main_job_calibrates_a_profile_three_times_wrong(tmp_path):
     calibrated = [r for r in records if r["calibration"] > 0 and r["index"] < 20]
     assert len(before) >= 8 and len(calibrated) >= 4, [r["calibration"] for r in records]
     assert median_error(before) > 0.5  # the profile is wrong: measured ~3x the prediction
-    assert median_error(calibrated) < 0.15, [(r["index"], r["predicted_ms"], r["measured_ms"]) for r in calibrated]
+    # timing-sensitive: other processes that swing the machine's speed within the run show as
+    # measured / predicted ratios that wander from step to step (benchmarks/wallclock.md)
+    ratios = [
+        round(statistics.median(m / p for p, m in zip(r["predicted_ms"], r["measured_ms"]) if m > 0), 2)
+        for r in records
+    ]
+    assert median_error(calibrated) < 0.15, f"measured / predicted per step: {ratios}"
     # the summary states the error before and after, and the run saved the fitted profile
     m = re.search(r"per-rank compute ([\d.]+)% with the profile as given \(steps 1-\d+\) -> ([\d.]+)% calibrated", text)
     assert m and float(m.group(1)) > 50 and float(m.group(2)) < float(m.group(1)), text[-3000:]
