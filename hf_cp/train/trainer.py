@@ -268,12 +268,15 @@ class CPTrainer(Trainer):
         return totals.loss
 
     def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
-        if step.plan.spreads_samples or step.has_masks:
+        chunked = step.plan.chunked_samples
+        if step.plan.spreads_samples or step.has_masks or chunked:
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
                 why = (
                     f"the {step.plan.balancer!r} plan distributes samples over CP groups"
                     if step.plan.spreads_samples
+                    else f"the {step.plan.balancer!r} plan runs samples {chunked[:10]} as dependent chunks (ChunkFlow)"
+                    if chunked
                     else "samples carry attention masks (e.g. shared-prompt) that only it reads"
                 )
                 raise ValueError(
