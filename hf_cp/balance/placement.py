@@ -1,0 +1,201 @@
+"""Block placements as the solvers build them: chunks with owners, compute blocks with executors.
+
+A placement is the body of a CP group in shard mode "blocks" (the block-plan contract): every
+distributed sample of the group is cut into chunks (doc, start, length, owner) that cover it
+exactly once, and every (query chunk, key chunk) pair of one sample with a non-zero masked
+area (masks.rect_pairs) is a compute block (q_chunk, k_chunk, head_start, head_end, executor)
+over a head range. `to_dict()` is the plan JSON's "blocks" object.
+
+This module is the solvers' side of that contract: building a placement from a few rules and
+measuring it (tokens per member, masked area per member, K/V chunk transfers) in the same
+terms the solvers optimise. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
+
+
+class PlacementError(ValueError):
+    """A placement breaks the block-plan contract; the message names the chunk or block."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    doc: int  # index into the group's distributed samples
+    start: int  # sample-local token position
+    length: int
+    owner: int  # member index
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+@dataclass(frozen=True)
+class ComputeBlock:
+    q_chunk: int
+    k_chunk: int
+    head_start: int
+    head_end: int
+    executor: int
+    pairs: int = 0  # masked query-key pairs of the rectangle (all heads); not serialised
+
+
+@dataclass
+class BlockPlacement:
+    """Chunks and compute blocks of one group (member indices 0..group_size-1)."""
+
+    group_size: int
+    num_heads: int
+    chunks: List[Chunk] = field(default_factory=list)
+    compute: List[ComputeBlock] = field(default_factory=list)
+
+    # ---- contract JSON
+    def to_dict(self) -> dict:
+        return {
+            "chunks": [[c.doc, c.start, c.length, c.owner] for c in self.chunks],
+            "compute": [[b.q_chunk, b.k_chunk, b.head_start, b.head_end, b.executor] for b in self.compute],
+        }
+
+    # ---- measures
+    def member_tokens(self) -> List[int]:
+        """Rows each member owns (its Q, K, V, O and labels)."""
+        out = [0] * self.group_size
+        for c in self.chunks:
+            out[c.owner] += c.length
+        return out
+
+    def member_pairs(self) -> List[float]:
+        """Masked query-key pairs each member computes, in all-head units (a block over h of
+        H heads counts h/H of its rectangle)."""
+        out = [0.0] * self.group_size
+        H = self.num_heads
+        for b in self.compute:
+            out[b.executor] += b.pairs * (b.head_end - b.head_start) / H
+        return out
+
+    def kv_transfers(self) -> int:
+        """K/V chunk transfers: (key chunk, member) pairs where a member other than the chunk's
+        owner executes a block over that key chunk (each is sent once, whatever its heads)."""
+        need = {(b.k_chunk, b.executor) for b in self.compute if self.chunks[b.k_chunk].owner != b.executor}
+        return len(need)
+
+    def received_rows(self) -> List[int]:
+        """Rows each member receives to execute its blocks: the K/V chunks and the Q chunks it
+        does not own (each counted once per member)."""
+        out = [0] * self.group_size
+        kv = {(b.k_chunk, b.executor) for b in self.compute if self.chunks[b.k_chunk].owner != b.executor}
+        q = {(b.q_chunk, b.executor) for b in self.compute if self.chunks[b.q_chunk].owner != b.executor}
+        for c, m in kv | q:
+            out[m] += self.chunks[c].length
+        return out
+
+    def check(self, doc_lengths: Sequence[int], doc_slices: Sequence[Sequence[AttnSlice]]) -> BlockPlacement:
+        """Raise PlacementError unless the contract holds: the chunks of every document cover
+        it exactly once; every (q, k) chunk pair of one document with a non-zero masked area
+        appears with head ranges partitioning [0, num_heads); no block has a zero area;
+        owners and executors are members."""
+        g, H = self.group_size, self.num_heads
+        by_doc: Dict[int, List[Tuple[int, int, int]]] = {}
+        for i, c in enumerate(self.chunks):
+            if not 0 <= c.doc < len(doc_lengths):
+                raise PlacementError(f"chunk {i}: document {c.doc} is not one of the group's {len(doc_lengths)}")
+            if not 0 <= c.owner < g:
+                raise PlacementError(f"chunk {i}: owner {c.owner} is not a member of a group of {g}")
+            if c.length <= 0 or c.start < 0 or c.end > doc_lengths[c.doc]:
+                raise PlacementError(f"chunk {i}: [{c.start}, {c.end}) is not inside document {c.doc}")
+            by_doc.setdefault(c.doc, []).append((c.start, c.end, i))
+        for d, n in enumerate(doc_lengths):
+            pos = 0
+            for s, e, i in sorted(by_doc.get(d, [])):
+                if s != pos:
+                    raise PlacementError(f"document {d}: chunk {i} starts at {s}, expected {pos} (gap or overlap)")
+                pos = e
+            if pos != n:
+                raise PlacementError(f"document {d}: chunks cover [0, {pos}) of its {n} tokens")
+        heads: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+        for j, b in enumerate(self.compute):
+            if not (0 <= b.q_chunk < len(self.chunks) and 0 <= b.k_chunk < len(self.chunks)):
+                raise PlacementError(f"block {j}: chunk index out of range")
+            qc, kc = self.chunks[b.q_chunk], self.chunks[b.k_chunk]
+            if qc.doc != kc.doc:
+                raise PlacementError(f"block {j}: query chunk {b.q_chunk} and key chunk {b.k_chunk} differ in document")
+            if not 0 <= b.executor < g:
+                raise PlacementError(f"block {j}: executor {b.executor} is not a member of a group of {g}")
+            if not 0 <= b.head_start < b.head_end <= H:
+                raise PlacementError(f"block {j}: heads [{b.head_start}, {b.head_end}) not inside [0, {H})")
+            if rect_pairs(doc_slices[qc.doc], qc.start, qc.end, kc.start, kc.end) == 0:
+                raise PlacementError(f"block {j}: chunks {b.q_chunk} x {b.k_chunk} have no masked pair")
+            heads.setdefault((b.q_chunk, b.k_chunk), []).append((b.head_start, b.head_end))
+        for d, pieces in by_doc.items():
+            for qs, qe, qi in pieces:
+                for ks, ke, ki in pieces:
+                    has = rect_pairs(doc_slices[d], qs, qe, ks, ke) > 0
+                    ranges = sorted(heads.get((qi, ki), []))
+                    if has != bool(ranges):
+                        raise PlacementError(
+                            f"document {d}: chunks {qi} x {ki} "
+                            + ("have masked pairs but no compute block" if has else "appear without a masked pair")
+                        )
+                    pos = 0
+                    for hs, he in ranges:
+                        if hs != pos:
+                            raise PlacementError(f"chunks {qi} x {ki}: head ranges {ranges} do not partition [0, {H})")
+                        pos = he
+                    if has and pos != H:
+                        raise PlacementError(f"chunks {qi} x {ki}: head ranges {ranges} do not partition [0, {H})")
+        return self
+
+
+def sample_slices(doc_lengths: Sequence[int], masks: Optional[Sequence[Optional[SampleMask]]] = None):
+    """The slices of each document: its mask's, or one causal slice when it has none."""
+    masks = masks or [None] * len(doc_lengths)
+    out = []
+    for n, m in zip(doc_lengths, masks):
+        out.append(m.slices() if m is not None else [AttnSlice(0, n, 0, n, SliceKind.CAUSAL)])
+    return out
+
+
+def masks_of(doc_ids: Sequence[int], masks: Optional[Mapping[int, SampleMask]]) -> List[Optional[SampleMask]]:
+    """Masks aligned with a group's distributed sample ids (None: causal)."""
+    masks = masks or {}
+    return [masks.get(s) for s in doc_ids]
+
+
+def add_compute_blocks(
+    placement: BlockPlacement,
+    doc_slices: Sequence[Sequence[AttnSlice]],
+    executor_of=None,
+    head_ranges: Sequence[Tuple[int, int]] = (),
+) -> BlockPlacement:
+    """Append a compute block for every (q, k) chunk pair of one document with masked pairs.
+
+    `executor_of(q_chunk, k_chunk, head_start, head_end)` picks the executor (default: the
+    query chunk's owner); `head_ranges` cut [0, num_heads) (default: one range, all heads)."""
+    H = placement.num_heads
+    ranges = list(head_ranges) or [(0, H)]
+    by_doc: Dict[int, List[int]] = {}
+    for i, c in enumerate(placement.chunks):
+        by_doc.setdefault(c.doc, []).append(i)
+    chunks = placement.chunks
+    for d in sorted(by_doc):
+        idx = by_doc[d]
+        sl = doc_slices[d]
+        causal_only = len(sl) == 1 and sl[0].kind == SliceKind.CAUSAL and sl[0].q_start == 0 and sl[0].k_start == 0
+        for qi in idx:
+            qc = chunks[qi]
+            for ki in idx:
+                kc = chunks[ki]
+                if causal_only and kc.start > qc.end - 1:
+                    continue  # keys after the last query: nothing to attend
+                p = rect_pairs(sl, qc.start, qc.end, kc.start, kc.end)
+                if p == 0:
+                    continue
+                for hs, he in ranges:
+                    ex = qc.owner if executor_of is None else executor_of(qi, ki, hs, he)
+                    placement.compute.append(ComputeBlock(qi, ki, hs, he, ex, p))
+    return placement
