@@ -1,0 +1,181 @@
+"""DCP's planner: every sample placed once, memory within the cap counting received rows,
+groups from the placement (registered blocks, disjoint per wave), hierarchical partitioning,
+the division schedule, determinism, and the Mt-KaHyPar refinement against the greedy."""
+
+import random
+import time
+
+import pytest
+
+from hf_cp.balance import hypergraph
+from hf_cp.balance.dcp import (
+    DcpError,
+    DcpOptions,
+    Weights,
+    covering_block,
+    cut_sample,
+    division_overlap_ms,
+    plan_layout,
+    schedule_divisions,
+)
+from hf_cp.balance.placement import BlockPlacement, Chunk, ComputeBlock, sample_slices
+from hf_cp.cluster import ClusterSpec
+from hf_cp.masks import SampleMask
+
+BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
+
+
+def check_layout(layout, lengths, world, cap, cost, masks=None):
+    """Independent checks of a DcpLayout; returns each rank's predicted time per wave."""
+    cluster = ClusterSpec(world, cap)
+    w = Weights(cost)
+    seen = []
+    slices = sample_slices(lengths, masks)
+    for groups in layout.waves:
+        busy = set()
+        for ranks, docs, pl, div, local in groups:
+            assert cluster.is_registered(tuple(ranks)) or len(ranks) == 1
+            assert not busy & set(ranks), "groups of a wave overlap"
+            busy |= set(ranks)
+            for r, ids in local.items():
+                assert r in ranks
+                seen.extend(ids)
+            seen.extend(docs)
+            if pl is None:
+                assert not docs
+                continue
+            assert pl.group_size == len(ranks)
+            pl.check([lengths[i] for i in docs], [slices[i] for i in docs])
+            assert len(div) == len(pl.compute)
+            owned = pl.member_tokens()
+            for m, r in enumerate(ranks):
+                kv = {b.k_chunk for b in pl.compute if b.executor == m and pl.chunks[b.k_chunk].owner != m}
+                q = {b.q_chunk for b in pl.compute if b.executor == m and pl.chunks[b.q_chunk].owner != m}
+                tokens = owned[m] + sum(lengths[i] for i in local.get(r, []))
+                tokens += sum(pl.chunks[c].length for c in kv) * w.kv_row_share
+                tokens += sum(pl.chunks[c].length for c in q) * w.q_row_share
+                assert tokens <= cap + 1e-9
+        for ranks, _docs, pl, _div, local in groups:
+            for r, ids in local.items():
+                assert sum(lengths[i] for i in ids) + (pl.member_tokens()[ranks.index(r)] if pl else 0) <= cap
+    assert sorted(seen) == list(range(len(lengths))), "a sample is lost or placed twice"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outlier_document_spreads_over_the_world_and_balances(backend, h200_cost):
+    rng = random.Random(1)
+    lengths = [400_000] + [rng.randint(50, 3000) for _ in range(300)]
+    t0 = time.process_time()
+    lay = plan_layout(lengths, 16, 8, 32768, h200_cost, options=DcpOptions(partitioner=backend))
+    assert time.process_time() - t0 < 10
+    assert lay.backend == backend
+    check_layout(lay, lengths, 16, 32768, h200_cost)
+    w = Weights(h200_cost)
+    # the long document runs distributed over the whole world, its attention balanced
+    spread = [(ranks, pl) for groups in lay.waves for ranks, docs, pl, div, local in groups if 0 in docs]
+    assert len(spread) == 1
+    ranks, pl = spread[0]
+    assert len(ranks) == 16
+    attn = [0.0] * 16
+    for b in pl.compute:
+        attn[b.executor] += w.attention_ms(b.pairs, pl.chunks[b.q_chunk].length)
+    assert max(attn) / (sum(attn) / 16) < 1.10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_and_short_samples_within_a_node(backend, h200_cost):
+    rng = random.Random(2)
+    masks, lengths = [], []
+    for i in range(40):
+        if i % 3 == 0:
+            m = SampleMask.shared_prompt(rng.randint(10, 200), [rng.randint(100, 2500) for _ in range(8)])
+        elif i % 3 == 1:
+            m = SampleMask.sliding_window(rng.randint(3000, 20000), 1024)
+        else:
+            m = None
+        masks.append(m)
+        lengths.append(m.length if m is not None else rng.randint(100, 6000))
+    lay = plan_layout(lengths, 8, 8, 16384, h200_cost, masks, DcpOptions(partitioner=backend))
+    check_layout(lay, lengths, 8, 16384, h200_cost, masks)
+    again = plan_layout(lengths, 8, 8, 16384, h200_cost, masks, DcpOptions(partitioner=backend))
+    assert [[(r, d, pl.to_dict() if pl else None, dv, lo) for r, d, pl, dv, lo in g] for g in again.waves] == [
+        [(r, d, pl.to_dict() if pl else None, dv, lo) for r, d, pl, dv, lo in g] for g in lay.waves
+    ]
+
+
+@pytest.mark.parametrize("doc,nodes", [(40_000, 1), (100_000, 2)])
+def test_hierarchical_levels_spread_a_document_over_as_few_nodes_as_its_time_needs(doc, nodes, h200_cost):
+    # 4 nodes of 8 ranks; 500 short samples; a 40K document needs ~5 ranks' share of the step's
+    # time (one node), a 100K one ~14 (two nodes)
+    rng = random.Random(3)
+    lengths = [doc] + [rng.randint(100, 2000) for _ in range(500)]
+    lay = plan_layout(lengths, 32, 8, 32768, h200_cost, options=DcpOptions(partitioner="greedy"))
+    check_layout(lay, lengths, 32, 32768, h200_cost)
+    spread = [ranks for groups in lay.waves for ranks, docs, pl, div, local in groups if 0 in docs]
+    assert len(spread) == 1
+    assert len({r // 8 for r in spread[0]}) == nodes
+
+
+def test_a_step_that_cannot_fit_is_refused_by_name(h200_cost):
+    with pytest.raises(DcpError, match=r"sample 1 \(1999 tokens\) does not fit 2 ranks x 1000 tokens"):
+        plan_layout([1990, 1999], 2, 8, 1000, h200_cost, options=DcpOptions(fill=1.0))
+
+
+def test_covering_block_is_the_smallest_aligned_block():
+    assert covering_block([5], 16) == (5,)
+    assert covering_block([4, 5], 16) == (4, 5)
+    assert covering_block([3, 4], 16) == tuple(range(8))
+    assert covering_block([1, 9], 16) == tuple(range(16))
+
+
+def test_cut_sample_blocks_cover_and_skip_empty_pairs():
+    s = cut_sample(7, 1000, sample_slices([1000])[0], 4)
+    assert [b[1] for b in s.blocks] == [250] * 4
+    assert [(q, k) for q, k, _ in s.compute] == [(q, k) for q in range(4) for k in range(q + 1)]
+    sw = cut_sample(0, 1000, SampleMask.sliding_window(1000, 100).slices(), 4)
+    assert all(q - k <= 1 for q, k, _ in sw.compute)  # a 100-token window reaches one block back
+    assert sum(p for *_, p in sw.compute) == SampleMask.sliding_window(1000, 100).pairs()
+
+
+# ---------------------------------------------------------------------- divisions
+def two_member_placement():
+    # member 0 owns chunks 0, 1; member 1 owns chunks 2, 3 (one causal sample of 4 x 10 tokens)
+    pl = BlockPlacement(2, 4, [Chunk(0, 10 * i, 10, 0 if i < 2 else 1) for i in range(4)])
+    for q in range(4):
+        for k in range(q + 1):
+            pl.compute.append(ComputeBlock(q, k, 0, 4, pl.chunks[q].owner, 55 if q == k else 100))
+    return pl
+
+
+def test_division_zero_holds_the_local_blocks_and_middle_divisions_respect_the_traffic_share():
+    pl = two_member_placement()
+    div = schedule_divisions(pl, [1.0] * len(pl.compute), 4)
+    assert len(div) == len(pl.compute) and set(div) <= {0, 1, 2, 3}
+    for d, b in zip(div, pl.compute):
+        local = pl.chunks[b.q_chunk].owner == b.executor == pl.chunks[b.k_chunk].owner
+        assert (d == 0) == local
+    # member 1 receives chunks 0 and 1 (20 rows) in all: at most 20/4 = 5 rows per middle division,
+    # so neither 10-row chunk may arrive before the last division
+    remote = [d for d, b in zip(div, pl.compute) if pl.chunks[b.k_chunk].owner != b.executor]
+    assert remote and all(d == 3 for d in remote)
+    assert schedule_divisions(pl, [1.0] * len(pl.compute), 1) == [0] * len(pl.compute)
+
+
+def test_division_overlap_hides_transfers_behind_the_previous_division():
+    assert division_overlap_ms([5, 5, 5], [0, 3, 7]) == 0 + 5 + 7 + 5
+    assert division_overlap_ms([5], [2]) == 7
+    assert division_overlap_ms([], []) == 0
+
+
+@pytest.mark.skipif(not hypergraph.available(), reason="needs Mt-KaHyPar (pip install mtkahypar)")
+def test_refinement_never_moves_more_bytes_than_the_greedy(h200_cost):
+    rng = random.Random(5)
+    masks = [SampleMask.shared_prompt(64, [rng.randint(2000, 9000) for _ in range(6)]) for _ in range(4)]
+    lengths = [m.length for m in masks] + [rng.randint(100, 1000) for _ in range(60)]
+    masks += [None] * 60
+    moved = {}
+    for backend in ("greedy", "mtkahypar"):
+        lay = plan_layout(lengths, 8, 8, 32768, h200_cost, masks, DcpOptions(partitioner=backend))
+        check_layout(lay, lengths, 8, 32768, h200_cost, masks)
+        moved[backend] = sum(pl.kv_transfers() for groups in lay.waves for _, _, pl, _, _ in groups if pl is not None)
+    assert moved["mtkahypar"] <= moved["greedy"]
