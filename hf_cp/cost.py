@@ -297,22 +297,35 @@ class CostModel:
         per_doubling = (f_max - 1.0) / math.log2(w_max)
         return 1.0 + per_doubling * math.log2(ways)
 
-    def _segments_attention_ms(self, segments: Sequence[Segment]) -> float:
+    def _segments_attention_ms(self, segments: Sequence[Segment], doc_lengths=None, masks=None) -> float:
         c2 = self.c2
         total = 0.0
         for s in segments:
-            pairs = s.length * s.start + s.length * (s.length + 1) // 2
+            if masks and masks[s.doc] is not None:  # a masked sample: its masked area (block_cost.py)
+                from .block_cost import masked_segment_pairs
+
+                pairs = masked_segment_pairs(s, doc_lengths[s.doc], masks[s.doc])
+            else:
+                pairs = s.length * s.start + s.length * (s.length + 1) // 2
             total += c2 * pairs / self.chunk_efficiency(s.length)
         return total
 
+    def _docs_attention_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        if not masks or all(m is None for m in masks):
+            return sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        from .block_cost import masked_doc_pairs
+
+        return sum(self.c2 * masked_doc_pairs(n, m) / self.chunk_efficiency(n) for n, m in zip(doc_lengths, masks))
+
     # ---- local documents: no communication
-    def local_ms(self, doc_lengths: Sequence[int]) -> float:
-        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0)."""
+    def local_ms(self, doc_lengths: Sequence[int], masks=None) -> float:
+        """Whole-model fwd+bwd time of documents packed on one rank (excluding c0); `masks`
+        (aligned with the lengths, None entries causal) price masked samples by their area."""
         if not doc_lengths:
             return 0.0
         L = self.dims.num_layers
         t = sum(doc_lengths)
-        attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
+        attn = self._docs_attention_ms(doc_lengths, masks)
         return L * (self.c1 * t + attn) + self.head_ms_per_token * t
 
     def sample_local_ms(self, length: int) -> float:
@@ -385,11 +398,17 @@ class CostModel:
         ranks: Sequence[int],
         member: int,
         local_lengths: Sequence[int] = (),
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
-        are this member's local documents (computed with no communication)."""
+        are this member's local documents (computed with no communication). `masks` and
+        `local_masks` (aligned with the lengths; None entries causal) price masked samples by
+        their masked area. Mode BLOCKS is priced from its layout: block_cost.block_group_costs."""
         mode = ShardMode(mode)
+        if mode == ShardMode.BLOCKS:
+            raise ValueError("a 'blocks' group is priced from its block layout: use block_cost.block_group_costs")
         return self._rank_cost(
             doc_lengths,
             mode,
@@ -398,6 +417,8 @@ class CostModel:
             local_lengths,
             _segments_builder(mode, doc_lengths, len(ranks)),
             self.link_for(ranks),
+            masks,
+            local_masks,
         )
 
     def distributed_rank_costs(
@@ -426,6 +447,8 @@ class CostModel:
         local_lengths: Sequence[int],
         segments_of,
         link: Link,
+        masks=None,
+        local_masks=None,
     ) -> RankCost:
         g = len(ranks)
         L = self.dims.num_layers
@@ -433,25 +456,21 @@ class CostModel:
         dist_tokens = segment_tokens(segs)
         local_tokens = sum(local_lengths)
         tokens = dist_tokens + local_tokens
-        local_attn = sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in local_lengths)
+        local_attn = self._docs_attention_ms(local_lengths, local_masks)
         total = sum(doc_lengths)
         comm_bytes = 0
         dist_attn = 0.0
         if doc_lengths and g > 1:
             if mode == ShardMode.ULYSSES:
                 # after the all-to-all each rank runs whole documents on H/g heads
-                dist_attn = (
-                    self.head_split_factor(g)
-                    * sum(self.c2 * doc_pairs(n) / self.chunk_efficiency(n) for n in doc_lengths)
-                    / g
-                )
+                dist_attn = self.head_split_factor(g) * self._docs_attention_ms(doc_lengths, masks) / g
                 comm_bytes = self.ulysses_bytes_per_layer(dist_tokens, total, g)
             else:
-                dist_attn = self._segments_attention_ms(segs)
+                dist_attn = self._segments_attention_ms(segs, doc_lengths, masks)
                 nxt = segment_tokens(segments_of((member + 1) % g))
                 comm_bytes = self.ring_bytes_per_layer(nxt, total, g)
         elif doc_lengths:
-            dist_attn = self._segments_attention_ms(segs)
+            dist_attn = self._segments_attention_ms(segs, doc_lengths, masks)
         comm_ms = 0.0
         if comm_bytes:
             n_msgs = 4 * (g - 1) if mode == ShardMode.ULYSSES else 3 * (g - 1)

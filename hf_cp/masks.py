@@ -426,3 +426,140 @@ def masks_from_json(d: Optional[Mapping], lengths: Mapping[int, int]) -> Dict[in
             raise MaskError(f"a mask is given for sample {sid}, which is not in the step")
         out[sid] = SampleMask.from_dict(v, sid).validate(sid, lengths[sid])
     return out
+
+
+# --------------------------------------------------------------------------- clipping and intersection
+# A region of rows [u, v) whose row i attends keys [max(lo funcs)(i), min(hi funcs)(i)), each
+# func an affine a + s*i with slope s in {0, 1}. Slices, rectangles and sliding windows are all
+# such bounds, so one routine clips a mask to a rectangle, intersects two masks or applies a
+# layer's window, and returns *tight* slices: every row of a result slice sees at least one
+# key and no clamp of the slice's definition is active, so its kind follows the slopes of
+# its bounds alone (the kernels rely on that).
+Affine = Tuple[int, int]  # (a, s): a + s * i
+
+
+def _slice_bounds(s: AttnSlice) -> Tuple[List[Affine], List[Affine]]:
+    lo: List[Affine] = [(s.k_start, 0)]
+    hi: List[Affine] = [(s.k_end, 0)]
+    if s.kind in (SliceKind.INV_CAUSAL, SliceKind.BI_CAUSAL):
+        lo.append((s.k_start - s.q_start, 1))
+    if s.kind in (SliceKind.CAUSAL, SliceKind.BI_CAUSAL):
+        hi.append((s.k_end - s.q_end + 1, 1))
+    return lo, hi
+
+
+def _pick(funcs: Sequence[Affine], x: int, largest: bool) -> Affine:
+    """The func that is the max (or min) on rows [x, next breakpoint): ties at x go to the one
+    that wins just after x (no two funcs cross strictly inside a piece)."""
+    if largest:
+        return max(funcs, key=lambda f: (f[0] + f[1] * x, f[1]))
+    return min(funcs, key=lambda f: (f[0] + f[1] * x, f[1]))
+
+
+def _tight_slices(u: int, v: int, lo: Sequence[Affine], hi: Sequence[Affine]) -> List[AttnSlice]:
+    if u >= v:
+        return []
+    funcs = list(lo) + list(hi)
+    cuts = {u, v}
+    for i in range(len(funcs)):
+        for j in range(i + 1, len(funcs)):
+            (a1, s1), (a2, s2) = funcs[i], funcs[j]
+            if s1 != s2:  # slopes differ by one: they cross at an integer row
+                for x in ((a2 - a1) // (s1 - s2), (a2 - a1 + 1) // (s1 - s2)):
+                    if u < x < v:
+                        cuts.add(x)
+    bounds = sorted(cuts)
+    pieces: List[Tuple[int, int, Affine, Affine]] = []
+    for x, y in zip(bounds, bounds[1:]):
+        (la, ls), (ha, hs) = _pick(lo, x, True), _pick(hi, x, False)
+        # width hi - lo is affine on [x, y): keep the rows where it is at least 1
+        w0, dw = (ha + hs * x) - (la + ls * x), hs - ls
+        if dw == 0:
+            a, b = (x, y) if w0 >= 1 else (x, x)
+        elif dw > 0:
+            a, b = max(x, x + 1 - w0), y
+        else:
+            a, b = x, min(y, x + w0)
+        if a < b:
+            if pieces and pieces[-1][1] == a and pieces[-1][2] == (la, ls) and pieces[-1][3] == (ha, hs):
+                pieces[-1] = (pieces[-1][0], b, (la, ls), (ha, hs))
+            else:
+                pieces.append((a, b, (la, ls), (ha, hs)))
+    out = []
+    for a, b, (la, ls), (ha, hs) in pieces:
+        kind = {
+            (0, 0): SliceKind.FULL,
+            (0, 1): SliceKind.CAUSAL,
+            (1, 0): SliceKind.INV_CAUSAL,
+            (1, 1): SliceKind.BI_CAUSAL,
+        }[(ls, hs)]
+        out.append(AttnSlice(a, b, la + ls * a, ha + hs * (b - 1), kind))
+    return out
+
+
+def clip_slices(slices: Iterable[AttnSlice], q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> List[AttnSlice]:
+    """The mask restricted to queries [q_lo, q_hi) x keys [k_lo, k_hi), as tight slices (in the
+    mask's own positions). Their pairs add up to rect_pairs of the same rectangle."""
+    out: List[AttnSlice] = []
+    for s in slices:
+        lo, hi = _slice_bounds(s)
+        out.extend(_tight_slices(max(q_lo, s.q_start), min(q_hi, s.q_end), lo + [(k_lo, 0)], hi + [(k_hi, 0)]))
+    return out
+
+
+def intersect_slices(a: Iterable[AttnSlice], b: Iterable[AttnSlice]) -> List[AttnSlice]:
+    """Pairs attended under both masks, as tight slices."""
+    b = list(b)
+    out: List[AttnSlice] = []
+    for sa in a:
+        la, ha = _slice_bounds(sa)
+        for sb in b:
+            u, v = max(sa.q_start, sb.q_start), min(sa.q_end, sb.q_end)
+            if u < v:
+                lb, hb = _slice_bounds(sb)
+                out.extend(_tight_slices(u, v, la + lb, ha + hb))
+    return out
+
+
+def position_offsets(mask: SampleMask) -> List[Tuple[int, int, int]]:
+    """(start, end, position - index) of the runs where a token's rotary position is its index
+    plus a constant: one run, except for a shared-prompt sample's answers."""
+    if mask.kind != "shared_prompt":
+        return [(0, mask.length, 0)]
+    out = [(0, mask.prompt, 0)] if mask.prompt else []
+    start = mask.prompt
+    for a in mask.answers:
+        out.append((start, start + a, mask.prompt - start))
+        start += a
+    return out
+
+
+def window_slices(mask: SampleMask, window: Optional[int]) -> List[AttnSlice]:
+    """The sample's mask under a layer's sliding window: a query at position p keeps only keys
+    at positions in (p - window, p], positions being the rotary ones (a shared-prompt answer
+    counts its distance to the prompt from its own position, as when trained on its own).
+    None or a window at least the sample's length leaves the mask as it is."""
+    slices = mask.slices()
+    if window is None or window >= mask.length:
+        return slices
+    if window < 1:
+        raise MaskError(f"a sliding window must be at least 1 token, got {window}")
+    runs = position_offsets(mask)
+
+    def offset(lo: int, hi: int, what: str, s: AttnSlice) -> int:
+        for a, b, d in runs:
+            if a <= lo and hi <= b:
+                return d
+        raise MaskError(
+            f"slice {s.to_list()}: its {what} range [{lo}, {hi}) spans tokens of different position runs; "
+            "a sliding window cannot be applied to it"
+        )
+
+    out: List[AttnSlice] = []
+    for s in slices:
+        dq = offset(s.q_start, s.q_end, "query", s)
+        dk = offset(s.k_start, s.k_end, "key", s)
+        # (i + dq) - (k + dk) < window  <=>  k >= i + dq - dk - window + 1
+        lo, hi = _slice_bounds(s)
+        out.extend(_tight_slices(s.q_start, s.q_end, lo + [(dq - dk - window + 1, 1)], hi))
+    return out

@@ -16,8 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from .block_plan import BlockLayout, BlockLayoutError, doc_slices
 from .cluster import ClusterSpec
-from .shard import ShardMode, rank_segments, segment_tokens
+from .masks import MaskError, SampleMask, masks_from_json
+from .shard import Segment, ShardMode, rank_segments, segment_tokens
 
 FORMAT = "hf_cp.step_plan/1"
 
@@ -32,11 +34,14 @@ class Group:
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
     mode: ShardMode = ShardMode.RING_PER_DOC  # how `distributed` is sharded
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
+    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_plan.py)
 
     def __post_init__(self):
         self.ranks = tuple(int(r) for r in self.ranks)
         self.mode = ShardMode(self.mode)
         self.local = {int(r): list(v) for r, v in self.local.items()}
+        if isinstance(self.blocks, Mapping):
+            self.blocks = BlockLayout.from_dict(self.blocks)
 
     @property
     def size(self) -> int:
@@ -45,11 +50,23 @@ class Group:
     def sample_ids(self) -> List[int]:
         return list(self.distributed) + [s for r in sorted(self.local) for s in self.local[r]]
 
+    def member_segments(self, member: int, lens: Mapping[int, int]) -> List[Segment]:
+        """The segments of the distributed samples `member` holds, in its row order."""
+        if not self.distributed:
+            return []
+        if self.mode == ShardMode.BLOCKS:
+            if self.blocks is None:
+                raise PlanError(f"group {list(self.ranks)} has mode 'blocks' but no block layout")
+            return self.blocks.member_segments(member)
+        return rank_segments(self.mode, [lens[s] for s in self.distributed], self.size, member)
+
     def to_dict(self) -> dict:
         d = {"ranks": list(self.ranks)}
         if self.distributed:
             d["distributed"] = list(self.distributed)
             d["mode"] = self.mode.value
+            if self.mode == ShardMode.BLOCKS and self.blocks is not None:
+                d["blocks"] = self.blocks.to_dict()
         if any(self.local.values()):
             d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
         return d
@@ -61,6 +78,7 @@ class Group:
             distributed=list(d.get("distributed", [])),
             mode=ShardMode(d.get("mode", ShardMode.RING_PER_DOC.value)),
             local={int(k): list(v) for k, v in d.get("local", {}).items()},
+            blocks=BlockLayout.from_dict(d["blocks"], "group blocks") if "blocks" in d else None,
         )
 
 
@@ -81,6 +99,7 @@ class StepPlan:
     waves: List[Wave] = field(default_factory=list)
     step: int = 0
     balancer: str = ""
+    masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> mask; absent: causal
 
     # ---- lookups
     def length_of(self) -> Dict[int, int]:
@@ -96,8 +115,15 @@ class StepPlan:
         member = group.ranks.index(rank)
         t = sum(lens[s] for s in group.local.get(rank, []))
         if group.distributed:
-            t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+            if group.mode == ShardMode.BLOCKS and group.blocks is not None:
+                t += group.blocks.member_tokens(member)
+            elif group.mode != ShardMode.BLOCKS:
+                t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
         return t
+
+    def group_masks(self, group: Group) -> List[Optional[SampleMask]]:
+        """The masks of a group's distributed samples, in order (None: causal)."""
+        return [self.masks.get(s) for s in group.distributed]
 
     def cp_size_of_samples(self) -> Dict[int, int]:
         """Sample id -> ranks it runs on (the group size if distributed, 1 if local)."""
@@ -120,7 +146,7 @@ class StepPlan:
 
     # ---- serialisation
     def to_dict(self) -> dict:
-        return {
+        d = {
             "format": FORMAT,
             "step": self.step,
             "balancer": self.balancer,
@@ -129,6 +155,9 @@ class StepPlan:
             "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
             "waves": [w.to_dict() for w in self.waves],
         }
+        if self.masks:  # absent when every sample is causal: such plans serialise as before
+            d["masks"] = {str(s): m.to_dict() for s, m in sorted(self.masks.items())}
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -154,8 +183,11 @@ class StepPlan:
                 step=int(d.get("step", 0)),
                 balancer=str(d.get("balancer", "")),
             )
+            plan.masks = masks_from_json(d.get("masks"), plan.length_of())
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
+        except (MaskError, BlockLayoutError) as e:
+            raise PlanError(f"{source}: {e}") from None
         except (TypeError, ValueError, IndexError) as e:
             raise PlanError(f"{source}: malformed plan: {e}") from None
         return plan
@@ -189,6 +221,13 @@ class StepPlan:
             if cluster.world_size != self.world_size:
                 raise PlanError(f"{where}: plan is for world {self.world_size}, cluster has {cluster.world_size}")
         lens = self.length_of()
+        for s, m in sorted(self.masks.items()):
+            if s not in lens:
+                raise PlanError(f"{where}: a mask is given for sample {s}, which is not in the step")
+            try:
+                m.validate(s, lens[s])
+            except MaskError as e:
+                raise PlanError(f"{where}: {e}") from None
         seen: Dict[int, int] = {}  # sample -> wave
         for w, wave in enumerate(self.waves):
             busy: Dict[int, int] = {}
@@ -226,13 +265,16 @@ class StepPlan:
                     if s in seen:
                         raise PlanError(f"{where}: sample {s} is scheduled twice (waves {seen[s]} and {w})")
                     seen[s] = w
-                for r in g.ranks:
-                    t = self.rank_tokens(g, r, lens)
+                extra = self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
+                for m, r in enumerate(g.ranks):
+                    t = self.rank_tokens(g, r, lens) + extra[m]
                     if t > self.max_tokens_per_rank:
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
                             f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
-                            f"{g.distributed} distributed over {list(g.ranks)})"
+                            f"{g.distributed} distributed over {list(g.ranks)}"
+                            + (f", received K/V and Q rows counted as {extra[m]} tokens" if extra[m] else "")
+                            + ")"
                         )
         missing = [s for s in self.sample_ids if s not in seen]
         if missing:
@@ -241,3 +283,24 @@ class StepPlan:
                 f"({len(missing)} in all) are never scheduled"
             )
         return self
+
+    def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> List[int]:
+        """Check a blocks-mode group's layout; return each member's received rows in token
+        units (block_cost.received_token_equivalent; zero without a cost model or layout)."""
+        if g.mode != ShardMode.BLOCKS or not g.distributed:
+            if g.blocks is not None and g.distributed:
+                raise PlanError(f"{where}: a block layout is given but the mode is {g.mode.value!r}, not 'blocks'")
+            return [0] * g.size
+        if g.blocks is None:
+            raise PlanError(f"{where}: mode 'blocks' needs a block layout ('blocks': chunks and compute)")
+        dist = [lens[s] for s in g.distributed]
+        heads = cost.dims.num_heads if cost is not None else None
+        try:
+            g.blocks.validate(dist, g.size, doc_slices(dist, self.group_masks(g)), heads, g.distributed)
+        except BlockLayoutError as e:
+            raise PlanError(f"{where}: {e}") from None
+        if cost is None:
+            return [0] * g.size
+        from .block_cost import received_token_equivalent
+
+        return [received_token_equivalent(g.blocks, m, cost) for m in range(g.size)]

@@ -20,6 +20,11 @@ class ShardMode(str, Enum):
     ULYSSES = "ulysses"  # contiguous token split; all-to-all over heads
     RING_ZIGZAG = "ring_zigzag"  # whole packed sequence in 2g chunks, rank r: chunks r, 2g-1-r
     RING_PER_DOC = "ring_per_doc"  # every document in 2g parts, rank r: parts r, 2g-1-r
+    BLOCKS = "blocks"  # placed chunks and compute blocks (block_plan.BlockLayout); all-to-all-v
+
+
+# The modes whose geometry follows from the documents' lengths alone (rank_segments).
+WHOLE_DOCUMENT_MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
 
 
 class Segment(NamedTuple):
@@ -100,6 +105,11 @@ def contiguous_segments(doc_lengths: Sequence[int], group_size: int, rank: int) 
 
 def rank_segments(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
     mode = ShardMode(mode)
+    if mode == ShardMode.BLOCKS:
+        raise ValueError(
+            "shard mode 'blocks' places chunks explicitly: a member's segments come from the group's block "
+            "layout (plan.Group.member_segments / block_plan.BlockLayout.member_segments), not from lengths"
+        )
     if not 0 <= rank < group_size:
         raise ValueError(f"rank {rank} outside group of size {group_size}")
     if mode == ShardMode.ULYSSES:

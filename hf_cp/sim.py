@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 from .cluster import ClusterSpec
 from .cost import CostModel
 from .plan import Group, StepPlan
+from .shard import ShardMode
 
 
 @dataclass
@@ -61,16 +62,27 @@ class SimResult:
         return sum(self.idle_ms) / total if total > 0 else 0.0
 
 
-def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel):
-    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch."""
+def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None):
+    """Per member: (compute_ms, comm_ms, comm_bytes, tokens) of one group's micro-batch;
+    `masks` (sample id -> SampleMask) prices masked samples by their masked area."""
+    masks = masks or {}
     dist = [plan_lens[s] for s in group.distributed]
+    dist_masks = [masks.get(s) for s in group.distributed] if masks else None
+    if group.distributed and group.mode == ShardMode.BLOCKS:
+        from .block_cost import block_group_costs
+
+        local = {m: [plan_lens[s] for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        local_masks = {m: [masks.get(s) for s in group.local.get(r, [])] for m, r in enumerate(group.ranks)}
+        costs = block_group_costs(group.blocks, dist, group.ranks, cost, dist_masks, local, local_masks)
+        return [(rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens) for rc in costs]
     out = []
     for m, r in enumerate(group.ranks):
         local = [plan_lens[s] for s in group.local.get(r, [])]
         if not dist and not local:
             out.append((0.0, 0.0, 0, 0))
             continue
-        rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
+        local_masks = [masks.get(s) for s in group.local.get(r, [])] if masks else None
+        rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local, dist_masks, local_masks)
         out.append((rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens))
     return out
 
@@ -90,7 +102,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     overhead = cost.micro_batch_overhead_ms()
     for w, wave in enumerate(plan.waves):
         for g in wave.groups:
-            costs = group_costs(lens, g, cost)
+            costs = group_costs(lens, g, cost, plan.masks)
             if all(c[3] == 0 for c in costs):
                 continue  # an empty group issues nothing
             start = max(clock[r] for r in g.ranks)
@@ -144,7 +156,7 @@ def simulate(plan: StepPlan, cost: CostModel) -> SimResult:
     )
 
 
-def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel) -> float:
+def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel, masks=None) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
     max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
@@ -152,7 +164,8 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
     sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
     extra, communication and per-micro-batch overheads are never negative). On a group of g
     ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
-    that share at the largest registered group size.
+    that share at the largest registered group size. `masks` (aligned with the lengths, None
+    entries causal) price masked samples by their masked area, as the simulator does.
     """
     total_area = 0.0
     longest = 0.0
@@ -163,7 +176,7 @@ def lower_bound_ms(lengths: Sequence[int], cluster: ClusterSpec, cost: CostModel
                 f"sample {i} has {n} tokens, more than the largest group holds "
                 f"({gmax} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
             )
-        area = cost.sample_local_ms(n)
+        area = cost.local_ms([n], [masks[i]] if masks else None)
         total_area += area
         longest = max(longest, area / gmax)
     return max(total_area / cluster.world_size, longest)

@@ -3,7 +3,7 @@
 import random
 
 from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.shard import ShardMode
+from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode
 
 
 def random_valid_plan(lengths, cluster, seed, ulysses_ok=lambda g: True):
@@ -26,7 +26,7 @@ def random_valid_plan(lengths, cluster, seed, ulysses_ok=lambda g: True):
         block = rng.choice(cluster.blocks(g))
         w = rng.randint(0, len(waves))
         local = g == 1 or (n <= cluster.max_tokens_per_rank and rng.random() < 0.4)
-        modes = [m for m in ShardMode if m != ShardMode.ULYSSES or ulysses_ok(g)]
+        modes = [m for m in WHOLE_DOCUMENT_MODES if m != ShardMode.ULYSSES or ulysses_ok(g)]
         mode = rng.choice(modes)
         placed = False
         if w < len(waves):

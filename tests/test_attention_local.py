@@ -23,7 +23,7 @@ from hf_cp.attention import (
 )
 from hf_cp.attention.blocks import block_pairs, range_pair_blocks
 from hf_cp.attention.kernels import CpuFlashKernel
-from hf_cp.shard import ShardMode, doc_pairs, rank_segments
+from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode, doc_pairs, rank_segments
 
 
 def _dense(blocks, n_q, n_k):
@@ -49,7 +49,7 @@ def test_range_pair_blocks_cover_exactly_the_causal_pairs(qs, ql, ks, kl):
 @given(
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=6),
     g=st.integers(1, 4),
-    mode=st.sampled_from(list(ShardMode)),
+    mode=st.sampled_from(WHOLE_DOCUMENT_MODES),
 )
 def test_segment_blocks_of_all_members_compute_each_causal_pair_once(lengths, g, mode):
     """Over every (query member, key member) pair, the blocks mapped back to packed positions
@@ -125,7 +125,7 @@ def test_single_member_context_runs_locally_with_all_modes():
     lengths, d = [7, 1, 12], 8
     q, k, v = torch.randn(20, 4, d), torch.randn(20, 2, d), torch.randn(20, 2, d)
     ref = packed_attention(q, k, v, lengths, 0.25)
-    for mode in ShardMode:
+    for mode in WHOLE_DOCUMENT_MODES:
         rows = torch.cat(
             [
                 torch.arange(s.start, s.start + s.length) + sum(lengths[: s.doc])

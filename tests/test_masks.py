@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.masks import AttnSlice, MaskError, SampleMask, SliceKind, masks_from_json, rect_pairs
+from hf_cp.masks import (
+    AttnSlice,
+    MaskError,
+    SampleMask,
+    SliceKind,
+    clip_slices,
+    intersect_slices,
+    masks_from_json,
+    rect_pairs,
+    window_slices,
+)
 
 
 def dense_slice(s: AttnSlice, n: int) -> np.ndarray:
@@ -140,3 +150,71 @@ def test_bad_json_is_refused_by_name():
         masks_from_json({"9": {"kind": "causal", "length": 3}}, {1: 3})
     with pytest.raises(MaskError, match="covers 3 tokens but the sample has 4"):
         masks_from_json({"1": {"kind": "causal", "length": 3}}, {1: 4})
+
+
+# ----------------------------------------------------------------------------- clipping, intersection, windows
+def assert_tight(slices):
+    """Every row of every slice sees a key, and no clamp of the slice's definition is active:
+    kernels take a slice's kind from its bounds alone."""
+    for s in slices:
+        for i in range(s.q_start, s.q_end):
+            lo, hi = s._raw_bounds(i)
+            assert s.k_start <= lo < hi <= s.k_end, (s, i, lo, hi)
+
+
+def dense_of(slices, n):
+    out = np.zeros((n, n), dtype=int)
+    for s in slices:
+        out += dense_slice(s, n)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(mask=KINDS, data=st.data())
+def test_clip_slices_is_the_dense_rectangle_as_tight_slices(mask, data):
+    n = mask.length
+    a, b = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    c, e = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    clipped = clip_slices(mask.slices(), a, b, c, e)
+    assert_tight(clipped)
+    want = np.zeros((n, n), dtype=int)
+    want[a:b, c:e] = dense(mask)[a:b, c:e]
+    assert (dense_of(clipped, n) == want).all()
+    assert sum(s.pairs() for s in clipped) == rect_pairs(mask.slices(), a, b, c, e)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 30), data=st.data())
+def test_intersect_slices_is_the_dense_and(n, data):
+    def of_length(m):
+        return st.one_of(
+            st.just(SampleMask.causal(m)),
+            st.builds(SampleMask.sliding_window, st.just(m), st.integers(1, m + 2)),
+            st.builds(SampleMask.prefix_lm, st.just(m), st.integers(0, m)),
+            st.builds(SampleMask.block_causal, st.just(m), st.integers(1, 8)),
+        )
+
+    a, b = data.draw(of_length(n)), data.draw(of_length(n))
+    got = intersect_slices(a.slices(), b.slices())
+    assert_tight(got)
+    assert (dense_of(got, n) == (dense(a) & dense(b))).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(mask=KINDS, window=st.integers(1, 12))
+def test_window_slices_keep_keys_within_the_window_in_rotary_positions(mask, window):
+    got = window_slices(mask, window)
+    assert_tight(got)
+    pos = np.asarray(mask.position_ids())
+    in_window = (pos[:, None] - pos[None, :]) < window
+    assert (dense_of(got, mask.length) == (intended(mask) & in_window)).all()
+    assert window_slices(mask, None) == mask.slices()
+
+
+def test_window_of_a_shared_prompt_answer_counts_from_its_own_position():
+    # prompt 4, answers 3 and 3: the second answer's first token (index 7, position 4) sees
+    # prompt keys at positions > 4 - 3 = 1 (indices 2, 3) and itself
+    m = SampleMask.shared_prompt(4, [3, 3])
+    d = dense_of(window_slices(m, 3), m.length)
+    assert d[7].nonzero()[0].tolist() == [2, 3, 7]
+    assert d[4].nonzero()[0].tolist() == [2, 3, 4]

@@ -1,7 +1,16 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.shard import ShardMode, causal_pairs, doc_pairs, rank_segments, segment_pairs, segment_tokens, split_sizes
+from hf_cp.shard import (
+    WHOLE_DOCUMENT_MODES,
+    ShardMode,
+    causal_pairs,
+    doc_pairs,
+    rank_segments,
+    segment_pairs,
+    segment_tokens,
+    split_sizes,
+)
 
 doc_lists = st.lists(st.integers(1, 200), min_size=1, max_size=12)
 groups = st.sampled_from([1, 2, 3, 4, 8])
@@ -17,7 +26,7 @@ def brute_force(doc_lengths, segments):
 
 
 @settings(max_examples=150, deadline=None)
-@given(doc_lists, groups, st.sampled_from(list(ShardMode)))
+@given(doc_lists, groups, st.sampled_from(WHOLE_DOCUMENT_MODES))
 def test_segments_cover_every_token_once_and_pairs_match_brute_force(docs, g, mode):
     seen = {}
     total_pairs = 0

@@ -9,7 +9,7 @@ from hf_cp.attention.context import CPContext
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.shard import ShardMode
+from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
 from hf_cp.train.planner import Planner
 from hf_cp.train.sampler import GlobalBatchSampler
@@ -59,7 +59,7 @@ def test_shifted_targets_mask_prompt_and_document_end():
     assert valid_targets(ids, None) == 4 and valid_targets(ids, labels) == 3
 
 
-@pytest.mark.parametrize("mode", list(ShardMode))
+@pytest.mark.parametrize("mode", WHOLE_DOCUMENT_MODES)
 @pytest.mark.parametrize("size", [2, 4])
 def test_collator_shards_cover_documents_exactly_once(mode, size):
     rows = synthetic_rows([37, 5, 64, 11], seed=1)

@@ -12,31 +12,40 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .blocks import Block, document_blocks
+from .blocks import FULL, INV_CAUSAL, Block, document_blocks
 from .kernels import AttentionKernel, kernel_for
 
 Tensor = torch.Tensor
 
 
-def _range_index(starts: Sequence[int], lens: Sequence[int]) -> Tensor:
-    """Concatenation of arange(s, s + n) for each (s, n), built without a Python loop per row."""
+def _range_index(starts: Sequence[int], lens: Sequence[int], reverse: Optional[Sequence[bool]] = None) -> Tensor:
+    """Concatenation of arange(s, s + n) for each (s, n) (descending where `reverse`), built
+    without a Python loop per row."""
     starts_t = torch.tensor(list(starts), dtype=torch.long)
     lens_t = torch.tensor(list(lens), dtype=torch.long)
     total = int(lens_t.sum())
     offsets = torch.cumsum(lens_t, 0) - lens_t
-    return torch.repeat_interleave(starts_t - offsets, lens_t, output_size=total) + torch.arange(total)
+    step = torch.arange(total) - torch.repeat_interleave(offsets, lens_t, output_size=total)  # 0..n-1 per block
+    if reverse is not None and any(reverse):
+        rev = torch.repeat_interleave(torch.tensor(list(reverse), dtype=torch.bool), lens_t, output_size=total)
+        last = torch.repeat_interleave(lens_t - 1, lens_t, output_size=total)
+        step = torch.where(rev, last - step, step)
+    return torch.repeat_interleave(starts_t, lens_t, output_size=total) + step
 
 
 class _KindPlan:
-    """The blocks of one mask kind (causal or full), sorted so equal shapes are adjacent."""
+    """The blocks a kernel runs with one mask (causal or full), sorted so equal shapes are
+    adjacent. Inverse-causal squares run as causal ones on reversed rows and keys: query i sees
+    keys j >= i exactly when reversed query n-1-i sees reversed keys n-1-j <= n-1-i."""
 
     def __init__(self, blocks: List[Block], causal: bool, device):
         blocks = sorted(blocks, key=lambda b: (b.q_len, b.k_len))
         self.causal = causal
         self.q_lens = [b.q_len for b in blocks]
         self.k_lens = [b.k_len for b in blocks]
-        self.q_index = _range_index([b.q_row for b in blocks], self.q_lens).to(device)
-        self.k_index = _range_index([b.k_row for b in blocks], self.k_lens).to(device)
+        rev = [b.kind == INV_CAUSAL for b in blocks]
+        self.q_index = _range_index([b.q_row for b in blocks], self.q_lens, rev).to(device)
+        self.k_index = _range_index([b.k_row for b in blocks], self.k_lens, rev).to(device)
 
 
 def merge_lse(out_a: Optional[Tensor], lse_a: Optional[Tensor], out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
@@ -59,9 +68,9 @@ class BlockPlan:
         self.n_q = n_q
         device = torch.device("cpu") if device is None else device
         self.kinds = [
-            _KindPlan([b for b in self.blocks if b.causal == c], c, device)
+            _KindPlan([b for b in self.blocks if (b.kind != FULL) == c], c, device)
             for c in (True, False)
-            if any(b.causal == c for b in self.blocks)
+            if any((b.kind != FULL) == c for b in self.blocks)
         ]
 
     def __bool__(self) -> bool:

@@ -1,0 +1,238 @@
+"""Block plans priced: compute from masked areas, exchange bytes from the placement.
+
+Per layer and member of a "blocks" group (block_plan.py):
+    compute = c1 * tokens it owns
+              + sum over the blocks it executes of
+                c2 * area * heads/H * head_split_factor(H/heads) / efficiency(query chunk length)
+    bytes   = what the engine sends (block_plan.layer_exchange, attention/engine.py):
+        forward  dispatch: K/V of its chunks to the executors needing them (their kv-head hull)
+                           and Q rows of its chunks run elsewhere;
+                 return:   partial outputs and log-sum-exp of the Q rows it ran for others (fp32);
+        backward dispatch: the same K/V and Q again, with dO, O and the log-sum-exp;
+                 return:   dQ of the Q rows it ran for others, dK/dV of the K/V it received.
+    comm    = transfer time of each phase (bytes / link bandwidth + latency per peer); a dispatch
+              overlaps the member's blocks that need nothing received (its own Q against its own K/V).
+`area` is masks.rect_pairs of the sample's mask over the (query chunk, key chunk) rectangle: the
+same count the executor's kernels compute.
+
+Whole-document modes price masked samples by their masked area too (masked_doc_pairs,
+masked_segment_pairs), which cost.py calls. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .block_plan import (
+    BlockLayout,
+    LayerExchange,
+    Slices,
+    block_area,
+    doc_slices,
+    layer_exchange,
+    ring_kv_transfers,
+)
+from .cost import CostModel, RankCost
+from .masks import SampleMask, rect_pairs
+from .shard import Segment, ShardMode, causal_pairs, doc_pairs, rank_segments
+
+PARTIAL_BYTES = 4  # partial outputs and log-sum-exp travel in float32
+FORWARD_SHARE = 4.0 / 14.0  # of a block's fwd+bwd time (ModelDims.attention_flops_per_pair: 4 fwd, 10 bwd)
+
+
+# --------------------------------------------------------------------------- masked pair counts
+@lru_cache(maxsize=65536)
+def mask_slices(mask: SampleMask) -> Slices:
+    return tuple(mask.slices())
+
+
+def masked_doc_pairs(length: int, mask: Optional[SampleMask]) -> int:
+    """Attended pairs of a whole sample (causal without a mask)."""
+    return doc_pairs(length) if mask is None else rect_pairs(mask_slices(mask), 0, length, 0, length)
+
+
+def masked_segment_pairs(segment: Segment, length: int, mask: Optional[SampleMask]) -> int:
+    """Attended pairs of a segment's queries over all keys of its sample."""
+    if mask is None:
+        return causal_pairs(segment.start, segment.length)
+    return rect_pairs(mask_slices(mask), segment.start, segment.start + segment.length, 0, length)
+
+
+# --------------------------------------------------------------------------- exchange volumes
+@dataclass(frozen=True)
+class ExchangeBytes:
+    """Bytes one member sends in one layer, per phase of the engine's exchange."""
+
+    fwd_dispatch: int = 0
+    fwd_return: int = 0
+    bwd_dispatch: int = 0
+    bwd_return: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.fwd_dispatch + self.fwd_return + self.bwd_dispatch + self.bwd_return
+
+
+def exchange_bytes(
+    layout: BlockLayout, ex: LayerExchange, member: int, head_dim: int, bytes_per_element: int
+) -> ExchangeBytes:
+    """Bytes `member` sends in one layer (fwd+bwd) under the exchange `ex` (block_plan.layer_exchange)."""
+    d, e = head_dim, bytes_per_element
+    fd = fr = bd = br = 0
+    for c, ex_member, a, b in ex.kv:
+        rows = layout.chunks[c].length * (b - a)
+        if layout.chunks[c].owner == member:
+            fd += rows * 2 * d * e
+            bd += rows * 2 * d * e
+        if ex_member == member:
+            br += rows * 2 * d * e  # dK, dV partials home
+    for c, ex_member, a, b in ex.q:
+        rows = layout.chunks[c].length * (b - a)
+        if layout.chunks[c].owner == member:
+            fd += rows * d * e
+            bd += rows * (3 * d * e + PARTIAL_BYTES)  # Q, dO, O and the log-sum-exp
+        if ex_member == member:
+            fr += rows * (d + 1) * PARTIAL_BYTES  # partial O and its log-sum-exp
+            br += rows * d * e  # dQ
+    return ExchangeBytes(fd, fr, bd, br)
+
+
+def exchange_phases(ex: LayerExchange) -> Tuple[bool, bool, bool, bool]:
+    """Which of the four all-to-alls run (every member joins a phase in which anyone sends)."""
+    moves = bool(ex.kv or ex.q)
+    return moves, bool(ex.q), moves, moves
+
+
+def received_token_equivalent(layout: BlockLayout, member: int, cost: CostModel) -> int:
+    """The member's received K/V and Q rows of one layer, in tokens of whole-model activation
+    memory (what StepPlan.validate adds to the owned rows): received K/V with their fp32
+    dK/dV partials, and received Q rows with dO, O, the log-sum-exp and the fp32 dQ. Those
+    buffers live for one layer at a time; the engine re-sends them in backward."""
+    kv, q = layout.received_chunks(member)
+    dims, e = cost.dims, cost.profile.bytes_per_element
+    kv_row = 2 * dims.num_kv_heads * dims.head_dim * (e + PARTIAL_BYTES)
+    q_row = dims.num_heads * (dims.head_dim * (3 * e + PARTIAL_BYTES) + PARTIAL_BYTES)
+    nbytes = sum(layout.chunks[c].length for c in kv) * kv_row + sum(layout.chunks[c].length for c in q) * q_row
+    per_token = cost.profile.activation_bytes_per_token
+    return -(-nbytes // int(per_token)) if nbytes else 0
+
+
+# --------------------------------------------------------------------------- costs
+def _transfer_ms(nbytes: int, link, peers: int) -> float:
+    return nbytes / (link.bandwidth_gbps * 1e6) + peers * link.latency_us * 1e-3
+
+
+def block_attention_ms(cost: CostModel, area: int, heads: int, q_len: int) -> float:
+    """fwd+bwd time of one block, per layer: its masked area on `heads` of the H query heads."""
+    h = cost.dims.num_heads
+    factor = cost.head_split_factor(max(1, round(h / heads))) if heads < h else 1.0
+    return cost.c2 * area * (heads / h) * factor / cost.chunk_efficiency(q_len)
+
+
+def block_group_costs(
+    layout: BlockLayout,
+    doc_lengths: Sequence[int],
+    ranks: Sequence[int],
+    cost: CostModel,
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
+    local: Optional[Mapping[int, Sequence[int]]] = None,
+    local_masks: Optional[Mapping[int, Sequence[Optional[SampleMask]]]] = None,
+) -> List[RankCost]:
+    """RankCost of every member of a blocks group's micro-batch (local: member -> lengths of its
+    local samples, local_masks alike), all layers included."""
+    g, L = len(ranks), cost.dims.num_layers
+    local = local or {}
+    local_masks = local_masks or {}
+    slices = doc_slices(doc_lengths, masks)
+    ex = layer_exchange(layout, slices, cost.dims.num_heads, cost.dims.num_kv_heads)
+    attn = [0.0] * g
+    own_attn = [0.0] * g  # blocks needing nothing received: they hide the dispatch
+    for j in ex.blocks:
+        b = layout.compute[j]
+        qc = layout.chunks[b.q_chunk]
+        t = block_attention_ms(
+            cost, block_area(layout.chunks, slices, b.q_chunk, b.k_chunk), b.head_end - b.head_start, qc.length
+        )
+        attn[b.executor] += t
+        if qc.owner == b.executor and layout.chunks[b.k_chunk].owner == b.executor:
+            own_attn[b.executor] += t
+    link = cost.link_for(ranks)
+    phases = exchange_phases(ex)
+    out = []
+    for m in range(g):
+        lens = list(local.get(m, ()))
+        lm = list(local_masks.get(m, ())) + [None] * len(lens)
+        local_attn = sum(cost.c2 * masked_doc_pairs(n, lm[i]) / cost.chunk_efficiency(n) for i, n in enumerate(lens))
+        tokens = layout.member_tokens(m) + sum(lens)
+        comm_ms, nbytes = 0.0, 0
+        if g > 1:
+            xb = exchange_bytes(layout, ex, m, cost.dims.head_dim, cost.profile.bytes_per_element)
+            nbytes = xb.total
+            t = [
+                _transfer_ms(x, link, g - 1) if on else 0.0
+                for x, on in zip((xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return), phases)
+            ]
+            comm_ms = (
+                max(0.0, t[0] - FORWARD_SHARE * own_attn[m])
+                + t[1]
+                + max(0.0, t[2] - (1 - FORWARD_SHARE) * own_attn[m])
+                + t[3]
+            )
+        compute = L * (cost.c1 * tokens + local_attn + attn[m]) + cost.head_ms_per_token * tokens
+        out.append(RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * nbytes, tokens=tokens))
+    return out
+
+
+# --------------------------------------------------------------------------- beside ring zigzag
+@dataclass(frozen=True)
+class GroupExchange:
+    """Bytes one group's micro-batch moves in a step (all layers, all members, fwd+bwd), beside
+    what ring zigzag of the same distributed samples would move."""
+
+    wave: int
+    ranks: Tuple[int, ...]
+    mode: str
+    bytes: int
+    ring_zigzag_bytes: int
+    kv_transfers: Optional[int] = None  # blocks mode: K/V chunk sends per layer and forward pass
+    ring_kv_transfers: Optional[int] = None  # the same chunks sent round a ring (g-1 hops each)
+
+
+def ring_zigzag_group_bytes(doc_lengths: Sequence[int], ranks: Sequence[int], cost: CostModel) -> int:
+    g = len(ranks)
+    if g == 1 or not doc_lengths:
+        return 0
+    total = sum(doc_lengths)
+    tokens = [sum(s.length for s in rank_segments(ShardMode.RING_ZIGZAG, doc_lengths, g, m)) for m in range(g)]
+    return cost.dims.num_layers * sum(cost.ring_bytes_per_layer(tokens[(m + 1) % g], total, g) for m in range(g))
+
+
+def plan_exchange(plan, cost: CostModel) -> List[GroupExchange]:
+    """Per group with distributed samples: the bytes its mode moves and ring zigzag's bytes for
+    the same samples on the same group (for `hf-cp plan` to print)."""
+    from .sim import group_costs
+
+    lens = plan.length_of()
+    out = []
+    for w, wave in enumerate(plan.waves):
+        for g in wave.groups:
+            if not g.distributed or g.size == 1:
+                continue
+            dist = [lens[s] for s in g.distributed]
+            moved = sum(c[2] for c in group_costs(lens, g, cost, plan.masks))
+            kvt = rkvt = None
+            if g.mode == ShardMode.BLOCKS:
+                kvt = g.blocks.kv_transfers()
+                rkvt = ring_kv_transfers(g.blocks, g.size)
+            out.append(
+                GroupExchange(
+                    w, tuple(g.ranks), g.mode.value, moved, ring_zigzag_group_bytes(dist, g.ranks, cost), kvt, rkvt
+                )
+            )
+    return out
+
+
+def masks_by_member(plan, group) -> Dict[int, List[Optional[SampleMask]]]:
+    return {group.ranks.index(r): [plan.masks.get(s) for s in ids] for r, ids in group.local.items()}
