@@ -233,9 +233,10 @@ class MemoizedCost(CostModel):
         self.__dict__.update(base.__dict__)
         self._memo = memo
 
-    def distributed_rank_cost(self, doc_lengths, mode, ranks, member, local_lengths=()):
-        if doc_lengths or not local_lengths:
-            return super().distributed_rank_cost(doc_lengths, mode, ranks, member, local_lengths)
+    def distributed_rank_cost(self, doc_lengths, mode, ranks, member, local_lengths=(), masks=None, local_masks=None):
+        masked = any(m is not None for m in (local_masks or ()))
+        if doc_lengths or not local_lengths or masked:
+            return super().distributed_rank_cost(doc_lengths, mode, ranks, member, local_lengths, masks, local_masks)
         return RankCost(
             compute_ms=sum(map(self._memo.local_ms, local_lengths)),
             comm_ms=0.0,
