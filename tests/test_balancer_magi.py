@@ -21,7 +21,8 @@ from hf_cp.balance.magi import (
     windows,
     zigzag_placement,
 )
-from hf_cp.balance.placement import PlacementError, sample_slices
+from hf_cp.balance.placement import sample_slices
+from hf_cp.block_plan import BlockLayoutError
 from hf_cp.masks import SampleMask
 
 
@@ -173,10 +174,10 @@ def test_check_names_the_broken_rule():
     sl = sample_slices(lens)
     bad = magi_placement(lens, 2, 4, 2)
     bad.compute.pop()
-    with pytest.raises(PlacementError, match="have masked pairs but no compute block"):
+    with pytest.raises(BlockLayoutError, match="but no block computes them"):
         bad.check(lens, sl)
     bad = magi_placement(lens, 2, 4, 2)
     bad.chunks.pop()
-    with pytest.raises(PlacementError, match="cover"):
+    with pytest.raises(BlockLayoutError, match="are in no chunk"):
         bad.check(lens, sl)
     pl.check(lens, sl)

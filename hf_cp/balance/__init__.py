@@ -48,7 +48,7 @@ def get_balancer(name: str, **options) -> Balancer:
 
 
 # Built-in balancers register themselves on import; one module each.
-_BUILTIN = ("static", "wlb", "skrull", "dynamic_cp", "flexsp", "libra", "megatron", "auto")
+_BUILTIN = ("static", "wlb", "skrull", "dynamic_cp", "flexsp", "libra", "megatron", "dcp", "tap", "layout", "auto")
 
 
 def _import_builtins() -> None:

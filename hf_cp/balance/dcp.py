@@ -6,40 +6,42 @@ No CP group is fixed in advance. Per step:
    Q, K, V, O and labels of a chunk stay together on its owner) and compute blocks (one per
    (query block, key block) pair with masked pairs, masks.rect_pairs). Shorter samples are
    atoms: one rank computes each whole. Block size heuristic: the largest power of two at
-   most cap/4 tokens, but at least two blocks per rank the sample should spread over (its
-   predicted time over a rank's share of the step, or its tokens over a rank's memory), in a
+   most cap/4 tokens, but at least two blocks per rank the sample spreads over, in a
    multiple of that, and at most max(`max_blocks`, 2 x those ranks) blocks: the hypergraph
    stays small, so planner time is bounded by construction.
-2. Placement of the long samples: a hypergraph whose vertices are the compute blocks (weight:
+2. Where a long sample runs. hf_cp's collectives run on pre-built groups (aligned
+   power-of-two blocks of ranks), and every member of a group meets the others at every
+   layer's exchange, so a sample's placement spans one such block and spreads over all of
+   it: as many ranks as its predicted time (against a rank's share of the step) and its
+   memory need, rounded up to a power of two, on the block with the least work so far,
+   heaviest samples first; samples share a wave while their ranks' memory allows (`fill`).
+   Within the block the placement is DCP's: the ranks talk only as the placement needs.
+3. Placement within the block: a hypergraph whose vertices are the compute blocks (weight:
    predicted time) and data blocks (weight: their linear work), with one net per data block
    joining its users (a K/V net: the blocks that read its keys; a Q net: the blocks that read
    its queries), weighted by the bytes a copy of it moves (fwd + bwd). The partition
    minimises the bytes moved (connectivity - 1) with every part's time within (1 + epsilon)
-   of its ranks' share of the step. Hierarchical: first across nodes (inter-node bytes are
-   the expensive ones), then across the GPUs of each node. Memory is the hard constraint:
-   every rank's owned tokens plus received rows (priced by their bytes against a token's
-   activation memory) must fit its cap; long samples share a wave while the world's memory
-   allows (`fill` of world x cap, first fit decreasing), and a wave that does not fit is split.
+   of its share. Hierarchical: first across the block's nodes (inter-node bytes are the
+   expensive ones), then across the GPUs of each node. Memory is the hard constraint: every
+   rank's owned tokens plus received rows (priced by their bytes against a token's activation
+   memory, as StepPlan.validate counts them) must fit its cap.
    KaHyPar-family partitioners balance one weight, and DCP needs two (memory hard, time
    within epsilon). So the initial partition is a greedy fill that balances both: each long
    sample's query rows (a data block and the compute blocks reading its queries), paired
    zigzag-fashion (row i with row n-1-i), go onto the current part while its time and memory
-   have room, else onto the part with the most time left. A sample thus spreads over as few
-   ranks as its time needs. With Mt-KaHyPar installed (extra `dcp`, deterministic preset) its
-   V-cycles then refine that partition for fewer bytes under the time caps; data blocks may
-   move only while every part's memory still fits, else they stay and only compute blocks
-   move. Levels above `refine_max_vertices` vertices keep the greedy partition (the
-   planner-time bound). Without Mt-KaHyPar, or with `partitioner="greedy"`, the greedy
-   partition is the placement (every compute block on its query block's owner).
-3. Atoms: heaviest first onto the rank with the least time in the step (LPT), then each
-   rank's atoms packed (first fit decreasing) into the room its blocks leave in their waves,
-   and into more micro-batches of its own after them.
-4. Groups. DCP has no fixed groups; hf_cp's collectives need pre-built ones. So a wave's
-   groups follow from the placement: ranks that exchange data form a component, each
-   component runs in the smallest registered (aligned power-of-two) block that covers it,
-   overlapping covers merge, and a rank with only atoms runs them alone. The placement, not
-   the registry, decides who talks to whom; the registry only names the collective.
-5. Divisions. Each group's compute blocks are scheduled in `divisions` divisions so that the
+   have room, else onto the part with the most time left. With Mt-KaHyPar installed (extra
+   `dcp`, deterministic preset) its V-cycles then refine that partition for fewer bytes
+   under the time caps; data blocks may move only while every part's memory still fits,
+   else they stay and only compute blocks move. Levels above `refine_max_vertices` vertices
+   keep the greedy partition (the planner-time bound). Without Mt-KaHyPar, or with
+   `partitioner="greedy"`, the greedy partition is the placement (every compute block on its
+   query block's owner).
+4. Atoms: heaviest first onto the rank with the least time in the step (LPT: they fill what
+   the long samples leave), then each rank's atoms in micro-batches of its own after the
+   long samples' waves (first fit decreasing to the cap).
+5. Groups of a wave: ranks that exchange data form a component, each runs in the smallest
+   registered block covering it (overlapping covers merge); a rank with only atoms runs alone.
+6. Divisions. Each group's compute blocks are scheduled in `divisions` divisions so that the
    communication of division i+1 overlaps the computation of division i (the seed's
    algorithm: division 0 holds the blocks whose inputs are all local; the middle divisions
    take, device by device in order of least computation, the next block unless it would push
@@ -55,11 +57,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..block_cost import received_row_bytes
 from ..cost import CostModel
 from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
+from ..plan import StepPlan, Wave
 from ..shard import split_sizes
-from . import hypergraph
-from .placement import BlockPlacement, Chunk, ComputeBlock
+from . import hypergraph, register_balancer
+from .base import PlanRequest
+from .placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
 
 PARTITIONERS = ("auto", "mtkahypar", "greedy")
 
@@ -113,11 +118,10 @@ class Weights:
         # a copy of its queries: Q out, O back (+ log-sum-exp), dO out, dQ back
         self.q_bytes_per_token = self.L * 4 * d.num_heads * d.head_dim * bpe
         self._lin = cost.c1 * self.L + cost.head_ms_per_token
-        # memory of a received row against an owned token's (activation_bytes_per_token):
-        # K/V rows are held one layer at a time, with their dK/dV partials in backward
-        alpha = cost.profile.activation_bytes_per_token
-        self.kv_row_share = min(1.0, 4 * d.num_kv_heads * d.head_dim * bpe / alpha)
-        self.q_row_share = min(1.0, 4 * d.num_heads * d.head_dim * bpe / alpha)
+        # memory of a received row against an owned token's, as StepPlan.validate counts it
+        # (block_cost.received_token_equivalent: one layer's buffers, in activation tokens)
+        self.kv_row_bytes, self.q_row_bytes = received_row_bytes(cost)
+        self.token_bytes = int(cost.profile.activation_bytes_per_token)
 
     def linear_ms(self, tokens: int) -> float:
         return self._lin * tokens
@@ -325,59 +329,59 @@ class WavePlacement:
     rank_of: List[int]  # vertex -> rank
     atoms: Dict[int, int] = field(default_factory=dict)  # sample index -> rank
 
-    def block_tokens(self, world: int, kv_share: float = 1.0, q_share: float = 1.0) -> List[float]:
+    def block_tokens(self, world: int, w: Weights) -> List[int]:
         """Owned rows of the long samples plus received rows (remote K/V and Q blocks, once per
-        rank), a received row counting `kv_share` / `q_share` of an owned one."""
-        t = [0.0] * world
+        rank) in token equivalents, as StepPlan.validate counts them."""
+        owned = [0] * world
         g = self.graph
         for v, r in enumerate(self.rank_of):
-            t[r] += g.tokens[v]
+            owned[r] += g.tokens[v]
         got = set()
+        nbytes = [0] * world
         for sp, s in enumerate(g.samples):
             dv = g.data_vertex[sp]
             for c, (qi, ki, _) in zip(g.comp_vertex[sp], s.compute):
                 e = self.rank_of[c]
-                for b, share in ((qi, q_share), (ki, kv_share)):
-                    if self.rank_of[dv[b]] != e and (sp, b, e, share) not in got:
-                        got.add((sp, b, e, share))
-                        t[e] += s.blocks[b][1] * share
-        return t
+                for b, row in ((qi, w.q_row_bytes), (ki, w.kv_row_bytes)):
+                    if self.rank_of[dv[b]] != e and (sp, b, e, row) not in got:
+                        got.add((sp, b, e, row))
+                        nbytes[e] += s.blocks[b][1] * row
+        return [o + (-(-n // w.token_bytes) if n else 0) for o, n in zip(owned, nbytes)]
 
 
-def place_long(
+def place_block(
     graph: WaveGraph,
-    world: int,
+    first_rank: int,
+    size: int,
     gpus_per_node: int,
     cap: int,
-    loads: List[float],
-    rank_share: float,
+    world: int,
     w: Weights,
     opt: DcpOptions,
     backend: str,
 ) -> Optional[List[int]]:
-    """Ranks of one wave's long-sample blocks, hierarchically (nodes, then the GPUs of each
-    node), each part's time (with `loads`, what its ranks already run in the step) under
-    (1 + epsilon) x its ranks' share of the step; updates `loads`. None if a rank's memory
-    (owned plus received rows) would pass the cap."""
+    """Ranks (in first_rank .. first_rank + size - 1, an aligned block) of the blocks of the long
+    samples in `graph`, hierarchically (the block's nodes, then the GPUs of each node), every
+    part's time under (1 + epsilon) x its share of the graph's time. None if a rank's memory
+    (owned plus received rows, as StepPlan.validate counts them) would pass the cap."""
     eps = 1.0 + opt.epsilon
-    levels = [world // gpus_per_node, gpus_per_node] if world > gpus_per_node else [world]
+    total = sum(graph.weight)
+    levels = [size // gpus_per_node, gpus_per_node] if size > gpus_per_node else [size]
     rank_of = [0] * len(graph)
-    todo = [(list(range(len(graph))), 0)]  # (vertices, first rank of the part)
-    span = world
+    todo = [(list(range(len(graph))), first_rank)]  # (vertices, first rank of the part)
+    span = size
     for k in levels:
         span //= k
         nxt = []
         for verts, first in todo:
-            part_load = [sum(loads[first + p * span : first + (p + 1) * span]) for p in range(k)]
-            caps = [max(eps * rank_share * span, pl) for pl in part_load]
             if k == 1:
                 parts = {v: 0 for v in verts}
             else:
+                caps = [eps * total * span / size] * k
                 tcap = [span * cap * opt.fill] * k
-                parts = greedy_rows(graph, verts, list(part_load), caps, tcap)
+                parts = greedy_rows(graph, verts, [0.0] * k, caps, tcap)
                 if backend == "mtkahypar" and 1 < len(verts) <= opt.refine_max_vertices:
-                    room = [c - pl for c, pl in zip(caps, part_load)]
-                    parts = refine_parts(graph, verts, room, parts, int(span * cap * opt.fill))
+                    parts = refine_parts(graph, verts, caps, parts, int(span * cap * opt.fill))
             for p in range(k):
                 pv = [v for v in verts if parts[v] == p]
                 for v in pv:
@@ -385,10 +389,7 @@ def place_long(
                 if pv:
                     nxt.append((pv, first + p * span))
         todo = nxt
-    for v, r in enumerate(rank_of):
-        loads[r] += graph.weight[v]
-    wp = WavePlacement(graph, rank_of)
-    if max(wp.block_tokens(world, w.kv_row_share, w.q_row_share), default=0) > cap:
+    if max(WavePlacement(graph, rank_of).block_tokens(world, w), default=0) > cap:
         return None
     return rank_of
 
@@ -504,8 +505,9 @@ def schedule_divisions(pl: BlockPlacement, block_ms: Sequence[float], n_div: int
     transfer (owner -> executor), made once, in the first division that needs it. Division
     0: blocks with every input local. Divisions 1..T-2: repeatedly the device with the least
     computation in the division takes its next block, unless the block's new transfers
-    would push a (sender, receiver) pair over total / T of that pair's traffic; such a
-    device is done for the division. Division T-1: the rest.
+    would push a (sender, receiver) pair over total / T of that pair's traffic (a pair may
+    always send one chunk per division: chunks are the unit of transfer); such a device is
+    done for the division. Division T-1: the rest.
     """
     n = len(pl.compute)
     if n_div <= 1 or n == 0:
@@ -550,8 +552,8 @@ def schedule_divisions(pl: BlockPlacement, block_ms: Sequence[float], n_div: int
                 for c in {b.q_chunk, b.k_chunk}
                 if chunks[c].owner != e and (c, e) not in have
             ]
-            if any(sent.get((o, e), 0) + ln > limit[(o, e)] + 1e-9 for _, o, ln in new):
-                continue  # this device waits for the next division
+            if any(sent.get((o, e), 0) and sent[(o, e)] + ln > limit[(o, e)] + 1e-9 for _, o, ln in new):
+                continue  # this device waits for the next division (a pair always takes one chunk)
             for c, o, ln in new:
                 sent[(o, e)] = sent.get((o, e), 0) + ln
                 have.add((c, e))
@@ -597,8 +599,10 @@ def plan_layout(
     cost: CostModel,
     masks: Optional[Sequence[Optional[SampleMask]]] = None,
     options: Optional[DcpOptions] = None,
+    max_group: Optional[int] = None,
 ) -> DcpLayout:
-    """DCP's placement of one step (indices into `lengths`); see the module docstring."""
+    """DCP's placement of one step (indices into `lengths`); see the module docstring.
+    `max_group`: the largest group a plan may use (ClusterSpec.max_group_size)."""
     t0 = time.perf_counter()
     opt = options or DcpOptions()
     backend = opt.backend()
@@ -621,51 +625,71 @@ def plan_layout(
             if t is None:
                 t = causal_ms[n] = w.linear_ms(n) + w.attention_ms(n * (n + 1) // 2, n)
             times.append(t)
-    gpn = gpus_per_node if world % gpus_per_node == 0 else world
+    top = min(world, max_group or world)
     rank_share = sum(times) / world  # a rank's share of the step
     base = opt.block_size or max(1, 1 << int(math.log2(max(1, cap // 4))))
-    long_idx = [i for i, n in enumerate(lengths) if n > base]
+    room_per_rank = cap * opt.fill
+    long_idx = sorted((i for i, n in enumerate(lengths) if n > base), key=lambda i: (-times[i], i))
     atoms = [i for i, n in enumerate(lengths) if n <= base]
-    # long samples: as few waves as the world's memory allows (first fit decreasing on tokens)
-    budget = int(world * cap * opt.fill)
-    long_waves: List[List[int]] = []
-    room: List[int] = []
-    for i in sorted(long_idx, key=lambda i: (-lengths[i], i)):
-        for wv in range(len(long_waves)):
-            if room[wv] >= lengths[i]:
-                long_waves[wv].append(i)
-                room[wv] -= lengths[i]
-                break
-        else:
-            long_waves.append([i])
-            room.append(budget - lengths[i])
     loads = [0.0] * world
-    placed: List[WavePlacement] = []
-    queue = [sorted(wv) for wv in long_waves]
-    while queue:
-        wave = queue.pop(0)
-        samples = []
-        for i in wave:
-            parts = min(world, max(math.ceil(times[i] / rank_share), math.ceil(lengths[i] / (cap * opt.fill))))
-            nb = block_count(lengths[i], base, parts, opt.max_blocks)
-            samples.append(cut_sample(i, lengths[i], slices_of(i), nb))
-        graph = WaveGraph.build(samples, w)
-        trial = list(loads)
-        rank_of = place_long(graph, world, gpn, cap, trial, rank_share, w, opt, backend)
-        if rank_of is None:
-            if len(wave) == 1:
+    # long samples, heaviest first: each on the aligned block of ranks (as many as its time and
+    # memory need, rounded up to a power of two) with the least work so far, in the first wave
+    # where that block's ranks have the memory
+    waves: List[Dict[Tuple[int, ...], List[int]]] = []  # wave -> block -> samples
+    wave_tokens: List[List[float]] = []  # wave -> rank -> owned tokens of long samples
+    for i in long_idx:
+        need = max(math.ceil(times[i] / rank_share), math.ceil(lengths[i] / room_per_rank), 1)
+        p = 1
+        while p < need and p < top:
+            p *= 2
+        if lengths[i] > p * cap:
+            raise DcpError(f"dcp: sample {i} ({lengths[i]} tokens) does not fit {p} ranks x {cap} tokens")
+        blocks = sorted(
+            (tuple(range(f, f + p)) for f in range(0, world, p)), key=lambda b: (sum(loads[r] for r in b), b[0])
+        )
+        per_rank = lengths[i] / p
+        placed = False
+        for wv in range(len(waves) + 1):
+            if wv == len(waves):
+                waves.append({})
+                wave_tokens.append([0.0] * world)
+            for blk in blocks:
+                if all(wave_tokens[wv][r] + per_rank <= room_per_rank for r in blk) or (
+                    wv == len(waves) - 1 and not waves[wv]
+                ):
+                    waves[wv].setdefault(blk, []).append(i)
+                    for r in blk:
+                        wave_tokens[wv][r] += per_rank
+                        loads[r] += times[i] / p
+                    placed = True
+                    break
+            if placed:
+                break
+    placed_waves: List[WavePlacement] = []
+    for wave in waves:
+        # blocks of one wave may overlap (a smaller one inside a larger): place each on its own
+        graph_all: List[LongSample] = []
+        rank_of_all: List[int] = []
+        for blk, ids in sorted(wave.items()):
+            samples = []
+            for i in ids:
+                nb = block_count(lengths[i], base, len(blk), opt.max_blocks)
+                samples.append(cut_sample(i, lengths[i], slices_of(i), nb))
+            graph = WaveGraph.build(samples, w)
+            gpn = gpus_per_node if len(blk) % gpus_per_node == 0 else len(blk)
+            rank_of = place_block(graph, blk[0], len(blk), gpn, cap, world, w, opt, backend)
+            if rank_of is None:
                 raise DcpError(
-                    f"dcp: sample {wave[0]} ({lengths[wave[0]]} tokens) does not fit {world} ranks x {cap} tokens "
-                    f"with the K/V and Q rows its blocks receive; raise the cap or the world"
+                    f"dcp: samples {ids} ({sum(lengths[i] for i in ids)} tokens) do not fit ranks "
+                    f"{blk[0]}..{blk[-1]} x {cap} tokens with the K/V and Q rows their blocks receive; "
+                    f"lower `fill` or raise the cap"
                 )
-            half = len(wave) // 2
-            queue[:0] = [wave[:half], wave[half:]]
-            continue
-        loads = trial
-        placed.append(WavePlacement(graph, rank_of))
-    # atoms: heaviest first onto the least loaded rank (the whole step's time), then each
-    # rank's atoms packed into the waves it already runs (the room its blocks leave), then
-    # into more micro-batches
+            graph_all.extend(samples)
+            rank_of_all.extend(rank_of)
+        graph = WaveGraph.build(graph_all, w)  # the same vertices, in the same order
+        placed_waves.append(WavePlacement(graph, rank_of_all))
+    # atoms: heaviest first onto the rank with the least time in the step (LPT), then each
+    # rank's atoms in micro-batches of its own (first fit decreasing), after the long waves
     heap = [(loads[r], r) for r in range(world)]
     heapq.heapify(heap)
     rank_atoms: Dict[int, List[int]] = {r: [] for r in range(world)}
@@ -673,24 +697,14 @@ def plan_layout(
         l, r = heapq.heappop(heap)
         rank_atoms[r].append(i)
         heapq.heappush(heap, (l + times[i], r))
-    used = [wp.block_tokens(world, w.kv_row_share, w.q_row_share) for wp in placed]
-    n_waves = len(placed)
     extra: List[Dict[int, List[int]]] = []
     for r in range(world):
-        rooms = [max(0, int(cap - u[r])) for u in used]
-        bins = pack_to_rooms(rank_atoms[r], lengths, rooms, cap)
-        for b, ids in enumerate(bins):
-            if not ids:
-                continue
-            if b < n_waves:
-                for i in ids:
-                    placed[b].atoms[i] = r
-            else:
-                while len(extra) <= b - n_waves:
-                    extra.append({})
-                extra[b - n_waves][r] = sorted(ids)
+        for b, ids in enumerate(pack_to_rooms(rank_atoms[r], lengths, [], cap)):
+            while len(extra) <= b:
+                extra.append({})
+            extra[b][r] = sorted(ids)
     out = []
-    for wp in placed:
+    for wp in placed_waves:
         groups = []
         for ranks, sps, local in wave_groups(wp, world):
             pl = group_placement(wp, ranks, sps, cost.dims.num_heads) if sps else None
@@ -704,3 +718,44 @@ def plan_layout(
     for wave_atoms in extra:
         out.append([((r,), [], None, [], {r: ids}) for r, ids in sorted(wave_atoms.items())])
     return DcpLayout(out, backend, time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the balancer
+@register_balancer("dcp")
+class DcpBalancer:
+    """DCP's planner as a balancer: options are DcpOptions' fields. The last plan's planner time
+    (seconds) and partitioner are kept in `last_planner_s` / `last_backend`."""
+
+    name = "dcp"
+
+    def __init__(self, **options):
+        self.options = DcpOptions(**options)
+        self.last_planner_s = 0.0
+        self.last_backend = ""
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        masks = request_masks(req)
+        cl = req.cluster
+        lay = plan_layout(
+            req.lengths,
+            cl.world_size,
+            cl.gpus_per_node,
+            cl.max_tokens_per_rank,
+            req.cost,
+            [masks.get(s) for s in req.sample_ids],
+            self.options,
+            cl.max_group_size,
+        )
+        self.last_planner_s, self.last_backend = lay.planner_s, lay.backend
+        ids = req.sample_ids
+        plan = req.empty_plan(self.name)
+        plan.masks = {s: m for s, m in masks.items() if s in set(ids)}
+        for groups in lay.waves:
+            wave = []
+            for ranks, docs, pl, div, local in groups:
+                loc = {r: [ids[i] for i in v] for r, v in local.items()}
+                wave.append(
+                    blocks_group(ranks, [ids[i] for i in docs], pl, loc, div if self.options.divisions > 1 else None)
+                )
+            plan.waves.append(Wave(sorted(wave, key=lambda g: g.ranks[0])))
+        return plan

@@ -6,7 +6,8 @@ exactly once, and every (query chunk, key chunk) pair of one sample with a non-z
 area (masks.rect_pairs) is a compute block (q_chunk, k_chunk, head_start, head_end, executor)
 over a head range. `to_dict()` is the plan JSON's "blocks" object.
 
-This module is the solvers' side of that contract: building a placement from a few rules and
+This module is the solvers' side of that contract (block_plan.py holds the format and its
+validation): building a placement from a few rules, keeping each block's masked area, and
 measuring it (tokens per member, masked area per member, K/V chunk transfers) in the same
 terms the solvers optimise. Pure Python, no torch.
 """
@@ -16,11 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..block_plan import BlockLayout
 from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
-
-
-class PlacementError(ValueError):
-    """A placement breaks the block-plan contract; the message names the chunk or block."""
 
 
 @dataclass(frozen=True)
@@ -94,60 +92,20 @@ class BlockPlacement:
             out[m] += self.chunks[c].length
         return out
 
+    def to_layout(self, divisions: Optional[Sequence[int]] = None) -> BlockLayout:
+        """The plan format's layout (block_plan.BlockLayout) of this placement, with a division
+        per compute block if given (dcp.schedule_divisions)."""
+        return BlockLayout(
+            tuple((c.doc, c.start, c.length, c.owner) for c in self.chunks),
+            tuple((b.q_chunk, b.k_chunk, b.head_start, b.head_end, b.executor) for b in self.compute),
+            tuple(divisions) if divisions else None,
+        )
+
     def check(self, doc_lengths: Sequence[int], doc_slices: Sequence[Sequence[AttnSlice]]) -> BlockPlacement:
-        """Raise PlacementError unless the contract holds: the chunks of every document cover
-        it exactly once; every (q, k) chunk pair of one document with a non-zero masked area
-        appears with head ranges partitioning [0, num_heads); no block has a zero area;
-        owners and executors are members."""
-        g, H = self.group_size, self.num_heads
-        by_doc: Dict[int, List[Tuple[int, int, int]]] = {}
-        for i, c in enumerate(self.chunks):
-            if not 0 <= c.doc < len(doc_lengths):
-                raise PlacementError(f"chunk {i}: document {c.doc} is not one of the group's {len(doc_lengths)}")
-            if not 0 <= c.owner < g:
-                raise PlacementError(f"chunk {i}: owner {c.owner} is not a member of a group of {g}")
-            if c.length <= 0 or c.start < 0 or c.end > doc_lengths[c.doc]:
-                raise PlacementError(f"chunk {i}: [{c.start}, {c.end}) is not inside document {c.doc}")
-            by_doc.setdefault(c.doc, []).append((c.start, c.end, i))
-        for d, n in enumerate(doc_lengths):
-            pos = 0
-            for s, e, i in sorted(by_doc.get(d, [])):
-                if s != pos:
-                    raise PlacementError(f"document {d}: chunk {i} starts at {s}, expected {pos} (gap or overlap)")
-                pos = e
-            if pos != n:
-                raise PlacementError(f"document {d}: chunks cover [0, {pos}) of its {n} tokens")
-        heads: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
-        for j, b in enumerate(self.compute):
-            if not (0 <= b.q_chunk < len(self.chunks) and 0 <= b.k_chunk < len(self.chunks)):
-                raise PlacementError(f"block {j}: chunk index out of range")
-            qc, kc = self.chunks[b.q_chunk], self.chunks[b.k_chunk]
-            if qc.doc != kc.doc:
-                raise PlacementError(f"block {j}: query chunk {b.q_chunk} and key chunk {b.k_chunk} differ in document")
-            if not 0 <= b.executor < g:
-                raise PlacementError(f"block {j}: executor {b.executor} is not a member of a group of {g}")
-            if not 0 <= b.head_start < b.head_end <= H:
-                raise PlacementError(f"block {j}: heads [{b.head_start}, {b.head_end}) not inside [0, {H})")
-            if rect_pairs(doc_slices[qc.doc], qc.start, qc.end, kc.start, kc.end) == 0:
-                raise PlacementError(f"block {j}: chunks {b.q_chunk} x {b.k_chunk} have no masked pair")
-            heads.setdefault((b.q_chunk, b.k_chunk), []).append((b.head_start, b.head_end))
-        for d, pieces in by_doc.items():
-            for qs, qe, qi in pieces:
-                for ks, ke, ki in pieces:
-                    has = rect_pairs(doc_slices[d], qs, qe, ks, ke) > 0
-                    ranges = sorted(heads.get((qi, ki), []))
-                    if has != bool(ranges):
-                        raise PlacementError(
-                            f"document {d}: chunks {qi} x {ki} "
-                            + ("have masked pairs but no compute block" if has else "appear without a masked pair")
-                        )
-                    pos = 0
-                    for hs, he in ranges:
-                        if hs != pos:
-                            raise PlacementError(f"chunks {qi} x {ki}: head ranges {ranges} do not partition [0, {H})")
-                        pos = he
-                    if has and pos != H:
-                        raise PlacementError(f"chunks {qi} x {ki}: head ranges {ranges} do not partition [0, {H})")
+        """The block-plan contract (block_plan.BlockLayout.validate: chunks cover every document
+        exactly once, every attended chunk pair appears with head ranges partitioning the heads,
+        no zero-area block, members in range); raises BlockLayoutError naming what breaks it."""
+        self.to_layout().validate(doc_lengths, self.group_size, [tuple(s) for s in doc_slices], self.num_heads)
         return self
 
 
@@ -199,3 +157,32 @@ def add_compute_blocks(
                     ex = qc.owner if executor_of is None else executor_of(qi, ki, hs, he)
                     placement.compute.append(ComputeBlock(qi, ki, hs, he, ex, p))
     return placement
+
+
+def request_masks(req) -> Dict[int, SampleMask]:
+    """The request's masks (sample id -> SampleMask), if it carries any (PlanRequest.masks)."""
+    return dict(getattr(req, "masks", None) or {})
+
+
+def blocks_group(
+    ranks: Sequence[int],
+    distributed: Sequence[int],
+    placement: Optional[BlockPlacement],
+    local: Optional[Mapping[int, Sequence[int]]] = None,
+    divisions: Optional[Sequence[int]] = None,
+):
+    """A plan Group: `distributed` sample ids in mode "blocks" with the placement's layout (its
+    documents are those ids, in order; `divisions` its schedule), plus local samples per rank."""
+    from ..plan import Group
+    from ..shard import ShardMode
+
+    local = {int(r): list(v) for r, v in (local or {}).items() if v}
+    if not distributed:
+        return Group(ranks=tuple(ranks), local=local)
+    return Group(
+        ranks=tuple(ranks),
+        distributed=list(distributed),
+        mode=ShardMode.BLOCKS,
+        local=local,
+        blocks=placement.to_layout(divisions),
+    )
