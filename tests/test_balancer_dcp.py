@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hf_cp.balance import hypergraph
+from hf_cp.balance import PlanRequest, get_balancer, hypergraph
 from hf_cp.balance.dcp import (
     DcpError,
     DcpOptions,
@@ -22,6 +22,7 @@ from hf_cp.balance.placement import BlockPlacement, Chunk, ComputeBlock, sample_
 from hf_cp.block_cost import received_token_equivalent
 from hf_cp.cluster import ClusterSpec
 from hf_cp.masks import SampleMask
+from hf_cp.shard import ShardMode, rank_segments, segment_tokens
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
 
@@ -41,8 +42,17 @@ def check_layout(layout, lengths, world, cap, cost, masks=None):
                 assert r in ranks
                 seen.extend(ids)
             seen.extend(docs)
-            if pl is None:
-                assert not docs
+            if pl is None:  # samples too large for blocks run ring per-document
+                for m in range(len(ranks)):
+                    assert (
+                        sum(
+                            segment_tokens(
+                                rank_segments(ShardMode.RING_PER_DOC, [lengths[i] for i in docs], len(ranks), m)
+                            )
+                            for _ in [0]
+                        )
+                        <= cap
+                    )
                 continue
             assert pl.group_size == len(ranks)
             pl.check([lengths[i] for i in docs], [slices[i] for i in docs])
@@ -114,9 +124,17 @@ def test_hierarchical_levels_spread_a_document_over_as_few_nodes_as_its_time_nee
     assert len({r // 8 for r in spread[0]}) == nodes
 
 
-def test_a_step_that_cannot_fit_is_refused_by_name(h200_cost):
-    with pytest.raises(DcpError, match=r"samples \[1\] \(1999 tokens\) do not fit ranks 0..1 x 1000 tokens"):
-        plan_layout([1990, 1999], 2, 8, 1000, h200_cost, options=DcpOptions(fill=1.0))
+def test_a_sample_whose_received_rows_do_not_fit_runs_ring_per_document(h200_cost):
+    # 1999 tokens on 2 ranks of 1000: as blocks a member would own ~1000 and receive the other
+    # half's K/V; per-document on a ring it holds 999 and streams K/V
+    lay = plan_layout([1990, 1999], 2, 8, 1000, h200_cost, options=DcpOptions(fill=1.0))
+    ring = [(ranks, docs) for groups in lay.waves for ranks, docs, pl, _, _ in groups if docs and pl is None]
+    assert sorted(d for _, docs in ring for d in docs) == [0, 1]
+    plan = get_balancer("dcp", fill=1.0).plan(PlanRequest([7, 9], [1990, 1999], ClusterSpec(2, 1000), h200_cost))
+    plan.validate(ClusterSpec(2, 1000), h200_cost)
+    assert {g.mode for w in plan.waves for g in w.groups if g.distributed} == {ShardMode.RING_PER_DOC}
+    with pytest.raises(DcpError, match=r"sample 0 \(2100 tokens\) does not fit 2 ranks x 1000 tokens"):
+        plan_layout([2100], 2, 8, 1000, h200_cost)
 
 
 def test_covering_block_is_the_smallest_aligned_block():

@@ -19,7 +19,7 @@ def placement_loads(cost, pl, lengths, base):
 
 def test_a_balanced_pool_moves_nothing(h200_cost):
     lengths = [8000] * 4
-    g = tap_pool(h200_cost, (0, 1, 2, 3), [(i, [i]) for i in range(4)], lengths)
+    g = tap_pool(h200_cost, (0, 1, 2, 3), [([i], [i]) for i in range(4)], lengths)
     assert g.placement is None and g.distributed == []
     assert g.local == {0: [0], 1: [1], 2: [2], 3: [3]}
 
@@ -29,7 +29,7 @@ def test_tiles_of_an_overloaded_owner_move_and_cover_every_pair(h200_cost):
     # member 0 owns the long document, the other three six short ones each: equal tokens, so
     # only attention differs
     docs = [(0, [0])] + [(1 + i, [1 + i // 6]) for i in range(18)]
-    g = tap_pool(h200_cost, (4, 5, 6, 7), docs, lengths)
+    g = tap_pool(h200_cost, (4, 5, 6, 7), [([i], m) for i, m in docs], lengths)
     dist = [lengths[i] for i in g.distributed]
     g.placement.check(dist, sample_slices(dist))
     assert 0 in g.distributed
@@ -58,7 +58,7 @@ def test_heads_split_before_the_soft_cap_is_broken(h200_cost):
     # one 16K document on member 0 of 2, member 1 as busy elsewhere: its two 8K-query tiles
     # (1/4 and 3/4 of the attention) cannot balance the members whole, head ranges can
     lengths = [16384]
-    chunks = pool_chunks(lengths, [[0]], 8192)
+    chunks = pool_chunks(lengths, [([0], [0])], 8192)
     base = [linear_ms(h200_cost, 16384), linear_ms(h200_cost, 16384)]  # member 1 runs as much elsewhere
     pl, load = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, base, TapOptions(slack=0.0))
     heads = {(b.head_start, b.head_end) for b in pl.compute}
@@ -75,7 +75,7 @@ def test_a_tile_prefers_a_worker_that_already_receives_its_keys(h200_cost):
     # either could take every tile. The first tile moved picks member 1 (ties: lower index);
     # every later tile needs a subset of its keys, so it follows, although member 2 is emptier.
     lengths = [16384]
-    chunks = pool_chunks(lengths, [[0]], 4096)
+    chunks = pool_chunks(lengths, [([0], [0])], 4096)
     pl, load = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, [2000.0, 0.0, 0.0], TapOptions())
     assert {b.executor for b in pl.compute} == {1}
     assert load[2] == 0.0
@@ -90,7 +90,7 @@ def test_masked_documents_are_tiled_by_their_masked_pairs(kind, h200_cost):
         else SampleMask.sliding_window(13000, 2048)
     )
     lengths = [m.length, 2000]
-    g = tap_pool(h200_cost, (0, 1), [(0, [0]), (1, [1])], lengths, masks={0: m})
+    g = tap_pool(h200_cost, (0, 1), [([0], [0]), ([1], [1])], lengths, masks={0: m})
     if g.placement is not None:
         dist = [lengths[i] for i in g.distributed]
         masks = [m if i == 0 else None for i in g.distributed]

@@ -32,8 +32,9 @@ No CP group is fixed in advance. Per step:
    have room, else onto the part with the most time left. With Mt-KaHyPar installed (extra
    `dcp`, deterministic preset) its V-cycles then refine that partition for fewer bytes
    under the time caps; data blocks may move only while every part's memory still fits,
-   else they stay and only compute blocks move. Levels above `refine_max_vertices` vertices
-   keep the greedy partition (the planner-time bound). Without Mt-KaHyPar, or with
+   else they stay and only compute blocks move. Only a block's top level (its nodes, or its
+   GPUs within one node) is refined, and only up to `refine_max_vertices` vertices: the
+   rest keeps the greedy partition (the planner-time bound). Without Mt-KaHyPar, or with
    `partitioner="greedy"`, the greedy partition is the placement (every compute block on its
    query block's owner).
 4. Atoms: heaviest first onto the rank with the least time in the step (LPT: they fill what
@@ -60,8 +61,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..block_cost import received_row_bytes
 from ..cost import CostModel
 from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
-from ..plan import StepPlan, Wave
-from ..shard import split_sizes
+from ..plan import Group, StepPlan, Wave
+from ..shard import ShardMode, split_sizes
 from . import hypergraph, register_balancer
 from .base import PlanRequest
 from .placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
@@ -81,7 +82,7 @@ class DcpOptions:
     fill: float = 0.8  # a wave's owned tokens at most this share of world x cap
     partitioner: str = "auto"  # "mtkahypar", "greedy", or "auto" (Mt-KaHyPar when installed)
     divisions: int = 4  # computation/communication divisions per group (1: no overlap)
-    refine_max_vertices: int = 4000  # Mt-KaHyPar refines a level's partition up to this many vertices
+    refine_max_vertices: int = 2000  # Mt-KaHyPar refines a block's top level up to this many vertices
 
     def __post_init__(self):
         if self.partitioner not in PARTITIONERS:
@@ -118,6 +119,7 @@ class Weights:
         # a copy of its queries: Q out, O back (+ log-sum-exp), dO out, dQ back
         self.q_bytes_per_token = self.L * 4 * d.num_heads * d.head_dim * bpe
         self._lin = cost.c1 * self.L + cost.head_ms_per_token
+        self._per_pair: Dict[int, float] = {}
         # memory of a received row against an owned token's, as StepPlan.validate counts it
         # (block_cost.received_token_equivalent: one layer's buffers, in activation tokens)
         self.kv_row_bytes, self.q_row_bytes = received_row_bytes(cost)
@@ -127,7 +129,10 @@ class Weights:
         return self._lin * tokens
 
     def attention_ms(self, pairs: int, q_len: int) -> float:
-        return self.L * self.cost.c2 * pairs / self.cost.chunk_efficiency(q_len)
+        f = self._per_pair.get(q_len)
+        if f is None:  # blocks of a step come in few lengths
+            f = self._per_pair[q_len] = self.L * self.cost.c2 / self.cost.chunk_efficiency(q_len)
+        return f * pairs
 
     def sample_ms(self, length: int, slices: Sequence[AttnSlice]) -> float:
         return self.linear_ms(length) + self.attention_ms(rect_pairs(slices, 0, length, 0, length), length)
@@ -380,7 +385,7 @@ def place_block(
                 caps = [eps * total * span / size] * k
                 tcap = [span * cap * opt.fill] * k
                 parts = greedy_rows(graph, verts, [0.0] * k, caps, tcap)
-                if backend == "mtkahypar" and 1 < len(verts) <= opt.refine_max_vertices:
+                if backend == "mtkahypar" and span * k == size and 1 < len(verts) <= opt.refine_max_vertices:
                     parts = refine_parts(graph, verts, caps, parts, int(span * cap * opt.fill))
             for p in range(k):
                 pv = [v for v in verts if parts[v] == p]
@@ -666,28 +671,41 @@ def plan_layout(
             if placed:
                 break
     placed_waves: List[WavePlacement] = []
-    for wave in waves:
-        # blocks of one wave may overlap (a smaller one inside a larger): place each on its own
-        graph_all: List[LongSample] = []
-        rank_of_all: List[int] = []
-        for blk, ids in sorted(wave.items()):
-            samples = []
-            for i in ids:
-                nb = block_count(lengths[i], base, len(blk), opt.max_blocks)
-                samples.append(cut_sample(i, lengths[i], slices_of(i), nb))
-            graph = WaveGraph.build(samples, w)
-            gpn = gpus_per_node if len(blk) % gpus_per_node == 0 else len(blk)
-            rank_of = place_block(graph, blk[0], len(blk), gpn, cap, world, w, opt, backend)
-            if rank_of is None:
+    ring_waves: List[Tuple[Tuple[int, ...], List[int]]] = []  # blocks that run ring per-document
+    queue = [(blk, ids) for wave in waves for blk, ids in sorted(wave.items())]
+    pending: List[Tuple[List[LongSample], List[int]]] = [([], []) for _ in waves]
+    wave_index = [w for w, wave in enumerate(waves) for _ in sorted(wave.items())]
+    while queue:
+        blk, ids = queue.pop(0)
+        wv = wave_index.pop(0)
+        samples = []
+        for i in ids:
+            nb = block_count(lengths[i], base, len(blk), opt.max_blocks)
+            samples.append(cut_sample(i, lengths[i], slices_of(i), nb))
+        graph = WaveGraph.build(samples, w)
+        gpn = gpus_per_node if len(blk) % gpus_per_node == 0 else len(blk)
+        rank_of = place_block(graph, blk[0], len(blk), gpn, cap, world, w, opt, backend)
+        if rank_of is None:
+            if len(ids) > 1:  # place the samples of this block apart
+                half = len(ids) // 2
+                queue[:0] = [(blk, ids[:half]), (blk, ids[half:])]
+                wave_index[:0] = [wv, len(waves) + len(ring_waves)]
+                waves.append({})
+                pending.append(([], []))
+                continue
+            # the K/V its blocks receive do not fit: ring attention streams them instead
+            if max(split_sizes(lengths[ids[0]], 2 * len(blk))) * 2 > cap:
                 raise DcpError(
-                    f"dcp: samples {ids} ({sum(lengths[i] for i in ids)} tokens) do not fit ranks "
-                    f"{blk[0]}..{blk[-1]} x {cap} tokens with the K/V and Q rows their blocks receive; "
-                    f"lower `fill` or raise the cap"
+                    f"dcp: sample {ids[0]} ({lengths[ids[0]]} tokens) does not fit ranks {blk[0]}..{blk[-1]} x {cap} "
+                    f"tokens, neither as blocks with the K/V and Q rows they receive nor per-document on a ring"
                 )
-            graph_all.extend(samples)
-            rank_of_all.extend(rank_of)
-        graph = WaveGraph.build(graph_all, w)  # the same vertices, in the same order
-        placed_waves.append(WavePlacement(graph, rank_of_all))
+            ring_waves.append((blk, ids))
+            continue
+        pending[wv][0].extend(samples)
+        pending[wv][1].extend(rank_of)
+    for samples, rank_of in pending:
+        if samples:
+            placed_waves.append(WavePlacement(WaveGraph.build(samples, w), rank_of))
     # atoms: heaviest first onto the rank with the least time in the step (LPT), then each
     # rank's atoms in micro-batches of its own (first fit decreasing), after the long waves
     heap = [(loads[r], r) for r in range(world)]
@@ -715,6 +733,8 @@ def plan_layout(
                 div = schedule_divisions(pl, ms, opt.divisions)
             groups.append((ranks, docs, pl, div, local))
         out.append(groups)
+    for blk, ids in ring_waves:  # mode ring per-document: no placement
+        out.append([(blk, list(ids), None, [], {})])
     for wave_atoms in extra:
         out.append([((r,), [], None, [], {r: ids}) for r, ids in sorted(wave_atoms.items())])
     return DcpLayout(out, backend, time.perf_counter() - t0)
@@ -727,6 +747,7 @@ class DcpBalancer:
     (seconds) and partitioner are kept in `last_planner_s` / `last_backend`."""
 
     name = "dcp"
+    handles_masks = True  # blocks and atoms are priced by their masked pairs
 
     def __init__(self, **options):
         self.options = DcpOptions(**options)
@@ -754,6 +775,9 @@ class DcpBalancer:
             wave = []
             for ranks, docs, pl, div, local in groups:
                 loc = {r: [ids[i] for i in v] for r, v in local.items()}
+                if docs and pl is None:  # too large for blocks: ring per-document sharding
+                    wave.append(Group(ranks=ranks, distributed=[ids[i] for i in docs], mode=ShardMode.RING_PER_DOC))
+                    continue
                 wave.append(
                     blocks_group(ranks, [ids[i] for i in docs], pl, loc, div if self.options.divisions > 1 else None)
                 )

@@ -14,6 +14,7 @@ import importlib.util
 from typing import List, Optional, Sequence
 
 _MT = None  # (module, initializer), made once per process
+_CONTEXTS: dict = {}  # k -> a DETERMINISTIC context (making one costs milliseconds)
 MAX_TOTAL_WEIGHT = 10**8  # integer weights are scaled to stay well inside int32 sums
 SEED = 0
 
@@ -70,9 +71,11 @@ def refine(
     kept = [i for i, e in enumerate(nets) if len(set(e)) > 1]
     edges = [sorted(set(nets[i])) for i in kept]
     ew = _scale([net_weights[i] for i in kept], MAX_TOTAL_WEIGHT) if kept else []
-    ctx = init.context_from_preset(mt.PresetType.DETERMINISTIC)
-    ctx.set_partitioning_parameters(k, 0.03, mt.Objective.KM1)
-    ctx.logging = False
+    ctx = _CONTEXTS.get(k)
+    if ctx is None:
+        ctx = _CONTEXTS[k] = init.context_from_preset(mt.PresetType.DETERMINISTIC)
+        ctx.set_partitioning_parameters(k, 0.03, mt.Objective.KM1)
+        ctx.logging = False
     ctx.set_individual_target_block_weights(caps)
     mt.set_seed(SEED)
     hg = init.create_hypergraph(ctx, n, len(edges), edges, vw, ew)

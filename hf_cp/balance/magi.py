@@ -31,8 +31,8 @@ from ..masks import AttnSlice, SampleMask, rect_pairs
 from .placement import BlockPlacement, Chunk, add_compute_blocks, sample_slices
 
 # Exact search on instances up to this many windows (branch and bound, node-limited).
-EXACT_MAX_ITEMS = 16
-EXACT_NODE_LIMIT = 200_000
+EXACT_MAX_ITEMS = 12
+EXACT_NODE_LIMIT = 20_000
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..block_plan import BlockLayout
+from ..block_plan import BlockLayout, attended_chunk_pairs
+from ..block_plan import Chunk as LayoutChunk
 from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
 
 
@@ -124,6 +125,15 @@ def masks_of(doc_ids: Sequence[int], masks: Optional[Mapping[int, SampleMask]]) 
     return [masks.get(s) for s in doc_ids]
 
 
+def _causal_prefix(x: int, a: int, b: int) -> int:
+    """Causal pairs of query rows [0, x) with keys [a, b) (row i sees keys 0..i)."""
+    if x <= a:
+        return 0
+    if x <= b:
+        return (x - a) * (x - a + 1) // 2
+    return (b - a) * (b - a + 1) // 2 + (x - b) * (b - a)
+
+
 def add_compute_blocks(
     placement: BlockPlacement,
     doc_slices: Sequence[Sequence[AttnSlice]],
@@ -136,26 +146,21 @@ def add_compute_blocks(
     query chunk's owner); `head_ranges` cut [0, num_heads) (default: one range, all heads)."""
     H = placement.num_heads
     ranges = list(head_ranges) or [(0, H)]
-    by_doc: Dict[int, List[int]] = {}
-    for i, c in enumerate(placement.chunks):
-        by_doc.setdefault(c.doc, []).append(i)
     chunks = placement.chunks
-    for d in sorted(by_doc):
-        idx = by_doc[d]
-        sl = doc_slices[d]
-        causal_only = len(sl) == 1 and sl[0].kind == SliceKind.CAUSAL and sl[0].q_start == 0 and sl[0].k_start == 0
-        for qi in idx:
-            qc = chunks[qi]
-            for ki in idx:
-                kc = chunks[ki]
-                if causal_only and kc.start > qc.end - 1:
-                    continue  # keys after the last query: nothing to attend
-                p = rect_pairs(sl, qc.start, qc.end, kc.start, kc.end)
-                if p == 0:
-                    continue
-                for hs, he in ranges:
-                    ex = qc.owner if executor_of is None else executor_of(qi, ki, hs, he)
-                    placement.compute.append(ComputeBlock(qi, ki, hs, he, ex, p))
+    slices = [tuple(sl) for sl in doc_slices]
+    pairs = sorted(attended_chunk_pairs([LayoutChunk(c.doc, c.start, c.length, c.owner) for c in chunks], slices))
+    causal = [len(sl) == 1 and sl[0] == AttnSlice(0, sl[0].q_end, 0, sl[0].q_end, SliceKind.CAUSAL) for sl in slices]
+    for qi, ki in pairs:
+        qc, kc = chunks[qi], chunks[ki]
+        if causal[qc.doc]:  # the common case, in closed form
+            p = _causal_prefix(qc.end, kc.start, kc.end) - _causal_prefix(qc.start, kc.start, kc.end)
+        else:
+            p = rect_pairs(slices[qc.doc], qc.start, qc.end, kc.start, kc.end)
+        if p == 0:
+            continue
+        for hs, he in ranges:
+            ex = qc.owner if executor_of is None else executor_of(qi, ki, hs, he)
+            placement.compute.append(ComputeBlock(qi, ki, hs, he, ex, p))
     return placement
 
 

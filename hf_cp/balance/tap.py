@@ -26,10 +26,16 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..block_cost import received_row_bytes, received_token_equivalent
+from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..masks import AttnSlice, SampleMask, SliceKind, rect_pairs
+from ..plan import Group, StepPlan, Wave
 from ..shard import split_sizes
-from .placement import BlockPlacement, Chunk, ComputeBlock
+from . import register_balancer
+from .base import PlanRequest, SampleTooLongError
+from .common import pick_ring_mode
+from .placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
 
 
 @dataclass(frozen=True)
@@ -67,20 +73,33 @@ def tile_ms(cost: CostModel, pairs: int, q_len: int, heads: int) -> float:
 
 
 def pool_chunks(
-    doc_lengths: Sequence[int], doc_owner_members: Sequence[Sequence[int]], tile_tokens: int
+    doc_lengths: Sequence[int], packs: Sequence[Tuple[Sequence[int], Sequence[int]]], tile_tokens: int
 ) -> List[Chunk]:
-    """Chunks of every document: split in 2n parts over its n owning members (zigzag pairs,
-    as per-document sharding; n = 1: the whole document), each part cut to `tile_tokens`."""
+    """Chunks of a pool's documents. `packs`: (document positions, owning members) of each
+    packed sequence. One member: its documents whole; n members: the packed sequence in ring
+    zigzag's 2n pieces (member j holding pieces j and 2n-1-j), cut at document ends. Every
+    piece is cut to at most `tile_tokens` (the query length of a sequence tile)."""
     out: List[Chunk] = []
-    for d, (n, members) in enumerate(zip(doc_lengths, doc_owner_members)):
+    for docs, members in packs:
         g = len(members)
-        parts = split_sizes(n, 2 * g) if g > 1 else [n]
-        start = 0
-        for p, size in enumerate(parts):
-            owner = members[p if p < g else 2 * g - 1 - p] if g > 1 else members[0]
-            for piece in split_sizes(size, -(-size // tile_tokens)) if size else []:
-                out.append(Chunk(d, start, piece, owner))
-                start += piece
+        total = sum(doc_lengths[d] for d in docs)
+        sizes = split_sizes(total, 2 * g) if g > 1 else [total]
+        bounds = [0]
+        for x in sizes:
+            bounds.append(bounds[-1] + x)
+        offset = 0
+        for d in docs:
+            n = doc_lengths[d]
+            for p in range(len(sizes)):
+                lo, hi = max(bounds[p], offset), min(bounds[p + 1], offset + n)
+                if lo >= hi:
+                    continue
+                owner = members[p if p < g else 2 * g - 1 - p]
+                start = lo - offset
+                for piece in split_sizes(hi - lo, -(-(hi - lo) // tile_tokens)):
+                    out.append(Chunk(d, start, piece, owner))
+                    start += piece
+            offset += n
     return out
 
 
@@ -91,10 +110,13 @@ def place_tiles(
     chunks: Sequence[Chunk],
     base_load: Sequence[float],
     opt: TapOptions,
+    cap: Optional[int] = None,
 ) -> Tuple[BlockPlacement, List[float]]:
     """TAP's greedy over one pool's members (see the module docstring). `base_load`: each
-    member's work that stays put (its linear work, and anything else it runs). Returns the
-    placement (every block of a tile on the tile's worker) and the members' loads."""
+    member's work that stays put (its linear work, and anything else it runs). With `cap`, a
+    tile only goes where the member's owned rows plus the K/V and Q rows it receives
+    (block_cost.received_token_equivalent's measure) stay within it. Returns the placement
+    (every block of a tile on the tile's worker) and the members' loads."""
     H = cost.dims.num_heads
     group = max(1, H // cost.dims.num_kv_heads)  # query heads per KV head: the finest head split
     g = len(base_load)
@@ -115,8 +137,27 @@ def place_tiles(
                     pairs.append(p)
             tiles.append(Tile(d, qi, 0, H, tuple(keys), tuple(pairs), tile_ms(cost, sum(pairs), q.length, H)))
     load = list(base_load)
-    cap = (1.0 + opt.slack) * (sum(load) + sum(t.ms for t in tiles)) / g
+    soft = (1.0 + opt.slack) * (sum(load) + sum(t.ms for t in tiles)) / g
     receives: Dict[int, set] = {m: set() for m in range(g)}  # member -> key chunks it already gets
+    q_got: Dict[int, set] = {m: set() for m in range(g)}  # member -> query chunks it already gets
+    kv_row, q_row = received_row_bytes(cost)
+    per_token = int(cost.profile.activation_bytes_per_token)
+    owned = [0] * g
+    for c in chunks:
+        owned[c.owner] += c.length
+    recv_bytes = [0] * g
+
+    def extra_bytes(t: Tile, m: int) -> int:
+        new_kv = sum(chunks[k].length for k in t.keys if chunks[k].owner != m and k not in receives[m])
+        new_q = chunks[t.chunk].length if chunks[t.chunk].owner != m and t.chunk not in q_got[m] else 0
+        return new_kv * kv_row + new_q * q_row
+
+    def memory_ok(t: Tile, m: int) -> bool:
+        if cap is None:
+            return True
+        b = recv_bytes[m] + extra_bytes(t, m)
+        return owned[m] + (-(-b // per_token) if b else 0) <= cap
+
     placed: List[Tuple[Tile, int]] = []
     heap = [(-t.ms, n, t) for n, t in enumerate(tiles)]
     heapq.heapify(heap)
@@ -124,7 +165,7 @@ def place_tiles(
     while heap:
         _, _, t = heapq.heappop(heap)
         owner = chunks[t.chunk].owner
-        fits = [m for m in range(g) if load[m] + t.ms <= cap + 1e-12]
+        fits = [m for m in range(g) if load[m] + t.ms <= soft + 1e-12 and memory_ok(t, m)]
         if owner in fits:
             m = owner
         else:
@@ -143,11 +184,15 @@ def place_tiles(
                         heapq.heappush(heap, (-part.ms, serial, part))
                         serial += 1
                     continue
-                m = min(range(g), key=lambda x: (load[x], x != owner, x))  # least loaded; the owner on ties
+                roomy = [x for x in range(g) if memory_ok(t, x)] or [owner]  # the owner receives nothing
+                m = min(roomy, key=lambda x: (load[x], x != owner, x))  # least loaded; the owner on ties
         load[m] += t.ms
+        recv_bytes[m] += extra_bytes(t, m)
         for k in t.keys:
             if chunks[k].owner != m:
                 receives[m].add(k)
+        if chunks[t.chunk].owner != m:
+            q_got[m].add(t.chunk)
         placed.append((t, m))
     pl = BlockPlacement(g, H, list(chunks))
     for t, m in sorted(placed, key=lambda x: (x[0].chunk, x[0].head_start)):
@@ -176,25 +221,31 @@ class TapGroup:
 def tap_pool(
     cost: CostModel,
     ranks: Sequence[int],
-    docs: Sequence[Tuple[int, Sequence[int]]],
+    packs: Sequence[Tuple[Sequence[int], Sequence[int]]],
     lengths: Sequence[int],
     masks: Optional[Mapping[int, SampleMask]] = None,
     options: Optional[TapOptions] = None,
+    cap: Optional[int] = None,
 ) -> TapGroup:
-    """TAP over one pool: `docs` are (request index, owning members) of its samples in this
-    wave (one member: the sample is that member's local document before TAP; several: the
-    sample is spread over them, per-document style)."""
+    """TAP over one pool in one wave: `packs` are (request indices, owning members) of the
+    packed sequences its replicas run (one member: its documents before TAP; several: the
+    sequence zigzag-split over them, pool_chunks). With `cap`, received rows count against
+    memory (place_tiles)."""
     opt = options or TapOptions()
     masks = masks or {}
     g = len(ranks)
-    doc_ids = [i for i, _ in docs]
+    doc_ids = [i for docs, _ in packs for i in docs]
     doc_len = [lengths[i] for i in doc_ids]
     slices = [masks[i].slices() if i in masks else _causal(lengths[i]) for i in doc_ids]
-    chunks = pool_chunks(doc_len, [list(m) for _, m in docs], opt.tile_tokens)
+    pos, layout = 0, []
+    for docs, members in packs:
+        layout.append((list(range(pos, pos + len(docs))), list(members)))
+        pos += len(docs)
+    chunks = pool_chunks(doc_len, layout, opt.tile_tokens)
     base = [0.0] * g
     for c in chunks:
         base[c.owner] += linear_ms(cost, c.length)
-    pl, loads = place_tiles(cost, doc_len, slices, chunks, base, opt)
+    pl, loads = place_tiles(cost, doc_len, slices, chunks, base, opt, cap)
     # a document none of whose blocks left a single owner is a local document of that owner
     spread = set()
     for b in pl.compute:
@@ -225,3 +276,97 @@ def tap_pool(
                 ComputeBlock(index[b.q_chunk], index[b.k_chunk], b.head_start, b.head_end, b.executor, b.pairs)
             )
     return TapGroup(tuple(ranks), [doc_ids[d] for d in keep], sub, local, loads)
+
+
+# --------------------------------------------------------------------------- the balancer
+@register_balancer("libra_tap")
+class LibraTapBalancer:
+    """Libra: VRSP (libra.py) across bounded pools, then TAP inside each pool and wave.
+
+    Options: libra's (`pool_size`, default 8 as in the seed; `cp_size`; `cp_scope`), TAP's
+    (`tile_tokens`, `slack`), and `room`: VRSP packs to (1 - room) of the cap so that members
+    may receive the K/V and Q rows of moved tiles (default 0: packs as `libra` does, whose
+    packs leave some room; more room means more packs, which can cost a round of waves).
+    Tiles only move where memory allows; a pool and wave whose layout would not fit (full
+    packs spread over several ranks need their K/V received) keeps libra's own groups."""
+
+    name = "libra_tap"
+    handles_masks = True  # tiles are priced by their masked pairs
+
+    def __init__(
+        self,
+        pool_size: int = 8,
+        cp_size: Optional[int] = None,
+        cp_scope: str = "step",
+        tile_tokens: int = 4096,
+        slack: float = 0.02,
+        room: float = 0.0,
+    ):
+        from .libra import LibraBalancer
+
+        if not 0 <= room < 1:
+            raise ValueError(f"libra_tap: room {room} must be in [0, 1)")
+        self.libra = LibraBalancer(pool_size=pool_size, cp_size=cp_size, cp_scope=cp_scope)
+        self.options = TapOptions(tile_tokens=tile_tokens, slack=slack)
+        self.room = room
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        cl = req.cluster
+        cap = cl.max_tokens_per_rank
+        packed = req
+        if self.room:
+            tight = ClusterSpec(cl.world_size, max(1, int(cap * (1 - self.room))), cl.gpus_per_node, cl.max_group_size)
+            try:  # pack with room to receive; a sample too long for that packs to the cap
+                packed = PlanRequest(
+                    req.sample_ids, req.lengths, tight, req.cost, req.seed, req.step, req.dataset_max_length
+                )
+            except SampleTooLongError:
+                packed = req
+        lay = self.libra.layout(packed)
+        N, P = lay.cp_size, lay.pool_size
+        masks = request_masks(req)
+        ids = req.sample_ids
+        plan = req.empty_plan(self.name)
+        plan.masks = {s: m for s, m in masks.items() if s in set(ids)}
+        by_slot: Dict[int, Dict[int, List[Tuple[int, List[int]]]]] = {}  # slot -> pool -> [(pack, members)]
+        for k in range(len(lay.packs)):
+            rep = lay.replica_of_pack[k]
+            pool = rep // P
+            members = [(rep - pool * P) * N + j for j in range(N)]
+            by_slot.setdefault(lay.slot_of_pack[k], {}).setdefault(pool, []).append((k, members))
+        for slot in sorted(by_slot):
+            groups = []
+            for pool, packs in sorted(by_slot[slot].items()):
+                ranks = tuple(range(pool * P * N, (pool + 1) * P * N))
+                seqs = [(lay.packs[k], members) for k, members in packs]
+                pm = {i: masks[ids[i]] for docs, _ in seqs for i in docs if ids[i] in masks}
+                tg = tap_pool(req.cost, ranks, seqs, req.lengths, pm, self.options, cap)
+                local = {r: [ids[i] for i in v] for r, v in tg.local.items()}
+                if tg.placement is None:  # nothing moves: every rank runs its documents alone
+                    groups.extend(Group(ranks=(r,), local={r: v}) for r, v in sorted(local.items()))
+                    continue
+                group = blocks_group(ranks, [ids[i] for i in tg.distributed], tg.placement, local)
+                if fits_memory(group, req, cap):
+                    groups.append(group)
+                    continue
+                # the received rows do not fit (full packs): libra's own groups for this pool and wave
+                for k, members in packs:
+                    rk = tuple(ranks[m] for m in members)
+                    pids = [ids[i] for i in lay.packs[k]]
+                    if N == 1:
+                        groups.append(Group(ranks=rk, local={rk[0]: pids}))
+                    else:
+                        mode = pick_ring_mode(req.cost, [req.lengths[i] for i in lay.packs[k]], rk, cap)
+                        groups.append(Group(ranks=rk, distributed=pids, mode=mode))
+            plan.waves.append(Wave(sorted(groups, key=lambda g: g.ranks[0])))
+        return plan
+
+
+def fits_memory(group: Group, req: PlanRequest, cap: int) -> bool:
+    """Whether every member's owned rows, local samples and received rows fit `cap`."""
+    lens = dict(zip(req.sample_ids, req.lengths))
+    for m, r in enumerate(group.ranks):
+        t = group.blocks.member_tokens(m) + sum(lens[s] for s in group.local.get(r, []))
+        if t + received_token_equivalent(group.blocks, m, req.cost) > cap:
+            return False
+    return True
