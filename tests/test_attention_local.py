@@ -240,3 +240,150 @@ def test_model_under_context_checks_the_layout():
         out = model(input_ids=torch.arange(8)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])).logits
     plain = model(input_ids=torch.arange(8)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])).logits
     assert torch.equal(out, plain)
+
+
+# ----------------------------------------------------------------------------- masks, sinks, the engine on one member
+MASK_KINDS = st.one_of(
+    st.none(),
+    st.integers(1, 30).map(lambda w: ("sliding_window", w)),
+    st.integers(0, 30).map(lambda p: ("prefix_lm", p)),
+    st.integers(1, 7).map(lambda b: ("block_causal", b)),
+)
+
+
+def _mask(spec, n):
+    from hf_cp.masks import SampleMask
+
+    if spec is None:
+        return None
+    kind, x = spec
+    if kind == "sliding_window":
+        return SampleMask.sliding_window(n, x)
+    if kind == "prefix_lm":
+        return SampleMask.prefix_lm(n, min(x, n))
+    return SampleMask.block_causal(n, x)
+
+
+@st.composite
+def masked_docs(draw, max_len=30):
+    from hf_cp.masks import SampleMask
+
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=4))
+    masks = [_mask(draw(MASK_KINDS), n) for n in lengths]
+    if draw(st.booleans()):
+        m = SampleMask.shared_prompt(draw(st.integers(0, 6)), draw(st.lists(st.integers(1, 7), min_size=1, max_size=4)))
+        lengths.append(m.length)
+        masks.append(m)
+    return lengths, masks
+
+
+@settings(max_examples=150, deadline=None)
+@given(docs=masked_docs(), window=st.one_of(st.none(), st.integers(1, 12)), data=st.data())
+def test_masked_blocks_compute_each_attended_pair_once(docs, window, data):
+    """Any rectangle of any masked document (under a layer window) as kernel blocks: each
+    attended pair exactly once, causal and inverse-causal blocks square."""
+    from mask_reference import dense_mask
+
+    from hf_cp.attention.blocks import masked_range_blocks
+    from hf_cp.masks import SampleMask, window_slices
+
+    lengths, masks = docs
+    d = data.draw(st.integers(0, len(lengths) - 1))
+    n, m = lengths[d], masks[d]
+    a, b = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    c, e = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=2)))
+    slices = tuple(window_slices(m or SampleMask.causal(n), window))
+    blocks = masked_range_blocks(slices, a, b - a, 3, c, e - c, 5)
+    got = torch.zeros(n + 3, n + 5, dtype=torch.int64)
+    for blk in blocks:
+        tile = torch.ones(blk.q_len, blk.k_len, dtype=torch.int64)
+        if blk.kind != 0:
+            assert blk.q_len == blk.k_len, blk
+            tile = tile.tril() if blk.kind == 1 else tile.triu()
+        got[blk.q_row : blk.q_row + blk.q_len, blk.k_row : blk.k_row + blk.k_len] += tile
+    want = torch.zeros(n + 3, n + 5, dtype=torch.int64)
+    # query position a is stored at row 3, key position c at row 5
+    want[3 : 3 + b - a, 5 : 5 + e - c] = torch.from_numpy(dense_mask(m, n, window)[a:b, c:e].astype("int64"))
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    docs=masked_docs(),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+    heads=st.sampled_from([(4, 4), (4, 2), (6, 1)]),
+    sinks=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_packed_attention_under_masks_window_and_sinks_matches_dense_reference(docs, window, heads, sinks, seed):
+    from mask_reference import packed_dense_mask
+    from mask_reference import reference_attention as dense_reference
+
+    from hf_cp.attention.dispatch import layer_slices
+
+    lengths, masks = docs
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(seed)
+    t, d = sum(lengths), 8
+    q, k, v = (torch.randn(t, n, d, generator=gen) for n in (h, hkv, hkv))
+    s = torch.randn(h, generator=gen) if sinks else None
+    dout = torch.randn(t, h, d, generator=gen)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)] + ([s.double().requires_grad_()] if sinks else [])
+    ref = dense_reference(*ref_in[:3], packed_dense_mask(lengths, masks, window), 0.3, ref_in[3] if sinks else None)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+    mine = [x.clone().requires_grad_() for x in (q, k, v)] + ([s.clone().requires_grad_()] if sinks else [])
+    out = packed_attention(
+        *mine[:3], lengths, 0.3, None, layer_slices(lengths, masks, window), mine[3] if sinks else None
+    )
+    grads = torch.autograd.grad(out, mine, dout)
+    assert (out.double() - ref).abs().max() <= 1e-5
+    for name, g, r in zip("qkvs", grads, ref_grads):
+        assert (g.double() - r).abs().max() <= 1e-5 * max(1.0, r.abs().max().item()), name
+
+
+def test_sinks_change_the_output_and_a_window_drops_far_keys():
+    """The features are not ignored: a sink shrinks every output, a window makes far keys
+    irrelevant (and only far keys)."""
+    from hf_cp.attention.dispatch import layer_slices
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(12, 2, 8, generator=gen),
+        torch.randn(12, 2, 8, generator=gen),
+        torch.randn(12, 2, 8, generator=gen),
+    )
+    plain = packed_attention(q, k, v, [12], 0.3)
+    sunk = packed_attention(q, k, v, [12], 0.3, sinks=torch.tensor([3.0, 3.0]))
+    assert (sunk.norm(dim=-1) < plain.norm(dim=-1)).all()
+    win = packed_attention(q, k, v, [12], 0.3, slices=layer_slices([12], [], 4))
+    k2 = k.clone()
+    k2[:4] += 10.0  # keys 0..3: beyond the window of queries 8..11
+    moved = packed_attention(q, k2, v, [12], 0.3, slices=layer_slices([12], [], 4))
+    assert torch.equal(win[8:], moved[8:]) and not torch.allclose(win[:8], moved[:8])
+    assert not torch.allclose(win[8:], plain[8:])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "random"])
+def test_engine_on_one_member_runs_locally(layout):
+    """A one-member block layout needs no process group and equals packed attention."""
+    from hf_cp.attention.engine import EngineSpec, engine_attention
+    from hf_cp.block_plan import contiguous_layout, doc_slices, random_layout
+    from hf_cp.masks import SampleMask
+
+    lengths = [9, 14]
+    masks = [None, SampleMask.shared_prompt(4, [6, 4])]
+    slices = doc_slices(lengths, masks)
+    lay = (
+        contiguous_layout(lengths, 1, 4, slices) if layout == "contiguous" else random_layout(lengths, 1, 4, slices, 3)
+    )
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(23, 4, 8, generator=gen),
+        torch.randn(23, 2, 8, generator=gen),
+        torch.randn(23, 2, 8, generator=gen),
+    )
+    rows = torch.cat([torch.arange(c.start, c.start + c.length) + sum(lengths[: c.doc]) for c in lay.chunks])
+    spec = EngineSpec(None, (0,), 0, lay, tuple(lengths), tuple(slices))
+    out = engine_attention(q[rows], k[rows], v[rows], spec, 0.3)
+    ref = packed_attention(q, k, v, lengths, 0.3, slices=[None, tuple(slices[1])])
+    assert (out - ref[rows]).abs().max() <= 1e-6

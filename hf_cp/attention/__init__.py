@@ -1,4 +1,5 @@
-"""Context-parallel attention: local packed documents, Ulysses, ring (zigzag / per-document).
+"""Context-parallel attention: local packed documents, Ulysses, ring (zigzag / per-document)
+and the block engine (any placement of chunks and compute blocks, any mask).
 
 Everything but the transformers registration imports only torch. `hf_cp_attention`,
 `register` and `ATTN_IMPLEMENTATION` load `interface`, which imports transformers and
@@ -9,7 +10,8 @@ from .blocks import Block, document_blocks, segment_blocks
 from .comm import COUNTER as COMM_COUNTER
 from .comm import CommStats
 from .context import CPContext, cp_context, current_cp_context
-from .dispatch import cp_attention, expected_tokens, group_segments
+from .dispatch import cp_attention, expected_tokens, group_segments, layer_slices
+from .engine import EngineSpec, engine_attention
 from .kernels import AttentionKernel, kernel_for
 from .local import block_attention, packed_attention
 from .ring import RingSpec, ring_attention
@@ -38,6 +40,9 @@ __all__ = [
     "cp_attention",
     "expected_tokens",
     "group_segments",
+    "layer_slices",
+    "EngineSpec",
+    "engine_attention",
     "AttentionKernel",
     "kernel_for",
     "block_attention",

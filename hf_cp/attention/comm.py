@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ Tensor = torch.Tensor
 class CommStats:
     calls: Dict[str, int] = field(default_factory=dict)
     bytes_sent: int = 0
+    items: Dict[str, int] = field(default_factory=dict)  # e.g. "kv_chunks": K/V chunks the block engine sent
 
     @property
     def total_calls(self) -> int:
@@ -33,20 +34,26 @@ class CommCounter:
         self._lock = threading.Lock()  # backward may run on an autograd worker thread
         self._calls: Counter = Counter()
         self._bytes = 0
+        self._items: Counter = Counter()
 
     def record(self, op: str, nbytes: int) -> None:
         with self._lock:
             self._calls[op] += 1
             self._bytes += int(nbytes)
 
+    def count(self, item: str, n: int) -> None:
+        with self._lock:
+            self._items[item] += int(n)
+
     def reset(self) -> None:
         with self._lock:
             self._calls.clear()
             self._bytes = 0
+            self._items.clear()
 
     def snapshot(self) -> CommStats:
         with self._lock:
-            return CommStats(dict(self._calls), self._bytes)
+            return CommStats(dict(self._calls), self._bytes, dict(self._items))
 
 
 COUNTER = CommCounter()
@@ -108,3 +115,19 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], group, me: int) -> Tensor:
     return _AllToAll.apply(x, list(send_rows), list(recv_rows), group, me)
+
+
+def exchange_bytes(
+    send: Sequence[Tensor], recv_sizes: Sequence[int], group, me: int, device, op: str
+) -> Tuple[Tensor, Pending]:
+    """All-to-all-v of byte buffers (one per member, this member's own slot empty or not),
+    started asynchronously: returns the receive buffer and the request to wait on. The block
+    engine packs pieces of several dtypes into them; only bytes leaving the rank count."""
+    sizes = [int(t.numel()) for t in send]
+    buf = torch.cat(list(send)) if any(sizes) else torch.empty(0, dtype=torch.uint8, device=device)
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    COUNTER.record(op, sum(sizes) - sizes[me])
+    work = dist.all_to_all_single(
+        out, buf, output_split_sizes=list(recv_sizes), input_split_sizes=sizes, group=group, async_op=True
+    )
+    return out, Pending([work])

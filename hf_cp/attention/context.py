@@ -6,8 +6,11 @@ it. With no context set, attention is plain local attention over packed document
 Token layout of one rank's micro-batch (the collator builds it, attention relies on it):
     [ this rank's local documents, whole, in order ]
     [ this rank's shards of the distributed documents: shard.rank_segments(mode,
-      distributed_lengths, group_size, member), in that order ]
-position_ids keep each token's position inside its own document (rotary embeddings).
+      distributed_lengths, group_size, member), in that order; in mode "blocks" the chunks
+      it owns, in the order of the layout's `chunks` (block_plan.BlockLayout.member_segments) ]
+position_ids keep each token's rotary position inside its own document (a shared-prompt
+sample's answers continue from the end of its prompt: masks.SampleMask.position_ids).
+Masks: a document without one is causal; `masks` / `local_masks` carry the others.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Tuple
 
+from ..block_plan import BlockLayout
+from ..masks import SampleMask
 from ..shard import Segment, ShardMode, rank_segments
 
 
@@ -27,6 +32,9 @@ class CPContext:
     mode: ShardMode = ShardMode.RING_PER_DOC
     distributed_lengths: Tuple[int, ...] = ()  # full lengths of the distributed documents (same on all members)
     local_lengths: Tuple[int, ...] = ()  # this rank's local documents
+    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the group's chunks and compute blocks
+    masks: Tuple[Optional[SampleMask], ...] = ()  # per distributed document (empty or None: causal)
+    local_masks: Tuple[Optional[SampleMask], ...] = ()  # per local document of this rank
 
     @property
     def group_size(self) -> int:
@@ -37,6 +45,10 @@ class CPContext:
         if not self.distributed_lengths:
             return []
         m = self.member if member is None else member
+        if ShardMode(self.mode) == ShardMode.BLOCKS:
+            if self.blocks is None:
+                raise ValueError("CPContext in mode 'blocks' needs its block layout (CPContext.blocks)")
+            return self.blocks.member_segments(m)
         return rank_segments(self.mode, self.distributed_lengths, self.group_size, m)
 
     @property

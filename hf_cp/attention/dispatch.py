@@ -1,21 +1,27 @@
 """One rank's micro-batch under a CP context: local documents and distributed documents.
 
 Skrull-style mixing: the rank's local documents are computed with no communication; only
-the distributed documents take part in the group's collectives (Ulysses or ring, per
-ctx.mode). Every member enters the collective part whenever the group has distributed
-documents, even a member whose shard of them is empty, so the members stay in step.
+the distributed documents take part in the group's collectives (Ulysses, ring or the block
+engine, per ctx.mode). Every member enters the collective part whenever the group has
+distributed documents, even a member whose shard of them is empty, so the members stay in
+step. Every mode honours each document's mask and the layer's sliding window (a layer
+window is intersected with the sample's mask in rotary positions: masks.window_slices), and
+attention sinks.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..block_plan import causal_slices
+from ..masks import SampleMask, window_slices
 from ..shard import Segment, ShardMode, rank_segments
-from .blocks import segment_blocks
+from .blocks import Slices, segment_blocks
 from .context import CPContext
+from .engine import EngineSpec, engine_attention
 from .kernels import AttentionKernel, kernel_for
 from .local import block_attention, packed_attention
 from .ring import RingSpec, ring_attention
@@ -30,27 +36,67 @@ def group_segments(mode: ShardMode, doc_lengths: Tuple[int, ...], group_size: in
     return tuple(tuple(rank_segments(mode, doc_lengths, group_size, m)) for m in range(group_size))
 
 
+def _group_segments(ctx: CPContext) -> Tuple[Tuple[Segment, ...], ...]:
+    if not ctx.distributed_lengths:
+        return ()
+    if ShardMode(ctx.mode) == ShardMode.BLOCKS:
+        return tuple(tuple(ctx.segments(m)) for m in range(ctx.group_size))
+    return group_segments(ShardMode(ctx.mode), tuple(ctx.distributed_lengths), ctx.group_size)
+
+
 def expected_tokens(ctx: CPContext) -> int:
     """Rows this rank's micro-batch must have under context.py's layout."""
-    segs = (
-        group_segments(ShardMode(ctx.mode), tuple(ctx.distributed_lengths), ctx.group_size)
-        if ctx.distributed_lengths
-        else ((),) * ctx.group_size
-    )
-    return ctx.local_tokens + sum(s.length for s in segs[ctx.member])
+    segs = _group_segments(ctx)
+    return ctx.local_tokens + (sum(s.length for s in segs[ctx.member]) if segs else 0)
+
+
+@lru_cache(maxsize=4096)
+def _layer_slices(length: int, mask: Optional[SampleMask], window: Optional[int]) -> Optional[Slices]:
+    if mask is None and (window is None or window >= length):
+        return None  # causal: the kernels' fast path
+    return tuple(window_slices(mask if mask is not None else SampleMask.causal(length), window))
+
+
+def layer_slices(
+    lengths: Sequence[int], masks: Sequence[Optional[SampleMask]], window: Optional[int]
+) -> Optional[Tuple[Optional[Slices], ...]]:
+    """Each document's mask under a layer's sliding window (None entries: causal); None when
+    every document is plainly causal."""
+    out = tuple(_layer_slices(n, masks[d] if d < len(masks) else None, window) for d, n in enumerate(lengths))
+    return None if all(s is None for s in out) else out
 
 
 def cp_attention(
-    q: Tensor, k: Tensor, v: Tensor, ctx: CPContext, scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ctx: CPContext,
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    window: Optional[int] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Attention of one rank's packed rows (q [T, H, D], k/v [T, H_kv, D]) under `ctx`."""
+    """Attention of one rank's packed rows (q [T, H, D], k/v [T, H_kv, D]) under `ctx`;
+    `window`: the layer's sliding window (keys within `window` positions, itself included);
+    `sinks` [H]: the layer's attention sinks (one extra logit per head)."""
     mode = ShardMode(ctx.mode)
     g, me = ctx.group_size, ctx.member
     if not 0 <= me < g:
         raise ValueError(f"CPContext.member {me} is outside the group of {g} ranks {ctx.group_ranks}")
     if g > 1 and ctx.group is None and ctx.distributed_lengths:
         raise ValueError(f"CPContext has {g} members and distributed documents but no process group")
-    segs = group_segments(mode, tuple(ctx.distributed_lengths), g) if ctx.distributed_lengths else ()
+    for what, masks, lengths in (
+        ("distributed", ctx.masks, ctx.distributed_lengths),
+        ("local", ctx.local_masks, ctx.local_lengths),
+    ):
+        if len(masks) > len(lengths):
+            raise ValueError(f"CPContext has {len(masks)} {what} masks for {len(lengths)} {what} documents")
+        for d, m in enumerate(masks):
+            if m is not None and m.length != lengths[d]:
+                raise ValueError(
+                    f"CPContext: the mask of {what} document {d} covers {m.length} tokens, the document has {lengths[d]}"
+                )
+    segs = _group_segments(ctx)
     n_local = ctx.local_tokens
     n_dist = sum(s.length for s in segs[me]) if segs else 0
     if q.shape[0] != n_local + n_dist:
@@ -62,19 +108,30 @@ def cp_attention(
     kernel = kernel or kernel_for(q.device)
     parts = []
     if n_local:
-        parts.append(packed_attention(q[:n_local], k[:n_local], v[:n_local], ctx.local_lengths, scale, kernel))
+        local_slices = layer_slices(ctx.local_lengths, ctx.local_masks, window)
+        parts.append(
+            packed_attention(
+                q[:n_local], k[:n_local], v[:n_local], ctx.local_lengths, scale, kernel, local_slices, sinks
+            )
+        )
     if segs:
         qd, kd, vd = q[n_local:], k[n_local:], v[n_local:]
-        if g == 1:
-            parts.append(block_attention(qd, kd, vd, segment_blocks(segs[0], segs[0]), scale, kernel))
-        elif mode == ShardMode.ULYSSES:
-            spec = UlyssesSpec(
-                ctx.group, me, tuple(sum(s.length for s in m) for m in segs), tuple(ctx.distributed_lengths)
+        lengths = tuple(ctx.distributed_lengths)
+        slices = layer_slices(lengths, ctx.masks, window)
+        if mode == ShardMode.BLOCKS:
+            concrete = tuple(
+                s if s is not None else causal_slices(n) for s, n in zip(slices or (None,) * len(lengths), lengths)
             )
-            parts.append(ulysses_attention(qd, kd, vd, spec, scale, kernel))
+            spec = EngineSpec(ctx.group, tuple(ctx.group_ranks), me, ctx.blocks, lengths, concrete)
+            parts.append(engine_attention(qd, kd, vd, spec, scale, kernel, sinks))
+        elif g == 1:
+            parts.append(block_attention(qd, kd, vd, segment_blocks(segs[0], segs[0], slices), scale, kernel, sinks))
+        elif mode == ShardMode.ULYSSES:
+            spec = UlyssesSpec(ctx.group, me, tuple(sum(s.length for s in m) for m in segs), lengths, slices)
+            parts.append(ulysses_attention(qd, kd, vd, spec, scale, kernel, sinks))
         else:
-            spec = RingSpec(ctx.group, tuple(ctx.group_ranks), me, segs)
-            parts.append(ring_attention(qd, kd, vd, spec, scale, kernel))
+            spec = RingSpec(ctx.group, tuple(ctx.group_ranks), me, segs, slices)
+            parts.append(ring_attention(qd, kd, vd, spec, scale, kernel, sinks))
     if not parts:  # no rows at all; still an autograd node, so backward runs as on every rank
-        return block_attention(q, k, v, [], scale, kernel)
+        return block_attention(q, k, v, [], scale, kernel, sinks)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

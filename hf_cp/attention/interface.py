@@ -8,19 +8,30 @@ Dispatch on current_cp_context():
 - none: plain local attention over the packed documents of each batch row, found from
   cu_seq_lens_q (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or from where
   position_ids stop counting up by one;
-- a context: this rank's micro-batch in context.py's layout (dispatch.cp_attention).
-The mask function returns None, so no dense mask is ever built; documents come from the
-inputs above, not from a mask.
+- a context: this rank's micro-batch in context.py's layout (dispatch.cp_attention), with
+  each sample's mask from the context.
+No dense mask is ever built. The mask function tells the attention function which pattern
+transformers asked for on each layer: None for causal layers, a LayerMask carrying the window
+for sliding-window layers, which is how a window the model applies only through its mask
+(Qwen2-MoE, PhiMoE) reaches attention. The model's own attention features:
+- sliding windows (`sliding_window` kwargs, `layer_types`, Qwen2's `use_sliding_window` +
+  `max_window_layers`, mask-only windows): converted to a mask on each layer they apply to,
+  intersected with the sample's mask in rotary positions;
+- attention sinks (GPT-OSS `s_aux`): supported through the log-sum-exp merge;
+- refused by name: a user-supplied attention mask tensor (4D or otherwise), chunked attention,
+  extra mask functions (or/and overlays, e.g. bidirectional image tokens), logit softcapping,
+  non-causal attention, attention dropout, KV-cache decoding.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from .context import current_cp_context
-from .dispatch import cp_attention
+from .dispatch import cp_attention, layer_slices
 from .local import packed_attention
 
 ATTN_IMPLEMENTATION = "hf_cp"
@@ -58,6 +69,41 @@ def _docs_from_cu_seqlens(cu: Tensor, batch: int, seq: int) -> List[List[int]]:
     return [lengths]
 
 
+@dataclass(frozen=True)
+class LayerMask:
+    """hf_cp_mask's answer for a sliding-window layer: the window transformers asked for
+    (each query sees itself and the window-1 keys before it), in place of a dense mask."""
+
+    sliding_window: int
+
+
+def _layer_window(module, attention_mask, kwargs) -> Optional[int]:
+    """The layer's sliding window from the mask transformers built for it and from the
+    `sliding_window` the module passes; refuse any other mask and any disagreement."""
+    name = type(module).__name__
+    from_mask = None
+    if isinstance(attention_mask, LayerMask):
+        from_mask = attention_mask.sliding_window
+    elif attention_mask is not None:
+        shape = tuple(getattr(attention_mask, "shape", ()))
+        raise ValueError(
+            f"hf_cp attention ({name}): got an attention mask {type(attention_mask).__name__} of shape {shape}. "
+            "A user-supplied (4D) attention mask is not supported: hf_cp builds no dense mask. Give each sample's "
+            "pattern as a mask in the data (hf_cp.masks.SampleMask: prefix-LM, shared prompt, block-causal, "
+            "slices) and pack documents with position_ids restarting at 0."
+        )
+    from_kwargs = kwargs.get("sliding_window")
+    if from_kwargs is not None and from_mask is not None and int(from_kwargs) != int(from_mask):
+        raise ValueError(
+            f"hf_cp attention ({name}): the layer passes sliding_window={from_kwargs} but its mask was built "
+            f"with a window of {from_mask}"
+        )
+    w = from_mask if from_mask is not None else from_kwargs
+    if w is not None and int(w) < 1:
+        raise ValueError(f"hf_cp attention ({name}): sliding window {w} must be at least 1")
+    return None if w is None else int(w)
+
+
 def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwargs) -> None:
     name = type(module).__name__
     if kwargs.get("use_cache") and getattr(module, "training", False):
@@ -72,10 +118,12 @@ def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwar
             "decoding. hf_cp attention is for training on packed documents; generate with "
             "model.set_attn_implementation('sdpa')."
         )
-    if kwargs.get("sliding_window") is not None:
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" in layer_types or getattr(config, "attention_chunk_size", None):
         raise ValueError(
-            f"hf_cp attention ({name}): sliding_window={kwargs['sliding_window']} is not supported "
-            "(only causal attention inside each document)"
+            f"hf_cp attention ({name}): chunked attention (attention_chunk_size / layer_types 'chunked_attention') "
+            "is not supported"
         )
     if kwargs.get("softcap") is not None:
         raise ValueError(f"hf_cp attention ({name}): attention logit softcapping is not supported")
@@ -100,14 +148,21 @@ def hf_cp_attention(
 ):
     """transformers attention function: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
     _refuse_unsupported(module, query, key, dropout, kwargs)
+    window = _layer_window(module, attention_mask, kwargs)
+    sinks = kwargs.get("s_aux")  # GPT-OSS attention sinks: one logit per head
     b, h, s, d = query.shape
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise ValueError(
+            f"hf_cp attention ({type(module).__name__}): attention sinks (s_aux) of shape {tuple(sinks.shape)}; "
+            f"expected one per query head ({h},)"
+        )
     scale = scaling if scaling is not None else d**-0.5
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, heads, D] views
     ctx = current_cp_context()
     if ctx is not None:
         if b != 1:
             raise ValueError(f"hf_cp attention under a CP context needs one packed row per micro-batch, got batch {b}")
-        out = cp_attention(q[0], k[0], v[0], ctx, scale)
+        out = cp_attention(q[0], k[0], v[0], ctx, scale, window=window, sinks=sinks)
         return out.unsqueeze(0), None
     if kwargs.get("cu_seq_lens_q") is not None:
         docs = _docs_from_cu_seqlens(kwargs["cu_seq_lens_q"], b, s)
@@ -115,28 +170,55 @@ def hf_cp_attention(
         docs = _docs_from_positions(kwargs["position_ids"], b, s)
     else:
         docs = [[s]] * b
+    flat = [n for row in docs for n in row]
+    slices = layer_slices(tuple(flat), (), window)
     if b == 1:
-        out = packed_attention(q[0], k[0], v[0], docs[0], scale)
+        out = packed_attention(q[0], k[0], v[0], docs[0], scale, None, slices, sinks)
     else:
         out = packed_attention(
             q.reshape(b * s, h, d),
             k.reshape(b * s, k.shape[2], d),
             v.reshape(b * s, v.shape[2], v.shape[3]),
-            [n for row in docs for n in row],
+            flat,
             scale,
+            None,
+            slices,
+            sinks,
         )
     return out.view(b, s, h, v.shape[3]), None
 
 
-def hf_cp_mask(*args, attention_mask: Optional[Tensor] = None, **kwargs):
-    """No dense mask: documents are found from position_ids / cu_seqlens. A padding mask would
-    be silently lost, so refuse one (pack documents instead of padding)."""
+def hf_cp_mask(
+    *args,
+    attention_mask: Optional[Tensor] = None,
+    local_size: Optional[int] = None,
+    use_vmap: bool = False,
+    config=None,
+    **kwargs,
+):
+    """No dense mask: documents are found from position_ids / cu_seqlens, sample masks come
+    from the CP context. Returns None for a causal layer and a LayerMask for a sliding-window
+    one (transformers passes the window as local_size), which the attention function applies.
+    A padding mask would be silently lost, so refuse one (pack documents instead of padding);
+    refuse extra mask functions and chunked attention, which hf_cp cannot honour."""
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         raise ValueError(
             "hf_cp attention does not take padded batches (the attention_mask has zeros): pack the "
             "documents into one row with position_ids restarting at 0 for each document"
         )
-    return None
+    if use_vmap:  # transformers sets it exactly when the model adds or_mask_function / and_mask_function
+        raise ValueError(
+            "hf_cp attention: the model adds its own mask function on top of the causal mask (an or/and mask "
+            "overlay, e.g. bidirectional attention over image tokens); hf_cp does not support it"
+        )
+    if local_size is None:
+        return None
+    if (
+        getattr(config, "attention_chunk_size", None) == local_size
+        and getattr(config, "sliding_window", None) != local_size
+    ):
+        raise ValueError("hf_cp attention: chunked attention (attention_chunk_size) is not supported")
+    return LayerMask(int(local_size))
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .blocks import FULL, INV_CAUSAL, Block, document_blocks
+from .blocks import FULL, INV_CAUSAL, Block, Slices, document_blocks
 from .kernels import AttentionKernel, kernel_for
 
 Tensor = torch.Tensor
@@ -142,34 +142,70 @@ class BlockPlan:
         return dq, dk, dv
 
 
+def apply_sinks(out: Tensor, lse: Tensor, sinks: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """Attention sinks (GPT-OSS `s_aux`): one extra logit per head in every row's softmax
+    denominator, with no value. On merged (out, lse) it is one more log-sum-exp merge with an
+    empty output: out * exp(lse - lse'), lse' = logaddexp(lse, sink)."""
+    if sinks is None:
+        return out, lse
+    s = sinks.detach().float().reshape(1, -1)
+    lse2 = torch.logaddexp(lse, s)
+    return out * torch.exp(lse - lse2).unsqueeze(-1), lse2
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sink per head, from the rows' final out and lse (sinks included): the sink's
+    probability p = exp(sink - lse) scales every row's output by (1 - p), so the gradient is
+    -sum over rows of p * (dO . O)."""
+    p = torch.exp(sinks.detach().float().reshape(1, -1) - lse)
+    return -((dout.float() * out.float()).sum(-1) * p).sum(0).to(sinks.dtype)
+
+
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockPlan, kernel: AttentionKernel, scale: float):
+    def forward(ctx, q, k, v, sinks, plan: BlockPlan, kernel: AttentionKernel, scale: float):
         out, lse = plan.forward(kernel, q, k, v, scale)
+        out, lse = apply_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.kernel, ctx.scale = plan, kernel, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.plan.backward(ctx.kernel, dout, q, k, v, out, lse, ctx.scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
 def block_attention(
-    q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block], scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Sequence[Block],
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Differentiable attention of q rows over k/v rows restricted to `blocks` (no communication)."""
+    """Differentiable attention of q rows over k/v rows restricted to `blocks` (no
+    communication); `sinks` [H]: one extra logit per head (apply_sinks)."""
     kernel = kernel or kernel_for(q.device)
-    return _BlockAttention.apply(q, k, v, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
+    return _BlockAttention.apply(q, k, v, sinks, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
 
 
 def packed_attention(
-    q: Tensor, k: Tensor, v: Tensor, doc_lengths: Sequence[int], scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_lengths: Sequence[int],
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    slices: Optional[Sequence[Optional[Slices]]] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """Causal attention inside each of the documents packed back to back in q/k/v."""
+    """Attention inside each of the documents packed back to back in q/k/v: causal, or under
+    the document's mask slices where `slices` gives them (None entries causal)."""
     if sum(doc_lengths) != q.shape[0]:
         raise ValueError(f"document lengths sum to {sum(doc_lengths)} but the packed sequence has {q.shape[0]} tokens")
-    return block_attention(q, k, v, document_blocks(doc_lengths), scale, kernel)
+    return block_attention(q, k, v, document_blocks(doc_lengths, 0, slices), scale, kernel, sinks)

@@ -21,10 +21,10 @@ from typing import Optional, Tuple
 import torch
 
 from ..shard import Segment
-from .blocks import segment_blocks
+from .blocks import Slices, segment_blocks
 from .comm import ring_exchange
 from .kernels import AttentionKernel, kernel_for
-from .local import BlockPlan, merge_lse
+from .local import BlockPlan, apply_sinks, merge_lse, sinks_grad
 
 Tensor = torch.Tensor
 
@@ -37,6 +37,7 @@ class RingSpec:
     group_ranks: Tuple[int, ...]
     member: int
     segments: Tuple[Tuple[Segment, ...], ...]  # every member's segments, in member order
+    slices: Optional[Tuple[Optional[Slices], ...]] = None  # per document: its mask under this layer (None: causal)
 
     @property
     def size(self) -> int:
@@ -50,7 +51,7 @@ class RingSpec:
         return (self.member - step) % self.size
 
     def plan(self, step: int, device) -> BlockPlan:
-        blocks = segment_blocks(self.segments[self.member], self.segments[self.source(step)])
+        blocks = segment_blocks(self.segments[self.member], self.segments[self.source(step)], self.slices)
         return BlockPlan(blocks, self.tokens(self.member), device)
 
     @property
@@ -73,7 +74,7 @@ def _pass_on(spec: RingSpec, step: int, buf: Tensor, tag: int) -> Tuple[Tensor, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec: RingSpec, kernel: AttentionKernel, scale: float):
+    def forward(ctx, q, k, v, sinks, spec: RingSpec, kernel: AttentionKernel, scale: float):
         g = spec.size
         kv = torch.stack([k, v]).contiguous()
         plans = [spec.plan(s, q.device) for s in range(g)]
@@ -90,15 +91,16 @@ class _RingAttention(torch.autograd.Function):
                 kv = recv
         if out is None:  # a member with no rows
             out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32)
-            lse = q.new_zeros(q.shape[0], q.shape[1], dtype=torch.float32)
+            lse = q.new_full((q.shape[0], q.shape[1]), -float("inf"), dtype=torch.float32)
+        out, lse = apply_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.kernel, ctx.scale, ctx.plans = spec, kernel, scale, plans
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         spec, kernel, scale, plans = ctx.spec, ctx.kernel, ctx.scale, ctx.plans
         g = spec.size
         dout = dout.contiguous()
@@ -124,11 +126,18 @@ class _RingAttention(torch.autograd.Function):
                 pending.wait()
                 kv = recv
         dkv_pending.wait()
-        return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None else None
+        return dq.to(q.dtype), dkv_recv[0].to(k.dtype), dkv_recv[1].to(v.dtype), dsinks, None, None, None
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: RingSpec,
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Differentiable ring attention of this member's rows (q [n, H, D], k/v [n, H_kv, D])."""
     n = spec.tokens(spec.member)
@@ -141,5 +150,6 @@ def ring_attention(
     if spec.size == 1:  # nothing to pass: the member's own segments against themselves
         from .local import block_attention
 
-        return block_attention(q, k, v, segment_blocks(spec.segments[0], spec.segments[0]), scale, kernel)
-    return _RingAttention.apply(q, k, v, spec, kernel, scale)
+        blocks = segment_blocks(spec.segments[0], spec.segments[0], spec.slices)
+        return block_attention(q, k, v, blocks, scale, kernel, sinks)
+    return _RingAttention.apply(q, k, v, sinks, spec, kernel, scale)

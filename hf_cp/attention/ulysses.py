@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..shard import check_ulysses_heads  # noqa: F401  (re-exported: the attention API names it)
-from .blocks import document_blocks
+from .blocks import Slices, document_blocks
 from .comm import all_to_all
 from .kernels import AttentionKernel, kernel_for
 from .local import block_attention
@@ -32,6 +32,7 @@ class UlyssesSpec:
     member: int
     rank_tokens: Tuple[int, ...]  # tokens each member holds, in member order
     doc_lengths: Tuple[int, ...]  # the distributed documents, whole
+    slices: Optional[Tuple[Optional[Slices], ...]] = None  # per document: its mask under this layer (None: causal)
 
     @property
     def size(self) -> int:
@@ -45,7 +46,13 @@ def _kv_for_members(x: Tensor, g: int) -> Tensor:
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: UlyssesSpec, scale: float, kernel: Optional[AttentionKernel] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: UlyssesSpec,
+    scale: float,
+    kernel: Optional[AttentionKernel] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """This member's token rows (q [n, H, D], k/v [n, H_kv, D]) -> attention output [n, H, D]."""
     g, me = spec.size, spec.member
@@ -55,9 +62,9 @@ def ulysses_attention(
         raise ValueError(f"member {me} should hold {spec.rank_tokens[me]} distributed tokens, got {n}")
     check_ulysses_heads(h, hkv, g)
     kernel = kernel or kernel_for(q.device)
-    blocks = document_blocks(spec.doc_lengths)
+    blocks = document_blocks(spec.doc_lengths, 0, spec.slices)
     if g == 1:
-        return block_attention(q, k, v, blocks, scale, kernel)
+        return block_attention(q, k, v, blocks, scale, kernel, sinks)
     hq_r = h // g
     k_m, v_m = _kv_for_members(k, g), _kv_for_members(v, g)
     hk_r = k_m.shape[1] // g
@@ -67,6 +74,7 @@ def ulysses_attention(
     total = sum(spec.rank_tokens)
     heads = all_to_all(packed, [n] * g, spec.rank_tokens, spec.group, me)  # [total, hq_r + 2 hk_r, D]
     q_h, k_h, v_h = heads.split([hq_r, hk_r, hk_r], dim=1)
-    out_h = block_attention(q_h, k_h, v_h, blocks, scale, kernel) if total else q_h
+    my_sinks = sinks[me * hq_r : (me + 1) * hq_r] if sinks is not None else None  # this member's heads
+    out_h = block_attention(q_h, k_h, v_h, blocks, scale, kernel, my_sinks) if total else q_h
     back = all_to_all(out_h, spec.rank_tokens, [n] * g, spec.group, me)  # [g * n, hq_r, D], by head owner
     return back.reshape(g, n, hq_r, d).transpose(0, 1).reshape(n, h, d)
