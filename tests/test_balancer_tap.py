@@ -57,8 +57,8 @@ def test_tiles_of_an_overloaded_owner_move_and_cover_every_pair(h200_cost):
 def test_heads_split_before_the_soft_cap_is_broken(h200_cost):
     # one 16K document on member 0 of 2, member 1 as busy elsewhere: its two 8K-query tiles
     # (1/4 and 3/4 of the attention) cannot balance the members whole, head ranges can
-    lengths = [16384]
-    chunks = pool_chunks(lengths, [([0], [0])], 8192)
+    lengths = [16384, 1]  # member 1 owns a 1-token sample: a member without rows takes no tiles
+    chunks = pool_chunks(lengths, [([0], [0]), ([1], [1])], 8192)
     base = [linear_ms(h200_cost, 16384), linear_ms(h200_cost, 16384)]  # member 1 runs as much elsewhere
     pl, load = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, base, TapOptions(slack=0.0))
     heads = {(b.head_start, b.head_end) for b in pl.compute}
@@ -74,12 +74,19 @@ def test_a_tile_prefers_a_worker_that_already_receives_its_keys(h200_cost):
     # member 0 is too busy for any tile of its document; members 1 and 2 are equally idle and
     # either could take every tile. The first tile moved picks member 1 (ties: lower index);
     # every later tile needs a subset of its keys, so it follows, although member 2 is emptier.
+    lengths = [16384, 1, 1]  # members 1 and 2 own one token each (a member without rows takes no tiles)
+    chunks = pool_chunks(lengths, [([0], [0]), ([1], [1]), ([2], [2])], 4096)
+    pl, load = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, [2000.0, 0.0, 0.0], TapOptions())
+    assert {b.executor for b in pl.compute if pl.chunks[b.q_chunk].doc == 0} == {1}
+    assert load[2] < 1.0  # its own 1-token sample only
+    assert pl.kv_transfers() == 4  # each key chunk of the long sample travels once
+
+
+def test_a_member_without_rows_takes_no_tiles(h200_cost):
     lengths = [16384]
     chunks = pool_chunks(lengths, [([0], [0])], 4096)
-    pl, load = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, [2000.0, 0.0, 0.0], TapOptions())
-    assert {b.executor for b in pl.compute} == {1}
-    assert load[2] == 0.0
-    assert pl.kv_transfers() == 4  # each key chunk travels once
+    pl, _ = place_tiles(h200_cost, lengths, sample_slices(lengths), chunks, [2000.0, 0.0, 0.0], TapOptions())
+    assert {b.executor for b in pl.compute} == {0}
 
 
 @pytest.mark.parametrize("kind", ["shared_prompt", "sliding_window"])

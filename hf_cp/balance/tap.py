@@ -10,7 +10,7 @@ split overhead when it covers part of the heads (CostModel.head_split_factor).
 
 Placement (Libra's communication-aware greedy): tiles heaviest first; a tile goes to a worker
 whose load stays under the soft cap ((1 + slack) x the pool's mean load, linear work
-included), preferring, in order: the owner of its queries (nothing moves), a worker that
+included) and who owns rows in this wave (a member without any sits it out), preferring, in order: the owner of its queries (nothing moves), a worker that
 already receives the tile's keys and values for another tile (only Q moves), then the least
 loaded worker. A tile that fits nowhere is split along heads first (Libra: equal head
 ranges run at equal cost and keep the kernel's sequence length, where sequence splits make
@@ -146,6 +146,8 @@ def place_tiles(
     for c in chunks:
         owned[c.owner] += c.length
     recv_bytes = [0] * g
+    # tiles run only where rows are owned: a member without rows sits out the micro-batch
+    workers = [m for m in range(g) if owned[m] > 0]
 
     def extra_bytes(t: Tile, m: int) -> int:
         new_kv = sum(chunks[k].length for k in t.keys if chunks[k].owner != m and k not in receives[m])
@@ -165,7 +167,7 @@ def place_tiles(
     while heap:
         _, _, t = heapq.heappop(heap)
         owner = chunks[t.chunk].owner
-        fits = [m for m in range(g) if load[m] + t.ms <= soft + 1e-12 and memory_ok(t, m)]
+        fits = [m for m in workers if load[m] + t.ms <= soft + 1e-12 and memory_ok(t, m)]
         if owner in fits:
             m = owner
         else:
@@ -184,7 +186,7 @@ def place_tiles(
                         heapq.heappush(heap, (-part.ms, serial, part))
                         serial += 1
                     continue
-                roomy = [x for x in range(g) if memory_ok(t, x)] or [owner]  # the owner receives nothing
+                roomy = [x for x in workers if memory_ok(t, x)] or [owner]  # the owner receives nothing
                 m = min(roomy, key=lambda x: (load[x], x != owner, x))  # least loaded; the owner on ties
         load[m] += t.ms
         recv_bytes[m] += extra_bytes(t, m)
@@ -288,7 +290,9 @@ class LibraTapBalancer:
     may receive the K/V and Q rows of moved tiles (default 0: packs as `libra` does, whose
     packs leave some room; more room means more packs, which can cost a round of waves).
     Tiles only move where memory allows; a pool and wave whose layout would not fit (full
-    packs spread over several ranks need their K/V received) keeps libra's own groups."""
+    packs spread over several ranks need their K/V received), or a pool of more than
+    `max_pool_ranks` ranks (planner time: tiles grow with the pool's tokens), keeps libra's
+    own groups."""
 
     name = "libra_tap"
     handles_masks = True  # tiles are priced by their masked pairs
@@ -301,6 +305,7 @@ class LibraTapBalancer:
         tile_tokens: int = 4096,
         slack: float = 0.02,
         room: float = 0.0,
+        max_pool_ranks: int = 16,
     ):
         from .libra import LibraBalancer
 
@@ -309,6 +314,7 @@ class LibraTapBalancer:
         self.libra = LibraBalancer(pool_size=pool_size, cp_size=cp_size, cp_scope=cp_scope)
         self.options = TapOptions(tile_tokens=tile_tokens, slack=slack)
         self.room = room
+        self.max_pool_ranks = max_pool_ranks
 
     def plan(self, req: PlanRequest) -> StepPlan:
         cl = req.cluster
@@ -338,18 +344,19 @@ class LibraTapBalancer:
             groups = []
             for pool, packs in sorted(by_slot[slot].items()):
                 ranks = tuple(range(pool * P * N, (pool + 1) * P * N))
-                seqs = [(lay.packs[k], members) for k, members in packs]
-                pm = {i: masks[ids[i]] for docs, _ in seqs for i in docs if ids[i] in masks}
-                tg = tap_pool(req.cost, ranks, seqs, req.lengths, pm, self.options, cap)
-                local = {r: [ids[i] for i in v] for r, v in tg.local.items()}
-                if tg.placement is None:  # nothing moves: every rank runs its documents alone
-                    groups.extend(Group(ranks=(r,), local={r: v}) for r, v in sorted(local.items()))
-                    continue
-                group = blocks_group(ranks, [ids[i] for i in tg.distributed], tg.placement, local)
-                if fits_memory(group, req, cap):
-                    groups.append(group)
-                    continue
-                # the received rows do not fit (full packs): libra's own groups for this pool and wave
+                if len(ranks) <= self.max_pool_ranks:
+                    seqs = [(lay.packs[k], members) for k, members in packs]
+                    pm = {i: masks[ids[i]] for docs, _ in seqs for i in docs if ids[i] in masks}
+                    tg = tap_pool(req.cost, ranks, seqs, req.lengths, pm, self.options, cap)
+                    local = {r: [ids[i] for i in v] for r, v in tg.local.items()}
+                    if tg.placement is None:  # nothing moves: every rank runs its documents alone
+                        groups.extend(Group(ranks=(r,), local={r: v}) for r, v in sorted(local.items()))
+                        continue
+                    group = blocks_group(ranks, [ids[i] for i in tg.distributed], tg.placement, local)
+                    if fits_memory(group, req, cap):
+                        groups.append(group)
+                        continue
+                # too large a pool, or the received rows do not fit: libra's own groups
                 for k, members in packs:
                     rk = tuple(ranks[m] for m in members)
                     pids = [ids[i] for i in lay.packs[k]]
