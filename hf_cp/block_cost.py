@@ -297,3 +297,26 @@ def plan_exchange(plan, cost: CostModel) -> List[GroupExchange]:
 
 def masks_by_member(plan, group) -> Dict[int, List[Optional[SampleMask]]]:
     return {group.ranks.index(r): [plan.masks.get(s) for s in ids] for r, ids in group.local.items()}
+
+
+def default_layout(
+    doc_lengths: Sequence[int],
+    ranks: Sequence[int],
+    cost: CostModel,
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
+) -> BlockLayout:
+    """The engine's default placement until placement solvers choose one (issue 16): the ring
+    geometries expressed as blocks (zigzag of the packed samples, or each sample in 2g parts),
+    whichever the cost model finishes first, each block run by its query's owner. Same balance
+    as the ring modes; only the K/V that blocks need moves."""
+    from .block_plan import per_doc_layout, zigzag_layout
+
+    g, h = len(ranks), cost.dims.num_heads
+    slices = doc_slices(doc_lengths, masks)
+    best, best_t = None, float("inf")
+    for make in (zigzag_layout, per_doc_layout):
+        lay = make(doc_lengths, g, h, slices)
+        t = max(c.total_ms for c in block_group_costs(lay, doc_lengths, ranks, cost, masks))
+        if t < best_t - 1e-12:
+            best, best_t = lay, t
+    return best

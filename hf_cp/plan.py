@@ -3,7 +3,9 @@
 A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks taken from
 the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
 its members with one sharding mode, plus documents *local* to single members (computed with
-no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
+no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
+mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
+compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
 DESIGN.md's invariants before any collective is issued.
@@ -204,7 +206,11 @@ class StepPlan:
     def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> StepPlan:
         """Raise PlanError naming the first broken invariant; return self when valid.
 
-        With a CostModel, also check that Ulysses groups split the model's heads evenly.
+        With a CostModel, also check that Ulysses groups split the model's heads evenly, that
+        a blocks group's head ranges cover the model's heads, and count each blocks-group
+        member's received K/V and Q rows (in tokens of activation memory, block_cost.py)
+        against the cap. Masks must match their samples; a blocks layout must follow its
+        format (block_plan.BlockLayout.validate), its errors naming the sample, chunk and block.
         """
         where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
         if len(self.sample_ids) != len(self.lengths):

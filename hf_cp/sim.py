@@ -82,7 +82,12 @@ def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks:
             out.append((0.0, 0.0, 0, 0))
             continue
         local_masks = [masks.get(s) for s in group.local.get(r, [])] if masks else None
-        rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local, dist_masks, local_masks)
+        if any(x is not None for x in (dist_masks or []) + (local_masks or [])):
+            rc = cost.distributed_rank_cost(
+                dist, group.mode, group.ranks, m, local, masks=dist_masks, local_masks=local_masks
+            )
+        else:  # the causal call (cost models that balancers wrap keep this signature)
+            rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
         out.append((rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens))
     return out
 

@@ -4,7 +4,7 @@ Sliding windows reach the attention in three ways and each is converted to a mas
 layers it applies to: the `sliding_window` kwarg (Qwen2 with use_sliding_window and
 max_window_layers, Mistral), the mask alone (Qwen2-MoE, PhiMoE: transformers builds a
 sliding-window mask but the attention gets no kwarg), and layer_types alternation (Qwen2,
-Qwen2-MoE, GPT-OSS). GPT-OSS attention sinks go through the log-sum-exp merge. Logits and
+Qwen2-MoE, GPT-OSS, Gemma 3). GPT-OSS attention sinks go through the log-sum-exp merge. Logits and
 gradients must equal the model's own sdpa/eager attention run on each document separately,
 and each feature must change the logits (so ignoring it would fail the comparison).
 A user's attention mask tensor, logit softcapping, chunked attention and extra mask functions
@@ -54,6 +54,11 @@ FEATURES = {
         "sdpa",
     ),
     "gpt_oss_sinks_and_windows": ("gpt_oss", dict(sliding_window=5, **MOE), "eager"),
+    "gemma3_alternation": (
+        "gemma3_text",
+        dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+        "eager",
+    ),
 }
 LENGTHS = [20, 3, 17]
 

@@ -249,3 +249,14 @@ def test_malformed_layout_json_and_a_layout_for_another_mask_are_refused():
     layer_exchange(lay, windowed, 4, 2)
     with pytest.raises(BlockLayoutError, match="layout was made for another mask"):
         layer_exchange(lay, doc_slices([32]), 4, 2)
+
+
+def test_a_layout_on_a_group_of_another_mode_is_refused():
+    p = _plan(zigzag_layout([40, 9], 4, 4))
+    p.waves[0].groups[0].mode = ShardMode.RING_ZIGZAG
+    with pytest.raises(PlanError, match="a block layout is given but the mode is 'ring_zigzag'"):
+        p.validate()
+    with pytest.raises(ValueError, match="places chunks explicitly"):
+        from hf_cp.shard import rank_segments
+
+        rank_segments(ShardMode.BLOCKS, [40], 4, 0)

@@ -25,7 +25,7 @@ The maths (blocks, kernels, merges) is in local.py / blocks.py; the exchange in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -82,6 +82,14 @@ class _MemberPlan:
     recv_q: Tuple[Tuple[Tuple[int, int, int], ...], ...]
     local_groups: Tuple[_HeadGroup, ...]  # blocks reading only this member's own chunks
     remote_groups: Tuple[_HeadGroup, ...]  # blocks reading something received
+    kernel_plans: Dict = field(default_factory=dict)  # (head group, device) -> BlockPlan, built once
+
+    def kernel_plan(self, hg: _HeadGroup, n_q: int, device) -> BlockPlan:
+        key = (id(hg), str(device))
+        plan = self.kernel_plans.get(key)
+        if plan is None:
+            plan = self.kernel_plans[key] = BlockPlan(hg.blocks, n_q, device)
+        return plan
 
 
 def _head_groups(
@@ -273,23 +281,23 @@ def _split_rows(x: Tensor, chunks: Sequence[int], lengths: Sequence[int]):
         o += lengths[c]
 
 
-def _forward_groups(groups, src: _Sources, acc: _Accumulator, kernel, scale, lengths) -> None:
+def _forward_groups(plan: _MemberPlan, groups, src: _Sources, acc: _Accumulator, kernel, scale, lengths) -> None:
     for hg in groups:
         hs, he = hg.heads
         q = src.gather("q", hg.q_chunks, hs, he)
         k, v = _kv_of(src, hg, "k"), _kv_of(src, hg, "v")
-        out, lse = BlockPlan(hg.blocks, q.shape[0], q.device).forward(kernel, q, k, v, scale)
+        out, lse = plan.kernel_plan(hg, q.shape[0], q.device).forward(kernel, q, k, v, scale)
         for (c, o), (_, l) in zip(_split_rows(out, hg.q_chunks, lengths), _split_rows(lse, hg.q_chunks, lengths)):
             acc.merge(c, hs, he, o, l)
 
 
-def _backward_groups(groups, src: _Sources, dq_acc, dk_acc, dv_acc, kernel, scale, lengths) -> None:
+def _backward_groups(plan: _MemberPlan, groups, src: _Sources, dq_acc, dk_acc, dv_acc, kernel, scale, lengths) -> None:
     for hg in groups:
         hs, he = hg.heads
         q, do = src.gather("q", hg.q_chunks, hs, he), src.gather("do", hg.q_chunks, hs, he)
         o, lse = src.gather("o", hg.q_chunks, hs, he), src.gather("lse", hg.q_chunks, hs, he)
         k, v = _kv_of(src, hg, "k"), _kv_of(src, hg, "v")
-        dq, dk, dv = BlockPlan(hg.blocks, q.shape[0], q.device).backward(kernel, do, q, k, v, o, lse, scale)
+        dq, dk, dv = plan.kernel_plan(hg, q.shape[0], q.device).backward(kernel, do, q, k, v, o, lse, scale)
         for c, g in _split_rows(dq, hg.q_chunks, lengths):
             dq_acc.add(c, hs, he, g)
         lo, hi = hg.kv_heads
@@ -330,14 +338,14 @@ class _BlockEngine(torch.autograd.Function):
             ]
             COUNTER.count("kv_chunks", kv_pieces)
             recv, pending = exchange_bytes(send, recv_sizes, spec.group, me, dev, "blocks_fwd_dispatch")
-        _forward_groups(plan.local_groups, src, acc, kernel, scale, lengths)  # overlaps the dispatch
+        _forward_groups(plan, plan.local_groups, src, acc, kernel, scale, lengths)  # overlaps the dispatch
         if pending is not None:
             pending.wait()
             _unpack_dispatch(recv, plan, src, lengths, d, q.dtype, backward=False)
         for p in range(spec.size):
             for c, a, b in plan.recv_q[p]:
                 acc.add_received(c, lengths[c], a, b, d, dev)
-        _forward_groups(plan.remote_groups, src, acc, kernel, scale, lengths)
+        _forward_groups(plan, plan.remote_groups, src, acc, kernel, scale, lengths)
         if plan.ex.q:  # 3. partial outputs home
             send = []
             for p in range(spec.size):
@@ -394,7 +402,7 @@ class _BlockEngine(torch.autograd.Function):
                 for p in range(spec.size)
             ]
             recv, pending = exchange_bytes(send, recv_sizes, spec.group, me, dev, "blocks_bwd_dispatch")
-        _backward_groups(plan.local_groups, src, dq_acc, dk_acc, dv_acc, kernel, scale, lengths)
+        _backward_groups(plan, plan.local_groups, src, dq_acc, dk_acc, dv_acc, kernel, scale, lengths)
         if pending is not None:
             pending.wait()
             _unpack_dispatch(recv, plan, src, lengths, d, q.dtype, backward=True)
@@ -404,7 +412,7 @@ class _BlockEngine(torch.autograd.Function):
                 for c, a, b in plan.recv_kv[p]:
                     dk_acc.add_received(c, lengths[c], a, b, d, dev)
                     dv_acc.add_received(c, lengths[c], a, b, d, dev)
-        _backward_groups(plan.remote_groups, src, dq_acc, dk_acc, dv_acc, kernel, scale, lengths)
+        _backward_groups(plan, plan.remote_groups, src, dq_acc, dk_acc, dv_acc, kernel, scale, lengths)
         if plan.ex.kv or plan.ex.q:  # 3. dK/dV and dQ home, in the dispatch's piece order
             send = []
             for p in range(spec.size):

@@ -2,7 +2,9 @@
 
 A kernel computes variable-length attention over blocks laid out back to back (the varlen
 convention): q [sum q_lens, H, D], k/v [sum k_lens, H_kv, D] with H % H_kv == 0 (GQA is
-passed through, never expanded), every block either full or square-causal (blocks.py).
+passed through, never expanded), every block either full or square-causal (blocks.py; an
+inverse-causal square reaches the kernel as a causal one with its rows and keys reversed, and
+every mask compiles to these three kinds, so no kernel here needs a mask of its own).
 forward returns (out [Tq, H, D], lse [Tq, H] float32); backward takes the *final* out and
 lse of each query row, which is what makes per-block gradients add up exactly when a row's
 result was merged from several blocks (ring attention).
