@@ -6,6 +6,8 @@ import random
 import time
 
 import pytest
+from balancer_checks import check_balancer_properties, step_cases
+from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer, hypergraph
 from hf_cp.balance.dcp import (
@@ -23,6 +25,7 @@ from hf_cp.block_cost import received_token_equivalent
 from hf_cp.cluster import ClusterSpec
 from hf_cp.masks import SampleMask
 from hf_cp.shard import ShardMode, rank_segments, segment_tokens
+from hf_cp.sim import lower_bound_ms, simulate
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
 
@@ -198,3 +201,36 @@ def test_refinement_never_moves_more_bytes_than_the_greedy(h200_cost):
         check_layout(lay, lengths, 8, 32768, h200_cost, masks)
         moved[backend] = sum(pl.kv_transfers() for groups in lay.waves for _, _, pl, _, _ in groups if pl is not None)
     assert moved["mtkahypar"] <= moved["greedy"]
+
+
+# ---------------------------------------------------------------------- the dcp balancer
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=step_cases(max_world=16))
+def test_dcp_plans_are_valid_complete_capped_and_deterministic(case, h200_cost):
+    world, cap, lengths = case
+    check_balancer_properties("dcp", world, cap, lengths, h200_cost)
+
+
+def test_dcp_plans_the_outlier_within_ten_percent_of_the_bound_and_reports_its_time(h200_cost):
+    rng = random.Random(7)
+    lengths = [300_000] + [rng.randint(50, 3000) for _ in range(600)]
+    cluster = ClusterSpec(16, 32768)
+    bal = get_balancer("dcp")
+    plan = bal.plan(PlanRequest(list(range(len(lengths))), lengths, cluster, h200_cost))
+    plan.validate(cluster, h200_cost)
+    ratio = simulate(plan, h200_cost).makespan_ms / lower_bound_ms(lengths, cluster, h200_cost)
+    assert ratio < 1.10
+    assert 0 < bal.last_planner_s < 10 and bal.last_backend in ("greedy", "mtkahypar")
+    # the long sample runs as blocks over the whole world; the layout carries DCP's divisions
+    spread = [g for w in plan.waves for g in w.groups if 0 in g.distributed]
+    assert len(spread) == 1 and spread[0].mode == ShardMode.BLOCKS and spread[0].size == 16
+    assert spread[0].blocks.divisions is not None and max(spread[0].blocks.divisions) > 0
+
+
+def test_dcp_respects_the_largest_group_size(h200_cost):
+    rng = random.Random(8)
+    lengths = [100_000, 90_000] + [rng.randint(50, 3000) for _ in range(300)]
+    cluster = ClusterSpec(16, 32768, max_group_size=4)
+    plan = get_balancer("dcp").plan(PlanRequest(list(range(len(lengths))), lengths, cluster, h200_cost))
+    plan.validate(cluster, h200_cost)  # every group registered: none larger than 4
+    assert max(g.size for w in plan.waves for g in w.groups) == 4

@@ -7,9 +7,12 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from balancer_checks import check_balancer_properties, step_cases
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.layout import LayoutOptions, _candidates, choose_layout
 from hf_cp.balance.magi import (
     area_bound,
     equal_count,
@@ -22,8 +25,12 @@ from hf_cp.balance.magi import (
     zigzag_placement,
 )
 from hf_cp.balance.placement import sample_slices
+from hf_cp.block_cost import block_group_costs
 from hf_cp.block_plan import BlockLayoutError
+from hf_cp.cluster import ClusterSpec
 from hf_cp.masks import SampleMask
+from hf_cp.shard import ShardMode, rank_segments, segment_tokens
+from hf_cp.sim import simulate
 
 
 # ---------------------------------------------------------------------- reference cases
@@ -181,3 +188,72 @@ def test_check_names_the_broken_rule():
     with pytest.raises(BlockLayoutError, match="are in no chunk"):
         bad.check(lens, sl)
     pl.check(lens, sl)
+
+
+# ---------------------------------------------------------------------- the magi and usp balancers
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=step_cases(max_world=16))
+def test_magi_and_usp_plans_are_valid_complete_capped_and_deterministic(case, h200_cost):
+    world, cap, lengths = case
+    for name in ("magi", "usp"):
+        check_balancer_properties(name, world, cap, lengths, h200_cost)
+
+
+def shared_prompt_request(cost, world, cap, seed=0, n=40):
+    rng = random.Random(seed)
+    masks, ids = {}, []
+    for i in range(n):
+        m = SampleMask.shared_prompt(rng.randint(5, 80), [rng.randint(50, 900) for _ in range(rng.randint(2, 8))])
+        masks[100 + i] = m
+        ids.append(100 + i)
+    lengths = [masks[i].length for i in ids]
+    # a long causal sample so that the base plan distributes something
+    ids.append(7)
+    lengths.append(cap * world // 2)
+    req = PlanRequest(ids, lengths, ClusterSpec(world, cap), cost)
+    object.__setattr__(req, "masks", masks)  # PlanRequest.masks (the mask data path) sets this field
+    return req
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_relayout_never_predicts_a_slower_step_than_its_base(world, h200_cost):
+    # shared prompts too long for one rank's 2048 tokens: the base distributes many of them
+    req = shared_prompt_request(h200_cost, world, 2048, seed=world)
+    base = get_balancer("dynamic_cp").plan(req)
+    base.masks = dict(req.masks)
+    relaid = 0
+    for name in ("magi", "usp"):
+        plan = get_balancer(name).plan(req)
+        plan.validate(req.cluster, h200_cost)
+        assert plan.masks == req.masks and plan.balancer == name
+        assert simulate(plan, h200_cost).makespan_ms <= simulate(base, h200_cost).makespan_ms + 1e-6
+        # every group the base distributed is there with the same samples, possibly laid out anew
+        same = lambda p: [(g.ranks, g.distributed, g.local) for w in p.waves for g in w.groups]
+        assert same(plan) == same(base)
+        relaid += sum(g.mode == ShardMode.BLOCKS for w in plan.waves for g in w.groups)
+    assert relaid, "no group was laid out anew: the comparison above proves nothing"
+
+
+def test_choose_layout_picks_the_fastest_candidate_that_fits(h200_cost):
+    rng = random.Random(4)
+    masks = [SampleMask.shared_prompt(20, [rng.randint(200, 3000) for _ in range(6)]) for _ in range(3)]
+    lens = [m.length for m in masks]
+    ranks = list(range(8))
+    choice = choose_layout(h200_cost, lens, ranks, 32768, masks)
+    # price every candidate independently with the simulator's group costs
+    times = {}
+    for name, mode, pl in _candidates(h200_cost, lens, masks, 8, LayoutOptions()):
+        if pl is None:
+            costs = [h200_cost.distributed_rank_cost(lens, mode, ranks, m, (), masks) for m in ranks]
+        else:
+            costs = block_group_costs(pl.to_layout(), lens, ranks, h200_cost, masks)
+        times[name] = max(c.total_ms for c in costs)
+    assert choice.name in times
+    assert choice.ms == pytest.approx(min(times.values()))
+    # with a cap below every block layout's memory, only the whole-document modes remain
+    tight = max(
+        max(segment_tokens(rank_segments(m, lens, 8, r)) for r in ranks)
+        for m in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
+    )
+    limited = choose_layout(h200_cost, lens, ranks, tight, masks)
+    assert limited is not None and limited.layout is None

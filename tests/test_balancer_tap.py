@@ -2,11 +2,19 @@
 it can be, nothing moves when the pool is balanced, heads are split before anything else, and
 tiles prefer the worker that owns their queries or already holds their keys."""
 
-import pytest
+import random
 
+import pytest
+from balancer_checks import check_balancer_properties, step_cases
+from hypothesis import HealthCheck, given, settings
+
+from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.placement import sample_slices
 from hf_cp.balance.tap import TapOptions, linear_ms, place_tiles, pool_chunks, tap_pool, tile_ms
+from hf_cp.cluster import ClusterSpec
 from hf_cp.masks import SampleMask
+from hf_cp.shard import ShardMode
+from hf_cp.sim import simulate
 
 
 def placement_loads(cost, pl, lengths, base):
@@ -108,3 +116,28 @@ def test_masked_documents_are_tiled_by_their_masked_pairs(kind, h200_cost):
             b.pairs * (b.head_end - b.head_start) for b in g.placement.compute if g.placement.chunks[b.q_chunk].doc == d
         )
         assert got == H * m.pairs()
+
+
+# ---------------------------------------------------------------------- the libra_tap balancer
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=step_cases(max_world=16))
+def test_libra_tap_plans_are_valid_complete_capped_and_deterministic(case, h200_cost):
+    world, cap, lengths = case
+    check_balancer_properties("libra_tap", world, cap, lengths, h200_cost, pool_size=4)
+
+
+def test_libra_tap_moves_attention_inside_a_pool_and_beats_vrsp_there(h200_cost):
+    # 8 single-rank replicas in one pool of 8: VRSP gives one replica the long document's pack;
+    # TAP moves its attention tiles to the others (libra runs the pool as it is)
+    rng = random.Random(3)
+    lengths = [30000] + [rng.randint(200, 2000) for _ in range(120)]
+    cluster = ClusterSpec(8, 32768)
+    req = PlanRequest(list(range(len(lengths))), lengths, cluster, h200_cost)
+    libra = get_balancer("libra", pool_size=8).plan(req)
+    tap = get_balancer("libra_tap", pool_size=8).plan(req)
+    tap.validate(cluster, h200_cost)
+    blocks = [g for w in tap.waves for g in w.groups if g.mode == ShardMode.BLOCKS and g.distributed]
+    assert blocks and any(b.executor != g.blocks.chunks[b.q_chunk].owner for g in blocks for b in g.blocks.compute), (
+        "no tile moved"
+    )
+    assert simulate(tap, h200_cost).makespan_ms < simulate(libra, h200_cost).makespan_ms

@@ -694,7 +694,8 @@ def plan_layout(
                 pending.append(([], []))
                 continue
             # the K/V its blocks receive do not fit: ring attention streams them instead
-            if max(split_sizes(lengths[ids[0]], 2 * len(blk))) * 2 > cap:
+            parts, p2 = split_sizes(lengths[ids[0]], 2 * len(blk)), 2 * len(blk)
+            if max(parts[m] + parts[p2 - 1 - m] for m in range(len(blk))) > cap:
                 raise DcpError(
                     f"dcp: sample {ids[0]} ({lengths[ids[0]]} tokens) does not fit ranks {blk[0]}..{blk[-1]} x {cap} "
                     f"tokens, neither as blocks with the K/V and Q rows they receive nor per-document on a ring"
