@@ -10,7 +10,9 @@ Per layer and member of a "blocks" group (block_plan.py):
                  return:   partial outputs and log-sum-exp of the Q rows it ran for others (fp32);
         backward dispatch: the same K/V and Q again, with dO, O and the log-sum-exp;
                  return:   dQ of the Q rows it ran for others, dK/dV of the K/V it received.
-    comm    = transfer time of each phase (bytes / link bandwidth + latency per peer); a dispatch
+    comm    = transfer time of each phase (bytes / link bandwidth + latency per peer; in a group
+              spanning nodes, the bytes to the member's own node and to other nodes travel on
+              their own links at once, the slower deciding); a dispatch
               overlaps the member's blocks that need nothing received (its own Q against its own K/V).
 `area` is masks.rect_pairs of the sample's mask over the (query chunk, key chunk) rectangle: the
 same count the executor's kernels compute.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .block_plan import (
     BlockLayout,
@@ -76,24 +78,32 @@ class ExchangeBytes:
 
 
 def exchange_bytes(
-    layout: BlockLayout, ex: LayerExchange, member: int, head_dim: int, bytes_per_element: int
+    layout: BlockLayout,
+    ex: LayerExchange,
+    member: int,
+    head_dim: int,
+    bytes_per_element: int,
+    peers: Optional[Callable[[int], bool]] = None,
 ) -> ExchangeBytes:
-    """Bytes `member` sends in one layer (fwd+bwd) under the exchange `ex` (block_plan.layer_exchange)."""
+    """Bytes `member` sends in one layer (fwd+bwd) under the exchange `ex` (block_plan.layer_exchange);
+    with `peers`, only the bytes sent to members for which peers(member) is true."""
     d, e = head_dim, bytes_per_element
     fd = fr = bd = br = 0
     for c, ex_member, a, b in ex.kv:
         rows = layout.chunks[c].length * (b - a)
-        if layout.chunks[c].owner == member:
+        owner = layout.chunks[c].owner
+        if owner == member and (peers is None or peers(ex_member)):
             fd += rows * 2 * d * e
             bd += rows * 2 * d * e
-        if ex_member == member:
+        if ex_member == member and (peers is None or peers(owner)):
             br += rows * 2 * d * e  # dK, dV partials home
     for c, ex_member, a, b in ex.q:
         rows = layout.chunks[c].length * (b - a)
-        if layout.chunks[c].owner == member:
+        owner = layout.chunks[c].owner
+        if owner == member and (peers is None or peers(ex_member)):
             fd += rows * d * e
             bd += rows * (3 * d * e + PARTIAL_BYTES)  # Q, dO, O and the log-sum-exp
-        if ex_member == member:
+        if ex_member == member and (peers is None or peers(owner)):
             fr += rows * (d + 1) * PARTIAL_BYTES  # partial O and its log-sum-exp
             br += rows * d * e  # dQ
     return ExchangeBytes(fd, fr, bd, br)
@@ -170,6 +180,7 @@ def block_group_costs(
             key = (b.executor, layout.divisions[j])
             div_attn[key] = div_attn.get(key, 0.0) + t
     link = cost.link_for(ranks)
+    nodes = {r // cost.profile.gpus_per_node for r in ranks}
     phases = exchange_phases(ex)
     out = []
     for m in range(g):
@@ -185,6 +196,8 @@ def block_group_costs(
                 _transfer_ms(x, link, g - 1) if on else 0.0
                 for x, on in zip((xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return), phases)
             ]
+            if len(nodes) > 1:  # each link level carries its own bytes, both at once
+                t = _two_level_phase_ms(layout, ex, m, ranks, cost, phases)
             comm_ms = (
                 max(0.0, t[0] - FORWARD_SHARE * own_attn[m])
                 + t[1]
@@ -195,6 +208,35 @@ def block_group_costs(
                 comm_ms = division_comm_ms(layout, ex, m, div_attn, cost, link, g, phases, t)
         compute = L * (cost.c1 * tokens + local_attn + attn[m]) + cost.head_ms_per_token * tokens
         out.append(RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * nbytes, tokens=tokens))
+    return out
+
+
+def _two_level_phase_ms(layout, ex, member, ranks, cost, phases) -> List[float]:
+    """A member's four phase times in a group spanning nodes: the bytes for members of its own
+    node go over the intra-node link, the rest over the inter-node link, in parallel (USP keeps
+    its head exchange inside a node, its ring across nodes)."""
+    gpn = cost.profile.gpus_per_node
+    node = [r // gpn for r in ranks]
+    mine = node[member]
+    same = [x for x in range(len(ranks)) if x != member and node[x] == mine]
+    other = [x for x in range(len(ranks)) if node[x] != mine]
+    d, e = cost.dims.head_dim, cost.profile.bytes_per_element
+    near = exchange_bytes(layout, ex, member, d, e, lambda x: node[x] == mine)
+    far = exchange_bytes(layout, ex, member, d, e, lambda x: node[x] != mine)
+    links = cost.profile.links
+    out = []
+    for i, on in enumerate(phases):
+        if not on:
+            out.append(0.0)
+            continue
+        a = (near.fwd_dispatch, near.fwd_return, near.bwd_dispatch, near.bwd_return)[i]
+        b = (far.fwd_dispatch, far.fwd_return, far.bwd_dispatch, far.bwd_return)[i]
+        out.append(
+            max(
+                _transfer_ms(a, links["intra_node"], len(same)) if same else 0.0,
+                _transfer_ms(b, links["inter_node"], len(other)) if other else 0.0,
+            )
+        )
     return out
 
 

@@ -43,3 +43,35 @@ def test_usp_placement_is_valid_and_runs_ulysses_within_a_ring_position(u, r, ri
 def test_usp_refuses_a_head_count_it_cannot_split():
     with pytest.raises(ValueError, match="splits 28 query heads unevenly"):
         usp_placement([100], 8, 1, 28)
+
+
+def test_a_group_spanning_nodes_prices_each_link_level_with_its_own_bytes(h200_cost):
+    """Two samples, each placed inside one node of a 16-rank group, every block run by a
+    neighbour in the same node (so no computation hides the exchange): nothing crosses nodes,
+    and each member's communication costs exactly its bytes on NVLink, not on the inter-node
+    link a single link level for the group would charge (block_cost's link levels, which USP's
+    placement relies on: its head exchange stays inside a node, its ring crosses nodes)."""
+    from hf_cp.balance.placement import BlockPlacement, Chunk, add_compute_blocks
+    from hf_cp.block_cost import _transfer_ms, block_group_costs, exchange_bytes, exchange_phases
+    from hf_cp.block_plan import doc_slices, layer_exchange
+
+    lens = [64_000, 64_000]
+    pl = BlockPlacement(16, h200_cost.dims.num_heads)
+    for d in range(2):
+        for i in range(8):  # sample d on node d, 8 contiguous chunks
+            pl.chunks.append(Chunk(d, i * 8000, 8000, d * 8 + i))
+    add_compute_blocks(
+        pl, sample_slices(lens), lambda q, k, a, b: (pl.chunks[q].owner // 8) * 8 + (pl.chunks[q].owner + 1) % 8
+    )
+    lay = pl.to_layout()
+    costs = block_group_costs(lay, lens, list(range(16)), h200_cost)
+    ex = layer_exchange(lay, doc_slices(lens), h200_cost.dims.num_heads, h200_cost.dims.num_kv_heads)
+    links, L = h200_cost.profile.links, h200_cost.dims.num_layers
+    for m in (0, 7, 12):
+        xb = exchange_bytes(lay, ex, m, h200_cost.dims.head_dim, h200_cost.profile.bytes_per_element)
+        phases = (xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return)
+        on = exchange_phases(ex)
+        near = [_transfer_ms(x, links["intra_node"], 7) if o else 0.0 for x, o in zip(phases, on)]
+        far = [_transfer_ms(x, links["inter_node"], 15) if o else 0.0 for x, o in zip(phases, on)]
+        assert costs[m].comm_ms == pytest.approx(L * sum(near))
+        assert L * sum(far) > 2 * costs[m].comm_ms  # what one inter-node link for the group would charge
