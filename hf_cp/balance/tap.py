@@ -9,7 +9,7 @@ masked pairs (masks.rect_pairs) at the kernel efficiency of its query length, wi
 split overhead when it covers part of the heads (CostModel.head_split_factor).
 
 Placement (Libra's communication-aware greedy): tiles heaviest first; a tile goes to a worker
-whose load stays under the soft cap ((1 + slack) x the pool's mean load, linear work
+whose load, with the tile and the transfers moving it costs, stays under the soft cap ((1 + slack) x the pool's mean load, linear work
 included) and who owns rows in this wave (a member without any sits it out), preferring, in order: the owner of its queries (nothing moves), a worker that
 already receives the tile's keys and values for another tile (only Q moves), then the least
 loaded worker. A tile that fits nowhere is split along heads first (Libra: equal head
@@ -154,6 +154,13 @@ def place_tiles(
         new_q = chunks[t.chunk].length if chunks[t.chunk].owner != m and t.chunk not in q_got[m] else 0
         return new_kv * kv_row + new_q * q_row
 
+    # a moved tile also costs its transfers (Q out, the output back, K/V the worker lacks, all
+    # layers), at the pool's intra-node bandwidth: a move must pay for them
+    per_ms = cost.dims.num_layers / (cost.profile.links["intra_node"].bandwidth_gbps * 1e6)
+
+    def cost_on(t: Tile, m: int) -> float:
+        return t.ms + (extra_bytes(t, m) * per_ms if m != chunks[t.chunk].owner else 0.0)
+
     def memory_ok(t: Tile, m: int) -> bool:
         if cap is None:
             return True
@@ -167,7 +174,7 @@ def place_tiles(
     while heap:
         _, _, t = heapq.heappop(heap)
         owner = chunks[t.chunk].owner
-        fits = [m for m in workers if load[m] + t.ms <= soft + 1e-12 and memory_ok(t, m)]
+        fits = [m for m in workers if load[m] + cost_on(t, m) <= soft + 1e-12 and memory_ok(t, m)]
         if owner in fits:
             m = owner
         else:
@@ -187,8 +194,9 @@ def place_tiles(
                         serial += 1
                     continue
                 roomy = [x for x in workers if memory_ok(t, x)] or [owner]  # the owner receives nothing
-                m = min(roomy, key=lambda x: (load[x], x != owner, x))  # least loaded; the owner on ties
-        load[m] += t.ms
+                # where it ends soonest (its transfers included); the owner on ties
+                m = min(roomy, key=lambda x: (load[x] + cost_on(t, x), x != owner, x))
+        load[m] += cost_on(t, m)
         recv_bytes[m] += extra_bytes(t, m)
         for k in t.keys:
             if chunks[k].owner != m:
@@ -292,7 +300,8 @@ class LibraTapBalancer:
     Tiles only move where memory allows; a pool and wave whose layout would not fit (full
     packs spread over several ranks need their K/V received), or a pool of more than
     `max_pool_ranks` ranks (planner time: tiles grow with the pool's tokens), keeps libra's
-    own groups."""
+    own groups. A TAP group synchronises its pool at every wave: a pool keeps TAP's groups
+    only where the simulator's timing rule predicts them faster than libra's for the pool."""
 
     name = "libra_tap"
     handles_masks = True  # tiles are priced by their masked pairs
@@ -340,33 +349,70 @@ class LibraTapBalancer:
             pool = rep // P
             members = [(rep - pool * P) * N + j for j in range(N)]
             by_slot.setdefault(lay.slot_of_pack[k], {}).setdefault(pool, []).append((k, members))
+        lens = dict(zip(ids, req.lengths))
+
+        def libra_groups(pool: int, packs) -> List[Group]:
+            ranks = tuple(range(pool * P * N, (pool + 1) * P * N))
+            out = []
+            for k, members in packs:
+                rk = tuple(ranks[m] for m in members)
+                pids = [ids[i] for i in lay.packs[k]]
+                if N == 1:
+                    out.append(Group(ranks=rk, local={rk[0]: pids}))
+                else:
+                    mode = pick_ring_mode(req.cost, [req.lengths[i] for i in lay.packs[k]], rk, cap)
+                    out.append(Group(ranks=rk, distributed=pids, mode=mode))
+            return out
+
+        def tap_groups(pool: int, packs) -> Optional[List[Group]]:
+            ranks = tuple(range(pool * P * N, (pool + 1) * P * N))
+            if len(ranks) > self.max_pool_ranks:
+                return None  # planner time: tiles grow with the pool's tokens
+            seqs = [(lay.packs[k], members) for k, members in packs]
+            pm = {i: masks[ids[i]] for docs, _ in seqs for i in docs if ids[i] in masks}
+            tg = tap_pool(req.cost, ranks, seqs, req.lengths, pm, self.options, cap)
+            local = {r: [ids[i] for i in v] for r, v in tg.local.items()}
+            if tg.placement is None:  # nothing moves: every rank runs its documents alone
+                return [Group(ranks=(r,), local={r: v}) for r, v in sorted(local.items())]
+            group = blocks_group(ranks, [ids[i] for i in tg.distributed], tg.placement, local)
+            return [group] if fits_memory(group, req, cap) else None
+
+        # per pool, TAP's groups where they apply, then the pool's predicted time with them
+        # against libra's own groups: a TAP group synchronises the pool every wave, which can
+        # cost more than the balance it buys; the faster keeps the pool
+        pools: Dict[int, Dict[int, Tuple[List[Group], List[Group]]]] = {}  # pool -> slot -> (libra, tap)
         for slot in sorted(by_slot):
-            groups = []
             for pool, packs in sorted(by_slot[slot].items()):
-                ranks = tuple(range(pool * P * N, (pool + 1) * P * N))
-                if len(ranks) <= self.max_pool_ranks:
-                    seqs = [(lay.packs[k], members) for k, members in packs]
-                    pm = {i: masks[ids[i]] for docs, _ in seqs for i in docs if ids[i] in masks}
-                    tg = tap_pool(req.cost, ranks, seqs, req.lengths, pm, self.options, cap)
-                    local = {r: [ids[i] for i in v] for r, v in tg.local.items()}
-                    if tg.placement is None:  # nothing moves: every rank runs its documents alone
-                        groups.extend(Group(ranks=(r,), local={r: v}) for r, v in sorted(local.items()))
-                        continue
-                    group = blocks_group(ranks, [ids[i] for i in tg.distributed], tg.placement, local)
-                    if fits_memory(group, req, cap):
-                        groups.append(group)
-                        continue
-                # too large a pool, or the received rows do not fit: libra's own groups
-                for k, members in packs:
-                    rk = tuple(ranks[m] for m in members)
-                    pids = [ids[i] for i in lay.packs[k]]
-                    if N == 1:
-                        groups.append(Group(ranks=rk, local={rk[0]: pids}))
-                    else:
-                        mode = pick_ring_mode(req.cost, [req.lengths[i] for i in lay.packs[k]], rk, cap)
-                        groups.append(Group(ranks=rk, distributed=pids, mode=mode))
+                lib = libra_groups(pool, packs)
+                pools.setdefault(pool, {})[slot] = (lib, tap_groups(pool, packs) or lib)
+        chosen: Dict[Tuple[int, int], List[Group]] = {}
+        for pool, slots in pools.items():
+            t_lib = _pool_ms([slots[s][0] for s in sorted(slots)], lens, req.cost, plan.masks)
+            t_tap = _pool_ms([slots[s][1] for s in sorted(slots)], lens, req.cost, plan.masks)
+            pick = 1 if t_tap < t_lib - 1e-9 else 0
+            for s, pair in slots.items():
+                chosen[(s, pool)] = pair[pick]
+        for slot in sorted(by_slot):
+            groups = [g for pool in sorted(by_slot[slot]) for g in chosen[(slot, pool)]]
             plan.waves.append(Wave(sorted(groups, key=lambda g: g.ranks[0])))
         return plan
+
+
+def _pool_ms(waves: Sequence[Sequence[Group]], lens, cost: CostModel, masks) -> float:
+    """A pool's predicted time (hf_cp.sim's timing rule: a group starts when its last member is
+    free and lasts as long as its slowest member) over its waves of groups."""
+    from ..sim import group_costs
+
+    clock: Dict[int, float] = {}
+    overhead = cost.micro_batch_overhead_ms()
+    for groups in waves:
+        for g in groups:
+            costs = group_costs(lens, g, cost, masks)
+            start = max(clock.get(r, 0.0) for r in g.ranks)
+            end = start + max(c[0] + c[1] for c in costs) + overhead
+            for r in g.ranks:
+                clock[r] = end
+    return max(clock.values()) if clock else 0.0
 
 
 def fits_memory(group: Group, req: PlanRequest, cap: int) -> bool:
