@@ -47,7 +47,9 @@ No CP group is fixed in advance. Per step:
    algorithm: division 0 holds the blocks whose inputs are all local; the middle divisions
    take, device by device in order of least computation, the next block unless it would push
    a device pair over its per-division share of the traffic; the last division takes the
-   rest). `division_overlap_ms` prices that pipeline.
+   rest). `division_overlap_ms` prices that pipeline, and block_cost prices layouts that carry
+   divisions the same way. Off by default (`divisions=1`): the engine's executor does not
+   pipeline divisions yet, and a plan's prediction must be what runs.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ class DcpOptions:
     epsilon: float = 0.05  # a part's time may exceed its share of the wave by this fraction
     fill: float = 0.8  # a wave's owned tokens at most this share of world x cap
     partitioner: str = "auto"  # "mtkahypar", "greedy", or "auto" (Mt-KaHyPar when installed)
-    divisions: int = 4  # computation/communication divisions per group (1: no overlap)
+    # computation/communication divisions per group (the seed uses several). The engine's
+    # executor runs a layout's exchange before its blocks and does not pipeline divisions yet,
+    # so the default, 1, predicts what runs; more divisions are scheduled, carried in the
+    # layouts and priced as the pipeline (block_cost.division_comm_ms) for an executor that does
+    divisions: int = 1
     refine_max_vertices: int = 2000  # Mt-KaHyPar refines a block's top level up to this many vertices
 
     def __post_init__(self):
