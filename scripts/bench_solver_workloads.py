@@ -300,7 +300,7 @@ def step_table(cost_factory, traces: Path, balancers, steps: int, cap: int, tpr:
                 plan.validate(cl, ref_cost)
                 sim = simulate(plan, ref_cost)
                 pred += sim.makespan_ms
-                lbs += lower_bound_ms(lens, cl, ref_cost)
+                lbs += lower_bound_ms(lens, cl, ref_cost, [masks.get(i) for i in ids] if masks else None)
                 comm += sim.comm_bytes
             winner = getattr(plan, "balancer", "") if real == "auto" and pred == pred else ""
             row = dict(
