@@ -90,7 +90,20 @@ def describe_options(name: str) -> List[OptionHelp]:
 
 
 # Built-in balancers register themselves on import; one module each.
-_BUILTIN = ("static", "wlb", "skrull", "dynamic_cp", "flexsp", "libra", "megatron", "chunkflow", "auto")
+_BUILTIN = (
+    "static",
+    "wlb",
+    "skrull",
+    "dynamic_cp",
+    "flexsp",
+    "libra",
+    "megatron",
+    "chunkflow",
+    "dcp",
+    "tap",
+    "layout",
+    "auto",
+)
 
 
 def _import_builtins() -> None:
