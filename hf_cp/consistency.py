@@ -71,6 +71,35 @@ def assert_plans_agree(digest: str, step: int, group=None, phase: str = "step", 
     return flagged
 
 
+def agree_on_plan(
+    plan_json: str, digest: str, step: int, group=None, flag: bool = False, adopt_first: bool = False
+) -> Tuple[Optional[str], List[int]]:
+    """assert_plans_agree, except that with `adopt_first` ranks that disagree adopt the plan of
+    the group's first rank instead of failing: for balancers whose plans may depend on timing
+    (a solver's time limit or deadline, balancer.timing_dependent), where ranks that planned the
+    same step can legitimately differ. Returns (the first rank's plan JSON when this rank's
+    plan differs from it, else None; the ranks that raised `flag`). Costs one broadcast, only
+    on a step whose plans differ."""
+    got = _exchange(digest, flag, group)
+    if got is None:
+        return None, ([0] if flag else [])
+    digests, flagged = got
+    groups = _who_holds_what(digests, "plan ")
+    if not groups:
+        return None, flagged
+    if not adopt_first:
+        raise PlanDisagreementError(
+            f"step {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
+            f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
+            f"config, profile and seed"
+        )
+    import torch.distributed as dist
+
+    box = [plan_json]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return (box[0] if digests[dist.get_rank(group)] != digests[0] else None), flagged
+
+
 class DataDisagreementError(RuntimeError):
     """Ranks loaded different training data."""
 

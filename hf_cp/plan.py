@@ -176,6 +176,25 @@ class StepPlan:
         """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
         return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
 
+    def chunking_summary(self) -> Dict[str, int]:
+        """ChunkFlow in this plan: samples run as dependent chunks, their chunks, the chunks
+        recomputed in backward (the first N-K of each), the largest chunk and the largest K
+        ({} when nothing is chunked)."""
+        lens = None
+        out = {"samples": 0, "chunks": 0, "recomputed": 0, "max_chunk_tokens": 0, "keep": 0}
+        for w in self.waves:
+            for g in w.groups:
+                for cs in g.chunked.values():
+                    for c in cs:
+                        lens = lens or self.length_of()
+                        sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                        out["samples"] += 1
+                        out["chunks"] += len(sizes)
+                        out["recomputed"] += max(0, len(sizes) - c.keep)
+                        out["max_chunk_tokens"] = max(out["max_chunk_tokens"], max(sizes))
+                        out["keep"] = max(out["keep"], c.keep)
+        return out if out["samples"] else {}
+
     def backward_calls(self, wave: int, rank: int) -> int:
         """Backward passes `rank` runs in wave `wave`: one per dependent chunk of its chunked
         samples, else one for a micro-batch with work (0 without). Under ZeRO-2 every backward

@@ -101,6 +101,18 @@ def test_chunkflow_equals_single_process_step_by_step(world2_job, run):
     assert report.steps == list(range(spec["steps"]))
 
 
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_ranks_whose_timing_dependent_plans_differ_run_rank_zeros_plan(world2_job):
+    """Rank 1 plans every step otherwise (harness RankDependentBalancer, timing_dependent): every
+    rank runs rank 0's plan, so the run still equals single-process training, and it records
+    rank 0's plans."""
+    spec = world2_job["rank-dependent-plans"]
+    history = json.loads((Path(spec["out"]) / "history.json").read_text())
+    assert all(r["balancer"] == "dynamic_cp" for r in history)  # rank 0's balancer, not rank 1's wlb
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
 # ------------------------------------------------------------------ the check can fail
 @pytest.mark.timeout(FIXTURE_TIMEOUT)
 def test_check_fails_on_a_loss_scaled_by_one_part_in_a_thousand(world2_job):

@@ -86,6 +86,7 @@ def world2_runs() -> Dict[str, dict]:
     """name -> run spec (without its output folder)."""
     runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS if b != "chunkflow"}
     runs.update({name: balance_spec("chunkflow", balancer_options=o) for name, o in CHUNKFLOW_RUNS.items()})
+    runs["rank-dependent-plans"] = balance_spec("rank_dependent")
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
     # test_train_distributed's fast cases
     runs["static"] = lengths_spec("static")

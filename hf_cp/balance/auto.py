@@ -114,6 +114,8 @@ class AutoBalancer:
                 self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
             except BalancerOptionError as e:
                 raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
+        # a member whose plans depend on timing (a solver's time limit) makes auto's depend on it too
+        self.timing_dependent = any(getattr(b, "timing_dependent", False) for _, b in self.members)
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step
         self.last_skipped: Dict[str, str] = {}  # member -> why it was not planned on the last step
         self.last_lower_bound_ms = float("nan")
