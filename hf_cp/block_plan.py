@@ -71,20 +71,31 @@ def doc_slices(lengths: Sequence[int], masks: Optional[Sequence[Optional[SampleM
 class BlockLayout:
     chunks: Tuple[Chunk, ...]
     compute: Tuple[ComputeBlock, ...]
+    # Optional schedule (DCP's divisions, balance/dcp.py): the division of every compute entry;
+    # the transfers a division needs overlap the previous division's computation
+    # (block_cost.division_comm_ms). None: one exchange before the computation.
+    divisions: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "chunks", tuple(Chunk(*(int(x) for x in c)) for c in self.chunks))
         object.__setattr__(self, "compute", tuple(ComputeBlock(*(int(x) for x in b)) for b in self.compute))
+        if self.divisions is not None:
+            object.__setattr__(self, "divisions", tuple(int(x) for x in self.divisions))
 
     # ---- JSON
     def to_dict(self) -> dict:
-        return {"chunks": [list(c) for c in self.chunks], "compute": [list(b) for b in self.compute]}
+        d = {"chunks": [list(c) for c in self.chunks], "compute": [list(b) for b in self.compute]}
+        if self.divisions is not None:
+            d["divisions"] = list(self.divisions)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "blocks") -> BlockLayout:
-        if not isinstance(d, Mapping) or set(d) != {"chunks", "compute"}:
+        if not isinstance(d, Mapping) or not {"chunks", "compute"} <= set(d) <= {"chunks", "compute", "divisions"}:
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
-            raise BlockLayoutError(f"{where}: expected an object with 'chunks' and 'compute', got {got}")
+            raise BlockLayoutError(
+                f"{where}: expected an object with 'chunks' and 'compute' (and optionally 'divisions'), got {got}"
+            )
         try:
             chunks = [Chunk(*(int(x) for x in c)) for c in d["chunks"]]
             compute = [ComputeBlock(*(int(x) for x in b)) for b in d["compute"]]
@@ -93,7 +104,13 @@ class BlockLayout:
                 f"{where}: chunks are [doc, start, length, owner] and compute entries "
                 f"[q_chunk, k_chunk, head_start, head_end, executor] of integers ({e})"
             ) from None
-        return cls(tuple(chunks), tuple(compute))
+        divisions = None
+        if "divisions" in d:
+            try:
+                divisions = tuple(int(x) for x in d["divisions"])
+            except (TypeError, ValueError) as e:
+                raise BlockLayoutError(f"{where}: divisions are one integer per compute entry ({e})") from None
+        return cls(tuple(chunks), tuple(compute), divisions)
 
     # ---- lookups
     @property
@@ -181,6 +198,13 @@ class BlockLayout:
             if pos != n:
                 raise BlockLayoutError(f"{sample(d)}: tokens [{pos}, {n}) are in no chunk")
         heads = self.num_heads if num_heads is None else int(num_heads)
+        if self.divisions is not None and (
+            len(self.divisions) != len(self.compute) or any(x < 0 for x in self.divisions)
+        ):
+            raise BlockLayoutError(
+                f"divisions: {len(self.divisions)} entries for {len(self.compute)} compute entries; one "
+                f"non-negative division per compute entry"
+            )
         ranges: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
         nc = len(self.chunks)
         for j, b in enumerate(self.compute):

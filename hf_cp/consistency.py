@@ -88,6 +88,49 @@ def agree_on_step(
     return flagged, payloads[0]
 
 
+def agree_on_plan(
+    plan_json: str, digest: str, step: int, group=None, flag: bool = False, adopt_first: bool = False
+) -> Tuple[Optional[str], List[int]]:
+    """assert_plans_agree, except that with `adopt_first` ranks that disagree adopt the plan of
+    the group's first rank instead of failing: for balancers whose plans may depend on timing
+    (a solver's time limit or deadline, balancer.timing_dependent), where ranks that planned the
+    same step can legitimately differ. Returns (the first rank's plan JSON when this rank's
+    plan differs from it, else None; the ranks that raised `flag`). Costs one broadcast, only
+    on a step whose plans differ."""
+    return agree_on_plan_and_payload(plan_json, digest, step, group, flag, adopt_first)[:2]
+
+
+def agree_on_plan_and_payload(
+    plan_json: str,
+    digest: str,
+    step: int,
+    group=None,
+    flag: bool = False,
+    adopt_first: bool = False,
+    payload: Sequence[float] = (),
+) -> Tuple[Optional[str], List[int], List[float]]:
+    """agree_on_plan, carrying a payload in the same exchange (as agree_on_step): returns also the
+    payload of the group's first rank, which every rank adopts."""
+    got = _exchange(digest, flag, group, payload)
+    if got is None:
+        return None, ([0] if flag else []), list(payload)
+    digests, flagged, payloads = got
+    groups = _who_holds_what(digests, "plan ")
+    if not groups:
+        return None, flagged, payloads[0]
+    if not adopt_first:
+        raise PlanDisagreementError(
+            f"step {step}: ranks disagree about the plan ({groups}). Plans must be a pure function of "
+            f"(lengths, cluster, cost model, seed, step); check that every rank uses the same dataset, "
+            f"config, profile and seed"
+        )
+    import torch.distributed as dist
+
+    box = [plan_json]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return (box[0] if digests[dist.get_rank(group)] != digests[0] else None), flagged, payloads[0]
+
+
 class DataDisagreementError(RuntimeError):
     """Ranks loaded different training data."""
 

@@ -176,6 +176,40 @@ class StepPlan:
         """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
         return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
 
+    def chunking_summary(self) -> Dict[str, int]:
+        """ChunkFlow in this plan: samples run as dependent chunks, their chunks, the chunks
+        recomputed in backward (the first N-K of each), the largest chunk and the largest K
+        ({} when nothing is chunked)."""
+        lens = None
+        out = {"samples": 0, "chunks": 0, "recomputed": 0, "max_chunk_tokens": 0, "keep": 0}
+        for w in self.waves:
+            for g in w.groups:
+                for cs in g.chunked.values():
+                    for c in cs:
+                        lens = lens or self.length_of()
+                        sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                        out["samples"] += 1
+                        out["chunks"] += len(sizes)
+                        out["recomputed"] += max(0, len(sizes) - c.keep)
+                        out["max_chunk_tokens"] = max(out["max_chunk_tokens"], max(sizes))
+                        out["keep"] = max(out["keep"], c.keep)
+        return out if out["samples"] else {}
+
+    def backward_calls(self, wave: int, rank: int) -> int:
+        """Backward passes `rank` runs in wave `wave`: one per dependent chunk of its chunked
+        samples, else one for a micro-batch with work (0 without). Under ZeRO-2 every backward
+        reduces gradients over the world, so the trainer pads every rank to the wave's largest
+        count with zero-weight micro-batches (at least one each wave)."""
+        lens = None
+        for g in self.waves[wave].groups:
+            if rank not in g.ranks:
+                continue
+            if g.chunked.get(rank):
+                lens = lens or self.length_of()
+                return sum(len(dependent_chunk_sizes(lens[c.sample], c.chunk_size)) for c in g.chunked[rank])
+            return 1 if (g.distributed or g.local.get(rank)) else 0
+        return 0
+
     @property
     def spreads_samples(self) -> bool:
         """Whether some sample runs over a CP group of several ranks (needs CP attention)."""

@@ -15,6 +15,11 @@ Example (all traces, worlds 8/64/512, 3 full steps each; megatron needs ~25 s a 
     python scripts/bench_balancers.py --steps 3
 Planner time at 1024 ranks, auto only:
     python scripts/bench_balancers.py --worlds 1024 --balancers auto --no-partial --out -
+Quick look:
+    python scripts/bench_balancers.py --worlds 64 --steps 1 --balancers static,dynamic_cp,auto --out -
+The placement solvers of issue 16 on their own workloads (shared prompts, a sliding window, an
+outlier document; group layouts and whole steps; writes benchmarks/solvers.md; ~15 minutes):
+    python scripts/bench_balancers.py --solvers
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def parse_args(argv=None):
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--seed", type=int, default=0, help="epoch shuffle seed")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "balancers.md"), help="markdown output ('-' for none)")
+    p.add_argument(
+        "--solvers",
+        action="store_true",
+        help="run the placement solvers' workloads instead (solver_workloads; default output benchmarks/solvers.md)",
+    )
     return p.parse_args(argv)
 
 
@@ -107,6 +117,11 @@ def sampled(count: int, steps: int) -> List[int]:
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.solvers:
+        from bench_solver_workloads import solver_workloads
+
+        out = args.out if "--out" in (argv or sys.argv[1:]) else str(REPO / "benchmarks" / "solvers.md")
+        return solver_workloads(args, out, argv)
     from hf_cp.balance import PlanRequest, available_balancers, get_balancer
     from hf_cp.cluster import ClusterSpec
     from hf_cp.cost import CostModel

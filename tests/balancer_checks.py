@@ -5,9 +5,10 @@ from collections import Counter
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer, max_member_tokens
+from hf_cp.block_cost import received_token_equivalent
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
-from hf_cp.shard import rank_segments, segment_tokens
+from hf_cp.shard import ShardMode, rank_segments, segment_tokens
 
 
 @st.composite
@@ -32,11 +33,18 @@ def step_cases(draw, max_world=64):
     return world, cap, lengths
 
 
-def member_tokens_of(group, lens, rank):
+def member_tokens_of(group, lens, rank, cost=None):
+    """Tokens `rank` holds in the group's micro-batch; a blocks-mode member also holds what it
+    receives (block_cost.received_token_equivalent, as StepPlan.validate counts it)."""
     t = sum(lens[s] for s in group.local.get(rank, []))
     if group.distributed:
         m = group.ranks.index(rank)
-        t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, m))
+        if group.mode == ShardMode.BLOCKS:
+            t += group.blocks.member_tokens(m)
+            if cost is not None:
+                t += received_token_equivalent(group.blocks, m, cost)
+        else:
+            t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, m))
     return t
 
 
@@ -54,10 +62,10 @@ def check_balancer_properties(name, world, cap, lengths, cost, **options):
     for w in plan.waves:
         for g in w.groups:
             dist = [lens[s] for s in g.distributed]
-            if dist and not g.local:
+            if dist and not g.local and g.mode != ShardMode.BLOCKS:
                 assert max_member_tokens(g.mode, dist, g.size) <= cap
             for r in g.ranks:
-                assert member_tokens_of(g, lens, r) <= cap
+                assert member_tokens_of(g, lens, r, cost) <= cap
     # pure function: a fresh balancer and a fresh cost model (empty caches) give the same bytes
     fresh_cost = CostModel(cost.dims, cost.profile)
     again = get_balancer(name, **options).plan(PlanRequest(ids, lengths, cluster, fresh_cost))

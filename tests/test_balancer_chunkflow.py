@@ -12,9 +12,9 @@ from hf_cp.cluster import ClusterSpec
 from hf_cp.sim import simulate
 
 
-def test_registered_and_not_an_auto_member_until_the_trainer_runs_it():
+def test_registered_and_an_auto_member_since_the_trainer_runs_it():
     assert "chunkflow" in available_balancers()
-    assert "chunkflow" not in default_members()
+    assert "chunkflow" in default_members()
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

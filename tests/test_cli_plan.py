@@ -81,3 +81,45 @@ def test_plan_json_malformed(capsys, tmp_path):
     p.write_text(json.dumps({"format": "hf_cp.step_plan/1", "world_size": 2}))
     rc, _, err = run(capsys, "--plan-json", p)
     assert rc == 2 and "missing field" in err
+
+
+def test_plan_prints_the_charged_bound_ring_bytes_and_the_pipeline_bubble(capsys, traces_dir):
+    rc, out, err = run(
+        capsys,
+        "--lengths",
+        traces_dir / "longdoc_leval_multiturn.txt",
+        "--world",
+        8,
+        "--steps",
+        2,
+        "--pipeline-stages",
+        4,
+        "--chunk-size",
+        8192,
+    )
+    assert rc == 0, err
+    assert "charged" in out and "ring GB" in out and "predicted time / charged bound" in out
+    table = out.split("bubble share of each step's micro-batches")[1].splitlines()
+    assert "ChunkFlow, chunk 8192, K=1" in table[1]
+    rows = [line.split() for line in table[2:4]]
+    for row in rows:  # step, packs, bubble%, chunks, bubble%: equal chunks leave the smaller bubble here
+        packs, chunks = int(row[1]), int(row[3])
+        assert chunks > packs and float(row[4].rstrip("%")) < float(row[2].rstrip("%"))
+
+
+def test_chunk_settings_reach_chunkflow_directly_and_as_auto_member():
+    from hf_cp.planning import PlanningSettings
+
+    s = PlanningSettings(balancer="chunkflow", chunk_size=512, chunk_keep=2)
+    assert s.balancer_kwargs() == {"keep": 2, "chunk_size": 512}
+    b = PlanningSettings(balancer="chunkflow", chunk_size=512, balancer_options={"keep": 3}).balancer_kwargs()
+    assert b == {"keep": 3, "chunk_size": 512}  # an explicit option wins
+    auto = PlanningSettings(balancer="auto", chunk_keep=2).balancer_kwargs()
+    assert auto["member_options"]["chunkflow"] == {"keep": 2}
+    # auto without chunkflow among its members gets no options for it (they would be refused)
+    assert (
+        "member_options"
+        not in PlanningSettings(balancer="auto", balancer_options={"members": ["wlb"]}).balancer_kwargs()
+    )
+    with pytest.raises(ValueError, match="chunk_keep must be positive"):
+        PlanningSettings(chunk_keep=0)

@@ -88,3 +88,31 @@ def test_the_agreement_carries_rank_zeros_payload_to_every_rank():
     for rank, (status, got) in res.items():
         assert status == "ok", got
         assert got == ([1], [1.0, 2.5e-7, -3.0]), (rank, got)
+
+
+def _adopt(rank, world, adopt):
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.cluster import ClusterSpec
+    from hf_cp.consistency import agree_on_plan
+    from hf_cp.cost import CostModel
+
+    cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
+    lengths = [100, 2000, 40000, 7, 300]
+    # rank 1 plans the same step with another balancer: what a solver's time limit can do
+    name = "wlb" if rank == 1 else "static"
+    plan = get_balancer(name).plan(PlanRequest(range(5), lengths, cl, cost, step=3))
+    theirs, _ = agree_on_plan(plan.to_json(), plan.digest(), step=4, adopt_first=adopt)
+    return theirs
+
+
+def test_timing_dependent_plans_adopt_the_first_ranks_plan_and_others_still_fail():
+    from hf_cp.plan import StepPlan
+
+    res = run_distributed(_adopt, 2, True, timeout_s=90)
+    assert all(status == "ok" for status, _ in res.values()), res
+    assert res[0][1] is None  # rank 0 keeps its own plan
+    assert StepPlan.from_json(res[1][1]).balancer == "static"  # rank 1 runs rank 0's
+    res = run_distributed(_adopt, 2, False, timeout_s=90)
+    for status, text in res.values():
+        assert status == "error" and "PlanDisagreementError: step 4: ranks disagree" in text

@@ -33,8 +33,16 @@ def test_dry_run_raises_what_the_launch_would(tmp_path):
     with pytest.raises(KeyError, match="unknown balancer"):
         dry_run(TINY, out + ["training.cp_balancer=nope"], world_size=2, steps=2)
     chunkflow = ["training.cp_balancer=chunkflow", "training.cp_balancer_options={chunk_size: 256}"]
-    with pytest.raises(NotImplementedError, match=r"the 'chunkflow' plans run samples \[6, .* as dependent chunks"):
-        dry_run(TINY, out + chunkflow, world_size=2, steps=2)
+    # ChunkFlow's dependent chunks reach their K/V state store through the hf_cp attention
+    sdpa = chunkflow + [
+        "model.attn_implementation=sdpa",
+        "training.cp_max_group_size=1",  # no CP group: the chunks alone need hf_cp attention
+        "training.cp_max_tokens_per_rank=8192",
+    ]
+    with pytest.raises(ValueError, match=r"the 'chunkflow' plans run samples \[.*\] as dependent chunks"):
+        dry_run(TINY, out + sdpa, world_size=2, steps=2)
+    text = "\n".join(dry_run(TINY, out + chunkflow, world_size=2, steps=2))  # and with it, they are valid plans
+    assert "first 2 step(s) planned and valid" in text
     # a checkpoint in output_dir trained on another global batch size
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()

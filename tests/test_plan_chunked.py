@@ -120,14 +120,24 @@ def test_simulator_prices_chunked_samples_with_the_chunk_cost():
     assert sim.cp_size_samples == {1: 3}
 
 
-def test_the_collator_and_replay_refuse_chunked_samples():
+def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
+    from hf_cp.chunking import dependent_chunk_sizes
     from hf_cp.replay import rank_micro_batches
     from hf_cp.train.collator import PlanCollator
 
     p = chunked_plan().validate(CL)
-    coll = PlanCollator(lambda sid: (list(range(p.length_of()[sid])), None))
-    with pytest.raises(NotImplementedError, match=r"runs samples \[10\] on rank 0 as dependent chunks"):
-        coll.rank_step(p, 0, global_valid_tokens=100)
+    lens = p.length_of()
+    coll = PlanCollator(lambda sid: (list(range(lens[sid])), None))
+    step = coll.rank_step(p, 0, global_valid_tokens=100)
+    (mb,) = [m for m in step.waves if m is not None]
+    (c,) = mb.chunked
+    chunk = [x for w in p.waves for g in w.groups for cs in g.chunked.values() for x in cs if x.sample == 10][0]
+    assert c.sample == 10 and c.chunk_sizes == dependent_chunk_sizes(lens[10], chunk.chunk_size)
+    assert c.input_ids.tolist() == list(range(lens[10])) and mb.num_tokens == lens[10]
+    assert c.shift_labels[-1] == -100 and c.shift_labels[:-1].tolist() == list(range(1, lens[10]))
+    # every rank pads each wave to its largest backward count: one per dependent chunk
+    calls = [p.backward_calls(0, r) for r in range(p.world_size)]
+    assert calls[0] == len(c.chunk_sizes) and step.wave_backward_calls[0] == max(calls)
     assert coll.rank_step(p, 1, global_valid_tokens=100).waves[0].local_ids == [11, 12]
     with pytest.raises(PlanError, match=r"rank 2 runs chunked samples \[13\]"):
         rank_micro_batches(p, 2)

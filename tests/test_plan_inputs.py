@@ -101,10 +101,17 @@ def test_requests_carry_masks_and_balancers_that_cannot_price_them_refuse(h200_c
     check_mask_support(get_balancer("static"), req)
     plan = get_balancer("static").plan(req).validate(cl, h200_cost)
     assert sorted(plan.sample_ids) == [7, 8, 9]
-    for name in ("wlb", "auto", "skrull"):
+    for name in ("wlb", "skrull", "dynamic_cp"):
         with pytest.raises(UnsupportedMaskError, match=rf"balancer '{name}' prices every sample as a causal.*sample 7"):
             check_mask_support(get_balancer(name), req)
         check_mask_support(get_balancer(name), PlanRequest([8], [50], cl, h200_cost))  # no masks: nothing to refuse
+    # auto plans a masked step with its members that price masks, and says so when it has none
+    auto = get_balancer("auto")
+    plan = auto.plan(req).validate(cl, h200_cost)
+    assert plan.balancer.split(":")[1] in balancers_handling_masks()
+    assert not set(auto.last_makespans) - set(balancers_handling_masks())
+    with pytest.raises(UnsupportedMaskError, match=r"auto: none of its members \['wlb', 'skrull'\] plans masked"):
+        get_balancer("auto", members=["wlb", "skrull"]).plan(req)
 
 
 def test_planner_hands_masks_to_the_balancer_and_refuses_those_that_cannot(h200_cost):

@@ -20,8 +20,10 @@ from harness.balancers import balancer_for
 from harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
 from harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
 from harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
-from world2_job import BALANCERS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
+from world2_job import BALANCERS, CHUNKFLOW_RUNS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
 
+from hf_cp.balance import get_balancer
+from hf_cp.chunking import dependent_chunk_sizes
 from hf_cp.cluster import ClusterSpec
 from hf_cp.cost import CostModel
 from hf_cp.planning import GlobalBatchSampler, Planner
@@ -38,7 +40,7 @@ def executed_plans(spec: dict):
     )
     planner = Planner(
         sampler,
-        balancer_for(spec["balancer"]) or spec["balancer"],
+        balancer_for(spec["balancer"]) or get_balancer(spec["balancer"], **spec.get("balancer_options", {})),
         ClusterSpec(2, spec["max_tokens_per_rank"]),
         CostModel.load("tiny-llama", "h200-qwen2.5-7b"),
         seed=42,
@@ -62,6 +64,8 @@ def placements(plans) -> tuple:
 @pytest.mark.parametrize("balancer", BALANCERS)
 def test_balancer_equals_single_process_step_by_step(world2_job, balancer):
     spec = world2_job[f"balancer-{balancer}"]
+    if balancer == "chunkflow":  # its own test below: chunked samples instead of CP groups
+        return test_chunkflow_equals_single_process_step_by_step(world2_job, "balancer-chunkflow")
     spread, local = placements(executed_plans(spec))
     assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
     if balancer == "static":
@@ -70,6 +74,41 @@ def test_balancer_equals_single_process_step_by_step(world2_job, balancer):
         assert local == 0
     else:
         assert local >= 1, f"{balancer} kept no sample local: the local path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("run", sorted(CHUNKFLOW_RUNS))
+def test_chunkflow_equals_single_process_step_by_step(world2_job, run):
+    """Long samples as dependent chunks on one rank (K/V state store, recompute of the first N-K),
+    under DeepSpeed ZeRO-2 on 2 processes: every step equals single-process training."""
+    spec = world2_job[run]
+    plans = executed_plans(spec)
+    lens = {s: n for p in plans for s, n in zip(p.sample_ids, p.lengths)}
+    chunked = [c for p in plans for w in p.waves for g in w.groups for cs in g.chunked.values() for c in cs]
+    assert chunked, f"{run}: no sample ran as dependent chunks"
+    n_chunks = {c.sample: len(dependent_chunk_sizes(lens[c.sample], c.chunk_size)) for c in chunked}
+    assert max(n_chunks.values()) >= 4  # several dependent chunks, not a trivial cut
+    keep = spec["balancer_options"]["keep"]
+    if keep == 1:
+        assert any(n > 1 for n in n_chunks.values())  # recomputed chunks
+    else:
+        assert any(1 < n <= keep for n in n_chunks.values())  # K >= N: nothing recomputed
+    _, local = placements(plans)
+    assert local >= 1, f"{run}: no standalone chunk ran: the packed path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_ranks_whose_timing_dependent_plans_differ_run_rank_zeros_plan(world2_job):
+    """Rank 1 plans every step otherwise (harness RankDependentBalancer, timing_dependent): every
+    rank runs rank 0's plan, so the run still equals single-process training, and it records
+    rank 0's plans."""
+    spec = world2_job["rank-dependent-plans"]
+    history = json.loads((Path(spec["out"]) / "history.json").read_text())
+    assert all(r["balancer"] == "dynamic_cp" for r in history)  # rank 0's balancer, not rank 1's wlb
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
 

@@ -73,9 +73,20 @@ def empty_shard_spec(mode: str) -> dict:
     )
 
 
+# ChunkFlow on BALANCE_LENGTHS (cap 256), chunks run on one rank instead of a CP group:
+# 100-token chunks keeping 1: the 400-token sample is 4 dependent chunks, 3 of them recomputed;
+# 60-token chunks keeping 4: the 150-token sample is 3 chunks, all kept (K >= N), the 400-token one 7
+CHUNKFLOW_RUNS = {
+    "balancer-chunkflow": dict(chunk_size=100, keep=1, spread_stragglers=False),
+    "chunkflow-keep-all": dict(chunk_size=60, keep=4, spread_stragglers=False),
+}
+
+
 def world2_runs() -> Dict[str, dict]:
     """name -> run spec (without its output folder)."""
-    runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS}
+    runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS if b != "chunkflow"}
+    runs.update({name: balance_spec("chunkflow", balancer_options=o) for name, o in CHUNKFLOW_RUNS.items()})
+    runs["rank-dependent-plans"] = balance_spec("rank_dependent")
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
     # test_train_distributed's fast cases
     runs["static"] = lengths_spec("static")

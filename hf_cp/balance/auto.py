@@ -13,7 +13,9 @@ planning a member, `auto` skips it when it cannot matter:
   whose plans run every sample on groups of one size, and skrull, whose samples stay in
   one block each) is no better than the best plan so far.
 
-So `auto` is never slower (predicted) than any member it planned. The first member's plan
+A step with masked samples (shared prompts, windows) is planned only by the members that
+declare `handles_masks` (they price samples by their masked area). So `auto` is never slower
+(predicted) than any member it planned. The first member's plan
 is not priced unless another member is planned: its own prediction (`last_predicted_ms`,
 which dynamic_cp and flexsp set on every plan()) decides whether to stop. Everything is a
 pure function of the request: the same members are planned and skipped on every rank. No
@@ -29,15 +31,29 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
-from . import auto_member_balancers, get_balancer, register_balancer
-from .base import Balancer, PlanRequest
+from . import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
+from .base import Balancer, PlanRequest, UnsupportedMaskError
 from .bounds import BoundCache
 from .options import BalancerOptionError, BalancerOptions, option
 from .pricing import pricer_for
 
 # The order members are planned in by default: the usual winners and cheap planners first,
 # so that the bounds can skip the rest. Members not listed (plugins) come after, by name.
-PLANNING_ORDER = ("dynamic_cp", "wlb", "skrull", "libra", "static", "flexsp")
+PLANNING_ORDER = (
+    "dynamic_cp",
+    "wlb",
+    "skrull",
+    "libra",
+    "static",
+    "flexsp",
+    # the block-placement solvers (issue 16) and ChunkFlow: planned when the whole-document
+    # members leave a gap to the bound (masks, windows, outliers, memory-bound samples)
+    "magi",
+    "usp",
+    "dcp",
+    "libra_tap",
+    "chunkflow",
+)
 
 
 def default_members() -> List[str]:
@@ -86,6 +102,8 @@ class AutoBalancer:
 
     name = "auto"
     options_class = AutoOptions
+    # a step with masked samples is planned only by the members that declare handles_masks
+    handles_masks = True
 
     def __init__(self, **options):
         self.options = o = AutoOptions.from_dict(options)
@@ -96,6 +114,8 @@ class AutoBalancer:
                 self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
             except BalancerOptionError as e:
                 raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
+        # a member whose plans depend on timing (a solver's time limit) makes auto's depend on it too
+        self.timing_dependent = any(getattr(b, "timing_dependent", False) for _, b in self.members)
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step
         self.last_skipped: Dict[str, str] = {}  # member -> why it was not planned on the last step
         self.last_lower_bound_ms = float("nan")
@@ -107,7 +127,15 @@ class AutoBalancer:
         stop_at = lower * (1.0 + self.options.stop_within)
         best: Optional[List] = None  # [predicted ms, member, plan, priced by the pricer]
         self.last_makespans, self.last_skipped, self.last_lower_bound_ms = {}, {}, lower
-        for name, balancer in self.members:
+        members = self.members
+        if req.masks:  # members that price every sample as causal would mis-plan masked ones
+            members = [(n, b) for n, b in members if getattr(b, "handles_masks", False)]
+            if not members:
+                raise UnsupportedMaskError(
+                    f"step {req.step}: auto: none of its members {[n for n, _ in self.members]} plans masked samples "
+                    f"({len(req.masks)} in the step); add one that does: {', '.join(balancers_handling_masks())}"
+                )
+        for name, balancer in members:
             if best is not None:
                 if best[0] <= stop_at:
                     self.last_skipped[name] = f"{best[1]} is within {self.options.stop_within:g} of the bound"

@@ -67,7 +67,7 @@ class ChunkFlowOptions(BalancerOptions):
                 raise BalancerOptionError(f"chunkflow: {name} must be a positive integer, got {value!r}")
 
 
-@register_balancer("chunkflow")
+@register_balancer("chunkflow", auto_member=True)
 class ChunkFlowBalancer:
     """ChunkFlow (ChunkFlowOptions): long samples as dependent chunks on one rank, short ones
     packed into standalone chunks, all placed by their real cost."""

@@ -310,6 +310,9 @@ class FlexSPOptions(BalancerOptions):
 
 @register_balancer("flexsp", auto_member=True)
 class FlexSPBalancer:
+    # HiGHS's time limit and the search deadline make a plan depend on the machine's speed: ranks
+    # that planned the same step may differ, and the trainer then runs the first rank's plan
+    timing_dependent = True
     name = "flexsp"
     options_class = FlexSPOptions
 

@@ -30,7 +30,7 @@ import numpy as np
 from ..cost import CostModel
 from ..plan import StepPlan
 from ..shard import ShardMode
-from ..sim import group_costs
+from ..sim import chunked_group_cost, group_costs
 from .costs import CostMemo, cost_memo
 
 
@@ -161,7 +161,7 @@ class PlanPricer:
         members start together when the last of them is free, the micro-batch takes its
         slowest member's time plus one overhead, members with no tokens in a group without
         distributed documents are not held."""
-        if plan.masks:  # masked samples are priced by their masked area: the cost model's own path
+        if plan.masks or plan.chunked_samples:  # masked samples (their area), chunked ones: the cost model's own path
             return self._finish_by_cost_model(plan)
         ids = np.asarray(plan.sample_ids, dtype=np.int64)
         by_id = np.argsort(ids, kind="stable")
@@ -245,7 +245,7 @@ class PlanPricer:
         return np.asarray(clock)
 
     def _finish_by_cost_model(self, plan: StepPlan) -> np.ndarray:
-        """rank_finish_ms by sim.group_costs for every group (plans with masked samples)."""
+        """rank_finish_ms by sim.group_costs for every group (plans with masked or chunked samples)."""
         lens = plan.length_of()
         clock = [0.0] * plan.world_size
         overhead = self.overhead_ms
@@ -254,6 +254,12 @@ class PlanPricer:
             if wall is not None:
                 wall.enter_wave(w, clock)
             for g in wave.groups:
+                if any(g.chunked.values()):  # one rank running dependent chunks: as sim.simulate
+                    ms = chunked_group_cost(lens, g, self.cost)[0]
+                    clock[g.ranks[0]] += ms
+                    if wall is not None:
+                        wall.worked(g.ranks[0], ms)
+                    continue
                 costs = group_costs(lens, g, self.cost, plan.masks)
                 if all(c[3] == 0 for c in costs):
                     continue

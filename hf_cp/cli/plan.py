@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..balance import available_balancers, parse_assignments
+from ..block_cost import plan_exchange
 from ..cluster import ClusterSpec
 from ..cost import CostModel, ModelDims
 from ..execution import EXECUTIONS, execution_named
@@ -97,6 +98,26 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--max-group-size", type=int, help="largest CP group a plan may use (default: the world)")
+    p.add_argument(
+        "--pipeline-stages",
+        type=int,
+        metavar="P",
+        help="also print the 1F1B pipeline bubble of each step's micro-batches on P stages: packs of the samples "
+        "(variable costs) against ChunkFlow's equal chunks",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=PlanningSettings.default("chunk_size"),
+        help="ChunkFlow: most tokens of a dependent chunk (balancer chunkflow, auto's chunkflow member, "
+        "--pipeline-stages); default: the cap / --chunk-keep",
+    )
+    p.add_argument(
+        "--chunk-keep",
+        type=int,
+        default=PlanningSettings.default("chunk_keep"),
+        help="ChunkFlow: K, dependent chunks whose activations are kept (the rest are recomputed)",
+    )
     p.add_argument("--json", metavar="OUT", help="write the plans and per-step metrics as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="draw one step's per-rank timeline")
     p.add_argument("--plot-step", type=int, default=0, help="which planned step --plot draws")
@@ -132,7 +153,12 @@ class Progress:
 
 
 def step_metrics(
-    plan: StepPlan, sim: SimResult, lb: float, planner_ms: float, compare_ms: Optional[float] = None
+    plan: StepPlan,
+    sim: SimResult,
+    lb: float,
+    planner_ms: float,
+    compare_ms: Optional[float] = None,
+    ring_zigzag_bytes: Optional[int] = None,
 ) -> dict:
     return {
         "step": plan.step,
@@ -150,7 +176,18 @@ def step_metrics(
         "waves": len(plan.waves),
         "planner_ms": planner_ms,
         "compare_ms": compare_ms,
+        "charged_bound_ms": sim.charged_bound_ms,
+        "ring_zigzag_comm_bytes": ring_zigzag_bytes,
+        "flags": sim.flags,
     }
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _gb(v: Optional[int]) -> str:
+    return "-" if v is None else f"{v / 1e9:.2f}"
 
 
 def _hist(c: dict) -> str:
@@ -160,16 +197,18 @@ def _hist(c: dict) -> str:
 def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str] = None) -> None:
     print(header)
     cols = (
-        f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'ratio':>6} "
-        f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan ms':>8}  cp-size:samples"
+        f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'charged':>10} {'ratio':>6} "
+        f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'ring GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan ms':>8}  "
+        f"cp-size:samples"
     )
     print(cols)
     print("-" * len(cols))
     for r in rows:
         print(
             f"{r['step']:>5} {r['samples']:>7} {r['tokens']:>9} {r['predicted_ms']:>10.1f} {r['lower_bound_ms']:>10.1f} "
-            f"{r['ratio_to_bound']:>6.3f} {r['max_over_mean']:>8.3f} {100 * r['idle_share']:>6.1f} "
-            f"{r['comm_bytes'] / 1e9:>8.2f} {r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>8.1f}  "
+            f"{_ms(r['charged_bound_ms']):>10} {r['ratio_to_bound']:>6.3f} {r['max_over_mean']:>8.3f} "
+            f"{100 * r['idle_share']:>6.1f} {r['comm_bytes'] / 1e9:>8.2f} {_gb(r['ring_zigzag_comm_bytes']):>8} "
+            f"{r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>8.1f}  "
             f"{_hist(r['cp_size_samples'])}"
         )
     print("-" * len(cols))
@@ -178,12 +217,16 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
     hist: Counter = Counter()
     for r in rows:
         hist.update(r["cp_size_samples"])
+    charged = [r["charged_bound_ms"] for r in rows]
+    tot_charged = sum(charged) if all(c is not None for c in charged) else None
+    rings = [r["ring_zigzag_comm_bytes"] for r in rows]
+    tot_ring = sum(rings) if all(b is not None for b in rings) else None
     print(
         f"{'all':>5} {sum(r['samples'] for r in rows):>7} {sum(r['tokens'] for r in rows):>9} {tot_pred:>10.1f} "
-        f"{tot_lb:>10.1f} {tot_pred / tot_lb if tot_lb else float('nan'):>6.3f} "
+        f"{tot_lb:>10.1f} {_ms(tot_charged):>10} {tot_pred / tot_lb if tot_lb else float('nan'):>6.3f} "
         f"{statistics.mean(r['max_over_mean'] for r in rows):>8.3f} "
         f"{100 * statistics.mean(r['idle_share'] for r in rows):>6.1f} "
-        f"{sum(r['comm_bytes'] for r in rows) / 1e9:>8.2f} {max(r['peak_tokens'] for r in rows):>8} "
+        f"{sum(r['comm_bytes'] for r in rows) / 1e9:>8.2f} {_gb(tot_ring):>8} {max(r['peak_tokens'] for r in rows):>8} "
         f"{max(r['peak_memory_gb'] for r in rows):>7.1f} {statistics.median(r['planner_ms'] for r in rows):>8.1f}  "
         f"{_hist(hist)}"
     )
@@ -191,11 +234,59 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
         f"predicted time / lower bound over {len(rows)} steps: {tot_pred / tot_lb:.3f}; peak tokens per rank "
         f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} ms"
     )
+    if tot_charged:
+        print(
+            f"predicted time / charged bound (a group's communication and kernel efficiency charged too): "
+            f"{tot_pred / tot_charged:.3f}"
+        )
+    for r in rows:
+        for flag in r["flags"]:
+            print(f"step {r['step']}: {flag}")
     if compare and all(r.get("compare_ms") is not None for r in rows):
         theirs = sum(r["compare_ms"] for r in rows)
         print(
             f"comparison: {compare} would take {theirs:.1f} ms over these steps, {theirs / tot_pred:.3f}x the "
             f"plans above ({theirs / tot_lb if tot_lb else float('nan'):.3f}x the bound)"
+        )
+
+
+def print_pipeline(plans: List[StepPlan], cost: CostModel, cluster: ClusterSpec, stages: int, settings) -> None:
+    """The 1F1B bubble a pipeline of `stages` stages would pay on each step's micro-batches: the
+    step's samples packed to the per-rank cap as a pipeline user packs them (variable costs: the
+    attention of long documents), against ChunkFlow's chunks of the same samples (nearly equal
+    costs). Micro-batches are dealt to the world / stages data-parallel pipelines in turn."""
+    from ..balance.packing import first_fit
+    from ..chunking import build_chunk_plan, chunk_costs_ms
+    from ..pipeline import bubble_share
+
+    if stages < 1:
+        raise ValueError(f"--pipeline-stages must be at least 1, got {stages}")
+    replicas = max(1, cluster.world_size // stages)
+    cap = cluster.max_tokens_per_rank
+    keep = settings.chunk_keep if settings is not None else 1
+    chunk = (settings.chunk_size if settings is not None else None) or cap // keep
+    overhead = cost.micro_batch_overhead_ms()
+
+    def mean_bubble(costs: List[float]) -> float:
+        shares = [costs[i::replicas] for i in range(replicas)]
+        return statistics.mean(bubble_share(c, stages) for c in shares if c)
+
+    print(
+        f"pipeline of {stages} stages x {replicas} data-parallel pipeline(s), 1F1B (backward = 2 x forward): "
+        f"bubble share of each step's micro-batches"
+    )
+    print(f"{'step':>5} {'packs':>6} {'bubble':>7}   {'chunks':>6} {'bubble':>7}  (ChunkFlow, chunk {chunk}, K={keep})")
+    for p in plans:
+        lens = p.length_of()
+        fits = [(s, n) for s, n in zip(p.sample_ids, p.lengths) if n <= cap]
+        # a sample over the cap is a micro-batch of its own (a pipeline alone cannot hold it)
+        packs = first_fit([s for s, _ in fits], [n for _, n in fits], cap) if fits else []
+        packs += [[s] for s, n in zip(p.sample_ids, p.lengths) if n > cap]
+        pack_costs = [cost.local_ms([lens[s] for s in pack]) + overhead for pack in packs]
+        chunk_costs = chunk_costs_ms(build_chunk_plan(p.sample_ids, p.lengths, chunk, keep), cost)
+        print(
+            f"{p.step:>5} {len(packs):>6} {100 * mean_bubble(pack_costs):>6.1f}%   {len(chunk_costs):>6} "
+            f"{100 * mean_bubble(chunk_costs):>6.1f}%"
         )
 
 
@@ -219,6 +310,8 @@ def settings_from_args(args) -> PlanningSettings:
         tokens_per_rank_per_step=args.tokens_per_rank_per_step,
         max_group_size=args.max_group_size,
         gpus_per_node=args.gpus_per_node,
+        chunk_size=args.chunk_size,
+        chunk_keep=args.chunk_keep,
         seed=args.seed,
         shuffle=not args.no_shuffle,
         execution=args.execution,
@@ -249,7 +342,7 @@ def run(args) -> int:
         sims = []
         for plan in plans:
             plan.validate(cluster, cost)
-            sims.append(simulate(plan, cost))
+            sims.append(simulate(plan, cost, cluster))
         compare_ms = [None] * len(plans)
     else:
         if not args.world:
@@ -294,9 +387,12 @@ def run(args) -> int:
     for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):
         # masked samples (shared prompts, windows) bound by their masked area, as they are simulated
         masks_of = [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
-        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms))
+        ring = sum(e.ring_zigzag_bytes for e in plan_exchange(plan, cost))  # the same groups, ring zigzag
+        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms, ring))
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
+    if args.pipeline_stages:
+        print_pipeline(plans, cost, cluster, args.pipeline_stages, settings_from_args(args) if args.lengths else None)
     if args.json:
         out = {"plans": [p.to_dict() for p in plans], "metrics": rows}
         Path(args.json).write_text(json.dumps(out, sort_keys=True, separators=(",", ":")))

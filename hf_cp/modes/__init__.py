@@ -113,7 +113,15 @@ def mode_attention(name) -> Callable:
     return getattr(import_module(module), fn)
 
 
-# the built-in modes register themselves
-from . import blocks, ring, ulysses  # noqa: E402,F401
+def _import_modes() -> None:
+    """Every module of this package registers its mode on import: a new mode is one file here
+    (plus its attention function under hf_cp/attention/), with no list to edit."""
+    import pkgutil
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        import_module(f"{__name__}.{mod}")
+
+
+_import_modes()
 
 __all__ = ["SegmentsOf", "ShardModeSpec", "mode_attention", "mode_names", "mode_spec", "register_mode"]

@@ -20,13 +20,14 @@ class PredictedPlan:
 
 def predict(plan: StepPlan, req: PlanRequest) -> SimResult:
     """Validate `plan` against the request's cluster and model (Ulysses groups must split the
-    heads), check that it plans the request's samples, and simulate it."""
+    heads), check that it plans the request's samples, and simulate it (with its lower bounds
+    and flags: SimResult.charged_bound_ms, SimResult.flags)."""
     plan.validate(req.cluster, req.cost)
     if list(plan.sample_ids) != list(req.sample_ids):
         raise PlanError(
             f"step {req.step}: the {plan.balancer or 'balancer'!r} plan is for other samples than the step's"
         )
-    return simulate(plan, req.cost)
+    return simulate(plan, req.cost, req.cluster)  # with the cluster: the bounds and the plan's flags
 
 
 def plan_and_predict(balancer, req: PlanRequest) -> PredictedPlan:

@@ -43,6 +43,10 @@ class PlanningSettings:
     """Largest CP group a plan may use (None: the world)."""
     gpus_per_node: Optional[int] = None
     """Ranks per node (None: the profile's)."""
+    chunk_size: Optional[int] = None
+    """ChunkFlow: most tokens of a dependent chunk (None: the cap divided by chunk_keep)."""
+    chunk_keep: int = 1
+    """ChunkFlow: K, dependent chunks whose activations are kept (the first N-K are recomputed)."""
     seed: int = 0
     """Seed of the epoch order and of seeded balancers."""
     shuffle: bool = True
@@ -58,12 +62,31 @@ class PlanningSettings:
             raise ValueError(f"tokens_per_step must be positive, got {self.tokens_per_step}")
         if self.tokens_per_rank_per_step <= 0:
             raise ValueError(f"tokens_per_rank_per_step must be positive, got {self.tokens_per_rank_per_step}")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.chunk_keep <= 0:
+            raise ValueError(f"chunk_keep must be positive, got {self.chunk_keep}")
         if not isinstance(self.balancer_options, Mapping):
             raise ValueError(
                 f"balancer_options must be a mapping of option names to values, got {self.balancer_options!r}"
             )
         self.balancer_options = dict(self.balancer_options)
         execution_named(self.execution)  # an unknown name fails here, naming the known ones
+
+    def balancer_kwargs(self) -> Dict[str, Any]:
+        """The balancer's options, with the ChunkFlow settings passed to chunkflow (directly, or
+        as auto's member options) unless the options already set them."""
+        opts = dict(self.balancer_options)
+        chunk = {"keep": self.chunk_keep, **({"chunk_size": self.chunk_size} if self.chunk_size else {})}
+        if self.balancer == "chunkflow":
+            return {**chunk, **opts}
+        if self.balancer == "auto":
+            members = opts.get("members")
+            if members is None or "chunkflow" in members:
+                member_options = {k: dict(v) for k, v in dict(opts.get("member_options") or {}).items()}
+                member_options["chunkflow"] = {**chunk, **member_options.get("chunkflow", {})}
+                opts["member_options"] = member_options
+        return opts
 
     def step_tokens(self, world_size: int) -> int:
         return self.tokens_per_step or self.tokens_per_rank_per_step * world_size
@@ -90,6 +113,8 @@ class PlanningSettings:
             tokens_per_rank_per_step=args.cp_tokens_per_rank_per_step,
             max_group_size=args.cp_max_group_size,
             gpus_per_node=args.cp_gpus_per_node,
+            chunk_size=args.cp_chunk_size,
+            chunk_keep=args.cp_chunk_keep,
             seed=args.seed,
             shuffle=args.cp_shuffle,
             execution=execution_for_run(_deepspeed_config(args)),
@@ -124,7 +149,7 @@ class PlanningSetup:
 
     def balancer(self):
         """The configured balancer, built with its options."""
-        return get_balancer(self.settings.balancer, **self.settings.balancer_options)
+        return get_balancer(self.settings.balancer, **self.settings.balancer_kwargs())
 
 
 def load_profile(profile: Union[str, Mapping]) -> HardwareProfile:

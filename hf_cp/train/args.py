@@ -59,6 +59,20 @@ class CPTrainingArguments(TrainingArguments):
     cp_tokens_per_rank_per_step: int = field(
         default=_DEFAULT("tokens_per_rank_per_step"), metadata={"help": "used when cp_tokens_per_step is unset"}
     )
+    cp_chunk_size: Optional[int] = field(
+        default=_DEFAULT("chunk_size"),
+        metadata={
+            "help": "ChunkFlow (balancer chunkflow, or auto's chunkflow member): most tokens of a dependent chunk of a "
+            "long sample (default: cp_max_tokens_per_rank / cp_chunk_keep)"
+        },
+    )
+    cp_chunk_keep: int = field(
+        default=_DEFAULT("chunk_keep"),
+        metadata={
+            "help": "ChunkFlow: K, dependent chunks whose activations are kept; the first N-K are recomputed in "
+            "backward (memory: K x chunk size activations plus the sample's K/V)"
+        },
+    )
     cp_max_group_size: Optional[int] = field(default=None, metadata={"help": "largest CP group (default: world)"})
     cp_gpus_per_node: Optional[int] = field(default=None, metadata={"help": "ranks per node (default: profile's)"})
     cp_plan_lookahead: int = field(

@@ -206,3 +206,23 @@ def run_chunked_sample(
         store.release()
         stats.store_bytes_after = store.nbytes
     return total
+
+
+def evaluate_chunked_sample(
+    model: torch.nn.Module, chunks: Sequence[SampleChunk], loss_fn: Optional[TokenLoss] = None
+) -> Tensor:
+    """The summed token loss of one sample run forward only as dependent chunks (evaluation:
+    each chunk attends the K/V the earlier ones left in the store; nothing is kept for backward).
+    Call under torch.no_grad()."""
+    if not chunks:
+        raise ValueError("a chunked sample needs at least one chunk")
+    loss_fn = loss_fn or token_loss()
+    store = ChunkStateStore([ch.num_tokens for ch in chunks])
+    total = torch.zeros((), dtype=torch.float64)
+    try:
+        for i, ch in enumerate(chunks):
+            with chunk_context(ChunkContext(store, i)):
+                total += loss_fn(model, ch).detach().to(device="cpu", dtype=torch.float64)
+    finally:
+        store.release()
+    return total

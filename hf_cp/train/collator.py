@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..attention.context import CPContext
+from ..chunking import dependent_chunk_sizes
 from ..masks import SampleMask
 from ..plan import Group, StepPlan
 from ..sample_targets import sample_targets
@@ -69,13 +70,37 @@ class MicroBatch:
     extra_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
     extra_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
 
+    # ChunkFlow: samples this rank runs as dependent chunks in this wave (then the rows above are empty)
+    chunked: List[ChunkedRows] = field(default_factory=list)
+
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(self.input_ids.shape[1]) + sum(c.num_tokens for c in self.chunked)
 
     @property
     def num_valid(self) -> int:
-        return int((self.shift_labels != IGNORE_INDEX).sum()) + int(self.extra_targets.numel())
+        chunked = sum(int((c.shift_labels != IGNORE_INDEX).sum()) for c in self.chunked)
+        return int((self.shift_labels != IGNORE_INDEX).sum()) + int(self.extra_targets.numel()) + chunked
+
+    @property
+    def backward_calls(self) -> int:
+        """Backward passes this micro-batch runs: one per dependent chunk, else one."""
+        return sum(len(c.chunk_sizes) for c in self.chunked) if self.chunked else 1
+
+
+@dataclass
+class ChunkedRows:
+    """One sample run as dependent chunks (ChunkFlow): its whole rows and how they are cut."""
+
+    sample: int
+    input_ids: torch.Tensor  # [T]
+    shift_labels: torch.Tensor  # [T], shifted over the whole sample
+    chunk_sizes: List[int]
+    keep: int  # K: chunks whose activations are kept; the others are recomputed in backward
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
     @property
     def has_masks(self) -> bool:
@@ -95,6 +120,7 @@ class RankStep:
     global_valid_tokens: int  # loss normaliser: valid targets of the whole global batch
     planned: object = None  # the PlannedStep (predictions, planner time)
     masked_samples: Tuple[int, ...] = ()  # samples of the whole step with a non-causal mask
+    wave_backward_calls: List[int] = field(default_factory=list)  # per wave: backward passes every rank runs
 
     @property
     def has_masks(self) -> bool:
@@ -126,11 +152,7 @@ class PlanCollator:
 
     def micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> Optional[MicroBatch]:
         if group.chunked.get(rank):
-            raise NotImplementedError(
-                f"step {plan.step + 1}, wave {wave}: the {plan.balancer!r} plan runs samples "
-                f"{[c.sample for c in group.chunked[rank]]} on rank {rank} as dependent chunks (ChunkFlow), which "
-                f"CPTrainer does not execute yet (hf_cp/train/chunkflow.py has the executor); use another balancer"
-            )
+            return self.chunked_micro_batch(plan, wave, group, rank)
         local = list(group.local.get(rank, []))
         if not local and not group.distributed:
             return None
@@ -204,6 +226,33 @@ class PlanCollator:
             extra_targets=flat(extra_targets),
         )
 
+    def chunked_micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> MicroBatch:
+        """A one-rank group of chunked samples: each sample's whole rows and its chunk sizes."""
+        chunked = []
+        for c in group.chunked[rank]:
+            if c.sample in self.masks:
+                raise ValueError(
+                    f"step {plan.step + 1}, wave {wave}: sample {c.sample} has a {self.masks[c.sample].kind!r} mask; "
+                    f"dependent chunks attend causally over the K/V state store, so masked samples cannot be chunked"
+                )
+            x, y = self.fetch(c.sample)
+            ids = torch.as_tensor(np.asarray(x, dtype=np.int64))
+            tgts = torch.as_tensor(sample_targets(x, y, None).shifted)
+            sizes = dependent_chunk_sizes(len(x), c.chunk_size)
+            chunked.append(ChunkedRows(c.sample, ids, tgts, sizes, c.keep))
+        empty = torch.zeros(1, 0, dtype=torch.long)
+        ctx = CPContext(group=None, group_ranks=(rank,), member=0, mode=ShardMode.RING_PER_DOC)
+        return MicroBatch(
+            wave=wave,
+            input_ids=empty,
+            shift_labels=empty.clone(),
+            position_ids=empty.clone(),
+            cu_seq_lens=torch.zeros(1, dtype=torch.int32),
+            context=ctx,
+            local_ids=[c.sample for c in group.chunked[rank]],
+            chunked=chunked,
+        )
+
     def rank_step(
         self, plan: StepPlan, rank: int, global_valid_tokens: int, epoch: int = 0, planned: object = None
     ) -> RankStep:
@@ -220,6 +269,10 @@ class PlanCollator:
             global_valid_tokens=global_valid_tokens,
             planned=planned,
             masked_samples=tuple(s for s in plan.sample_ids if s in self.masks),
+            # every rank pads each wave to its largest backward count (ZeRO-2 reduces in every backward)
+            wave_backward_calls=[
+                max(1, max(plan.backward_calls(w, r) for r in range(plan.world_size))) for w in range(len(plan.waves))
+            ],
         )
 
 

@@ -70,10 +70,10 @@ def dry_run(
         f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
     ]
     chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
-    if chunked:
-        raise NotImplementedError(
-            f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks "
-            f"(ChunkFlow), which CPTrainer does not execute yet; use another balancer"
+    if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:
+        raise ValueError(
+            f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks (ChunkFlow), "
+            f"whose K/V state store is reached through model.attn_implementation: {HF_CP_ATTENTION}"
         )
     settings = setup.settings
     name = settings.profile if isinstance(settings.profile, str) else cost.profile.name

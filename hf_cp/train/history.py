@@ -43,6 +43,8 @@ class StepRecord:
     cp_size_samples: Dict[str, int] = field(default_factory=dict)  # group size -> samples run on it
     balancer: str = ""  # the plan's balancer (auto records its winner: auto:dynamic_cp)
     plan_notes: List[str] = field(default_factory=list)  # what the planner said (e.g. a solver fallback)
+    # ChunkFlow: samples run as dependent chunks, their chunks, chunks recomputed in backward, largest chunk, K
+    chunked: Dict[str, int] = field(default_factory=dict)
     attempt: int = 0  # torchrun restarts before the run that trained this step
     resumed_from: Optional[int] = None  # the checkpoint step this process started from
     dataset_samples: Optional[int] = None  # for the exactly-once audit of hf-cp report

@@ -84,6 +84,14 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
             f"{k[len('cp_size') : -len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")
         ),
     ]
+    chunked = [r.chunked for r in records if r.chunked]
+    if chunked:
+        lines.append(
+            f"ChunkFlow: {sum(c['samples'] for c in chunked)} sample(s) in {len(chunked)} step(s) ran as "
+            f"{sum(c['chunks'] for c in chunked)} dependent chunks on one rank each (chunks of at most "
+            f"{max(c['max_chunk_tokens'] for c in chunked)} tokens, K={max(c['keep'] for c in chunked)}; "
+            f"{sum(c['recomputed'] for c in chunked)} recomputed in backward) instead of a CP group"
+        )
     if compare and "compare_predicted_step_ms" in agg:
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
         lines.append(

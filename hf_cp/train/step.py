@@ -25,6 +25,7 @@ import torch
 
 from ..attention.context import cp_context
 from ..consistency import collective_scope
+from .chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
 from .collator import IGNORE_INDEX, MicroBatch, RankStep
 from .groups import CPGroups
 from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
@@ -112,45 +113,88 @@ class StepExecutor:
 
     def train(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
         """Forward+backward of every wave; the loss handed to backward is scaled so that the
-        data-parallel average is the gradient of (sum of token losses / global valid targets)."""
+        data-parallel average is the gradient of (sum of token losses / global valid targets).
+
+        Every rank runs the same number of backward passes in each wave (step.wave_backward_calls:
+        a chunked sample runs one per dependent chunk), padding with zero-weight micro-batches;
+        the accumulation boundary is the last backward of the last wave."""
         scale = self.world_size / step.global_valid_tokens if step.global_valid_tokens else 0.0
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
         n = len(step.waves)
+        calls = step.wave_backward_calls or [1] * n
         for w, mb in enumerate(step.waves):
-            last = w == n - 1
+            last_wave = w == n - 1
+            own = mb.backward_calls if mb is not None else 0
+            pad = calls[w] - own
+            if pad < 0:
+                raise RuntimeError(
+                    f"step {step.index + 1}, wave {w}: {own} backward passes, the plan allows {calls[w]}"
+                )
             t0 = self.now()
             self._backward_end = None
-            if mb is None:
-                # no work in this wave: a zero-weight micro-batch keeps the backward count equal
-                everyone = tuple(range(self.world_size))
+            if mb is not None:
+                ctx = self._context(mb)
+                # chunked samples run on one rank under their chunk contexts, not a CP context
                 with (
-                    self.wave_context(last),
-                    cp_context(None),
-                    collective_scope(step.index + 1, w, everyone, "dummy micro-batch"),
+                    self.wave_context(last_wave and pad == 0),
+                    cp_context(None if mb.chunked else ctx),
+                    collective_scope(step.index + 1, w, ctx.group_ranks),
                 ):
-                    ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-                    out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
-                    self.backward(out.logits.sum() * 0.0, last)
-                self._mark_wave(totals, t0)
-                continue
-            ctx = self._context(mb)
-            with self.wave_context(last), cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks):
-                wave_sum = self.wave_loss(model, mb)
-                loss = wave_sum * scale
-                self.backward(loss, last)
-            totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+                    if mb.chunked:
+                        wave_sum, loss = self._chunked_wave(model, mb, scale, last_wave and pad == 0)
+                    else:
+                        wave_sum = self.wave_loss(model, mb)
+                        loss = wave_sum * scale
+                        self.backward(loss, last_wave and pad == 0)
+                totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+                totals.loss_sum += float(wave_sum.detach())
+                totals.valid += mb.num_valid
+                totals.tokens += mb.num_tokens
+                totals.loss = totals.loss + loss.detach()
+            for k in range(pad):
+                # no (more) work in this wave: zero-weight micro-batches keep the backward count equal
+                self._dummy_backward(model, step.index + 1, w, last_wave and k == pad - 1)
             self._mark_wave(totals, t0)
-            totals.loss_sum += float(wave_sum.detach())
-            totals.valid += mb.num_valid
-            totals.tokens += mb.num_tokens
-            totals.loss = totals.loss + loss.detach()
         return totals
+
+    def _dummy_backward(self, model: torch.nn.Module, step: int, wave: int, last: bool) -> None:
+        everyone = tuple(range(self.world_size))
+        with self.wave_context(last), cp_context(None), collective_scope(step, wave, everyone, "dummy micro-batch"):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+            self.backward(out.logits.sum() * 0.0, last)
+
+    def _chunked_wave(self, model: torch.nn.Module, mb: MicroBatch, scale: float, last: bool):
+        """ChunkFlow: every chunked sample of the micro-batch by the state-aware schedule, one
+        backward per dependent chunk (train/chunkflow.py). Returns (summed loss, scaled loss)."""
+        loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
+        total = torch.zeros((), dtype=torch.float64)
+        for k, c in enumerate(mb.chunked):
+            final = last and k == len(mb.chunked) - 1
+            chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
+            total = total + run_chunked_sample(
+                model,
+                chunks,
+                c.keep,
+                scale,
+                loss_fn=loss_fn,
+                backward=lambda loss, is_last, final=final: self.backward(loss, final and is_last),
+            )
+        return total, total * scale
 
     def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
         """Forward only, every wave with work on this rank (call under torch.no_grad())."""
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
         for w, mb in enumerate(step.waves):
             if mb is None:  # forward only: no gradient reduction to join
+                continue
+            if mb.chunked:  # one rank, no collectives: each sample's chunks in order over the K/V store
+                loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
+                for c in mb.chunked:
+                    chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
+                    totals.loss_sum += float(evaluate_chunked_sample(model, chunks, loss_fn))
+                totals.valid += mb.num_valid
+                totals.tokens += mb.num_tokens
                 continue
             ctx = self._context(mb)
             with (

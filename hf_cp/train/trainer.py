@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
-from ..consistency import agree_on_step, assert_data_agrees, assert_plans_agree
+from ..consistency import agree_on_plan_and_payload, assert_data_agrees, assert_plans_agree
 from ..cost import CostModel
+from ..plan import StepPlan
 from ..planning import Planner, planning_setup
 from ..planning.calibration import (
     CalibrationSettings,
@@ -236,9 +237,10 @@ class CPTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
+        self._cp_collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
         steps = _PlannedSteps(
             self.cp_planner,
-            PlanCollator(self.cp_data.fetch, self.cp_data.masks),
+            self._cp_collator,
             self.cp_rank,
             self.cp_data.valid_counts,
         )
@@ -274,22 +276,39 @@ class CPTrainer(Trainer):
                 self.callback_handler.remove_callback(cb)
         self.cp_stop_signal = StopSignal(signal.SIGTERM)
 
-    def _cp_agree(self, step: RankStep) -> None:
+    def _cp_agree(self, step: RankStep) -> RankStep:
         """Plan agreement (before any collective of the step) and, in the same exchange, the
-        stop decision: a SIGTERM seen by any rank stops every rank after this step."""
+        stop decision: a SIGTERM seen by any rank stops every rank after this step. A balancer
+        whose plans may depend on timing (balancer.timing_dependent: a solver's time limit or
+        deadline) makes ranks that disagree run the first rank's plan instead of failing."""
         sig = self.cp_stop_signal
+        adopt = bool(getattr(self.cp_planner.balancer, "timing_dependent", False))
+        plan_json = step.plan.to_json() if adopt else ""
+        # the online calibration's new coefficients ride on the same exchange (rank 0's are adopted)
         fit, self._cp_pending_fit = self._cp_pending_fit, None
         offer = fit.coefficients.to_payload(fit.version) if fit is not None else [0.0] * Coefficients.PAYLOAD_SIZE
-        flagged, adopted = agree_on_step(
+        theirs, flagged, adopted = agree_on_plan_and_payload(
+            plan_json,
             step.plan.digest(),
             step.index + 1,
             group=self.cp_groups.control,
             flag=bool(sig and sig.requested),
+            adopt_first=adopt,
             payload=offer,
         )
         version, coefficients = Coefficients.from_payload(adopted)
         if coefficients is not None:
             self._cp_adopt(version, coefficients, step.index)
+        if theirs is not None:  # this rank planned otherwise (a solver's time limit): run rank 0's plan
+            plan = StepPlan.from_json(theirs, f"step {step.index + 1}: rank 0's plan")
+            plan.validate(self.cp_cluster, self.cp_cost)
+            logger.warning(
+                "hf_cp: step %d: rank %d planned this step otherwise (%s depends on timing); running rank 0's plan",
+                step.index + 1,
+                self.cp_rank,
+                step.plan.balancer,
+            )
+            step = self._cp_collator.rank_step(plan, self.cp_rank, step.global_valid_tokens, step.epoch, step.planned)
         if flagged and self.cp_stopped_early is None:
             self.cp_stopped_early = {"step": step.index + 1, "signal": sig.name, "ranks": flagged}
             self.control.should_save = True
@@ -303,6 +322,7 @@ class CPTrainer(Trainer):
                     step.index + 1,
                     step.index + 1,
                 )
+        return step
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
@@ -310,7 +330,7 @@ class CPTrainer(Trainer):
         t_epoch = time.time()
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
-        self._cp_agree(step)
+        step = self._cp_agree(step)
         self._cp_check_attention(step)
         model.train()
         totals = self.cp_executor.train(model, step)
@@ -320,12 +340,15 @@ class CPTrainer(Trainer):
         return totals.loss
 
     def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
-        if step.plan.spreads_samples or step.has_masks:
+        chunked = step.plan.chunked_samples
+        if step.plan.spreads_samples or step.has_masks or chunked:
             impl = getattr(self.model.config, "_attn_implementation", None)
             if impl != HF_CP_ATTENTION:
                 why = (
                     f"the {step.plan.balancer!r} plan distributes samples over CP groups"
                     if step.plan.spreads_samples
+                    else f"the {step.plan.balancer!r} plan runs samples {chunked[:10]} as dependent chunks (ChunkFlow)"
+                    if chunked
                     else "samples carry attention masks (e.g. shared-prompt) that only it reads"
                 )
                 raise ValueError(
@@ -381,6 +404,7 @@ class CPTrainer(Trainer):
             plan_digest=step.plan.digest(),
             balancer=step.plan.balancer,
             plan_notes=list(getattr(step.plan, "notes", None) or []),
+            chunked=step.plan.chunking_summary(),
             attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
             resumed_from=self._cp_resumed_from,  # the checkpoint step this process started from
             dataset_samples=len(self.cp_data),  # for the exactly-once audit of hf-cp report

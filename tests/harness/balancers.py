@@ -73,8 +73,28 @@ class SpreadEveryDocBalancer:
         return plan
 
 
+class RankDependentBalancer:
+    """What a solver's time limit can do: rank 1 plans every step with wlb, the others with
+    dynamic_cp. Declared timing-dependent, so the trainer runs rank 0's plan on every rank
+    instead of failing on the disagreement (a balancer that does not declare it fails)."""
+
+    name = "rank_dependent"
+    timing_dependent = True
+
+    def plan(self, req):
+        import os
+
+        from hf_cp.balance import get_balancer
+
+        # RANK: the launcher's, read in the forked planner worker too
+        return get_balancer("wlb" if os.environ.get("RANK") == "1" else "dynamic_cp").plan(req)
+
+
 def balancer_for(name: str):
-    """Scripted balancers for names fixed_<mode> and spread_<mode>, else None (use the registry)."""
+    """Scripted balancers for names fixed_<mode>, spread_<mode> and rank_dependent, else None
+    (use the registry)."""
+    if name == "rank_dependent":
+        return RankDependentBalancer()
     if name.startswith("fixed_"):
         return FixedModeBalancer(name[len("fixed_") :])
     if name.startswith("spread_"):

@@ -10,7 +10,7 @@ history.json (CPTrainer's step records), log_history.json (the Trainer's logs: l
 grad_norm per step).
 
 Keys of a run: lengths, tokens_per_step, max_tokens_per_rank, steps, balancer (a registered
-name, or fixed_<mode> / spread_<mode> from balancers.py), out; optional model_seed,
+name, or fixed_<mode> / spread_<mode> from balancers.py), out; optional balancer_options, model_seed,
 data_seed, seed, lr, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
 activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault) and
@@ -110,6 +110,7 @@ def train_one(spec: dict) -> None:
         deepspeed=ds_config,
         seed=spec.get("seed", 42),
         cp_balancer=spec["balancer"],
+        cp_balancer_options=spec.get("balancer_options"),
         cp_profile=spec.get("profile", "h200-qwen2.5-7b"),
         cp_max_tokens_per_rank=spec["max_tokens_per_rank"],
         cp_tokens_per_step=spec["tokens_per_step"],

@@ -1,0 +1,77 @@
+"""USP (Ulysses x ring) as a placement: valid for every factorisation and mask, each member
+owning its share of tokens, Ulysses within a ring position (head ranges over its u members)
+and the ring across positions, with u = g being Ulysses and u = 1 a ring placement."""
+
+import pytest
+
+from hf_cp.balance.placement import sample_slices
+from hf_cp.balance.usp import usp_factorisations, usp_placement
+from hf_cp.masks import SampleMask
+
+MASKS = [SampleMask.causal(301), SampleMask.shared_prompt(17, [40, 33, 61]), SampleMask.sliding_window(190, 24)]
+LENS = [m.length for m in MASKS]
+
+
+def test_factorisations_divide_the_group_and_the_heads():
+    assert usp_factorisations(8, 28) == [(1, 8), (2, 4), (4, 2)]
+    assert usp_factorisations(8, 32) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert usp_factorisations(4, 28, max_ulysses=2) == [(1, 4), (2, 2)]
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (4, 2), (2, 4), (4, 1), (1, 4)])
+@pytest.mark.parametrize("ring_layout", ["zigzag", "per_doc"])
+def test_usp_placement_is_valid_and_runs_ulysses_within_a_ring_position(u, r, ring_layout):
+    H = 8
+    pl = usp_placement(LENS, u, r, H, MASKS, ring_layout)
+    pl.check(LENS, sample_slices(LENS, MASKS))
+    g = u * r
+    tok = pl.member_tokens()
+    assert max(tok) - min(tok) <= 2 * len(LENS) + 2  # equal shares up to the splits' remainders
+    h = H // u
+    for b in pl.compute:
+        assert b.head_end - b.head_start == h
+        pos_q = pl.chunks[b.q_chunk].owner // u
+        assert b.executor == pos_q * u + b.head_start // h  # member i of the query's position
+    # every member computes the same share of the masked pairs when the ring part is balanced
+    pairs = pl.member_pairs()
+    assert sum(pairs) == sum(m.pairs() for m in MASKS)
+    if r == 1:  # pure Ulysses: each member runs all pairs on its heads
+        assert max(pairs) == min(pairs)
+    assert len(pairs) == g
+
+
+def test_usp_refuses_a_head_count_it_cannot_split():
+    with pytest.raises(ValueError, match="splits 28 query heads unevenly"):
+        usp_placement([100], 8, 1, 28)
+
+
+def test_a_group_spanning_nodes_prices_each_link_level_with_its_own_bytes(h200_cost):
+    """Two samples, each placed inside one node of a 16-rank group, every block run by a
+    neighbour in the same node (so no computation hides the exchange): nothing crosses nodes,
+    and each member's communication costs exactly its bytes on NVLink, not on the inter-node
+    link a single link level for the group would charge (block_cost's link levels, which USP's
+    placement relies on: its head exchange stays inside a node, its ring crosses nodes)."""
+    from hf_cp.balance.placement import BlockPlacement, Chunk, add_compute_blocks
+    from hf_cp.block_cost import _transfer_ms, block_group_costs, exchange_bytes, exchange_phases
+    from hf_cp.block_plan import doc_slices, layer_exchange
+
+    lens = [64_000, 64_000]
+    pl = BlockPlacement(16, h200_cost.dims.num_heads)
+    for d in range(2):
+        for i in range(8):  # sample d on node d, 8 contiguous chunks
+            pl.chunks.append(Chunk(d, i * 8000, 8000, d * 8 + i))
+    add_compute_blocks(
+        pl, sample_slices(lens), lambda q, k, a, b: (pl.chunks[q].owner // 8) * 8 + (pl.chunks[q].owner + 1) % 8
+    )
+    lay = pl.to_layout()
+    costs = block_group_costs(lay, lens, list(range(16)), h200_cost)
+    ex = layer_exchange(lay, doc_slices(lens), h200_cost.dims.num_heads, h200_cost.dims.num_kv_heads)
+    links, L = h200_cost.profile.links, h200_cost.dims.num_layers
+    for m in (0, 7, 12):
+        xb = exchange_bytes(lay, ex, m, h200_cost.dims.head_dim, h200_cost.profile.bytes_per_element)
+        phases = (xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return)
+        on = exchange_phases(ex)
+        near = [_transfer_ms(x, links["intra_node"], 7) if o else 0.0 for x, o in zip(phases, on)]
+        far = [_transfer_ms(x, links["inter_node"], 15) if o else 0.0 for x, o in zip(phases, on)]
+        assert costs[m].comm_ms == pytest.approx(L * sum(near))
+        assert L * sum(far) > 2 * costs[m].comm_ms  # what one inter-node link for the group would charge
