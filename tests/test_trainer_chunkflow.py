@@ -13,16 +13,23 @@ optimizer, parameters after it), on the tiny Llama and the tiny Qwen2 (GQA).
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 from harness.check import check_run
 from harness.job import run_distributed
-from harness.models import MODELS
+from harness.models import MODELS, tiny_config
+from harness.reference import reference_eval_loss
 from test_trainer_exactness import FIXTURE_TIMEOUT, executed_plans
 from world2_job import CAP, CHUNKFLOW_ADAM_EPSILON, COLLECTIVE_TIMEOUT, chunkflow_mixed_spec
 
+from hf_cp.balance import get_balancer
 from hf_cp.chunking import dependent_chunk_sizes
+from hf_cp.cluster import ClusterSpec
+from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+from hf_cp.planning.evaluation import plan_evaluation
 
 # Unshuffled at 500 tokens per step: [0..4] (250 tokens the longest; the other four, 220
 # tokens, fit rank 1's cap of 256 in one pack) and [5..9] (200 the longest; rank 1 packs 120,
@@ -99,6 +106,40 @@ def assert_mixes_cp_and_chunks(spec: dict) -> None:
     assert len(backward_counts) > 1, "ranks ran the same number of chunks: the padding went untested"
 
 
+def assert_evaluation_equals_single_process(spec: dict) -> None:
+    """The run's planned evaluations (after each step, and evaluate() at the end) ran dependent
+    chunks forward over the K/V store and CP groups, and equal the reference model's loss."""
+    cost = CostModel(
+        ModelDims.from_hf_config(tiny_config(spec["model"]).to_dict()), HardwareProfile.load("h200-qwen2.5-7b")
+    )
+    lengths = spec["eval_lengths"]
+    balancer = get_balancer(spec["balancer"], **spec["balancer_options"])
+    plans = [
+        p
+        for p, _ in plan_evaluation(
+            lengths,
+            [0] * len(lengths),
+            spec["tokens_per_step"],
+            balancer,
+            ClusterSpec(2, spec["max_tokens_per_rank"]),
+            cost,
+        )
+    ]
+    assert any(p.chunked_samples for p in plans) and any(p.spreads_samples for p in plans)
+    out = Path(spec["out"])
+    final = [json.loads((out / f"eval_rank{r}.json").read_text()) for r in range(2)]
+    for m in final:
+        m.pop("eval_runtime")
+        m.pop("eval_samples_per_second", None)
+        m.pop("eval_steps_per_second", None)
+    assert final[0] == final[1], "every rank reports the same evaluation"
+    steps = spec["steps"]
+    assert final[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, steps), rel=1e-5)
+    logged = [rec for rec in json.loads((out / "log_history.json").read_text()) if "eval_loss" in rec]
+    assert [rec["step"] for rec in logged] == list(range(1, steps + 1)) + [steps]
+    assert logged[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, 1), rel=1e-5)
+
+
 @pytest.mark.timeout(FIXTURE_TIMEOUT)
 def test_chunkflow_mixed_with_cp_on_qwen2_equals_single_process(world2_job):
     spec = world2_job["chunkflow-mixed-qwen2"]
@@ -106,6 +147,7 @@ def test_chunkflow_mixed_with_cp_on_qwen2_equals_single_process(world2_job):
     assert_mixes_cp_and_chunks(spec)
     report = check_run(spec)
     assert report.steps == [0, 1]
+    assert_evaluation_equals_single_process(spec)
 
 
 @pytest.mark.slow
@@ -115,6 +157,7 @@ def test_chunked_sample_under_the_trainer_equals_single_process(chunkflow_matrix
     spec = chunkflow_matrix_job[name]
     if name.endswith("-mixed"):
         assert_mixes_cp_and_chunks(spec)
+        assert_evaluation_equals_single_process(spec)
     else:
         n, k = (int(x) for x in spec["balancer"][len("chunks_") :].split("_keep_"))
         runs = chunked_runs(spec, executed_plans(spec))

@@ -114,6 +114,10 @@ def chunkflow_mixed_spec(model: str) -> dict:
         balancer_options=dict(CHUNKFLOW_MIXED_OPTIONS),
         model=model,
         adam_epsilon=CHUNKFLOW_ADAM_EPSILON,
+        # evaluated (after each step and at the end) by the same plans: the 400- and 260-token
+        # samples on a CP group, the 120- and 90-token ones as dependent chunks, forward only
+        eval_lengths=EVAL_LENGTHS,
+        eval_steps=1,
     )
 
 
