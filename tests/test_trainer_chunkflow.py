@@ -4,7 +4,9 @@ optimizer, parameters after it), on the tiny Llama and the tiny Qwen2 (GQA).
 
 - In the fast suite, from the shared world-2 job: Qwen2 trained by the `chunkflow` balancer in
   a step that runs a CP group of both ranks and, in another wave, dependent chunks on one rank
-  beside a packed or chunked sample on the other (world2_job.chunkflow_mixed_spec).
+  beside a packed or chunked sample on the other (world2_job.chunkflow_mixed_spec); its
+  planned evaluations (dependent chunks forward over the K/V store, CP groups) equal the
+  reference model's loss.
 - Slow: the issue's matrix, one torchrun job training every run one after the other: each
   model x N = 1, 2, 5 dependent chunks x K = 1 and K = N (harness ChunkedSampleBalancer: the
   step's longest sample as exactly N chunks on rank 0, the other rank a packed micro-batch
