@@ -6,7 +6,6 @@ its members with one sharding mode, plus documents *local* to single members (co
 no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
 mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
 compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
-no communication, Skrull-style). A rank in no group of a wave has nothing to do in it.
 A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
 sample cut into dependent chunks run in order on that rank, one sample after another.
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """ChunkFlow on one rank: peak memory of a training step against sample length at a fixed
-ChunkSize, and step time against K, each next to the same sample unchunked.
+ChunkSize, and step time against K, each next to the same sample unchunked, and (time table)
+the same sample unchunked on a CP group of 2.
 
 Every point runs one forward+backward of one sample (a Llama-shaped model built from a config,
 random weights, fp32, CPU, one thread, chunked LM-head loss) in a fresh process and reports:
@@ -15,16 +16,27 @@ random weights, fp32, CPU, one thread, chunked LM-head loss) in a fresh process 
   were fitted on this kind of machine);
 - the loss, which must equal the unchunked one.
 
+The CP rows run the same step on a CP group of two gloo processes (a torchrun child, one thread
+each): each rank holds its shard of the sample (shard.rank_segments: ring zigzag, or Ulysses'
+contiguous halves) and runs hf_cp attention under a CP context, as CPTrainer does for a
+distributed sample. They report each rank's CPU seconds (process time, gloo's threads
+included), all ranks' CPU seconds together, the step's wall time (barrier to barrier), and the
+loss summed over the ranks. Every row also reports its wall time: on this shared 2-core machine
+wall time depends on the load, CPU time much less.
+
     python scripts/bench_chunkflow.py                       # both tables, ~10 minutes on 2 cores
     python scripts/bench_chunkflow.py --lengths 2048 4096 --ks 1 2 --k-length 4096   # quick
+    python scripts/bench_chunkflow.py --cp-modes       # no CP rows
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -124,17 +136,18 @@ def measure(length: int, chunk: int, keep: int, repeats: int = 1) -> dict:
     model.zero_grad(set_to_none=True)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     acct, stats = SavedBytes(), ChunkRunStats()
-    t0 = time.process_time()
+    t0, w0 = time.process_time(), time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(acct.pack, acct.unpack):
         loss = step(length, stats)
-    secs = [time.process_time() - t0]
+    secs, walls = [time.process_time() - t0], [time.perf_counter() - w0]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     grad_norm = float(sum(p.grad.double().pow(2).sum() for p in model.parameters() if p.grad is not None) ** 0.5)
     for _ in range(repeats - 1):  # same work: the high-water mark of memory does not move
         model.zero_grad(set_to_none=True)
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), time.perf_counter()
         step(length)
         secs.append(time.process_time() - t0)
+        walls.append(time.perf_counter() - w0)
     return dict(
         length=length,
         chunk=chunk,
@@ -144,8 +157,116 @@ def measure(length: int, chunk: int, keep: int, repeats: int = 1) -> dict:
         saved_peak=acct.peak,
         store_peak=stats.store_peak_bytes,
         seconds=min(secs),
+        wall=min(walls),
         loss=loss,
         grad_norm=grad_norm,
+    )
+
+
+def measure_cp(length: int, mode: str, repeats: int = 1) -> list:
+    """One training step of a `length`-token sample, unchunked, on a CP group of all the ranks
+    of this torchrun job (one thread each); every rank's numbers, gathered on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from hf_cp.attention.context import CPContext, cp_context
+    from hf_cp.shard import ShardMode, rank_segments
+    from hf_cp.train.chunkflow import SampleChunk, token_loss
+    from hf_cp.train.loss import chunkable_head
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))  # as the trainer's registry: a group of its own
+    model = build_model()
+    loss_fn = token_loss(chunkable_head(model), loss_chunk_tokens=1024)
+    g = torch.Generator().manual_seed(1)  # the same sample as measure()
+    ids = torch.randint(0, MODEL["vocab_size"], (length,), generator=g)
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    shard_mode = ShardMode(mode)
+
+    def step(n_tokens):
+        # this rank's rows of the sample (CPContext's layout), targets shifted over the whole sample
+        i, t = ids[:n_tokens], labels[:n_tokens]
+        rows = torch.cat(
+            [torch.arange(s.start, s.start + s.length) for s in rank_segments(shard_mode, [n_tokens], world, rank)]
+        )
+        ctx = CPContext(
+            group=group,
+            group_ranks=tuple(range(world)),
+            member=rank,
+            mode=shard_mode,
+            distributed_lengths=(n_tokens,),
+        )
+        with cp_context(ctx):
+            loss = loss_fn(model, SampleChunk(i[rows][None], t[rows][None], rows[None]))
+            loss.backward()
+        return loss.detach()
+
+    step(min(256, length))  # warm-up: kernels, allocator, lazy imports, the group's first messages
+    model.zero_grad(set_to_none=True)
+    acct = SavedBytes()
+    secs, walls = [], []
+    for k in range(repeats):
+        model.zero_grad(set_to_none=True)
+        dist.barrier(group)
+        t0, w0 = time.process_time(), time.perf_counter()
+        if k == 0:
+            with torch.autograd.graph.saved_tensors_hooks(acct.pack, acct.unpack):
+                loss = step(length)
+        else:
+            step(length)
+        secs.append(time.process_time() - t0)
+        dist.barrier(group)  # the step ends when its slowest rank does
+        walls.append(time.perf_counter() - w0)
+    total = loss.clone()
+    dist.all_reduce(total)
+    mine = dict(
+        rank=rank,
+        seconds=min(secs),
+        wall=min(walls),
+        saved_peak=acct.peak,
+        rank_loss=float(loss),
+        loss=float(total),
+    )
+    rows = [None] * world
+    dist.all_gather_object(rows, mine)
+    dist.destroy_process_group()
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cp_point(length: int, mode: str, repeats: int = 1, ranks: int = 2) -> dict:
+    """measure_cp on `ranks` gloo processes (torchrun); the per-rank rows and their summary."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(_free_port()),
+        __file__,
+        "--cp-child",
+        f"{length},{mode},{repeats}",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=REPO, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"CP point {length},{mode} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+    rows = next(json.loads(line[len("CP_ROWS ") :]) for line in out.stdout.splitlines() if line.startswith("CP_ROWS "))
+    return dict(
+        ranks=rows,
+        seconds=max(r["seconds"] for r in rows),  # per rank: the slower rank's
+        cpu_all=sum(r["seconds"] for r in rows),
+        wall=max(r["wall"] for r in rows),
+        saved_peak=max(r["saved_peak"] for r in rows),
+        loss=rows[0]["loss"],
     )
 
 
@@ -166,6 +287,17 @@ def predicted(length: int, chunk: int, keep: int):
     return cc.state_bytes, cc.compute_ms
 
 
+def predicted_cp(length: int, mode: str, ranks: int = 2) -> float:
+    """The cost model's step time of the sample on a CP group of `ranks`: its slowest member's
+    compute and unhidden communication (the `cpu` profile's links are nominal, not measured)
+    plus the micro-batch overhead."""
+    from hf_cp.shard import ShardMode
+
+    cost = cost_model()
+    members = cost.distributed_rank_costs([length], ShardMode(mode), list(range(ranks)), range(ranks))
+    return max(c.total_ms for c in members) + cost.micro_batch_overhead_ms()
+
+
 def mb(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
@@ -178,12 +310,25 @@ def main(argv=None) -> int:
     p.add_argument("--k-length", type=int, default=8192, help="sample length of the time-vs-K table")
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8], help="K values of the time table")
     p.add_argument("--repeats", type=int, default=2, help="steps timed per row of the time table (fastest kept)")
+    p.add_argument(
+        "--cp-modes",
+        nargs="*",
+        default=["ring_zigzag", "ulysses"],
+        help="shard modes of the time table's CP-group-of-2 rows (none: no CP rows)",
+    )
     p.add_argument("--out", default="-", help="also write the tables as markdown here")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--cp-child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         length, chunk, keep, repeats = (int(x) for x in a.child.split(","))
         print(json.dumps(measure(length, chunk, keep, repeats)))
+        return 0
+    if a.cp_child:
+        length, mode, repeats = a.cp_child.split(",")
+        rows = measure_cp(int(length), mode, int(repeats))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("CP_ROWS " + json.dumps(rows), flush=True)
         return 0
 
     lines = [
@@ -215,26 +360,42 @@ def main(argv=None) -> int:
     lines += ["", f"largest relative loss difference chunked vs unchunked: {loss_gap:.1e}", ""]
 
     lines += [
-        f"## Step time against K ({a.k_length} tokens, ChunkSize {a.chunk})",
+        f"## Step time against K ({a.k_length} tokens, ChunkSize {a.chunk}), and on a CP group of 2",
         "",
-        "| variant | chunks | recomputed | CPU s | CPU / unchunked | predicted / unchunked "
-        "| saved activations peak MB | loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | ranks | chunks | recomputed | CPU s per rank | CPU s all ranks | wall s | CPU per rank / unchunked "
+        "| predicted / unchunked | saved activations peak MB per rank | loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = run_point(a.k_length, 0, 1, a.repeats)
     _, base_pred = predicted(a.k_length, 0, 1)
     lines.append(
-        f"| unchunked | 1 | 0 | {base['seconds']:.2f} | 1.00 | 1.00 | {mb(base['saved_peak'])} | {base['loss']:.4f} |"
+        f"| unchunked | 1 | 1 | 0 | {base['seconds']:.2f} | {base['seconds']:.2f} | {base['wall']:.2f} | 1.00 | 1.00 | "
+        f"{mb(base['saved_peak'])} | {base['loss']:.4f} |"
     )
     print(lines[-1], flush=True)
+    losses = [base["loss"]]
     for k in a.ks:
         r = run_point(a.k_length, a.chunk, k, a.repeats)
         _, pred = predicted(a.k_length, a.chunk, k)
         lines.append(
-            f"| chunked K={k} | {r['chunks']} | {max(0, r['chunks'] - k)} | {r['seconds']:.2f} | "
-            f"{r['seconds'] / base['seconds']:.2f} | {pred / base_pred:.2f} | {mb(r['saved_peak'])} | {r['loss']:.4f} |"
+            f"| chunked K={k} | 1 | {r['chunks']} | {max(0, r['chunks'] - k)} | {r['seconds']:.2f} | "
+            f"{r['seconds']:.2f} | {r['wall']:.2f} | {r['seconds'] / base['seconds']:.2f} | {pred / base_pred:.2f} | "
+            f"{mb(r['saved_peak'])} | {r['loss']:.4f} |"
         )
         print(lines[-1], flush=True)
+        losses.append(r["loss"])
+    for mode in a.cp_modes:
+        r = run_cp_point(a.k_length, mode, a.repeats)
+        pred = predicted_cp(a.k_length, mode)
+        lines.append(
+            f"| unchunked, CP group of 2 ({mode}) | 2 | 1 | 0 | {r['seconds']:.2f} | {r['cpu_all']:.2f} | "
+            f"{r['wall']:.2f} | {r['seconds'] / base['seconds']:.2f} | {pred / base_pred:.2f} | "
+            f"{mb(r['saved_peak'])} | {r['loss']:.4f} |"
+        )
+        print(lines[-1], flush=True)
+        losses.append(r["loss"])
+    gap = max(abs(x - base["loss"]) / abs(base["loss"]) for x in losses)
+    lines += ["", f"largest relative loss difference against unchunked on one rank: {gap:.1e}"]
     lines += [
         "",
         "command: python " + " ".join(shlex.quote(x) for x in ["scripts/bench_chunkflow.py", *(argv or sys.argv[1:])]),

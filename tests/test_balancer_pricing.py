@@ -62,6 +62,25 @@ def test_pricer_equals_simulate_on_balancer_plans(h200_cost, traces_dir, name):
     assert PlanPricer(h200_cost).makespan_ms(plan) == pytest.approx(simulate(plan, h200_cost).makespan_ms, rel=1e-12)
 
 
+@pytest.mark.parametrize("spread_stragglers", [True, False])
+def test_pricer_equals_simulate_on_chunkflow_plans_mixing_chunks_and_cp(h200_cost, traces_dir, spread_stragglers):
+    # the pricer's cost-model path (plans with chunked samples): every rank ends where the simulator says
+    from hf_cp.lengths import read_lengths
+
+    lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:120] + [100_000, 60_000]
+    cl = ClusterSpec(16, 32768)
+    req = PlanRequest(range(len(lengths)), lengths, cl, h200_cost, dataset_max_length=max(lengths))
+    plan = get_balancer("chunkflow", chunk_size=8192, spread_stragglers=spread_stragglers).plan(req)
+    plan.validate(cl, h200_cost)
+    assert len(plan.chunked_samples) >= 5 and plan.spreads_samples  # the 100K sample has no rank to fit
+    sim = simulate(plan, h200_cost)
+    clock = PlanPricer(h200_cost).rank_finish_ms(plan)
+    for r in range(cl.world_size):
+        ends = [run.start_ms + run.duration_ms for run in sim.runs if r in run.ranks]
+        assert clock[r] == pytest.approx(max(ends, default=0.0), rel=1e-12, abs=1e-9)
+    assert float(clock.max()) == pytest.approx(sim.makespan_ms, rel=1e-12)
+
+
 @st.composite
 def steps(draw):
     world = draw(st.sampled_from([2, 4, 8, 16, 32]))

@@ -141,3 +141,33 @@ def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
     assert coll.rank_step(p, 1, global_valid_tokens=100).waves[0].local_ids == [11, 12]
     with pytest.raises(PlanError, match=r"rank 2 runs chunked samples \[13\]"):
         rank_micro_batches(p, 2)
+
+
+def test_the_collator_counts_chunked_targets_pads_every_rank_and_refuses_masked_chunks():
+    from hf_cp.masks import SampleMask
+    from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
+
+    p = chunked_plan().validate(CL)
+    lens = p.length_of()
+
+    def fetch(sid):  # token t at position t; every third label masked
+        ids = list(range(lens[sid]))
+        return ids, [t if t % 3 else IGNORE_INDEX for t in ids]
+
+    steps = [PlanCollator(fetch).rank_step(p, r, global_valid_tokens=100) for r in range(4)]
+    # under ZeRO-2 every backward reduces gradients: every rank pads wave 0 to rank 2's 5 chunks
+    assert [s.wave_backward_calls for s in steps] == [[5]] * 4
+    mb = steps[0].waves[0]
+    (rows,) = mb.chunked
+    _, labels = fetch(10)
+    assert rows.keep == 1 and rows.shift_labels.tolist() == labels[1:] + [IGNORE_INDEX]  # shifted over the sample
+    assert mb.input_ids.shape == (1, 0) and mb.backward_calls == 3
+    assert mb.num_valid == sum(t != IGNORE_INDEX for t in labels[1:]) and not mb.has_masks
+    assert steps[0].trained_sample_ids == [10]
+    two = steps[2].waves[0]
+    assert [(c.sample, c.chunk_sizes, c.keep) for c in two.chunked] == [(13, [500] * 5, 2)] and two.backward_calls == 5
+    assert steps[1].waves[0].backward_calls == 1 and steps[3].waves == [None]
+    # dependent chunks attend causally over the K/V store: a masked sample is refused by name
+    masked = PlanCollator(fetch, {10: SampleMask.shared_prompt(1000, [1000, 1000])})
+    with pytest.raises(ValueError, match=r"sample 10 has a 'shared_prompt' mask; dependent chunks attend causally"):
+        masked.rank_step(p, 0, global_valid_tokens=100)

@@ -126,6 +126,7 @@ def test_collator_puts_every_target_of_a_masked_sample_on_exactly_one_member(mod
         ctx = mb.context
         assert ctx.masks == (masks[0], None, masks[2]) and ctx.blocks is blocks
         assert ctx.local_masks == (() if r else ())  # sample 3 is causal
+        assert mb.has_masks  # samples 0 and 2, distributed over the group
         valid += mb.num_valid
         ids, pos, y = mb.input_ids[0].tolist(), mb.position_ids[0].tolist(), mb.shift_labels[0].tolist()
         for i, p, t in zip(ids, pos, y):

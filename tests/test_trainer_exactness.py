@@ -18,14 +18,14 @@ import pytest
 import torch
 from harness.balancers import balancer_for
 from harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
-from harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
+from harness.models import IGNORE_INDEX, synthetic_rows, tiny_config, tiny_model
 from harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
 from world2_job import BALANCERS, CHUNKFLOW_RUNS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
 
 from hf_cp.balance import get_balancer
 from hf_cp.chunking import dependent_chunk_sizes
 from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel
+from hf_cp.cost import CostModel, HardwareProfile, ModelDims
 from hf_cp.planning import GlobalBatchSampler, Planner
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,7 +42,11 @@ def executed_plans(spec: dict):
         sampler,
         balancer_for(spec["balancer"]) or get_balancer(spec["balancer"], **spec.get("balancer_options", {})),
         ClusterSpec(2, spec["max_tokens_per_rank"]),
-        CostModel.load("tiny-llama", "h200-qwen2.5-7b"),
+        # the trainer's cost model: the model's own dimensions and the run's profile
+        CostModel(
+            ModelDims.from_hf_config(tiny_config(spec.get("model") or "llama").to_dict()),
+            HardwareProfile.load(spec.get("profile", "h200-qwen2.5-7b")),
+        ),
         seed=42,
         lookahead=0,
     )

@@ -82,10 +82,50 @@ CHUNKFLOW_RUNS = {
 }
 
 
+# ChunkFlow mixed with CP, on the tiny Qwen2 (GQA 4:1): chunkflow with 32-token chunks, K=1 and
+# spread_stragglers (its default) plans, at 730 tokens per step unshuffled, step 1 = samples
+# [0..4]: wave 0 the 400-token straggler on a CP group of both ranks; wave 1 the 150-token
+# sample as 5 dependent chunks (4 recomputed) on rank 0 beside the 90-token one as 3 on rank 1
+# (padded with 2 zero-weight micro-batches); then rank 1 alone (rank 0 pads) runs the 60-token
+# sample as 2 chunks and the 30-token one whole. Step 2 runs dependent chunks on both ranks only.
+CHUNKFLOW_MIXED_LENGTHS = [400, 150, 60, 30, 90, 120, 100, 150, 90, 60, 70]
+CHUNKFLOW_MIXED_TOKENS_PER_STEP = 730
+CHUNKFLOW_MIXED_OPTIONS = dict(chunk_size=32, keep=1)
+
+# AdamW's eps for the ChunkFlow runs of the tiny Qwen2 and of the exact-N matrix
+# (test_trainer_chunkflow.py), against the Trainer's 1e-8. The check compares parameters after
+# AdamW, which moves an entry whose gradient is near eps by lr * g / eps: float rounding of that
+# gradient is amplified lr / eps = 1e5 times at 1e-8. Measured (Llama, 250-token sample as one
+# chunk): a gradient entry of 2.5e-9 (the tensor's are ~2e-3) off by 3e-10 left o_proj 1.6e-5
+# off after one step, over the 1e-5 tolerance, while every gradient matched to 1.5e-7; at 1e-6
+# the same runs are within 5e-7. The gradients (what hf_cp computes) are compared before the
+# optimizer either way.
+CHUNKFLOW_ADAM_EPSILON = 1e-6
+
+
+def chunkflow_mixed_spec(model: str) -> dict:
+    """chunkflow mixing dependent chunks and a CP group in one step, on `model` (harness.models)."""
+    return dict(
+        lengths=CHUNKFLOW_MIXED_LENGTHS,
+        tokens_per_step=CHUNKFLOW_MIXED_TOKENS_PER_STEP,
+        max_tokens_per_rank=CAP,
+        steps=2,
+        balancer="chunkflow",
+        balancer_options=dict(CHUNKFLOW_MIXED_OPTIONS),
+        model=model,
+        adam_epsilon=CHUNKFLOW_ADAM_EPSILON,
+        # evaluated (after each step and at the end) by the same plans: the 400- and 260-token
+        # samples on a CP group, the 120- and 90-token ones as dependent chunks, forward only
+        eval_lengths=EVAL_LENGTHS,
+        eval_steps=1,
+    )
+
+
 def world2_runs() -> Dict[str, dict]:
     """name -> run spec (without its output folder)."""
     runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS if b != "chunkflow"}
     runs.update({name: balance_spec("chunkflow", balancer_options=o) for name, o in CHUNKFLOW_RUNS.items()})
+    runs["chunkflow-mixed-qwen2"] = chunkflow_mixed_spec("qwen2")
     runs["rank-dependent-plans"] = balance_spec("rank_dependent")
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
     # test_train_distributed's fast cases

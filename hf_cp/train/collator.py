@@ -87,6 +87,11 @@ class MicroBatch:
         """Backward passes this micro-batch runs: one per dependent chunk, else one."""
         return sum(len(c.chunk_sizes) for c in self.chunked) if self.chunked else 1
 
+    @property
+    def has_masks(self) -> bool:
+        """Whether some sample of the micro-batch has a non-causal mask."""
+        return any(m is not None for m in self.context.local_masks + self.context.masks)
+
 
 @dataclass
 class ChunkedRows:
@@ -101,11 +106,6 @@ class ChunkedRows:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
-
-    @property
-    def has_masks(self) -> bool:
-        """Whether some sample of the micro-batch has a non-causal mask."""
-        return any(m is not None for m in self.context.local_masks + self.context.masks)
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Scripted balancers: deterministic plan shapes that exercise one CP mode and every execution
-path, for tests. Not registered (auto would pick them up as members): pass them to
-CPTrainer(balancer=...), or name them in a job spec (`balancer_for`)."""
+"""Scripted balancers: deterministic plan shapes that exercise one CP mode (or ChunkFlow's
+dependent chunks) and every execution path, for tests. Not registered (auto would pick them up
+as members): pass them to CPTrainer(balancer=...), or name them in a job spec (`balancer_for`)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,61 @@ class SpreadEveryDocBalancer:
         return plan
 
 
+def chunk_size_for(length: int, chunks: int) -> int:
+    """A chunk size with which a sample of `length` tokens is cut into exactly `chunks`
+    dependent chunks (chunking.dependent_chunk_sizes: the count is ceil(length / size))."""
+    from hf_cp.chunking import dependent_chunk_sizes
+
+    for size in range(-(-length // chunks), 0, -1):
+        got = len(dependent_chunk_sizes(length, size))
+        if got == chunks:
+            return size
+        if got > chunks:
+            break
+    raise ValueError(f"no chunk size cuts a {length}-token sample into exactly {chunks} chunks")
+
+
+class ChunkedSampleBalancer:
+    """ChunkFlow's execution shapes with an exact chunk count: wave 0 runs the step's longest
+    sample as exactly `chunks` dependent chunks keeping `keep` on rank 0 (N = 1 included,
+    which the chunkflow balancer never plans: it keeps a sample that fits one chunk whole), and
+    on every other rank a pack of the next samples, first-fit to the cap (one backward against
+    rank 0's N: the trainer pads them with zero-weight micro-batches). The leftovers follow,
+    first-fit packed to the cap, one pack per rank and wave."""
+
+    def __init__(self, chunks: int, keep: int):
+        if chunks <= 0 or keep <= 0:
+            raise ValueError(f"chunks and keep must be positive, got {chunks} and {keep}")
+        self.chunks, self.keep = chunks, keep
+        self.name = f"chunks_{chunks}_keep_{keep}"
+
+    def plan(self, req):
+        from hf_cp.balance.packing import first_fit
+        from hf_cp.plan import ChunkedSample, Group, Wave
+
+        W, cap = req.cluster.world_size, req.cluster.max_tokens_per_rank
+        lens = dict(zip(req.sample_ids, req.lengths))
+        order = sorted(req.sample_ids, key=lambda s: (-lens[s], s))
+        longest, rest = order[0], order[1:]
+        chunked = ChunkedSample(longest, chunk_size_for(lens[longest], self.chunks), self.keep)
+        first = [Group(ranks=(0,), chunked={0: [chunked]})]
+        for r in range(1, W):
+            pack, used = [], 0
+            for s in list(rest):
+                if used + lens[s] <= cap:
+                    pack.append(s)
+                    rest.remove(s)
+                    used += lens[s]
+            if pack:
+                first.append(Group(ranks=(r,), local={r: pack}))
+        plan = req.empty_plan(self.name)
+        plan.waves.append(Wave(first))
+        packs = first_fit(rest, [lens[s] for s in rest], cap) if rest else []
+        for w in range(0, len(packs), W):
+            plan.waves.append(Wave([Group(ranks=(r,), local={r: list(p)}) for r, p in enumerate(packs[w : w + W])]))
+        return plan
+
+
 class RankDependentBalancer:
     """What a solver's time limit can do: rank 1 plans every step with wlb, the others with
     dynamic_cp. Declared timing-dependent, so the trainer runs rank 0's plan on every rank
@@ -91,10 +146,13 @@ class RankDependentBalancer:
 
 
 def balancer_for(name: str):
-    """Scripted balancers for names fixed_<mode>, spread_<mode> and rank_dependent, else None
-    (use the registry)."""
+    """Scripted balancers for names fixed_<mode>, spread_<mode>, chunks_<N>_keep_<K> and
+    rank_dependent, else None (use the registry)."""
     if name == "rank_dependent":
         return RankDependentBalancer()
+    if name.startswith("chunks_"):
+        chunks, _, keep = name[len("chunks_") :].partition("_keep_")
+        return ChunkedSampleBalancer(int(chunks), int(keep))
     if name.startswith("fixed_"):
         return FixedModeBalancer(name[len("fixed_") :])
     if name.startswith("spread_"):

@@ -10,8 +10,9 @@ history.json (CPTrainer's step records), log_history.json (the Trainer's logs: l
 grad_norm per step).
 
 Keys of a run: lengths, tokens_per_step, max_tokens_per_rank, steps, balancer (a registered
-name, or fixed_<mode> / spread_<mode> from balancers.py), out; optional balancer_options, model_seed,
-data_seed, seed, lr, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
+name, or a scripted one of balancers.py: fixed_<mode>, spread_<mode>, chunks_<N>_keep_<K>), out;
+optional model ("llama" or "qwen2", models.py), balancer_options, model_seed,
+data_seed, seed, lr, adam_epsilon, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
 activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault) and
 mutation (see MUTATIONS: a deliberate bug, for the tests that show the exactness check fails).
@@ -32,7 +33,7 @@ import torch
 
 from .balancers import balancer_for
 from .capture import capture_steps
-from .models import IGNORE_INDEX, ROOT, eval_rows, tiny_model, train_rows
+from .models import IGNORE_INDEX, ROOT, eval_rows, spec_model, train_rows
 
 # A loss scaled by 0.1% is the smallest error the exactness check is required to catch.
 MUTATION_SCALE = 1.001
@@ -98,7 +99,7 @@ def train_one(spec: dict) -> None:
     # the previous run's Accelerator state (its DeepSpeed plugin) must not leak into this one
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    model = tiny_model(spec.get("model_seed", 0), attn=spec.get("attn", "hf_cp"))
+    model = spec_model(spec, attn=spec.get("attn", "hf_cp"))
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     ds_config = zero2_config()
@@ -118,6 +119,7 @@ def train_one(spec: dict) -> None:
         cp_compare_balancer=None,
         max_steps=spec["steps"],
         learning_rate=spec.get("lr", 1e-3),
+        adam_epsilon=spec.get("adam_epsilon") or 1e-8,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=spec.get("max_grad_norm", 1.0),

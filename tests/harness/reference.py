@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .models import IGNORE_INDEX, eval_rows, tiny_model, train_rows
+from .models import IGNORE_INDEX, eval_rows, spec_model, train_rows
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -67,7 +67,7 @@ def sample_valid_targets(row: dict) -> int:
 def _key(spec: dict) -> str:
     if spec.get("shuffle"):
         raise ValueError("the reference reproduces unshuffled global batches only (spec shuffle=True)")
-    keys = ("lengths", "tokens_per_step", "model_seed", "data_seed", "lr", "max_grad_norm")
+    keys = ("lengths", "tokens_per_step", "model", "model_seed", "data_seed", "lr", "adam_epsilon", "max_grad_norm")
     return json.dumps({k: spec.get(k) for k in keys}, sort_keys=True)
 
 
@@ -75,11 +75,12 @@ def _key(spec: dict) -> str:
 def _reference_run(key: str, steps: int) -> tuple:
     spec = json.loads(key)
     rows = train_rows({k: v for k, v in spec.items() if v is not None})
-    model = tiny_model(spec["model_seed"] or 0, attn="sdpa")
+    model = spec_model(spec, attn="sdpa")
     model.train()
     lr = spec["lr"] if spec["lr"] is not None else 1e-3
     max_norm = spec["max_grad_norm"] if spec["max_grad_norm"] is not None else 1.0
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    eps = spec["adam_epsilon"] if spec["adam_epsilon"] is not None else 1e-8
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=eps, weight_decay=0.0)
     out = []
     for k, batch in enumerate(reference_batches(spec["lengths"], spec["tokens_per_step"], steps)):
         opt.zero_grad()
@@ -106,7 +107,7 @@ def reference_steps(spec: dict, steps: Optional[int] = None) -> List[ReferenceSt
 
 
 def initial_params(spec: dict) -> Tensors:
-    return {n: p.detach().clone() for n, p in tiny_model(spec.get("model_seed", 0), attn="sdpa").named_parameters()}
+    return {n: p.detach().clone() for n, p in spec_model(spec, attn="sdpa").named_parameters()}
 
 
 def reference_params(spec: dict) -> Tensors:
@@ -118,7 +119,7 @@ def reference_params(spec: dict) -> Tensors:
 def reference_eval_loss(spec: dict, steps: int) -> float:
     """Loss over spec['eval_lengths'] rows (sum of token losses / valid targets) of the reference
     model after `steps` optimizer steps, one sample at a time."""
-    model = tiny_model(spec.get("model_seed", 0), attn="sdpa")
+    model = spec_model(spec, attn="sdpa")
     if steps:
         trained = reference_steps(spec, steps)[-1].params  # trains (with gradients) unless cached
         with torch.no_grad():
