@@ -139,10 +139,14 @@ def _job(spec_file: str) -> None:
 
     spec = json.loads(Path(spec_file).read_text())
     PartialState(backend="gloo")
-    # full logits: under plain DDP the chunked loss's use of the LM head outside the forward
-    # call trips DDP's "marked ready twice" check (DeepSpeed runs do not have the problem)
+    # the chunked LM-head loss over several chunks per micro-batch, as long samples run it: under
+    # plain DDP (find_unused_parameters) the bypassed head must still count as used in forward
     got = one_step(
-        spec["rows"], spec["out"], spec.get("balancer", "static"), spec.get("cap", 4096), cp_loss_chunk_tokens=0
+        spec["rows"],
+        spec["out"],
+        spec.get("balancer", "static"),
+        spec.get("cap", 4096),
+        cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 8),
     )
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(got, Path(spec["out"]) / "result.pt")
