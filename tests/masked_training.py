@@ -114,6 +114,10 @@ def one_step(
     )
     if isinstance(balancer, str) and balancer.startswith("blocks_"):
         balancer = BlocksBalancer(balancer[len("blocks_") :])
+    elif isinstance(balancer, str) and balancer.startswith("chunks_"):  # harness.balancers' ChunkFlow shapes
+        from harness.balancers import balancer_for
+
+        balancer = balancer_for(balancer)
     trainer = CPTrainer(
         model=tiny_llama(0, attn),
         args=args,
@@ -139,10 +143,14 @@ def _job(spec_file: str) -> None:
 
     spec = json.loads(Path(spec_file).read_text())
     PartialState(backend="gloo")
-    # full logits: under plain DDP the chunked loss's use of the LM head outside the forward
-    # call trips DDP's "marked ready twice" check (DeepSpeed runs do not have the problem)
+    # the chunked LM-head loss over several chunks per micro-batch, as long samples run it: under
+    # plain DDP (find_unused_parameters) the bypassed head must still count as used in forward
     got = one_step(
-        spec["rows"], spec["out"], spec.get("balancer", "static"), spec.get("cap", 4096), cp_loss_chunk_tokens=0
+        spec["rows"],
+        spec["out"],
+        spec.get("balancer", "static"),
+        spec.get("cap", 4096),
+        cp_loss_chunk_tokens=spec.get("loss_chunk_tokens", 8),
     )
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(got, Path(spec["out"]) / "result.pt")
@@ -170,8 +178,14 @@ def run_processes(spec: dict, nproc: int, timeout: float = 240) -> dict:
         try:
             stdout, stderr = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            stdout, stderr = p.communicate()
+            # SIGTERM lets torchrun stop its workers: they run in sessions of their own, so killing
+            # the launcher's group alone leaves them holding the pipes (and this call) forever
+            p.send_signal(signal.SIGTERM)
+            try:
+                stdout, stderr = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                stdout, stderr = p.communicate(timeout=30)
             raise TimeoutError(f"{nproc}-process job did not finish in {timeout} s:\n{stderr[-6000:]}") from None
     if p.returncode != 0:
         raise RuntimeError(f"{nproc}-process job failed (rc {p.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")

@@ -150,3 +150,23 @@ def test_softcapping_chunked_attention_and_mask_overlays_are_refused_by_name():
         hf_cp_mask(use_vmap=True)
     assert hf_cp_mask(local_size=5, config=SimpleNamespace(sliding_window=5)).sliding_window == 5
     assert hf_cp_mask(config=SimpleNamespace(sliding_window=5)) is None
+
+
+@pytest.mark.parametrize("name", ["mistral_every_layer", "gpt_oss_sinks_and_windows", "gemma3_alternation"])
+def test_chunkflow_refuses_windows_and_sinks_by_name(name):
+    """ChunkFlow's dependent chunks attend causally over the whole K/V state store: a model's
+    sliding window or attention sinks would be dropped (measured before the refusal: a
+    24-token Mistral sample with window 5 in 3 chunks gave loss 112.379 against the model's
+    112.432), so such a layer is refused by name. A model without them still runs chunked."""
+    from hf_cp.train.chunkflow import run_chunked_sample, sample_chunks
+
+    model_type, cfg, _ = FEATURES[name]
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[0, 1:], torch.tensor([-100])])
+    feature = (
+        r"a sliding window of 5 and attention sinks \(s_aux\)" if model_type == "gpt_oss" else "a sliding window of 5"
+    )
+    with pytest.raises(ValueError, match=rf"layer 0\): the model's layer has {feature}, which ChunkFlow"):
+        run_chunked_sample(build(model_type, "hf_cp", **cfg), sample_chunks(ids[0], targets, [8, 8, 8]), 3, 1.0)
+    plain = build("llama", "hf_cp")
+    assert run_chunked_sample(plain, sample_chunks(ids[0], targets, [8, 8, 8]), 3, 1.0) > 0

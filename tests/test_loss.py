@@ -143,3 +143,36 @@ def test_soft_capped_logits_are_detected():
     cfg.final_logit_softcapping = None
     uncapped = Gemma2ForCausalLM(cfg)
     assert head_output_is_logits(uncapped, chunkable_head(uncapped), "cpu")
+
+
+def test_bypassed_head_under_ddp_with_find_unused_parameters(tmp_path):
+    """CPTrainer under torchrun without DeepSpeed wraps the model in DDP with the Trainer's
+    default find_unused_parameters=True. DDP then walks the forward's outputs for unused
+    parameters: a bypassed head that the output did not depend on was marked ready at once and
+    again by the chunked loss's backward ("lm_head.weight has been marked as ready twice"), so
+    every multi-process run without DeepSpeed failed at its first step. World 1 over gloo shows
+    it in-process; the gradients must equal the full-logits ones."""
+    import torch.distributed as dist
+
+    model = tiny_model(0, attn="sdpa")
+    head = chunkable_head(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    targets = torch.cat([ids[0, 1:], torch.tensor([IGNORE])])
+    F.cross_entropy(model(input_ids=ids).logits[0].float(), targets, ignore_index=IGNORE, reduction="sum").backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        for _ in range(2):  # the second iteration would also fail on a reduction left unfinished
+            model.zero_grad()
+            captured = []
+            with lm_head_bypassed(head, captured):
+                ddp(input_ids=ids, use_cache=False)
+            chunked_lm_head_loss(captured[0][0], head.weight, targets, 9, bias=head.bias).backward()
+    finally:
+        dist.destroy_process_group()
+    for n, p in model.named_parameters():
+        err = float((p.grad - want[n]).abs().max() / want[n].abs().max())
+        assert err < 1e-6, f"{n}: {err:.2g}"

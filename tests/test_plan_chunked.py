@@ -135,9 +135,10 @@ def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
     assert c.sample == 10 and c.chunk_sizes == dependent_chunk_sizes(lens[10], chunk.chunk_size)
     assert c.input_ids.tolist() == list(range(lens[10])) and mb.num_tokens == lens[10]
     assert c.shift_labels[-1] == -100 and c.shift_labels[:-1].tolist() == list(range(1, lens[10]))
-    # every rank pads each wave to its largest backward count: one per dependent chunk
+    # every rank pads each wave to its largest backward count: one per dependent chunk, and one
+    # more in a last wave with chunked samples (a padding micro-batch holds the accumulation boundary)
     calls = [p.backward_calls(0, r) for r in range(p.world_size)]
-    assert calls[0] == len(c.chunk_sizes) and step.wave_backward_calls[0] == max(calls)
+    assert len(p.waves) == 1 and calls[0] == len(c.chunk_sizes) and step.wave_backward_calls[0] == max(calls) + 1
     assert coll.rank_step(p, 1, global_valid_tokens=100).waves[0].local_ids == [11, 12]
     with pytest.raises(PlanError, match=r"rank 2 runs chunked samples \[13\]"):
         rank_micro_batches(p, 2)
@@ -155,8 +156,9 @@ def test_the_collator_counts_chunked_targets_pads_every_rank_and_refuses_masked_
         return ids, [t if t % 3 else IGNORE_INDEX for t in ids]
 
     steps = [PlanCollator(fetch).rank_step(p, r, global_valid_tokens=100) for r in range(4)]
-    # under ZeRO-2 every backward reduces gradients: every rank pads wave 0 to rank 2's 5 chunks
-    assert [s.wave_backward_calls for s in steps] == [[5]] * 4
+    # under ZeRO-2 every backward reduces gradients: every rank pads wave 0 to rank 2's 5 chunks,
+    # plus one padding micro-batch for the accumulation boundary (wave 0 is the last)
+    assert [s.wave_backward_calls for s in steps] == [[6]] * 4
     mb = steps[0].waves[0]
     (rows,) = mb.chunked
     _, labels = fetch(10)

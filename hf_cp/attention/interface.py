@@ -176,6 +176,17 @@ def hf_cp_attention(
             raise ValueError(
                 f"hf_cp attention ({name}): ChunkFlow's state store needs the module's layer_idx, it has none"
             )
+        if window is not None or sinks is not None:
+            # the store's attention is plain causal over every earlier chunk: a window or sinks would be dropped
+            feature = " and ".join(
+                ([f"a sliding window of {window}"] if window is not None else [])
+                + (["attention sinks (s_aux)"] if sinks is not None else [])
+            )
+            raise ValueError(
+                f"hf_cp attention ({name}, layer {layer}): the model's layer has {feature}, which ChunkFlow's "
+                f"dependent chunks do not apply (they attend causally over the whole K/V state store). Plan without "
+                f"chunking: a cp_balancer other than chunkflow, or auto with members that leave chunkflow out"
+            )
         return chunk_attention(q[0], k[0], v[0], int(layer), chunk, scale).unsqueeze(0), None
     if ctx is not None:
         if b != 1:

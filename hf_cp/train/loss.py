@@ -118,11 +118,20 @@ def _checked_extras(
 @contextlib.contextmanager
 def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Iterator[None]:
     """Within the block the LM head appends its input to `captured` and returns an empty
-    [..., 0] tensor instead of logits, so the model never materialises them."""
+    [..., 0] tensor instead of logits, so the model never materialises them.
+
+    The empty output still depends on the head's parameters (a zero term, no values): DDP with
+    find_unused_parameters (the Trainer's default) walks the forward's outputs to find unused
+    parameters, and would otherwise mark the head ready at once and again when the chunked
+    loss's backward reaches it ("marked as ready twice")."""
+    params = [p for p in head.parameters() if p.requires_grad]
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.append(hidden)
-        return hidden[..., :0]
+        out = hidden[..., :0]
+        if params and torch.is_grad_enabled():
+            out = out + sum(p.reshape(-1)[:1].sum() for p in params) * 0
+        return out
 
     head.forward = forward  # instance attribute: shadows the class's forward
     try:
