@@ -212,11 +212,26 @@ def block_group_costs(
             )
             if layout.divisions is not None:
                 comm_ms = division_comm_ms(layout, ex, m, div_attn, cost, link, g, phases, t)
+            comm_ms += cost.exchange_sync_ms(block_exchange_messages(phases, g))
         if g > 1:
             local_attn *= cost.profile.cp_attention_scale
         compute = L * (cost.c1 * tokens + local_attn + attn[m]) + cost.head_ms_per_token * tokens
         out.append(RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * nbytes, tokens=tokens))
     return out
+
+
+def block_exchange_messages(phases: Sequence[bool], group_size: int) -> int:
+    """Messages per layer and member of a blocks group's exchange: one per peer in every phase
+    that moves anything (as the phases' latency counts them)."""
+    return sum(bool(p) for p in phases) * (group_size - 1)
+
+
+def block_group_messages(
+    layout: BlockLayout, doc_lengths: Sequence[int], group_size: int, cost: CostModel, masks=None
+) -> int:
+    """block_exchange_messages of a blocks group's micro-batch (per layer)."""
+    ex = layer_exchange(layout, doc_slices(doc_lengths, masks), cost.dims.num_heads, cost.dims.num_kv_heads)
+    return block_exchange_messages(exchange_phases(ex), group_size)
 
 
 def _two_level_phase_ms(layout, ex, member, ranks, cost, phases) -> List[float]:

@@ -27,6 +27,7 @@ import numpy as np
 from .chunking import chunked_sample_cost, dependent_chunk_sizes
 from .cluster import ClusterSpec
 from .cost import CostModel
+from .modes import mode_spec
 from .plan import Group, StepPlan
 from .shard import ShardMode
 
@@ -51,6 +52,7 @@ class GroupRun:
     n_local: int
     member_tokens: List[int] = field(default_factory=list)
     chunked: bool = False  # a one-rank group of chunked samples (priced as a whole, not by c1/c2/c0)
+    messages: int = 0  # its exchange's messages per member, all layers (HardwareProfile.cp_message_ms each)
 
 
 @dataclass
@@ -143,6 +145,21 @@ def group_costs(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks:
             rc = cost.distributed_rank_cost(dist, group.mode, group.ranks, m, local)
         out.append((rc.compute_ms, rc.comm_ms, rc.comm_bytes, rc.tokens))
     return out
+
+
+def group_messages(plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None) -> int:
+    """Messages each member of a group sends in its micro-batch's exchange, all layers (what the
+    profile's cp_message_ms is charged for): none without distributed documents or alone."""
+    if not group.distributed or group.size == 1:
+        return 0
+    L = cost.dims.num_layers
+    if group.mode == ShardMode.BLOCKS:
+        from .block_cost import block_group_messages
+
+        dist = [plan_lens[s] for s in group.distributed]
+        dist_masks = [(masks or {}).get(s) for s in group.distributed] if masks else None
+        return L * block_group_messages(group.blocks, dist, group.size, cost, dist_masks)
+    return L * mode_spec(group.mode).comm_messages(group.size)
 
 
 def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel):
@@ -245,6 +262,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                     len(g.distributed),
                     sum(len(v) for v in g.local.values()),
                     [c[3] for c in costs],
+                    messages=group_messages(lens, g, cost, plan.masks),
                 )
             )
         if ex is not None:

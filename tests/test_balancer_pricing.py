@@ -182,14 +182,24 @@ def test_pricer_hands_masked_samples_and_other_modes_to_the_cost_model(h200_cost
     world=st.sampled_from([1, 2, 4, 8, 16]),
     execution=st.sampled_from(["zero2", "zero2-overlap", "ddp"]),
     cp_scale=st.sampled_from([1.0, 1.7]),
+    message_ms=st.sampled_from([0.0, 2.5]),
 )
-def test_pricer_follows_the_execution_and_the_cp_attention_scale(h200_cost, lengths, seed, world, execution, cp_scale):
-    # wall clock (hf_cp/execution.py): dummies, barriers, reductions and the step's fixed cost
+def test_pricer_follows_the_execution_and_the_cp_attention_scale(
+    h200_cost, lengths, seed, world, execution, cp_scale, message_ms
+):
+    # wall clock (hf_cp/execution.py): dummies, barriers, reductions and the step's fixed cost;
+    # CP groups: the attention scale and the exchange's per-message cost
     from dataclasses import replace
 
     from hf_cp.execution import execution_named
 
-    profile = replace(h200_cost.profile, reduction_overhead_ms=3.0, step_overhead_ms=5.0, cp_attention_scale=cp_scale)
+    profile = replace(
+        h200_cost.profile,
+        reduction_overhead_ms=3.0,
+        step_overhead_ms=5.0,
+        cp_attention_scale=cp_scale,
+        cp_message_ms=message_ms,
+    )
     cost = CostModel(h200_cost.dims, profile, execution_named(execution))
     cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
     lengths = [min(n, cl.largest_capacity) for n in lengths]

@@ -35,6 +35,7 @@ TINY = ModelDims.load("tiny-llama")
 CPU = HardwareProfile.load("cpu")
 TRUE_SCALES = (3.0, 2.0, 4.0)  # the machine is this much slower than the profile, per coefficient
 TRUE_CP_SCALE = 1.8  # and attention in a CP group this much slower than alone
+TRUE_MESSAGE_MS = 2.5  # and every message of a group's exchange costs this (the profile: 0)
 
 
 def true_profile(reduction=15.0, step=25.0):
@@ -46,6 +47,7 @@ def true_profile(reduction=15.0, step=25.0):
         reduction_overhead_ms=reduction,
         step_overhead_ms=step,
         cp_attention_scale=TRUE_CP_SCALE,
+        cp_message_ms=TRUE_MESSAGE_MS,
     )
 
 
@@ -90,14 +92,17 @@ def synthetic_observations(n_steps=24, world=4, noise=0.05, outliers=2, seed=0, 
     return obs
 
 
-def test_rank_features_decompose_the_prediction_exactly():
-    cost = CostModel(TINY, CPU, execution_named("zero2"))
+@pytest.mark.parametrize("message_ms", [0.0, 2.5])
+def test_rank_features_decompose_the_prediction_exactly(message_ms):
+    profile = replace(CPU, cp_message_ms=message_ms)
+    cost = CostModel(TINY, profile, execution_named("zero2"))
     cl = ClusterSpec(world_size=4, max_tokens_per_rank=4096)
     lengths = [3000, 7000, 200, 50, 900, 4096, 1200]
     plan = get_balancer("wlb").plan(PlanRequest(range(len(lengths)), lengths, cl, cost))
     sim = simulate(plan, cost)
     assert sim.cp_size_samples.get(2) or sim.cp_size_samples.get(4)  # some group members wait for others
-    theta = Coefficients.of(CPU).compute_theta()
+    assert any(run.messages for run in sim.runs)
+    theta = Coefficients.of(profile).compute_theta()
     for f, occupied in zip(rank_features(sim, cost), sim.occupied_ms):
         assert float(np.dot(f, theta)) == pytest.approx(occupied, rel=1e-9)
     for run in sim.runs:  # every member of a group spends its slowest member's time
@@ -121,19 +126,27 @@ def test_fit_recovers_known_coefficients_despite_noise_and_outliers():
         "c0_ms": True,
         "comm_scale": False,
         "cp_attention_scale": True,
+        "cp_message_ms": True,
     }
     got = (fitted.c1_ms_per_token / CPU.c1_ms_per_token, fitted.c2_ms_per_pair / CPU.c2_ms_per_pair)
     assert got == pytest.approx(TRUE_SCALES[:2], rel=0.05), got
     assert fitted.cp_attention_scale == pytest.approx(TRUE_CP_SCALE, rel=0.1)
+    # priced at 0 by the profile, fitted freely from the groups' micro-batches; per group
+    # micro-batch it is collinear with c0, which the shape prior holds low: bounded, and the
+    # predictions below must be right
+    assert 0.5 * TRUE_MESSAGE_MS < fitted.cp_message_ms < 2 * TRUE_MESSAGE_MS
     # c0 is a small share (2%) and nearly collinear with c1 when micro-batches are full: the
     # data only bounds it; the prediction it makes is what must be right
     assert 1.5 < fitted.c0_ms / CPU.c0_ms < 6
     assert fitted.comm_scale == 1.0  # communication is hidden behind attention here: kept
     theta = fitted.compute_theta()
     clean = synthetic_observations(noise=0.0, outliers=0)
-    pred = [float(np.dot(f, theta)) for o in clean for f in o.features]
-    meas = [m for o in clean for m in o.measured_ms]
-    assert pred == pytest.approx(meas, rel=0.05)
+    pred = np.asarray([float(np.dot(f, theta)) for o in clean for f in o.features])
+    meas = np.asarray([m for o in clean for m in o.measured_ms])
+    err = np.abs(pred[meas > 0] / meas[meas > 0] - 1)
+    # the prior's pull on c0 (held near its profile shape, 2.7x against the true 4x) moves into the
+    # message term and the groups' attention scale on a few group micro-batches
+    assert np.median(err) < 0.01 and err.max() < 0.08, (np.median(err), err.max())
 
 
 def test_calibrator_lowers_the_error_below_five_percent_and_fits_the_wall_terms():
@@ -384,7 +397,7 @@ def test_collinear_features_keep_the_profiles_shape_and_never_price_attention_at
         rows, meas = [], []
         for _ in range(2):
             t = rng.uniform(3000, 4096)
-            x = (t, 60.0 * t, 2.0, 0.0, 0.0)
+            x = (t, 60.0 * t, 2.0, 0.0, 0.0, 0.0)
             rows.append(x)
             meas.append(3.0 * float(np.dot(x, ref.compute_theta())) * float(np.exp(rng.normal(0, 0.2))))
         obs.append(StepObservation(k, tuple(rows), tuple(meas), 0.0, 0.0, 1, 0.0))

@@ -92,3 +92,39 @@ def test_profile_errors_name_the_field(tmp_path):
     p.write_text("!!python/object/apply:os.system ['echo pwned']")
     with pytest.raises(ConfigError):  # safe loader: no code from profile files
         HardwareProfile.load(p)
+
+
+def test_cp_message_ms_charges_every_exchange_message_of_a_group_unhidden():
+    """Measured on 2 CPU ranks: a ring micro-batch costs ~17 ms beyond its compute and bytes (the
+    members' rendezvous and ring steps at every layer), which attention does not hide."""
+    from dataclasses import replace
+
+    from hf_cp.block_cost import block_group_costs
+    from hf_cp.block_plan import zigzag_layout
+    from hf_cp.modes import mode_spec
+
+    dims = ModelDims.load("tiny-llama")
+    base = CostModel(dims, HardwareProfile.load("cpu"))
+    synced = CostModel(dims, replace(base.profile, cp_message_ms=2.5))
+    L, ranks = dims.num_layers, (0, 1, 2, 3)
+    for mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC, ShardMode.ULYSSES):
+        for m in range(4):
+            a = base.distributed_rank_cost([6000, 900], mode, ranks, m, [300])
+            b = synced.distributed_rank_cost([6000, 900], mode, ranks, m, [300])
+            assert b.compute_ms == a.compute_ms  # long attention hides the ring's bytes, not this
+            assert b.comm_ms - a.comm_ms == pytest.approx(L * 2.5 * mode_spec(mode).comm_messages(4), rel=1e-12)
+    # local work and one-rank groups exchange nothing
+    assert synced.distributed_rank_cost([], ShardMode.RING_PER_DOC, ranks, 0, [3000]) == base.distributed_rank_cost(
+        [], ShardMode.RING_PER_DOC, ranks, 0, [3000]
+    )
+    assert synced.distributed_rank_cost([3000], ShardMode.RING_PER_DOC, (0,), 0).comm_ms == 0.0
+    # a blocks group: one message per peer in every phase that moves anything (a zigzag layout
+    # runs every block where its queries live: K/V out twice and dK/dV back, 3 phases, as a ring)
+    layout = zigzag_layout([6000, 900], 4, dims.num_heads)
+    a = block_group_costs(layout, [6000, 900], ranks, base)
+    b = block_group_costs(layout, [6000, 900], ranks, synced)
+    for x, y in zip(a, b):
+        assert y.compute_ms == x.compute_ms
+        assert y.comm_ms - x.comm_ms == pytest.approx(L * 2.5 * 3 * 3, rel=1e-12)
+    with pytest.raises(ConfigError, match="cp_message_ms must not be negative"):
+        HardwareProfile.from_dict(dict(base.profile.to_dict(), cp_message_ms=-1), "p.yaml")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from harness.balancers import FixedModeBalancer
@@ -189,6 +191,12 @@ def test_several_planner_workers_plan_the_same_steps():
         for k in [0, 1, 2, 3, 7, 8, 9, len(sampler) - 1]:
             assert bg.get(k).plan.to_json() == inline.get(k).plan.to_json(), k
         assert len(bg._pool._processes) == 3
+        # planning is background work: the workers run nicer than the training process
+        from hf_cp.planning.worker import PLANNER_NICENESS
+
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        for pid in bg._pool._processes:
+            assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + PLANNER_NICENESS)
     finally:
         bg.close()
     with pytest.raises(ValueError, match="planner workers must be >= 1"):

@@ -25,8 +25,8 @@ the fastest is kept.
 
 HiGHS can ignore its own time limit (inside MIP presolve it ran one 1,000-sample MILP for
 more than 4 minutes), so the MILP search runs in a worker process killed at `deadline_s`
-(deadline.call_with_deadline); past it the step is planned with the greedy sizes and the
-plan says so in its notes.
+(deadline.SolverWorker: one long-lived worker serves every solve); past it the step is
+planned with the greedy sizes and the plan says so in its notes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..plan import StepPlan
 from . import register_balancer
 from .base import PlanRequest
 from .costs import CostMemo, cost_memo
-from .deadline import DeadlinePassed, call_with_deadline
+from .deadline import DeadlinePassed, solver_worker
 from .dynamic_cp import Candidate, fill_ranks, memory_min_sizes, per_rank_ms, pick_fastest, refine_best
 from .options import BalancerOptionError, BalancerOptions, option
 
@@ -351,7 +351,7 @@ class FlexSPBalancer:
                 found = search[0](*search[1])
             else:
                 try:
-                    found = call_with_deadline(*search, deadline_s=self.deadline_s)
+                    found = solver_worker().call(*search, deadline_s=self.deadline_s)
                 except DeadlinePassed:
                     found = greedy_search(prob, self.bisection_steps)
                     notes.append(

@@ -152,7 +152,8 @@ class PlanPricer:
             sent = (2 * (total - nxt) + total) * self.kv_bytes_per_token
             link = self.cost.link_for(ranks)
             comm = sent / (link.bandwidth_gbps * 1e6) + 3 * (g - 1) * link.latency_us * 1e-3
-            ms = ms + L * np.maximum(0.0, comm - attn)
+            # the exchange's per-message cost, which compute does not hide (CostModel._rank_cost)
+            ms = ms + L * (np.maximum(0.0, comm - attn) + self.cost.exchange_sync_ms(3 * (g - 1)))
         return ms, compute
 
     # ------------------------------------------------------------------ plans

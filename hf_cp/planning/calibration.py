@@ -45,7 +45,7 @@ from ..cost import CostModel, HardwareProfile, Link
 from ..profiling.fit import nonnegative_lstsq
 from ..sim import SimResult
 
-COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale", "cp_attention_scale")
+COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale", "cp_attention_scale", "cp_message_ms")
 
 
 class CalibrationError(ValueError):
@@ -66,6 +66,7 @@ class Coefficients:
     reduction_overhead_ms: float = 0.0
     step_overhead_ms: float = 0.0
     cp_attention_scale: float = 1.0
+    cp_message_ms: float = 0.0
 
     @classmethod
     def of(cls, profile: HardwareProfile) -> Coefficients:
@@ -77,6 +78,7 @@ class Coefficients:
             profile.reduction_overhead_ms,
             profile.step_overhead_ms,
             profile.cp_attention_scale,
+            profile.cp_message_ms,
         )
 
     def to_list(self) -> List[float]:
@@ -88,17 +90,18 @@ class Coefficients:
             self.reduction_overhead_ms,
             self.step_overhead_ms,
             self.cp_attention_scale,
+            self.cp_message_ms,
         ]
 
     @classmethod
     def from_list(cls, values: Sequence[float]) -> Coefficients:
-        if len(values) != 7:
-            raise CalibrationError(f"coefficients need 7 values, got {len(values)}")
+        if len(values) != 8:
+            raise CalibrationError(f"coefficients need 8 values, got {len(values)}")
         return cls(*(float(v) for v in values))
 
     def compute_theta(self) -> np.ndarray:
         """The compute fit's unknowns, one per rank_features column: c1, c2, c0, the link scale,
-        and c2 x cp_attention_scale (attention in a CP group)."""
+        c2 x cp_attention_scale (attention in a CP group) and the cost of an exchange message."""
         return np.asarray(
             [
                 self.c1_ms_per_token,
@@ -106,6 +109,7 @@ class Coefficients:
                 self.c0_ms,
                 self.comm_scale,
                 self.c2_ms_per_pair * self.cp_attention_scale,
+                self.cp_message_ms,
             ]
         )
 
@@ -129,10 +133,11 @@ class Coefficients:
             reduction_overhead_ms=self.reduction_overhead_ms,
             step_overhead_ms=self.step_overhead_ms,
             cp_attention_scale=self.cp_attention_scale,
+            cp_message_ms=self.cp_message_ms,
         )
 
     # the plan-agreement exchange carries [version, *coefficients]; version 0 = nothing new
-    PAYLOAD_SIZE = 8
+    PAYLOAD_SIZE = 9
 
     def to_payload(self, version: int) -> List[float]:
         return [float(version)] + self.to_list()
@@ -142,32 +147,33 @@ class Coefficients:
         version = int(round(payload[0])) if payload else 0
         if version <= 0:
             return 0, None
-        return version, Coefficients.from_list(payload[1:8])
+        return version, Coefficients.from_list(payload[1:9])
 
 
 # --------------------------------------------------------------------------- observations
 def rank_features(
     sim: SimResult, cost: CostModel, comm_scale: float = 1.0
-) -> List[Tuple[float, float, float, float, float]]:
+) -> List[Tuple[float, float, float, float, float, float]]:
     """Per rank: its predicted time inside its micro-batches (SimResult.occupied_ms, what CPTrainer
     measures) decomposed per unit of the compute fit's unknowns (Coefficients.compute_theta):
     the profile's c1, c2 (attention alone), c0, the link scale (`comm_scale`: the scale the
-    prediction was made with, relative to the reference links) and c2 x cp_attention_scale
-    (attention in a CP group), so that occupied = features . theta (+ any wait for a group's
-    late member).
+    prediction was made with, relative to the reference links), c2 x cp_attention_scale
+    (attention in a CP group) and cp_message_ms (the group's exchange messages, GroupRun.messages),
+    so that occupied = features . theta (+ any wait for a group's late member).
 
     A micro-batch lasts as long as its group's slowest member: its compute is L*(c1'*tokens +
     attention) + head*tokens + L*c0, with c1' and the LM head's per-token time proportional to
     the profile's c1 and attention proportional to its c2 (times cp_attention_scale in a group
-    with distributed documents; hf_cp/cost.py), plus the communication attention does not hide.
-    Tokens come from the simulation; attention is what remains of the member's compute. Every
-    active member of the group is charged the slowest member's features."""
+    with distributed documents; hf_cp/cost.py), plus the communication attention does not hide
+    and cp_message_ms per message. Tokens come from the simulation; attention is what remains of
+    the member's compute. Every active member of the group is charged the slowest member's
+    features."""
     if not sim.micro_batches:
         raise CalibrationError("rank_features needs a SimResult with per-rank micro-batches (hf_cp.sim.simulate)")
     p = cost.profile
     L = cost.dims.num_layers
     per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1
-    out = [[0.0] * 5 for _ in range(sim.world_size)]
+    out = [[0.0] * 6 for _ in range(sim.world_size)]
     for run in sim.runs:
         if getattr(run, "chunked", False):  # priced as a whole (ChunkFlow): observe_step leaves the rank out
             continue
@@ -176,12 +182,14 @@ def rank_features(
         t1 = per_token * run.member_tokens[slowest]
         attn = max(0.0, run.member_compute_ms[slowest] - t1)
         in_group = bool(run.n_distributed) and len(run.ranks) > 1
+        messages = float(getattr(run, "messages", 0))
         f = [
             t1 / p.c1_ms_per_token,
             0.0 if in_group else attn / p.c2_ms_per_pair,
             float(L),
-            run.member_comm_ms[slowest] / comm_scale,
+            max(0.0, run.member_comm_ms[slowest] - messages * p.cp_message_ms) / comm_scale,
             attn / (p.c2_ms_per_pair * p.cp_attention_scale) if in_group else 0.0,
+            messages,
         ]
         for m, r in enumerate(run.ranks):
             if run.member_tokens[m] or run.n_distributed:  # the members that run the micro-batch
@@ -292,19 +300,25 @@ PRIOR_WEIGHT = 0.3
 # c1, c2 and attention in CP groups stay above this fraction of the reference profile's value at
 # the data's overall scale: a noisy fit of collinear features must not price attention at zero.
 COEFFICIENT_FLOOR = 0.1
+# A term the reference profile prices at zero (cp_message_ms unless measured) has no shape to
+# keep: it is fitted freely (non-negative) once its feature is in at least this share of the rows.
+MIN_ROW_SHARE = 0.05
 
 
 def fit_compute(
     observations: Sequence[StepObservation], prior: Coefficients, reference: Optional[Coefficients] = None
 ) -> Tuple[Coefficients, Dict[str, bool]]:
-    """c1, c2, c0, the link scale and the CP-group attention scale fitted to the per-rank compute
-    of `observations` (ranks without work left out); the wall-clock terms are `prior`'s. Returns
-    the coefficients and, per term, whether the data determined it (the CP-group scale needs
-    attention both alone and in groups); undetermined terms keep `prior`'s values.
+    """c1, c2, c0, the link scale, the CP-group attention scale and the cost of an exchange message
+    fitted to the per-rank compute of `observations` (ranks without work left out); the wall-clock
+    terms are `prior`'s. Returns the coefficients and, per term, whether the data determined it
+    (the CP-group scale needs attention both alone and in groups); undetermined terms keep
+    `prior`'s values.
 
     `reference` (default `prior`): the profile the run started from. Which terms the data
     determines, the shape prior (its ratios between coefficients, at the data's overall scale)
-    and the floors are taken from it, so that no fit depends on an earlier fit's noise."""
+    and the floors are taken from it, so that no fit depends on an earlier fit's noise. A term
+    the reference prices at zero has no shape: it is fitted freely when its feature is common
+    enough (MIN_ROW_SHARE)."""
     reference = reference or prior
     rows, ys = [], []
     for o in observations:
@@ -318,15 +332,22 @@ def fit_compute(
     ref, theta_prior = reference.compute_theta(), prior.compute_theta()
     pred_ref = X @ ref
     share = (X * ref).sum(axis=0) / max(float(pred_ref.sum()), 1e-12)
+    row_share = (X > 0).mean(axis=0)
+    names = list(COMPUTE_TERMS)
     fit_cp = bool(share[1] >= MIN_FEATURE_SHARE and share[4] >= MIN_FEATURE_SHARE)
     if not fit_cp:  # attention of one kind only: the groups' factor keeps its value, c2 serves both
-        X = np.column_stack([X[:, 0], X[:, 1] + X[:, 4] * prior.cp_attention_scale, X[:, 2], X[:, 3]])
-        share = np.append(share[:4], 0.0)
+        keep = [i for i in range(len(names)) if names[i] != "cp_attention_scale"]
+        X = X.copy()
+        X[:, 1] += X[:, 4] * prior.cp_attention_scale
+        share = share.copy()
         share[1] += share[4]
-        ref, theta_prior = ref[:4], theta_prior[:4]
+        X, share, row_share, ref, theta_prior = X[:, keep], share[keep], row_share[keep], ref[keep], theta_prior[keep]
+        names = [names[i] for i in keep]
     n = X.shape[1]
-    fitted = [bool(share[i] >= MIN_FEATURE_SHARE) and ref[i] > 0 for i in range(n)]
-    determined = dict(zip(COMPUTE_TERMS, fitted + ([] if fit_cp else [False])))
+    free = [ref[i] == 0 for i in range(n)]  # no reference value: no shape prior, no floor
+    fitted = [bool(row_share[i] >= MIN_ROW_SHARE) if free[i] else bool(share[i] >= MIN_FEATURE_SHARE) for i in range(n)]
+    determined = {k: False for k in COMPUTE_TERMS}
+    determined.update(zip(names, fitted))
     ok = pred_ref > 0
     scale = float(np.median(y[ok] / pred_ref[ok])) if ok.any() else 1.0  # the data's overall scale
     cols = [i for i in range(n) if fitted[i]]
@@ -334,25 +355,35 @@ def fit_compute(
     if not cols:
         return prior, determined
     floor = np.zeros(n)
-    for i in (0, 1, 4):
-        if i < n:
+    for i, name in enumerate(names):
+        if name in ("c1_ms_per_token", "c2_ms_per_pair", "cp_attention_scale"):
             floor[i] = COEFFICIENT_FLOOR * scale * ref[i]
     # theta = floor + phi, phi >= 0: the floors move to the measurements' side
     y_fit = y - X[:, fixed] @ theta_prior[fixed] - X[:, cols] @ floor[cols]
     k = math.sqrt(PRIOR_WEIGHT)
-    prior_X = np.zeros((len(cols), len(cols)))
-    prior_y = np.zeros(len(cols))
-    for j, i in enumerate(cols):  # k * theta_i / (scale * ref_i) = k
-        prior_X[j, j] = k / (scale * ref[i])
-        prior_y[j] = k * (1.0 - floor[i] / (scale * ref[i]))
+    shaped = [j for j, i in enumerate(cols) if not free[i]]
+    prior_X = np.zeros((len(shaped), len(cols)))
+    prior_y = np.zeros(len(shaped))
+    for row, j in enumerate(shaped):  # k * theta_i / (scale * ref_i) = k
+        i = cols[j]
+        prior_X[row, j] = k / (scale * ref[i])
+        prior_y[row] = k * (1.0 - floor[i] / (scale * ref[i]))
     phi = robust_nonnegative_fit(
         X[:, cols], np.maximum(y_fit, 1e-9), relative=True, prior_X=prior_X, prior_y=prior_y, row_scale=y
     )
     theta = theta_prior.copy()
     theta[cols] = floor[cols] + phi
-    cp_scale = float(theta[4] / theta[1]) if fit_cp else prior.cp_attention_scale
+    got = dict(zip(names, theta.tolist()))
+    cp_scale = float(got["cp_attention_scale"] / got["c2_ms_per_pair"]) if fit_cp else prior.cp_attention_scale
     new = Coefficients(
-        *theta[:4].tolist(), prior.reduction_overhead_ms, prior.step_overhead_ms, cp_attention_scale=cp_scale
+        got["c1_ms_per_token"],
+        got["c2_ms_per_pair"],
+        got["c0_ms"],
+        got["comm_scale"],
+        prior.reduction_overhead_ms,
+        prior.step_overhead_ms,
+        cp_attention_scale=cp_scale,
+        cp_message_ms=got["cp_message_ms"],
     )
     return new, determined
 
@@ -424,8 +455,9 @@ class CalibrationFit:
             ("c0_ms", "c0", c.c0_ms, base.c0_ms),
             ("comm_scale", "comm", c.comm_scale, base.comm_scale),
             ("cp_attention_scale", "attention in CP groups", c.cp_attention_scale, base.cp_attention_scale),
+            ("cp_message_ms", "CP exchange message", c.cp_message_ms, base.cp_message_ms),
         ):
-            ratio = f"x{v / b:.3g}" if b > 0 else f"{v:.3g}"
+            ratio = f"x{v / b:.3g}" if b > 0 else f"{v:.3g} ms"
             parts.append(f"{short} {ratio}" + ("" if self.fitted.get(name) else " (kept: not determined)"))
         return (
             f"calibration {self.version} from {self.steps} steps: "

@@ -47,6 +47,11 @@ class PlannedStep:
 
 
 _FORKED_PLANNER: Optional[Planner] = None  # in a planner worker process: the Planner it serves
+# How much nicer than the training process a planner worker runs (os.nice): on 2 CPU ranks
+# sharing 2 cores, every rank's planner (auto plans 10-40 ms of a ~230 ms step) took its
+# cycles from the training processes; a planner that falls behind makes training wait for
+# its plan, and then has the cores to itself.
+PLANNER_NICENESS = 10
 
 
 def _adopt_planner(planner: Planner, parent_pid: int) -> None:
@@ -59,6 +64,9 @@ def _adopt_planner(planner: Planner, parent_pid: int) -> None:
     # the training process's stop handler (enable_jit_checkpoint) came along with the fork: a
     # SIGTERM must end this worker, not set a flag nobody reads here
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # planning is background work: where the planner shares cores with training (CPU training)
+    # the scheduler serves the training processes first, and the planner the idle time
+    os.nice(PLANNER_NICENESS)
 
     def exit_with_parent() -> None:
         while os.getppid() == parent_pid:
