@@ -394,7 +394,9 @@ def charged_lower_bound_ms(
     alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
 
     def fitting_sizes(n: int) -> List[int]:
-        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap]
+        # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
+        # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
+        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
 
     # a sample over the cap holds a whole group for at least its time alone there: charge it
     # the cheapest such group's rank-time instead of its single-rank compute
@@ -440,12 +442,11 @@ def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
 
 
 def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
-    """The lengths as an array; ValueError naming the first sample no group holds."""
+    """The lengths as an array; ValueError naming the first non-positive one. A sample longer
+    than the largest group holds is valid here: ChunkFlow runs it as dependent chunks on one
+    rank (the plan's validate() checks that its chunks and K/V state store fit the rank)."""
     lens = np.asarray(lengths, dtype=np.int64)
-    if len(lens) and int(lens.max()) > cluster.largest_capacity:
-        i = int(np.argmax(lens > cluster.largest_capacity))
-        raise ValueError(
-            f"sample {i} has {int(lens[i])} tokens, more than the largest group holds "
-            f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank} tokens per rank)"
-        )
+    if len(lens) and int(lens.min()) <= 0:
+        i = int(np.argmax(lens <= 0))
+        raise ValueError(f"sample {i} has {int(lens[i])} tokens; lengths must be positive")
     return lens

@@ -6,7 +6,7 @@ from plan_gen import random_valid_plan
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.cluster import ClusterSpec
 from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.sim import lower_bound_ms, simulate
+from hf_cp.sim import charged_lower_bound_ms, lower_bound_ms, simulate
 
 
 def ulysses_ok(cost):
@@ -66,10 +66,15 @@ def test_simulation_is_deterministic(h200_cost):
     assert a == b
 
 
-def test_lower_bound_rejects_sample_too_long(h200_cost):
+def test_bounds_of_a_sample_no_group_holds_charge_it_to_one_rank(h200_cost):
+    # 2001 tokens fit no group of 2 x 1000: only ChunkFlow's dependent chunks on one rank run it,
+    # in at least its single-rank compute (the simulator's plans of it: test_balance_long_samples)
     cl = ClusterSpec(world_size=2, max_tokens_per_rank=1000)
-    with pytest.raises(ValueError, match="sample 1 has 2001 tokens"):
-        lower_bound_ms([5, 2001], cl, h200_cost)
+    alone = h200_cost.sample_local_ms(2001)
+    assert charged_lower_bound_ms([5, 2001], cl, h200_cost) >= alone + h200_cost.micro_batch_overhead_ms()
+    assert lower_bound_ms([5, 2001], cl, h200_cost) > 0
+    with pytest.raises(ValueError, match="sample 1 has 0 tokens"):
+        lower_bound_ms([5, 0], cl, h200_cost)
 
 
 def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):

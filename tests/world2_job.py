@@ -92,6 +92,25 @@ CHUNKFLOW_MIXED_LENGTHS = [400, 150, 60, 30, 90, 120, 100, 150, 90, 60, 70]
 CHUNKFLOW_MIXED_TOKENS_PER_STEP = 730
 CHUNKFLOW_MIXED_OPTIONS = dict(chunk_size=32, keep=1)
 
+# Samples longer than the whole world holds (2 x 256 tokens) train under chunkflow as dependent
+# chunks on one rank: at 800 tokens per step, unshuffled, [0..3] (600 tokens: 6 chunks of 100, 5
+# recomputed) and [4..6] (520 tokens: 6 chunks of 87 and 86); no CP group of 2 holds either.
+CHUNKFLOW_BEYOND_WORLD_LENGTHS = [600, 60, 30, 90, 520, 120, 100]
+
+
+def chunkflow_beyond_world_spec(model: str = "llama") -> dict:
+    return dict(
+        lengths=CHUNKFLOW_BEYOND_WORLD_LENGTHS,
+        tokens_per_step=800,
+        max_tokens_per_rank=CAP,
+        steps=2,
+        balancer="chunkflow",
+        balancer_options=dict(chunk_size=100, keep=1),
+        model=model,
+        adam_epsilon=CHUNKFLOW_ADAM_EPSILON,
+    )
+
+
 # AdamW's eps for the ChunkFlow runs of the tiny Qwen2 and of the exact-N matrix
 # (test_trainer_chunkflow.py), against the Trainer's 1e-8. The check compares parameters after
 # AdamW, which moves an entry whose gradient is near eps by lr * g / eps: float rounding of that
@@ -126,6 +145,7 @@ def world2_runs() -> Dict[str, dict]:
     runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS if b != "chunkflow"}
     runs.update({name: balance_spec("chunkflow", balancer_options=o) for name, o in CHUNKFLOW_RUNS.items()})
     runs["chunkflow-mixed-qwen2"] = chunkflow_mixed_spec("qwen2")
+    runs["chunkflow-beyond-world"] = chunkflow_beyond_world_spec()
     runs["rank-dependent-plans"] = balance_spec("rank_dependent")
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
     # test_train_distributed's fast cases

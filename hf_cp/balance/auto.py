@@ -27,15 +27,16 @@ the last step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
 from . import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
-from .base import Balancer, PlanRequest, UnsupportedMaskError
+from .base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError
 from .bounds import BoundCache
 from .options import BalancerOptionError, BalancerOptions, option
 from .pricing import pricer_for
+from .sample_limit import sample_token_limit, trains_length
 
 # The order members are planned in by default: the usual winners and cheap planners first,
 # so that the bounds can skip the rest. Members not listed (plugins) come after, by name.
@@ -127,25 +128,28 @@ class AutoBalancer:
         stop_at = lower * (1.0 + self.options.stop_within)
         best: Optional[List] = None  # [predicted ms, member, plan, priced by the pricer]
         self.last_makespans, self.last_skipped, self.last_lower_bound_ms = {}, {}, lower
-        members = self.members
+        members = [(n, b, req) for n, b in self.members]
         if req.masks:  # members that price every sample as causal would mis-plan masked ones
-            members = [(n, b) for n, b in members if getattr(b, "handles_masks", False)]
+            members = [(n, b, r) for n, b, r in members if getattr(b, "handles_masks", False)]
             if not members:
                 raise UnsupportedMaskError(
                     f"step {req.step}: auto: none of its members {[n for n, _ in self.members]} plans masked samples "
                     f"({len(req.masks)} in the step); add one that does: {', '.join(balancers_handling_masks())}"
                 )
-        for name, balancer in members:
+        longest = max(req.lengths)
+        if longest > req.cluster.largest_capacity or (req.dataset_max_length or 0) > req.cluster.largest_capacity:
+            members = self._members_for_long_samples(req, members)
+        for name, balancer, member_req in members:
             if best is not None:
                 if best[0] <= stop_at:
                     self.last_skipped[name] = f"{best[1]} is within {self.options.stop_within:g} of the bound"
                     continue
                 member_bound = getattr(balancer, "lower_bound_ms", None)
-                bound = member_bound(req, bounds) if member_bound is not None else None
+                bound = member_bound(member_req, bounds) if member_bound is not None else None
                 if bound is not None and bound >= best[0]:
                     self.last_skipped[name] = f"its bound {bound:.1f} ms >= {best[1]}'s {best[0]:.1f} ms"
                     continue
-            plan = balancer.plan(req)
+            plan = balancer.plan(member_req)
             if best is None:
                 # the first member's own prediction (built-ins set last_predicted_ms on every
                 # plan()) decides whether anything else is planned; it is priced only if so
@@ -163,3 +167,56 @@ class AutoBalancer:
         _, winner, plan, _ = best
         plan.balancer = f"{self.name}:{winner}"
         return plan
+
+    def max_sample_tokens(self, cluster, cost, masked: bool = False) -> int:
+        """The longest sample some member trains (balance/sample_limit.py); for a masked sample,
+        some member that plans masked samples."""
+        members = [b for _, b in self.members if not masked or getattr(b, "handles_masks", False)]
+        return max([cluster.largest_capacity] + [sample_token_limit(b, cluster, cost, masked) for b in members])
+
+    def trains_length(self, n: int, cluster, cost) -> bool:
+        """Whether some member trains a causal sample of `n` tokens (sample_limit.trains_length)."""
+        return any(trains_length(b, n, cluster, cost) for _, b in self.members)
+
+    def _members_for_long_samples(self, req: PlanRequest, members) -> List[Tuple[str, Balancer, PlanRequest]]:
+        """(name, balancer, its request) of the members that can plan a step with samples over
+        the largest CP group (chunkflow trains them as dependent chunks); the others are
+        skipped, saying why. A member whose limit is below the dataset's longest sample sizes
+        its run-wide choices (static's one CP size) for the longest sample it trains: its
+        request's dataset_max_length is capped there. SampleTooLongError, naming the sample,
+        when no member can plan the step."""
+        cl, cost = req.cluster, req.cost
+        out = []
+        over = None
+        for name, balancer, _ in members:
+            limit = sample_token_limit(balancer, cl, cost)
+            masked_limit = sample_token_limit(balancer, cl, cost, masked=True) if req.masks else limit
+            too_long = next(
+                (
+                    (s, n)
+                    for s, n in zip(req.sample_ids, req.lengths)
+                    if n > (min(limit, masked_limit) if req.masks and s in req.masks else limit)
+                    or (n > cl.largest_capacity and not trains_length(balancer, n, cl, cost))
+                ),
+                None,
+            )
+            if too_long is not None:
+                over = over or too_long
+                self.last_skipped[name] = (
+                    f"it trains samples up to {limit} tokens; sample {too_long[0]} has {too_long[1]}"
+                )
+                continue
+            if (req.dataset_max_length or 0) > limit:
+                out.append((name, balancer, replace(req, dataset_max_length=limit)))
+            else:
+                out.append((name, balancer, req))
+        if not out:
+            s, n = over
+            raise SampleTooLongError(
+                f"step {req.step}: auto: none of its members {[n for n, _, _ in members]} trains sample {s} ({n} "
+                f"tokens): {'; '.join(f'{k}: {v}' for k, v in self.last_skipped.items())}. Add chunkflow to its "
+                f"members (it trains long samples as dependent chunks on one rank), or "
+                f"{'note chunkflow plans causal samples only; ' if req.masks and s in req.masks else ''}raise "
+                f"cp_max_tokens_per_rank or the world size"
+            )
+        return out

@@ -34,6 +34,10 @@ class PlanRequest:
     # sample id -> its non-causal mask (hf_cp/masks.py); samples not in it are causal. Balancers
     # that cannot price masked samples are refused them (check_mask_support).
     masks: Optional[Mapping[int, SampleMask]] = field(default=None, hash=False)
+    # longest sample the request admits (None: what the largest CP group holds). Whoever builds
+    # the request for a balancer that trains longer samples (chunkflow, auto with it) sets it to
+    # that balancer's limit (balance/sample_limit.py: sample_token_limit)
+    max_sample_tokens: Optional[int] = None
 
     def __post_init__(self):
         object.__setattr__(self, "sample_ids", tuple(int(s) for s in self.sample_ids))
@@ -56,14 +60,17 @@ class PlanRequest:
         if not self.sample_ids:
             raise ValueError(f"step {self.step}: empty global batch, nothing to plan")
         cap = self.cluster.largest_capacity
+        limit = cap if self.max_sample_tokens is None else max(cap, int(self.max_sample_tokens))
         for s, n in zip(self.sample_ids, self.lengths):
             if n <= 0:
                 raise ValueError(f"sample {s}: length {n} must be positive")
-            if n > cap:
+            if n > limit:
                 raise SampleTooLongError(
                     f"sample {s} has {n} tokens; the largest group ({self.cluster.group_sizes[-1]} ranks x "
-                    f"{self.cluster.max_tokens_per_rank} tokens per rank) holds {cap}. Raise "
-                    f"max_tokens_per_rank or the world size, or truncate/drop it in preprocessing"
+                    f"{self.cluster.max_tokens_per_rank} tokens per rank) holds {cap}"
+                    + (f" and the request admits samples up to {limit} tokens" if limit > cap else "")
+                    + ". Raise max_tokens_per_rank or the world size, or truncate/drop it in preprocessing"
+                    + ("" if limit > cap else "; balancer chunkflow trains longer samples as dependent chunks")
                 )
 
     def empty_plan(self, balancer: str) -> StepPlan:

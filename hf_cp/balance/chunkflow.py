@@ -4,7 +4,7 @@ Samples of at most `chunk_size` tokens are packed into standalone chunks (first-
 decreasing); a longer sample runs as dependent chunks on one rank, with the largest chunk size
 (at most `chunk_size`) at which its K chunks' activations and its K/V state store fit the
 rank's memory. A sample that does not fit one rank even in chunks of `min_chunk_size` tokens
-runs whole on one rank when it fits the cap, else distributed over the smallest CP group that
+(or half `chunk_size`, when that is shorter: sample_limit.shortest_allowed_chunk) runs whole on one rank when it fits the cap, else distributed over the smallest CP group that
 holds it (per-document ring), as the other balancers would place it.
 
 On one rank a long sample needs no communication, but it may take longer than a rank's share
@@ -28,8 +28,8 @@ from ..chunking import (
     build_chunk_plan,
     chunked_sample_cost,
     dependent_chunk_sizes,
-    largest_fitting_chunk,
     standalone_chunk_ms,
+    state_bytes,
 )
 from ..plan import ChunkedSample, Group, StepPlan
 from ..shard import ShardMode
@@ -38,6 +38,7 @@ from .assign import lpt_assign
 from .base import PlanRequest, SampleTooLongError, max_member_tokens
 from .costs import cost_memo
 from .options import BalancerOptionError, BalancerOptions, option
+from .sample_limit import chunk_fits, format_bytes, longest_chunkable_sample, shortest_allowed_chunk
 from .waves import WaveBuilder, block_ranks
 
 DEFAULT_MIN_CHUNK_SIZE = 256
@@ -94,6 +95,25 @@ class ChunkFlowBalancer:
             )
         return self.chunk_size
 
+    def max_sample_tokens(self, cluster, cost, masked: bool = False) -> int:
+        """The longest sample chunkflow trains (balance/sample_limit.py): as dependent chunks on
+        one rank (K chunks of >= min_chunk_size tokens and the K/V state store of the whole
+        sample within one rank's memory), or on the largest CP group. Masked samples: what
+        the largest group holds (chunkflow plans causal samples only: check_mask_support)."""
+        if masked:
+            return cluster.largest_capacity
+        cap = cluster.max_tokens_per_rank
+        chunked = longest_chunkable_sample(cost, self.keep, cap, self.step_chunk_size(cap), self.min_chunk_size)
+        return max(cluster.largest_capacity, chunked)
+
+    def trains_length(self, n: int, cluster, cost) -> bool:
+        """Whether a sample of `n` tokens (<= max_sample_tokens) is planned: on a CP group, or
+        as dependent chunks that fit one rank (a few lengths just under the limit do not)."""
+        cap = cluster.max_tokens_per_rank
+        if n <= cap or self._cp_sizes(cluster, n):
+            return True
+        return bool(chunk_fits(cost, n, self.keep, cap, self.step_chunk_size(cap), self.min_chunk_size))
+
     def plan(self, req: PlanRequest) -> StepPlan:
         cl, cost = req.cluster, req.cost
         cap = cl.max_tokens_per_rank
@@ -106,9 +126,8 @@ class ChunkFlowBalancer:
         ]
         for dep in chunks.dependent:
             n = lens[dep.sample]
-            c = largest_fitting_chunk(cost, n, self.keep, cap, size)
-            natural = max(dependent_chunk_sizes(n, size))  # its chunks when memory does not bind
-            if c >= min(self.min_chunk_size, natural):
+            c = chunk_fits(cost, n, self.keep, cap, size, self.min_chunk_size)
+            if c:
                 ms = chunked_sample_cost(cost, dependent_chunk_sizes(n, c), self.keep).compute_ms
                 units.append((ms, "chunked", ChunkedSample(dep.sample, c, self.keep)))
                 continue
@@ -119,8 +138,11 @@ class ChunkFlowBalancer:
             if g is None:
                 raise SampleTooLongError(
                     f"chunkflow: sample {dep.sample} ({n} tokens) fits neither one rank as dependent chunks of "
-                    f">= {min(self.min_chunk_size, natural)} tokens (its K/V state store is too large) nor any CP "
-                    f"group of {cl.group_sizes} ranks with {cap} tokens each"
+                    f">= {shortest_allowed_chunk(n, size, self.min_chunk_size)} tokens (its K/V state store of "
+                    f"{format_bytes(state_bytes(cost, n))} is too large beside K={self.keep} chunks' activations; "
+                    f"chunkflow trains samples up to {self.max_sample_tokens(cl, cost)} tokens here) nor any CP "
+                    f"group of {cl.group_sizes} ranks with {cap} tokens each. Lower keep (cp_chunk_keep) or "
+                    f"min_chunk_size, raise cp_max_tokens_per_rank, or truncate/drop it in preprocessing"
                 )
             units.append(
                 (cost_memo(cost).doc_on_group_ms(n, g) + cost.micro_batch_overhead_ms(), "cp", (dep.sample, g))

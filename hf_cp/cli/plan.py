@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..balance import available_balancers, parse_assignments
+from ..balance.sample_limit import check_sample_lengths
 from ..block_cost import plan_exchange
 from ..cluster import ClusterSpec
 from ..cost import CostModel, ModelDims
@@ -357,14 +358,17 @@ def run(args) -> int:
         setup = planning_setup(settings, lengths, args.world)
         cluster, cost = setup.cluster, setup.cost
         longest = max(lengths)
-        if longest > cluster.largest_capacity:
-            i = lengths.index(longest)
-            raise ValueError(
-                f"sample {i} (line {i + 1} of {args.lengths}) has {longest} tokens; the largest group "
-                f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
-                f"{cluster.largest_capacity}. Raise --max-tokens-per-rank or --world, or drop/truncate "
-                f"it with `hf-cp preprocess`"
-            )
+        # the longest sample the balancer trains (longer under chunkflow)
+        check_sample_lengths(
+            setup.balancer(),
+            range(len(lengths)),
+            lengths,
+            cluster,
+            cost,
+            args.balancer,
+            masks or (),
+            label=lambda i: f"sample {i} (line {i + 1} of {args.lengths})",
+        )
         planner = Planner.from_setup(setup, lookahead=0, masks=masks)
         steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
         what = f"planning with {args.balancer}" + (f" (and {planner.compare_name})" if planner.compare_name else "")

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from ..balance import PlanRequest
+from ..balance.sample_limit import check_request_lengths
 from ..plan import PlanError, StepPlan
 from ..sim import SimResult, simulate
 
@@ -32,6 +33,9 @@ def predict(plan: StepPlan, req: PlanRequest) -> SimResult:
 
 def plan_and_predict(balancer, req: PlanRequest) -> PredictedPlan:
     """Plan the request with `balancer`, timing only the balancer, then validate and simulate."""
+    # a request built for a balancer that trains longer samples (chunkflow) must not reach one
+    # that cannot: refused here, naming the sample, rather than by whatever the balancer does
+    check_request_lengths(balancer, req)
     t0 = time.perf_counter()
     plan = balancer.plan(req)
     planner_ms = (time.perf_counter() - t0) * 1e3

@@ -22,10 +22,11 @@ import time
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..balance import PlanRequest, check_mask_support, get_balancer
+from ..balance.sample_limit import check_sample_lengths, sample_token_limit
 from ..cluster import ClusterSpec
 from ..cost import CostModel
 from ..masks import SampleMask
@@ -116,12 +117,20 @@ class Planner:
         self.seed = seed
         self.lookahead = lookahead
         self.dataset_max_length = max(sampler.lengths)
-        if self.dataset_max_length > cluster.largest_capacity:
-            i = sampler.lengths.index(self.dataset_max_length)
-            raise ValueError(
-                f"sample {i} has {self.dataset_max_length} tokens; the largest CP group "
-                f"({cluster.group_sizes[-1]} ranks x {cluster.max_tokens_per_rank}) holds "
-                f"{cluster.largest_capacity}. Raise cp_max_tokens_per_rank, or truncate/drop it"
+        # the longest sample the balancer trains: what the largest CP group holds, or longer
+        # under chunkflow (dependent chunks on one rank); every sample is checked up front
+        self.max_sample_tokens = check_sample_lengths(
+            self.balancer, range(len(sampler.lengths)), sampler.lengths, cluster, cost, self.balancer_name, self.masks
+        )
+        # the comparison balancer is only reported: it skips the steps whose samples it cannot train
+        self.compare_limit = sample_token_limit(self.compare, cluster, cost) if self.compare is not None else None
+        if self.compare_limit is not None and self.dataset_max_length > self.compare_limit:
+            warnings.warn(
+                f"the comparison balancer {self.compare_name!r} trains samples up to {self.compare_limit} tokens; "
+                f"steps with longer samples (sample {sampler.lengths.index(self.dataset_max_length)} has "
+                f"{self.dataset_max_length}) are not compared",
+                RuntimeWarning,
+                stacklevel=2,
             )
         self._lock = threading.Lock()
         self._futures: Dict[int, Future] = {}
@@ -186,6 +195,7 @@ class Planner:
             seed=self.seed,
             step=batch.index,
             dataset_max_length=self.dataset_max_length,
+            max_sample_tokens=self.max_sample_tokens,
             masks={s: self.masks[s] for s in batch.sample_ids if s in self.masks} if self.masks else None,
         )
 
@@ -199,8 +209,10 @@ class Planner:
         check_mask_support(self.balancer, req, self.balancer_name)
         planned = plan_and_predict(self.balancer, req)
         compare = None
-        if self.compare is not None:
+        if self.compare is not None and max(batch.lengths) <= self.compare_limit:
             check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
+            if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
+                req = replace(req, dataset_max_length=self.compare_limit)
             compare = predict(self.compare.plan(req), req)
         return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0)
 

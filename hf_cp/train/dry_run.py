@@ -67,7 +67,13 @@ def dry_run(
         f"config {Path(src).name}: {world_size} rank(s), balancer {planner.balancer_name}, "
         f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
         f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
-        f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}",
+        f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}"
+        + (
+            f"; {planner.balancer_name} trains samples up to {planner.max_sample_tokens} tokens (dependent chunks "
+            f"on one rank)"
+            if planner.max_sample_tokens > cluster.largest_capacity
+            else ""
+        ),
     ]
     chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
     if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:
@@ -89,10 +95,10 @@ def dry_run(
         f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
         f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step"
     )
-    if planner.compare is not None:
-        line += (
-            f"; {planner.compare_name} would take "
-            f"{statistics.mean(ps.compare.makespan_ms for ps in planned):.1f} ms/step"
+    compared = [ps.compare.makespan_ms for ps in planned if ps.compare is not None]
+    if compared:  # the comparison balancer skips steps with samples longer than it trains
+        line += f"; {planner.compare_name} would take {statistics.mean(compared):.1f} ms/step" + (
+            f" (on the {len(compared)} steps it can plan)" if len(compared) < len(planned) else ""
         )
     lines.append(line)
     if evaluation is not None:
