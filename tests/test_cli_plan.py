@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -123,3 +124,20 @@ def test_chunk_settings_reach_chunkflow_directly_and_as_auto_member():
     )
     with pytest.raises(ValueError, match="chunk_keep must be positive"):
         PlanningSettings(chunk_keep=0)
+
+
+def test_a_sample_longer_than_the_world_is_planned_by_chunkflow_and_refused_by_static(capsys, tmp_path):
+    # 10000 tokens, over 2 ranks x 4096: Qwen2.5-7B's K/V state store of it (1.6 GiB) and one
+    # 4096-token chunk's activations fit one rank's cap
+    p = tmp_path / "lengths.txt"
+    p.write_text("100\n10000\n300\n")
+    common = ["--lengths", p, "--world", "2", "--max-tokens-per-rank", "4096", "--compare-balancer", "none"]
+    rc, out, err = run(capsys, *common, "--balancer", "static")
+    assert rc == 2
+    assert re.search(r"sample 1 \(line 2 of .*\) has 10000 tokens; the largest CP group .* holds 8192", err), err
+    assert "or set cp_balancer: chunkflow" in err
+    rc, out, err = run(capsys, *common, "--balancer", "chunkflow", "--json", tmp_path / "plans.json")
+    assert rc == 0, err
+    (plan,) = json.loads((tmp_path / "plans.json").read_text())["plans"]
+    chunked = [c for w in plan["waves"] for g in w["groups"] for cs in g.get("chunked", {}).values() for c in cs]
+    assert [c[0] for c in chunked] == [1]

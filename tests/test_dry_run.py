@@ -26,8 +26,15 @@ def test_dry_run_plans_the_first_steps_and_the_eval_set(tmp_path):
 
 def test_dry_run_raises_what_the_launch_would(tmp_path):
     out = [f"training.output_dir={tmp_path}"]
-    with pytest.raises(ValueError, match="sample 211 has 5479 tokens"):  # one rank cannot hold it
-        dry_run(TINY, out, world_size=1, steps=2)
+    # one rank cannot hold the 5479-token sample whole: static refuses it, pointing to chunkflow
+    message = r"sample 211 has 5479 tokens; the largest CP group .* or set cp_balancer: chunkflow"
+    with pytest.raises(ValueError, match=message):
+        dry_run(TINY, out + ["training.cp_balancer=static"], world_size=1, steps=2)
+    # auto (chunkflow among its members) trains it as dependent chunks; static is not compared there
+    with pytest.warns(RuntimeWarning, match="comparison balancer 'static' trains samples up to 4096 tokens"):
+        text = "\n".join(dry_run(TINY, out, world_size=1, steps=2))
+    assert "auto trains samples up to 18800 tokens (dependent chunks on one rank)" in text
+    assert "first 2 step(s) planned and valid" in text
     with pytest.raises(ValueError, match="needs attn_implementation='hf_cp'.*model.attn_implementation: hf_cp"):
         dry_run(TINY, out + ["model.attn_implementation=sdpa"], world_size=2, steps=5)
     with pytest.raises(KeyError, match="unknown balancer"):

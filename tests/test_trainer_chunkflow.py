@@ -152,6 +152,19 @@ def test_chunkflow_mixed_with_cp_on_qwen2_equals_single_process(world2_job):
     assert_evaluation_equals_single_process(spec)
 
 
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_samples_longer_than_the_whole_world_train_as_dependent_chunks(world2_job):
+    # 600 and 520 tokens, over what both ranks hold together (2 x 256): no balancer but
+    # chunkflow trains them; each runs as 6 dependent chunks on one rank (5 recomputed)
+    spec = world2_job["chunkflow-beyond-world"]
+    assert max(spec["lengths"]) > 2 * spec["max_tokens_per_rank"]
+    runs = chunked_runs(spec, executed_plans(spec))
+    long = {sample: sizes for _, _, _, sample, sizes, _ in runs if spec["lengths"][sample] > 2 * CAP}
+    assert long == {0: [100] * 6, 4: [87, 87, 87, 87, 86, 86]}, runs
+    report = check_run(spec)
+    assert report.steps == [0, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(MATRIX_JOB_TIMEOUT + 120)
 @pytest.mark.parametrize("name", sorted(matrix_runs()))

@@ -161,6 +161,7 @@ def check_sample_lengths(
     masked = set(masked)
     limit = sample_token_limit(balancer, cluster, cost)
     masked_limit: Optional[int] = None  # computed only for a masked sample that needs it
+    refused = []  # (tokens, id, masked) of every sample it cannot train
     for s, n in zip(sample_ids, lengths):
         if n <= min(limit, cluster.largest_capacity):
             continue
@@ -170,9 +171,13 @@ def check_sample_lengths(
         if n > (min(masked_limit, limit) if is_masked else limit) or (
             not is_masked and not trains_length(balancer, n, cluster, cost)
         ):
-            what = label(int(s)) if label is not None else f"sample {int(s)}"
-            msg = too_long_message(what, int(n), balancer, name, cluster, cost, masked=is_masked)
-            raise SampleTooLongError(f"{where}{msg}")
+            refused.append((int(n), int(s), is_masked))
+    if refused:
+        n, s, is_masked = max(refused, key=lambda r: r[0])  # the longest (the first of equals) names the fix
+        what = label(s) if label is not None else f"sample {s}"
+        msg = too_long_message(what, n, balancer, name, cluster, cost, masked=is_masked)
+        more = f" ({len(refused)} samples in all are too long)" if len(refused) > 1 else ""
+        raise SampleTooLongError(f"{where}{msg}{more}")
     return limit
 
 
