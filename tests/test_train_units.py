@@ -397,8 +397,12 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
         trainer.evaluate(unlabeled)
     with pytest.raises(ValueError, match="eval dataset 'eval' sample 0 has 3 input_ids but 1 labels"):
         trainer.evaluate(Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [5]}]))
-    with pytest.raises(ValueError, match="eval dataset 'eval': sample 1 has 300 tokens; the largest CP group"):
-        trainer.evaluate(Dataset.from_list(synthetic_rows([5, 300])))
+    # auto trains samples over the cap of 256 as dependent chunks (chunkflow) up to a limit set by
+    # the K/V state store; one token more is refused by name
+    limit = trainer.cp_planner.max_sample_tokens
+    assert limit > 256
+    with pytest.raises(ValueError, match=f"eval dataset 'eval': sample 1 has {limit + 1} tokens; balancer 'auto'"):
+        trainer.evaluate(Dataset.from_list(synthetic_rows([5, limit + 1])))
     cached = trainer._cp_eval_data[id(chat)][2]
     again = trainer.evaluate({"chat": chat})
     assert trainer._cp_eval_data[id(chat)][2] is cached, "a dataset is planned once per run"
