@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -173,22 +171,11 @@ def run_processes(spec: dict, nproc: int, timeout: float = 240) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
     cmd += [str(Path(__file__).resolve()), str(out / "spec.json")]
-    with subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as p:  # fmt: skip
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # SIGTERM lets torchrun stop its workers: they run in sessions of their own, so killing
-            # the launcher's group alone leaves them holding the pipes (and this call) forever
-            p.send_signal(signal.SIGTERM)
-            try:
-                stdout, stderr = p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                stdout, stderr = p.communicate(timeout=30)
-            raise TimeoutError(f"{nproc}-process job did not finish in {timeout} s:\n{stderr[-6000:]}") from None
+    from harness.job import run_launcher
+
+    p = run_launcher(cmd, env, timeout, cwd=REPO)
     if p.returncode != 0:
-        raise RuntimeError(f"{nproc}-process job failed (rc {p.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        raise RuntimeError(f"{nproc}-process job failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return torch.load(out / "result.pt")
 
 

@@ -37,16 +37,21 @@ def deadlines_enforceable() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
+def _answer(conn, fn: Callable, args: Tuple) -> None:
+    """Send ("ok", fn(*args)) or ("error", its exception) down `conn`; the caller re-raises it."""
+    try:
+        out = ("ok", fn(*args))
+    except BaseException as e:
+        out = ("error", e)
+    try:
+        conn.send(out)
+    except Exception as e:  # an unpicklable answer or exception
+        conn.send(("error", RuntimeError(f"solver worker could not send its answer back: {e!r}")))
+
+
 def _run_child(conn, fn: Callable, args: Tuple) -> None:
     try:
-        try:
-            out = ("ok", fn(*args))
-        except BaseException as e:  # the parent re-raises it
-            out = ("error", e)
-        try:
-            conn.send(out)
-        except Exception as e:  # an unpicklable answer or exception
-            conn.send(("error", RuntimeError(f"solver worker could not send its answer back: {e!r}")))
+        _answer(conn, fn, args)
     finally:
         conn.close()
         os._exit(0)  # no atexit handlers or buffered output of the parent's copy
@@ -96,14 +101,7 @@ def _serve(conn, parent_pid: int) -> None:
                 fn, args = conn.recv()
             except EOFError:
                 break
-            try:
-                out = ("ok", fn(*args))
-            except BaseException as e:  # the caller re-raises it
-                out = ("error", e)
-            try:
-                conn.send(out)
-            except Exception as e:  # an unpicklable answer or exception
-                conn.send(("error", RuntimeError(f"solver worker could not send its answer back: {e!r}")))
+            _answer(conn, fn, args)
     finally:
         conn.close()
         os._exit(0)  # no atexit handlers or buffered output of the parent's copy

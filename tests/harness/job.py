@@ -250,6 +250,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_launcher(cmd: list, env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run a torchrun launcher in its own session and return it finished (any return code).
+    On a timeout (a hung collective) SIGTERM lets torchrun stop its workers, which run in
+    sessions of their own: killing the launcher's group alone would leave them holding the
+    pipes (and this call) forever; SIGKILL of the group only if that does not end it."""
+    with subprocess.Popen(
+        cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)
+            try:
+                out, err = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, err = p.communicate(timeout=30)
+            raise TimeoutError(f"distributed job did not finish in {timeout} s (killed):\n{err[-8000:]}") from None
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: int = 0) -> subprocess.CompletedProcess:
     """Run `run_job(spec)` on `nproc` gloo processes (torchrun, restarting the whole job up to
     `max_restarts` times when a worker dies); raise with the log on failure."""
@@ -285,22 +306,7 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: 
         "harness.job",
         str(spec_file),
     ]
-    # own session: on a timeout (a hung collective) the launcher *and* its workers are killed
-    with subprocess.Popen(
-        cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    ) as p:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # SIGTERM lets torchrun stop its workers (they run in sessions of their own)
-            p.send_signal(signal.SIGTERM)
-            try:
-                out, err = p.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                out, err = p.communicate(timeout=30)
-            raise TimeoutError(f"distributed job did not finish in {timeout} s (killed):\n{err[-8000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    proc = run_launcher(cmd, env, timeout)
     if proc.returncode != 0:
         raise RuntimeError(
             f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
