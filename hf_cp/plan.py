@@ -209,6 +209,20 @@ class StepPlan:
             return 1 if (g.distributed or g.local.get(rank)) else 0
         return 0
 
+    def wave_backward_calls(self) -> List[int]:
+        """Backward passes every rank runs in each wave: the wave's largest count (ZeRO-2 reduces in
+        every backward, so all ranks pad to it with zero-weight micro-batches), at least one.
+
+        A last wave with chunked samples gets one more: the executor runs a chunked sample's
+        backwards under one wave context, so the accumulation boundary must fall on a padding
+        micro-batch. Under DDP a chunked sample holding it would run every chunk's forward and
+        backward with the reduction on (one all-reduce per chunk against one on the other ranks:
+        a hang)."""
+        calls = [max(1, max(self.backward_calls(w, r) for r in range(self.world_size))) for w in range(len(self.waves))]
+        if self.waves and any(any(g.chunked.values()) for g in self.waves[-1].groups):
+            calls[-1] += 1
+        return calls
+
     @property
     def spreads_samples(self) -> bool:
         """Whether some sample runs over a CP group of several ranks (needs CP attention)."""

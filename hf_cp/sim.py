@@ -76,6 +76,7 @@ class SimResult:
     # group starts later than the member is free, the wait in its first collective)
     occupied_ms: List[float] = field(default_factory=list)
     reduction_ms: float = 0.0  # wall time in gradient reductions (with an execution)
+    reductions: int = 0  # how many (with an execution): one per backward pass of a wave under ZeRO-2
     fixed_ms: float = 0.0  # the step's fixed cost (with an execution)
     lower_bound_ms: Optional[float] = None  # lower_bound_ms of the plan's samples (simulate with a cluster)
     charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
@@ -175,6 +176,23 @@ def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel)
     return ms, tokens, peak
 
 
+def chunked_group_calls(plan_lens: Dict[int, int], group: Group) -> int:
+    """Backward passes of a one-rank group of chunked samples: one per dependent chunk
+    (StepPlan.backward_calls); under ZeRO-2 each ends in a gradient reduction over the world."""
+    return sum(
+        len(dependent_chunk_sizes(plan_lens[c.sample], c.chunk_size)) for cs in group.chunked.values() for c in cs
+    )
+
+
+def wave_reductions(calls: int, synchronise: bool, last: bool) -> int:
+    """Gradient reductions at a wave's end, when it runs `calls` backward passes per rank
+    (StepPlan.wave_backward_calls): every backward reduces when waves synchronise (ZeRO-2);
+    otherwise one reduction ends the step."""
+    if synchronise:
+        return calls
+    return 1 if last else 0
+
+
 def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
     """Per-rank times of the plan by the timing rule of the module docstring. With the
     cluster, the result also carries the plan's lower bounds and flags."""
@@ -197,13 +215,15 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     ex = getattr(cost, "execution", None)
     dummy = cost.dummy_micro_batch_ms() if ex is not None else 0.0
     reduction_total = 0.0
+    reduction_count = 0
     for w, wave in enumerate(plan.waves):
         if ex is not None and ex.waves_synchronise:  # the previous wave ended in a barrier
             top = max(clock)
             for r in range(W):
                 idle[r] += top - clock[r]
                 clock[r] = top
-        worked = [False] * W
+        calls = [0] * W  # backward passes per rank in this wave
+        chunked_wave = False
         slowest_compute = 0.0
         for g in wave.groups:
             if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
@@ -215,7 +235,8 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += ms
-                worked[r] = True
+                calls[r] += chunked_group_calls(lens, g)
+                chunked_wave = True
                 slowest_compute = max(slowest_compute, ms)
                 peak_tokens[r] = max(peak_tokens[r], tk)
                 peak_bytes[r] = max(peak_bytes[r], mem)
@@ -241,7 +262,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)
-                worked[r] = True
+                calls[r] = max(calls[r], 1)
                 slowest_compute = max(slowest_compute, cm)
                 clock[r] = start + dur
             if g.distributed:
@@ -266,17 +287,22 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 )
             )
         if ex is not None:
-            for r in range(W):
-                if not worked[r]:  # a zero-weight micro-batch keeps the backward count equal
-                    idle[r] += dummy
-                    clock[r] += dummy
             last = w == len(plan.waves) - 1
-            if ex.waves_synchronise or last:
-                # the backward share of the slowest rank's compute (about 2/3) can hide an
-                # overlapping reduction
-                red = cost.gradient_reduction_ms(W, hidden_behind_ms=slowest_compute * 2 / 3)
+            # every rank runs the wave's backward count (StepPlan.wave_backward_calls), padding
+            # with zero-weight micro-batches: one per dependent chunk of the wave's longest chain
+            n_calls = max(1, max(calls)) + (1 if last and chunked_wave else 0)
+            for r in range(W):
+                pads = n_calls - calls[r]
+                idle[r] += pads * dummy
+                clock[r] += pads * dummy
+            k = wave_reductions(n_calls, ex.waves_synchronise, last)
+            if k:
+                # the backward share of the slowest rank's compute (about 2/3), spread over the
+                # wave's backward passes, can hide an overlapping reduction
+                red = k * cost.gradient_reduction_ms(W, hidden_behind_ms=slowest_compute * 2 / 3 / k)
                 top = max(clock) + red
                 reduction_total += red
+                reduction_count += k
                 for r in range(W):
                     idle[r] += top - clock[r]
                     clock[r] = top
@@ -309,6 +335,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         micro_batches=micro_batches,
         occupied_ms=occupied,
         reduction_ms=reduction_total,
+        reductions=reduction_count,
         fixed_ms=fixed,
         **bounds,
     )

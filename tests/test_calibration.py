@@ -280,6 +280,54 @@ def test_execution_rules_against_hand_computed_step_times():
     assert TINY.parameters == 2 * TINY.linear_params_per_layer + 2 * 256 * 64
 
 
+def test_zero2_charges_a_reduction_per_chunk_backward_and_the_padding_micro_batches():
+    # rank 0 runs one sample as 3 dependent chunks (3 backward passes), rank 1 one short sample.
+    # ZeRO-2 reduces in every backward: rank 1 pads with 2 dummies, plus one more on the last wave
+    # (the accumulation boundary falls on a padding micro-batch), so 4 reductions end the wave
+    from hf_cp.chunking import chunked_sample_cost
+    from hf_cp.plan import ChunkedSample
+
+    lengths = [3000, 500]
+    plan = StepPlan(
+        world_size=2,
+        max_tokens_per_rank=4096,
+        sample_ids=[0, 1],
+        lengths=lengths,
+        waves=[
+            Wave(
+                [
+                    Group(ranks=(0,), chunked={0: [ChunkedSample(0, 1000, 1)]}),
+                    Group(ranks=(1,), local={1: [1]}),
+                ]
+            )
+        ],
+    )
+    assert plan.wave_backward_calls() == [4]
+    prof = replace(CPU, reduction_overhead_ms=7.0, step_overhead_ms=11.0)
+    compute = CostModel(TINY, prof)
+    oh = compute.micro_batch_overhead_ms()
+    chain = chunked_sample_cost(compute, [1000, 1000, 1000], 1).compute_ms
+    b = compute.sample_local_ms(500) + oh
+    dummy = compute.local_ms([1]) + oh
+    grad_bytes = TINY.parameters * prof.bytes_per_element
+    link = prof.links["intra_node"]
+    reduce_scatter = 0.5 * grad_bytes / (link.bandwidth_gbps * 1e6) + link.latency_us * 1e-3 + 7.0
+    all_reduce = 1.0 * grad_bytes / (link.bandwidth_gbps * 1e6) + 2 * link.latency_us * 1e-3 + 7.0
+    z = simulate(plan, CostModel(TINY, prof, execution_named("zero2")))
+    assert z.reductions == 4
+    assert z.makespan_ms == pytest.approx(max(chain + dummy, b + 3 * dummy) + 4 * reduce_scatter + 11.0)
+    # DDP: no_sync on every backward but the last: one all-reduce
+    d = simulate(plan, CostModel(TINY, prof, execution_named("ddp")))
+    assert d.reductions == 1
+    hidden = max(0.0, all_reduce - 7.0 - chain * 2 / 3)
+    assert d.makespan_ms == pytest.approx(max(chain + dummy, b + 3 * dummy) + hidden + 7.0 + 11.0)
+    # the pricer follows the same rule
+    from hf_cp.balance.pricing import PlanPricer
+
+    for cost in (CostModel(TINY, prof, execution_named("zero2")), CostModel(TINY, prof, execution_named("ddp"))):
+        assert PlanPricer(cost).makespan_ms(plan) == pytest.approx(simulate(plan, cost).makespan_ms, rel=1e-12)
+
+
 def test_execution_of_a_run():
     assert execution_for_run(None) == "ddp"
     assert execution_for_run({"zero_optimization": {"stage": 2}}) == "zero2"

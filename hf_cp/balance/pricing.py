@@ -30,7 +30,7 @@ import numpy as np
 from ..cost import CostModel
 from ..plan import StepPlan
 from ..shard import ShardMode
-from ..sim import chunked_group_cost, group_costs
+from ..sim import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
 from .costs import CostMemo, cost_memo
 
 
@@ -259,7 +259,7 @@ class PlanPricer:
                     ms = chunked_group_cost(lens, g, self.cost)[0]
                     clock[g.ranks[0]] += ms
                     if wall is not None:
-                        wall.worked(g.ranks[0], ms)
+                        wall.worked(g.ranks[0], ms, calls=chunked_group_calls(lens, g), chunked=True)
                     continue
                 costs = group_costs(lens, g, self.cost, plan.masks)
                 if all(c[3] == 0 for c in costs):
@@ -283,29 +283,36 @@ class PlanPricer:
 
 class _WallClock:
     """sim.simulate's execution rule (hf_cp/execution.py) on a pricing loop's clocks: at every
-    wave's end the ranks without work run the dummy micro-batch and, when waves synchronise (or
-    at the last wave), all wait for the slowest and the gradient reduction."""
+    wave's end every rank pads to the wave's backward count with dummy micro-batches (none
+    worked: one; a chunked sample: one per dependent chunk) and, when waves synchronise (or at
+    the last wave), all wait for the slowest and the gradient reductions (one per backward
+    pass when waves synchronise)."""
 
     def __init__(self, cost: CostModel, world: int):
         self.cost, self.world = cost, world
         self.ex = cost.execution
         self.dummy = cost.dummy_micro_batch_ms()
         self.wave = -1
-        self.busy = [False] * world
+        self.calls = [0] * world
+        self.chunked = False
         self.slowest = 0.0
 
-    def worked(self, rank: int, compute_ms: float) -> None:
-        self.busy[rank] = True
+    def worked(self, rank: int, compute_ms: float, calls: int = 1, chunked: bool = False) -> None:
+        self.calls[rank] = self.calls[rank] + calls if chunked else max(self.calls[rank], calls)
+        self.chunked = self.chunked or chunked
         self.slowest = max(self.slowest, compute_ms)
 
     def _end_wave(self, clock: List[float], last: bool) -> None:
+        n_calls = max(1, max(self.calls)) + (1 if last and self.chunked else 0)
         for r in range(self.world):
-            if not self.busy[r]:
-                clock[r] += self.dummy
-        if self.ex.waves_synchronise or last:
-            top = max(clock) + self.cost.gradient_reduction_ms(self.world, hidden_behind_ms=self.slowest * 2 / 3)
+            clock[r] += (n_calls - self.calls[r]) * self.dummy
+        k = wave_reductions(n_calls, self.ex.waves_synchronise, last)
+        if k:
+            red = k * self.cost.gradient_reduction_ms(self.world, hidden_behind_ms=self.slowest * 2 / 3 / k)
+            top = max(clock) + red
             clock[:] = [top] * self.world
-        self.busy = [False] * self.world
+        self.calls = [0] * self.world
+        self.chunked = False
         self.slowest = 0.0
 
     def enter_wave(self, wave: int, clock: List[float]) -> None:

@@ -228,7 +228,8 @@ def observe_step(
     ex = cost.execution
     n_waves = len(wave_max_ms)
     sync = ex is None or ex.waves_synchronise
-    reductions = n_waves if sync else 1
+    # one per backward pass of a wave under ZeRO-2 (a chunked sample's chunks each reduce)
+    reductions = sim.reductions or (n_waves if sync else 1)
     critical = float(sum(wave_max_ms)) if sync else float(max(measured_ms, default=0.0))
     bytes_ms = max(0.0, cost.gradient_reduction_ms(sim.world_size) - cost.profile.reduction_overhead_ms)
     # a rank that ran chunked samples (ChunkFlow: recomputes, state) is not c1/c2/c0 work alone

@@ -269,23 +269,8 @@ class PlanCollator:
             global_valid_tokens=global_valid_tokens,
             planned=planned,
             masked_samples=tuple(s for s in plan.sample_ids if s in self.masks),
-            wave_backward_calls=wave_backward_calls(plan),
+            wave_backward_calls=plan.wave_backward_calls(),
         )
-
-
-def wave_backward_calls(plan: StepPlan) -> List[int]:
-    """Backward passes every rank runs in each wave: the wave's largest count (ZeRO-2 reduces in
-    every backward, so all ranks pad to it with zero-weight micro-batches), at least one.
-
-    A last wave with chunked samples gets one more: the executor runs a chunked sample's
-    backwards under one wave context, so the accumulation boundary must fall on a padding
-    micro-batch. Under DDP a chunked sample holding it would run every chunk's forward and
-    backward with the reduction on (one all-reduce per chunk against one on the other ranks:
-    a hang)."""
-    calls = [max(1, max(plan.backward_calls(w, r) for r in range(plan.world_size))) for w in range(len(plan.waves))]
-    if plan.waves and any(any(g.chunked.values()) for g in plan.waves[-1].groups):
-        calls[-1] += 1
-    return calls
 
 
 def _aligned_masks(masks: Mapping[int, SampleMask], ids: Sequence[int], n: int) -> Tuple[Optional[SampleMask], ...]:
