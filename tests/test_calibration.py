@@ -374,6 +374,18 @@ def test_profile_check_names_device_and_dimensions():
     assert profile_mismatches(replace(CPU, device=""), TINY, "cuda") == []  # unknown: no claim
 
 
+def test_ranks_that_share_cores_are_warned_about():
+    from hf_cp.planning.profile_check import available_cores, shared_cores_warning
+
+    # the bench config: 4 single-threaded ranks on 2 cores
+    text = shared_cores_warning(4, 1, 2)
+    assert text.startswith("4 ranks x 1 torch thread(s) share 2 CPU core(s)") and "at most 2 ranks per node" in text
+    assert "at most 1 ranks" in shared_cores_warning(2, 2, 2)  # 2 threads each on 2 cores
+    assert shared_cores_warning(2, 1, 2) is None  # the main job: a core per rank
+    assert shared_cores_warning(8, 1, 64) is None
+    assert available_cores() >= 1
+
+
 def test_summary_states_measured_wall_clock_and_errors_before_and_after():
     from hf_cp.train.history import StepRecord
     from hf_cp.train.metrics import summary_lines

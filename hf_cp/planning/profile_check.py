@@ -9,6 +9,7 @@ the command that measures their own machine.
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 from ..cost import HardwareProfile, ModelDims
@@ -53,3 +54,29 @@ def profile_warning(
         f"`hf-cp profile --model {model} --device {device} --out configs/profiles/mine.yaml` and set "
         "cp_profile: mine (online calibration, cp_calibrate, also corrects the coefficients during the run)"
     )
+
+
+def shared_cores_warning(local_ranks: int, threads_per_rank: int, cores: int) -> Optional[str]:
+    """A warning when the ranks of one node need more cores than it has (CPU training: every
+    rank's torch threads), None otherwise. The cost model prices each rank on a device of its
+    own; ranks that time-share cores hand an early finisher's core to the others, so imbalance
+    costs less wall time, and CP groups and extra waves cost more, than it predicts. Measured:
+    4 processes on 2 cores, auto 0.95-0.98x static's tokens/s although far better balanced;
+    2 processes on 2 cores, 1.10x (benchmarks/wallclock.md)."""
+    need = local_ranks * max(1, threads_per_rank)
+    if cores <= 0 or need <= cores:
+        return None
+    return (
+        f"{local_ranks} ranks x {threads_per_rank} torch thread(s) share {cores} CPU core(s) on this node: ranks "
+        f"time-share cores, which the cost model does not price (one device per rank). Predicted balance gains "
+        f"will mostly not show in wall time; run at most {max(1, cores // max(1, threads_per_rank))} ranks per "
+        f"node at this thread count (OMP_NUM_THREADS) to measure them"
+    )
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: what a container or taskset grants)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return os.cpu_count() or 1

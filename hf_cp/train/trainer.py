@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +37,7 @@ from ..planning.calibration import (
     observe_step,
 )
 from ..planning.evaluation import plan_evaluation
-from ..planning.profile_check import profile_warning
+from ..planning.profile_check import available_cores, profile_warning, shared_cores_warning
 from .args import CPTrainingArguments
 from .collator import IGNORE_INDEX, PlanCollator, RankStep
 from .columns import read_token_columns
@@ -175,6 +176,12 @@ class CPTrainer(Trainer):
             )
             if warning:
                 logger.warning("hf_cp: %s", warning)
+            if args.device.type == "cpu":
+                shared = shared_cores_warning(
+                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(), available_cores()
+                )
+                if shared:
+                    logger.warning("hf_cp: %s", shared)
         # online calibration (hf_cp/planning/calibration.py): version -> (coefficients, cost model)
         self.cp_calibrator: Optional[Calibrator] = None
         if args.cp_calibrate and not args.full_determinism:
