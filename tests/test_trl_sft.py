@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from harness.job import run_launcher
 from tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 pytest.importorskip("trl")  # the optional `trl` extra
@@ -138,15 +137,8 @@ def test_the_recipe_reads_trl_and_hf_cp_flags(tmp_path):
 
 def _launch(cmd, log: Path, timeout: float = 540):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    with subprocess.Popen(
-        cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    ) as p:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            raise TimeoutError(f"{cmd[:6]} did not finish in {timeout} s:\n{out[-6000:]}") from None
+    p = run_launcher(cmd, env, timeout)
+    out = p.stdout + p.stderr
     log.write_text(out)
     assert p.returncode == 0, out[-6000:]
     return out
