@@ -21,13 +21,13 @@ Token-major tensors as everywhere in hf_cp.attention: q [c, H, D], k/v [c, H_kv,
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from ..chunking import chunk_starts
+from .context import ContextSlot
 from .kernels import AttentionKernel, kernel_for
 from .local import merge_lse
 
@@ -144,24 +144,16 @@ class ChunkContext:
             raise ValueError(f"chunk {self.index} outside the sample's {self.store.num_chunks} chunks")
 
 
-# A module global like context.py's: backward may run on another thread; the autograd function
-# keeps what it needs from the context in forward.
-_CURRENT: List[Optional[ChunkContext]] = [None]
+_CURRENT: ContextSlot[ChunkContext] = ContextSlot()
 
 
 def current_chunk_context() -> Optional[ChunkContext]:
-    return _CURRENT[0]
+    return _CURRENT.value
 
 
-@contextlib.contextmanager
-def chunk_context(ctx: Optional[ChunkContext]) -> Iterator[Optional[ChunkContext]]:
+def chunk_context(ctx: Optional[ChunkContext]):
     """Set the chunk context for the forward (and any recomputing backward) inside the block."""
-    prev = _CURRENT[0]
-    _CURRENT[0] = ctx
-    try:
-        yield ctx
-    finally:
-        _CURRENT[0] = prev
+    return _CURRENT.holding(ctx)
 
 
 class _ChunkAttention(torch.autograd.Function):

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Generic, Iterator, List, Optional, Tuple, TypeVar
 
 from ..block_plan import BlockLayout
 from ..masks import SampleMask
 from ..shard import Segment, ShardMode, rank_segments
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,31 @@ class CPContext:
         return sum(self.local_lengths)
 
 
-# A module global, not thread-local: autograd may run backward on another thread. Autograd
-# functions capture what they need from the context in forward anyway.
-_CURRENT: List[Optional[CPContext]] = [None]
+class ContextSlot(Generic[T]):
+    """The context the attention function reads while a block runs (the CP context, ChunkFlow's
+    chunk context). A module global, not thread-local: autograd may run backward on another
+    thread; autograd functions capture what they need from the context in forward anyway."""
+
+    def __init__(self):
+        self.value: Optional[T] = None
+
+    @contextlib.contextmanager
+    def holding(self, ctx: Optional[T]) -> Iterator[Optional[T]]:
+        prev = self.value
+        self.value = ctx
+        try:
+            yield ctx
+        finally:
+            self.value = prev
+
+
+_CURRENT: ContextSlot[CPContext] = ContextSlot()
 
 
 def current_cp_context() -> Optional[CPContext]:
-    return _CURRENT[0]
+    return _CURRENT.value
 
 
-@contextlib.contextmanager
-def cp_context(ctx: Optional[CPContext]) -> Iterator[Optional[CPContext]]:
+def cp_context(ctx: Optional[CPContext]):
     """Set the CP context for the forward and backward run inside the block."""
-    prev = _CURRENT[0]
-    _CURRENT[0] = ctx
-    try:
-        yield ctx
-    finally:
-        _CURRENT[0] = prev
+    return _CURRENT.holding(ctx)

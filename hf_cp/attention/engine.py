@@ -183,6 +183,32 @@ def _bytes_of(tensors: Sequence[Tensor]) -> Tensor:
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
 
+def _dispatch_sends(plan, size: int, k: Tensor, v: Tensor, travelling: Sequence[Tensor]) -> List[Tensor]:
+    """Per member, the bytes of the K/V pieces it needs from this one and of the query pieces
+    that travel to it (`travelling`: Q in forward; Q, dO, O and lse in backward), in the order
+    _unpack_dispatch reads them."""
+    send = []
+    for p in range(size):
+        ts = []
+        for c, a, b in plan.send_kv[p]:
+            r, ln = plan.own_rows[c]
+            ts += [k[r : r + ln, a:b], v[r : r + ln, a:b]]
+        for c, a, b in plan.send_q[p]:
+            r, ln = plan.own_rows[c]
+            ts += [t[r : r + ln, a:b] for t in travelling]
+        send.append(_bytes_of(ts))
+    return send
+
+
+def _dispatch_recv_bytes(plan, size: int, lengths, kv_row_bytes: int, q_row_bytes: int) -> List[int]:
+    """Per member, the bytes this one receives in the dispatch: its K/V pieces at `kv_row_bytes`
+    per row and head, its travelling query pieces at `q_row_bytes`."""
+    return [
+        _piece_bytes(plan.recv_kv[p], lengths, kv_row_bytes) + _piece_bytes(plan.recv_q[p], lengths, q_row_bytes)
+        for p in range(size)
+    ]
+
+
 class _Reader:
     """Typed views of consecutive pieces of a received byte buffer."""
 
@@ -321,21 +347,9 @@ class _BlockEngine(torch.autograd.Function):
         kv_pieces = sum(len(x) for x in plan.send_kv)
         pending = recv = None
         if plan.ex.kv or plan.ex.q:  # 1. dispatch K/V and travelling Q
-            send = []
-            for p in range(spec.size):
-                ts = []
-                for c, a, b in plan.send_kv[p]:
-                    r, ln = plan.own_rows[c]
-                    ts += [k[r : r + ln, a:b], v[r : r + ln, a:b]]
-                for c, a, b in plan.send_q[p]:
-                    r, ln = plan.own_rows[c]
-                    ts.append(q[r : r + ln, a:b])
-                send.append(_bytes_of(ts))
+            send = _dispatch_sends(plan, spec.size, k, v, (q,))
             es = q.element_size()
-            recv_sizes = [
-                _piece_bytes(plan.recv_kv[p], lengths, 2 * d * es) + _piece_bytes(plan.recv_q[p], lengths, d * es)
-                for p in range(spec.size)
-            ]
+            recv_sizes = _dispatch_recv_bytes(plan, spec.size, lengths, 2 * d * es, d * es)
             COUNTER.count("kv_chunks", kv_pieces)
             recv, pending = exchange_bytes(send, recv_sizes, spec.group, me, dev, "blocks_fwd_dispatch")
         _forward_groups(plan, plan.local_groups, src, acc, kernel, scale, lengths)  # overlaps the dispatch
@@ -385,22 +399,9 @@ class _BlockEngine(torch.autograd.Function):
         dv_acc = _Accumulator(plan.own_rows, n, hkv, d, dev, lse=False)
         pending = recv = None
         if plan.ex.kv or plan.ex.q:  # 1. dispatch K/V, and Q with dO, O, lse
-            send = []
-            for p in range(spec.size):
-                ts = []
-                for c, a, b in plan.send_kv[p]:
-                    r, ln = plan.own_rows[c]
-                    ts += [k[r : r + ln, a:b], v[r : r + ln, a:b]]
-                for c, a, b in plan.send_q[p]:
-                    r, ln = plan.own_rows[c]
-                    ts += [q[r : r + ln, a:b], dout[r : r + ln, a:b], out[r : r + ln, a:b], lse[r : r + ln, a:b]]
-                send.append(_bytes_of(ts))
+            send = _dispatch_sends(plan, spec.size, k, v, (q, dout, out, lse))
             es = q.element_size()
-            recv_sizes = [
-                _piece_bytes(plan.recv_kv[p], lengths, 2 * d * es)
-                + _piece_bytes(plan.recv_q[p], lengths, 3 * d * es + 4)
-                for p in range(spec.size)
-            ]
+            recv_sizes = _dispatch_recv_bytes(plan, spec.size, lengths, 2 * d * es, 3 * d * es + 4)
             recv, pending = exchange_bytes(send, recv_sizes, spec.group, me, dev, "blocks_bwd_dispatch")
         _backward_groups(plan, plan.local_groups, src, dq_acc, dk_acc, dv_acc, kernel, scale, lengths)
         if pending is not None:

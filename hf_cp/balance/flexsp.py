@@ -337,6 +337,16 @@ class FlexSPBalancer:
         return self.solver == "milp" or (self.solver == "auto" and highs_available())
 
     def plan(self, req: PlanRequest) -> StepPlan:
+        return self._plan(req, solve=self.uses_milp())
+
+    def plan_fallback(self, req: PlanRequest) -> StepPlan:
+        """The plan a passed deadline leads to: the greedy sizes, with no solver (deterministic,
+        for ranks that must agree on a step one of them planned past the deadline)."""
+        return self._plan(req, solve=False)
+
+    def _plan(self, req: PlanRequest, solve: bool) -> StepPlan:
+        """Sizes from the MILP (`solve`, under the deadline: the greedy sizes past it) or the
+        greedy search, realised, refined, and the fastest of the last three taken."""
         memo = cost_memo(req.cost)
         prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
         if not prob.heavy:
@@ -345,7 +355,7 @@ class FlexSPBalancer:
             )
             return plan
         notes: List[str] = []
-        if self.uses_milp():
+        if solve:
             search = (milp_search, (prob, self.node_limit, self.time_limit_s, self.bisection_steps))
             if self.deadline_s is None:
                 found = search[0](*search[1])
@@ -363,21 +373,6 @@ class FlexSPBalancer:
         refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
         plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
         plan.notes.extend(notes)
-        return plan
-
-    def plan_fallback(self, req: PlanRequest) -> StepPlan:
-        """The plan a passed deadline leads to: the greedy sizes, with no solver (deterministic,
-        for ranks that must agree on a step one of them planned past the deadline)."""
-        memo = cost_memo(req.cost)
-        prob = Problem(req, memo, self.max_heavy, self.heavy_fraction)
-        if not prob.heavy:
-            plan, self.last_predicted_ms = pick_fastest(
-                req, memo, [realise(req, memo, prob, [], math.inf)], self.name, 0.0
-            )
-            return plan
-        candidates = [realise(req, memo, prob, sizes, c) for c, sizes in greedy_search(prob, self.bisection_steps)[-3:]]
-        refine_best(req, memo, candidates, prob.lengths, prob.local_ms, 2)
-        plan, self.last_predicted_ms = pick_fastest(req, memo, candidates, self.name, self.simulate_within)
         return plan
 
 

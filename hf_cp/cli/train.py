@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+from ..train.config import add_config_arguments
 from .formatting import HelpFormatter
 
 
@@ -22,15 +23,7 @@ def add_parser(sub) -> None:
         "processes itself (torch.distributed.run).",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("config", help="training config YAML, e.g. configs/tiny-cpu.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
-    )
+    add_config_arguments(p)
     p.add_argument("--nproc", type=int, default=0, help="start this many local processes (0: run in this one)")
     p.add_argument(
         "--max-restarts",

@@ -187,13 +187,7 @@ class SampleEncoder:
             ]
             all_ids = [t[0] for t in triples]
             all_labels = [t[1] for t in triples]
-            return {
-                "input_ids": all_ids,
-                "labels": all_labels,
-                "length": [len(x) for x in all_ids],
-                "trained_tokens": [trained_tokens(y) for y in all_labels],
-                "prompt_not_prefix": [t[2] for t in triples],
-            }
+            extra = {"prompt_not_prefix": [t[2] for t in triples]}
         else:
             pairs = [self._encode_chat(v, i) for v, i in zip(values, indices)]
             all_ids = [p[0] for p in pairs]
@@ -203,6 +197,7 @@ class SampleEncoder:
             "labels": all_labels,
             "length": [len(x) for x in all_ids],
             "trained_tokens": [trained_tokens(y) for y in all_labels],
+            **(extra if self.kind == "prompt-completion" else {}),
         }
 
 

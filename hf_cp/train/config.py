@@ -255,3 +255,17 @@ def training_arguments(tcfg: dict, source: str):
         return CPTrainingArguments(**t)
     except TypeError as e:
         raise TrainConfigError(f"{source}: training: {e}") from None
+
+
+def add_config_arguments(parser) -> None:
+    """The CONFIG positional and the repeatable --set override, shared by `hf-cp train` and
+    `python -m hf_cp.train` (an argparse parser)."""
+    parser.add_argument("config", help="training config YAML, e.g. configs/tiny-cpu.yaml")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
+    )

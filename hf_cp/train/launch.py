@@ -117,15 +117,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         description=__doc__ + "\n" + config_module.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="training config YAML (e.g. configs/tiny-cpu.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set training.max_steps=5 (repeatable)",
-    )
+    config_module.add_config_arguments(p)
     a = p.parse_args(argv)
     return run(a.config, a.overrides)
 
