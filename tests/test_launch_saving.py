@@ -75,3 +75,20 @@ def test_shipped_configs_save_their_model_and_show_progress(config, tmp_path):
     assert "disable_tqdm" not in cfg["training"], "training for minutes without a progress bar"
     t = dict(cfg["training"], bf16=False, use_cpu=True, output_dir=str(tmp_path))
     assert training_arguments(t, config).cp_save_final_model
+
+
+def test_the_shipped_chunkflow_config_trains_chunked_and_its_summary_says_so(tmp_path, capsys):
+    # configs/tiny-cpu-chunkflow.yaml, the first steps on one process: long samples run as
+    # dependent chunks (issue 17), and the end-of-run summary counts them
+    from hf_cp.train.launch import run
+
+    overrides = [f"training.output_dir={tmp_path / 'out'}", "training.max_steps=4", "training.eval_strategy=no"]
+    overrides.append("training.deepspeed=null")  # one process without a launcher
+    assert run(str(ROOT / "configs" / "tiny-cpu-chunkflow.yaml"), overrides) == 0
+    out = capsys.readouterr().out
+    summary = out[out.index("==== hf_cp training summary") :]
+    assert "balancer chunkflow" in summary
+    line = next(x for x in summary.splitlines() if x.strip().startswith("ChunkFlow:"))
+    assert "ran as" in line and "dependent chunks on one rank each" in line and "K=1" in line, line
+    records = [json.loads(x) for x in (tmp_path / "out" / "cp_history" / "rank0.jsonl").read_text().splitlines()]
+    assert sum(bool(r["chunked"]) for r in records) >= 1
