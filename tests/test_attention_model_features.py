@@ -152,7 +152,16 @@ def test_softcapping_chunked_attention_and_mask_overlays_are_refused_by_name():
     assert hf_cp_mask(config=SimpleNamespace(sliding_window=5)) is None
 
 
-@pytest.mark.parametrize("name", ["mistral_every_layer", "gpt_oss_sinks_and_windows", "gemma3_alternation"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mistral_every_layer",
+        "gpt_oss_sinks_and_windows",
+        "gemma3_alternation",
+        "qwen2_moe_mask_only",
+        "phimoe_mask_only",
+    ],
+)
 def test_chunkflow_refuses_windows_and_sinks_by_name(name):
     """ChunkFlow's dependent chunks attend causally over the whole K/V state store: a model's
     sliding window or attention sinks would be dropped (measured before the refusal: a
