@@ -221,6 +221,30 @@ def test_no_context_batch_of_rows_matches_sdpa():
     assert (out - want).abs().max() <= 1e-5
 
 
+def test_autocast_bf16_model_matches_sdpa_under_autocast():
+    """Under autocast, RoPE hands q and k over in fp32 and v in bf16: hf_cp casts all three to
+    the autocast dtype, as SDPA does, and the packed model equals SDPA's."""
+    lengths = [9, 14]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _tiny("hf_cp")(input_ids=ids[:, :9], position_ids=pos[:, :9]).logits
+        want = _tiny("sdpa")(input_ids=ids[:, :9]).logits
+        packed = _tiny("hf_cp")(input_ids=ids, position_ids=pos).logits
+    assert out.dtype == want.dtype
+    assert (out - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (packed[:, :9] - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_mixed_dtypes_outside_autocast_are_refused():
+    from hf_cp.attention.interface import hf_cp_attention
+
+    q = torch.randn(1, 4, 5, 8)
+    kv = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="query, key and value arrive as torch.float32, torch.bfloat16"):
+        hf_cp_attention(torch.nn.Module(), q, kv, kv, None)
+
+
 def test_model_refuses_cache_in_training_and_padding():
     model = _tiny("hf_cp")
     ids, pos = torch.randint(0, 64, (1, 8)), torch.arange(8)[None]

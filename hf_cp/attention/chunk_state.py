@@ -212,5 +212,5 @@ def chunk_attention(
             f"{q.shape[0]} query rows"
         )
     store.write(layer, i, k.detach(), v.detach())
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     return _ChunkAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), store, layer, i, kernel, scale)

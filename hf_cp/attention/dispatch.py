@@ -103,7 +103,7 @@ def cp_attention(
             f"{n_local} local tokens (local_lengths {list(ctx.local_lengths)}) + {n_dist} tokens of its shards of "
             f"the distributed documents {list(ctx.distributed_lengths)}; see hf_cp/attention/context.py for the layout"
         )
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     parts = []
     if n_local:
         local_slices = layer_slices(ctx.local_lengths, ctx.local_masks, window)

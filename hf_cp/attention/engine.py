@@ -479,7 +479,7 @@ def engine_attention(
         )
     if spec.size > 1 and spec.group is None:
         raise ValueError(f"a block layout over {spec.size} members needs their process group")
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     return _BlockEngine.apply(q, k, v, sinks, spec, kernel, scale)
 
 

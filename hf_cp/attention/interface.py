@@ -28,7 +28,7 @@ for sliding-window layers, which is how a window the model applies only through 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -139,6 +139,22 @@ def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwar
         )
 
 
+def _one_dtype(module, query: Tensor, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """The kernels take q, k and v in one dtype. Under autocast (mixed precision without
+    DeepSpeed) RoPE hands q and k over in the fp32 of the residual stream while v comes from the
+    bf16 projection: cast all three to the autocast dtype, as SDPA does under autocast."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        want = torch.get_autocast_dtype(dev)
+        return query.to(want), key.to(want), value.to(want)
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(
+            f"hf_cp attention ({type(module).__name__}): query, key and value arrive as {query.dtype}, {key.dtype} "
+            f"and {value.dtype} outside autocast; the kernels need one dtype"
+        )
+    return query, key, value
+
+
 def hf_cp_attention(
     module,
     query: Tensor,
@@ -151,6 +167,7 @@ def hf_cp_attention(
 ):
     """transformers attention function: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
     _refuse_unsupported(module, query, key, dropout, kwargs)
+    query, key, value = _one_dtype(module, query, key, value)
     window = _layer_window(module, attention_mask, kwargs)
     sinks = kwargs.get("s_aux")  # GPT-OSS attention sinks: one logit per head
     b, h, s, d = query.shape

@@ -5,15 +5,18 @@ convention): q [sum q_lens, H, D], k/v [sum k_lens, H_kv, D] with H % H_kv == 0 
 passed through, never expanded), every block either full or square-causal (blocks.py; an
 inverse-causal square reaches the kernel as a causal one with its rows and keys reversed, and
 every mask compiles to these three kinds, so no kernel here needs a mask of its own).
-forward returns (out [Tq, H, D], lse [Tq, H] float32); backward takes the *final* out and
+forward returns (out [Tq, H, D], lse [Tq, H] float32, float64 for float64 inputs); backward takes the *final* out and
 lse of each query row, which is what makes per-block gradients add up exactly when a row's
 result was merged from several blocks (ring attention).
 
 - CPU: aten `_scaled_dot_product_flash_attention_for_cpu` (+ its backward), one batched call
   per run of equal-shaped blocks.
 - CUDA: flash-attn's varlen functions when importable, else torch's `varlen_attn`
-  (`return_aux` gives the lse). Override with HF_CP_ATTENTION_KERNEL=cpu_flash|torch_varlen|
-  flash_attn.
+  (`return_aux` gives the lse). Both run fp16/bf16 only, so fp32/fp64 tensors on CUDA go to
+  the math kernel.
+- math: explicit scores in query tiles, any device and dtype; exact, but its memory grows with
+  tile x keys, so it is the fallback, not the fast path.
+Override with HF_CP_ATTENTION_KERNEL=cpu_flash|torch_varlen|flash_attn|math.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ def _runs(q_lens: Sequence[int], k_lens: Sequence[int]):
         qo += q_lens[i] * (j - i)
         ko += k_lens[i] * (j - i)
         i = j
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 class AttentionKernel:
@@ -81,7 +88,7 @@ class CpuFlashKernel(AttentionKernel):
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
         out = torch.empty_like(q)
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=_lse_dtype(q), device=q.device)
         for qo, ko, ql, kl, n in _runs(q_lens, k_lens):
             o, l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 self._bhld(q, qo, n, ql), self._bhld(k, ko, n, kl), self._bhld(v, ko, n, kl), 0.0, causal, scale=scale
@@ -93,7 +100,7 @@ class CpuFlashKernel(AttentionKernel):
     def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qo, ko, ql, kl, n in _runs(q_lens, k_lens):
-            lse_b = lse[qo : qo + n * ql].view(n, ql, -1).transpose(1, 2).contiguous()
+            lse_b = lse[qo : qo + n * ql].view(n, ql, -1).transpose(1, 2).to(_lse_dtype(q)).contiguous()
             g = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 self._bhld(dout, qo, n, ql),
                 self._bhld(q, qo, n, ql),
@@ -135,6 +142,9 @@ class TorchVarlenKernel(AttentionKernel):
 
         self._varlen = varlen
         self._heads_first = True
+        # torch 2.11 has no enable_gqa keyword (its flash backend takes fewer K/V heads as they
+        # are); 2.13 refuses fewer K/V heads without it
+        self._gqa_keyword = "enable_gqa" in inspect.signature(varlen.varlen_attn).parameters
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
         out, lse = self._varlen.varlen_attn(
@@ -148,7 +158,7 @@ class TorchVarlenKernel(AttentionKernel):
             return_aux=self._varlen.AuxRequest(lse=True),
             scale=scale,
             window_size=(-1, 0) if causal else (-1, -1),
-            enable_gqa=k.shape[1] != q.shape[1],
+            **({"enable_gqa": k.shape[1] != q.shape[1]} if self._gqa_keyword else {}),
         )
         lse, self._heads_first = _lse_rows(lse, q.shape[0], q.shape[1])
         return out, lse.float()
@@ -233,16 +243,94 @@ class FlashAttnKernel(AttentionKernel):
         return dq, dk, dv
 
 
-_KERNELS = {"cpu_flash": CpuFlashKernel, "torch_varlen": TorchVarlenKernel, "flash_attn": FlashAttnKernel}
+class MathKernel(AttentionKernel):
+    """Attention written out: scores, log-sum-exp and the softmax backward, in query tiles of at
+    most TILE_ELEMENTS scores, accumulated in float32 (float64 for float64 inputs). Any device,
+    any dtype; K/V heads are shared by groups of query heads as in GQA."""
+
+    name = "math"
+    TILE_ELEMENTS = 1 << 26  # scores (query rows x keys x heads) per tile: 256 MiB in float32
+
+    @staticmethod
+    def _acc(x: Tensor) -> Tensor:
+        return x.double() if x.dtype == torch.float64 else x.float()
+
+    def _tiles(self, q_lens, k_lens, heads):
+        """(q_offset, k_offset, q_len, k_len, first query row in its block, rows) per tile."""
+        qo = ko = 0
+        for ql, kl in zip(q_lens, k_lens):
+            rows = max(1, self.TILE_ELEMENTS // max(1, kl * heads))
+            for r0 in range(0, ql, rows):
+                yield qo, ko, ql, kl, r0, min(rows, ql - r0)
+            qo += ql
+            ko += kl
+
+    @staticmethod
+    def _scores(q, k, kl, ql, r0, causal, scale):
+        # q [rows, H, D], k [kl, H, D] -> [H, rows, kl]; causal blocks are square, so key j is
+        # visible to query row i when j <= i (bottom-right alignment, as the flash kernels)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            i = torch.arange(r0, r0 + q.shape[0], device=q.device)[:, None] + (kl - ql)
+            s = s.masked_fill(torch.arange(kl, device=q.device)[None, :] > i, float("-inf"))
+        return s
+
+    def forward(self, q, k, v, q_lens, k_lens, causal, scale):
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=_lse_dtype(q), device=q.device)
+        for qo, ko, ql, kl, r0, n in self._tiles(q_lens, k_lens, q.shape[1]):
+            kb = self._acc(k[ko : ko + kl]).repeat_interleave(group, dim=1)
+            vb = self._acc(v[ko : ko + kl]).repeat_interleave(group, dim=1)
+            s = self._scores(self._acc(q[qo + r0 : qo + r0 + n]), kb, kl, ql, r0, causal, scale)
+            l = torch.logsumexp(s, dim=-1)  # [H, rows]
+            o = torch.einsum("hqk,khd->qhd", torch.exp(s - l[..., None]), vb)
+            out[qo + r0 : qo + r0 + n] = o.to(q.dtype)
+            lse[qo + r0 : qo + r0 + n] = l.t()
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
+        group = q.shape[1] // k.shape[1]
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=self._acc(k).dtype, device=k.device)
+        dv = torch.zeros_like(dk)
+        for qo, ko, ql, kl, r0, n in self._tiles(q_lens, k_lens, q.shape[1]):
+            rows = slice(qo + r0, qo + r0 + n)
+            qb, do, ob = self._acc(q[rows]), self._acc(dout[rows]), self._acc(out[rows])
+            kb = self._acc(k[ko : ko + kl]).repeat_interleave(group, dim=1)
+            vb = self._acc(v[ko : ko + kl]).repeat_interleave(group, dim=1)
+            s = self._scores(qb, kb, kl, ql, r0, causal, scale)
+            p = torch.exp(s - lse[rows].t().to(s.dtype)[..., None])  # [H, rows, kl], from the final lse
+            dp = torch.einsum("qhd,khd->hqk", do, vb)
+            ds = p * (dp - (do * ob).sum(-1).t()[..., None])  # softmax backward, D = rowsum(dout * out)
+            dq[rows] = (torch.einsum("hqk,khd->qhd", ds, kb) * scale).to(q.dtype)
+            h_kv = k.shape[1]
+            dk[ko : ko + kl] += (torch.einsum("hqk,qhd->khd", ds, qb) * scale).view(kl, h_kv, group, -1).sum(2)
+            dv[ko : ko + kl] += torch.einsum("hqk,qhd->khd", p, do).view(kl, h_kv, group, -1).sum(2)
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+_KERNELS = {
+    "cpu_flash": CpuFlashKernel,
+    "torch_varlen": TorchVarlenKernel,
+    "flash_attn": FlashAttnKernel,
+    "math": MathKernel,
+}
 _CACHE: Dict[str, AttentionKernel] = {}
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def kernel_for(device: torch.device, override: Optional[str] = None) -> AttentionKernel:
-    """The kernel for tensors on `device`; HF_CP_ATTENTION_KERNEL (or `override`) forces one."""
+def kernel_for(
+    device: torch.device, override: Optional[str] = None, dtype: Optional[torch.dtype] = None
+) -> AttentionKernel:
+    """The kernel for tensors of `dtype` on `device`; HF_CP_ATTENTION_KERNEL (or `override`)
+    forces one."""
     name = override or os.environ.get("HF_CP_ATTENTION_KERNEL") or ""
     if not name:
         if device.type != "cuda":
             name = "cpu_flash"
+        elif dtype is not None and dtype not in _HALF:
+            name = "math"  # the flash kernels run fp16/bf16 only
         else:
             try:
                 import flash_attn  # noqa: F401

@@ -190,7 +190,7 @@ def block_attention(
 ) -> Tensor:
     """Differentiable attention of q rows over k/v rows restricted to `blocks` (no
     communication); `sinks` [H]: one extra logit per head (apply_sinks)."""
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     return _BlockAttention.apply(q, k, v, sinks, BlockPlan(blocks, q.shape[0], q.device), kernel, scale)
 
 

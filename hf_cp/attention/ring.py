@@ -146,7 +146,7 @@ def ring_attention(
             f"member {spec.member} holds {n} tokens of distributed documents by its segments, "
             f"got q with {q.shape[0]} and k with {k.shape[0]} rows"
         )
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     if spec.size == 1:  # nothing to pass: the member's own segments against themselves
         from .local import block_attention
 

@@ -61,7 +61,7 @@ def ulysses_attention(
     if n != spec.rank_tokens[me]:
         raise ValueError(f"member {me} should hold {spec.rank_tokens[me]} distributed tokens, got {n}")
     check_ulysses_heads(h, hkv, g)
-    kernel = kernel or kernel_for(q.device)
+    kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     blocks = document_blocks(spec.doc_lengths, 0, spec.slices)
     if g == 1:
         return block_attention(q, k, v, blocks, scale, kernel, sinks)

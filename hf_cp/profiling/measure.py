@@ -332,7 +332,7 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
             "attention_fit": att_model,
             "layer_class": type(stack.layers[0]).__name__,
             "retimed": str(layer.retimed),
-            "kernel": kernel_for(dev).name,
+            "kernel": kernel_for(dev, dtype=stack.dtype).name,
             "clock": cpu_clock_name(),
             "load": f"1-minute load average {load_at_start:.1f} at start on {os.cpu_count()} cores "
             f"(other processes share the caches and memory bandwidth)",

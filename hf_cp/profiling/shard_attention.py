@@ -20,7 +20,6 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..attention.blocks import Block
-from ..attention.kernels import kernel_for
 from ..attention.local import block_attention
 
 
@@ -44,7 +43,6 @@ class SegmentLayout:
                 blocks.append(Block(row, self.tokens, n, s, False))  # prefix keys 0..s-1, all seen
             row += n
         self.blocks = blocks
-        self.kernel = kernel_for(self.device)
 
     def attend(
         self,
@@ -65,4 +63,4 @@ class SegmentLayout:
             k, v = torch.cat([k, prefix_k]), torch.cat([v, prefix_v])
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         # block_attention plans its gathers on every call, as the training path does per layer
-        return block_attention(q, k, v, self.blocks, scale, self.kernel)
+        return block_attention(q, k, v, self.blocks, scale)

@@ -50,6 +50,10 @@ class StepRecord:
     dataset_samples: Optional[int] = None  # for the exactly-once audit of hf-cp report
     wave_max_ms: List[float] = field(default_factory=list)  # per wave: the slowest rank's time (dummies included)
     calibration: int = 0  # the cost model that planned it: 0 the profile as given, k the k-th online calibration
+    # per rank, GB: the device's peak allocated memory in the step (CUDA only; empty elsewhere)
+    # and the memory model's peak for the rank's plan (static bytes + activation bytes x tokens)
+    peak_memory_gb: List[float] = field(default_factory=list)
+    predicted_peak_memory_gb: List[float] = field(default_factory=list)
     # per-rank lines only
     rank: Optional[int] = None
     trained_sample_ids: Optional[List[int]] = None

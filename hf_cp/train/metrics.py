@@ -99,7 +99,21 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
             f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run, "
             f"scripts/bench_train_balance.py measures both)"
         )
-    return lines + wall_clock_lines(records)
+    return lines + memory_lines(records) + wall_clock_lines(records)
+
+
+def memory_lines(records: Sequence[StepRecord]) -> List[str]:
+    """The largest measured peak memory of any rank in any step (CUDA runs only) beside what the
+    memory model predicted for that rank and step."""
+    measured = [(gb, r, k) for r in records for k, gb in enumerate(r.peak_memory_gb)]
+    if not measured:
+        return []
+    gb, rec, rank = max(measured, key=lambda m: m[0])
+    pred = rec.predicted_peak_memory_gb[rank] if rank < len(rec.predicted_peak_memory_gb) else float("nan")
+    return [
+        f"peak memory: measured {gb:.2f} GB (rank {rank}, step {rec.index + 1}; CUDA max allocated in the step), "
+        f"memory model {pred:.2f} GB for that rank's plan ({100 * (pred - gb) / gb:+.0f}%)"
+    ]
 
 
 def _relative_errors(pairs) -> List[float]:

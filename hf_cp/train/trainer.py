@@ -340,9 +340,14 @@ class CPTrainer(Trainer):
         step = self._cp_agree(step)
         self._cp_check_attention(step)
         model.train()
+        cuda = next(model.parameters()).device if torch.cuda.is_available() else None
+        cuda = cuda if cuda is not None and cuda.type == "cuda" else None
+        if cuda is not None:
+            torch.cuda.reset_peak_memory_stats(cuda)
         totals = self.cp_executor.train(model, step)
         wall_ms = (time.perf_counter() - t_step) * 1e3
-        self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3])
+        peak_bytes = float(torch.cuda.max_memory_allocated(cuda)) if cuda is not None else -1.0
+        self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3], peak_bytes)
         self._cp_last_step = step
         return totals.loss
 
@@ -363,11 +368,15 @@ class CPTrainer(Trainer):
                     f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
                 )
 
-    def _cp_record(self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float]) -> None:
-        """One StepRecord per step, identical on every rank (one all-gather of the measurements)."""
+    def _cp_record(
+        self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float], peak_bytes: float = -1.0
+    ) -> None:
+        """One StepRecord per step, identical on every rank (one all-gather of the measurements).
+        `peak_bytes`: the device's peak allocated memory in the step (-1: not measured, off CUDA)."""
         wave_ms = [(c - a) * 1e3 for a, c, _ in totals.wave_timeline]  # every rank has every wave
         mine = torch.tensor(
-            [totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms, *wave_ms], dtype=torch.float64
+            [totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms, peak_bytes, *wave_ms],
+            dtype=torch.float64,
         )
         if self.cp_world > 1:
             got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
@@ -415,8 +424,10 @@ class CPTrainer(Trainer):
             attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
             resumed_from=self._cp_resumed_from,  # the checkpoint step this process started from
             dataset_samples=len(self.cp_data),  # for the exactly-once audit of hf-cp report
-            wave_max_ms=[max(r[4 + w] for r in rows) for w in range(len(wave_ms))],
+            wave_max_ms=[max(r[5 + w] for r in rows) for w in range(len(wave_ms))],
             calibration=ps.cost_version if ps is not None else 0,
+            peak_memory_gb=[r[4] / 1e9 for r in rows] if all(r[4] >= 0 for r in rows) else [],
+            predicted_peak_memory_gb=[b / 1e9 for b in ps.predicted.peak_memory_bytes] if ps is not None else [],
         )
         self._cp_calibrate(rec, ps)
         self.cp_history.append(rec)
