@@ -424,7 +424,9 @@ def test_summary_states_measured_wall_clock_and_errors_before_and_after():
     records[5].peak_memory_gb, records[5].predicted_peak_memory_gb = [3.0, 4.0], [3.1, 5.0]
     records[6].peak_memory_gb, records[6].predicted_peak_memory_gb = [3.5, 3.9], [3.6, 3.8]
     text = "\n".join(summary_lines(records, "auto"))
-    assert "peak memory: measured 4.00 GB (rank 1, step 6; CUDA max allocated in the step), memory model 5.00 GB" in text
+    assert (
+        "peak memory: measured 4.00 GB (rank 1, step 6; CUDA max allocated in the step), memory model 5.00 GB" in text
+    )
 
 
 def test_dry_run_warns_about_a_gpu_profile_on_a_cpu_run():
