@@ -67,16 +67,43 @@ def execution_named(name: Optional[str]) -> Optional[StepExecution]:
         ) from None
 
 
+def zero_stage_of(deepspeed_config: Optional[Mapping]) -> int:
+    """The ZeRO stage of a DeepSpeed config (0 when it names none or an unreadable one)."""
+    zero = (deepspeed_config or {}).get("zero_optimization") or {}
+    try:
+        return int(zero.get("stage", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def model_state_bytes_per_parameter(
+    deepspeed: bool, zero_stage: int, half_precision: bool, world_size: int, param_bytes: int = 4
+) -> float:
+    """Bytes of model states per parameter on one rank, with an Adam-type optimizer (two
+    moments). Without DeepSpeed (one process or DDP) the parameters stay in the dtype the model
+    was built in (`param_bytes`: fp32 under autocast, 4 + 4 + 8), and the gradients and torch
+    Adam's moments take the same dtype. DeepSpeed in bf16/fp16 keeps half-precision parameters
+    and gradients plus fp32 master weights and moments (2 + 2 + 12; in fp32, 4 + 4 + 8), and ZeRO
+    stage 1 partitions the optimizer states over the ranks, 2 the gradients too, 3 everything."""
+    if not deepspeed:
+        return 4.0 * param_bytes
+    w = max(1, int(world_size))
+    p, g, o = (2.0, 2.0, 12.0) if half_precision else (4.0, 4.0, 8.0)
+    if zero_stage >= 3:
+        return (p + g + o) / w
+    if zero_stage == 2:
+        return p + (g + o) / w
+    if zero_stage == 1:
+        return p + g + o / w
+    return p + g + o
+
+
 def execution_for_run(deepspeed_config: Optional[Mapping]) -> str:
     """The execution name of a CPTrainer run: from its DeepSpeed config, else DDP."""
     if deepspeed_config is None:
         return "ddp"
-    zero = deepspeed_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    try:
-        stage = int(stage)
-    except (TypeError, ValueError):
-        stage = 0
+    stage = zero_stage_of(deepspeed_config)
     if stage >= 2:  # gradients partitioned: DeepSpeed reduces at every micro-batch
+        zero = deepspeed_config.get("zero_optimization") or {}
         return "zero2-overlap" if bool(zero.get("overlap_comm", False)) else "zero2"
     return "ddp"  # ZeRO-0/1 reduce at the accumulation boundary only, as DDP with no_sync

@@ -4,7 +4,7 @@
 #            ChunkFlow chunks, chunked loss, in bf16 and fp32 against CPU float64 references
 #   replay   scripts/gpu_profile_replay.py: profile the GPU on Qwen2.5-7B's layer, then replay
 #            auto and static plans of a shared trace at world 8 with the fitted profile
-#   train    hf-cp profile of Qwen2.5-0.5B, then 3 optimizer steps of
+#   train    hf-cp profile of Qwen2.5-0.5B (quick on CPU), then 3 optimizer steps of
 #            configs/qwen2.5-0.5b-h200.yaml (random weights, bf16, no DeepSpeed) planned with it:
 #            tokens/s, per-step measured vs predicted time and peak memory vs the memory model
 # Usage: scripts/gpu_first_run.sh [tests] [replay] [train]   (default: all three)
@@ -80,7 +80,7 @@ for part in $PARTS; do
       run profile_05b 240 $PY -m hf_cp profile --model $model --device $device --quick --max-tokens 512 \
         --out "$OUT/profile_05b.yaml"
     else
-      run profile_05b 90 $PY -m hf_cp profile --model $model --device $device --quick --out "$OUT/profile_05b.yaml"
+      run profile_05b 120 $PY -m hf_cp profile --model $model --device $device --out "$OUT/profile_05b.yaml"
     fi
     rm -rf /tmp/hf_cp_05b
     run train_05b 150 $PY -m hf_cp.train configs/qwen2.5-0.5b-h200.yaml \

@@ -128,3 +128,49 @@ def test_cp_message_ms_charges_every_exchange_message_of_a_group_unhidden():
         assert y.comm_ms - x.comm_ms == pytest.approx(L * 2.5 * 3 * 3, rel=1e-12)
     with pytest.raises(ConfigError, match="cp_message_ms must not be negative"):
         HardwareProfile.from_dict(dict(base.profile.to_dict(), cp_message_ms=-1), "p.yaml")
+
+
+def test_model_state_bytes_follow_the_run_not_the_profile():
+    """The memory model's static bytes are the run's model states: DeepSpeed's ZeRO stage, its
+    precision and the world size, or the fp32 states of a run without DeepSpeed."""
+    from types import SimpleNamespace
+
+    from hf_cp.execution import model_state_bytes_per_parameter as per_param
+    from hf_cp.planning.setup import PlanningSettings, planning_setup
+
+    assert per_param(False, 0, True, 8) == 16.0  # autocast: fp32 params, grads, Adam moments
+    assert per_param(True, 2, True, 8) == 2 + 14 / 8
+    assert per_param(True, 1, True, 4) == 4 + 12 / 4
+    assert per_param(True, 3, False, 4) == 16 / 4
+    assert per_param(True, 0, True, 4) == 16.0
+    assert per_param(False, 0, True, 8, param_bytes=2) == 8.0  # a model built in bf16 stays in bf16
+
+    lengths = [100, 200, 300]
+    nominal = planning_setup(PlanningSettings(profile="h200-qwen2.5-7b", model_dims="qwen2.5-0.5b"), lengths, 8)
+    args = SimpleNamespace(
+        cp_balancer="auto",
+        cp_balancer_options=None,
+        cp_compare_balancer="",
+        cp_profile="h200-qwen2.5-7b",
+        cp_model_dims="qwen2.5-0.5b",
+        cp_max_tokens_per_rank=32768,
+        cp_tokens_per_step=None,
+        cp_tokens_per_rank_per_step=65536,
+        cp_max_group_size=None,
+        cp_gpus_per_node=None,
+        cp_chunk_size=None,
+        cp_chunk_keep=1,
+        seed=0,
+        cp_shuffle=True,
+        deepspeed={"zero_optimization": {"stage": 2}},
+        bf16=True,
+    )
+    zero2 = planning_setup(PlanningSettings.from_training_args(args), lengths, 8)
+    args.deepspeed = None
+    plain = planning_setup(PlanningSettings.from_training_args(args), lengths, 8)
+    params = nominal.cost.dims.parameters
+    assert nominal.cost.profile.static_bytes == 41910000000  # the profile's nominal (7B, ZeRO-2 on 8)
+    assert zero2.cost.profile.static_bytes == params * (2 + 14 / 8)
+    assert plain.cost.profile.static_bytes == params * 16
+    # activations are untouched
+    assert plain.cost.profile.activation_bytes_per_token == nominal.cost.profile.activation_bytes_per_token

@@ -9,13 +9,13 @@ defaults from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from ..balance import get_balancer
 from ..cluster import ClusterSpec
 from ..cost import CostModel, HardwareProfile, ModelDims
-from ..execution import execution_for_run, execution_named
+from ..execution import execution_for_run, execution_named, model_state_bytes_per_parameter, zero_stage_of
 from .sampler import GlobalBatchSampler
 
 
@@ -54,6 +54,11 @@ class PlanningSettings:
     execution: Optional[str] = None
     """How the run's waves synchronise (hf_cp/execution.py: zero2, zero2-overlap, ddp): plans are then
     priced by their wall time. None or "compute": the plan's compute alone."""
+    model_states: Optional[Dict[str, Any]] = None
+    """How the run keeps its model states, for the memory model's static bytes: {"deepspeed": bool,
+    "zero_stage": int, "half_precision": bool, and optionally "param_bytes": the element size of
+    the model's parameters} (execution.model_state_bytes_per_parameter). None:
+    the profile's static_bytes as written (its nominal setting)."""
 
     def __post_init__(self):
         if self.max_tokens_per_rank <= 0:
@@ -118,6 +123,11 @@ class PlanningSettings:
             seed=args.seed,
             shuffle=args.cp_shuffle,
             execution=execution_for_run(_deepspeed_config(args)),
+            model_states={
+                "deepspeed": _deepspeed_config(args) is not None,
+                "zero_stage": zero_stage_of(_deepspeed_config(args)),
+                "half_precision": bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
+            },
         )
 
 
@@ -178,6 +188,11 @@ def planning_setup(
     else:
         raise ValueError("planning needs the model's dimensions: set model_dims (a name, config.json or folder)")
     profile = load_profile(settings.profile)
+    if settings.model_states is not None:
+        # the run's own model states, not the profile's nominal ones (memory reports only: the
+        # token caps and chunk room subtract them out)
+        per_param = model_state_bytes_per_parameter(world_size=world_size, **settings.model_states)
+        profile = replace(profile, static_bytes=float(dims.parameters * per_param))
     cluster = ClusterSpec(
         world_size,
         settings.max_tokens_per_rank,

@@ -153,8 +153,14 @@ class CPTrainer(Trainer):
         self.cp_world = int(args.world_size)
         self.cp_rank = int(args.process_index)
         self.cp_data = read_token_columns(train_dataset, "train_dataset")
+        settings = args.planning_settings()
+        # the memory model's model states: in the dtype the model was built in (without DeepSpeed
+        # they stay in it; DeepSpeed's own dtypes follow its config)
+        param = next((p for p in self.model.parameters() if p.requires_grad), None)
+        if settings.model_states is not None and param is not None:
+            settings.model_states["param_bytes"] = param.element_size()
         setup = planning_setup(
-            args.planning_settings(),
+            settings,
             self.cp_data.lengths,
             self.cp_world,
             model_config=self.model.config.to_dict(),
