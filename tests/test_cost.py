@@ -164,13 +164,18 @@ def test_model_state_bytes_follow_the_run_not_the_profile():
         cp_shuffle=True,
         deepspeed={"zero_optimization": {"stage": 2}},
         bf16=True,
+        cp_loss_chunk_tokens=None,
     )
     zero2 = planning_setup(PlanningSettings.from_training_args(args), lengths, 8)
     args.deepspeed = None
     plain = planning_setup(PlanningSettings.from_training_args(args), lengths, 8)
-    params = nominal.cost.dims.parameters
+    args.cp_loss_chunk_tokens = 1024
+    chunked = planning_setup(PlanningSettings.from_training_args(args), lengths, 8)
+    params, vocab = nominal.cost.dims.parameters, nominal.cost.dims.vocab_size
     assert nominal.cost.profile.static_bytes == 41910000000  # the profile's nominal (7B, ZeRO-2 on 8)
     assert zero2.cost.profile.static_bytes == params * (2 + 14 / 8)
     assert plain.cost.profile.static_bytes == params * 16
+    # the chunked loss's fp32 logits and their gradient: 1024 tokens x vocabulary x 8 bytes
+    assert chunked.cost.profile.static_bytes == params * 16 + 1024 * vocab * 8
     # activations are untouched
     assert plain.cost.profile.activation_bytes_per_token == nominal.cost.profile.activation_bytes_per_token

@@ -59,6 +59,9 @@ class PlanningSettings:
     "zero_stage": int, "half_precision": bool, and optionally "param_bytes": the element size of
     the model's parameters} (execution.model_state_bytes_per_parameter). None:
     the profile's static_bytes as written (its nominal setting)."""
+    loss_chunk_tokens: Optional[int] = None
+    """Tokens per chunk of the chunked LM-head loss (0: full logits); with model_states, its working
+    set, fp32 logits and their gradient over the vocabulary, joins the static bytes."""
 
     def __post_init__(self):
         if self.max_tokens_per_rank <= 0:
@@ -128,6 +131,7 @@ class PlanningSettings:
                 "zero_stage": zero_stage_of(_deepspeed_config(args)),
                 "half_precision": bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
             },
+            loss_chunk_tokens=getattr(args, "cp_loss_chunk_tokens", None),
         )
 
 
@@ -192,7 +196,12 @@ def planning_setup(
         # the run's own model states, not the profile's nominal ones (memory reports only: the
         # token caps and chunk room subtract them out)
         per_param = model_state_bytes_per_parameter(world_size=world_size, **settings.model_states)
-        profile = replace(profile, static_bytes=float(dims.parameters * per_param))
+        static = dims.parameters * per_param
+        if settings.loss_chunk_tokens is not None:
+            # a micro-batch's logits at once: a loss chunk, or every token of it (full logits)
+            rows = settings.loss_chunk_tokens or settings.max_tokens_per_rank
+            static += min(rows, settings.max_tokens_per_rank) * dims.vocab_size * 8
+        profile = replace(profile, static_bytes=float(static))
     cluster = ClusterSpec(
         world_size,
         settings.max_tokens_per_rank,

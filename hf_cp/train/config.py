@@ -154,7 +154,10 @@ def build_model(mcfg: dict, source: str):
     else:
         config = model_config(mcfg, source)
         torch.manual_seed(int(mcfg.get("seed", 0)))
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        # fp32 whatever dtype the config names (Qwen2.5's says bfloat16): these are the master
+        # weights; bf16 compute comes from autocast or DeepSpeed. Built in bf16, a run without
+        # DeepSpeed would apply AdamW to bf16 parameters and lose the small updates.
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     return model
 
