@@ -7,7 +7,8 @@
 #   train    hf-cp profile of Qwen2.5-0.5B (quick on CPU), then 3 optimizer steps of
 #            configs/qwen2.5-0.5b-h200.yaml (random weights, bf16, no DeepSpeed) planned with it:
 #            tokens/s, per-step measured vs predicted time and peak memory vs the memory model
-# Usage: scripts/gpu_first_run.sh [tests] [replay] [train]   (default: all three)
+#   deepspeed  the same 3 steps as shipped: DeepSpeed ZeRO-2 in bf16, under torchrun (NCCL, world 1)
+# Usage: scripts/gpu_first_run.sh [tests] [replay] [train] [deepspeed]   (default: all four)
 # Logs and results go to $OUT (default ./gpu_run). Python packages missing on the machine can
 # ride along as wheels in .whl/ (installed to /tmp/site); .whl/alt/ holds a datasets that needs an
 # older pyarrow, used when the first cannot be imported. GPU_RUN_SMOKE=1 runs the same steps on
@@ -17,7 +18,7 @@ OUT=${OUT:-gpu_run}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
-PARTS=${*:-tests replay train}
+PARTS=${*:-tests replay train deepspeed}
 SMOKE=${GPU_RUN_SMOKE:-0}
 SITE=""
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -60,6 +61,29 @@ run() {  # run NAME TIMEOUT_S CMD...: one part, its log under $OUT, its exit sta
   [ $rc -eq 0 ] || status=1
 }
 
+steps_table() {  # steps_table HISTORY.jsonl: per step, measured vs predicted time and peak memory
+  $PY - "$1" <<'EOF'
+import json, sys
+print(f"{'step':>4} {'tokens':>7} {'mbs':>4} {'measured ms':>12} {'predicted ms':>13} {'wall ms':>8} "
+      f"{'peak GB':>8} {'model GB':>9}")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    peak = r.get("peak_memory_gb") or [float("nan")]
+    pred = r.get("predicted_peak_memory_gb") or [float("nan")]
+    print(f"{r['index'] + 1:>4} {r['global_tokens']:>7} {r['waves']:>4} {r['measured_ms'][0]:>12.1f} "
+          f"{r['predicted_ms'][0]:>13.1f} {r['step_wall_ms']:>8.1f} {peak[0]:>8.2f} {pred[0]:>9.2f}")
+EOF
+}
+
+profile_05b() {  # the 0.5B layer's profile, for the training parts' plans
+  if [ "$SMOKE" = 1 ]; then
+    run profile_05b 240 $PY -m hf_cp profile --model qwen2.5-0.5b --device cpu --quick --max-tokens 512 \
+      --out "$OUT/profile_05b.yaml"
+  else
+    run profile_05b 120 $PY -m hf_cp profile --model qwen2.5-0.5b --device cuda --out "$OUT/profile_05b.yaml"
+  fi
+}
+
 for part in $PARTS; do
   case $part in
   tests)
@@ -74,14 +98,9 @@ for part in $PARTS; do
     fi
     ;;
   train)
-    model=qwen2.5-0.5b device=cuda tokens=65536 cap=32768 extra=(--set training.bf16=true)
-    if [ "$SMOKE" = 1 ]; then
-      device=cpu tokens=2048 cap=2048 extra=(--set training.bf16=false)
-      run profile_05b 240 $PY -m hf_cp profile --model $model --device $device --quick --max-tokens 512 \
-        --out "$OUT/profile_05b.yaml"
-    else
-      run profile_05b 120 $PY -m hf_cp profile --model $model --device $device --out "$OUT/profile_05b.yaml"
-    fi
+    tokens=65536 cap=32768 extra=(--set training.bf16=true)
+    [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 extra=(--set training.bf16=false)
+    [ -f "$OUT/profile_05b.yaml" ] || profile_05b
     rm -rf /tmp/hf_cp_05b
     run train_05b 150 $PY -m hf_cp.train configs/qwen2.5-0.5b-h200.yaml \
       --set training.deepspeed=null --set training.max_steps=3 --set training.output_dir=/tmp/hf_cp_05b \
@@ -90,20 +109,26 @@ for part in $PARTS; do
       --set training.cp_save_final_model=false --set training.logging_steps=1 --set training.report_to=none \
       "${extra[@]}"
     cp /tmp/hf_cp_05b/cp_history/rank0.jsonl "$OUT/train_05b_history.jsonl" 2>/dev/null
-    $PY - "$OUT/train_05b_history.jsonl" <<'EOF' 2>&1 | tee "$OUT/train_05b_steps.txt"
-import json, sys
-print(f"{'step':>4} {'tokens':>7} {'mbs':>4} {'measured ms':>12} {'predicted ms':>13} {'wall ms':>8} "
-      f"{'peak GB':>8} {'model GB':>9}")
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    peak = r.get("peak_memory_gb") or [float("nan")]
-    pred = r.get("predicted_peak_memory_gb") or [float("nan")]
-    print(f"{r['index'] + 1:>4} {r['global_tokens']:>7} {r['waves']:>4} {r['measured_ms'][0]:>12.1f} "
-          f"{r['predicted_ms'][0]:>13.1f} {r['step_wall_ms']:>8.1f} {peak[0]:>8.2f} {pred[0]:>9.2f}")
-EOF
+    steps_table "$OUT/train_05b_history.jsonl" 2>&1 | tee "$OUT/train_05b_steps.txt"
+    ;;
+  deepspeed)
+    # the config as shipped (DeepSpeed ZeRO-2, bf16) under torchrun on one GPU: NCCL world 1
+    tokens=65536 cap=32768 extra=()
+    [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 extra=(--set training.deepspeed=recipes/ds-zero2-cpu.json
+      --set training.bf16=false --set training.use_cpu=true)
+    [ -f "$OUT/profile_05b.yaml" ] || profile_05b
+    rm -rf /tmp/hf_cp_05b_zero2
+    run train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train \
+      configs/qwen2.5-0.5b-h200.yaml --set training.max_steps=3 --set training.output_dir=/tmp/hf_cp_05b_zero2 \
+      --set training.cp_profile="$OUT/profile_05b.yaml" --set training.cp_tokens_per_rank_per_step=$tokens \
+      --set training.cp_max_tokens_per_rank=$cap --set training.save_strategy=no \
+      --set training.cp_save_final_model=false --set training.logging_steps=1 --set training.report_to=none \
+      "${extra[@]}"
+    cp /tmp/hf_cp_05b_zero2/cp_history/rank0.jsonl "$OUT/train_05b_zero2_history.jsonl" 2>/dev/null
+    steps_table "$OUT/train_05b_zero2_history.jsonl" 2>&1 | tee "$OUT/train_05b_zero2_steps.txt"
     ;;
   *)
-    echo "unknown part $part (tests, replay, train)" >&2
+    echo "unknown part $part (tests, replay, train, deepspeed)" >&2
     status=2
     ;;
   esac
