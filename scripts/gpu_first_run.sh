@@ -116,11 +116,17 @@ for part in $PARTS; do
     tokens=65536 cap=32768 extra=()
     [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 extra=(--set training.deepspeed=recipes/ds-zero2-cpu.json
       --set training.bf16=false --set training.use_cpu=true)
-    [ -f "$OUT/profile_05b.yaml" ] || profile_05b
+    # PROFILE_05B: a 0.5B profile measured before (its one-layer fit is noisy on an H200)
+    prof=${PROFILE_05B:-$OUT/profile_05b.yaml}
+    [ -f "$prof" ] || profile_05b
+    # DeepSpeed 0.19.8 JIT-builds FusedAdam and cannot parse an arch with a suffix ("9.0a", as
+    # the H200 image sets): hand it the plain one
+    export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-}" | sed 's/\([0-9]\)[a-z]/\1/g')
+    [ -n "$TORCH_CUDA_ARCH_LIST" ] || unset TORCH_CUDA_ARCH_LIST
     rm -rf /tmp/hf_cp_05b_zero2
     run train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train \
       configs/qwen2.5-0.5b-h200.yaml --set training.max_steps=3 --set training.output_dir=/tmp/hf_cp_05b_zero2 \
-      --set training.cp_profile="$OUT/profile_05b.yaml" --set training.cp_tokens_per_rank_per_step=$tokens \
+      --set training.cp_profile="$prof" --set training.cp_tokens_per_rank_per_step=$tokens \
       --set training.cp_max_tokens_per_rank=$cap --set training.save_strategy=no \
       --set training.cp_save_final_model=false --set training.logging_steps=1 --set training.report_to=none \
       "${extra[@]}"
