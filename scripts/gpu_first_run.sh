@@ -84,6 +84,20 @@ profile_05b() {  # the 0.5B layer's profile, for the training parts' plans
   fi
 }
 
+train_05b() {  # train_05b NAME TIMEOUT_S LAUNCHER...: 3 steps of the 0.5B config planned with $prof
+  local name=$1 limit=$2 tokens=65536 cap=32768 steps=3
+  shift 2
+  [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 steps=1 limit=$((limit * 2))  # a 0.5B step on CPU: ~45 s
+  rm -rf "/tmp/hf_cp_$name"
+  run "$name" "$limit" "$@" configs/qwen2.5-0.5b-h200.yaml --set training.max_steps=$steps \
+    --set training.output_dir="/tmp/hf_cp_$name" --set training.cp_profile="$prof" \
+    --set training.cp_tokens_per_rank_per_step=$tokens --set training.cp_max_tokens_per_rank=$cap \
+    --set training.save_strategy=no --set training.cp_save_final_model=false --set training.logging_steps=1 \
+    --set training.report_to=none "${extra[@]}"
+  cp "/tmp/hf_cp_$name/cp_history/rank0.jsonl" "$OUT/${name}_history.jsonl" 2>/dev/null
+  steps_table "$OUT/${name}_history.jsonl" 2>&1 | tee "$OUT/${name}_steps.txt"
+}
+
 for part in $PARTS; do
   case $part in
   tests)
@@ -98,24 +112,17 @@ for part in $PARTS; do
     fi
     ;;
   train)
-    tokens=65536 cap=32768 extra=(--set training.bf16=true)
-    [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 extra=(--set training.bf16=false)
-    [ -f "$OUT/profile_05b.yaml" ] || profile_05b
-    rm -rf /tmp/hf_cp_05b
-    run train_05b 150 $PY -m hf_cp.train configs/qwen2.5-0.5b-h200.yaml \
-      --set training.deepspeed=null --set training.max_steps=3 --set training.output_dir=/tmp/hf_cp_05b \
-      --set training.cp_profile="$OUT/profile_05b.yaml" --set training.cp_tokens_per_rank_per_step=$tokens \
-      --set training.cp_max_tokens_per_rank=$cap --set training.save_strategy=no \
-      --set training.cp_save_final_model=false --set training.logging_steps=1 --set training.report_to=none \
-      "${extra[@]}"
-    cp /tmp/hf_cp_05b/cp_history/rank0.jsonl "$OUT/train_05b_history.jsonl" 2>/dev/null
-    steps_table "$OUT/train_05b_history.jsonl" 2>&1 | tee "$OUT/train_05b_steps.txt"
+    extra=(--set training.deepspeed=null --set training.bf16=true)
+    [ "$SMOKE" = 1 ] && extra=(--set training.deepspeed=null --set training.bf16=false)
+    prof=$OUT/profile_05b.yaml
+    [ -f "$prof" ] || profile_05b
+    train_05b train_05b 150 $PY -m hf_cp.train
     ;;
   deepspeed)
     # the config as shipped (DeepSpeed ZeRO-2, bf16) under torchrun on one GPU: NCCL world 1
-    tokens=65536 cap=32768 extra=()
-    [ "$SMOKE" = 1 ] && tokens=2048 cap=2048 extra=(--set training.deepspeed=recipes/ds-zero2-cpu.json
-      --set training.bf16=false --set training.use_cpu=true)
+    extra=()
+    [ "$SMOKE" = 1 ] && extra=(--set training.deepspeed=recipes/ds-zero2-cpu.json --set training.bf16=false
+      --set training.use_cpu=true)
     # PROFILE_05B: a 0.5B profile measured before (its one-layer fit is noisy on an H200)
     prof=${PROFILE_05B:-$OUT/profile_05b.yaml}
     [ -f "$prof" ] || profile_05b
@@ -123,15 +130,7 @@ for part in $PARTS; do
     # the H200 image sets): hand it the plain one
     export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-}" | sed 's/\([0-9]\)[a-z]/\1/g')
     [ -n "$TORCH_CUDA_ARCH_LIST" ] || unset TORCH_CUDA_ARCH_LIST
-    rm -rf /tmp/hf_cp_05b_zero2
-    run train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train \
-      configs/qwen2.5-0.5b-h200.yaml --set training.max_steps=3 --set training.output_dir=/tmp/hf_cp_05b_zero2 \
-      --set training.cp_profile="$prof" --set training.cp_tokens_per_rank_per_step=$tokens \
-      --set training.cp_max_tokens_per_rank=$cap --set training.save_strategy=no \
-      --set training.cp_save_final_model=false --set training.logging_steps=1 --set training.report_to=none \
-      "${extra[@]}"
-    cp /tmp/hf_cp_05b_zero2/cp_history/rank0.jsonl "$OUT/train_05b_zero2_history.jsonl" 2>/dev/null
-    steps_table "$OUT/train_05b_zero2_history.jsonl" 2>&1 | tee "$OUT/train_05b_zero2_steps.txt"
+    train_05b train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train
     ;;
   *)
     echo "unknown part $part (tests, replay, train, deepspeed)" >&2
