@@ -126,10 +126,8 @@ for part in $PARTS; do
     # PROFILE_05B: a 0.5B profile measured before (its one-layer fit is noisy on an H200)
     prof=${PROFILE_05B:-$OUT/profile_05b.yaml}
     [ -f "$prof" ] || profile_05b
-    # DeepSpeed 0.19.8 JIT-builds FusedAdam and cannot parse an arch with a suffix ("9.0a", as
-    # the H200 image sets): hand it the plain one
-    export TORCH_CUDA_ARCH_LIST=$(echo "${TORCH_CUDA_ARCH_LIST:-}" | sed 's/\([0-9]\)[a-z]/\1/g')
-    [ -n "$TORCH_CUDA_ARCH_LIST" ] || unset TORCH_CUDA_ARCH_LIST
+    # the H200 image's TORCH_CUDA_ARCH_LIST=9.0a broke DeepSpeed's FusedAdam build: CPTrainer
+    # now hands DeepSpeed "9.0" itself (setup_checks.deepspeed_arch_list)
     train_05b train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train
     ;;
   *)

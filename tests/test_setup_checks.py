@@ -63,3 +63,15 @@ def test_attention_is_checked_when_the_trainer_is_built(tmp_path, monkeypatch):
     args.cp_max_group_size = 1  # or keep every sample on one rank: any attention implementation will do
     CPTrainer(model=tiny_model(0, attn="sdpa"), args=args, train_dataset=Dataset.from_list(synthetic_rows([100, 80])))
     check_attention("sdpa", 1)
+
+
+def test_arch_suffixes_deepspeed_cannot_parse_are_dropped():
+    """DeepSpeed 0.19's FusedAdam build failed on an H200 image's TORCH_CUDA_ARCH_LIST=9.0a
+    ("invalid literal for int() with base 10: '0a'"); CPTrainer hands it the plain arch."""
+    from hf_cp.train.setup_checks import deepspeed_arch_list
+
+    assert deepspeed_arch_list("9.0a") == "9.0"
+    assert deepspeed_arch_list("8.0;9.0a;10.0f") == "8.0;9.0;10.0"
+    assert deepspeed_arch_list("9.0a+PTX") == "9.0+PTX"
+    assert deepspeed_arch_list("8.0;9.0") is None  # nothing to change
+    assert deepspeed_arch_list("") is None and deepspeed_arch_list(None) is None

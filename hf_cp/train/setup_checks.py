@@ -7,6 +7,7 @@ dry run, so both refuse the same settings with the same words.
 from __future__ import annotations
 
 import os
+import re
 from typing import Mapping, Optional
 
 HF_CP_ATTENTION = "hf_cp"  # the name hf_cp.attention.interface registers
@@ -27,6 +28,17 @@ def parallelism_sizes(parallelism_config, environ: Optional[Mapping[str, str]] =
             value = env.get(f"PARALLELISM_CONFIG_{name.upper()}")
         out[name] = int(value) if value not in (None, "") else 1
     return out
+
+
+def deepspeed_arch_list(value: Optional[str]) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it. DeepSpeed 0.19 JIT-builds
+    FusedAdam at its first step and parses every arch as numbers, so an arch-specific suffix
+    ("9.0a", which CUDA images for Hopper set) fails with "invalid literal for int() ... '0a'"
+    (seen on an H200). None when the value needs no change."""
+    if not value:
+        return None
+    fixed = re.sub(r"(\d)[a-z]+", r"\1", value)
+    return fixed if fixed != value else None
 
 
 def check_parallelism(parallelism_config, environ: Optional[Mapping[str, str]] = None) -> None:

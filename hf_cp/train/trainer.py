@@ -56,7 +56,7 @@ from .resume import (
     truncate_history,
     write_schedule,
 )
-from .setup_checks import check_attention, check_parallelism
+from .setup_checks import check_attention, check_parallelism, deepspeed_arch_list
 from .step import StepExecutor, WaveTotals
 from .stop_signal import StopSignal
 from .trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
@@ -132,6 +132,16 @@ class CPTrainer(Trainer):
         check_parallelism(getattr(args, "parallelism_config", None))
         if args.deepspeed:
             skip_deepspeed_shm_build()
+            arch = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+            if arch is not None:
+                if int(args.process_index) == 0:
+                    logger.warning(
+                        "hf_cp: TORCH_CUDA_ARCH_LIST=%s set to %s for DeepSpeed, whose op builder cannot parse "
+                        "arch suffixes",
+                        os.environ["TORCH_CUDA_ARCH_LIST"],
+                        arch,
+                    )
+                os.environ["TORCH_CUDA_ARCH_LIST"] = arch
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
         # prompt/completion or messages into input_ids and labels): read what it left, not the argument.
