@@ -110,6 +110,7 @@ class PlanningSettings:
     @classmethod
     def from_training_args(cls, args) -> PlanningSettings:
         """The settings of CPTrainingArguments (its cp_* fields)."""
+        ds = _deepspeed_config(args)  # read once: it may be a JSON file
         return cls(
             balancer=args.cp_balancer,
             balancer_options=dict(args.cp_balancer_options or {}),
@@ -125,10 +126,10 @@ class PlanningSettings:
             chunk_keep=args.cp_chunk_keep,
             seed=args.seed,
             shuffle=args.cp_shuffle,
-            execution=execution_for_run(_deepspeed_config(args)),
+            execution=execution_for_run(ds),
             model_states={
-                "deepspeed": _deepspeed_config(args) is not None,
-                "zero_stage": zero_stage_of(_deepspeed_config(args)),
+                "deepspeed": ds is not None,
+                "zero_stage": zero_stage_of(ds),
                 "half_precision": bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
             },
             loss_chunk_tokens=getattr(args, "cp_loss_chunk_tokens", None),

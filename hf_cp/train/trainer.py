@@ -356,8 +356,7 @@ class CPTrainer(Trainer):
         step = self._cp_agree(step)
         self._cp_check_attention(step)
         model.train()
-        cuda = next(model.parameters()).device if torch.cuda.is_available() else None
-        cuda = cuda if cuda is not None and cuda.type == "cuda" else None
+        cuda = self.args.device if self.args.device.type == "cuda" else None
         if cuda is not None:
             torch.cuda.reset_peak_memory_stats(cuda)
         totals = self.cp_executor.train(model, step)
