@@ -1,22 +1,20 @@
 """Wall-clock deadlines for solvers, enforced from outside the solver.
 
 A solver's own time limit is not enough: HiGHS (highspy 1.16) ignores it inside MIP presolve
-and ran one FlexSP MILP for more than 4 minutes (ENVIRONMENT.md). `call_with_deadline` runs
-the solve in a forked worker process and kills it when the deadline passes; the caller then
-takes its greedy fallback and says so in the plan (StepPlan.notes).
+and ran one FlexSP MILP for more than 4 minutes (ENVIRONMENT.md). `SolverWorker` runs the solve
+in a forked worker process and kills it when the deadline passes; the caller then takes its
+greedy fallback and says so in the plan (StepPlan.notes). Where fork is unavailable the call
+runs in-process without a deadline (`deadlines_enforceable` says which).
 
-Fork, not spawn: the worker inherits the problem as built (nothing to pickle on the way in,
-only the answer on the way out) and starts in milliseconds. Where fork is unavailable the
-call runs in-process without a deadline (`deadlines_enforceable` says which).
-
-A fork per solve is cheap only in a small process. The planner runs in a fork of the training
-process (torch, the model, DeepSpeed: about 470 MB resident), and forking that and exiting
-costs 27-37 ms of CPU (measured: page tables, copy-on-write faults, exit), more than a small
-MILP. On a machine whose cores also train (CPU training, 2 ranks on 2 cores) every rank's
-planner paid it per flexsp plan: `auto` planned 38 ms per step instead of 10, and its steps
-took 242 ms against 216 with the same plans (benchmarks/wallclock.md). `SolverWorker` is one
-long-lived worker that serves every solve (the function and its arguments are pickled to it)
-and is replaced only when a deadline kills it; `solver_worker()` is the process's shared one.
+One long-lived worker, not a fork per solve: a fork is cheap only in a small process. The
+planner runs in a fork of the training process (torch, the model, DeepSpeed: about 470 MB
+resident), and forking that and exiting costs 27-37 ms of CPU (measured: page tables,
+copy-on-write faults, exit), more than a small MILP. On a machine whose cores also train (CPU
+training, 2 ranks on 2 cores) every rank's planner paid it per flexsp plan: `auto` planned 38 ms
+per step instead of 10, and its steps took 242 ms against 216 with the same plans
+(benchmarks/wallclock.md). `SolverWorker` serves every solve (the function and its arguments
+are pickled to it) and is replaced only when a deadline kills it; `solver_worker()` is the
+process's shared one.
 """
 
 from __future__ import annotations
@@ -47,45 +45,6 @@ def _answer(conn, fn: Callable, args: Tuple) -> None:
         conn.send(out)
     except Exception as e:  # an unpicklable answer or exception
         conn.send(("error", RuntimeError(f"solver worker could not send its answer back: {e!r}")))
-
-
-def _run_child(conn, fn: Callable, args: Tuple) -> None:
-    try:
-        _answer(conn, fn, args)
-    finally:
-        conn.close()
-        os._exit(0)  # no atexit handlers or buffered output of the parent's copy
-
-
-def call_with_deadline(fn: Callable, args: Tuple = (), deadline_s: float = 1.0) -> Any:
-    """fn(*args) in a forked worker; its return value, its exception re-raised, or
-    DeadlinePassed once `deadline_s` seconds of wall clock have gone (the worker is killed).
-    Without fork, fn runs in-process and the deadline is not enforced."""
-    if deadline_s <= 0:
-        raise ValueError(f"deadline_s {deadline_s} must be positive")
-    if not deadlines_enforceable():
-        return fn(*args)
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_run_child, args=(send, fn, args), daemon=True, name="hf_cp-solver")
-    start = time.monotonic()
-    worker.start()
-    send.close()
-    try:
-        if not receive.poll(max(0.0, deadline_s - (time.monotonic() - start))):
-            raise DeadlinePassed(f"solver passed its {deadline_s:g} s deadline")
-        try:
-            status, value = receive.recv()
-        except EOFError:
-            raise RuntimeError(f"solver worker died (exit code {worker.exitcode}) before answering") from None
-    finally:
-        receive.close()
-        if worker.is_alive():
-            worker.kill()
-        worker.join()
-    if status == "error":
-        raise value
-    return value
 
 
 def _serve(conn, parent_pid: int) -> None:
