@@ -78,7 +78,10 @@ def test_rank_work_follows_the_shard_layout():
 
 def test_replay_reports_one_positive_time_per_rank_and_twice_the_work_costs_more(stack, cost):
     """Rank 1 runs exactly twice rank 0's documents; rank 2 the same as rank 0; rank 3 idles."""
-    lengths = [384, 384, 384, 384, 384, 384, 384]
+    # documents long enough (tens of ms per rank) and 5 repeats, so that one burst of noise on a
+    # shared 2-core machine cannot bring two documents' time near four's (CI once measured 15 ms
+    # against 23 with 384-token documents and 3 repeats)
+    lengths = [768] * 7
     plan = _plan(
         4,
         lengths,
@@ -90,7 +93,7 @@ def test_replay_reports_one_positive_time_per_rank_and_twice_the_work_costs_more
             ]
         ],
     )
-    res = replay_plan(plan, stack, cost, repeats=3)
+    res = replay_plan(plan, stack, cost, repeats=5)
     assert [r.rank for r in res.ranks] == [0, 1, 2, 3]
     m = [r.measured_ms for r in res.ranks]
     assert all(t > 0 for t in m[:3]) and m[3] == 0.0
