@@ -175,6 +175,7 @@ class SampleEncoder:
         if self.field not in batch:
             raise EncodeError(f"samples have no field {self.field!r} (fields: {sorted(batch)})")
         values = batch[self.field]
+        extra = {}  # columns only one kind of sample has
         if self.kind == "text":
             all_ids = self._encode_texts(values, indices)
             all_labels = [list(x) for x in all_ids]
@@ -197,7 +198,7 @@ class SampleEncoder:
             "labels": all_labels,
             "length": [len(x) for x in all_ids],
             "trained_tokens": [trained_tokens(y) for y in all_labels],
-            **(extra if self.kind == "prompt-completion" else {}),
+            **extra,
         }
 
 
