@@ -204,6 +204,106 @@ def test_several_planner_workers_plan_the_same_steps():
         Planner(sampler, "auto", cl, cost, workers=0)
 
 
+class _WarmUpRecorder:
+    """static's plans; warm_up() appends "<pid> <thread name>" to a file (it may run in a worker process)."""
+
+    name = "warm-up-recorder"
+
+    def __init__(self, path, fail=False):
+        from hf_cp.balance import get_balancer
+
+        self.static, self.path, self.fail = get_balancer("static"), path, fail
+
+    def plan(self, req):
+        return self.static.plan(req)
+
+    def warm_up(self):
+        import threading
+
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()} {threading.current_thread().name}\n")
+        if self.fail:
+            raise RuntimeError("warm-up failed")
+
+
+def _wait_for_lines(path, n, timeout_s=20.0):
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return path.read_text().splitlines()
+        time.sleep(0.02)
+    raise AssertionError(f"{path}: fewer than {n} warm-up lines after {timeout_s} s")
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_planner_start_warms_the_balancer_up_in_the_background_before_any_plan(tmp_path, in_process):
+    """Planner.start: the worker starts and pays the balancer's one-time start-up (warm_up) at
+    once, in the worker that will plan (each process of the pool, or the planner thread), not
+    in the step that first needs it; the plans stay those planned inline."""
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    cl = ClusterSpec(4, 256)
+    inline = Planner(sampler, "static", cl, cost, lookahead=0)
+    record = tmp_path / "warm.txt"
+    bg = Planner(sampler, _WarmUpRecorder(record), cl, cost, lookahead=3, in_process=in_process, workers=2)
+    try:
+        assert not record.exists()  # nothing runs before start()
+        bg.start()
+        bg.start()  # once only
+        lines = _wait_for_lines(record, 2 if in_process else 1)  # before any get()
+        pids = {int(line.split()[0]) for line in lines}
+        if in_process:
+            assert pids == set(bg._pool._processes) and os.getpid() not in pids  # each worker process, once
+        else:
+            assert pids == {os.getpid()} and lines[0].split()[1].startswith("hf_cp-planner")
+        for k in [0, 1, 5]:
+            assert bg.get(k).plan.to_json() == inline.get(k).plan.to_json()
+        assert len(record.read_text().splitlines()) == len(lines)  # planning warmed nothing up again
+    finally:
+        bg.close()
+    # without a background worker there is nothing to start: plans are made on the caller's thread
+    Planner(sampler, _WarmUpRecorder(record), cl, cost, lookahead=0).start()
+    assert len(record.read_text().splitlines()) == len(lines)
+
+
+def test_a_failed_warm_up_is_left_to_the_plan_that_needs_it(tmp_path):
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    bg = Planner(sampler, _WarmUpRecorder(tmp_path / "w.txt", fail=True), ClusterSpec(4, 256), cost, lookahead=1)
+    try:
+        bg.warm_up_balancers()  # does not raise: the first plan that needs what failed raises it, with its step
+        bg.start()
+        assert bg.get(0).plan.waves
+    finally:
+        bg.close()
+
+
+def test_dcp_and_flexsp_warm_up_pay_their_solvers_start_up_through_auto(monkeypatch):
+    pytest.importorskip("mtkahypar")
+    pytest.importorskip("highspy")
+    from hf_cp.balance import deadline as deadline_mod
+    from hf_cp.balance import get_balancer, hypergraph
+
+    auto = get_balancer(
+        "auto",
+        members=["dynamic_cp", "dcp", "flexsp"],
+        member_options={"dcp": {"partitioner": "mtkahypar"}, "flexsp": {"solver": "milp", "deadline_s": 5}},
+    )
+    monkeypatch.setattr(hypergraph, "_MT", None)
+    worker = deadline_mod.SolverWorker()
+    monkeypatch.setattr(deadline_mod, "_SHARED", worker)
+    try:
+        auto.warm_up()
+        assert hypergraph._MT is not None  # Mt-KaHyPar imported and initialised
+        assert worker.pid is not None and worker.started == 1  # the MILP's solver worker is running
+        auto.warm_up()
+        assert worker.started == 1  # a running worker is kept
+    finally:
+        worker.close()
+
+
 def test_planner_replaces_a_worker_process_that_dies():
     """An OOM-killed planner worker costs a warning and a re-plan, never a hang or a wrong plan."""
     import os

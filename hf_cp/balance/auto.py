@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from ..plan import StepPlan
 from . import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
-from .base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError
+from .base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError, warm_up_balancer
 from .bounds import BoundCache
 from .options import BalancerOptionError, BalancerOptions, option
 from .pricing import pricer_for
@@ -120,6 +120,11 @@ class AutoBalancer:
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step
         self.last_skipped: Dict[str, str] = {}  # member -> why it was not planned on the last step
         self.last_lower_bound_ms = float("nan")
+
+    def warm_up(self) -> None:
+        """Every member's one-time start-up (Balancer.warm_up), at once."""
+        for _, balancer in self.members:
+            warm_up_balancer(balancer)
 
     def plan(self, req: PlanRequest) -> StepPlan:
         pricer = pricer_for(req.cost)

@@ -91,11 +91,22 @@ class Balancer(Protocol):
 
     A balancer that plans samples with masks (PlanRequest.masks) correctly, pricing them by
     their masked area or placing them independently of their attention cost, says so with a
-    class attribute `handles_masks = True`; the others are refused masked samples."""
+    class attribute `handles_masks = True`; the others are refused masked samples.
+
+    A balancer whose first plan pays a one-time start-up (a solver library's initialisation)
+    may define `warm_up()`, which pays it at once: the planner worker calls it when it starts,
+    so that the cost overlaps the trainer's set-up (warm_up_balancer)."""
 
     name: str
 
     def plan(self, request: PlanRequest) -> StepPlan: ...
+
+
+def warm_up_balancer(balancer) -> None:
+    """Call `balancer.warm_up()` when it has one (the Balancer protocol's optional start-up)."""
+    warm = getattr(balancer, "warm_up", None)
+    if callable(warm):
+        warm()
 
 
 def check_mask_support(balancer, request: PlanRequest, name: Optional[str] = None) -> None:

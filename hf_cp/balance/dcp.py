@@ -761,6 +761,11 @@ class DcpBalancer:
         self.last_planner_s = 0.0
         self.last_backend = ""
 
+    def warm_up(self) -> None:
+        """Initialise the partitioner now (Balancer.warm_up)."""
+        if self.options.backend() == "mtkahypar":
+            hypergraph.warm_up()
+
     def plan(self, req: PlanRequest) -> StepPlan:
         masks = request_masks(req)
         cl = req.cluster

@@ -87,6 +87,18 @@ class SolverWorker:
         """The live worker's process id (None before the first call or after a kill)."""
         return self._proc.pid if self._proc is not None and self._owner == os.getpid() else None
 
+    def start(self) -> None:
+        """Start the worker process now, unless this process already runs one (a solver's
+        warm_up: forking is then paid before the first solve, not during it)."""
+        if not deadlines_enforceable():
+            return
+        with self._lock:
+            if self._owner != os.getpid():
+                self._proc = self._conn = None
+            if self._proc is None or not self._proc.is_alive():
+                self._stop()
+                self._start()
+
     def _start(self) -> None:
         ctx = multiprocessing.get_context("fork")
         ours, theirs = ctx.Pipe(duplex=True)

@@ -336,6 +336,11 @@ class FlexSPBalancer:
     def uses_milp(self) -> bool:
         return self.solver == "milp" or (self.solver == "auto" and highs_available())
 
+    def warm_up(self) -> None:
+        """Start the MILP's solver worker now (Balancer.warm_up)."""
+        if self.uses_milp() and self.deadline_s is not None:
+            solver_worker().start()
+
     def plan(self, req: PlanRequest) -> StepPlan:
         return self._plan(req, solve=self.uses_milp())
 

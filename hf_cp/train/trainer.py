@@ -246,6 +246,8 @@ class CPTrainer(Trainer):
                 workers=a.cp_plan_workers,
                 masks=self.cp_data.masks,
             )
+            # the planner's worker starts and warms up while the trainer sets up the model
+            self.cp_planner.start()
         if self.cp_executor is None:
             self.cp_executor = StepExecutor(
                 self.model,
