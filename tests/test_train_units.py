@@ -510,6 +510,11 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
     assert again["eval_chat_loss"] == pytest.approx(metrics["eval_chat_loss"], rel=1e-12)
     with pytest.raises(NotImplementedError, match="evaluate\\(\\) gives the planned eval loss"):
         trainer.predict(unlabeled)
+    # evaluation starts no background planner; asking for the training data does (Planner.start)
+    assert trainer.cp_planner._started is None
+    trainer.get_train_dataloader()
+    assert trainer.cp_planner._started is not None
+    trainer.cp_planner.close()
 
 
 def test_scheduled_garbage_collection_collects_only_at_the_interval():

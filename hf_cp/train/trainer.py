@@ -246,8 +246,6 @@ class CPTrainer(Trainer):
                 workers=a.cp_plan_workers,
                 masks=self.cp_data.masks,
             )
-            # the planner's worker starts and warms up while the trainer sets up the model
-            self.cp_planner.start()
         if self.cp_executor is None:
             self.cp_executor = StepExecutor(
                 self.model,
@@ -262,6 +260,9 @@ class CPTrainer(Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
+        # Trainer.train asks for the dataloader before DeepSpeed / accelerate set up the model and
+        # optimizer: the planner's worker starts and warms up meanwhile (Planner.start)
+        self.cp_planner.start()
         self._cp_collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
         steps = _PlannedSteps(
             self.cp_planner,
