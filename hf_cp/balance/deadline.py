@@ -93,11 +93,15 @@ class SolverWorker:
         if not deadlines_enforceable():
             return
         with self._lock:
-            if self._owner != os.getpid():
-                self._proc = self._conn = None
-            if self._proc is None or not self._proc.is_alive():
-                self._stop()
-                self._start()
+            self._ensure_running()
+
+    def _ensure_running(self) -> None:
+        """A live worker of this process's own (the lock held)."""
+        if self._owner != os.getpid():  # inherited through a fork: that worker is not ours to use
+            self._proc = self._conn = None
+        if self._proc is None or not self._proc.is_alive():
+            self._stop()
+            self._start()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("fork")
@@ -136,11 +140,7 @@ class SolverWorker:
                 f"a solve sent to the solver worker must pickle (a module-level function and plain data): {e!r}"
             ) from None
         with self._lock:
-            if self._owner != os.getpid():  # inherited through a fork: that worker is not ours to use
-                self._proc = self._conn = None
-            if self._proc is None or not self._proc.is_alive():
-                self._stop()
-                self._start()
+            self._ensure_running()
             start = time.monotonic()
             try:
                 self._conn.send_bytes(message)
