@@ -84,7 +84,7 @@ def full_step_ids(lengths: Sequence[int], tokens_per_step: int, seed: int, wante
     """Sample ids of the full steps numbered `wanted`: the stream of shuffled epochs (epoch e in
     lengths.epoch_order(n, seed, e)) cut by lengths.step_batches' rule, a batch closing when
     the next sample would overflow it; id = epoch x len(lengths) + index."""
-    from hf_cp.lengths import epoch_order
+    from hf_cp.samples.lengths import epoch_order
 
     n = len(lengths)
     lens = np.asarray(lengths, dtype=np.int64)
@@ -123,10 +123,10 @@ def main(argv=None) -> int:
         out = args.out if "--out" in (argv or sys.argv[1:]) else str(REPO / "benchmarks" / "solvers.md")
         return solver_workloads(args, out, argv)
     from hf_cp.balance import PlanRequest, available_balancers, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel
-    from hf_cp.lengths import read_lengths, step_batches
-    from hf_cp.sim import charged_lower_bound_ms, lower_bound_ms, simulate
+    from hf_cp.cost.model import CostModel
+    from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.samples.lengths import read_lengths, step_batches
 
     tdir = Path(args.traces_dir)
     names = args.traces.split(",") if args.traces else sorted(p.stem for p in tdir.glob("*.txt"))
@@ -378,10 +378,10 @@ def write_markdown(path: Path, command, scenario, balancers, rows, notes, summar
         "",
         f"Scenario: {scenario}.",
         "",
-        "Columns: *pred/LB* = predicted step time (hf_cp.sim.simulate, summed over the steps) / lower bound "
-        "(hf_cp.sim.lower_bound_ms); *pred/charged* = the same over the bound that charges the costliest samples "
+        "Columns: *pred/LB* = predicted step time (hf_cp.cost.simulate.simulate, summed over the steps) / lower bound "
+        "(hf_cp.cost.simulate.lower_bound_ms); *pred/charged* = the same over the bound that charges the costliest samples "
         "their group's communication and efficiency and every micro-batch its overhead "
-        "(hf_cp.sim.charged_lower_bound_ms); *vs static*, *vs megatron* = their predicted time / this balancer's "
+        "(hf_cp.cost.simulate.charged_lower_bound_ms); *vs static*, *vs megatron* = their predicted time / this balancer's "
         "(higher is better); *max/mean* = slowest rank's busy time over the mean (per step, averaged); *far* = "
         "steps whose plan is at least 1.5x the charged bound (SimResult.flags: balanced or not); *comm GB* = bytes "
         "sent by all ranks per step; *plan CPU ms* = median CPU time of the balancer's plan() per step, "

@@ -21,11 +21,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACES = REPO.parent / "shared" / "data" / "traces"
 sys.path.insert(0, str(REPO))
 
-from hf_cp.block_cost import block_group_costs, default_layout  # noqa: E402
-from hf_cp.block_plan import doc_slices, per_doc_layout, ring_kv_transfers, zigzag_layout  # noqa: E402
-from hf_cp.cost import CostModel  # noqa: E402
-from hf_cp.masks import SampleMask  # noqa: E402
-from hf_cp.shard import ShardMode  # noqa: E402
+from hf_cp.cost.blocks import block_group_costs, default_layout  # noqa: E402
+from hf_cp.cost.model import CostModel  # noqa: E402
+from hf_cp.modes.segments import ShardMode  # noqa: E402
+from hf_cp.plan.block_layout import doc_slices, per_doc_layout, ring_kv_transfers, zigzag_layout  # noqa: E402
+from hf_cp.samples.masks import SampleMask  # noqa: E402
 
 MODES = ("ring_zigzag", "ring_per_doc", "blocks_zigzag", "blocks_per_doc", "blocks_default")
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         text = (
             "# Block engine against ring attention: bytes moved and predicted attention time\n\n"
             f"Made by:\n\n    {cmd}\n\n"
-            f"Scenario: cost model {args.model} on {args.profile} (hf_cp.cost / hf_cp.block_cost), one CP group "
+            f"Scenario: cost model {args.model} on {args.profile} (hf_cp.cost.model / hf_cp.cost.blocks), one CP group "
             f"(intra-node link) per micro-batch, micro-batches of CP x {args.tokens_per_rank} tokens packed "
             "greedily in trace order from ../shared/data/traces (the first "
             f"{args.micro_batches} per workload). Sliding-window workload: every sample of the long-document trace "

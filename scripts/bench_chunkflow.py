@@ -9,7 +9,7 @@ random weights, fp32, CPU, one thread, chunked LM-head loss) in a fresh process 
 - the peak of the bytes autograd holds for backward at once (saved_tensors_hooks accounting,
   storages counted once), i.e. the activations;
 - the peak bytes of the K/V state store (values and fp32 gradient accumulators) and the
-  cost model's prediction of it (hf_cp.chunking.state_bytes);
+  cost model's prediction of it (hf_cp.plan.chunks.state_bytes);
 - CPU time of the step (process time, one thread: other processes on the machine do not
   inflate it as they do wall time), the fastest of `--repeats` steps for the time table, and
   the cost model's predicted time ratio to the unchunked sample (profile `cpu`, whose c1/c2
@@ -72,7 +72,7 @@ def build_model():
 
 
 def cost_model():
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 
     return CostModel(ModelDims.from_hf_config(MODEL), HardwareProfile.load("cpu"))
 
@@ -111,7 +111,7 @@ def measure(length: int, chunk: int, keep: int, repeats: int = 1) -> dict:
     """One training step of a `length`-token sample; chunk 0: unchunked."""
     import torch
 
-    from hf_cp.chunking import dependent_chunk_sizes
+    from hf_cp.plan.chunks import dependent_chunk_sizes
     from hf_cp.train.chunkflow import ChunkRunStats, SampleChunk, run_chunked_sample, sample_chunks, token_loss
     from hf_cp.train.loss import chunkable_head
 
@@ -170,7 +170,8 @@ def measure_cp(length: int, mode: str, repeats: int = 1) -> list:
     import torch.distributed as dist
 
     from hf_cp.attention.context import CPContext, cp_context
-    from hf_cp.shard import ShardMode, rank_segments
+    from hf_cp.modes.registry import rank_segments
+    from hf_cp.modes.segments import ShardMode
     from hf_cp.train.chunkflow import SampleChunk, token_loss
     from hf_cp.train.loss import chunkable_head
 
@@ -278,7 +279,7 @@ def run_point(length: int, chunk: int, keep: int, repeats: int = 1) -> dict:
 
 def predicted(length: int, chunk: int, keep: int):
     """(state bytes, compute ms) of the cost model for this point (unchunked: no state)."""
-    from hf_cp.chunking import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms
+    from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms
 
     cost = cost_model()
     if chunk == 0:
@@ -291,7 +292,7 @@ def predicted_cp(length: int, mode: str, ranks: int = 2) -> float:
     """The cost model's step time of the sample on a CP group of `ranks`: its slowest member's
     compute and unhidden communication (the `cpu` profile's links are nominal, not measured)
     plus the micro-batch overhead."""
-    from hf_cp.shard import ShardMode
+    from hf_cp.modes.segments import ShardMode
 
     cost = cost_model()
     members = cost.distributed_rank_costs([length], ShardMode(mode), list(range(ranks)), range(ranks))

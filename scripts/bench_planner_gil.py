@@ -23,9 +23,9 @@ def main(argv=None) -> int:
     import torch
 
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel
-    from hf_cp.lengths import read_lengths, step_batches
+    from hf_cp.cost.model import CostModel
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.samples.lengths import read_lengths, step_batches
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=64)

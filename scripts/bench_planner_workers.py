@@ -19,10 +19,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel
-    from hf_cp.lengths import read_lengths
+    from hf_cp.cost.model import CostModel
+    from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.planning import GlobalBatchSampler, Planner
+    from hf_cp.samples.lengths import read_lengths
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))

@@ -13,7 +13,7 @@ Two tables, every number from the cost model the simulator uses (H200 profile, Q
 2. Whole steps. Balancers on: the outlier case (one 1,000,000-token document among chat
    samples at world 64), shared-prompt steps, a sliding-window setting, and the causal
    traces at world 64 on full steps (auto with and without the new solvers), as predicted
-   step time over the lower bound (hf_cp.sim.lower_bound_ms), bytes and planner CPU time.
+   step time over the lower bound (hf_cp.cost.simulate.lower_bound_ms), bytes and planner CPU time.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def masked_request(ids, lens, cluster, cost, masks, step=0):
 
 
 def shared_prompt_samples(traces: Path, name: str):
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.masks import SampleMask
 
     out = []
     for line in (traces / name).read_text().splitlines():
@@ -78,12 +78,12 @@ def pack(masks, capacity: int, count: int):
 
 def layout_table(cost, traces: Path, cps, window: int, micro_batches: int):
     """Table 1: rows of (workload, cp, layout, bytes, attention ms, total ms, area max/mean, kv windows)."""
-    from hf_cp.balance.layout import LayoutOptions, _candidates, choose_layout
-    from hf_cp.balance.magi import windows as magi_windows
-    from hf_cp.block_cost import block_group_costs
-    from hf_cp.block_plan import doc_slices
-    from hf_cp.masks import SampleMask, rect_pairs
-    from hf_cp.shard import rank_segments
+    from hf_cp.balance.toolkit.magi_dispatch import windows as magi_windows
+    from hf_cp.balance.toolkit.relayout import LayoutOptions, _candidates, choose_layout
+    from hf_cp.cost.blocks import block_group_costs
+    from hf_cp.modes.registry import rank_segments
+    from hf_cp.plan.block_layout import doc_slices
+    from hf_cp.samples.masks import SampleMask, rect_pairs
 
     L = cost.dims.num_layers
     longdoc = [int(x) for x in (traces / "longdoc_leval_multiturn.txt").read_text().split()]
@@ -208,7 +208,7 @@ def layout_acceptance(rows) -> List[str]:
 
 
 def outlier_step(world: int, traces: Path, seed: int = 0):
-    from hf_cp.lengths import read_lengths
+    from hf_cp.samples.lengths import read_lengths
 
     chat = read_lengths(traces / "chat_alpaca_eval_outputs.txt")
     rng = random.Random(seed)
@@ -222,10 +222,10 @@ def outlier_step(world: int, traces: Path, seed: int = 0):
 def step_table(cost_factory, traces: Path, balancers, steps: int, cap: int, tpr: int, window: int):
     """Table 2: rows of (workload, world, balancer, pred/LB, comm GB, plan CPU ms)."""
     from hf_cp.balance import get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.lengths import read_lengths, step_batches
-    from hf_cp.masks import SampleMask
-    from hf_cp.sim import lower_bound_ms, simulate
+    from hf_cp.cost.simulate import lower_bound_ms, simulate
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.samples.lengths import read_lengths, step_batches
+    from hf_cp.samples.masks import SampleMask
 
     ref_cost = cost_factory()
     cases = []  # (workload, world, [(ids, lens, masks)])
@@ -391,7 +391,7 @@ def write(path: Path, command: str, scenario: str, lrows, lacc, srows, sacc, loa
         "",
         "## Whole steps",
         "",
-        "*pred/LB*: predicted step time (hf_cp.sim.simulate) over the lower bound (hf_cp.sim.lower_bound_ms), summed "
+        "*pred/LB*: predicted step time (hf_cp.cost.simulate.simulate) over the lower bound (hf_cp.cost.simulate.lower_bound_ms), summed "
         "over the steps; *GB*: bytes sent per step; *plan CPU ms*: median planner CPU time per step. `auto (today's "
         "members)` is auto without dcp, magi, usp and libra_tap.",
         "",
@@ -408,7 +408,7 @@ def write(path: Path, command: str, scenario: str, lrows, lacc, srows, sacc, loa
 
 
 def solver_workloads(args, out: str, argv=None) -> int:
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
 
     traces = Path(args.traces_dir)
     command = "python scripts/bench_balancers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

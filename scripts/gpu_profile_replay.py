@@ -69,12 +69,12 @@ def main(argv=None) -> int:
     import torch
 
     from hf_cp.balance import PlanRequest, available_balancers, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
-    from hf_cp.lengths import read_lengths, step_batches
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.profiling import run_profile, write_profile
     from hf_cp.profiling.layers import DecoderStack
-    from hf_cp.replay import replay_plan
+    from hf_cp.profiling.replay import replay_plan
+    from hf_cp.samples.lengths import read_lengths, step_batches
 
     t0 = time.time()
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -11,7 +11,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 @pytest.fixture(scope="session")
 def h200_cost():
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
 
     return CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
 
@@ -53,6 +53,6 @@ def smol_tokenizer_dir(smol_tokenizer, tmp_path_factory):
 def world2_job(tmp_path_factory):
     """Every run of world2_job.world2_runs(), trained once per session by one torchrun job of
     two gloo processes: {name: spec with its output folder}."""
-    from world2_job import train_world2_runs
+    from helpers.world2_job import train_world2_runs
 
     return train_world2_runs(tmp_path_factory.mktemp("world2"))

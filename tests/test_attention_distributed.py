@@ -14,13 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from hf_cp.modes.registry import rank_segments
 from hf_cp.modes.ring import ring_bytes_per_layer
+from hf_cp.modes.segments import ShardMode
 from hf_cp.modes.ulysses import ulysses_bytes_per_layer
-from hf_cp.shard import ShardMode, rank_segments
 
 MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
 TOL = 1e-5
@@ -71,7 +72,7 @@ def reference_attention(q, k, v, lengths, scale):
 
 # ----------------------------------------------------------------------------- the worker
 def _cost_model(heads, kv_heads, head_dim):
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 
     dims = ModelDims(
         num_layers=1, hidden=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate=1

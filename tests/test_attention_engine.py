@@ -15,11 +15,11 @@ import math
 
 import pytest
 import torch
-from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from hf_cp.masks import AttnSlice, SampleMask, SliceKind
+from hf_cp.samples.masks import AttnSlice, SampleMask, SliceKind
 
 TOL = 1e-5
 
@@ -61,7 +61,7 @@ def spec_length(spec):
 
 # ----------------------------------------------------------------------------- the worker
 def _layouts(lengths, slices, g, heads, seed, names):
-    from hf_cp.block_plan import (
+    from hf_cp.plan.block_layout import (
         all_remote_layout,
         contiguous_layout,
         per_doc_layout,
@@ -84,13 +84,14 @@ def _layouts(lengths, slices, g, heads, seed, names):
 
 def _worker(rank, world, cases):
     import torch.distributed as dist
-    from mask_reference import packed_dense_mask, reference_attention
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_attention
     from hf_cp.attention.dispatch import layer_slices
-    from hf_cp.block_cost import exchange_bytes
-    from hf_cp.block_plan import causal_slices, layer_exchange
-    from hf_cp.shard import ShardMode, rank_segments
+    from hf_cp.cost.blocks import exchange_bytes
+    from hf_cp.modes.registry import rank_segments
+    from hf_cp.modes.segments import ShardMode
+    from hf_cp.plan.block_layout import causal_slices, layer_exchange
 
     group = process_group(list(range(world)))
     results = []

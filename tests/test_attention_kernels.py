@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import check_kernel
+from helpers.kernel_checks import check_kernel
 
 from hf_cp.attention.kernels import CpuFlashKernel, MathKernel, kernel_for
 

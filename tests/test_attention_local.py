@@ -23,7 +23,8 @@ from hf_cp.attention import (
 )
 from hf_cp.attention.blocks import block_pairs, range_pair_blocks
 from hf_cp.attention.kernels import CpuFlashKernel
-from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode, doc_pairs, rank_segments
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode, doc_pairs
 
 
 def _dense(blocks, n_q, n_k):
@@ -276,7 +277,7 @@ MASK_KINDS = st.one_of(
 
 
 def _mask(spec, n):
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.masks import SampleMask
 
     if spec is None:
         return None
@@ -290,7 +291,7 @@ def _mask(spec, n):
 
 @st.composite
 def masked_docs(draw, max_len=30):
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.masks import SampleMask
 
     lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=4))
     masks = [_mask(draw(MASK_KINDS), n) for n in lengths]
@@ -306,10 +307,10 @@ def masked_docs(draw, max_len=30):
 def test_masked_blocks_compute_each_attended_pair_once(docs, window, data):
     """Any rectangle of any masked document (under a layer window) as kernel blocks: each
     attended pair exactly once, causal and inverse-causal blocks square."""
-    from mask_reference import dense_mask
+    from helpers.mask_reference import dense_mask
 
     from hf_cp.attention.blocks import masked_range_blocks
-    from hf_cp.masks import SampleMask, window_slices
+    from hf_cp.samples.masks import SampleMask, window_slices
 
     lengths, masks = docs
     d = data.draw(st.integers(0, len(lengths) - 1))
@@ -340,8 +341,8 @@ def test_masked_blocks_compute_each_attended_pair_once(docs, window, data):
     seed=st.integers(0, 1000),
 )
 def test_packed_attention_under_masks_window_and_sinks_matches_dense_reference(docs, window, heads, sinks, seed):
-    from mask_reference import packed_dense_mask
-    from mask_reference import reference_attention as dense_reference
+    from helpers.mask_reference import packed_dense_mask
+    from helpers.mask_reference import reference_attention as dense_reference
 
     from hf_cp.attention.dispatch import layer_slices
 
@@ -391,8 +392,8 @@ def test_sinks_change_the_output_and_a_window_drops_far_keys():
 def test_engine_on_one_member_runs_locally(layout):
     """A one-member block layout needs no process group and equals packed attention."""
     from hf_cp.attention.engine import EngineSpec, engine_attention
-    from hf_cp.block_plan import contiguous_layout, doc_slices, random_layout
-    from hf_cp.masks import SampleMask
+    from hf_cp.plan.block_layout import contiguous_layout, doc_slices, random_layout
+    from hf_cp.samples.masks import SampleMask
 
     lengths = [9, 14]
     masks = [None, SampleMask.shared_prompt(4, [6, 4])]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from test_attention_distributed import _expected_bytes, group_documents, member_rows
 
-from hf_cp.shard import ShardMode
+from hf_cp.modes.segments import ShardMode
 
 TOL = 1e-5
 
@@ -88,7 +88,7 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
     import torch.distributed as dist
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 
     groups = layout["groups_ranks"]
     pgs = [process_group(g) for g in groups]

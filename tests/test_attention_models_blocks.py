@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from test_attention_engine import make_mask, spec_length
 
 TOL = 1e-5
@@ -94,7 +94,7 @@ def _loss_sum(logits, targets):
 
 def reference_sample(model, mask, n, ids, tgt, n_valid):
     """Logits [n, V] of one sample by the reference rules above; backpropagates loss / n_valid."""
-    from mask_reference import dense_mask
+    from helpers.mask_reference import dense_mask
 
     if mask is None:
         logits = model(input_ids=ids[None]).logits[0]
@@ -135,8 +135,9 @@ def _worker(rank, world, model_name, case, placements):
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
     from hf_cp.attention.dispatch import layer_slices
-    from hf_cp.block_cost import exchange_bytes
-    from hf_cp.block_plan import (
+    from hf_cp.cost.blocks import exchange_bytes
+    from hf_cp.modes.segments import ShardMode
+    from hf_cp.plan.block_layout import (
         all_remote_layout,
         causal_slices,
         contiguous_layout,
@@ -144,7 +145,6 @@ def _worker(rank, world, model_name, case, placements):
         layer_exchange,
         random_layout,
     )
-    from hf_cp.shard import ShardMode
 
     group = process_group(list(range(world)))
     specs = list(case["distributed"]) + [s for mem in case["locals"] for s in mem]

@@ -11,9 +11,9 @@ import pytest
 from test_chunking import toy_cost
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, get_balancer
-from hf_cp.balance.sample_limit import check_sample_lengths, chunk_fits, sample_token_limit
-from hf_cp.chunking import chunked_sample_cost, dependent_chunk_sizes
-from hf_cp.cluster import ClusterSpec
+from hf_cp.balance.toolkit.sample_limit import check_sample_lengths, chunk_fits, sample_token_limit
+from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
+from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning.predict import plan_and_predict
 from hf_cp.planning.sampler import GlobalBatchSampler
 from hf_cp.planning.worker import Planner

@@ -1,8 +1,8 @@
 import pytest
 
 from hf_cp.balance import PlanRequest, auto_member_balancers, get_balancer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import charged_lower_bound_ms, simulate
+from hf_cp.cost.simulate import charged_lower_bound_ms, simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 
 def request(lengths, world, cost, cap=32768):
@@ -69,7 +69,7 @@ def test_skips_a_member_whose_bound_cannot_win(h200_cost):
 
 
 def test_plans_are_identical_across_fresh_instances_and_cost_models(h200_cost):
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
 
     req = request(LONG_TAIL, 16, h200_cost)
     a = get_balancer("auto").plan(req)

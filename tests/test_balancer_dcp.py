@@ -6,26 +6,23 @@ import random
 import time
 
 import pytest
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
-from hf_cp.balance import PlanRequest, get_balancer, hypergraph
-from hf_cp.balance.dcp import (
-    DcpError,
-    DcpOptions,
-    Weights,
-    covering_block,
-    cut_sample,
-    division_overlap_ms,
-    plan_layout,
-    schedule_divisions,
-)
-from hf_cp.balance.placement import BlockPlacement, Chunk, ComputeBlock, sample_slices
-from hf_cp.block_cost import received_token_equivalent
-from hf_cp.cluster import ClusterSpec
-from hf_cp.masks import SampleMask
-from hf_cp.shard import ShardMode, rank_segments, segment_tokens
-from hf_cp.sim import lower_bound_ms, simulate
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.balancers.dcp import hypergraph
+from hf_cp.balance.balancers.dcp.divisions import division_overlap_ms, schedule_divisions
+from hf_cp.balance.balancers.dcp.layout import plan_layout
+from hf_cp.balance.balancers.dcp.options import DcpError, DcpOptions
+from hf_cp.balance.balancers.dcp.placement import covering_block
+from hf_cp.balance.balancers.dcp.weights import Weights, cut_sample
+from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, sample_slices
+from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.plan.block_layout import received_token_equivalent
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.masks import SampleMask
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
 

@@ -6,10 +6,11 @@ import time
 
 import pytest
 
-from hf_cp.balance import PlanRequest, flexsp, get_balancer
-from hf_cp.balance.deadline import DeadlinePassed, SolverWorker, deadlines_enforceable
-from hf_cp.cluster import ClusterSpec
-from hf_cp.plan import StepPlan
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.balancers import flexsp
+from hf_cp.balance.toolkit.deadline import DeadlinePassed, SolverWorker, deadlines_enforceable
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import StepPlan
 
 pytestmark = pytest.mark.skipif(not deadlines_enforceable(), reason="needs fork to kill a solver worker")
 

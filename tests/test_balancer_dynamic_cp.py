@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.costs import cost_memo
-from hf_cp.balance.dynamic_cp import balance_sizes, memory_min_sizes
-from hf_cp.cluster import ClusterSpec
-from hf_cp.lengths import read_lengths, step_batches
-from hf_cp.sim import lower_bound_ms, simulate
+from hf_cp.balance.toolkit.cp_candidates import balance_sizes, memory_min_sizes
+from hf_cp.balance.toolkit.costs import cost_memo
+from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.lengths import read_lengths, step_batches
 
 
 def request(lengths, world, cost, cap=32768):
@@ -88,7 +88,7 @@ def test_bad_options_are_named():
 def test_improve_max_load_lowers_the_heaviest_bin_and_keeps_every_item():
     import numpy as np
 
-    from hf_cp.balance.assign import improve_max_load, lpt_assign
+    from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
 
     rng = np.random.default_rng(5)
     w = np.concatenate([rng.uniform(400, 900, 40), rng.uniform(1, 50, 200)])
@@ -106,11 +106,11 @@ def test_improve_max_load_lowers_the_heaviest_bin_and_keeps_every_item():
 
 
 def test_refinement_closes_lpt_gaps_of_coarse_steps(h200_cost, traces_dir):
-    from hf_cp.lengths import read_lengths
+    from hf_cp.samples.lengths import read_lengths
 
     lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:400]  # ~6 long documents per rank
     req = PlanRequest(range(len(lengths)), lengths, ClusterSpec(64, 32768), h200_cost, dataset_max_length=max(lengths))
-    from hf_cp.sim import lower_bound_ms, simulate
+    from hf_cp.cost.simulate import lower_bound_ms, simulate
 
     lb = lower_bound_ms(lengths, req.cluster, h200_cost)
     coarse = simulate(get_balancer("dynamic_cp", refine_candidates=0).plan(req), h200_cost).makespan_ms

@@ -2,10 +2,11 @@ import sys
 
 import pytest
 
-from hf_cp.balance import PlanRequest, flexsp, get_balancer
-from hf_cp.balance.costs import cost_memo
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import lower_bound_ms, simulate
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.balancers import flexsp
+from hf_cp.balance.toolkit.costs import cost_memo
+from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 
 def request(lengths, world, cost, cap=32768):
@@ -94,7 +95,7 @@ def test_milp_prints_nothing():
 
     script = (
         "import highspy\n"
-        "from hf_cp.balance.flexsp import quiet_highs\n"
+        "from hf_cp.balance.balancers.flexsp import quiet_highs\n"
         "h = quiet_highs(); h2 = quiet_highs()\n"
         "h.addVar(0.0, 1.0)\n"
         "h.run()\n"

@@ -1,15 +1,15 @@
 import numpy as np
 import pytest
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.assign import group_indices
-from hf_cp.balance.libra import vrsp
-from hf_cp.balance.packing import lookahead_pack
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import simulate
+from hf_cp.balance.balancers.libra import vrsp
+from hf_cp.balance.toolkit.assign import group_indices
+from hf_cp.balance.toolkit.packing import lookahead_pack
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,13 +7,12 @@ import random
 
 import numpy as np
 import pytest
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.layout import LayoutOptions, _candidates, choose_layout
-from hf_cp.balance.magi import (
+from hf_cp.balance.toolkit.magi_dispatch import (
     area_bound,
     equal_count,
     exact_dispatch,
@@ -24,13 +23,15 @@ from hf_cp.balance.magi import (
     windows,
     zigzag_placement,
 )
-from hf_cp.balance.placement import sample_slices
-from hf_cp.block_cost import block_group_costs
-from hf_cp.block_plan import BlockLayoutError
-from hf_cp.cluster import ClusterSpec
-from hf_cp.masks import SampleMask
-from hf_cp.shard import ShardMode, rank_segments, segment_tokens
-from hf_cp.sim import simulate
+from hf_cp.balance.toolkit.placement import sample_slices
+from hf_cp.balance.toolkit.relayout import LayoutOptions, _candidates, choose_layout
+from hf_cp.cost.blocks import block_group_costs
+from hf_cp.cost.simulate import simulate
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.plan.block_layout import BlockLayoutError
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.masks import SampleMask
 
 
 # ---------------------------------------------------------------------- reference cases

@@ -3,8 +3,8 @@ import sys
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import simulate
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 # megatron-core warns on import that Transformer Engine / Apex are missing (CPU): expected here
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
@@ -26,7 +26,7 @@ def test_missing_megatron_core_names_the_extra(monkeypatch):
 
 
 def test_plan_follows_megatrons_own_schedule(h200_cost):
-    from hf_cp.balance.megatron import megatron_rounds
+    from hf_cp.balance.balancers.megatron import megatron_rounds
 
     req = request(LENGTHS, 16, h200_cost)
     rounds = megatron_rounds(req)

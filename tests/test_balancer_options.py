@@ -3,7 +3,7 @@ join `auto` only when they ask."""
 
 import pytest
 
-import hf_cp.balance as balance
+import hf_cp.balance.registry as balance  # the registry module: its private tables are restored after each test
 from hf_cp.balance import (
     BalancerOptionError,
     PlanRequest,
@@ -15,8 +15,8 @@ from hf_cp.balance import (
     parse_assignments,
     register_balancer,
 )
-from hf_cp.cluster import ClusterSpec
-from hf_cp.plan import Group, Wave
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, Wave
 
 BUILT_IN = ("auto", "dynamic_cp", "flexsp", "libra", "megatron", "skrull", "static", "wlb")
 

@@ -3,14 +3,14 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from plan_gen import random_valid_plan
+from helpers.plan_gen import random_valid_plan
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.bounds import BoundCache, blocks_bound_ms, fixed_size_bound_ms
-from hf_cp.balance.pricing import PlanPricer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel
-from hf_cp.sim import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.balance.toolkit.bounds import BoundCache, blocks_bound_ms, fixed_size_bound_ms
+from hf_cp.balance.toolkit.pricing import PlanPricer
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 
@@ -53,7 +53,7 @@ def test_pricer_equals_simulate_on_random_valid_plans(h200_cost, lengths, seed, 
 
 @pytest.mark.parametrize("name", ["static", "wlb", "skrull", "dynamic_cp", "libra", "flexsp"])
 def test_pricer_equals_simulate_on_balancer_plans(h200_cost, traces_dir, name):
-    from hf_cp.lengths import read_lengths
+    from hf_cp.samples.lengths import read_lengths
 
     lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:120]
     cl = ClusterSpec(16, 32768)
@@ -65,7 +65,7 @@ def test_pricer_equals_simulate_on_balancer_plans(h200_cost, traces_dir, name):
 @pytest.mark.parametrize("spread_stragglers", [True, False])
 def test_pricer_equals_simulate_on_chunkflow_plans_mixing_chunks_and_cp(h200_cost, traces_dir, spread_stragglers):
     # the pricer's cost-model path (plans with chunked samples): every rank ends where the simulator says
-    from hf_cp.lengths import read_lengths
+    from hf_cp.samples.lengths import read_lengths
 
     lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:120] + [100_000, 60_000]
     cl = ClusterSpec(16, 32768)
@@ -110,7 +110,7 @@ def test_member_bounds_never_exceed_the_members_plan(h200_cost, name, case, data
 def test_charged_bound_never_exceeds_per_document_and_local_plans(h200_cost, case, seed):
     """The charged bound holds for every plan whose distributed samples are per-document
     sharded: random valid plans restricted to that mode, and dynamic_cp's and flexsp's."""
-    from hf_cp.shard import ShardMode
+    from hf_cp.modes.segments import ShardMode
 
     cluster, lengths = case
     plan = random_valid_plan(lengths, cluster, seed, lambda g: False)
@@ -154,10 +154,10 @@ def test_blocks_bound_is_the_pigeonhole_of_the_heaviest_samples():
 
 
 def test_pricer_hands_masked_samples_and_other_modes_to_the_cost_model(h200_cost):
-    from hf_cp.block_plan import all_remote_layout, doc_slices, zigzag_layout
-    from hf_cp.masks import SampleMask
-    from hf_cp.plan import Group, StepPlan, Wave
-    from hf_cp.shard import ShardMode
+    from hf_cp.modes.segments import ShardMode
+    from hf_cp.plan.block_layout import all_remote_layout, doc_slices, zigzag_layout
+    from hf_cp.plan.step_plan import Group, StepPlan, Wave
+    from hf_cp.samples.masks import SampleMask
 
     lengths = [30000, 12000, 5000, 700]
     masks = {1: SampleMask.shared_prompt(2000, [2500] * 4)}
@@ -191,7 +191,7 @@ def test_pricer_follows_the_execution_and_the_cp_attention_scale(
     # CP groups: the attention scale and the exchange's per-message cost
     from dataclasses import replace
 
-    from hf_cp.execution import execution_named
+    from hf_cp.cost.execution import execution_named
 
     profile = replace(
         h200_cost.profile,

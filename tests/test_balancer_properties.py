@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, available_balancers, get_balancer
-from hf_cp.cluster import ClusterSpec
+from hf_cp.plan.cluster import ClusterSpec
 
 # megatron-core warns on import that Transformer Engine / Apex are missing (CPU): expected here
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")

@@ -1,13 +1,13 @@
 import numpy as np
 import pytest
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.costs import cost_memo
-from hf_cp.balance.skrull import Dacp, interleave_micro_batches
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import simulate
+from hf_cp.balance.balancers.skrull import Dacp, interleave_micro_batches
+from hf_cp.balance.toolkit.costs import cost_memo
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -58,14 +58,15 @@ def test_dacp_rolls_back_a_local_to_make_room_for_a_distributed_share(h200_cost)
 
 
 def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
-    from hf_cp.shard import ShardMode, rank_segments, segment_tokens
+    from hf_cp.modes.registry import rank_segments
+    from hf_cp.modes.segments import ShardMode, segment_tokens
 
     memo = cost_memo(h200_cost)
     for n in (1, 5, 63, 64, 65, 1000, 4097):
         for g in (1, 2, 4, 32):
             expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
             assert list(memo.per_doc_member_tokens(n, g)) == expect
-    from hf_cp.balance.ring_layout import member_tokens
+    from hf_cp.balance.toolkit.ring_layout import member_tokens
 
     docs = [5, 700, 33, 1]
     for g in (1, 2, 8):
@@ -78,8 +79,9 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
     # the planners' cheaper paths must give the cost model's numbers exactly (plans depend on them)
     import random
 
-    from hf_cp.cost import _segments_builder
-    from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode, rank_segments
+    from hf_cp.cost.model import _segments_builder
+    from hf_cp.modes.registry import rank_segments
+    from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode
 
     rng = random.Random(0)
     for _ in range(300):
@@ -103,8 +105,8 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
 def test_ring_mode_choice_equals_predicting_every_zigzag_member(h200_cost):
     import random
 
-    from hf_cp.balance.ring_layout import ring_mode_and_ms
-    from hf_cp.shard import ShardMode
+    from hf_cp.balance.toolkit.ring_layout import ring_mode_and_ms
+    from hf_cp.modes.segments import ShardMode
 
     rng = random.Random(1)
     chosen = set()

@@ -5,16 +5,16 @@ tiles prefer the worker that owns their queries or already holds their keys."""
 import random
 
 import pytest
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.placement import sample_slices
-from hf_cp.balance.tap import TapOptions, linear_ms, place_tiles, pool_chunks, tap_pool, tile_ms
-from hf_cp.cluster import ClusterSpec
-from hf_cp.masks import SampleMask
-from hf_cp.shard import ShardMode
-from hf_cp.sim import simulate
+from hf_cp.balance.balancers.tap import TapOptions, linear_ms, place_tiles, pool_chunks, tap_pool, tile_ms
+from hf_cp.balance.toolkit.placement import sample_slices
+from hf_cp.cost.simulate import simulate
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.masks import SampleMask
 
 
 def placement_loads(cost, pl, lengths, base):

@@ -4,9 +4,9 @@ and the ring across positions, with u = g being Ulysses and u = 1 a ring placeme
 
 import pytest
 
-from hf_cp.balance.placement import sample_slices
-from hf_cp.balance.usp import usp_factorisations, usp_placement
-from hf_cp.masks import SampleMask
+from hf_cp.balance.toolkit.placement import sample_slices
+from hf_cp.balance.toolkit.usp_layout import usp_factorisations, usp_placement
+from hf_cp.samples.masks import SampleMask
 
 MASKS = [SampleMask.causal(301), SampleMask.shared_prompt(17, [40, 33, 61]), SampleMask.sliding_window(190, 24)]
 LENS = [m.length for m in MASKS]
@@ -51,9 +51,9 @@ def test_a_group_spanning_nodes_prices_each_link_level_with_its_own_bytes(h200_c
     and each member's communication costs exactly its bytes on NVLink, not on the inter-node
     link a single link level for the group would charge (block_cost's link levels, which USP's
     placement relies on: its head exchange stays inside a node, its ring crosses nodes)."""
-    from hf_cp.balance.placement import BlockPlacement, Chunk, add_compute_blocks
-    from hf_cp.block_cost import _transfer_ms, block_group_costs, exchange_bytes, exchange_phases
-    from hf_cp.block_plan import doc_slices, layer_exchange
+    from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks
+    from hf_cp.cost.blocks import _transfer_ms, block_group_costs, exchange_bytes, exchange_phases
+    from hf_cp.plan.block_layout import doc_slices, layer_exchange
 
     lens = [64_000, 64_000]
     pl = BlockPlacement(16, h200_cost.dims.num_heads)

@@ -1,11 +1,11 @@
 import numpy as np
-from balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.wlb import workload_greedy
-from hf_cp.cluster import ClusterSpec
-from hf_cp.sim import simulate
+from hf_cp.balance.balancers.wlb import workload_greedy
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -78,8 +78,8 @@ def test_a_small_step_at_a_large_world_is_not_shredded_over_one_huge_group(h200_
     mean rank's share, which on a small step at 512 ranks is tiny: every short document went
     over one 512-rank group, balanced (max/mean 1.000) and 19-65x the bound. The size now
     stops where doubling no longer lowers the bound on plans of that size."""
-    from hf_cp.lengths import read_lengths
-    from hf_cp.sim import charged_lower_bound_ms
+    from hf_cp.cost.simulate import charged_lower_bound_ms
+    from hf_cp.samples.lengths import read_lengths
 
     lengths = read_lengths(traces_dir / "chat_lmsys_chat1m_191conv.txt")  # 191 samples, one partial step
     cl = ClusterSpec(512, 32768, gpus_per_node=8)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hf_cp.lengths import read_lengths, step_batches
+from hf_cp.samples.lengths import read_lengths, step_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from hf_cp.block_cost import (
-    block_group_costs,
-    default_layout,
-    exchange_bytes,
-    masked_doc_pairs,
-    plan_exchange,
-    ring_zigzag_group_bytes,
-)
-from hf_cp.block_plan import all_remote_layout, contiguous_layout, doc_slices, layer_exchange, zigzag_layout
-from hf_cp.cluster import ClusterSpec
-from hf_cp.masks import SampleMask
-from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.shard import ShardMode
-from hf_cp.sim import lower_bound_ms, simulate
+from hf_cp.cost.blocks import block_group_costs, default_layout, exchange_bytes
+from hf_cp.cost.exchange import plan_exchange, ring_zigzag_group_bytes
+from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.modes.segments import ShardMode, masked_doc_pairs
+from hf_cp.plan.block_layout import all_remote_layout, contiguous_layout, doc_slices, layer_exchange, zigzag_layout
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
+from hf_cp.samples.masks import SampleMask
 
 
 def _linear(cost, tokens):

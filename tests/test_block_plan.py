@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.block_plan import (
+from hf_cp.modes.ring import per_doc_segments, zigzag_segments
+from hf_cp.modes.segments import ShardMode
+from hf_cp.modes.ulysses import contiguous_segments
+from hf_cp.plan.block_layout import (
     BlockLayout,
     BlockLayoutError,
     Chunk,
@@ -25,12 +28,9 @@ from hf_cp.block_plan import (
     ulysses_layout,
     zigzag_layout,
 )
-from hf_cp.cluster import ClusterSpec
-from hf_cp.masks import SampleMask, rect_pairs
-from hf_cp.modes.ring import per_doc_segments, zigzag_segments
-from hf_cp.modes.ulysses import contiguous_segments
-from hf_cp.plan import Group, PlanError, StepPlan, Wave
-from hf_cp.shard import ShardMode
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
+from hf_cp.samples.masks import SampleMask, rect_pairs
 
 MASKS = st.one_of(
     st.none(),
@@ -216,7 +216,7 @@ def test_validate_checks_heads_against_the_model_and_needs_a_layout(h200_cost):
 def test_memory_cap_counts_received_kv_and_q_rows(h200_cost):
     """A member running every block receives the other members' K/V and Q: its rows plus those
     (weighted by their bytes against a token's activations) must fit the cap."""
-    from hf_cp.block_cost import received_token_equivalent
+    from hf_cp.plan.block_layout import received_token_equivalent
 
     n = 64 * 1024
     lay = contiguous_layout([n], 4, 28)
@@ -240,7 +240,7 @@ def test_masks_in_a_plan_are_checked_against_the_samples():
 
 
 def test_malformed_layout_json_and_a_layout_for_another_mask_are_refused():
-    from hf_cp.block_plan import layer_exchange
+    from hf_cp.plan.block_layout import layer_exchange
 
     with pytest.raises(BlockLayoutError, match=r"chunks are \[doc, start, length, owner\]"):
         BlockLayout.from_dict({"chunks": [[0, 0, 1]], "compute": []})
@@ -259,6 +259,6 @@ def test_a_layout_on_a_group_of_another_mode_is_refused():
     with pytest.raises(PlanError, match="a block layout is given but the mode is 'ring_zigzag'"):
         p.validate()
     with pytest.raises(ValueError, match="places chunks explicitly"):
-        from hf_cp.shard import rank_segments
+        from hf_cp.modes.registry import rank_segments
 
         rank_segments(ShardMode.BLOCKS, [40], 4, 0)

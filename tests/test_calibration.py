@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel, HardwareProfile, ModelDims
-from hf_cp.execution import execution_for_run, execution_named
-from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.cost.execution import execution_for_run, execution_named
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.planning import GlobalBatchSampler, Planner
 from hf_cp.planning.calibration import (
     CalibrationSettings,
@@ -29,7 +30,6 @@ from hf_cp.planning.calibration import (
     rank_features,
 )
 from hf_cp.planning.profile_check import profile_mismatches, profile_warning
-from hf_cp.sim import simulate
 
 TINY = ModelDims.load("tiny-llama")
 CPU = HardwareProfile.load("cpu")
@@ -284,8 +284,8 @@ def test_zero2_charges_a_reduction_per_chunk_backward_and_the_padding_micro_batc
     # rank 0 runs one sample as 3 dependent chunks (3 backward passes), rank 1 one short sample.
     # ZeRO-2 reduces in every backward: rank 1 pads with 2 dummies, plus one more on the last wave
     # (the accumulation boundary falls on a padding micro-batch), so 4 reductions end the wave
-    from hf_cp.chunking import chunked_sample_cost
-    from hf_cp.plan import ChunkedSample
+    from hf_cp.plan.chunks import chunked_sample_cost
+    from hf_cp.plan.step_plan import ChunkedSample
 
     lengths = [3000, 500]
     plan = StepPlan(
@@ -322,7 +322,7 @@ def test_zero2_charges_a_reduction_per_chunk_backward_and_the_padding_micro_batc
     hidden = max(0.0, all_reduce - 7.0 - chain * 2 / 3)
     assert d.makespan_ms == pytest.approx(max(chain + dummy, b + 3 * dummy) + hidden + 7.0 + 11.0)
     # the pricer follows the same rule
-    from hf_cp.balance.pricing import PlanPricer
+    from hf_cp.balance.toolkit.pricing import PlanPricer
 
     for cost in (CostModel(TINY, prof, execution_named("zero2")), CostModel(TINY, prof, execution_named("ddp"))):
         assert PlanPricer(cost).makespan_ms(plan) == pytest.approx(simulate(plan, cost).makespan_ms, rel=1e-12)

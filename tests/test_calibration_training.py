@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost import HardwareProfile
+from hf_cp.cost.model import HardwareProfile
 
 ROOT = Path(__file__).resolve().parent.parent
 

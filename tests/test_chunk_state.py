@@ -16,7 +16,7 @@ from hf_cp.attention.chunk_state import (
     chunk_attention,
     chunk_context,
 )
-from hf_cp.chunking import chunk_starts, dependent_chunk_sizes
+from hf_cp.plan.chunks import chunk_starts, dependent_chunk_sizes
 
 H, HKV, D = 4, 2, 8
 SCALE = D**-0.5

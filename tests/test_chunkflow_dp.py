@@ -4,7 +4,7 @@ loss equal the single-process reference of the whole global batch (what CPTraine
 
 import pytest
 import torch
-from attention_pool import pools  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import pools  # noqa: F401  (pools: fixture)
 from test_chunkflow_executor import grad_errors, reference, sample
 
 TOL = 1e-5
@@ -16,9 +16,9 @@ def _dp_worker(rank, world, model_name, lengths, cap, keep):
     from test_attention_models import build_model
 
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.chunking import dependent_chunk_sizes
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.plan.chunks import dependent_chunk_sizes
+    from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.train.chunkflow import run_chunked_sample, sample_chunks
 
     model = build_model(model_name, "hf_cp")

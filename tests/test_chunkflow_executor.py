@@ -11,7 +11,7 @@ from test_attention_models import CONFIGS, build_model, packed_batch
 
 from hf_cp.attention.chunk_state import ChunkStateStore
 from hf_cp.attention.context import CPContext, cp_context
-from hf_cp.chunking import dependent_chunk_sizes
+from hf_cp.plan.chunks import dependent_chunk_sizes
 from hf_cp.train.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks, token_loss
 from hf_cp.train.loss import chunkable_head
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.chunking import (
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.chunks import (
     ChunkPlan,
     ChunkPlanError,
     DependentSample,
@@ -18,7 +19,6 @@ from hf_cp.chunking import (
     standalone_chunk_ms,
     state_bytes,
 )
-from hf_cp.cost import CostModel, HardwareProfile, ModelDims
 
 DIMS = ModelDims(num_layers=2, hidden=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate=16)
 

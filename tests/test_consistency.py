@@ -1,13 +1,13 @@
 import time
 
-from dist_utils import run_distributed
+from helpers.dist_utils import run_distributed
 
 
 def _agree(rank, world, divergent_rank):
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.consistency import assert_plans_agree
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.train.consistency import assert_plans_agree
 
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     lengths = [100, 2000, 40000, 7, 300]
@@ -34,7 +34,7 @@ def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error():
 
 
 def _data(rank, world, odd_rank):
-    from hf_cp.consistency import assert_data_agrees
+    from hf_cp.train.consistency import assert_data_agrees
 
     assert_data_agrees("ab" * 32 if rank != odd_rank else "cd" * 32, "training data")
 
@@ -49,7 +49,7 @@ def test_ranks_with_other_data_fail_at_start_naming_them():
 
 
 def _groups(rank, world):
-    from hf_cp.cluster import ClusterSpec
+    from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.train.groups import CPGroups
 
     groups = CPGroups(ClusterSpec(world_size=world, max_tokens_per_rank=1024))
@@ -76,7 +76,7 @@ def test_cp_groups_carry_names_that_nccl_timeouts_print():
 
 
 def _payload(rank, world):
-    from hf_cp.consistency import agree_on_step
+    from hf_cp.train.consistency import agree_on_step
 
     # every rank offers its own numbers (a fit whose last bits differ); all adopt rank 0's
     flagged, adopted = agree_on_step("ab" * 8, 3, flag=rank == 1, payload=[1.0 + rank * 1e-12, 2.5e-7, -3.0])
@@ -92,9 +92,9 @@ def test_the_agreement_carries_rank_zeros_payload_to_every_rank():
 
 def _adopt(rank, world, adopt):
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.consistency import agree_on_plan
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.train.consistency import agree_on_plan
 
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)
@@ -107,7 +107,7 @@ def _adopt(rank, world, adopt):
 
 
 def test_timing_dependent_plans_adopt_the_first_ranks_plan_and_others_still_fail():
-    from hf_cp.plan import StepPlan
+    from hf_cp.plan.step_plan import StepPlan
 
     res = run_distributed(_adopt, 2, True, timeout_s=90)
     assert all(status == "ok" for status, _ in res.values()), res

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from hf_cp.cost import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.model import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.modes.segments import ShardMode
 from hf_cp.modes.ulysses import ulysses_bytes_per_layer
-from hf_cp.shard import ShardMode
 
 
 def test_h200_profile_reproduces_calibration_fit(h200_cost):
@@ -99,9 +99,9 @@ def test_cp_message_ms_charges_every_exchange_message_of_a_group_unhidden():
     members' rendezvous and ring steps at every layer), which attention does not hide."""
     from dataclasses import replace
 
-    from hf_cp.block_cost import block_group_costs
-    from hf_cp.block_plan import zigzag_layout
-    from hf_cp.modes import mode_spec
+    from hf_cp.cost.blocks import block_group_costs
+    from hf_cp.modes.registry import mode_spec
+    from hf_cp.plan.block_layout import zigzag_layout
 
     dims = ModelDims.load("tiny-llama")
     base = CostModel(dims, HardwareProfile.load("cpu"))
@@ -135,7 +135,7 @@ def test_model_state_bytes_follow_the_run_not_the_profile():
     precision and the world size, or the fp32 states of a run without DeepSpeed."""
     from types import SimpleNamespace
 
-    from hf_cp.execution import model_state_bytes_per_parameter as per_param
+    from hf_cp.cost.execution import model_state_bytes_per_parameter as per_param
     from hf_cp.planning.setup import PlanningSettings, planning_setup
 
     assert per_param(False, 0, True, 8) == 16.0  # autocast: fp32 params, grads, Adam moments

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import check_kernel
+from helpers.kernel_checks import check_kernel
 
 from hf_cp.attention.kernels import kernel_for
 
@@ -156,11 +156,11 @@ def test_packed_model_on_the_device_matches_each_document_alone_in_float64(preci
 # ----------------------------------------------------------------------------- masks, engine, chunks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_masked_packed_attention_with_window_and_sinks_on_the_device(dtype):
-    from mask_reference import packed_dense_mask, reference_attention
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     from hf_cp.attention import packed_attention
     from hf_cp.attention.dispatch import layer_slices
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.masks import SampleMask
 
     lengths = [150, 90, 260]
     masks = [None, SampleMask.shared_prompt(30, [20, 25, 15]), SampleMask.block_causal(260, 64)]
@@ -186,11 +186,11 @@ def _rel(a, r) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_engine_one_rank_path_on_the_device(dtype):
-    from mask_reference import packed_dense_mask, reference_attention
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     from hf_cp.attention.engine import EngineSpec, engine_attention
-    from hf_cp.block_plan import doc_slices, random_layout
-    from hf_cp.masks import SampleMask
+    from hf_cp.plan.block_layout import doc_slices, random_layout
+    from hf_cp.samples.masks import SampleMask
 
     lengths = [300, 140]
     masks = [None, SampleMask.shared_prompt(40, [60, 40])]
@@ -216,7 +216,7 @@ def test_block_engine_one_rank_path_on_the_device(dtype):
 def test_chunkflow_chunk_attention_on_the_device(dtype):
     from test_chunk_state import dense_reference, leaves, run_chunked, tensors
 
-    from hf_cp.chunking import dependent_chunk_sizes
+    from hf_cp.plan.chunks import dependent_chunk_sizes
 
     n = 700
     q, k, v, w = tensors(n, seed=3)

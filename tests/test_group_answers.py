@@ -11,9 +11,9 @@ from hf_cp.cli import main
 from hf_cp.data_prep import preprocess
 from hf_cp.data_prep.encode import EncodeError
 from hf_cp.data_prep.group_answers import truncate_group
-from hf_cp.mask_column import MASK_COLUMN, decode_mask
-from hf_cp.masks import SampleMask
-from hf_cp.sample_targets import sample_targets
+from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask
+from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.targets import sample_targets
 from hf_cp.train.columns import read_token_columns
 
 IGNORE = -100

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness.models import synthetic_rows
-from tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+from helpers.harness.models import synthetic_rows
+from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

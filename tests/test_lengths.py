@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.lengths import LengthsError, read_lengths, step_batches
+from hf_cp.samples.lengths import LengthsError, read_lengths, step_batches
 
 
 @settings(max_examples=50, deadline=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness.models import tiny_model
+from helpers.harness.models import tiny_model
 
 from hf_cp.train.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 

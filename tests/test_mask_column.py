@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hf_cp.mask_column import MASK_COLUMN, decode_mask, decode_mask_column, encode_mask
-from hf_cp.masks import AttnSlice, MaskError, SampleMask
+from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask, decode_mask_column, encode_mask
+from hf_cp.samples.masks import AttnSlice, MaskError, SampleMask
 from hf_cp.train.columns import read_token_columns
 
 MASKS = [

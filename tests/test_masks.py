@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.masks import (
+from hf_cp.samples.masks import (
     AttnSlice,
     MaskError,
     SampleMask,

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from hf_cp.packed_input import PackedInputError, row_documents
+from hf_cp.samples.packed_input import PackedInputError, row_documents
 from hf_cp.train.columns import read_token_columns
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.pipeline import bubble_share, one_f_one_b_order, simulate_1f1b
+from hf_cp.cost.pipeline import bubble_share, one_f_one_b_order, simulate_1f1b
 
 
 def F(*xs):

@@ -1,11 +1,11 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_gen import random_valid_plan
+from helpers.plan_gen import random_valid_plan
 
-from hf_cp.cluster import ClusterSpec
-from hf_cp.plan import Group, PlanError, StepPlan, Wave
-from hf_cp.shard import ShardMode
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
 
 CL = ClusterSpec(world_size=8, max_tokens_per_rank=1000, gpus_per_node=4)
 

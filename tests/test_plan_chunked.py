@@ -3,10 +3,10 @@
 import pytest
 from test_chunking import toy_cost
 
-from hf_cp.chunking import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms, state_bytes
-from hf_cp.cluster import ClusterSpec
-from hf_cp.plan import ChunkedSample, Group, PlanError, StepPlan, Wave
-from hf_cp.sim import simulate
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms, state_bytes
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import ChunkedSample, Group, PlanError, StepPlan, Wave
 
 CL = ClusterSpec(world_size=4, max_tokens_per_rank=1000)
 
@@ -121,8 +121,8 @@ def test_simulator_prices_chunked_samples_with_the_chunk_cost():
 
 
 def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
-    from hf_cp.chunking import dependent_chunk_sizes
-    from hf_cp.replay import rank_micro_batches
+    from hf_cp.plan.chunks import dependent_chunk_sizes
+    from hf_cp.profiling.replay import rank_micro_batches
     from hf_cp.train.collator import PlanCollator
 
     p = chunked_plan().validate(CL)
@@ -145,7 +145,7 @@ def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
 
 
 def test_the_collator_counts_chunked_targets_pads_every_rank_and_refuses_masked_chunks():
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.masks import SampleMask
     from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
 
     p = chunked_plan().validate(CL)

@@ -15,11 +15,11 @@ from hf_cp.balance import (
     get_balancer,
 )
 from hf_cp.cli import main
-from hf_cp.cluster import ClusterSpec
-from hf_cp.lengths import LengthsError
-from hf_cp.mask_column import MASK_COLUMN, encode_mask
-from hf_cp.masks import SampleMask
-from hf_cp.plan_inputs import read_plan_inputs
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.lengths import LengthsError
+from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
+from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.plan_inputs import read_plan_inputs
 
 
 def test_shared_prompt_trace_reads_as_masked_samples(traces_dir):
@@ -139,7 +139,7 @@ def test_planner_hands_masks_to_the_balancer_and_refuses_those_that_cannot(h200_
 
 
 def test_cli_plans_the_shared_prompt_trace(capsys, traces_dir, tmp_path, h200_cost):
-    from hf_cp.sim import lower_bound_ms
+    from hf_cp.cost.simulate import lower_bound_ms
 
     trace = traces_dir / "shared_prompt_alpaca_eval_n8.jsonl"
     args = ["plan", "--lengths", str(trace), "--world", "8", "--steps", "2", "--balancer", "static"]

@@ -7,7 +7,7 @@ import pytest
 
 import hf_cp.cli.plan as plan_cli
 from hf_cp.cli import main
-from hf_cp.lengths import LengthsError, read_lengths
+from hf_cp.samples.lengths import LengthsError, read_lengths
 
 ARGS = ["--world", "4", "--max-tokens-per-rank", "4096", "--tokens-per-step", "8192", "--steps", "2"]
 

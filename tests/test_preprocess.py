@@ -389,7 +389,7 @@ def test_missing_and_unsupported_files(capsys, tmp_path, smol_tokenizer_dir):
 
 # ----------------------------------------------------------------------------- the length report
 def test_length_report_buckets_and_shares(h200_cost):
-    from hf_cp.shard import doc_pairs
+    from hf_cp.modes.segments import doc_pairs
 
     lengths = [100, 120, 128, 129, 300, 1000, 5000]
     rep = length_report(lengths, h200_cost, trained_tokens=1234, model="qwen2.5-7b", profile="h200")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 from hf_cp.cli import main
 from hf_cp.data_prep import preprocess

@@ -12,12 +12,13 @@ import pytest
 
 from hf_cp.balance import available_balancers
 from hf_cp.cli import main
-from hf_cp.cost import CostModel
-from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.simulate import simulate
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.profiling.layers import DecoderStack
-from hf_cp.replay import rank_micro_batches, replay_cost_model, replay_plan
-from hf_cp.shard import ShardMode, rank_segments, segment_tokens
-from hf_cp.sim import simulate
+from hf_cp.profiling.replay import rank_micro_batches, replay_cost_model, replay_plan
 
 REPO = Path(__file__).resolve().parent.parent
 

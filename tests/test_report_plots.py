@@ -75,10 +75,10 @@ def test_beyond_16_ranks_a_heatmap_replaces_one_line_per_rank():
 
 def test_the_timeline_legend_covers_no_rank():
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cluster import ClusterSpec
-    from hf_cp.cost import CostModel
+    from hf_cp.cost.model import CostModel
+    from hf_cp.cost.simulate import simulate
+    from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.report.timeline import draw_timeline
-    from hf_cp.sim import simulate
 
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     cluster = ClusterSpec(8, 32768, 8)

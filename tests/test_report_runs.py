@@ -7,8 +7,8 @@ import statistics
 import pytest
 
 from hf_cp.cli import main
+from hf_cp.cost.simulate import max_over_mean
 from hf_cp.report.runs import read_run
-from hf_cp.sim import max_over_mean
 from hf_cp.train.history import StepRecord
 from hf_cp.train.metrics import aggregate
 

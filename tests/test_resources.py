@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost import ConfigError, HardwareProfile, ModelDims
+from hf_cp.cost.model import ConfigError, HardwareProfile, ModelDims
 from hf_cp.resources import BUILTIN_CONFIGS, PACKAGE_ROOT, find_named, input_path
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.config import TrainConfigError, load_config, training_arguments

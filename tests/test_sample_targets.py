@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.block_plan import doc_slices, random_layout
-from hf_cp.masks import SampleMask
-from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.sample_targets import sample_targets, sample_valid_targets
-from hf_cp.shard import ShardMode
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.block_layout import doc_slices, random_layout
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
+from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.targets import sample_targets, sample_valid_targets
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
 from hf_cp.train.loss import chunked_lm_head_loss, logits_loss
 

@@ -6,7 +6,7 @@ otherwise fails at the first step that spreads one)."""
 from __future__ import annotations
 
 import pytest
-from harness.models import synthetic_rows, tiny_model
+from helpers.harness.models import synthetic_rows, tiny_model
 
 from hf_cp.train.setup_checks import HF_CP_ATTENTION, SetupError, check_attention, check_parallelism
 

@@ -1,12 +1,12 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.shard import (
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import (
     WHOLE_DOCUMENT_MODES,
     ShardMode,
     causal_pairs,
     doc_pairs,
-    rank_segments,
     segment_pairs,
     segment_tokens,
     split_sizes,

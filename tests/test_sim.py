@@ -1,12 +1,12 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_gen import random_valid_plan
+from helpers.plan_gen import random_valid_plan
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.plan import Group, StepPlan, Wave
-from hf_cp.sim import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
 
 def ulysses_ok(cost):
@@ -78,8 +78,8 @@ def test_bounds_of_a_sample_no_group_holds_charge_it_to_one_rank(h200_cost):
 
 
 def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
-    from hf_cp.plan import PlanError
-    from hf_cp.shard import ShardMode
+    from hf_cp.modes.segments import ShardMode
+    from hf_cp.plan.step_plan import PlanError
 
     cl = ClusterSpec(world_size=8, max_tokens_per_rank=32768)
     p = StepPlan(
@@ -98,7 +98,7 @@ def test_validate_rejects_ulysses_group_that_does_not_divide_heads(h200_cost):
 
 
 def test_max_over_mean_is_the_one_definition():
-    from hf_cp.sim import max_over_mean
+    from hf_cp.cost.simulate import max_over_mean
 
     assert max_over_mean([1.0, 3.0]) == 1.5
     assert max_over_mean([0.0, 0.0]) == 1.0  # nothing to do is balanced
@@ -107,8 +107,8 @@ def test_max_over_mean_is_the_one_definition():
 
 
 def test_simulate_with_the_cluster_carries_both_bounds_and_flags_a_balanced_plan_far_above_them(h200_cost):
-    from hf_cp.shard import ShardMode
-    from hf_cp.sim import FAR_ABOVE_BOUND, charged_lower_bound_ms
+    from hf_cp.cost.simulate import FAR_ABOVE_BOUND, charged_lower_bound_ms
+    from hf_cp.modes.segments import ShardMode
 
     # 64 short documents zigzag-split over all 16 ranks: perfectly balanced, mostly ring traffic
     lengths = [400] * 64
@@ -132,7 +132,7 @@ def test_simulate_with_the_cluster_carries_both_bounds_and_flags_a_balanced_plan
 
 
 def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
-    from hf_cp.sim import charged_lower_bound_ms
+    from hf_cp.cost.simulate import charged_lower_bound_ms
 
     # one 8,818-token sample on 512 ranks: the old bound spreads it over the whole world for
     # free; alone on its best group it cannot run faster than that group allows
@@ -146,7 +146,7 @@ def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
 
 def test_charged_bound_charges_a_sample_that_fits_only_the_whole_world_the_whole_world(h200_cost):
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.sim import charged_lower_bound_ms
+    from hf_cp.cost.simulate import charged_lower_bound_ms
 
     # a sample that fits only the whole world holds all 32 ranks for its time alone there;
     # everything else comes on top of that, not beside it

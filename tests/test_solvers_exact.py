@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from test_attention_engine import make_mask, spec_length
 from test_attention_models_blocks import (
     CASES,
@@ -35,26 +35,22 @@ MODEL_DIMS = dict(num_layers=2, hidden=64, num_heads=4, head_dim=16, intermediat
 
 
 def tiny_cost(kv_heads):
-    from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 
     return CostModel(ModelDims(num_kv_heads=kv_heads, **MODEL_DIMS), HardwareProfile.load("h200-qwen2.5-7b"))
 
 
 def solver_layouts(lengths, masks, world, kv_heads):
     """name -> BlockLayout of the distributed samples over `world` members, one per solver."""
-    from hf_cp.balance.dcp import (
-        DcpOptions,
-        WaveGraph,
-        WavePlacement,
-        Weights,
-        cut_sample,
-        group_placement,
-        place_block,
-    )
-    from hf_cp.balance.magi import magi_placement
-    from hf_cp.balance.tap import TapOptions, linear_ms, place_tiles, pool_chunks
-    from hf_cp.balance.usp import usp_placement
-    from hf_cp.block_plan import doc_slices
+    from hf_cp.balance.balancers.dcp.graph import WaveGraph
+    from hf_cp.balance.balancers.dcp.options import DcpOptions
+    from hf_cp.balance.balancers.dcp.partition import place_block
+    from hf_cp.balance.balancers.dcp.placement import WavePlacement, group_placement
+    from hf_cp.balance.balancers.dcp.weights import Weights, cut_sample
+    from hf_cp.balance.balancers.tap import TapOptions, linear_ms, place_tiles, pool_chunks
+    from hf_cp.balance.toolkit.magi_dispatch import magi_placement
+    from hf_cp.balance.toolkit.usp_layout import usp_placement
+    from hf_cp.plan.block_layout import doc_slices
 
     heads = MODEL_DIMS["num_heads"]
     cost = tiny_cost(kv_heads)
@@ -96,9 +92,9 @@ def _worker(rank, world, model_name, case, names):
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
     from hf_cp.attention.dispatch import layer_slices
-    from hf_cp.block_cost import exchange_bytes
-    from hf_cp.block_plan import causal_slices, layer_exchange
-    from hf_cp.shard import ShardMode
+    from hf_cp.cost.blocks import exchange_bytes
+    from hf_cp.modes.segments import ShardMode
+    from hf_cp.plan.block_layout import causal_slices, layer_exchange
 
     group = process_group(list(range(world)))
     specs = list(case["distributed"]) + [s for mem in case["locals"] for s in mem]

@@ -1,9 +1,9 @@
 import pytest
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, available_balancers, get_balancer, register_balancer
-from hf_cp.cluster import ClusterSpec
-from hf_cp.shard import ShardMode
-from hf_cp.sim import simulate
+from hf_cp.cost.simulate import simulate
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.cluster import ClusterSpec
 
 
 def plan_static(lengths, world=8, cap=32768, dataset_max=None, cost=None):
@@ -71,7 +71,7 @@ def test_registry_accepts_plugins_and_rejects_unknown_names():
         name = "test_everything_on_rank0"
 
         def plan(self, req):
-            from hf_cp.plan import Group, Wave
+            from hf_cp.plan.step_plan import Group, Wave
 
             p = req.empty_plan(self.name)
             p.waves = [Wave([Group(ranks=(0,), local={0: [s]})]) for s in req.sample_ids]
@@ -104,7 +104,7 @@ from hypothesis import strategies as st
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 100), min_size=1, max_size=300), st.integers(100, 400))
 def test_tree_first_fit_equals_naive_first_fit(weights, capacity):
-    from hf_cp.balance.packing import first_fit
+    from hf_cp.plan.bins import first_fit
 
     assert first_fit(list(range(len(weights))), weights, capacity) == naive_first_fit(weights, capacity)
 
@@ -114,7 +114,7 @@ def test_tree_first_fit_equals_naive_first_fit(weights, capacity):
 def test_first_fit_newest_bin_shortcut_keeps_first_fit_order(weights, capacity):
     # mostly small items, as in a step: most go to the newest bin without a tree descent,
     # the smallest ones back into older bins' gaps; item by item `add` agrees as well
-    from hf_cp.balance.packing import FirstFitPacker, first_fit
+    from hf_cp.plan.bins import FirstFitPacker, first_fit
 
     expect = naive_first_fit(weights, capacity)
     assert first_fit(list(range(len(weights))), weights, capacity) == expect

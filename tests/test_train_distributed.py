@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.balancers import balancer_for
-from harness.check import check_run
-from harness.job import run_distributed
-from harness.reference import reference_eval_loss
-from world2_job import (
+from helpers.harness.balancers import balancer_for
+from helpers.harness.check import check_run
+from helpers.harness.job import run_distributed
+from helpers.harness.reference import reference_eval_loss
+from helpers.world2_job import (
     BALANCERS,
     CAP,
     COLLECTIVE_TIMEOUT,
@@ -29,8 +29,8 @@ from world2_job import (
     shared_or_own_run,
 )
 
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel
+from hf_cp.cost.model import CostModel
+from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning import GlobalBatchSampler, Planner
 
 JOB_TIMEOUT = 300  # one job of one run

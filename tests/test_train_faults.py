@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.job import run_distributed
+from helpers.harness.job import run_distributed
 from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
-from hf_cp.consistency import CollectiveStallError, collective_scope
 from hf_cp.planning import GlobalBatchSampler
 from hf_cp.report.samples import audit_samples
+from hf_cp.train.consistency import CollectiveStallError, collective_scope
 from hf_cp.train.resume import (
     SCHEDULE_FILE,
     SHARED_STORE_ADVICE,

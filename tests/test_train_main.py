@@ -159,7 +159,7 @@ def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
 def _custom_code_model(folder: Path) -> None:
     """A model folder whose config names Python shipped in the folder (auto_map), as Hub repos
     with custom architectures do: a Llama under another model_type."""
-    from harness.models import tiny_model
+    from helpers.harness.models import tiny_model
 
     tiny_model().save_pretrained(folder)
     cfg = json.loads((folder / "config.json").read_text())

@@ -7,15 +7,15 @@ import os
 import numpy as np
 import pytest
 import torch
-from harness.balancers import FixedModeBalancer
-from harness.models import synthetic_rows
+from helpers.harness.balancers import FixedModeBalancer
+from helpers.harness.models import synthetic_rows
 
 from hf_cp.attention.context import CPContext
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel
-from hf_cp.plan import Group, StepPlan, Wave
+from hf_cp.cost.model import CostModel
+from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.planning import GlobalBatchSampler, Planner
-from hf_cp.shard import WHOLE_DOCUMENT_MODES, ShardMode
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: an idle rank in wave 2
@@ -283,8 +283,9 @@ def test_a_failed_warm_up_is_left_to_the_plan_that_needs_it(tmp_path):
 def test_dcp_and_flexsp_warm_up_pay_their_solvers_start_up_through_auto(monkeypatch):
     pytest.importorskip("mtkahypar")
     pytest.importorskip("highspy")
-    from hf_cp.balance import deadline as deadline_mod
-    from hf_cp.balance import get_balancer, hypergraph
+    from hf_cp.balance import get_balancer
+    from hf_cp.balance.balancers.dcp import hypergraph
+    from hf_cp.balance.toolkit import deadline as deadline_mod
 
     auto = get_balancer(
         "auto",
@@ -370,9 +371,9 @@ def test_single_process_trainer_matches_reference(tmp_path):
     """World of one, no DeepSpeed: the CPTrainer path against the sample-by-sample reference,
     every step (loss, gradients before clipping, parameters after the optimizer)."""
     from datasets import Dataset
-    from harness.capture import capture_steps
-    from harness.check import compare_with_reference
-    from harness.models import tiny_model
+    from helpers.harness.capture import capture_steps
+    from helpers.harness.check import compare_with_reference
+    from helpers.harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
 
@@ -448,7 +449,7 @@ def test_member_with_an_empty_shard_runs_one_ignored_padding_token():
 )
 def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
     from datasets import Dataset
-    from harness.models import tiny_model
+    from helpers.harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
 
@@ -468,8 +469,8 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
 
 def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do(tmp_path):
     from datasets import Dataset
-    from harness.models import eval_rows, synthetic_rows, tiny_model
-    from harness.reference import reference_eval_loss
+    from helpers.harness.models import eval_rows, synthetic_rows, tiny_model
+    from helpers.harness.reference import reference_eval_loss
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
 
@@ -562,8 +563,8 @@ def test_planner_worker_exits_when_its_training_process_is_killed():
 
     script = (
         "import os\n"
-        "from hf_cp.cluster import ClusterSpec\n"
-        "from hf_cp.cost import CostModel\n"
+        "from hf_cp.plan.cluster import ClusterSpec\n"
+        "from hf_cp.cost.model import CostModel\n"
         "from hf_cp.planning import Planner\n"
         "from hf_cp.planning import GlobalBatchSampler\n"
         "p = Planner(GlobalBatchSampler([10] * 40, 100), 'static', ClusterSpec(2, 256),\n"

@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.check import check_run
-from harness.job import run_distributed
-from harness.models import MODELS, tiny_config
-from harness.reference import reference_eval_loss
+from helpers.harness.check import check_run
+from helpers.harness.job import run_distributed
+from helpers.harness.models import MODELS, tiny_config
+from helpers.harness.reference import reference_eval_loss
 from test_trainer_exactness import FIXTURE_TIMEOUT, executed_plans
-from world2_job import CAP, CHUNKFLOW_ADAM_EPSILON, COLLECTIVE_TIMEOUT, chunkflow_mixed_spec
+from helpers.world2_job import CAP, CHUNKFLOW_ADAM_EPSILON, COLLECTIVE_TIMEOUT, chunkflow_mixed_spec
 
 from hf_cp.balance import get_balancer
-from hf_cp.chunking import dependent_chunk_sizes
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.chunks import dependent_chunk_sizes
+from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning.evaluation import plan_evaluation
 
 # Unshuffled at 500 tokens per step: [0..4] (250 tokens the longest; the other four, 220

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness.balancers import balancer_for
-from harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
-from harness.models import IGNORE_INDEX, synthetic_rows, tiny_config, tiny_model
-from harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
-from world2_job import BALANCERS, CHUNKFLOW_RUNS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
+from helpers.harness.balancers import balancer_for
+from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
+from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_config, tiny_model
+from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
+from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
 
 from hf_cp.balance import get_balancer
-from hf_cp.chunking import dependent_chunk_sizes
-from hf_cp.cluster import ClusterSpec
-from hf_cp.cost import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.chunks import dependent_chunk_sizes
+from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning import GlobalBatchSampler, Planner
 
 REPO = Path(__file__).resolve().parent.parent

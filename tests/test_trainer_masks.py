@@ -2,7 +2,7 @@
 one per row (TRL's BFD packing), in one process and in two."""
 
 import pytest
-from masked_training import max_relative_error, one_step, run_processes
+from helpers.masked_training import max_relative_error, one_step, run_processes
 from test_packed_input import docs_dataset
 
 
@@ -44,8 +44,8 @@ def shared_prompt_rows(seed=0, groups=((5, (4, 7, 3)), (9, (6, 2)), (0, (5, 4)),
     untrained in half of them, a label inside an answer is masked here and there."""
     import numpy as np
 
-    from hf_cp.mask_column import MASK_COLUMN, encode_mask
-    from hf_cp.masks import SampleMask
+    from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
+    from hf_cp.samples.masks import SampleMask
 
     rng = np.random.default_rng(seed)
     rows, parts = [], []
@@ -73,7 +73,7 @@ def separate_sequences_reference(parts):
     the definition, without hf_cp's collator, targets or loss."""
     import torch
     import torch.nn.functional as F
-    from masked_training import tiny_llama
+    from helpers.masked_training import tiny_llama
 
     model = tiny_llama(0, attn="sdpa")
     model.train()

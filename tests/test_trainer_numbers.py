@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness.models import synthetic_rows, tiny_model
+from helpers.harness.models import synthetic_rows, tiny_model
 
 from hf_cp.planning import GlobalBatchSampler
 

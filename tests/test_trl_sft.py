@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from harness.job import run_launcher
-from tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+from helpers.harness.job import run_launcher
+from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 pytest.importorskip("trl")  # the optional `trl` extra
 
@@ -155,7 +155,7 @@ def test_trl_recipe_on_two_processes_matches_hf_cp_train_on_preprocessed_data(tm
     """The acceptance run: recipes/trl_sft.py (CPSFTTrainer, raw prompt/completion) and
     `hf-cp train` (CPTrainer, the same data through `hf-cp preprocess`), 2 gloo processes each,
     DeepSpeed ZeRO-2, 2 steps, a sample spread over a CP group of 2: the same losses."""
-    from harness.job import free_port
+    from helpers.harness.job import free_port
 
     model_dir = tmp_path / "model"
     tiny_chat_model(0).save_pretrained(model_dir)

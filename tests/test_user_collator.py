@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from harness.models import synthetic_rows, tiny_model
-from tiny_tokenizer import tiny_chat_tokenizer
+from helpers.harness.models import synthetic_rows, tiny_model
+from helpers.tiny_tokenizer import tiny_chat_tokenizer
 
 from hf_cp.train.user_collator import UnsupportedCollatorError, check_data_collator
 

@@ -1,32 +1,23 @@
 """Context-parallel attention: local packed documents, Ulysses, ring (zigzag / per-document)
 and the block engine (any placement of chunks and compute blocks, any mask).
 
-Everything but the transformers registration imports only torch. `hf_cp_attention`,
-`register` and `ATTN_IMPLEMENTATION` load `interface`, which imports transformers and
-registers "hf_cp" with its AttentionInterface / AttentionMaskInterface.
+Importing the package registers "hf_cp" with transformers' AttentionInterface /
+AttentionMaskInterface (`interface`, the one module here that imports transformers).
 """
 
-from .blocks import Block, document_blocks, segment_blocks
-from .chunk_state import ChunkContext, ChunkOrderError, ChunkStateStore, chunk_attention, chunk_context
-from .comm import COUNTER as COMM_COUNTER
-from .comm import CommStats
-from .context import CPContext, cp_context, current_cp_context
-from .dispatch import cp_attention, expected_tokens, group_segments, layer_slices
-from .engine import EngineSpec, engine_attention
-from .kernels import AttentionKernel, kernel_for
-from .local import block_attention, packed_attention
-from .ring import RingSpec, ring_attention
-from .ulysses import UlyssesSpec, check_ulysses_heads, ulysses_attention
+from hf_cp.attention.blocks import Block, document_blocks, segment_blocks
+from hf_cp.attention.chunk_state import ChunkContext, ChunkOrderError, ChunkStateStore, chunk_attention, chunk_context
+from hf_cp.attention.comm import COUNTER as COMM_COUNTER
+from hf_cp.attention.comm import CommStats
+from hf_cp.attention.context import CPContext, cp_context, current_cp_context
+from hf_cp.attention.dispatch import cp_attention, expected_tokens, group_segments, layer_slices
+from hf_cp.attention.engine import EngineSpec, engine_attention
+from hf_cp.attention.interface import ATTN_IMPLEMENTATION, hf_cp_attention, hf_cp_mask, register
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import block_attention, packed_attention
+from hf_cp.attention.ring import RingSpec, ring_attention
+from hf_cp.attention.ulysses import UlyssesSpec, check_ulysses_heads, ulysses_attention
 
-_INTERFACE_NAMES = ("hf_cp_attention", "hf_cp_mask", "register", "ATTN_IMPLEMENTATION")
-
-
-def __getattr__(name):
-    if name in _INTERFACE_NAMES:
-        from . import interface
-
-        return getattr(interface, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
@@ -58,5 +49,8 @@ __all__ = [
     "UlyssesSpec",
     "check_ulysses_heads",
     "ulysses_attention",
-    *_INTERFACE_NAMES,
+    "ATTN_IMPLEMENTATION",
+    "hf_cp_attention",
+    "hf_cp_mask",
+    "register",
 ]

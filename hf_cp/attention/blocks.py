@@ -21,8 +21,8 @@ from collections import defaultdict
 from functools import lru_cache
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from ..masks import AttnSlice, SliceKind, clip_slices
-from ..shard import Segment
+from hf_cp.modes.segments import Segment
+from hf_cp.samples.masks import AttnSlice, SliceKind, clip_slices
 
 FULL, CAUSAL, INV_CAUSAL = 0, 1, 2  # Block.kind (a bool True/False reads as CAUSAL/FULL)
 

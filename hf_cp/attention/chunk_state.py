@@ -26,10 +26,10 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..chunking import chunk_starts
-from .context import ContextSlot
-from .kernels import AttentionKernel, kernel_for
-from .local import merge_lse
+from hf_cp.attention.context import ContextSlot
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import merge_lse
+from hf_cp.plan.chunks import chunk_starts
 
 Tensor = torch.Tensor
 

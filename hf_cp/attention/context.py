@@ -19,9 +19,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Generic, Iterator, List, Optional, Tuple, TypeVar
 
-from ..block_plan import BlockLayout
-from ..masks import SampleMask
-from ..shard import Segment, ShardMode, rank_segments
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import Segment, ShardMode
+from hf_cp.plan.block_layout import BlockLayout
+from hf_cp.samples.masks import SampleMask
 
 T = TypeVar("T")
 

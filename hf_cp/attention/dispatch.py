@@ -17,13 +17,13 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..masks import SampleMask, window_slices
-from ..modes import mode_attention, mode_spec
-from ..shard import Segment, rank_segments
-from .blocks import Slices
-from .context import CPContext
-from .kernels import AttentionKernel, kernel_for
-from .local import block_attention, packed_attention
+from hf_cp.attention.blocks import Slices
+from hf_cp.attention.context import CPContext
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import block_attention, packed_attention
+from hf_cp.modes.registry import mode_attention, mode_spec, rank_segments
+from hf_cp.modes.segments import Segment
+from hf_cp.samples.masks import SampleMask, window_slices
 
 Tensor = torch.Tensor
 

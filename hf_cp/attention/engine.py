@@ -31,11 +31,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..block_plan import BlockLayout, LayerExchange, Slices, causal_slices, layer_exchange
-from .blocks import Block, _masked_cached
-from .comm import COUNTER, exchange_bytes
-from .kernels import AttentionKernel, kernel_for
-from .local import BlockPlan, apply_sinks, merge_lse, sinks_grad
+from hf_cp.attention.blocks import Block, _masked_cached
+from hf_cp.attention.comm import COUNTER, exchange_bytes
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import BlockPlan, apply_sinks, merge_lse, sinks_grad
+from hf_cp.plan.block_layout import BlockLayout, LayerExchange, causal_slices, layer_exchange
+from hf_cp.samples.masks import Slices
 
 Tensor = torch.Tensor
 

@@ -32,10 +32,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .chunk_state import chunk_attention, current_chunk_context
-from .context import current_cp_context
-from .dispatch import cp_attention, layer_slices
-from .local import packed_attention
+from hf_cp.attention.chunk_state import chunk_attention, current_chunk_context
+from hf_cp.attention.context import current_cp_context
+from hf_cp.attention.dispatch import cp_attention, layer_slices
+from hf_cp.attention.local import packed_attention
 
 ATTN_IMPLEMENTATION = "hf_cp"
 
@@ -92,7 +92,7 @@ def _layer_window(module, attention_mask, kwargs) -> Optional[int]:
         raise ValueError(
             f"hf_cp attention ({name}): got an attention mask {type(attention_mask).__name__} of shape {shape}. "
             "A user-supplied (4D) attention mask is not supported: hf_cp builds no dense mask. Give each sample's "
-            "pattern as a mask in the data (hf_cp.masks.SampleMask: prefix-LM, shared prompt, block-causal, "
+            "pattern as a mask in the data (hf_cp.samples.masks.SampleMask: prefix-LM, shared prompt, block-causal, "
             "slices) and pack documents with position_ids restarting at 0."
         )
     from_kwargs = kwargs.get("sliding_window")

@@ -12,8 +12,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .blocks import FULL, INV_CAUSAL, Block, Slices, document_blocks
-from .kernels import AttentionKernel, kernel_for
+from hf_cp.attention.blocks import FULL, INV_CAUSAL, Block, Slices, document_blocks
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
 
 Tensor = torch.Tensor
 

@@ -20,11 +20,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..shard import Segment
-from .blocks import Slices, segment_blocks
-from .comm import ring_exchange
-from .kernels import AttentionKernel, kernel_for
-from .local import BlockPlan, apply_sinks, merge_lse, sinks_grad
+from hf_cp.attention.blocks import Slices, segment_blocks
+from hf_cp.attention.comm import ring_exchange
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import BlockPlan, apply_sinks, block_attention, merge_lse, sinks_grad
+from hf_cp.modes.segments import Segment
 
 Tensor = torch.Tensor
 
@@ -148,8 +148,6 @@ def ring_attention(
         )
     kernel = kernel or kernel_for(q.device, dtype=q.dtype)
     if spec.size == 1:  # nothing to pass: the member's own segments against themselves
-        from .local import block_attention
-
         blocks = segment_blocks(spec.segments[0], spec.segments[0], spec.slices)
         return block_attention(q, k, v, blocks, scale, kernel, sinks)
     return _RingAttention.apply(q, k, v, sinks, spec, kernel, scale)

@@ -17,11 +17,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..shard import check_ulysses_heads
-from .blocks import Slices, document_blocks
-from .comm import all_to_all
-from .kernels import AttentionKernel, kernel_for
-from .local import block_attention
+from hf_cp.attention.blocks import Slices, document_blocks
+from hf_cp.attention.comm import all_to_all
+from hf_cp.attention.kernels import AttentionKernel, kernel_for
+from hf_cp.attention.local import block_attention
+from hf_cp.modes.segments import check_ulysses_heads
 
 Tensor = torch.Tensor
 

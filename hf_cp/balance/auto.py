@@ -30,13 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from ..plan import StepPlan
-from . import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
-from .base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError, warm_up_balancer
-from .bounds import BoundCache
-from .options import BalancerOptionError, BalancerOptions, option
-from .pricing import pricer_for
-from .sample_limit import sample_token_limit, trains_length
+from hf_cp.balance.base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError, warm_up_balancer
+from hf_cp.balance.options import BalancerOptionError, BalancerOptions, option
+from hf_cp.balance.registry import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
+from hf_cp.balance.toolkit.bounds import BoundCache
+from hf_cp.balance.toolkit.pricing import pricer_for
+from hf_cp.balance.toolkit.sample_limit import sample_token_limit, trains_length
+from hf_cp.plan.step_plan import StepPlan
 
 # The order members are planned in by default: the usual winners and cheap planners first,
 # so that the bounds can skip the rest. Members not listed (plugins) come after, by name.

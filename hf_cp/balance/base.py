@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
-from ..cluster import ClusterSpec
-from ..cost import CostModel
-from ..masks import SampleMask
-from ..plan import StepPlan
-from ..shard import ShardMode, rank_segments, segment_tokens
+from hf_cp.balance.registry import balancers_handling_masks
+from hf_cp.cost.model import CostModel
+from hf_cp.modes.registry import rank_segments
+from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import StepPlan
+from hf_cp.samples.masks import SampleMask
 
 
 class SampleTooLongError(ValueError):
@@ -114,7 +116,6 @@ def check_mask_support(balancer, request: PlanRequest, name: Optional[str] = Non
     masked samples and `balancer` does not declare `handles_masks`."""
     if not request.masks or getattr(balancer, "handles_masks", False):
         return
-    from . import balancers_handling_masks  # the registry imports this module
 
     name = name or getattr(balancer, "name", type(balancer).__name__)
     sid = min(request.masks)

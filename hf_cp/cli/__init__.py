@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import List, Optional
 
-from ..cost import ConfigError
-from ..lengths import LengthsError
-from ..plan import PlanError
+from hf_cp.cost.model import ConfigError
+from hf_cp.plan.step_plan import PlanError
+from hf_cp.samples.lengths import LengthsError
 
 USER_ERRORS = (ConfigError, LengthsError, PlanError, ValueError, KeyError, FileNotFoundError)
 

@@ -10,18 +10,22 @@ from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from ..balance import available_balancers, parse_assignments
-from ..balance.sample_limit import check_sample_lengths
-from ..block_cost import plan_exchange
-from ..cluster import ClusterSpec
-from ..cost import CostModel, ModelDims
-from ..execution import EXECUTIONS, execution_named
-from ..plan import PlanError, StepPlan
-from ..plan_inputs import read_plan_inputs
-from ..planning import Planner, PlanningSettings, planning_setup
-from ..planning.setup import load_profile
-from ..sim import SimResult, lower_bound_ms, simulate
-from .formatting import HelpFormatter
+from hf_cp.balance.options import parse_assignments
+from hf_cp.balance.registry import available_balancers
+from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
+from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.cost.exchange import plan_exchange
+from hf_cp.cost.execution import EXECUTIONS, execution_named
+from hf_cp.cost.model import CostModel, ModelDims
+from hf_cp.cost.pipeline import bubble_share
+from hf_cp.cost.simulate import SimResult, lower_bound_ms, simulate
+from hf_cp.plan.bins import first_fit
+from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import PlanError, StepPlan
+from hf_cp.planning.setup import PlanningSettings, load_profile, planning_setup
+from hf_cp.planning.worker import Planner
+from hf_cp.samples.plan_inputs import read_plan_inputs
 
 
 def add_parser(sub) -> None:
@@ -256,9 +260,6 @@ def print_pipeline(plans: List[StepPlan], cost: CostModel, cluster: ClusterSpec,
     step's samples packed to the per-rank cap as a pipeline user packs them (variable costs: the
     attention of long documents), against ChunkFlow's chunks of the same samples (nearly equal
     costs). Micro-batches are dealt to the world / stages data-parallel pipelines in turn."""
-    from ..balance.packing import first_fit
-    from ..chunking import build_chunk_plan, chunk_costs_ms
-    from ..pipeline import bubble_share
 
     if stages < 1:
         raise ValueError(f"--pipeline-stages must be at least 1, got {stages}")
@@ -402,7 +403,7 @@ def run(args) -> int:
         Path(args.json).write_text(json.dumps(out, sort_keys=True, separators=(",", ":")))
         print(f"wrote {len(plans)} plans and metrics to {args.json}")
     if args.plot:
-        from ..report.timeline import plot_timeline
+        from hf_cp.report.timeline import plot_timeline  # matplotlib, only with --plot
 
         k = args.plot_step
         if not 0 <= k < len(plans):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .formatting import HelpFormatter
+from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.cost.model import CostModel, HardwareProfile
+from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask_column
 
 
 def add_parser(sub) -> None:
@@ -130,11 +132,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..cost import CostModel, HardwareProfile
-    from ..data_prep import length_report, load_tokenizer, preprocess
-    from ..data_prep.length_report import plot_length_report
-    from ..data_prep.model_dims import report_model_dims
-    from ..mask_column import MASK_COLUMN, decode_mask_column
+    from hf_cp.data_prep import length_report, load_tokenizer, preprocess  # transformers, datasets
+    from hf_cp.data_prep.length_report import plot_length_report  # matplotlib
+    from hf_cp.data_prep.model_dims import report_model_dims  # transformers (model configs)
 
     dims, model_name = report_model_dims(args.model, args.tokenizer)  # fail on a bad name before the slow part
     cost = CostModel(dims, HardwareProfile.load(args.profile))

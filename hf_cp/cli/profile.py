@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-from .formatting import HelpFormatter
+from hf_cp.cli.formatting import HelpFormatter
 
 
 def add_parser(sub) -> None:
@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..profiling import ProfileError, run_profile, write_profile
+    from hf_cp.profiling import ProfileError, run_profile, write_profile  # torch, transformers
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

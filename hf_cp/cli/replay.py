@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .formatting import HelpFormatter
+from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.cost.model import CostModel
 
 
 def add_parser(sub) -> None:
@@ -44,9 +45,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..cost import CostModel
-    from ..profiling.layers import DecoderStack
-    from ..replay import format_replay, load_plans, replay_plan, select_plan
+    from hf_cp.profiling.layers import DecoderStack  # torch, transformers
+    from hf_cp.profiling.replay import format_replay, load_plans, replay_plan, select_plan  # torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

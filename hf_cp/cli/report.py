@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .formatting import HelpFormatter
+from hf_cp.cli.formatting import HelpFormatter
 
 
 def add_parser(sub) -> None:
@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..report.runs import RunLogError, read_run, summary_lines, write_report
-    from ..report.samples import audit_lines, audit_samples
+    from hf_cp.report.runs import RunLogError, read_run, summary_lines, write_report  # matplotlib
+    from hf_cp.report.samples import audit_lines, audit_samples  # matplotlib (via report)
 
     try:
         series = read_run(args.run_dir, args.source)

@@ -10,8 +10,8 @@ import os
 import subprocess
 import sys
 
-from ..train.config import add_config_arguments
-from .formatting import HelpFormatter
+from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.train.config import add_config_arguments
 
 
 def add_parser(sub) -> None:
@@ -70,7 +70,7 @@ def _with_restart_overrides(overrides, max_restarts: int):
 
 def run(args) -> int:
     if args.dry_run:
-        from ..train.dry_run import dry_run
+        from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
         world = args.world or args.nproc or 1
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
@@ -107,7 +107,7 @@ def run(args) -> int:
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
         return _run_forwarding_sigterm(cmd, env)
-    from ..train.launch import run as train_run
+    from hf_cp.train.launch import run as train_run  # torch, transformers, deepspeed
 
     return train_run(args.config, args.overrides)
 

@@ -4,11 +4,11 @@ Output rows: `input_ids`, `labels` (aligned with input_ids, -100 where no loss i
 trainer's collator shifts them inside each document) and `length` (= len(input_ids)).
 """
 
-from .encode import EncodeError, SampleEncoder
-from .inputs import InputError, load_input
-from .length_report import LengthReport, length_report
-from .pipeline import OVERLONG_POLICIES, PreprocessResult, preprocess
-from .tokenizer import load_tokenizer
+from hf_cp.data_prep.encode import EncodeError, SampleEncoder
+from hf_cp.data_prep.inputs import InputError, load_input
+from hf_cp.data_prep.length_report import LengthReport, length_report
+from hf_cp.data_prep.pipeline import OVERLONG_POLICIES, PreprocessResult, preprocess
+from hf_cp.data_prep.tokenizer import load_tokenizer
 
 __all__ = [
     "EncodeError",

@@ -34,10 +34,10 @@ import json
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..mask_column import MASK_COLUMN, encode_mask
-from ..masks import SampleMask
-from ..sample_targets import sample_valid_targets
-from .encode import IGNORE_INDEX, EncodeError, truncate
+from hf_cp.data_prep.encode import IGNORE_INDEX, EncodeError, truncate
+from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
+from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.targets import sample_valid_targets
 
 ANSWER_LIST_FIELDS = ("answers", "responses", "completions")
 GROUP_MASKS = ("answers", "none")

@@ -1,5 +1,5 @@
 """What a length distribution costs: percentiles, a histogram, and per length bucket the share
-of samples, of tokens and of predicted attention time (hf_cp.cost.CostModel).
+of samples, of tokens and of predicted attention time (hf_cp.cost.model.CostModel).
 
 Tokens drive memory and linear compute; attention grows with the square of each document's
 length, so a few long samples can hold most of the attention work. Buckets are powers of two.
@@ -15,9 +15,10 @@ from typing import List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from ..cost import CostModel
-from ..masks import SampleMask
-from ..shard import doc_pairs
+from hf_cp.cost.model import CostModel
+from hf_cp.figures import pyplot, save_figure
+from hf_cp.modes.segments import doc_pairs
+from hf_cp.samples.masks import SampleMask
 
 PERCENTILES = (50, 90, 99, 99.9)
 
@@ -167,7 +168,6 @@ def length_report(
 
 
 def plot_length_report(report: LengthReport, out: Union[str, Path], title: str = "") -> Path:
-    from ..report.figures import pyplot, save_figure
 
     plt = pyplot()
 

@@ -12,10 +12,10 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from ..mask_column import MASK_COLUMN
-from .encode import SampleEncoder, truncate
-from .group_answers import GroupAnswersEncoder, group_layout, truncate_group
-from .inputs import InputError, load_input
+from hf_cp.data_prep.encode import SampleEncoder, truncate
+from hf_cp.data_prep.group_answers import GroupAnswersEncoder, group_layout, truncate_group
+from hf_cp.data_prep.inputs import InputError, load_input
+from hf_cp.samples.mask_column import MASK_COLUMN
 
 OVERLONG_POLICIES = ("error", "drop", "truncate")
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")

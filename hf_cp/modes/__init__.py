@@ -1,6 +1,6 @@
 """Shard modes: how a CP group spreads the documents it distributes over its members.
 
-Each mode is one module here that registers one `ShardModeSpec`: its geometry (which tokens each
+Each mode is one module here that registers (in registry.py) one `ShardModeSpec`: its geometry (which tokens each
 member holds: shard segments), its cost (attention work per member, bytes exchanged, messages,
 whether the exchange hides behind compute), its group checks (Ulysses must split the heads)
 and its execution (the attention function, imported lazily so that planning stays torch-free).
@@ -13,115 +13,30 @@ Built in: `ulysses` (modes/ulysses.py), `ring_zigzag` and `ring_per_doc` (modes/
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence
+# Each mode module registers its spec on import; importing them here makes every built-in mode
+# known to whoever imports the package.
+from hf_cp.modes import blocks, ring, ulysses  # noqa: F401
+from hf_cp.modes.registry import (
+    SegmentsOf,
+    ShardModeSpec,
+    mode_attention,
+    mode_name,
+    mode_names,
+    mode_spec,
+    rank_segments,
+    register_mode,
+)
+from hf_cp.modes.segments import Segment, ShardMode
 
-from ..shard import Segment, segment_tokens
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..cost import CostModel, ModelDims
-
-# member index -> that member's segments (built once per group and reused: a ring member's
-# exchange depends on its successor's share)
-SegmentsOf = Callable[[int], List[Segment]]
-
-
-class ShardModeSpec:
-    """One shard mode. Subclasses set `name` and implement `segments`; the rest has defaults
-    for a mode whose members compute their own query segments with no exchange.
-
-    `params` is the mode's own plan data for modes that need more than the document lengths
-    (a placement); None for the built-in modes.
-    """
-
-    name: str = ""
-    description: str = ""
-    splits_heads: bool = False  # members compute all tokens on a share of the heads (Ulysses)
-    overlaps_compute: bool = False  # the exchange runs behind attention; only the excess shows
-    priced_per_group: bool = False  # its cost needs the whole group's placement (sim asks block_cost)
-    attention: str = ""  # "module:function" executing the mode (hf_cp.attention), see dispatch.py
-
-    # ---- geometry
-    def segments(
-        self, doc_lengths: Sequence[int], group_size: int, member: int, params: Optional[Mapping] = None
-    ) -> List[Segment]:
-        raise NotImplementedError
-
-    def member_tokens(self, doc_lengths: Sequence[int], group_size: int, params: Optional[Mapping] = None) -> List[int]:
-        """Tokens every member holds (planners call this in their inner loops: override with a
-        closed form where there is one)."""
-        return [segment_tokens(self.segments(doc_lengths, group_size, m, params)) for m in range(group_size)]
-
-    # ---- checks
-    def check_group(self, dims: ModelDims, group_size: int) -> None:
-        """Raise ValueError when the mode cannot run this model on a group of this size."""
-
-    # ---- cost (per layer, one member)
-    def attention_ms(
-        self,
-        cost: CostModel,
-        doc_lengths: Sequence[int],
-        group_size: int,
-        segments: Sequence[Segment],
-        masks: Optional[Sequence] = None,
-    ) -> float:
-        """Attention compute of one member holding `segments` (masks: per document, None causal)."""
-        return cost.segments_attention_ms(segments, doc_lengths, masks)
-
-    def comm_bytes_per_layer(
-        self, cost: CostModel, doc_lengths: Sequence[int], group_size: int, member: int, segments_of: SegmentsOf
-    ) -> int:
-        """Bytes this member sends per layer, forward and backward (the attention code's
-        comm counter must agree: tests check it)."""
-        return 0
-
-    def comm_messages(self, group_size: int) -> int:
-        """Messages per layer and member (each pays the link latency)."""
-        return 0
-
-
-_REGISTRY: Dict[str, ShardModeSpec] = {}
-
-
-def register_mode(spec: ShardModeSpec) -> ShardModeSpec:
-    if not spec.name:
-        raise ValueError(f"{type(spec).__name__}: a shard mode needs a name")
-    if spec.name in _REGISTRY and type(_REGISTRY[spec.name]) is not type(spec):
-        raise ValueError(f"a shard mode named {spec.name!r} is already registered ({_REGISTRY[spec.name]!r})")
-    _REGISTRY[spec.name] = spec
-    return spec
-
-
-def mode_names() -> List[str]:
-    return sorted(_REGISTRY)
-
-
-def mode_spec(name) -> ShardModeSpec:
-    """The spec of a mode name (a str, or a ShardMode member)."""
-    key = getattr(name, "value", name)
-    spec = _REGISTRY.get(key)
-    if spec is None:
-        raise ValueError(f"unknown shard mode {key!r}; registered modes: {', '.join(mode_names())}")
-    return spec
-
-
-def mode_attention(name) -> Callable:
-    """The attention function of a mode (imports torch: execution only)."""
-    module, _, fn = mode_spec(name).attention.partition(":")
-    if not module or not fn:
-        raise ValueError(f"shard mode {mode_spec(name).name!r} has no attention function")
-    return getattr(import_module(module), fn)
-
-
-def _import_modes() -> None:
-    """Every module of this package registers its mode on import: a new mode is one file here
-    (plus its attention function under hf_cp/attention/), with no list to edit."""
-    import pkgutil
-
-    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-        import_module(f"{__name__}.{mod}")
-
-
-_import_modes()
-
-__all__ = ["SegmentsOf", "ShardModeSpec", "mode_attention", "mode_names", "mode_spec", "register_mode"]
+__all__ = [
+    "Segment",
+    "SegmentsOf",
+    "ShardMode",
+    "ShardModeSpec",
+    "mode_attention",
+    "mode_name",
+    "mode_names",
+    "mode_spec",
+    "rank_segments",
+    "register_mode",
+]

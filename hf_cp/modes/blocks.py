@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from . import ShardModeSpec, register_mode
+from hf_cp.modes.registry import ShardModeSpec, register_mode
 
 
 def _layout(params, what: str):
-    from ..block_plan import BlockLayout
-
-    if params is None:
+    # the layout is plan data (plan/block_layout.py, a layer above this one): it is passed in
+    # as an object, never built here
+    if params is None or not hasattr(params, "member_segments"):
         raise ValueError(
             f"shard mode 'blocks' places chunks explicitly: {what} come from the group's block layout "
-            "(plan.Group.member_segments / block_plan.BlockLayout), not from the lengths alone"
+            "(plan.Group.member_segments / plan.block_layout.BlockLayout), not from the lengths alone"
+            + ("" if params is None else f"; got {type(params).__name__}, not a BlockLayout")
         )
-    return params if isinstance(params, BlockLayout) else BlockLayout.from_dict(params)
+    return params
 
 
 class Blocks(ShardModeSpec):
@@ -31,6 +32,7 @@ class Blocks(ShardModeSpec):
     description = "placed chunks with owners and compute blocks with executors; K/V by all-to-all-v"
     attention = "hf_cp.attention.engine:engine_mode_attention"
     priced_per_group = True  # block_cost.block_group_costs prices the whole group
+    carries_layout = True  # the group's BlockLayout places its chunks and compute blocks
 
     def segments(self, doc_lengths, group_size, member, params: Optional[Mapping] = None):
         return _layout(params, "a member's segments").member_segments(member)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence
 
-from ..shard import Segment, chunk_bounds, cut, segment_tokens, split_sizes
-from . import SegmentsOf, ShardModeSpec, register_mode
+from hf_cp.modes.registry import SegmentsOf, ShardModeSpec, register_mode
+from hf_cp.modes.segments import Segment, chunk_bounds, cut, segment_tokens, split_sizes
 
 
 def zigzag_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence
 
-from ..shard import Segment, check_ulysses_heads, chunk_bounds, cut, split_sizes
-from . import SegmentsOf, ShardModeSpec, register_mode
+from hf_cp.modes.registry import SegmentsOf, ShardModeSpec, register_mode
+from hf_cp.modes.segments import Segment, check_ulysses_heads, chunk_bounds, cut, split_sizes
 
 
 def contiguous_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:

@@ -41,9 +41,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import yaml
 
-from ..cost import CostModel, HardwareProfile, Link
-from ..profiling.fit import nonnegative_lstsq
-from ..sim import SimResult
+from hf_cp.cost.fit import nonnegative_lstsq
+from hf_cp.cost.model import CostModel, HardwareProfile, Link
+from hf_cp.cost.simulate import SimResult
 
 COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale", "cp_attention_scale", "cp_message_ms")
 
@@ -169,7 +169,9 @@ def rank_features(
     the member's compute. Every active member of the group is charged the slowest member's
     features."""
     if not sim.micro_batches:
-        raise CalibrationError("rank_features needs a SimResult with per-rank micro-batches (hf_cp.sim.simulate)")
+        raise CalibrationError(
+            "rank_features needs a SimResult with per-rank micro-batches (hf_cp.cost.simulate.simulate)"
+        )
     p = cost.profile
     L = cost.dims.num_layers
     per_token = L * cost.c1 + cost.head_ms_per_token  # ms per token at the profile's c1

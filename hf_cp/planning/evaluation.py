@@ -9,12 +9,12 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..cluster import ClusterSpec
-from ..cost import CostModel
-from ..masks import SampleMask
-from ..plan import StepPlan
-from .sampler import GlobalBatchSampler
-from .worker import Planner
+from hf_cp.cost.model import CostModel
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import StepPlan
+from hf_cp.planning.sampler import GlobalBatchSampler
+from hf_cp.planning.worker import Planner
+from hf_cp.samples.masks import SampleMask
 
 
 def plan_evaluation(

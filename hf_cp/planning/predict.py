@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..balance import PlanRequest
-from ..balance.sample_limit import check_request_lengths
-from ..plan import PlanError, StepPlan
-from ..sim import SimResult, simulate
+from hf_cp.balance.base import PlanRequest
+from hf_cp.balance.toolkit.sample_limit import check_request_lengths
+from hf_cp.cost.simulate import SimResult, simulate
+from hf_cp.plan.step_plan import PlanError, StepPlan
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from ..cost import HardwareProfile, ModelDims
+from hf_cp.cost.model import HardwareProfile, ModelDims
 
 # The per-layer dimensions c1 and c2 are measured with; other values are scaled by FLOP ratios
 # (CostModel), which a real kernel follows only roughly. Layers and vocabulary are exact.

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..lengths import step_batches
+from hf_cp.samples.lengths import step_batches
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
-from ..balance import get_balancer
-from ..cluster import ClusterSpec
-from ..cost import CostModel, HardwareProfile, ModelDims
-from ..execution import execution_for_run, execution_named, model_state_bytes_per_parameter, zero_stage_of
-from .sampler import GlobalBatchSampler
+from hf_cp.balance.registry import get_balancer
+from hf_cp.cost.execution import execution_for_run, execution_named, model_state_bytes_per_parameter, zero_stage_of
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning.sampler import GlobalBatchSampler
 
 
 @dataclass

@@ -25,17 +25,17 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from ..balance import PlanRequest, check_mask_support, get_balancer
-from ..balance.base import warm_up_balancer
-from ..balance.sample_limit import check_sample_lengths, sample_token_limit
-from ..cluster import ClusterSpec
-from ..cost import CostModel
-from ..masks import SampleMask
-from ..plan import StepPlan
-from ..sim import SimResult
-from .predict import plan_and_predict, predict
-from .sampler import GlobalBatch, GlobalBatchSampler
-from .setup import PlanningSetup
+from hf_cp.balance.base import PlanRequest, check_mask_support, warm_up_balancer
+from hf_cp.balance.registry import get_balancer
+from hf_cp.balance.toolkit.sample_limit import check_sample_lengths, sample_token_limit
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.simulate import SimResult
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import StepPlan
+from hf_cp.planning.predict import plan_and_predict, predict
+from hf_cp.planning.sampler import GlobalBatch, GlobalBatchSampler
+from hf_cp.planning.setup import PlanningSetup
+from hf_cp.samples.masks import SampleMask
 
 
 @dataclass

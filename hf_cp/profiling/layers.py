@@ -16,8 +16,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..cost import ConfigError, resolve_config
-from .shard_attention import SegmentLayout
+from hf_cp.cost.model import ConfigError, resolve_config
+from hf_cp.profiling.shard_attention import SegmentLayout
 
 ATTENTION_NAME = "hf_cp_shard_compute"
 

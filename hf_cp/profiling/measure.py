@@ -27,13 +27,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..attention.kernels import kernel_for
-from ..cost import CostModel, HardwareProfile, ModelDims
-from ..shard import doc_pairs
-from .fit import FitQuality, fit_quality, nonnegative_lstsq
-from .layers import DecoderStack, RankWork, load_hf_config
-from .shard_attention import SegmentLayout
-from .timing import cpu_clock_name, synchronize, time_each
+from hf_cp.attention.kernels import kernel_for
+from hf_cp.cost.fit import FitQuality, fit_quality, nonnegative_lstsq
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.modes.segments import doc_pairs
+from hf_cp.profiling.layers import DecoderStack, RankWork, load_hf_config
+from hf_cp.profiling.shard_attention import SegmentLayout
+from hf_cp.profiling.timing import cpu_clock_name, synchronize, time_each
 
 # Nominal links, not measured (a single device cannot measure them).
 NOMINAL_LINKS = {

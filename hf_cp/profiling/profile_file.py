@@ -8,7 +8,7 @@ from typing import Union
 
 import yaml
 
-from .measure import ZERO2_RANKS, ProfileResult
+from hf_cp.profiling.measure import ZERO2_RANKS, ProfileResult
 
 
 def _dump(d: dict) -> str:

@@ -19,8 +19,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..attention.blocks import Block
-from ..attention.local import block_attention
+from hf_cp.attention.blocks import Block
+from hf_cp.attention.local import block_attention
 
 
 class SegmentLayout:

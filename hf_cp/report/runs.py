@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from ..sim import max_over_mean
-from ..train.history import HistoryError, latest_records
-from .figures import pyplot, save_figure
+from hf_cp.cost.simulate import max_over_mean
+from hf_cp.figures import pyplot, save_figure
+from hf_cp.train.history import HistoryError, latest_records
 
 SOURCES = ("history", "trainer-state", "tensorboard")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
-from ..sim import SimResult
-from .figures import pyplot, save_figure
+from hf_cp.cost.simulate import SimResult
+from hf_cp.figures import pyplot, save_figure
 
 
 def plot_timeline(sim: SimResult, out: Union[str, Path], title: str = "") -> Path:

@@ -1,5 +1,5 @@
 import sys
 
-from .launch import main
+from hf_cp.train.launch import main
 
 sys.exit(main())

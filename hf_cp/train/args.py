@@ -7,9 +7,9 @@ from typing import Optional, Union
 
 from transformers import TrainingArguments
 
-from ..planning.setup import PlanningSettings
-from ..resources import input_path
-from .setup_checks import check_parallelism
+from hf_cp.planning.setup import PlanningSettings
+from hf_cp.resources import input_path
+from hf_cp.train.setup_checks import check_parallelism
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
 

@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..attention.chunk_state import ChunkContext, ChunkStateStore, chunk_context
-from .loss import chunked_lm_head_loss, lm_head_bypassed
+from hf_cp.attention.chunk_state import ChunkContext, ChunkStateStore, chunk_context
+from hf_cp.train.loss import chunked_lm_head_loss, lm_head_bypassed
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100

@@ -26,12 +26,12 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..attention.context import CPContext
-from ..chunking import dependent_chunk_sizes
-from ..masks import SampleMask
-from ..plan import Group, StepPlan
-from ..sample_targets import sample_targets
-from ..shard import ShardMode
+from hf_cp.attention.context import CPContext
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.chunks import dependent_chunk_sizes
+from hf_cp.plan.step_plan import Group, StepPlan
+from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.targets import sample_targets
 
 IGNORE_INDEX = -100
 

@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..mask_column import MASK_COLUMN, decode_mask_column, masks_digest_items
-from ..masks import MaskError, SampleMask
-from ..packed_input import PackedInputError, boundary_columns, row_documents
-from ..sample_targets import sample_valid_targets
-from .collator import valid_targets
+from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask_column, masks_digest_items
+from hf_cp.samples.masks import MaskError, SampleMask
+from hf_cp.samples.packed_input import PackedInputError, boundary_columns, row_documents
+from hf_cp.samples.targets import sample_valid_targets
+from hf_cp.train.collator import valid_targets
 
 
 @dataclass

@@ -31,9 +31,9 @@ from typing import List, Optional
 
 import yaml
 
-from ..cost import read_yaml_mapping
-from ..resources import input_path, shipped_training_configs
-from .config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
+from hf_cp.cost.model import read_yaml_mapping, resolve_config
+from hf_cp.resources import input_path, shipped_training_configs
+from hf_cp.train.config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
 
 __all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
 
@@ -125,7 +125,6 @@ def model_config(mcfg: dict, source: str):
         )
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
-    from ..cost import resolve_config
 
     cpath = resolve_config(mcfg["config"], "models", (".json",))
     d = json.loads(Path(cpath).read_text())
@@ -140,7 +139,7 @@ def build_model(mcfg: dict, source: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
+    import hf_cp.attention.interface  # noqa: F401  torch, transformers: registers attn_implementation="hf_cp"
 
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
@@ -179,7 +178,7 @@ def load_run_tokenizer(mcfg: dict, source: str):
     path = Path(_resolve(str(name)))
     if not path.exists():
         raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist ({LOOKED})")
-    from ..data_prep.tokenizer import load_tokenizer
+    from hf_cp.data_prep.tokenizer import load_tokenizer  # transformers, loaded only for a tokenizer
 
     return load_tokenizer(str(path), trust_remote_code=trust_remote_code(mcfg, source))
 
@@ -207,7 +206,7 @@ def _read_dataset(path: str, field: str, source: str):
 def load_datasets(dcfg: dict, source: str):
     """(train, eval or None). Evaluation data: data.eval_path (same formats as path), or
     data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
-    from ..data import load_sample_dataset
+    from hf_cp.data import load_sample_dataset  # datasets, loaded only when data is read
 
     check_section("data", dcfg, DATA_KEYS, source)
     limit = int(dcfg.get("limit", 0) or 0)
@@ -236,7 +235,7 @@ def load_datasets(dcfg: dict, source: str):
 
 
 def training_arguments(tcfg: dict, source: str):
-    from .args import CPTrainingArguments
+    from hf_cp.train.args import CPTrainingArguments  # transformers (TrainingArguments)
 
     t = dict(tcfg)
     for k, v in t.items():

@@ -121,7 +121,7 @@ def training_keys() -> Dict[str, str]:
     """CPTrainingArguments' init fields -> their help text."""
     from dataclasses import fields
 
-    from .args import CPTrainingArguments
+    from hf_cp.train.args import CPTrainingArguments  # transformers (TrainingArguments)
 
     return {f.name: str(f.metadata.get("help", "")) for f in fields(CPTrainingArguments) if f.init}
 

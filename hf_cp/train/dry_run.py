@@ -16,14 +16,15 @@ import statistics
 from pathlib import Path
 from typing import List, Optional
 
-from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
-from ..planning import Planner, planning_setup
-from ..planning.evaluation import plan_evaluation
-from ..planning.profile_check import profile_warning
-from .columns import read_token_columns
-from .config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
-from .resume import check_resume, resolve_resume, restart_problems, schedule_record
-from .setup_checks import check_attention
+from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+from hf_cp.planning.evaluation import plan_evaluation
+from hf_cp.planning.profile_check import profile_warning
+from hf_cp.planning.setup import planning_setup
+from hf_cp.planning.worker import Planner
+from hf_cp.train.columns import read_token_columns
+from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+from hf_cp.train.resume import check_resume, resolve_resume, restart_problems, schedule_record
+from hf_cp.train.setup_checks import check_attention
 
 
 def dry_run(

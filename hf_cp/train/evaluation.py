@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Iterator, List, Tuple
 
-from ..plan import StepPlan
-from .collator import PlanCollator, RankStep
-from .columns import TokenColumns
+from hf_cp.plan.step_plan import StepPlan
+from hf_cp.train.collator import PlanCollator, RankStep
+from hf_cp.train.columns import TokenColumns
 
 
 def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns, rank: int) -> Iterator[RankStep]:

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
-from ..cluster import ClusterSpec
+from hf_cp.plan.cluster import ClusterSpec
 
 CONTROL_GROUP_DESC = "hf_cp control: plan agreement and metrics"
 

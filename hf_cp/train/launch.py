@@ -15,8 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import List, Optional
 
-from . import config as config_module
-from .config import (
+from hf_cp.train import config as config_module
+from hf_cp.train.config import (
     DEFAULT_DDP_TIMEOUT_S,
     build_model,
     load_config,
@@ -39,7 +39,7 @@ def shutdown_distributed() -> None:
 def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     import torch
 
-    from .trainer import CPTrainer, skip_deepspeed_shm_build
+    from hf_cp.train.trainer import CPTrainer, skip_deepspeed_shm_build  # torch, transformers, deepspeed
 
     cfg = load_config(config_path, overrides)
     src = cfg["_source"]

@@ -6,8 +6,8 @@ import statistics
 from collections import Counter
 from typing import Dict, List, Sequence
 
-from ..sim import max_over_mean
-from .history import StepRecord
+from hf_cp.cost.simulate import max_over_mean
+from hf_cp.train.history import StepRecord
 
 
 def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, float]:

@@ -70,3 +70,22 @@ def check_attention(impl: Optional[str], largest_group: int, where: str = "the m
             f"attn_implementation='{HF_CP_ATTENTION}' (model.attn_implementation: {HF_CP_ATTENTION} in a config), "
             f"or set cp_max_group_size: 1 to keep every sample on one rank"
         )
+
+
+def check_step_attention(plan, has_masks: bool, index: int, impl: Optional[str], what: str = "step") -> None:
+    """Before a step (or evaluation batch) `index` runs `plan` (a StepPlan): a plan that spreads
+    samples over CP groups or runs them as dependent chunks, or samples with attention masks,
+    need hf_cp's attention (`impl`: the model's attention implementation)."""
+    chunked = plan.chunked_samples
+    if (plan.spreads_samples or has_masks or chunked) and impl != HF_CP_ATTENTION:
+        why = (
+            f"the {plan.balancer!r} plan distributes samples over CP groups"
+            if plan.spreads_samples
+            else f"the {plan.balancer!r} plan runs samples {chunked[:10]} as dependent chunks (ChunkFlow)"
+            if chunked
+            else "samples carry attention masks (e.g. shared-prompt) that only it reads"
+        )
+        raise ValueError(
+            f"{what} {index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "
+            f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
+        )

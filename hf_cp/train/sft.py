@@ -31,8 +31,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("hf_cp.train.sft needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')") from e
 
-from .args import CPTrainingArguments
-from .trainer import CPTrainer
+from hf_cp.train.args import CPTrainingArguments
+from hf_cp.train.trainer import CPTrainer
 
 
 @dataclass

@@ -23,12 +23,12 @@ from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
 
-from ..attention.context import cp_context
-from ..consistency import collective_scope
-from .chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
-from .collator import IGNORE_INDEX, MicroBatch, RankStep
-from .groups import CPGroups
-from .loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
+from hf_cp.attention.context import cp_context
+from hf_cp.train.chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, RankStep
+from hf_cp.train.consistency import collective_scope
+from hf_cp.train.groups import CPGroups
+from hf_cp.train.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,12 @@ period must cover two steps and one checkpoint save; under torchrun, raise its o
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
-from typing import Optional
+from typing import List, Optional
+
+logger = logging.getLogger(__name__)
 
 
 class StopSignal:
@@ -47,3 +50,30 @@ class StopSignal:
         if self._installed:
             signal.signal(self.signum, self._previous)
             self._installed = False
+
+    def stop_after(self, step: int, ranks: List[int], rank: int) -> dict:
+        """The agreed stop after `step` (1-based), the signal seen by `ranks`: its record
+        ({"step", "signal", "ranks"}), the same on every rank; rank 0 says so."""
+        if rank == 0:
+            logger.warning(
+                "hf_cp: %s on rank(s) %s: stopping after step %d with checkpoint-%d; resume with "
+                "resume_from_checkpoint: latest",
+                self.name,
+                ranks,
+                step,
+                step,
+            )
+        return {"step": step, "signal": self.name, "ranks": ranks}
+
+
+def replace_jit_checkpoint(callback_handler) -> StopSignal:
+    """transformers' JIT checkpoint decides per rank, at different steps: a hang under
+    distributed saving. Its callback leaves `callback_handler` (a Trainer's) and gives SIGTERM
+    back; the StopSignal returned, agreed at every step, replaces it."""
+    for cb in list(callback_handler.callbacks):
+        if type(cb).__name__ == "JITCheckpointCallback":
+            manager = getattr(cb, "jit_manager", None)
+            if manager is not None and manager._original_sigterm_handler is not None:
+                signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+            callback_handler.remove_callback(cb)
+    return StopSignal(signal.SIGTERM)

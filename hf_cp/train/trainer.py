@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,28 +24,20 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
-from ..consistency import agree_on_plan_and_payload, assert_data_agrees, assert_plans_agree
-from ..cost import CostModel
-from ..plan import StepPlan
-from ..planning import Planner, planning_setup
-from ..planning.calibration import (
-    CalibrationSettings,
-    Calibrator,
-    Coefficients,
-    calibrated_profile_yaml,
-    observe_step,
-)
-from ..planning.evaluation import plan_evaluation
-from ..planning.profile_check import available_cores, profile_warning, shared_cores_warning
-from .args import CPTrainingArguments
-from .collator import IGNORE_INDEX, PlanCollator, RankStep
-from .columns import read_token_columns
-from .evaluation import evaluation_rank_steps
-from .gc_schedule import ScheduledGarbageCollection
-from .groups import CPGroups
-from .history import StepRecord, append_record, history_path
-from .metrics import aggregate, summary_lines
-from .resume import (
+from hf_cp.planning.evaluation import plan_evaluation
+from hf_cp.planning.worker import Planner
+from hf_cp.train.agreement import PlanAgreement
+from hf_cp.train.args import CPTrainingArguments
+from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, RankStep
+from hf_cp.train.columns import read_token_columns
+from hf_cp.train.consistency import assert_data_agrees, assert_plans_agree
+from hf_cp.train.evaluation import evaluation_rank_steps
+from hf_cp.train.gc_schedule import ScheduledGarbageCollection
+from hf_cp.train.groups import CPGroups
+from hf_cp.train.history import StepRecord, append_record, history_path
+from hf_cp.train.metrics import aggregate, summary_lines
+from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
+from hf_cp.train.resume import (
     check_resume,
     checkpoint_step,
     resolve_resume,
@@ -56,22 +47,19 @@ from .resume import (
     truncate_history,
     write_schedule,
 )
-from .setup_checks import check_attention, check_parallelism, deepspeed_arch_list
-from .step import StepExecutor, WaveTotals
-from .stop_signal import StopSignal
-from .trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
-from .user_collator import check_data_collator
+from hf_cp.train.setup_checks import check_parallelism, check_step_attention
+from hf_cp.train.step import StepExecutor, WaveTotals
+from hf_cp.train.step_record import gather_measurements, step_record
+from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
+from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
+from hf_cp.train.trainer_setup import check_training_data, deepspeed_arch_env, start_warnings, trainer_planning_setup
 
 logger = logging.getLogger(__name__)
 
 try:  # registers attn_implementation="hf_cp" with transformers
-    from ..attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+    from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 except ImportError:  # pragma: no cover - the attention package is part of hf_cp
     HF_CP_ATTENTION = "hf_cp"
-
-
-# the online calibration's profile, in each checkpoint and in output_dir at the end of training
-CALIBRATED_PROFILE = "cp_profile_calibrated.yaml"
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -132,26 +120,14 @@ class CPTrainer(Trainer):
         check_parallelism(getattr(args, "parallelism_config", None))
         if args.deepspeed:
             skip_deepspeed_shm_build()
-            arch = deepspeed_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
-            if arch is not None:
-                if int(args.process_index) == 0:
-                    logger.warning(
-                        "hf_cp: TORCH_CUDA_ARCH_LIST=%s set to %s for DeepSpeed, whose op builder cannot parse "
-                        "arch suffixes",
-                        os.environ["TORCH_CUDA_ARCH_LIST"],
-                        arch,
-                    )
-                os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+            note = deepspeed_arch_env()
+            if note and int(args.process_index) == 0:
+                logger.warning("hf_cp: %s", note)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+        self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
         # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
         # prompt/completion or messages into input_ids and labels): read what it left, not the argument.
-        train_dataset = self.train_dataset
-        if train_dataset is None:
-            raise ValueError("CPTrainer: training needs a train_dataset")
-        columns = getattr(train_dataset, "column_names", None) or []
-        collator_note = check_data_collator(kwargs.get("data_collator"), has_labels="labels" in columns)
-        if collator_note and int(args.process_index) == 0:
-            logger.warning("hf_cp: %s", collator_note)
+        self._cp_warn(check_training_data(self.train_dataset, kwargs.get("data_collator")))
         self.model.config.use_cache = False  # with a cache, packed documents attend across boundaries
         if args.cp_gc_interval_steps > 0:
             self.add_callback(ScheduledGarbageCollection(args.cp_gc_interval_steps))
@@ -160,60 +136,25 @@ class CPTrainer(Trainer):
             0, DataEpochCallback(lambda: self.cp_history[-1].data_epoch if self.cp_history else None)
         )
         self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
-        self.cp_world = int(args.world_size)
-        self.cp_rank = int(args.process_index)
-        self.cp_data = read_token_columns(train_dataset, "train_dataset")
-        settings = args.planning_settings()
-        # the memory model's model states: in the dtype the model was built in (without DeepSpeed
-        # they stay in it; DeepSpeed's own dtypes follow its config)
-        param = next((p for p in self.model.parameters() if p.requires_grad), None)
-        if settings.model_states is not None and param is not None:
-            settings.model_states["param_bytes"] = param.element_size()
-        setup = planning_setup(
-            settings,
-            self.cp_data.lengths,
-            self.cp_world,
-            model_config=self.model.config.to_dict(),
-            num_epochs=args.num_train_epochs,
-            max_steps=args.max_steps,
+        self.cp_data = read_token_columns(self.train_dataset, "train_dataset")
+        # the run's PlanningSettings, built once: cp_setup.settings from here on
+        self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data.lengths, self.cp_world)
+        self.cp_cost, self.cp_cluster, self.cp_sampler = (
+            self.cp_setup.cost,
+            self.cp_setup.cluster,
+            self.cp_setup.sampler,
         )
-        self.cp_setup = setup
-        self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
-        # now, not at the first step that spreads a sample (after the model is placed and minutes in)
-        check_attention(getattr(self.model.config, "_attn_implementation", None), self.cp_cluster.group_sizes[-1])
-        if self.cp_rank == 0:
-            settings = setup.settings
-            warning = profile_warning(
-                setup.cost.profile,
-                settings.profile if isinstance(settings.profile, str) else setup.cost.profile.name,
-                setup.cost.dims,
-                args.device.type,
-                settings.model_dims or getattr(self.model.config, "_name_or_path", "") or "",
-            )
-            if warning:
-                logger.warning("hf_cp: %s", warning)
-            if args.device.type == "cpu":
-                shared = shared_cores_warning(
-                    int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(), available_cores()
-                )
-                if shared:
-                    logger.warning("hf_cp: %s", shared)
-        # online calibration (hf_cp/planning/calibration.py): version -> (coefficients, cost model)
-        self.cp_calibrator: Optional[Calibrator] = None
-        if args.cp_calibrate and not args.full_determinism:
-            self.cp_calibrator = Calibrator(
-                setup.cost.profile,
-                CalibrationSettings(
-                    args.cp_calibrate_min_steps, args.cp_calibrate_every, max(16, args.cp_calibrate_min_steps)
-                ),
-            )
-        self._cp_models: Dict[int, tuple] = {0: (Coefficients.of(setup.cost.profile), setup.cost)}
-        self._cp_pending_fit = None  # a fit made after the last step, offered at the next agreement
+        model_name = getattr(self.model.config, "_name_or_path", "")
+        for warning in start_warnings(self.cp_setup, args.device.type, model_name):
+            self._cp_warn(warning)
+        # online calibration (online_calibration.py): a refit rides on the next step's plan agreement
+        self.cp_calibration = OnlineCalibration.for_run(args, self.cp_cost, len(self.cp_sampler), self.cp_rank)
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
         self.cp_planner: Optional[Planner] = None
         self.cp_groups: Optional[CPGroups] = None
+        self.cp_agreement: Optional[PlanAgreement] = None  # opens every step (built with the loader)
         self.cp_history: List[StepRecord] = []  # one record per step, identical on every rank
         self._cp_pending: List[StepRecord] = []  # records not yet logged
         self.cp_executor: Optional[StepExecutor] = None
@@ -224,7 +165,12 @@ class CPTrainer(Trainer):
         self.cp_stop_signal: Optional[StopSignal] = None
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
-            self._cp_replace_jit_checkpoint()
+            self.cp_stop_signal = replace_jit_checkpoint(self.callback_handler)
+
+    def _cp_warn(self, warning: Optional[str]) -> None:
+        """A set-up warning, logged once (rank 0)."""
+        if warning and self.cp_rank == 0:
+            logger.warning("hf_cp: %s", warning)
 
     # ------------------------------------------------------------------ data
     def _cp_setup(self) -> None:
@@ -263,13 +209,9 @@ class CPTrainer(Trainer):
         # Trainer.train asks for the dataloader before DeepSpeed / accelerate set up the model and
         # optimizer: the planner's worker starts and warms up meanwhile (Planner.start)
         self.cp_planner.start()
-        self._cp_collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
-        steps = _PlannedSteps(
-            self.cp_planner,
-            self._cp_collator,
-            self.cp_rank,
-            self.cp_data.valid_counts,
-        )
+        collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
+        self.cp_agreement = PlanAgreement(self.cp_groups.control, self.cp_cluster, self.cp_cost, self.cp_rank, collator)
+        steps = _PlannedSteps(self.cp_planner, collator, self.cp_rank, self.cp_data.valid_counts)
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
         return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
 
@@ -289,66 +231,19 @@ class CPTrainer(Trainer):
             return model.no_sync()
         return contextlib.nullcontext()
 
-    def _cp_replace_jit_checkpoint(self) -> None:
-        """transformers' JIT checkpoint decides per rank, at different steps: a hang under
-        distributed saving. Its callback goes; the agreed stop of training_step replaces it."""
-        import signal
-
-        for cb in list(self.callback_handler.callbacks):
-            if type(cb).__name__ == "JITCheckpointCallback":
-                manager = getattr(cb, "jit_manager", None)
-                if manager is not None and manager._original_sigterm_handler is not None:
-                    signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
-                self.callback_handler.remove_callback(cb)
-        self.cp_stop_signal = StopSignal(signal.SIGTERM)
-
     def _cp_agree(self, step: RankStep) -> RankStep:
-        """Plan agreement (before any collective of the step) and, in the same exchange, the
-        stop decision: a SIGTERM seen by any rank stops every rank after this step. A balancer
-        whose plans may depend on timing (balancer.timing_dependent: a solver's time limit or
-        deadline) makes ranks that disagree run the first rank's plan instead of failing."""
+        """Plan agreement (agreement.py) before any collective of the step. The stop decision (a
+        SIGTERM seen by any rank stops every rank after this step) and the online calibration's
+        new coefficients (rank 0's are adopted) ride on the same exchange."""
         sig = self.cp_stop_signal
-        adopt = bool(getattr(self.cp_planner.balancer, "timing_dependent", False))
-        plan_json = step.plan.to_json() if adopt else ""
-        # the online calibration's new coefficients ride on the same exchange (rank 0's are adopted)
-        fit, self._cp_pending_fit = self._cp_pending_fit, None
-        offer = fit.coefficients.to_payload(fit.version) if fit is not None else [0.0] * Coefficients.PAYLOAD_SIZE
-        theirs, flagged, adopted = agree_on_plan_and_payload(
-            plan_json,
-            step.plan.digest(),
-            step.index + 1,
-            group=self.cp_groups.control,
-            flag=bool(sig and sig.requested),
-            adopt_first=adopt,
-            payload=offer,
-        )
-        version, coefficients = Coefficients.from_payload(adopted)
-        if coefficients is not None:
-            self._cp_adopt(version, coefficients, step.index)
-        if theirs is not None:  # this rank planned otherwise (a solver's time limit): run rank 0's plan
-            plan = StepPlan.from_json(theirs, f"step {step.index + 1}: rank 0's plan")
-            plan.validate(self.cp_cluster, self.cp_cost)
-            logger.warning(
-                "hf_cp: step %d: rank %d planned this step otherwise (%s depends on timing); running rank 0's plan",
-                step.index + 1,
-                self.cp_rank,
-                step.plan.balancer,
-            )
-            step = self._cp_collator.rank_step(plan, self.cp_rank, step.global_valid_tokens, step.epoch, step.planned)
-        if flagged and self.cp_stopped_early is None:
-            self.cp_stopped_early = {"step": step.index + 1, "signal": sig.name, "ranks": flagged}
+        flag = bool(sig and sig.requested)
+        got = self.cp_agreement.agree(step, self.cp_planner.balancer, flag, self.cp_calibration.offer())
+        self.cp_calibration.adopt(got.payload, step.index, self.cp_planner)
+        if got.flagged and self.cp_stopped_early is None:
+            self.cp_stopped_early = sig.stop_after(got.step.index + 1, got.flagged, self.cp_rank)
             self.control.should_save = True
             self.control.should_training_stop = True
-            if self.cp_rank == 0:
-                logger.warning(
-                    "hf_cp: %s on rank(s) %s: stopping after step %d with checkpoint-%d; resume with "
-                    "resume_from_checkpoint: latest",
-                    sig.name,
-                    flagged,
-                    step.index + 1,
-                    step.index + 1,
-                )
-        return step
+        return got.step
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         step: RankStep = inputs["cp_step"]
@@ -370,146 +265,34 @@ class CPTrainer(Trainer):
         return totals.loss
 
     def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
-        chunked = step.plan.chunked_samples
-        if step.plan.spreads_samples or step.has_masks or chunked:
-            impl = getattr(self.model.config, "_attn_implementation", None)
-            if impl != HF_CP_ATTENTION:
-                why = (
-                    f"the {step.plan.balancer!r} plan distributes samples over CP groups"
-                    if step.plan.spreads_samples
-                    else f"the {step.plan.balancer!r} plan runs samples {chunked[:10]} as dependent chunks (ChunkFlow)"
-                    if chunked
-                    else "samples carry attention masks (e.g. shared-prompt) that only it reads"
-                )
-                raise ValueError(
-                    f"{what} {step.index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "
-                    f"model uses {impl!r}); load it with attn_implementation='{HF_CP_ATTENTION}'"
-                )
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        check_step_attention(step.plan, step.has_masks, step.index, impl, what)
 
     def _cp_record(
         self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float], peak_bytes: float = -1.0
     ) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements).
         `peak_bytes`: the device's peak allocated memory in the step (-1: not measured, off CUDA)."""
-        wave_ms = [(c - a) * 1e3 for a, c, _ in totals.wave_timeline]  # every rank has every wave
-        mine = torch.tensor(
-            [totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms, peak_bytes, *wave_ms],
-            dtype=torch.float64,
+        rows = gather_measurements(totals, wall_ms, peak_bytes, self.cp_world, self.cp_groups.control)
+        rec = step_record(
+            step,
+            rows,
+            self.cp_sampler,
+            self.state.global_step + 1,
+            self.cp_planner.compare_name,
+            self._cp_resumed_from,  # the checkpoint step this process started from
+            len(self.cp_data),
         )
-        if self.cp_world > 1:
-            got = [torch.zeros_like(mine) for _ in range(self.cp_world)]
-            dist.all_gather(got, mine, group=self.cp_groups.control)
-        else:
-            got = [mine]
-        rows = torch.stack(got).tolist()
-        ps = step.planned
-        gv = step.global_valid_tokens
-        rec = StepRecord(
-            index=step.index,
-            epoch=step.epoch,
-            step_in_epoch=ps.batch.step_in_epoch if ps is not None else None,
-            # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback)
-            data_epoch=(
-                data_epoch(
-                    step.epoch,
-                    sum(map(len, self.cp_sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1])),
-                    len(self.cp_sampler.lengths),
-                )
-                if ps is not None
-                else float(step.epoch)
-            ),
-            global_step=self.state.global_step + 1,
-            num_samples=len(step.plan.sample_ids),
-            global_tokens=step.plan.total_tokens,
-            global_valid_tokens=gv,
-            loss=sum(r[2] for r in rows) / gv if gv else 0.0,
-            measured_ms=[r[0] for r in rows],
-            rank_tokens=[int(r[1]) for r in rows],
-            step_wall_ms=max(r[3] for r in rows),
-            # what the rank's measured time is: its micro-batches' durations (a group's members
-            # wait for its slowest at every layer), not its own work alone
-            predicted_ms=list(ps.predicted.occupied_ms) if ps is not None else [0.0] * self.cp_world,
-            predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
-            compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
-            compare_balancer=self.cp_planner.compare_name if ps is not None and ps.compare is not None else None,
-            planner_ms=ps.planner_ms if ps is not None else 0.0,
-            cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
-            waves=len(step.waves),
-            plan_digest=step.plan.digest(),
-            balancer=step.plan.balancer,
-            plan_notes=list(getattr(step.plan, "notes", None) or []),
-            chunked=step.plan.chunking_summary(),
-            attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
-            resumed_from=self._cp_resumed_from,  # the checkpoint step this process started from
-            dataset_samples=len(self.cp_data),  # for the exactly-once audit of hf-cp report
-            wave_max_ms=[max(r[5 + w] for r in rows) for w in range(len(wave_ms))],
-            calibration=ps.cost_version if ps is not None else 0,
-            peak_memory_gb=[r[4] / 1e9 for r in rows] if all(r[4] >= 0 for r in rows) else [],
-            predicted_peak_memory_gb=[b / 1e9 for b in ps.predicted.peak_memory_bytes] if ps is not None else [],
-        )
-        self._cp_calibrate(rec, ps)
+        self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
         if self.args.cp_record_history:
             line = rec.for_rank(self.cp_rank, step.trained_sample_ids, span, totals.wave_timeline)
             append_record(self.args.output_dir, line)
 
-    # ------------------------------------------------------------------ online calibration
-    def _cp_calibrate(self, rec: StepRecord, ps) -> None:
-        """Observe a step; when a refit is due, fit and offer the result at the next agreement."""
-        cal = self.cp_calibrator
-        if cal is None or ps is None:
-            return
-        coefficients, cost = self._cp_models[ps.cost_version]
-        cal.add(
-            observe_step(
-                rec.index,
-                ps.predicted,
-                cost,
-                coefficients.comm_scale,
-                rec.measured_ms,
-                rec.step_wall_ms,
-                rec.wave_max_ms,
-            )
-        )
-        if cal.due():
-            self._cp_pending_fit = cal.refit(prior=self._cp_models[max(self._cp_models)][0])
-
-    def _cp_adopt(self, version: int, coefficients: Coefficients, index: int) -> None:
-        """Rank 0's fit, the same on every rank: plan the steps not yet planned with it."""
-        cal = self.cp_calibrator
-        base = self.cp_cost
-        cost = CostModel(base.dims, cal.profile(coefficients), base.execution)
-        first = index + self.args.cp_plan_lookahead + 1
-        if first >= len(self.cp_sampler):
-            return  # no step left to plan with it
-        self._cp_models[version] = (coefficients, cost)
-        self.cp_planner.set_cost(first, version, cost)
-        fit = cal.fits[version - 1]
-        fit.applies_from = first
-        if self.cp_rank == 0:
-            logger.warning(
-                "hf_cp: %s; steps from %d on are planned with it", fit.describe(cal.base_coefficients), first + 1
-            )
-
     def cp_calibrated_profile(self) -> Optional[str]:
         """The latest calibrated profile as YAML (None before the first calibration)."""
-        cal = self.cp_calibrator
-        latest = max(self._cp_models)
-        if cal is None or latest == 0:
-            return None
-        coefficients, _ = self._cp_models[latest]
-        base = self.args.cp_profile if isinstance(self.args.cp_profile, str) else cal.base.name
-        return calibrated_profile_yaml(cal.profile(coefficients), cal.fits[latest - 1], base, self.args.output_dir)
-
-    def _cp_write_calibrated_profile(self, folder: Path, name: str) -> Optional[Path]:
-        text = self.cp_calibrated_profile()
-        if text is None:
-            return None
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / name
-        path.write_text(text)
-        return path
+        return self.cp_calibration.profile_yaml(self.args.cp_profile, self.args.output_dir)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
@@ -535,7 +318,7 @@ class CPTrainer(Trainer):
             plans = plan_evaluation(
                 data.lengths,
                 data.valid_counts,
-                self.args.tokens_per_step(self.cp_world),
+                self.cp_setup.settings.step_tokens(self.cp_world),
                 self.cp_balancer or self.cp_setup.balancer(),
                 self.cp_cluster,
                 self.cp_cost,
@@ -650,7 +433,7 @@ class CPTrainer(Trainer):
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             write_schedule(str(folder), self.cp_schedule())
             # the calibrated cost model (hf-cp plan --profile FILE reads it)
-            self._cp_write_calibrated_profile(folder, CALIBRATED_PROFILE)
+            write_calibrated_profile(folder, self.cp_calibrated_profile(), CALIBRATED_PROFILE)
         super()._save_checkpoint(model, trial)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -688,7 +471,9 @@ class CPTrainer(Trainer):
         try:
             out = super().train(resume, *args, **kwargs)
             if self.args.should_save:
-                path = self._cp_write_calibrated_profile(Path(self.args.output_dir), CALIBRATED_PROFILE)
+                path = write_calibrated_profile(
+                    Path(self.args.output_dir), self.cp_calibrated_profile(), CALIBRATED_PROFILE
+                )
                 if path is not None:
                     logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
             return out

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Sequence
 
 from transformers import TrainerCallback
 
-from .history import StepRecord
+from hf_cp.train.history import StepRecord
 
 
 def data_epoch(epoch: int, samples_so_far_in_epoch: int, dataset_samples: int) -> float:

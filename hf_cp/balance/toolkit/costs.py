@@ -1,0 +1,97 @@
+"""Per-length costs of one CostModel, computed once and shared by every balancer.
+
+Values are exactly the model's (nothing here has a cost formula of its own), so plans do not
+depend on the cache state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hf_cp.cost.model import CostModel
+from hf_cp.modes.segments import ShardMode, split_sizes
+
+
+class CostMemo:
+    """Per-length results of one CostModel, computed once.
+
+    `sample_local_ms` is a few microseconds per call and a step holds up to ~10^5 samples,
+    while a trace holds far fewer distinct lengths: caching by length keeps planners at
+    numpy speed. Values are exactly the model's, so plans do not depend on the cache state.
+    """
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+        self._local: Dict[int, float] = {}
+        self._on_group: Dict[Tuple[int, int], float] = {}
+        self._member_tokens: Dict[Tuple[int, int], Tuple[int, ...]] = {}
+        self.overhead_ms = cost.micro_batch_overhead_ms()
+        self._step_lengths: Optional[Tuple[int, ...]] = None
+        self._step_local = np.zeros(0)
+
+    def local_ms(self, length: int) -> float:
+        """Whole-document compute of one sample on one rank (CostModel.sample_local_ms)."""
+        v = self._local.get(length)
+        if v is None:
+            v = self._local[length] = self.cost.sample_local_ms(length)
+        return v
+
+    def step_local_ms(self, lengths: Sequence[int]) -> np.ndarray:
+        """local_ms_array of a step's lengths, kept for the last step asked: every member of
+        `auto`, every bound and the pricer ask for the same step's (do not modify it)."""
+        if self._step_lengths is not lengths:
+            key = lengths if isinstance(lengths, tuple) else tuple(lengths)
+            if key != self._step_lengths:
+                self._step_local = self.local_ms_array(np.asarray(key, dtype=np.int64))
+            self._step_lengths = key
+        return self._step_local
+
+    def local_ms_array(self, lengths: np.ndarray) -> np.ndarray:
+        """local_ms of every entry of an integer array."""
+        uniq, inv = np.unique(lengths, return_inverse=True)
+        get = self.local_ms
+        return np.fromiter((get(int(n)) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))[inv]
+
+    def doc_on_group_ms(self, length: int, group_size: int) -> float:
+        """Slowest member's time of one document alone, per-document sharded over an aligned
+        block of `group_size` ranks (micro-batch overhead excluded)."""
+        key = (length, group_size)
+        v = self._on_group.get(key)
+        if v is None:
+            if group_size == 1:
+                v = self.local_ms(length)
+            else:
+                ranks = list(range(group_size))
+                v = max(
+                    c.total_ms
+                    for c in self.cost.distributed_rank_costs(
+                        [length], ShardMode.RING_PER_DOC, ranks, (0, group_size - 1)
+                    )
+                )
+            self._on_group[key] = v
+        return v
+
+    def per_doc_member_tokens(self, length: int, group_size: int) -> Tuple[int, ...]:
+        """Tokens each member holds when one document is per-document sharded over the group:
+        parts m and 2g-1-m of shard.split_sizes(length, 2g) (shard.per_doc_segments' layout,
+        in O(g) instead of calling it for every member)."""
+        key = (length, group_size)
+        v = self._member_tokens.get(key)
+        if v is None:
+            parts = split_sizes(length, 2 * group_size)
+            v = self._member_tokens[key] = tuple(parts[m] + parts[2 * group_size - 1 - m] for m in range(group_size))
+        return v
+
+
+_MEMOS: weakref.WeakKeyDictionary[CostModel, CostMemo] = weakref.WeakKeyDictionary()
+
+
+def cost_memo(cost: CostModel) -> CostMemo:
+    """The shared CostMemo of a CostModel (kept as long as the model lives)."""
+    memo = _MEMOS.get(cost)
+    if memo is None:
+        memo = _MEMOS[cost] = CostMemo(cost)
+    return memo

@@ -1,0 +1,274 @@
+"""Candidate plans of per-sample CP sizes, shared by `dynamic_cp` and `flexsp`.
+
+Given a CP size per sample: place the distributed samples on the aligned block whose busiest
+member is least loaded, fill the ranks with the local samples (LPT, then moves and swaps off
+the busiest rank), pack them into micro-batches under the cap, assemble the waves (largest
+groups first, so that aligned blocks never wait for each other), and keep the fastest of
+several candidates (closest ones priced by the simulator's timing rule).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hf_cp.balance.base import PlanRequest
+from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
+from hf_cp.balance.toolkit.costs import CostMemo
+from hf_cp.balance.toolkit.packing import split_to_cap
+from hf_cp.balance.toolkit.pricing import pricer_for
+from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.step_plan import Group, StepPlan
+
+
+def memory_min_sizes(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> np.ndarray:
+    """Smallest registered group size per sample whose per-document shards fit the cap."""
+    cl = req.cluster
+    cap = cl.max_tokens_per_rank
+    sizes = np.ones(len(lengths), dtype=np.int64)
+    for i in np.nonzero(lengths > cap)[0].tolist():
+        n = int(lengths[i])
+        g = cl.smallest_group_for(n)
+        while g is not None and max(memo.per_doc_member_tokens(n, g)) > cap:
+            g = next((s for s in cl.group_sizes if s > g), None)
+        if g is None:  # PlanRequest rejects these; kept as a guard against a changed registry
+            raise ValueError(
+                f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.group_sizes} with cap {cap}"
+            )
+        sizes[i] = g
+    return sizes
+
+
+def per_rank_ms(memo: CostMemo, length: int, group_size: int) -> float:
+    """Time a sample adds to each member of its group: one micro-batch of its own if distributed."""
+    if group_size == 1:
+        return memo.local_ms(length)
+    return memo.doc_on_group_ms(length, group_size) + memo.overhead_ms
+
+
+def balance_sizes(
+    memo: CostMemo,
+    lengths: np.ndarray,
+    min_sizes: np.ndarray,
+    local_ms: np.ndarray,
+    largest: int,
+    quota_ms: float,
+    theta: Optional[float],
+) -> np.ndarray:
+    """Workload pass: double the CP size of samples over theta x quota while that helps."""
+    sizes = min_sizes.copy()
+    if theta is None:
+        return sizes
+    limit = theta * quota_ms
+    for i in np.nonzero((local_ms > limit) | (min_sizes > 1))[0].tolist():
+        n, g = int(lengths[i]), int(sizes[i])
+        t = per_rank_ms(memo, n, g)
+        while t > limit and g < largest:
+            t2 = per_rank_ms(memo, n, 2 * g)
+            if t2 >= t:
+                break
+            g, t = 2 * g, t2
+        sizes[i] = g
+    return sizes
+
+
+def place_distributed(
+    memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, world: int, loads: np.ndarray
+) -> Dict[Tuple[int, int], List[int]]:
+    """LPT over aligned blocks: heaviest distributed sample first, onto the block of its size
+    whose busiest member is least loaded. Returns (block size, block index) -> sample indices
+    and updates `loads` in place."""
+    dist = np.nonzero(sizes > 1)[0]
+    times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
+    placed: Dict[Tuple[int, int], List[int]] = {}
+    for k in np.argsort(-times, kind="stable").tolist():
+        i, g = int(dist[k]), int(sizes[dist[k]])
+        b = int(np.argmin(loads.reshape(world // g, g).max(axis=1)))
+        loads[b * g : (b + 1) * g] += times[k]
+        placed.setdefault((g, b), []).append(i)
+    return placed
+
+
+def fill_ranks(
+    weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2, light_fraction: float = 0.005
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
+    sample, final loads).
+
+    assign.lpt_assign with a finer exact part: samples heavier than `light_fraction` of the
+    mean final load (and at least the `exact_per_rank` x world heaviest) go one by one to the
+    least loaded rank; the light tail is water-filled, so every rank ends within one light
+    sample of a common level.
+    """
+    world = len(loads)
+    weights = np.asarray(weights, dtype=np.float64)
+    mean_final = (float(weights.sum()) + float(np.sum(loads))) / world
+    exact = max(min(len(weights), exact_per_rank * world), int(np.count_nonzero(weights > light_fraction * mean_final)))
+    return lpt_assign(weights, world, loads, exact_items=exact)
+
+
+def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> List[Tuple[int, np.ndarray]]:
+    """Pack every rank's local samples into micro-batches of at most `cap` tokens.
+
+    Returns (rank, sample indices) per micro-batch, by rank. Fast path: each rank takes the
+    fewest micro-batches its tokens allow and deals its samples, longest first, in a snake
+    order over them (near-equal token sums); ranks where that overflows fall back to
+    first-fit decreasing (packing.split_to_cap).
+    """
+    out: List[Tuple[int, np.ndarray]] = []
+    if len(rank_of) == 0:
+        return out
+    order = np.lexsort((-lengths, rank_of))  # by rank, then longest first (stable)
+    r_sorted, l_sorted = rank_of[order], lengths[order]
+    ranks, starts, counts = np.unique(r_sorted, return_index=True, return_counts=True)
+    totals = np.add.reduceat(l_sorted, starts)
+    k = np.maximum(1, -(-totals // cap))
+    pos = np.arange(len(order)) - np.repeat(starts, counts)
+    kk = np.repeat(k, counts)
+    p = pos % (2 * kk)
+    mb = np.where(p < kk, p, 2 * kk - 1 - p)
+    kmax = int(k.max())
+    slot = np.repeat(np.arange(len(ranks)), counts) * kmax + mb
+    sums = np.bincount(slot, weights=l_sorted, minlength=len(ranks) * kmax).reshape(len(ranks), kmax)
+    bad = sums.max(axis=1) > cap
+    by_slot = np.argsort(slot, kind="stable")
+    slot_sorted = slot[by_slot]
+    bounds = np.flatnonzero(np.diff(slot_sorted)) + 1
+    for piece, first in zip(np.split(order[by_slot], bounds), np.concatenate(([0], bounds)).tolist()):
+        ri = int(slot_sorted[first]) // kmax
+        if not bad[ri]:
+            out.append((int(ranks[ri]), piece))
+    for ri in np.flatnonzero(bad).tolist():
+        idx = order[starts[ri] : starts[ri] + counts[ri]]
+        for mbatch in split_to_cap(idx.tolist(), lengths[idx].tolist(), cap):
+            out.append((int(ranks[ri]), np.asarray(mbatch, dtype=np.int64)))
+    out.sort(key=lambda t: t[0])  # stable: a rank's micro-batches keep their order
+    return out
+
+
+def assemble_plan(
+    req: PlanRequest,
+    memo: CostMemo,
+    placed: Dict[Tuple[int, int], List[int]],
+    local_rank_of: np.ndarray,
+    local_idx: np.ndarray,
+    name: str,
+) -> StepPlan:
+    """Turn block and rank assignments (sample indices) into waves.
+
+    A block's samples are packed in placement order into micro-batches whose per-document
+    shards fit the cap, each with the faster ring mode; every rank's local samples are packed
+    under the cap. Distributed groups are issued from the largest size down, local ones last
+    (see the module docstring for why nothing waits).
+    """
+    cap = req.cluster.max_tokens_per_rank
+    ids, lens = req.sample_ids, req.lengths
+    waves = WaveBuilder(req.cluster.world_size)
+    for g, b in sorted(placed, key=lambda k: (-k[0], k[1])):
+        ranks = block_ranks(b, g)
+        packs: List[List[int]] = []
+        used = cap + 1
+        for i in placed[(g, b)]:
+            need = max(memo.per_doc_member_tokens(lens[i], g))
+            if used + need > cap:
+                packs.append([])
+                used = 0
+            packs[-1].append(i)
+            used += need
+        for pack in packs:
+            doc_lens = [lens[i] for i in pack]
+            mode = pick_ring_mode(req.cost, doc_lens, ranks, cap) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
+    id_arr = np.asarray(ids, dtype=np.int64)
+    len_arr = np.asarray(lens, dtype=np.int64)
+    for r, piece in local_micro_batches(local_rank_of, len_arr[local_idx], cap):
+        waves.add(Group(ranks=(r,), local={r: id_arr[local_idx[piece]].tolist()}))
+    plan = req.empty_plan(name)
+    plan.waves = waves.build()
+    return plan
+
+
+class Candidate:
+    """One choice of CP sizes after the memory-filling pass, before it becomes a plan."""
+
+    def __init__(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray, sizes: np.ndarray):
+        world = req.cluster.world_size
+        self.loads = np.zeros(world, dtype=np.float64)
+        self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
+        self.local_idx = np.flatnonzero(sizes == 1)
+        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], self.loads)
+        self.refined = False
+        self.estimate(req, memo, lengths)
+
+    def estimate(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray) -> float:
+        """Predicted makespan: per-rank work plus one overhead per cap-full of local tokens."""
+        world = req.cluster.world_size
+        local_tokens = np.bincount(self.local_rank_of, weights=lengths[self.local_idx], minlength=world)
+        cap = req.cluster.max_tokens_per_rank
+        self.estimate_ms = float(np.max(self.loads + np.ceil(local_tokens / cap) * memo.overhead_ms))
+        return self.estimate_ms
+
+    def refine(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray) -> None:
+        """Even out the local samples by moves and swaps off the busiest rank (assign.improve_max_load)."""
+        if not self.refined:
+            w = local_ms[self.local_idx]
+            self.local_rank_of, self.loads = improve_max_load(w, self.local_rank_of, self.loads)
+            self.refined = True
+            self.estimate(req, memo, lengths)
+
+    def plan(self, req: PlanRequest, memo: CostMemo, name: str) -> StepPlan:
+        return assemble_plan(req, memo, self.placed, self.local_rank_of, self.local_idx, name)
+
+
+def refine_best(
+    req: PlanRequest,
+    memo: CostMemo,
+    candidates: Sequence[Candidate],
+    lengths: np.ndarray,
+    local_ms: np.ndarray,
+    top: int,
+) -> None:
+    """Refine the `top` candidates of lowest estimate (refinement costs more than a candidate)."""
+    for i in sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))[:top]:
+        candidates[i].refine(req, memo, lengths, local_ms)
+
+
+def pick_fastest(
+    req: PlanRequest,
+    memo: CostMemo,
+    candidates: Sequence[Candidate],
+    name: str,
+    tolerance: float,
+    max_simulated: int = 2,
+    simulate_up_to_samples: Optional[int] = None,
+) -> Tuple[StepPlan, float]:
+    """Keep the candidate with the smallest makespan: (its plan, its predicted makespan).
+
+    Candidates are ranked by their predicted makespan (the cost model's per-rank work under a
+    schedule that never waits). Its only approximations are per-micro-batch overheads (one
+    per distributed sample, one per cap-full of local tokens), so the (at most
+    `max_simulated`) candidates within `tolerance` of the best are priced with the
+    simulator's timing rule (pricing.PlanPricer) and the fastest wins (the first on ties). Steps with
+    more than `simulate_up_to_samples` samples skip that check: their ranks hold many light
+    samples, an overhead is a negligible share of a rank's time, and simulating every
+    document would cost more than the planning budget.
+    """
+    ranked = sorted(range(len(candidates)), key=lambda i: (candidates[i].estimate_ms, i))
+    best_estimate = candidates[ranked[0]].estimate_ms
+    shortlist = [
+        candidates[i]
+        for i in ranked[: max(1, max_simulated)]
+        if candidates[i].estimate_ms <= best_estimate * (1.0 + tolerance)
+    ]
+    if simulate_up_to_samples is not None and len(req.sample_ids) > simulate_up_to_samples:
+        shortlist = shortlist[:1]
+    plans = [c.plan(req, memo, name) for c in shortlist]
+    if len(plans) == 1:
+        return plans[0], shortlist[0].estimate_ms
+    pricer = pricer_for(req.cost)
+    times = [pricer.makespan_ms(p) for p in plans]
+    best = int(np.argmin(times))
+    return plans[best], times[best]

@@ -1,0 +1,368 @@
+"""ChunkFlow's chunk plan: a step's samples as chunks of at most ChunkSize tokens (issue 17).
+
+Samples of at most ChunkSize tokens are bin-packed into *standalone* chunks (ordinary packed
+micro-batches). A longer sample is cut into N *dependent* chunks that run in order on one rank:
+chunk i attends to its own tokens causally and to every key of chunks 0..i-1, which a K/V state
+store keeps (hf_cp/attention/chunk_state.py). Under ChunkFlow's state-aware schedule only the
+last K chunks keep their activations; the first N-K are run again (recomputed) in backward.
+
+Pure functions on lengths and plain data: torch-free, like plan.py and cost.py. The same
+geometry (`dependent_chunk_sizes`) is used by the plan, the simulator and the executor
+(hf_cp/train/chunkflow.py), so predicted and executed chunks agree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple
+
+from hf_cp.modes.segments import causal_pairs, split_sizes
+from hf_cp.plan.bins import first_fit
+
+if TYPE_CHECKING:  # pricing takes a CostModel; the plan itself needs no cost model
+    from hf_cp.cost.model import CostModel
+
+FORMAT = "hf_cp.chunk_plan/1"
+
+# The state store accumulates the K/V gradients of earlier chunks in float32, whatever the
+# model's dtype: many later chunks add into them, and fp32 keeps that sum exact enough.
+GRAD_ACCUMULATOR_BYTES = 4
+
+
+class ChunkPlanError(ValueError):
+    """A chunk plan breaks an invariant; the message names the sample and the chunk."""
+
+
+# --------------------------------------------------------------------------- geometry
+def dependent_chunk_sizes(length: int, chunk_size: int) -> List[int]:
+    """The chunks a sample of `length` tokens is cut into: N = ceil(length / chunk_size) nearly
+    equal pieces in order (shard.split_sizes: the first length % N get one more token), so
+    every chunk has at most `chunk_size` tokens and none is a tiny remainder."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if length <= 0:
+        raise ValueError(f"length must be positive, got {length}")
+    return split_sizes(length, -(-length // chunk_size))
+
+
+def chunk_starts(sizes: Sequence[int]) -> List[int]:
+    """Position of each chunk's first token in its sample."""
+    out, s = [], 0
+    for n in sizes:
+        out.append(s)
+        s += n
+    return out
+
+
+def activation_tokens(sizes: Sequence[int], keep: int) -> int:
+    """Most tokens whose activations exist at once under the state-aware schedule: the last
+    `keep` chunks after the forward pass, or one recomputed chunk later (the largest)."""
+    if keep <= 0:
+        raise ValueError(f"keep (K) must be positive, got {keep}")
+    return max(sum(sizes[-keep:]), max(sizes))
+
+
+def recomputed_chunks(n_chunks: int, keep: int) -> int:
+    """Chunks whose forward runs twice: the first N-K (none when K >= N)."""
+    return max(0, n_chunks - keep)
+
+
+# --------------------------------------------------------------------------- the chunk plan
+@dataclass
+class DependentSample:
+    """A long sample as dependent chunks: (start, length) ranges covering it in order."""
+
+    sample: int
+    chunks: List[Tuple[int, int]]
+
+    @property
+    def sizes(self) -> List[int]:
+        return [n for _, n in self.chunks]
+
+    def to_dict(self) -> dict:
+        return {"sample": self.sample, "chunks": [list(c) for c in self.chunks]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DependentSample:
+        return cls(sample=int(d["sample"]), chunks=[(int(s), int(n)) for s, n in d["chunks"]])
+
+
+@dataclass
+class ChunkPlan:
+    """One step's samples as standalone chunks (packs of whole samples) and dependent chunks."""
+
+    chunk_size: int
+    keep: int  # K: dependent chunks whose activations are kept; the first N-K are recomputed
+    sample_ids: List[int]
+    lengths: List[int]  # aligned with sample_ids
+    standalone: List[List[int]] = field(default_factory=list)  # sample ids of each packed chunk
+    dependent: List[DependentSample] = field(default_factory=list)
+
+    def length_of(self) -> Dict[int, int]:
+        return dict(zip(self.sample_ids, self.lengths))
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.standalone) + sum(len(d.chunks) for d in self.dependent)
+
+    def chunk_lengths(self) -> List[int]:
+        """Tokens of every chunk: standalone chunks first, then each sample's dependent chunks."""
+        lens = self.length_of()
+        return [sum(lens[s] for s in c) for c in self.standalone] + [n for d in self.dependent for n in d.sizes]
+
+    # ---- serialisation
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "chunk_size": self.chunk_size,
+            "keep": self.keep,
+            "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
+            "standalone": [list(c) for c in self.standalone],
+            "dependent": [d.to_dict() for d in self.dependent],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "chunk plan") -> ChunkPlan:
+        if not isinstance(d, Mapping):
+            raise ChunkPlanError(f"{source}: expected a JSON object")
+        if d.get("format") != FORMAT:
+            raise ChunkPlanError(f"{source}: format is {d.get('format')!r}, expected {FORMAT!r}")
+        try:
+            return cls(
+                chunk_size=int(d["chunk_size"]),
+                keep=int(d["keep"]),
+                sample_ids=[int(s[0]) for s in d["samples"]],
+                lengths=[int(s[1]) for s in d["samples"]],
+                standalone=[[int(s) for s in c] for c in d.get("standalone", [])],
+                dependent=[DependentSample.from_dict(x) for x in d.get("dependent", [])],
+            )
+        except KeyError as e:
+            raise ChunkPlanError(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError, IndexError) as e:
+            raise ChunkPlanError(f"{source}: malformed chunk plan: {e}") from None
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "chunk plan") -> ChunkPlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ChunkPlanError(f"{source}: not valid JSON: {e}") from None
+        return cls.from_dict(d, source)
+
+    # ---- invariants
+    def validate(self) -> ChunkPlan:
+        """Raise ChunkPlanError naming the first broken invariant; return self when valid.
+
+        Every sample of the step exactly once; a standalone chunk holds whole samples of at most
+        chunk_size tokens in all; a dependent sample's chunks are non-empty, at most chunk_size
+        long, and cover positions 0..length-1 contiguously and in order.
+        """
+        if self.chunk_size <= 0:
+            raise ChunkPlanError(f"chunk_size must be positive, got {self.chunk_size}")
+        if self.keep <= 0:
+            raise ChunkPlanError(f"keep (K) must be positive, got {self.keep}")
+        if len(self.sample_ids) != len(self.lengths):
+            raise ChunkPlanError(f"{len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
+        lens: Dict[int, int] = {}
+        for s, n in zip(self.sample_ids, self.lengths):
+            if s in lens:
+                raise ChunkPlanError(f"sample {s} appears twice in the step")
+            if n <= 0:
+                raise ChunkPlanError(f"sample {s} has length {n}; lengths must be positive")
+            lens[s] = n
+        seen: Dict[int, str] = {}
+
+        def claim(s: int, where: str) -> None:
+            if s not in lens:
+                raise ChunkPlanError(f"{where}: sample {s} is not in the step")
+            if s in seen:
+                raise ChunkPlanError(f"sample {s} is chunked twice ({seen[s]} and {where})")
+            seen[s] = where
+
+        for c, ids in enumerate(self.standalone):
+            where = f"standalone chunk {c}"
+            if not ids:
+                raise ChunkPlanError(f"{where} is empty")
+            for s in ids:
+                claim(s, where)
+            tokens = sum(lens[s] for s in ids)
+            if tokens > self.chunk_size:
+                raise ChunkPlanError(
+                    f"{where} holds {tokens} tokens (samples {ids}), over the chunk size {self.chunk_size}"
+                )
+        for dep in self.dependent:
+            s = dep.sample
+            claim(s, f"the dependent chunks of sample {s}")
+            if not dep.chunks:
+                raise ChunkPlanError(f"sample {s} has no dependent chunks")
+            pos = 0
+            for i, (start, n) in enumerate(dep.chunks):
+                if start != pos:
+                    raise ChunkPlanError(
+                        f"sample {s}, chunk {i} starts at position {start}, expected {pos}: dependent "
+                        f"chunks must be contiguous and in order"
+                    )
+                if n <= 0 or n > self.chunk_size:
+                    raise ChunkPlanError(
+                        f"sample {s}, chunk {i} has {n} tokens; chunks hold 1..{self.chunk_size} tokens"
+                    )
+                pos += n
+            if pos != lens[s]:
+                raise ChunkPlanError(f"the chunks of sample {s} cover {pos} of its {lens[s]} tokens")
+        missing = [s for s in self.sample_ids if s not in seen]
+        if missing:
+            raise ChunkPlanError(
+                f"samples {missing[:10]}{'...' if len(missing) > 10 else ''} ({len(missing)} in all) are in no chunk"
+            )
+        return self
+
+
+def build_chunk_plan(sample_ids: Sequence[int], lengths: Sequence[int], chunk_size: int, keep: int = 1) -> ChunkPlan:
+    """ChunkFlow's chunk construction: samples longer than `chunk_size` become dependent chunks
+    (dependent_chunk_sizes); the others are packed into standalone chunks of at most
+    `chunk_size` tokens by first-fit decreasing (ties in step order), which needs few chunks."""
+
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if keep <= 0:
+        raise ValueError(f"keep (K) must be positive, got {keep}")
+    short = [(n, i) for i, n in enumerate(lengths) if n <= chunk_size]
+    short.sort(key=lambda x: (-x[0], x[1]))
+    standalone = first_fit([sample_ids[i] for _, i in short], [n for n, _ in short], chunk_size)
+    dependent = []
+    for s, n in zip(sample_ids, lengths):
+        if n > chunk_size:
+            sizes = dependent_chunk_sizes(n, chunk_size)
+            dependent.append(DependentSample(int(s), list(zip(chunk_starts(sizes), sizes))))
+    return ChunkPlan(
+        chunk_size=int(chunk_size),
+        keep=int(keep),
+        sample_ids=[int(s) for s in sample_ids],
+        lengths=[int(n) for n in lengths],
+        standalone=[list(c) for c in standalone],
+        dependent=dependent,
+    )
+
+
+# --------------------------------------------------------------------------- pricing
+@dataclass(frozen=True)
+class ChunkedCost:
+    """Predicted time and memory of one sample run as dependent chunks on one rank."""
+
+    chunk_ms: Tuple[float, ...]  # fwd+bwd of each chunk (whole model, no per-micro-batch overhead)
+    recompute_ms: float  # the decoder forward of the first N-K chunks, run a second time
+    overhead_ms: float  # per-micro-batch overhead of every chunk's run (and of each recompute)
+    activation_tokens: int  # most tokens whose activations exist at once (activation_tokens())
+    state_bytes: float  # the K/V state store: values of all tokens and their fp32 gradients
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(self.chunk_ms) + self.recompute_ms + self.overhead_ms
+
+
+def dependent_chunk_layers_ms(cost: CostModel, start: int, length: int) -> float:
+    """fwd+bwd of one dependent chunk's decoder layers: linear work on its tokens and attention
+    of its queries over the keys of every earlier chunk and its own (causal_pairs(start,
+    length)), at the kernel efficiency of a `length`-token query chunk."""
+    attn = cost.c2 * causal_pairs(start, length) / cost.chunk_efficiency(length)
+    return cost.dims.num_layers * (cost.c1 * length + attn)
+
+
+def dependent_chunk_ms(cost: CostModel, start: int, length: int) -> float:
+    """fwd+bwd of one dependent chunk: its decoder layers and the LM head on its tokens."""
+    return dependent_chunk_layers_ms(cost, start, length) + cost.head_ms_per_token * length
+
+
+def state_bytes(cost: CostModel, length: int) -> float:
+    """Bytes of the K/V state store for a sample of `length` tokens: every layer's keys and
+    values in the model's dtype plus their gradient accumulators (GRAD_ACCUMULATOR_BYTES)."""
+    d = cost.dims
+    return float(length) * (
+        d.kv_bytes_per_token(cost.profile.bytes_per_element) + d.kv_bytes_per_token(GRAD_ACCUMULATOR_BYTES)
+    )
+
+
+def chunked_sample_cost(cost: CostModel, sizes: Sequence[int], keep: int) -> ChunkedCost:
+    """Time and memory of a sample cut into chunks of `sizes` under the state-aware schedule
+    with `keep` (K) chunks kept.
+
+    Time: every chunk's fwd+bwd (dependent_chunk_ms: later chunks attend to more keys), plus
+    a second decoder forward of the first N-K chunks: the executor's first forward of those
+    only fills the K/V store (no LM head, no graph), the second is the recompute whose backward
+    follows. A forward is taken as profile.forward_share of fwd+bwd (1/3, backward twice the
+    forward, unless the profile measured it). Each chunk run is one micro-batch (its per-micro-
+    batch overhead c0 per layer); a recompute pays the forward share of it again.
+    Memory: activations of activation_tokens(sizes, keep) tokens (cost.memory_bytes) plus the
+    state store (state_bytes), which holds the K/V of the whole sample.
+    """
+    sizes = list(sizes)
+    if not sizes or any(n <= 0 for n in sizes):
+        raise ValueError(f"chunk sizes must be positive, got {sizes}")
+    starts = chunk_starts(sizes)
+    layers_ms = [dependent_chunk_layers_ms(cost, s, n) for s, n in zip(starts, sizes)]
+    chunk_ms = tuple(ms + cost.head_ms_per_token * n for ms, n in zip(layers_ms, sizes))
+    n_re = recomputed_chunks(len(sizes), keep)
+    share = cost.profile.forward_share
+    overhead = cost.micro_batch_overhead_ms()
+    return ChunkedCost(
+        chunk_ms=chunk_ms,
+        recompute_ms=share * sum(layers_ms[:n_re]),
+        overhead_ms=overhead * (len(sizes) + share * n_re),
+        activation_tokens=activation_tokens(sizes, keep),
+        state_bytes=state_bytes(cost, sum(sizes)),
+    )
+
+
+def chunked_memory_bytes(cost: CostModel, sizes: Sequence[int], keep: int) -> float:
+    """Peak bytes of a chunked sample on its rank: activations plus the state store."""
+    return cost.memory_bytes(activation_tokens(sizes, keep)) + state_bytes(cost, sum(sizes))
+
+
+def chunk_costs_ms(plan: ChunkPlan, cost: CostModel) -> List[float]:
+    """fwd+bwd of every chunk of a chunk plan, in ChunkPlan.chunk_lengths order: the
+    micro-batch costs of a pipeline fed with these chunks (pipeline.simulate_1f1b), next to
+    the same step's unchunked micro-batches. Per-micro-batch overhead included, recompute not."""
+    lens = plan.length_of()
+    out = [standalone_chunk_ms(cost, [lens[s] for s in ids]) for ids in plan.standalone]
+    overhead = cost.micro_batch_overhead_ms()
+    for dep in plan.dependent:
+        out += [dependent_chunk_ms(cost, s, n) + overhead for s, n in dep.chunks]
+    return out
+
+
+def standalone_chunk_ms(cost: CostModel, lengths: Sequence[int]) -> float:
+    """fwd+bwd of one standalone chunk (packed whole samples), its micro-batch overhead included."""
+    return cost.local_ms(lengths) + cost.micro_batch_overhead_ms()
+
+
+def largest_fitting_chunk(cost: CostModel, length: int, keep: int, max_tokens_per_rank: int, upper: int) -> int:
+    """The largest chunk size <= `upper` with which a sample of `length` tokens fits a rank whose
+    memory is cost.memory_bytes(max_tokens_per_rank) (its activations and its state store);
+    0 when even one-token chunks do not fit.
+
+    Searched over the chunk count N, from a lower bound up: when the whole sample does not fit
+    the free activation tokens, only N > K can, and then the kept chunks hold at least
+    K * floor(length / N) tokens, so no N below length / (free / K + 1) fits.
+    """
+    if keep <= 0 or upper <= 0:
+        raise ValueError(f"keep and upper must be positive, got {keep} and {upper}")
+    alpha = cost.profile.activation_bytes_per_token
+    free = (cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0) - state_bytes(cost, length)) / alpha
+    if free < 1:
+        return 0
+    n_chunks = max(-(-length // upper), 1)
+    if length > free:
+        n_chunks = max(n_chunks, int(length // (free / keep + 1)))
+    while n_chunks <= length:
+        c = -(-length // n_chunks)
+        n = -(-length // c)  # the chunks dependent_chunk_sizes(length, c) really makes (n <= n_chunks)
+        q, r = divmod(length, n)
+        kept = length if keep >= n else keep * q + max(0, r - (n - keep))  # split_sizes: the first r are q + 1
+        if max(kept, q + (r > 0)) <= free:
+            return c
+        n_chunks += 1
+    return 0

@@ -1,0 +1,441 @@
+"""StepPlan: what every rank runs in one optimizer step.
+
+A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks taken from
+the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
+its members with one sharding mode, plus documents *local* to single members (computed with
+no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
+mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
+compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
+A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
+sample cut into dependent chunks run in order on that rank, one sample after another.
+
+Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
+DESIGN.md's invariants before any collective is issued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+
+from hf_cp.modes.registry import mode_name, mode_spec, rank_segments
+from hf_cp.modes.segments import Segment, ShardMode, segment_tokens
+from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, received_token_equivalent
+from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
+
+FORMAT = "hf_cp.step_plan/1"
+
+
+class PlanError(ValueError):
+    """A plan breaks an invariant; the message names the sample, rank and wave."""
+
+
+class ChunkedSample(NamedTuple):
+    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/chunking.py)."""
+
+    sample: int
+    chunk_size: int  # its chunks are chunking.dependent_chunk_sizes(length, chunk_size)
+    keep: int  # K: chunks whose activations are kept; the first N-K are recomputed in backward
+
+
+@dataclass
+class Group:
+    ranks: Tuple[int, ...]
+    distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
+    mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
+    local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
+    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_plan.py)
+    # rank -> samples run as dependent chunks, one after another; only in a one-rank group
+    # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
+    chunked: Dict[int, List[ChunkedSample]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.ranks = tuple(int(r) for r in self.ranks)
+        try:
+            self.mode = mode_name(self.mode)
+        except ValueError as e:
+            raise PlanError(f"group {list(self.ranks)}: {e}") from None
+        self.local = {int(r): list(v) for r, v in self.local.items()}
+        if isinstance(self.blocks, Mapping):
+            self.blocks = BlockLayout.from_dict(self.blocks)
+        self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def sample_ids(self) -> List[int]:
+        return (
+            list(self.distributed)
+            + [s for r in sorted(self.local) for s in self.local[r]]
+            + [c.sample for r in sorted(self.chunked) for c in self.chunked[r]]
+        )
+
+    def member_segments(self, member: int, lens: Mapping[int, int]) -> List[Segment]:
+        """The segments of the distributed samples `member` holds, in its row order."""
+        if not self.distributed:
+            return []
+        if mode_spec(self.mode).carries_layout:
+            if self.blocks is None:
+                raise PlanError(f"group {list(self.ranks)} has mode 'blocks' but no block layout")
+            return self.blocks.member_segments(member)
+        return rank_segments(self.mode, [lens[s] for s in self.distributed], self.size, member)
+
+    def to_dict(self) -> dict:
+        d = {"ranks": list(self.ranks)}
+        if self.distributed:
+            d["distributed"] = list(self.distributed)
+            d["mode"] = self.mode
+            if mode_spec(self.mode).carries_layout and self.blocks is not None:
+                d["blocks"] = self.blocks.to_dict()
+        if any(self.local.values()):
+            d["local"] = {str(r): list(v) for r, v in sorted(self.local.items()) if v}
+        if any(self.chunked.values()):
+            d["chunked"] = {str(r): [list(c) for c in v] for r, v in sorted(self.chunked.items()) if v}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Group:
+        return cls(
+            ranks=tuple(d["ranks"]),
+            distributed=list(d.get("distributed", [])),
+            mode=d.get("mode", ShardMode.RING_PER_DOC.value),
+            local={int(k): list(v) for k, v in d.get("local", {}).items()},
+            blocks=BlockLayout.from_dict(d["blocks"], "group blocks") if "blocks" in d else None,
+            chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
+        )
+
+
+@dataclass
+class Wave:
+    groups: List[Group] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"groups": [g.to_dict() for g in self.groups]}
+
+
+@dataclass
+class StepPlan:
+    world_size: int
+    max_tokens_per_rank: int
+    sample_ids: List[int]  # the global batch of this step
+    lengths: List[int]  # aligned with sample_ids
+    waves: List[Wave] = field(default_factory=list)
+    step: int = 0
+    balancer: str = ""
+    masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> mask; absent: causal
+    # What the step record should carry about how the plan was made, e.g. a solver that passed
+    # its deadline and the greedy plan taken instead. Serialised only when not empty.
+    notes: List[str] = field(default_factory=list)
+
+    # ---- lookups
+    def length_of(self) -> Dict[int, int]:
+        return dict(zip(self.sample_ids, self.lengths))
+
+    def rank_waves(self, rank: int) -> List[Tuple[int, Group]]:
+        """(wave index, group) pairs this rank takes part in, in execution order."""
+        return [(w, g) for w, wave in enumerate(self.waves) for g in wave.groups if rank in g.ranks]
+
+    def rank_tokens(self, group: Group, rank: int, lens: Optional[Mapping[int, int]] = None) -> int:
+        """Tokens `rank` holds while running `group`'s micro-batch."""
+        lens = self.length_of() if lens is None else lens
+        member = group.ranks.index(rank)
+        t = sum(lens[s] for s in group.local.get(rank, []))
+        if group.distributed:
+            placed = mode_spec(group.mode).carries_layout
+            if placed and group.blocks is not None:
+                t += group.blocks.member_tokens(member)
+            elif not placed:
+                t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
+        for c in group.chunked.get(rank, []):  # run one after another: the largest counts
+            t = max(t, activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
+        return t
+
+    def group_masks(self, group: Group) -> List[Optional[SampleMask]]:
+        """The masks of a group's distributed samples, in order (None: causal)."""
+        return [self.masks.get(s) for s in group.distributed]
+
+    def cp_size_of_samples(self) -> Dict[int, int]:
+        """Sample id -> ranks it runs on (the group size if distributed, 1 if local)."""
+        out: Dict[int, int] = {}
+        for wave in self.waves:
+            for g in wave.groups:
+                out.update({s: g.size for s in g.distributed})
+                for ids in g.local.values():
+                    out.update({s: 1 for s in ids})
+                for cs in g.chunked.values():
+                    out.update({c.sample: 1 for c in cs})
+        return out
+
+    @property
+    def chunked_samples(self) -> List[int]:
+        """Samples the plan runs as dependent chunks (they need the ChunkFlow executor)."""
+        return [c.sample for w in self.waves for g in w.groups for cs in g.chunked.values() for c in cs]
+
+    def chunking_summary(self) -> Dict[str, int]:
+        """ChunkFlow in this plan: samples run as dependent chunks, their chunks, the chunks
+        recomputed in backward (the first N-K of each), the largest chunk and the largest K
+        ({} when nothing is chunked)."""
+        lens = None
+        out = {"samples": 0, "chunks": 0, "recomputed": 0, "max_chunk_tokens": 0, "keep": 0}
+        for w in self.waves:
+            for g in w.groups:
+                for cs in g.chunked.values():
+                    for c in cs:
+                        lens = lens or self.length_of()
+                        sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                        out["samples"] += 1
+                        out["chunks"] += len(sizes)
+                        out["recomputed"] += max(0, len(sizes) - c.keep)
+                        out["max_chunk_tokens"] = max(out["max_chunk_tokens"], max(sizes))
+                        out["keep"] = max(out["keep"], c.keep)
+        return out if out["samples"] else {}
+
+    def backward_calls(self, wave: int, rank: int) -> int:
+        """Backward passes `rank` runs in wave `wave`: one per dependent chunk of its chunked
+        samples, else one for a micro-batch with work (0 without). Under ZeRO-2 every backward
+        reduces gradients over the world, so the trainer pads every rank to the wave's largest
+        count with zero-weight micro-batches (at least one each wave)."""
+        lens = None
+        for g in self.waves[wave].groups:
+            if rank not in g.ranks:
+                continue
+            if g.chunked.get(rank):
+                lens = lens or self.length_of()
+                return sum(len(dependent_chunk_sizes(lens[c.sample], c.chunk_size)) for c in g.chunked[rank])
+            return 1 if (g.distributed or g.local.get(rank)) else 0
+        return 0
+
+    def wave_backward_calls(self) -> List[int]:
+        """Backward passes every rank runs in each wave: the wave's largest count (ZeRO-2 reduces in
+        every backward, so all ranks pad to it with zero-weight micro-batches), at least one.
+
+        A last wave with chunked samples gets one more: the executor runs a chunked sample's
+        backwards under one wave context, so the accumulation boundary must fall on a padding
+        micro-batch. Under DDP a chunked sample holding it would run every chunk's forward and
+        backward with the reduction on (one all-reduce per chunk against one on the other ranks:
+        a hang)."""
+        calls = [max(1, max(self.backward_calls(w, r) for r in range(self.world_size))) for w in range(len(self.waves))]
+        if self.waves and any(any(g.chunked.values()) for g in self.waves[-1].groups):
+            calls[-1] += 1
+        return calls
+
+    @property
+    def spreads_samples(self) -> bool:
+        """Whether some sample runs over a CP group of several ranks (needs CP attention)."""
+        return any(g.distributed and g.size > 1 for w in self.waves for g in w.groups)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.lengths)
+
+    # ---- serialisation
+    def to_dict(self) -> dict:
+        d = {
+            "format": FORMAT,
+            "step": self.step,
+            "balancer": self.balancer,
+            "world_size": self.world_size,
+            "max_tokens_per_rank": self.max_tokens_per_rank,
+            "samples": [[i, n] for i, n in zip(self.sample_ids, self.lengths)],
+            "waves": [w.to_dict() for w in self.waves],
+            **({"notes": list(self.notes)} if self.notes else {}),
+        }
+        if self.masks:  # absent when every sample is causal: such plans serialise as before
+            d["masks"] = {str(s): m.to_dict() for s, m in sorted(self.masks.items())}
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        """Cheap fingerprint to check that all ranks hold the same plan."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: Mapping, source: str = "plan") -> StepPlan:
+        if not isinstance(d, Mapping):
+            raise PlanError(f"{source}: expected a JSON object")
+        if d.get("format") != FORMAT:
+            raise PlanError(f"{source}: format is {d.get('format')!r}, expected {FORMAT!r}")
+        try:
+            samples = d["samples"]
+            plan = cls(
+                world_size=int(d["world_size"]),
+                max_tokens_per_rank=int(d["max_tokens_per_rank"]),
+                sample_ids=[int(s[0]) for s in samples],
+                lengths=[int(s[1]) for s in samples],
+                waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
+                step=int(d.get("step", 0)),
+                balancer=str(d.get("balancer", "")),
+                notes=[str(n) for n in d.get("notes", [])],
+            )
+            plan.masks = masks_from_json(d.get("masks"), plan.length_of())
+        except KeyError as e:
+            raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
+        except (MaskError, BlockLayoutError) as e:
+            raise PlanError(f"{source}: {e}") from None
+        except (TypeError, ValueError, IndexError) as e:
+            raise PlanError(f"{source}: malformed plan: {e}") from None
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan") -> StepPlan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not valid JSON: {e}") from None
+        return cls.from_dict(d, source)
+
+    # ---- invariants
+    def validate(self, cluster: Optional[ClusterSpec] = None, cost=None) -> StepPlan:
+        """Raise PlanError naming the first broken invariant; return self when valid.
+
+        With a CostModel, also check that Ulysses groups split the model's heads evenly, that
+        a blocks group's head ranges cover the model's heads, and count each blocks-group
+        member's received K/V and Q rows (in tokens of activation memory, block_cost.py)
+        against the cap. Masks must match their samples; a blocks layout must follow its
+        format (block_plan.BlockLayout.validate), its errors naming the sample, chunk and block.
+        """
+        where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
+        if len(self.sample_ids) != len(self.lengths):
+            raise PlanError(f"{where}: {len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
+        if not self.sample_ids:
+            raise PlanError(f"{where}: the step has no samples")
+        if len(set(self.sample_ids)) != len(self.sample_ids):
+            dup = next(s for s in self.sample_ids if self.sample_ids.count(s) > 1)
+            raise PlanError(f"{where}: sample {dup} appears twice in the global batch")
+        for s, n in zip(self.sample_ids, self.lengths):
+            if n <= 0:
+                raise PlanError(f"{where}: sample {s} has length {n}; lengths must be positive")
+        if cluster is not None:
+            if cluster.world_size != self.world_size:
+                raise PlanError(f"{where}: plan is for world {self.world_size}, cluster has {cluster.world_size}")
+        lens = self.length_of()
+        for s, m in sorted(self.masks.items()):
+            if s not in lens:
+                raise PlanError(f"{where}: a mask is given for sample {s}, which is not in the step")
+            try:
+                m.validate(s, lens[s])
+            except MaskError as e:
+                raise PlanError(f"{where}: {e}") from None
+        seen: Dict[int, int] = {}  # sample -> wave
+        for w, wave in enumerate(self.waves):
+            busy: Dict[int, int] = {}
+            for gi, g in enumerate(wave.groups):
+                if not g.ranks:
+                    raise PlanError(f"{where}, wave {w}: group {gi} has no ranks")
+                for r in g.ranks:
+                    if not 0 <= r < self.world_size:
+                        raise PlanError(f"{where}, wave {w}: rank {r} outside world of {self.world_size}")
+                    if r in busy:
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} is in groups {busy[r]} and {gi}; "
+                            f"groups of a wave must be disjoint"
+                        )
+                    busy[r] = gi
+                if cluster is not None and not cluster.is_registered(g.ranks):
+                    raise PlanError(
+                        f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
+                        f"(aligned power-of-two blocks of size in {cluster.group_sizes})"
+                    )
+                if cost is not None and g.distributed and g.size > 1:
+                    try:
+                        mode_spec(g.mode).check_group(cost.dims, g.size)
+                    except ValueError as e:
+                        raise PlanError(f"{where}, wave {w}: group {list(g.ranks)}: {e}") from None
+                for r in g.local:
+                    if r not in g.ranks:
+                        raise PlanError(
+                            f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
+                            f"which is not in group {list(g.ranks)}"
+                        )
+                if any(g.chunked.values()):
+                    self._validate_chunked(g, f"{where}, wave {w}", lens, cost)
+                for s in g.sample_ids():
+                    if s not in lens:
+                        raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
+                    if s in seen:
+                        raise PlanError(f"{where}: sample {s} is scheduled twice (waves {seen[s]} and {w})")
+                    seen[s] = w
+                extra = self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
+                for m, r in enumerate(g.ranks):
+                    t = self.rank_tokens(g, r, lens) + extra[m]
+                    if t > self.max_tokens_per_rank and any(g.chunked.values()):
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds the activations of {t} tokens of the chunked "
+                            f"samples {[list(c) for c in g.chunked[r]]}, over the cap of {self.max_tokens_per_rank}: "
+                            f"lower their chunk_size or keep (K)"
+                        )
+                    if t > self.max_tokens_per_rank:
+                        raise PlanError(
+                            f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
+                            f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
+                            f"{g.distributed} distributed over {list(g.ranks)}"
+                            + (f", received K/V and Q rows counted as {extra[m]} tokens" if extra[m] else "")
+                            + ")"
+                        )
+        missing = [s for s in self.sample_ids if s not in seen]
+        if missing:
+            raise PlanError(
+                f"{where}: samples {missing[:10]}{'...' if len(missing) > 10 else ''} "
+                f"({len(missing)} in all) are never scheduled"
+            )
+        return self
+
+    def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> List[int]:
+        """Check a blocks-mode group's layout; return each member's received rows in token
+        units (block_cost.received_token_equivalent; zero without a cost model or layout)."""
+        if not mode_spec(g.mode).carries_layout or not g.distributed:
+            if g.blocks is not None and g.distributed:
+                raise PlanError(f"{where}: a block layout is given but the mode is {mode_name(g.mode)!r}, not 'blocks'")
+            return [0] * g.size
+        if g.blocks is None:
+            raise PlanError(f"{where}: mode 'blocks' needs a block layout ('blocks': chunks and compute)")
+        dist = [lens[s] for s in g.distributed]
+        heads = cost.dims.num_heads if cost is not None else None
+        try:
+            g.blocks.validate(dist, g.size, doc_slices(dist, self.group_masks(g)), heads, g.distributed)
+        except BlockLayoutError as e:
+            raise PlanError(f"{where}: {e}") from None
+        if cost is None:
+            return [0] * g.size
+
+        return [received_token_equivalent(g.blocks, m, cost) for m in range(g.size)]
+
+    def _validate_chunked(self, g: Group, where: str, lens: Mapping[int, int], cost) -> None:
+        """A chunked group: one rank running only chunked samples with sane chunk settings; with a
+        CostModel, each sample's activations plus its K/V state store fit the rank's memory."""
+        for r, cs in g.chunked.items():
+            ids = [c.sample for c in cs]
+            if g.size != 1 or r not in g.ranks:
+                raise PlanError(
+                    f"{where}: chunked samples {ids} on rank {r} in group {list(g.ranks)}: chunked samples "
+                    f"run in a one-rank group of their own rank"
+                )
+            if g.distributed or any(g.local.values()):
+                raise PlanError(
+                    f"{where}: rank {r} runs chunked samples {ids} and other samples in one group; a chunked "
+                    f"sample's group runs nothing else (put the others in another wave)"
+                )
+            for c in cs:
+                if c.sample not in lens:
+                    continue  # named by the global-batch check
+                if c.chunk_size <= 0 or c.keep <= 0:
+                    raise PlanError(
+                        f"{where}: chunked sample {c.sample} has chunk_size {c.chunk_size} and keep {c.keep}; "
+                        f"both must be positive"
+                    )
+                if cost is not None:
+                    sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
+                    need, have = chunked_memory_bytes(cost, sizes, c.keep), cost.memory_bytes(self.max_tokens_per_rank)
+                    if need > have:
+                        raise PlanError(
+                            f"{where}: chunked sample {c.sample} ({lens[c.sample]} tokens in {len(sizes)} chunks, "
+                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
+                            f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
+                        )

@@ -1,0 +1,131 @@
+"""What `hf-cp plan` plans: the samples' lengths and masks, read from one of
+    - a text file, one token count per line (a causal sample each);
+    - a JSON-lines file of shared-prompt groups, `{"prompt": P, "answers": [a1, ..., an]}` in
+      tokens (../shared/data/traces/shared_prompt_*.jsonl): one sample of P + sum(a) tokens with
+      the shared-prompt mask each (a single answer is a causal sample);
+    - a dataset saved by `hf-cp preprocess` (or any save_to_disk folder): its `length` column
+      (else the input_ids' lengths), its `attn_mask` column, and pre-packed rows unpacked into
+      their documents (packed_input.py), as the trainer reads them.
+Errors name the file and the line or sample. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Union
+
+from hf_cp.samples.lengths import LengthsError, read_lengths
+from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask_column
+from hf_cp.samples.masks import MaskError, SampleMask
+from hf_cp.samples.packed_input import PackedInputError, boundary_columns, row_documents
+
+GROUP_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass
+class PlanInputs:
+    lengths: List[int]
+    masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> non-causal mask
+    kind: str = "lengths"  # what the source was, for reports
+
+    def describe(self) -> str:
+        if not self.masks:
+            return self.kind
+        kinds = sorted({m.kind for m in self.masks.values()})
+        return f"{self.kind}, {len(self.masks)} with masks ({', '.join(kinds)})"
+
+
+def read_plan_inputs(path: Union[str, Path]) -> PlanInputs:
+    """Lengths and masks from a lengths file, a shared-prompt JSON-lines file or a saved dataset."""
+    p = Path(path)
+    if not p.exists():
+        raise LengthsError(f"lengths file {p} does not exist")
+    if p.is_dir():
+        return _dataset_inputs(p)
+    if p.suffix.lower() in GROUP_SUFFIXES or _first_char(p) == "{":
+        return _group_records(p)
+    return PlanInputs(read_lengths(p), kind="lengths")
+
+
+def _first_char(p: Path) -> str:
+    with p.open() as f:
+        for line in f:
+            s = line.strip()
+            if s and not s.startswith("#"):
+                return s[0]
+    return ""
+
+
+def _group_records(p: Path) -> PlanInputs:
+    lengths: List[int] = []
+    masks: Dict[int, SampleMask] = {}
+    with p.open() as f:
+        for lineno, line in enumerate(f, 1):
+            s = line.strip()
+            if not s:
+                continue
+            where = f"{p}, line {lineno}"
+            try:
+                rec = json.loads(s)
+            except json.JSONDecodeError as e:
+                raise LengthsError(f'{where}: not JSON ({e}); expected {{"prompt": P, "answers": [...]}}') from None
+            if not isinstance(rec, dict) or "prompt" not in rec or "answers" not in rec:
+                raise LengthsError(
+                    f'{where}: expected a record {{"prompt": P, "answers": [a1, ...]}} of token counts, got {s[:80]!r}'
+                )
+            prompt, answers = rec["prompt"], rec["answers"]
+            ok = isinstance(prompt, int) and prompt >= 0 and isinstance(answers, list) and answers
+            ok = ok and all(isinstance(a, int) and a > 0 for a in answers)
+            if not ok:
+                raise LengthsError(
+                    f"{where}: prompt must be a token count >= 0 and answers a non-empty list of positive token "
+                    f"counts, got prompt {prompt!r}, answers {answers!r:.80}"
+                )
+            mask = SampleMask.shared_prompt(prompt, answers)
+            if not mask.is_causal:
+                masks[len(lengths)] = mask.validate(f"{len(lengths)} ({where})")
+            lengths.append(mask.length)
+    if not lengths:
+        raise LengthsError(f'{p}: no records found (one {{"prompt": P, "answers": [...]}} per line expected)')
+    return PlanInputs(lengths, masks, kind="shared-prompt records")
+
+
+def _dataset_inputs(p: Path) -> PlanInputs:
+    from datasets import DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(p))
+    if isinstance(ds, DatasetDict):
+        ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+    cols = ds.column_names
+    if len(ds) == 0:
+        raise LengthsError(f"dataset {p} is empty")
+    if "length" in cols:
+        rows = [int(n) for n in ds["length"]]
+    elif "input_ids" in cols:
+        rows = [len(x) for x in ds["input_ids"]]
+    else:
+        raise LengthsError(
+            f"dataset {p} has no 'length' or 'input_ids' column (columns: {cols}); run `hf-cp preprocess` to add it"
+        )
+    bad = next((i for i, n in enumerate(rows) if n <= 0), None)
+    if bad is not None:
+        raise LengthsError(f"dataset {p}: sample {bad} has length {rows[bad]}; lengths must be positive")
+    packed = boundary_columns(cols)
+    if packed:
+        values = {c: ds[c] for c in packed}
+        lengths: List[int] = []
+        try:
+            for i, n in enumerate(rows):
+                lengths += row_documents(n, {c: values[c][i] for c in packed}, row=f"{i} of dataset {p}")
+        except PackedInputError as e:
+            raise LengthsError(str(e)) from None
+        return PlanInputs(lengths, kind=f"pre-packed dataset ({len(rows)} rows)")
+    masks = {}
+    if MASK_COLUMN in cols:
+        try:
+            masks = decode_mask_column(ds[MASK_COLUMN], rows, f"dataset {p}")
+        except MaskError as e:
+            raise LengthsError(str(e)) from None
+    return PlanInputs(rows, masks, kind="dataset")

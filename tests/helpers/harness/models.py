@@ -1,0 +1,111 @@
+"""The tiny models and the synthetic data every trainer exactness test trains on.
+
+The tiny Llama is built from hf_cp/configs/models/tiny-llama.json, the tiny Qwen2 from
+TINY_QWEN2 (grouped-query attention with 4 query heads per KV head, and the q/k/v biases Qwen2
+has), each with a fixed seed, so the distributed job and the single-process reference start
+from bit-identical parameters without sharing a file. A job spec picks one with `model`
+("llama", the default, or "qwen2").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Sequence
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY_MODEL = ROOT / "hf_cp" / "configs" / "models" / "tiny-llama.json"
+
+# Qwen2 at the tiny Llama's size, one KV head for four query heads (the Llama has two); a
+# byte-level vocabulary like the Llama's, full attention in every layer (no sliding window)
+TINY_QWEN2 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=65536,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-06,
+    use_sliding_window=False,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+QWEN2_BIAS_STD = 0.25
+MODELS = ("llama", "qwen2")
+
+# transformers' convention for "no loss at this position"; spelled out here rather than taken
+# from hf_cp's collator, which these tests check
+IGNORE_INDEX = -100
+
+
+def tiny_config(family: str = "llama"):
+    """The transformers config of the tiny `family` model ("llama" or "qwen2")."""
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**json.loads(TINY_MODEL.read_text()))
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**TINY_QWEN2)
+    raise ValueError(f"harness model {family!r}: expected one of {list(MODELS)}")
+
+
+def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
+    """The tiny `family` model (tiny_config), initialised from `seed`, in fp32, without a KV
+    cache, with attention implementation `attn` (the reference uses "sdpa")."""
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    if attn == "hf_cp":
+        import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
+    cfg = tiny_config(family)
+    torch.manual_seed(seed)
+    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[family](cfg)
+    if family == "qwen2":
+        # Qwen2's q/k/v biases start from the seed (normal, QWEN2_BIAS_STD), not at zero as
+        # transformers initialises them (a pretrained Qwen2's are far from zero). The check
+        # compares each parameter after AdamW relative to its norm; a zero-initialised one is
+        # its Adam updates alone, which normalise every entry's gradient, so the rounding of
+        # its smallest gradient entries becomes a relative error of the whole parameter
+        # (measured with zero biases: 7.3e-6 on a k_proj bias after 2 steps at AdamW eps 1e-6,
+        # 1.3e-5 at 1e-8, its gradient within 1.3e-6; with these biases <= 6.1e-7).
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0.0, QWEN2_BIAS_STD)
+    model.set_attn_implementation(attn)
+    model.config.use_cache = False
+    return model
+
+
+def synthetic_rows(lengths: Sequence[int], seed: int = 0, prompt_every: int = 3) -> List[dict]:
+    """Random byte-level samples; every `prompt_every`-th one has a masked prompt (a third)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ids = rng.integers(0, 256, size=int(n)).tolist()
+        labels = list(ids)
+        if prompt_every and i % prompt_every == 0 and n > 3:
+            for p in range(n // 3):
+                labels[p] = IGNORE_INDEX
+        rows.append({"input_ids": ids, "labels": labels, "length": int(n)})
+    return rows
+
+
+def spec_model(spec: dict, attn: str = "hf_cp"):
+    """The model a job spec trains (`model`, `model_seed`), with attention `attn`."""
+    return tiny_model(spec.get("model_seed") or 0, attn=attn, family=spec.get("model") or "llama")
+
+
+def train_rows(spec: dict) -> List[dict]:
+    return synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
+
+
+def eval_rows(spec: dict) -> List[dict]:
+    return synthetic_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)

@@ -1,0 +1,184 @@
+"""The world-2 CPTrainer runs of the fast suite, trained by one torchrun job.
+
+Starting two processes, importing torch, transformers and DeepSpeed and building the process
+group costs more than training the tiny model for a few steps, so every run listed here is
+trained by the same two gloo processes, one after the other (harness.job's "runs"), once per
+test session: the `world2_job` fixture (conftest.py) returns {name: spec} with each run's
+output folder. A fast world-2 test adds its run to world2_runs() and reads it from the
+fixture (`shared_or_own_run`) instead of starting a job of its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Dict
+
+from helpers.harness.job import MUTATIONS, run_distributed
+
+from hf_cp.balance import available_balancers
+
+# Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
+# wave of static), [3] alone (a step that gives ranks no sample), [4..9], [10..16].
+LENGTHS = [200, 150, 130, 250, 255, 90, 7, 33, 60, 40, 120, 100, 18, 5, 64, 21, 77]
+CAP = 256
+TOKENS_PER_STEP = 500
+
+# At 600 tokens per step, unshuffled: [0 1 2 3] (sample 0 has 400 tokens, over the 256-token
+# cap: some CP group of 2 must hold it) and [4..9] (short samples only). Every balancer but
+# static (one CP size for the whole run) distributes sample 0 and keeps others local.
+BALANCE_LENGTHS = [400, 60, 30, 90, 120, 100, 150, 90, 60, 70]
+BALANCE_TOKENS_PER_STEP = 600
+BALANCE_STEPS = 2
+
+# 400 and 260 tokens exceed one rank's cap (256): evaluated over a CP group of 2
+EVAL_LENGTHS = [400, 30, 7, 120, 90, 260, 5]
+
+# every sample distributed over both ranks on its own: the 1-token ones leave rank 1 empty
+EMPTY_SHARD_LENGTHS = [1, 40, 2, 1, 30, 3]
+
+HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
+BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON]
+
+# the deliberately broken trainers run this balancer (CP groups and local samples, see above)
+MUTATED_BALANCER = "auto"
+
+WORLD2_JOB_TIMEOUT = 900
+COLLECTIVE_TIMEOUT = 120  # a hung collective fails the job in minutes, not ddp_timeout's default
+
+
+def lengths_spec(balancer: str, steps: int = 3, **kw) -> dict:
+    """A run on LENGTHS (without its output folder)."""
+    return dict(
+        lengths=LENGTHS, tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=CAP, steps=steps, balancer=balancer, **kw
+    )
+
+
+def balance_spec(balancer: str, **kw) -> dict:
+    """A run on BALANCE_LENGTHS (without its output folder)."""
+    return dict(
+        lengths=BALANCE_LENGTHS,
+        tokens_per_step=BALANCE_TOKENS_PER_STEP,
+        max_tokens_per_rank=CAP,
+        steps=BALANCE_STEPS,
+        balancer=balancer,
+        **kw,
+    )
+
+
+def empty_shard_spec(mode: str) -> dict:
+    return dict(
+        lengths=EMPTY_SHARD_LENGTHS, tokens_per_step=40, max_tokens_per_rank=64, steps=3, balancer=f"spread_{mode}"
+    )
+
+
+# ChunkFlow on BALANCE_LENGTHS (cap 256), chunks run on one rank instead of a CP group:
+# 100-token chunks keeping 1: the 400-token sample is 4 dependent chunks, 3 of them recomputed;
+# 60-token chunks keeping 4: the 150-token sample is 3 chunks, all kept (K >= N), the 400-token one 7
+CHUNKFLOW_RUNS = {
+    "balancer-chunkflow": dict(chunk_size=100, keep=1, spread_stragglers=False),
+    "chunkflow-keep-all": dict(chunk_size=60, keep=4, spread_stragglers=False),
+}
+
+
+# ChunkFlow mixed with CP, on the tiny Qwen2 (GQA 4:1): chunkflow with 32-token chunks, K=1 and
+# spread_stragglers (its default) plans, at 730 tokens per step unshuffled, step 1 = samples
+# [0..4]: wave 0 the 400-token straggler on a CP group of both ranks; wave 1 the 150-token
+# sample as 5 dependent chunks (4 recomputed) on rank 0 beside the 90-token one as 3 on rank 1
+# (padded with 2 zero-weight micro-batches); then rank 1 alone (rank 0 pads) runs the 60-token
+# sample as 2 chunks and the 30-token one whole. Step 2 runs dependent chunks on both ranks only.
+CHUNKFLOW_MIXED_LENGTHS = [400, 150, 60, 30, 90, 120, 100, 150, 90, 60, 70]
+CHUNKFLOW_MIXED_TOKENS_PER_STEP = 730
+CHUNKFLOW_MIXED_OPTIONS = dict(chunk_size=32, keep=1)
+
+# Samples longer than the whole world holds (2 x 256 tokens) train under chunkflow as dependent
+# chunks on one rank: at 800 tokens per step, unshuffled, [0..3] (600 tokens: 6 chunks of 100, 5
+# recomputed) and [4..6] (520 tokens: 6 chunks of 87 and 86); no CP group of 2 holds either.
+CHUNKFLOW_BEYOND_WORLD_LENGTHS = [600, 60, 30, 90, 520, 120, 100]
+
+
+def chunkflow_beyond_world_spec(model: str = "llama") -> dict:
+    return dict(
+        lengths=CHUNKFLOW_BEYOND_WORLD_LENGTHS,
+        tokens_per_step=800,
+        max_tokens_per_rank=CAP,
+        steps=2,
+        balancer="chunkflow",
+        balancer_options=dict(chunk_size=100, keep=1),
+        model=model,
+        adam_epsilon=CHUNKFLOW_ADAM_EPSILON,
+    )
+
+
+# AdamW's eps for the ChunkFlow runs of the tiny Qwen2 and of the exact-N matrix
+# (test_trainer_chunkflow.py), against the Trainer's 1e-8. The check compares parameters after
+# AdamW, which moves an entry whose gradient is near eps by lr * g / eps: float rounding of that
+# gradient is amplified lr / eps = 1e5 times at 1e-8. Measured (Llama, 250-token sample as one
+# chunk): a gradient entry of 2.5e-9 (the tensor's are ~2e-3) off by 3e-10 left o_proj 1.6e-5
+# off after one step, over the 1e-5 tolerance, while every gradient matched to 1.5e-7; at 1e-6
+# the same runs are within 5e-7. The gradients (what hf_cp computes) are compared before the
+# optimizer either way.
+CHUNKFLOW_ADAM_EPSILON = 1e-6
+
+
+def chunkflow_mixed_spec(model: str) -> dict:
+    """chunkflow mixing dependent chunks and a CP group in one step, on `model` (harness.models)."""
+    return dict(
+        lengths=CHUNKFLOW_MIXED_LENGTHS,
+        tokens_per_step=CHUNKFLOW_MIXED_TOKENS_PER_STEP,
+        max_tokens_per_rank=CAP,
+        steps=2,
+        balancer="chunkflow",
+        balancer_options=dict(CHUNKFLOW_MIXED_OPTIONS),
+        model=model,
+        adam_epsilon=CHUNKFLOW_ADAM_EPSILON,
+        # evaluated (after each step and at the end) by the same plans: the 400- and 260-token
+        # samples on a CP group, the 120- and 90-token ones as dependent chunks, forward only
+        eval_lengths=EVAL_LENGTHS,
+        eval_steps=1,
+    )
+
+
+def world2_runs() -> Dict[str, dict]:
+    """name -> run spec (without its output folder)."""
+    runs = {f"balancer-{b}": balance_spec(b) for b in BALANCERS if b != "chunkflow"}
+    runs.update({name: balance_spec("chunkflow", balancer_options=o) for name, o in CHUNKFLOW_RUNS.items()})
+    runs["chunkflow-mixed-qwen2"] = chunkflow_mixed_spec("qwen2")
+    runs["chunkflow-beyond-world"] = chunkflow_beyond_world_spec()
+    runs["rank-dependent-plans"] = balance_spec("rank_dependent")
+    runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
+    # test_train_distributed's fast cases
+    runs["static"] = lengths_spec("static")
+    runs["fixed_ring_zigzag"] = lengths_spec("fixed_ring_zigzag")
+    runs["empty-shards-ring_per_doc"] = empty_shard_spec("ring_per_doc")
+    for chunk in (0, 16):
+        runs[f"loss-chunks-{chunk}"] = lengths_spec("fixed_ring_zigzag", loss_chunk_tokens=chunk)
+    runs["eval-auto"] = lengths_spec("auto", eval_lengths=EVAL_LENGTHS, eval_steps=2)
+    runs["eval-static"] = lengths_spec("static", eval_lengths=[5], eval_steps=2)
+    runs["ckpt-fixed_ring_zigzag"] = lengths_spec("fixed_ring_zigzag", activation_checkpointing=True)
+    return {name: dict(spec, ddp_timeout=COLLECTIVE_TIMEOUT) for name, spec in runs.items()}
+
+
+def train_world2_runs(folder: Path) -> Dict[str, dict]:
+    """Train every run of world2_runs() in one job under `folder`; {name: spec with out}."""
+    runs = {name: dict(spec, out=str(folder / name)) for name, spec in world2_runs().items()}
+    t0 = time.perf_counter()
+    proc = run_distributed({"runs": list(runs.values())}, 2, timeout=WORLD2_JOB_TIMEOUT)
+    print(f"world-2 job: {len(runs)} runs in {time.perf_counter() - t0:.1f} s")
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("harness.job:")))
+    return runs
+
+
+def shared_or_own_run(request, name: str, spec: dict, timeout: float) -> dict:
+    """The run `name` of the session's world-2 job when world2_runs() lists it, else `spec`
+    trained now by a job of its own (the slow variants of a parametrized test)."""
+    shared = world2_runs().get(name)
+    if shared is None:
+        run_distributed(spec, 2, timeout=timeout)
+        return spec
+    mine = {k: v for k, v in spec.items() if k not in ("out", "ddp_timeout")}
+    theirs = {k: v for k, v in shared.items() if k not in ("out", "ddp_timeout")}
+    if mine != theirs:
+        raise AssertionError(f"the test's run {name!r} is {mine}, but world2_runs() trains {theirs}")
+    return request.getfixturevalue("world2_job")[name]
