@@ -6,9 +6,21 @@ The package carries its built-in files as package data, so that a wheel installe
     hf_cp/configs/models/*.json     model dimensions, transformers config.json files (model.config, --model)
     hf_cp/configs/*.yaml            the example training configs (hf-cp train configs/tiny-cpu.yaml)
     hf_cp/recipes/*.json            the DeepSpeed configs those name (training.deepspeed)
+    hf_cp/recipes/*.yaml, *.py      the accelerate launch configs and recipe scripts (hf-cp recipe)
 
 The package directory mirrors the repository's layout: the checkout's top-level configs/*.yaml and
-recipes/ds-*.json are symlinks to these files, so each exists once.
+recipes/* are symlinks to these files, so each exists once.
+
+A RECIPE name (`hf-cp recipe NAME`, `find_recipe`) is a file name in hf_cp/recipes/, with or
+without its extension (and with or without a leading recipes/): cpu-2proc-zero2 ->
+hf_cp/recipes/cpu-2proc-zero2.yaml, an absolute path that `accelerate launch --config_file` takes.
+An accelerate config names its DeepSpeed JSON relative to the repository (deepspeed_config_file:
+recipes/ds-zero2-cpu.json); CPTrainingArguments resolves that path (ACCELERATE_DEEPSPEED_CONFIG_FILE)
+like any input below, so the installed config works from any working directory.
+
+A TRAINING CONFIG named by path resolves like any input below; a bare name (tiny-cpu, tiny-cpu.yaml)
+that is no file here is looked up as configs/<name>[.yaml|.yml], the user's configs/ first, then the
+package's (`training_config_path`).
 
 A profile or model NAME resolves to the first of:
   1. an existing path, as given (absolute, or relative to the working directory);
@@ -33,6 +45,8 @@ from typing import List, Optional, Sequence, Union
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 BUILTIN_CONFIGS = PACKAGE_ROOT / "configs"
+RECIPES = PACKAGE_ROOT / "recipes"
+RECIPE_SUFFIXES = (".yaml", ".json", ".py")
 USER_CONFIGS = Path("configs")  # relative: looked up under the working directory at each call
 KINDS = ("profiles", "models")
 
@@ -80,3 +94,32 @@ def input_path(path: Union[str, Path]) -> Path:
 def shipped_training_configs() -> List[str]:
     """The example training configs the package ships, as the relative paths `input_path` accepts."""
     return sorted(str(p.relative_to(PACKAGE_ROOT)) for p in BUILTIN_CONFIGS.glob("*.yaml"))
+
+
+def training_config_path(name_or_path: Union[str, Path]) -> Path:
+    """Where a training config named by path or by bare name is read from (module doc); the path
+    as given when there is none, so that the caller's error names it."""
+    p = input_path(name_or_path)
+    if p.exists() or len(Path(name_or_path).parts) != 1:
+        return p
+    for suffix in ("", ".yaml", ".yml"):
+        cand = input_path(Path("configs") / f"{name_or_path}{suffix}")
+        if cand.exists():
+            return cand
+    return p
+
+
+def shipped_recipes() -> List[Path]:
+    """The accelerate configs, DeepSpeed JSONs and recipe scripts the package ships, sorted by name."""
+    return sorted(p for p in RECIPES.iterdir() if p.is_file() and p.suffix in RECIPE_SUFFIXES)
+
+
+def find_recipe(name: str) -> Path:
+    """The installed file a recipe name stands for (module doc): its absolute path.
+    FileNotFoundError names the shipped recipes when there is none."""
+    bare = name[len("recipes/") :] if name.startswith("recipes/") else name
+    for p in shipped_recipes():
+        if bare in (p.name, p.stem):
+            return p
+    names = ", ".join(p.name for p in shipped_recipes())
+    raise FileNotFoundError(f"no recipe named {name!r}; hf_cp ships {names} (a name with or without its extension)")

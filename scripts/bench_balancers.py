@@ -39,7 +39,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACES = REPO.parent / "shared" / "data" / "traces"
+DEFAULT_TRACES = REPO / "benchmarks" / "traces"  # committed with the repository
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
 warnings.filterwarnings("ignore", category=DeprecationWarning)

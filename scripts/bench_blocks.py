@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACES = REPO.parent / "shared" / "data" / "traces"
+DEFAULT_TRACES = REPO / "benchmarks" / "traces"  # committed with the repository
 sys.path.insert(0, str(REPO))
 
 from hf_cp.cost.blocks import block_group_costs, default_layout  # noqa: E402
@@ -28,6 +28,12 @@ from hf_cp.plan.block_layout import doc_slices, per_doc_layout, ring_kv_transfer
 from hf_cp.samples.masks import SampleMask  # noqa: E402
 
 MODES = ("ring_zigzag", "ring_per_doc", "blocks_zigzag", "blocks_per_doc", "blocks_default")
+
+
+def shown(path: Path) -> str:
+    """`path` as the report names it: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def parse_args(argv=None):
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
             f"Made by:\n\n    {cmd}\n\n"
             f"Scenario: cost model {args.model} on {args.profile} (hf_cp.cost.model / hf_cp.cost.blocks), one CP group "
             f"(intra-node link) per micro-batch, micro-batches of CP x {args.tokens_per_rank} tokens packed "
-            "greedily in trace order from ../shared/data/traces (the first "
+            f"greedily in trace order from {shown(Path(args.traces_dir))} (the first "
             f"{args.micro_batches} per workload). Sliding-window workload: every sample of the long-document trace "
             f"with a sliding-window mask of {args.window} tokens (a model whose layers all slide, as sample masks).\n\n"
             "Modes: `ring_zigzag` / `ring_per_doc`: the ring modes (every K/V block travels g-1 hops, fwd and bwd); "

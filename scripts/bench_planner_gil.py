@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=64)
     p.add_argument("--trace", default="wikipedia_flexsp")
-    p.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))
+    p.add_argument("--traces-dir", default=str(REPO / "benchmarks" / "traces"))
     p.add_argument("--balancer", default="auto")
     p.add_argument("--ops", type=int, default=30000)
     p.add_argument("--intervals", type=float, nargs="+", default=[0.005, 0.0005])

@@ -25,7 +25,7 @@ def main() -> None:
     from hf_cp.samples.lengths import read_lengths
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--traces-dir", default=str(REPO.parent / "shared" / "data" / "traces"))
+    p.add_argument("--traces-dir", default=str(REPO / "benchmarks" / "traces"))
     p.add_argument("--trace", default="longdoc_leval_multiturn")
     p.add_argument("--world", type=int, default=512)
     p.add_argument("--balancer", default="auto")

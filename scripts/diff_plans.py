@@ -31,7 +31,9 @@ def main(before: str, after: str) -> int:
         a = json.loads(a_path.read_text())
         same_plans = b["plans"] == a["plans"]
         same_metrics = strip(b["metrics"]) == strip(a["metrics"])
-        print(f"{name}: plans {'identical' if same_plans else 'DIFFER'}, metrics {'identical' if same_metrics else 'DIFFER'}")
+        print(
+            f"{name}: plans {'identical' if same_plans else 'DIFFER'}, metrics {'identical' if same_metrics else 'DIFFER'}"
+        )
         differ += not (same_plans and same_metrics)
     print(f"{len(names) - differ} of {len(names)} identical")
     return 1 if differ else 0

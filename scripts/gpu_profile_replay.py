@@ -25,14 +25,7 @@ TRACE = "longdoc_leval_multiturn.txt"
 
 
 def default_trace() -> str:
-    for base in (
-        REPO / "shared" / "data" / "traces",
-        REPO.parent / "shared" / "data" / "traces",
-        REPO / "benchmarks" / "traces",
-    ):  # the last: a copy that travels with the repository
-        if (base / TRACE).exists():
-            return str(base / TRACE)
-    return str(REPO.parent / "shared" / "data" / "traces" / TRACE)
+    return str(REPO / "benchmarks" / "traces" / TRACE)  # committed with the repository
 
 
 def parse_args(argv=None):
@@ -41,7 +34,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, toy sizes: tests the logic")
     p.add_argument("--model", help="model config (default qwen2.5-7b; tiny-llama with --smoke)")
-    p.add_argument("--lengths", default=None, help=f"length trace (default: shared/data/traces/{TRACE})")
+    p.add_argument("--lengths", default=None, help=f"length trace (default: benchmarks/traces/{TRACE})")
     p.add_argument("--length-scale", type=float, help="multiply every length by this (default 1; 1/16 with --smoke)")
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--max-tokens-per-rank", type=int, help="default 32768 (512 with --smoke)")

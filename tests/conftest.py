@@ -1,10 +1,7 @@
 import os
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-TRACES = REPO.parent / "shared" / "data" / "traces"
+from helpers import TRACES
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
@@ -18,8 +15,9 @@ def h200_cost():
 
 @pytest.fixture(scope="session")
 def traces_dir():
-    if not TRACES.exists():
-        pytest.fail(f"shared traces not found at {TRACES}: the repository expects ../shared beside it")
+    """benchmarks/traces: the length traces committed with the repository."""
+    if not TRACES.is_dir() or not any(TRACES.glob("*.txt")):
+        pytest.fail(f"length traces not found at {TRACES}: they are committed with the repository (benchmarks/traces/)")
     return TRACES
 
 
@@ -51,7 +49,7 @@ def smol_tokenizer_dir(smol_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def world2_job(tmp_path_factory):
-    """Every run of world2_job.world2_runs(), trained once per session by one torchrun job of
+    """Every run of helpers.world2_job.world2_runs(), trained once per session by one torchrun job of
     two gloo processes: {name: spec with its output folder}."""
     from helpers.world2_job import train_world2_runs
 

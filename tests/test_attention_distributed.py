@@ -13,61 +13,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.cp_layout import expected_bytes, group_documents, member_rows
+from helpers.mask_reference import causal_reference_attention
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from hf_cp.modes.registry import rank_segments
-from hf_cp.modes.ring import ring_bytes_per_layer
 from hf_cp.modes.segments import ShardMode
-from hf_cp.modes.ulysses import ulysses_bytes_per_layer
 
 MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
 TOL = 1e-5
-
-
-# ----------------------------------------------------------------------------- layout helpers
-def group_documents(distributed, locals_per_member):
-    """The group's documents as one reference sequence: distributed ones, then each member's locals."""
-    return list(distributed) + [n for member in locals_per_member for n in member]
-
-
-def member_rows(mode, distributed, locals_per_member, member):
-    """Rows of the reference sequence that `member` holds, in context.py's layout order:
-    its local documents whole, then its shard segments of the distributed documents."""
-    lengths = group_documents(distributed, locals_per_member)
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    rows = []
-    first_local = len(distributed) + sum(len(m) for m in locals_per_member[:member])
-    for i in range(len(locals_per_member[member])):
-        d = first_local + i
-        rows.extend(range(starts[d], starts[d + 1]))
-    if distributed:
-        for s in rank_segments(mode, distributed, len(locals_per_member), member):
-            rows.extend(range(starts[s.doc] + s.start, starts[s.doc] + s.start + s.length))
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def reference_attention(q, k, v, lengths, scale):
-    """float64 SDPA, causal inside each document: the single-process truth."""
-    outs, o = [], 0
-    for n in lengths:
-        sl = slice(o, o + n)
-        outs.append(
-            F.scaled_dot_product_attention(
-                q[sl].transpose(0, 1),
-                k[sl].transpose(0, 1),
-                v[sl].transpose(0, 1),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            ).transpose(0, 1)
-        )
-        o += n
-    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -78,16 +33,6 @@ def _cost_model(heads, kv_heads, head_dim):
         num_layers=1, hidden=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate=1
     )
     return CostModel(dims, replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4))
-
-
-def _expected_bytes(cost, mode, distributed, group_size, member):
-    if not distributed or group_size == 1:
-        return 0
-    total = sum(distributed)
-    tokens = [sum(s.length for s in rank_segments(mode, distributed, group_size, m)) for m in range(group_size)]
-    if mode == ShardMode.ULYSSES:
-        return ulysses_bytes_per_layer(cost, tokens[member], total, group_size)
-    return ring_bytes_per_layer(cost, tokens[(member + 1) % group_size], total, group_size)
 
 
 def _worker(rank, world, cases):
@@ -115,7 +60,7 @@ def _worker(rank, world, cases):
         dout = torch.randn(t, heads, head_dim, generator=gen)
         scale = 1.0 / math.sqrt(head_dim)
         ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-        ref_out = reference_attention(*ref_in, lengths, scale)
+        ref_out = causal_reference_attention(*ref_in, lengths, scale)
         ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double()) if t else [x for x in ref_in]
         for mode in MODES:
             rows = member_rows(mode, distributed, locals_, member)
@@ -148,7 +93,7 @@ def _worker(rank, world, cases):
                     errors=errs,
                     magnitudes=mags,
                     bytes_sent=stats.bytes_sent,
-                    expected_bytes=_expected_bytes(cost, mode, distributed, len(grp), member),
+                    expected_bytes=expected_bytes(cost, mode, distributed, len(grp), member),
                     torch_dist_calls=spy.calls - calls_before,
                     counted_calls=stats.total_calls,
                     all_local=not distributed,

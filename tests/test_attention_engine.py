@@ -2,7 +2,7 @@
 
 Each case is one CP group's micro-batch: distributed samples with masks of every kind, local
 samples (masked too), a layer window and attention sinks optionally. Every rank builds the
-whole micro-batch, the dense masked reference (tests/mask_reference.py, written from each
+whole micro-batch, the dense masked reference (tests/helpers/mask_reference.py, written from each
 mask's definition) and its gradients; then runs its own rows under several placements of the
 same chunks (identity, a random permutation, every block away from its query's owner, random
 head splits) and compares its output rows, dQ/dK/dV rows and the sinks' gradient (summed over
@@ -16,47 +16,11 @@ import math
 import pytest
 import torch
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.mask_specs import make_mask, spec_length
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from hf_cp.samples.masks import AttnSlice, SampleMask, SliceKind
-
 TOL = 1e-5
-
-
-def explicit_mask(n):
-    """A mask only explicit slices express: rows 0..3 full over themselves, later rows see the
-    first two keys and a band of three ending at themselves (bi-causal)."""
-    return SampleMask.from_slices(
-        n,
-        [
-            AttnSlice(0, 4, 0, 4, SliceKind.FULL),
-            AttnSlice(4, n, 0, 2, SliceKind.FULL),
-            AttnSlice(4, n, 2, n, SliceKind.BI_CAUSAL),
-        ],
-    )
-
-
-def make_mask(spec):
-    """spec: (kind, length, params...) -> SampleMask or None (causal)."""
-    kind, n = spec[0], spec[1]
-    if kind == "causal":
-        return None
-    if kind == "sliding_window":
-        return SampleMask.sliding_window(n, spec[2])
-    if kind == "prefix_lm":
-        return SampleMask.prefix_lm(n, spec[2])
-    if kind == "block_causal":
-        return SampleMask.block_causal(n, spec[2])
-    if kind == "shared_prompt":
-        return SampleMask.shared_prompt(spec[2], spec[3])
-    if kind == "slices":
-        return explicit_mask(n)
-    raise AssertionError(kind)
-
-
-def spec_length(spec):
-    return spec[2] + sum(spec[3]) if spec[0] == "shared_prompt" else spec[1]
 
 
 # ----------------------------------------------------------------------------- the worker

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from helpers.mask_reference import causal_reference_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_attention_distributed import reference_attention
 
 from hf_cp.attention import (
     CPContext,
@@ -90,7 +90,7 @@ def test_packed_attention_matches_per_document_reference(lengths, heads, seed):
     dout = torch.randn(t, h, d, generator=gen)
     scale = 1 / math.sqrt(d)
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = reference_attention(*ref_in, lengths, scale)
+    ref = causal_reference_attention(*ref_in, lengths, scale)
     ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
     mine = [x.clone().requires_grad_() for x in (q, k, v)]
     out = packed_attention(*mine, lengths, scale)

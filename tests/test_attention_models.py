@@ -11,35 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.attention_models import CONFIGS, build_model, packed_batch
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
-from test_attention_distributed import _expected_bytes, group_documents, member_rows
+from helpers.cp_layout import expected_bytes, group_documents, member_rows
 
 from hf_cp.modes.segments import ShardMode
 
 TOL = 1e-5
-
-CONFIGS = {
-    "llama": dict(
-        model_type="llama",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-    ),
-    "qwen2": dict(
-        model_type="qwen2",
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=128,
-    ),
-}
 
 # per group: distributed document lengths and each member's local documents
 LAYOUTS = {
@@ -49,33 +27,6 @@ LAYOUTS = {
         dict(groups_ranks=[[0, 1], [2, 3]], distributed=[[19], []], locals=[[[3], [2, 2]], [[6, 1], [5]]]),
     ],
 }
-
-
-def build_model(name: str, attn: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    import hf_cp.attention.interface  # noqa: F401  (registers "hf_cp")
-
-    cfg = dict(CONFIGS[name])
-    config = AutoConfig.for_model(
-        cfg.pop("model_type"), **cfg, use_cache=False, attention_dropout=0.0, tie_word_embeddings=False
-    )
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    return model.train()
-
-
-def packed_batch(lengths, vocab, seed):
-    """token ids, position ids and next-token labels (-100 at each document's end)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (sum(lengths),), generator=gen)
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    labels = torch.full_like(ids, -100)
-    o = 0
-    for n in lengths:
-        labels[o : o + n - 1] = ids[o + 1 : o + n]
-        o += n
-    return ids, pos, labels
 
 
 def _loss_sum(logits, labels):
@@ -135,7 +86,7 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
             ModelDims.from_hf_config(model.config.to_dict()),
             replace(HardwareProfile.load("h200-qwen2.5-7b"), bytes_per_element=4),
         )
-        per_layer = _expected_bytes(cost, mode, layout["distributed"][gi], len(groups[gi]), member)
+        per_layer = expected_bytes(cost, mode, layout["distributed"][gi], len(groups[gi]), member)
         total_loss = loss.detach().clone()
         dist.all_reduce(total_loss)
         grad_err, worst = 0.0, ""

@@ -1,14 +1,14 @@
 """Samples longer than the whole world holds (world x cap): ChunkFlow trains them as dependent
 chunks on one rank (issue 17); the other balancers refuse them by name (balance/sample_limit.py).
 
-The toy cost model (test_chunking.toy_cost) at 1000 B of activations per token: a token's K/V
+The toy cost model (helpers.toy_cost) at 1000 B of activations per token: a token's K/V
 state store takes 96 B, so a 64-token rank holds the store of 666 tokens, and with one kept
 chunk of at least 16 tokens the store of 500."""
 
 import warnings
 
 import pytest
-from test_chunking import toy_cost
+from helpers.toy_cost import toy_cost
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, get_balancer
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths, chunk_fits, sample_token_limit

@@ -95,3 +95,27 @@ def test_bad_member_lists_are_named():
         get_balancer("auto", members=["static"], member_options={"flexsp": {}})
     with pytest.raises(ValueError, match="at least one"):
         get_balancer("auto", members=[])
+
+
+def test_dcp_and_flexsp_warm_up_pay_their_solvers_start_up_through_auto(monkeypatch):
+    pytest.importorskip("mtkahypar")
+    pytest.importorskip("highspy")
+    from hf_cp.balance.balancers.dcp import hypergraph
+    from hf_cp.balance.toolkit import deadline as deadline_mod
+
+    auto = get_balancer(
+        "auto",
+        members=["dynamic_cp", "dcp", "flexsp"],
+        member_options={"dcp": {"partitioner": "mtkahypar"}, "flexsp": {"solver": "milp", "deadline_s": 5}},
+    )
+    monkeypatch.setattr(hypergraph, "_MT", None)
+    worker = deadline_mod.SolverWorker()
+    monkeypatch.setattr(deadline_mod, "_SHARED", worker)
+    try:
+        auto.warm_up()
+        assert hypergraph._MT is not None  # Mt-KaHyPar imported and initialised
+        assert worker.pid is not None and worker.started == 1  # the MILP's solver worker is running
+        auto.warm_up()
+        assert worker.started == 1  # a running worker is kept
+    finally:
+        worker.close()

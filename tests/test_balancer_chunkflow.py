@@ -2,8 +2,8 @@
 
 import pytest
 from helpers.balancer_checks import check_balancer_properties, step_cases
+from helpers.toy_cost import toy_cost
 from hypothesis import HealthCheck, given, settings
-from test_chunking import toy_cost
 
 from hf_cp.balance import PlanRequest, available_balancers, get_balancer
 from hf_cp.balance.auto import default_members

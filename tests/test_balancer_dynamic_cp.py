@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.toolkit.cp_candidates import balance_sizes, memory_min_sizes
 from hf_cp.balance.toolkit.costs import cost_memo
+from hf_cp.balance.toolkit.cp_candidates import balance_sizes, memory_min_sizes
 from hf_cp.cost.simulate import lower_bound_ms, simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.lengths import read_lengths, step_batches

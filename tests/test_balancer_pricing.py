@@ -1,9 +1,9 @@
 """The fast plan pricer equals the simulator; the cheap bounds auto prunes with are true bounds."""
 
 import pytest
+from helpers.plan_gen import random_valid_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from helpers.plan_gen import random_valid_plan
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit.bounds import BoundCache, blocks_bound_ms, fixed_size_bound_ms

@@ -66,13 +66,13 @@ def test_member_token_shortcuts_match_the_shard_layout(h200_cost):
         for g in (1, 2, 4, 32):
             expect = [segment_tokens(rank_segments(ShardMode.RING_PER_DOC, [n], g, m)) for m in range(g)]
             assert list(memo.per_doc_member_tokens(n, g)) == expect
-    from hf_cp.balance.toolkit.ring_layout import member_tokens
+    from hf_cp.modes.ring import member_tokens
 
     docs = [5, 700, 33, 1]
     for g in (1, 2, 8):
         for mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC):
             expect = [segment_tokens(rank_segments(mode, docs, g, m)) for m in range(g)]
-            assert member_tokens(mode, docs, g, memo).tolist() == expect
+            assert member_tokens(mode, docs, g).tolist() == expect
 
 
 def test_cost_shortcuts_match_member_by_member_costs(h200_cost):

@@ -5,6 +5,7 @@ import importlib.util
 import sys
 
 import pytest
+from helpers import REPO
 
 from hf_cp.samples.lengths import read_lengths, step_batches
 
@@ -13,8 +14,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore:
 
 @pytest.fixture(scope="module")
 def bench():
-    from conftest import REPO
-
     spec = importlib.util.spec_from_file_location("bench_balancers", REPO / "scripts" / "bench_balancers.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_balancers"] = mod

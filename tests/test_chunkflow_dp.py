@@ -5,7 +5,7 @@ loss equal the single-process reference of the whole global batch (what CPTraine
 import pytest
 import torch
 from helpers.attention_pool import pools  # noqa: F401  (pools: fixture)
-from test_chunkflow_executor import grad_errors, reference, sample
+from helpers.chunkflow_reference import grad_errors, reference, sample
 
 TOL = 1e-5
 LENGTHS = [45, 3, 9, 60, 5, 11, 2, 38, 7, 30, 1]
@@ -13,7 +13,7 @@ LENGTHS = [45, 3, 9, 60, 5, 11, 2, 38, 7, 30, 1]
 
 def _dp_worker(rank, world, model_name, lengths, cap, keep):
     import torch.distributed as dist
-    from test_attention_models import build_model
+    from helpers.attention_models import build_model
 
     from hf_cp.balance import PlanRequest, get_balancer
     from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims

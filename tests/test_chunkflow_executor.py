@@ -7,7 +7,8 @@ in the same model built with sdpa attention (the single-process reference), in f
 
 import pytest
 import torch
-from test_attention_models import CONFIGS, build_model, packed_batch
+from helpers.attention_models import CONFIGS, build_model
+from helpers.chunkflow_reference import grad_errors, reference, sample
 
 from hf_cp.attention.chunk_state import ChunkStateStore
 from hf_cp.attention.context import CPContext, cp_context
@@ -17,35 +18,6 @@ from hf_cp.train.loss import chunkable_head
 
 TOL = 1e-5  # relative to the largest entry of each reference tensor
 LENGTH = 37
-
-
-def reference(model_name, docs, scale, seed):
-    """(summed token loss, gradients) of the sdpa model on `docs` (a list of token-id/label pairs),
-    each a whole sample in its own forward, loss scaled by `scale`."""
-    model = build_model(model_name, "sdpa")
-    total = 0.0
-    for ids, labels in docs:
-        logits = model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None]).logits[0]
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-        (loss * scale).backward()
-        total += loss.item()
-    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def sample(n, seed, model_name):
-    ids, _, labels = packed_batch([n], CONFIGS[model_name]["vocab_size"], seed)
-    return ids, labels
-
-
-def grad_errors(model, ref_grads):
-    """Per parameter: max |grad - reference| / max |reference|."""
-    out = {}
-    for n, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        scale = ref_grads[n].abs().max().item()
-        assert scale > 0, f"reference gradient of {n} vanishes: the comparison would prove nothing"
-        out[n] = (g - ref_grads[n]).abs().max().item() / scale
-    return out
 
 
 CASES = [  # (chunk size, keep): N = 1, 2 and 5 chunks of a 37-token sample; K = 1, between, and >= N

@@ -1,6 +1,10 @@
+"""The ranks' agreement on plans, data and payloads, and the CP groups' names, on real gloo
+processes: the session's pools of 2 and 4 (helpers/attention_pool.py), every rank's error
+reported back (GlooPool.outcomes)."""
+
 import time
 
-from helpers.dist_utils import run_distributed
+from helpers.attention_pool import pools  # noqa: F401  (pools: fixture)
 
 
 def _agree(rank, world, divergent_rank):
@@ -20,13 +24,13 @@ def _agree(rank, world, divergent_rank):
     return time.monotonic() - t0
 
 
-def test_identical_plans_pass():
-    res = run_distributed(_agree, 2, -1, timeout_s=90)
+def test_identical_plans_pass(pools):
+    res = pools(2).outcomes(_agree, -1, timeout_s=90)
     assert all(status == "ok" for status, _ in res.values()), res
 
 
-def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error():
-    res = run_distributed(_agree, 4, 2, timeout_s=90)
+def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error(pools):
+    res = pools(4).outcomes(_agree, 2, timeout_s=90)
     for rank, (status, text) in res.items():
         assert status == "error", f"rank {rank} did not notice the disagreement"
         assert "PlanDisagreementError: step 7: ranks disagree" in text
@@ -39,9 +43,9 @@ def _data(rank, world, odd_rank):
     assert_data_agrees("ab" * 32 if rank != odd_rank else "cd" * 32, "training data")
 
 
-def test_ranks_with_other_data_fail_at_start_naming_them():
-    assert all(status == "ok" for status, _ in run_distributed(_data, 2, -1, timeout_s=90).values())
-    res = run_distributed(_data, 4, 3, timeout_s=90)
+def test_ranks_with_other_data_fail_at_start_naming_them(pools):
+    assert all(status == "ok" for status, _ in pools(2).outcomes(_data, -1, timeout_s=90).values())
+    res = pools(4).outcomes(_data, 3, timeout_s=90)
     for rank, (status, text) in res.items():
         assert status == "error", f"rank {rank} did not notice"
         assert "DataDisagreementError: ranks loaded different training data" in text
@@ -62,8 +66,8 @@ def _groups(rank, world):
     }
 
 
-def test_cp_groups_carry_names_that_nccl_timeouts_print():
-    res = run_distributed(_groups, 4, timeout_s=90)
+def test_cp_groups_carry_names_that_nccl_timeouts_print(pools):
+    res = pools(4).outcomes(_groups, timeout_s=90)
     for rank, (status, got) in res.items():
         assert status == "ok", got
         pair = "[0, 1]" if rank < 2 else "[2, 3]"
@@ -83,8 +87,8 @@ def _payload(rank, world):
     return flagged, adopted
 
 
-def test_the_agreement_carries_rank_zeros_payload_to_every_rank():
-    res = run_distributed(_payload, 2, timeout_s=90)
+def test_the_agreement_carries_rank_zeros_payload_to_every_rank(pools):
+    res = pools(2).outcomes(_payload, timeout_s=90)
     for rank, (status, got) in res.items():
         assert status == "ok", got
         assert got == ([1], [1.0, 2.5e-7, -3.0]), (rank, got)
@@ -106,13 +110,13 @@ def _adopt(rank, world, adopt):
     return theirs
 
 
-def test_timing_dependent_plans_adopt_the_first_ranks_plan_and_others_still_fail():
+def test_timing_dependent_plans_adopt_the_first_ranks_plan_and_others_still_fail(pools):
     from hf_cp.plan.step_plan import StepPlan
 
-    res = run_distributed(_adopt, 2, True, timeout_s=90)
+    res = pools(2).outcomes(_adopt, True, timeout_s=90)
     assert all(status == "ok" for status, _ in res.values()), res
     assert res[0][1] is None  # rank 0 keeps its own plan
     assert StepPlan.from_json(res[1][1]).balancer == "static"  # rank 1 runs rank 0's
-    res = run_distributed(_adopt, 2, False, timeout_s=90)
+    res = pools(2).outcomes(_adopt, False, timeout_s=90)
     for status, text in res.values():
         assert status == "error" and "PlanDisagreementError: step 4: ranks disagree" in text

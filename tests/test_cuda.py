@@ -214,7 +214,7 @@ def test_block_engine_one_rank_path_on_the_device(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunkflow_chunk_attention_on_the_device(dtype):
-    from test_chunk_state import dense_reference, leaves, run_chunked, tensors
+    from helpers.chunk_state_reference import dense_reference, leaves, run_chunked, tensors
 
     from hf_cp.plan.chunks import dependent_chunk_sizes
 

@@ -29,7 +29,7 @@ LAYERS: List[Tuple[str, ...]] = [
     ("data",),
     ("train",),
     ("report",),
-    ("cli",),
+    ("cli", "recipes"),  # recipes: the scripts shipped beside the accelerate configs (trl_sft.py)
     ("__init__", "__main__"),
 ]
 PLANNING_HALF = ("samples", "modes", "plan", "cost", "balance", "planning")

@@ -4,8 +4,8 @@ BFD-packed output trains exactly like the same documents given one per row."""
 
 from collections import Counter
 
-import numpy as np
 import pytest
+from helpers.packed_docs import docs_dataset
 
 from hf_cp.samples.packed_input import PackedInputError, row_documents
 from hf_cp.train.columns import read_token_columns
@@ -47,19 +47,6 @@ def test_unreadable_boundaries_are_refused_with_the_fix(boundaries, message):
     with pytest.raises(PackedInputError, match=message) as e:
         row_documents(9, boundaries, row=3)
     assert "seq_lengths" in str(e.value) and "one per row" in str(e.value)  # says how to fix it
-
-
-def docs_dataset(n_docs=23, seed=0, prompt_every=3):
-    from datasets import Dataset
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n_docs):
-        n = int(rng.integers(2, 40))
-        ids = rng.integers(0, 256, n).tolist()
-        labels = [-100 if (i % prompt_every == 0 and p < n // 3) else x for p, x in enumerate(ids)]
-        rows.append({"input_ids": ids, "labels": labels})
-    return Dataset.from_list(rows)
 
 
 def doc_multiset(cols):

@@ -1,7 +1,7 @@
 import pytest
+from helpers.plan_gen import random_valid_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.plan_gen import random_valid_plan
 
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec

@@ -1,7 +1,7 @@
 """Chunked samples in a StepPlan (Group.chunked): JSON, validate(), the simulator's price, refusals."""
 
 import pytest
-from test_chunking import toy_cost
+from helpers.toy_cost import toy_cost
 
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms, state_bytes

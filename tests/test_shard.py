@@ -62,3 +62,26 @@ def test_per_doc_needs_no_padding_for_short_documents():
     segs = [rank_segments(ShardMode.RING_PER_DOC, [1, 3, 7], 4, r) for r in range(4)]
     assert sum(segment_tokens(s) for s in segs) == 11
     assert causal_pairs(2, 3) == 3 + 4 + 5
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 500), min_size=0, max_size=12), groups)
+def test_ring_member_tokens_closed_forms_match_the_segments(docs, g):
+    # every planner-side shortcut of which tokens a ring member holds is modes/ring.py's
+    from hf_cp.modes import ring
+    from hf_cp.modes.registry import mode_spec
+
+    for mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC):
+        expect = [segment_tokens(rank_segments(mode, docs, g, m)) for m in range(g)]
+        assert ring.member_tokens(mode, docs, g).tolist() == expect
+        assert mode_spec(mode).member_tokens(docs, g) == expect
+    for n in docs:
+        parts = split_sizes(n, 2 * g)
+        assert ring.part_sizes(n, g) == parts
+        start, size = ring.part_arrays(n, g)
+        assert size.tolist() == parts and start.tolist() == [sum(parts[:p]) for p in range(2 * g)]
+        held = ring.split_member_tokens(n, g)
+        assert held == [parts[a] + parts[b] for a, b in (ring.member_parts(m, g) for m in range(g))]
+        assert ring.member_sums(size).tolist() == held
+        assert ring.per_doc_max_member_tokens(n, g) == max(held)
+        assert [ring.part_member(p, g) for p in range(2 * g)] == [min(p, 2 * g - 1 - p) for p in range(2 * g)]

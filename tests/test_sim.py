@@ -1,7 +1,7 @@
 import pytest
+from helpers.plan_gen import random_valid_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers.plan_gen import random_valid_plan
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate

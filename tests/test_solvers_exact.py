@@ -20,16 +20,16 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
-from test_attention_engine import make_mask, spec_length
-from test_attention_models_blocks import (
+from helpers.block_models import (
     CASES,
-    _check,
-    _loss_sum,
     build_model,
+    check_rows,
     layer_windows,
+    loss_sum,
     reference_sample,
     sample_data,
 )
+from helpers.mask_specs import make_mask, spec_length
 
 MODEL_DIMS = dict(num_layers=2, hidden=64, num_heads=4, head_dim=16, intermediate=96, vocab_size=128)
 
@@ -106,7 +106,7 @@ def _worker(rank, world, model_name, case, names):
     ref = build_model(model_name, "sdpa")
     ref_logits = [reference_sample(ref, m, n, ids, tgt, n_valid) for m, n, (ids, _, tgt) in zip(masks, lengths, data)]
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-    ref_loss = sum(_loss_sum(lg, tgt).item() / n_valid for lg, (_, _, tgt) in zip(ref_logits, data))
+    ref_loss = sum(loss_sum(lg, tgt).item() / n_valid for lg, (_, _, tgt) in zip(ref_logits, data))
     nd = len(case["distributed"])
     dist_lengths, dist_masks = lengths[:nd], masks[:nd]
     first_local = nd + sum(len(m) for m in case["locals"][:rank])
@@ -138,7 +138,7 @@ def _worker(rank, world, model_name, case, names):
         COMM_COUNTER.reset()
         with cp_context(ctx):
             logits = model(input_ids=ids[None], position_ids=pos[None]).logits[0]
-            loss = _loss_sum(logits, tgt) / n_valid
+            loss = loss_sum(logits, tgt) / n_valid
             loss.backward()
         sent = COMM_COUNTER.snapshot().bytes_sent
         expected = 0
@@ -193,7 +193,7 @@ NAMES_4_MORE = ["usp:2x2:per_doc", "usp:4x1:zigzag", "usp:1x4:per_doc"]
 )
 def test_solver_layouts_train_exactly_under_the_block_engine(pools, world, model_name, names):
     rows = pools(world).run(_worker, model_name, CASES[world] if world in CASES else CASE_8, names, timeout_s=600)
-    _check(rows)
+    check_rows(rows)
     by = {}
     for r in rows:
         by.setdefault(r["placement"], []).append(r)

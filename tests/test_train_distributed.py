@@ -1,7 +1,7 @@
 """CPTrainer on real gloo process groups (torchrun) against a single-process reference.
 
 Every job runs DeepSpeed ZeRO-2 through the Trainer's own DeepSpeed path; the reference trains
-the same model on the same global batches sample by sample (tests/harness/reference.py), and
+the same model on the same global batches sample by sample (tests/helpers/harness/reference.py), and
 harness.check compares every step: loss, gradients before the optimizer, parameters after it.
 """
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.harness.balancers import balancer_for
-from helpers.harness.check import check_run
 from helpers.harness.job import run_distributed
 from helpers.harness.reference import reference_eval_loss
 from helpers.world2_job import (
@@ -21,26 +20,21 @@ from helpers.world2_job import (
     CAP,
     COLLECTIVE_TIMEOUT,
     EVAL_LENGTHS,
+    JOB_TIMEOUT,
     LENGTHS,
     TOKENS_PER_STEP,
     WORLD2_JOB_TIMEOUT,
+    assert_matches_reference,
     empty_shard_spec,
-    lengths_spec,
     shared_or_own_run,
+    spec_for,
 )
 
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning import GlobalBatchSampler, Planner
 
-JOB_TIMEOUT = 300  # one job of one run
-
 MODES = ["fixed_ulysses", "fixed_ring_zigzag", "fixed_ring_per_doc"]
-
-
-def spec_for(tmp_path: Path, balancer: str, steps: int = 3, **kw) -> dict:
-    out = str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}")
-    return dict(lengths_spec(balancer, steps, **kw), out=out)
 
 
 def plans(balancer: str, world: int, steps: int = 3):
@@ -67,12 +61,6 @@ def idle_cases(balancer: str, world: int):
             idle_waves += len(busy) < world
         no_sample_steps += len(busy_in_step) < world
     return idle_waves, no_sample_steps
-
-
-def assert_matches_reference(spec: dict) -> dict:
-    """Every step of the run in spec['out'] against the single-process reference (harness.check:
-    losses, gradients before the optimizer, parameters after it); the worst relative errors."""
-    return check_run(spec).worst
 
 
 def history(spec: dict):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from helpers.harness.job import run_distributed
-from test_train_distributed import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
+from helpers.world2_job import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 from hf_cp.planning import GlobalBatchSampler
 from hf_cp.report.samples import audit_samples

@@ -24,8 +24,14 @@ from helpers.harness.check import check_run
 from helpers.harness.job import run_distributed
 from helpers.harness.models import MODELS, tiny_config
 from helpers.harness.reference import reference_eval_loss
-from test_trainer_exactness import FIXTURE_TIMEOUT, executed_plans
-from helpers.world2_job import CAP, CHUNKFLOW_ADAM_EPSILON, COLLECTIVE_TIMEOUT, chunkflow_mixed_spec
+from helpers.world2_job import (
+    CAP,
+    CHUNKFLOW_ADAM_EPSILON,
+    COLLECTIVE_TIMEOUT,
+    FIXTURE_TIMEOUT,
+    chunkflow_mixed_spec,
+    executed_plans,
+)
 
 from hf_cp.balance import get_balancer
 from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims

@@ -16,44 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.harness.balancers import balancer_for
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
-from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_config, tiny_model
+from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
 from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
-from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, MUTATED_BALANCER, WORLD2_JOB_TIMEOUT
+from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, FIXTURE_TIMEOUT, MUTATED_BALANCER, executed_plans
 
-from hf_cp.balance import get_balancer
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 from hf_cp.plan.chunks import dependent_chunk_sizes
-from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.planning import GlobalBatchSampler, Planner
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURE_TIMEOUT = WORLD2_JOB_TIMEOUT + 60  # the first test to ask for the job waits for it
-
-
-def executed_plans(spec: dict):
-    """The plans of the run's steps, re-planned here and matched to the digests the run
-    recorded (so the placement checks below are about what actually ran)."""
-    sampler = GlobalBatchSampler(
-        spec["lengths"], spec["tokens_per_step"], seed=42, max_steps=spec["steps"], shuffle=False
-    )
-    planner = Planner(
-        sampler,
-        balancer_for(spec["balancer"]) or get_balancer(spec["balancer"], **spec.get("balancer_options", {})),
-        ClusterSpec(2, spec["max_tokens_per_rank"]),
-        # the trainer's cost model: the model's own dimensions and the run's profile
-        CostModel(
-            ModelDims.from_hf_config(tiny_config(spec.get("model") or "llama").to_dict()),
-            HardwareProfile.load(spec.get("profile", "h200-qwen2.5-7b")),
-        ),
-        seed=42,
-        lookahead=0,
-    )
-    plans = [planner.get(k).plan for k in range(spec["steps"])]
-    recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
-    assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
-    return plans
 
 
 def placements(plans) -> tuple:
@@ -191,12 +161,12 @@ def test_reference_uses_nothing_of_hf_cp():
     # models.py may register hf_cp's attention, for the runs under test (never for the reference's "sdpa")
     allowed = {"reference.py": set(), "models.py": {"hf_cp.attention.interface"}}
     for name, ok in allowed.items():
-        used = [m for m in _imports(REPO / "tests" / "harness" / name) if m.split(".")[0] == "hf_cp" and m not in ok]
-        assert used == [], f"tests/harness/{name} imports {used}: the reference must not share code it checks"
+        used = [m for m in _imports(REPO / "tests" / "helpers" / "harness" / name) if m.split(".")[0] == "hf_cp" and m not in ok]
+        assert used == [], f"tests/helpers/harness/{name} imports {used}: the reference must not share code it checks"
 
 
 def test_package_imports_no_test_code():
     for path in sorted((REPO / "hf_cp").rglob("*.py")):
-        bad = [m for m in _imports(path) if m.split(".")[0] in ("harness", "tests", "conftest", "pytest")]
+        bad = [m for m in _imports(path) if m.split(".")[0] in ("helpers", "harness", "tests", "conftest", "pytest")]
         assert bad == [], f"{path.relative_to(REPO)} imports test code: {bad}"
     assert not (REPO / "hf_cp" / "train" / "testing.py").exists()

@@ -3,7 +3,7 @@ one per row (TRL's BFD packing), in one process and in two."""
 
 import pytest
 from helpers.masked_training import max_relative_error, one_step, run_processes
-from test_packed_input import docs_dataset
+from helpers.packed_docs import docs_dataset
 
 
 def packed_and_plain_rows(n_docs=23, seq_length=64):

@@ -165,5 +165,5 @@ def segment_blocks(
 
 
 def block_pairs(blocks: Sequence[Block]) -> int:
-    """Query-key pairs the blocks compute (for checks against masks.rect_pairs / shard.causal_pairs)."""
+    """Query-key pairs the blocks compute (for checks against masks.rect_pairs / segments.causal_pairs)."""
     return sum(b.pairs for b in blocks)

@@ -1,6 +1,6 @@
 """ChunkFlow's K/V state store: a long sample's dependent chunks attend to each other's keys.
 
-A sample cut into N chunks (hf_cp/chunking.py) runs one chunk at a time. Inside a chunk context
+A sample cut into N chunks (hf_cp/plan/chunks.py) runs one chunk at a time. Inside a chunk context
 the attention of layer l takes the chunk's queries over the keys of every earlier chunk (all of
 them: full) and over its own keys (causal), with the same kernels and log-sum-exp merge as the
 rest of hf_cp. Keys arrive rotary-embedded, so the store needs no positions of its own.

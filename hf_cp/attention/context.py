@@ -5,9 +5,9 @@ it. With no context set, attention is plain local attention over packed document
 
 Token layout of one rank's micro-batch (the collator builds it, attention relies on it):
     [ this rank's local documents, whole, in order ]
-    [ this rank's shards of the distributed documents: shard.rank_segments(mode,
+    [ this rank's shards of the distributed documents: registry.rank_segments(mode,
       distributed_lengths, group_size, member), in that order; in mode "blocks" the chunks
-      it owns, in the order of the layout's `chunks` (block_plan.BlockLayout.member_segments) ]
+      it owns, in the order of the layout's `chunks` (block_layout.BlockLayout.member_segments) ]
 position_ids keep each token's rotary position inside its own document (a shared-prompt
 sample's answers continue from the end of its prompt: masks.SampleMask.position_ids).
 Masks: a document without one is causal; `masks` / `local_masks` carry the others.

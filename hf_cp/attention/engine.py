@@ -1,8 +1,8 @@
-"""The block engine: attention of a CP group under any block placement (block_plan.py).
+"""The block engine: attention of a CP group under any block placement (plan/block_layout.py).
 
 Each member holds the Q, K, V rows of the chunks it owns (its distributed rows, in `chunks`
 order). Per layer, what moves follows from the layout and the layer's masks alone
-(block_plan.layer_exchange, the same function the cost model prices):
+(block_layout.layer_exchange, the same function the cost model prices):
 
 forward
   1. dispatch, one all-to-all-v: each K/V chunk goes only to the members that execute a block
@@ -40,7 +40,7 @@ from hf_cp.samples.masks import Slices
 
 Tensor = torch.Tensor
 
-PARTIAL_DTYPE = torch.float32  # partial outputs and log-sum-exp travel in float32 (block_cost.PARTIAL_BYTES)
+PARTIAL_DTYPE = torch.float32  # partial outputs and log-sum-exp travel in float32 (cost.blocks.PARTIAL_BYTES)
 
 
 @dataclass(frozen=True)

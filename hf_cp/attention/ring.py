@@ -3,7 +3,7 @@
 Each member holds query/key/value rows of its shard segments (context.py's layout, the
 distributed part only). K/V blocks travel around the ring: at step s a member holds the K/V
 of member (me - s) mod g. Which of its query rows attend to which of those key rows, and how
-(full or causal), follows from the two members' shard.rank_segments alone (blocks.py), so
+(full or causal), follows from the two members' registry.rank_segments alone (blocks.py), so
 the same code serves RING_ZIGZAG (whole packed sequence in 2g chunks) and RING_PER_DOC (each
 document in 2g parts) and needs no padding. Partial results merge by log-sum-exp.
 

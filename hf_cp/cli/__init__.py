@@ -15,7 +15,7 @@ USER_ERRORS = (ConfigError, LengthsError, PlanError, ValueError, KeyError, FileN
 
 # Subcommands, one module each under hf_cp/cli/, in the order `--help` lists them. A module
 # defines add_parser(subparsers) and sets `func` on its parser.
-SUBCOMMANDS = ("preprocess", "plan", "train", "profile", "replay", "report")
+SUBCOMMANDS = ("preprocess", "plan", "train", "recipe", "profile", "replay", "report")
 
 
 def build_parser() -> argparse.ArgumentParser:

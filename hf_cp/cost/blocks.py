@@ -1,10 +1,10 @@
 """Block plans priced: compute from masked areas, exchange bytes from the placement.
 
-Per layer and member of a "blocks" group (block_plan.py):
+Per layer and member of a "blocks" group (plan/block_layout.py):
     compute = c1 * tokens it owns
               + sum over the blocks it executes of
                 c2 * area * heads/H * head_split_factor(H/heads) / efficiency(query chunk length)
-    bytes   = what the engine sends (block_plan.layer_exchange, attention/engine.py):
+    bytes   = what the engine sends (block_layout.layer_exchange, attention/engine.py):
         forward  dispatch: K/V of its chunks to the executors needing them (their kv-head hull)
                            and Q rows of its chunks run elsewhere;
                  return:   partial outputs and log-sum-exp of the Q rows it ran for others (fp32);
@@ -66,7 +66,7 @@ def exchange_bytes(
     bytes_per_element: int,
     peers: Optional[Callable[[int], bool]] = None,
 ) -> ExchangeBytes:
-    """Bytes `member` sends in one layer (fwd+bwd) under the exchange `ex` (block_plan.layer_exchange);
+    """Bytes `member` sends in one layer (fwd+bwd) under the exchange `ex` (block_layout.layer_exchange);
     with `peers`, only the bytes sent to members for which peers(member) is true."""
     d, e = head_dim, bytes_per_element
     fd = fr = bd = br = 0

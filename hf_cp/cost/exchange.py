@@ -8,9 +8,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import group_costs
-from hf_cp.modes.registry import mode_spec, rank_segments
-from hf_cp.modes.ring import ring_bytes_per_layer
-from hf_cp.modes.segments import ShardMode
+from hf_cp.modes.registry import mode_spec
+from hf_cp.modes.ring import ring_bytes_per_layer, split_member_tokens
 from hf_cp.plan.block_layout import ring_kv_transfers
 
 
@@ -33,7 +32,7 @@ def ring_zigzag_group_bytes(doc_lengths: Sequence[int], ranks: Sequence[int], co
     if g == 1 or not doc_lengths:
         return 0
     total = sum(doc_lengths)
-    tokens = [sum(s.length for s in rank_segments(ShardMode.RING_ZIGZAG, doc_lengths, g, m)) for m in range(g)]
+    tokens = split_member_tokens(total, g)  # ring zigzag's members (modes/ring.py)
     return cost.dims.num_layers * sum(ring_bytes_per_layer(cost, tokens[(m + 1) % g], total, g) for m in range(g))
 
 

@@ -268,7 +268,7 @@ class HardwareProfile:
 
 # --------------------------------------------------------------------------- the cost model
 def _segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
-    """member -> its query segments (shard.rank_segments), each member's built once: a ring
+    """member -> its query segments (registry.rank_segments), each member's built once: a ring
     member's cost also needs its successor's share."""
     built: dict = {}
 
@@ -353,7 +353,7 @@ class CostModel:
         c2 = self.c2
         total = 0.0
         for s in segments:
-            if masks and masks[s.doc] is not None:  # a masked sample: its masked area (block_cost.py)
+            if masks and masks[s.doc] is not None:  # a masked sample: its masked area (modes/segments.py)
                 pairs = masked_segment_pairs(s, doc_lengths[s.doc], masks[s.doc])
             else:
                 pairs = s.length * s.start + s.length * (s.length + 1) // 2
@@ -408,10 +408,10 @@ class CostModel:
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
         are this member's local documents (computed with no communication). `masks` and
         `local_masks` (aligned with the lengths; None entries causal) price masked samples by
-        their masked area. Mode BLOCKS is priced from its layout: block_cost.block_group_costs."""
+        their masked area. Mode BLOCKS is priced from its layout: cost.blocks.block_group_costs."""
         if mode_spec(mode).priced_per_group:
             raise ValueError(
-                f"a {mode_spec(mode).name!r} group is priced from its placement: use block_cost.block_group_costs"
+                f"a {mode_spec(mode).name!r} group is priced from its placement: use cost.blocks.block_group_costs"
             )
         return self._rank_cost(
             doc_lengths,

@@ -12,7 +12,7 @@ when the slowest rank of this one has finished and the reduction is done); under
 reduction ends the step; and the profile's fixed cost per step is added.
 
 A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
-chunking.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
+chunks.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
 its memory adds the samples' K/V state store to their activations.
 """
 
@@ -27,6 +27,7 @@ import numpy as np
 from hf_cp.cost.blocks import block_group_costs, block_group_messages
 from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.modes.registry import mode_spec
+from hf_cp.modes.ring import per_doc_max_member_tokens
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
@@ -455,13 +456,6 @@ def _local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
     if masks is None or all(m is None for m in masks):
         return [cost.sample_local_ms(n) for n in lens.tolist()]
     return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
-
-
-def per_doc_max_member_tokens(length: int, group_size: int) -> int:
-    """Tokens of the fullest member when one document is split in 2g parts, member m holding
-    parts m and 2g-1-m (shard.per_doc_segments): 2q, plus one per remainder token it holds."""
-    q, r = divmod(length, 2 * group_size)
-    return 2 * q + (0 if r == 0 else 1 if r <= group_size else 2)
 
 
 def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:

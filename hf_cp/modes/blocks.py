@@ -1,9 +1,9 @@
-"""The block engine's mode: a placement of chunks and compute blocks (hf_cp/block_plan.py).
+"""The block engine's mode: a placement of chunks and compute blocks (hf_cp/block_layout.py).
 
 Geometry: each member owns the chunks the group's layout gives it (any permutation, any
 sizes), so segments come from the layout (`params`), not from the lengths alone. Cost: every
 compute block is charged at its executor by its masked area, and the exchange is what the
-placement moves (hf_cp/block_cost.py prices a whole group at once: the simulator calls it for
+placement moves (hf_cp/cost.blocks.py prices a whole group at once: the simulator calls it for
 this mode). Exchange: all-to-all-v of K/V (and Q, partial O with LSE for blocks executed away
 from their query's owner). Execution: hf_cp.attention.engine.
 """
@@ -31,7 +31,7 @@ class Blocks(ShardModeSpec):
     name = "blocks"
     description = "placed chunks with owners and compute blocks with executors; K/V by all-to-all-v"
     attention = "hf_cp.attention.engine:engine_mode_attention"
-    priced_per_group = True  # block_cost.block_group_costs prices the whole group
+    priced_per_group = True  # cost.blocks.block_group_costs prices the whole group
     carries_layout = True  # the group's BlockLayout places its chunks and compute blocks
 
     def segments(self, doc_lengths, group_size, member, params: Optional[Mapping] = None):

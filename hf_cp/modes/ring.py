@@ -13,17 +13,100 @@ Execution: hf_cp.attention.ring.
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from hf_cp.modes.registry import SegmentsOf, ShardModeSpec, register_mode
 from hf_cp.modes.segments import Segment, chunk_bounds, cut, segment_tokens, split_sizes
 
+# Every question of which tokens a ring member holds is answered here: the cost model and the
+# simulator (through the mode specs below), and the planners' closed forms (CostMemo,
+# ring_layout.group_fits, the vectorised pricer, the balancers that place ring pieces).
 
+
+# ---- the 2g parts and their members
+def part_sizes(n: int, group_size: int) -> List[int]:
+    """Sizes of the 2g parts `n` tokens are cut into (the first n % 2g parts one longer)."""
+    return split_sizes(n, 2 * group_size)
+
+
+def part_arrays(n: int, group_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(start, size) of each of the 2g parts of `n` tokens, as int64 arrays (part_sizes)."""
+    parts = 2 * group_size
+    q, r = divmod(n, parts)
+    p = np.arange(parts, dtype=np.int64)
+    return p * q + np.minimum(p, r), q + (p < r)
+
+
+def part_member(part: int, group_size: int) -> int:
+    """The member holding part `part` of 2g: member m holds parts m and 2g-1-m."""
+    return part if part < group_size else 2 * group_size - 1 - part
+
+
+def member_parts(member: int, group_size: int) -> Tuple[int, int]:
+    """The two parts member `member` holds (part_member's inverse)."""
+    return member, 2 * group_size - 1 - member
+
+
+def member_sums(per_part: np.ndarray) -> np.ndarray:
+    """Per member, the sum of a per-part quantity (2g entries) over the two parts it holds."""
+    g = len(per_part) // 2
+    return per_part[:g] + per_part[2 * g - 1 - np.arange(g)]
+
+
+# ---- tokens per member (closed forms of the segments' token counts)
+def split_member_tokens(n: int, group_size: int) -> List[int]:
+    """Tokens each member holds of `n` tokens cut in 2g parts: one document per-document
+    sharded, or a packed sequence of n tokens zigzag-split."""
+    parts = 2 * group_size
+    q, r = divmod(n, parts)
+    return [2 * q + (m < r) + (parts - 1 - m < r) for m in range(group_size)]
+
+
+def per_doc_max_member_tokens(length: int, group_size: int) -> int:
+    """Tokens of the fullest member when one document is split in 2g parts, member m holding
+    parts m and 2g-1-m (per_doc_segments): 2q, plus one per remainder token it holds."""
+    q, r = divmod(length, 2 * group_size)
+    return 2 * q + (0 if r == 0 else 1 if r <= group_size else 2)
+
+
+def zigzag_member_tokens(doc_lengths: Sequence[int], group_size: int) -> np.ndarray:
+    """Tokens every member holds when the packed documents are zigzag-split (int64 array)."""
+    return np.asarray(split_member_tokens(int(sum(doc_lengths)), group_size), dtype=np.int64)
+
+
+def per_doc_member_tokens(doc_lengths: Sequence[int], group_size: int) -> np.ndarray:
+    """Tokens every member holds when every document is split on its own (int64 array):
+    2 x the documents' quotients, plus one per document whose remainder covers each part."""
+    g = group_size
+    lens = np.asarray(doc_lengths, dtype=np.int64)
+    q, r = np.divmod(lens, 2 * g)
+    r = np.sort(r)
+    m = np.arange(g, dtype=np.int64)
+    n = len(r)
+    covered = (n - np.searchsorted(r, m, side="right")) + (n - np.searchsorted(r, 2 * g - 1 - m, side="right"))
+    return 2 * int(q.sum()) + covered.astype(np.int64)
+
+
+def member_tokens(mode, doc_lengths: Sequence[int], group_size: int) -> np.ndarray:
+    """Tokens every member holds of the distributed documents under a ring mode (a name or a
+    ShardMode member), as an int64 array."""
+    name = getattr(mode, "value", mode)
+    if not len(doc_lengths):
+        return np.zeros(group_size, dtype=np.int64)
+    if name == RING_ZIGZAG.name:
+        return zigzag_member_tokens(doc_lengths, group_size)
+    if name == RING_PER_DOC.name:
+        return per_doc_member_tokens(doc_lengths, group_size)
+    raise ValueError(f"ring.member_tokens: {name!r} is not a ring mode")
+
+
+# ---- segments
 def zigzag_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
     """Member `rank`'s query segments when the whole packed sequence is zigzag-split."""
-    g = group_size
-    b = chunk_bounds(sum(doc_lengths), 2 * g)
-    return cut(doc_lengths, b[rank], b[rank + 1]) + cut(doc_lengths, b[2 * g - 1 - rank], b[2 * g - rank])
+    b = chunk_bounds(sum(doc_lengths), 2 * group_size)
+    return [s for p in member_parts(rank, group_size) for s in cut(doc_lengths, b[p], b[p + 1])]
 
 
 def per_doc_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
@@ -38,7 +121,7 @@ def per_doc_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> 
         # part p of split_sizes(ln, parts) starts at p*q + min(p, r): O(1) per part, since
         # planners cost every document of a pack on several members (their inner loop)
         q, r = divmod(ln, parts)
-        for part in (rank, parts - 1 - rank):
+        for part in member_parts(rank, group_size):
             size = q + 1 if part < r else q
             if size:
                 out.append(Segment(d, part * q + min(part, r), size))
@@ -82,8 +165,7 @@ class RingZigzag(_RingSpec):
         return zigzag_segments(doc_lengths, group_size, member)
 
     def member_tokens(self, doc_lengths, group_size, params=None):
-        parts = split_sizes(sum(doc_lengths), 2 * group_size)
-        return [parts[m] + parts[2 * group_size - 1 - m] for m in range(group_size)]
+        return split_member_tokens(sum(doc_lengths), group_size)
 
 
 class RingPerDoc(_RingSpec):
@@ -94,12 +176,7 @@ class RingPerDoc(_RingSpec):
         return per_doc_segments(doc_lengths, group_size, member)
 
     def member_tokens(self, doc_lengths, group_size, params=None):
-        out = [0] * group_size
-        for n in doc_lengths:
-            parts = split_sizes(n, 2 * group_size)
-            for m in range(group_size):
-                out[m] += parts[m] + parts[2 * group_size - 1 - m]
-        return out
+        return per_doc_member_tokens(doc_lengths, group_size).tolist()
 
 
 RING_ZIGZAG = register_mode(RingZigzag())

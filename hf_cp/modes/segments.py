@@ -26,7 +26,7 @@ class ShardMode(str, Enum):
     ULYSSES = "ulysses"  # contiguous token split; all-to-all over heads
     RING_ZIGZAG = "ring_zigzag"  # whole packed sequence in 2g chunks, rank r: chunks r, 2g-1-r
     RING_PER_DOC = "ring_per_doc"  # every document in 2g parts, rank r: parts r, 2g-1-r
-    BLOCKS = "blocks"  # placed chunks and compute blocks (block_plan.BlockLayout); all-to-all-v
+    BLOCKS = "blocks"  # placed chunks and compute blocks (block_layout.BlockLayout); all-to-all-v
 
 
 # The modes whose geometry follows from the documents' lengths alone (rank_segments).

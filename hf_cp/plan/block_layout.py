@@ -70,9 +70,9 @@ def doc_slices(lengths: Sequence[int], masks: Optional[Sequence[Optional[SampleM
 class BlockLayout:
     chunks: Tuple[Chunk, ...]
     compute: Tuple[ComputeBlock, ...]
-    # Optional schedule (DCP's divisions, balance/dcp.py): the division of every compute entry;
+    # Optional schedule (DCP's divisions, balance/balancers/dcp/divisions.py): the division of every compute entry;
     # the transfers a division needs overlap the previous division's computation
-    # (block_cost.division_comm_ms). None: one exchange before the computation.
+    # (cost.blocks.division_comm_ms). None: one exchange before the computation.
     divisions: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):

@@ -6,7 +6,7 @@ chunk i attends to its own tokens causally and to every key of chunks 0..i-1, wh
 store keeps (hf_cp/attention/chunk_state.py). Under ChunkFlow's state-aware schedule only the
 last K chunks keep their activations; the first N-K are run again (recomputed) in backward.
 
-Pure functions on lengths and plain data: torch-free, like plan.py and cost.py. The same
+Pure functions on lengths and plain data: torch-free, like the rest of plan/ and cost/. The same
 geometry (`dependent_chunk_sizes`) is used by the plan, the simulator and the executor
 (hf_cp/train/chunkflow.py), so predicted and executed chunks agree.
 """
@@ -37,7 +37,7 @@ class ChunkPlanError(ValueError):
 # --------------------------------------------------------------------------- geometry
 def dependent_chunk_sizes(length: int, chunk_size: int) -> List[int]:
     """The chunks a sample of `length` tokens is cut into: N = ceil(length / chunk_size) nearly
-    equal pieces in order (shard.split_sizes: the first length % N get one more token), so
+    equal pieces in order (segments.split_sizes: the first length % N get one more token), so
     every chunk has at most `chunk_size` tokens and none is a tiny remainder."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")

@@ -4,9 +4,9 @@ A plan is an ordered list of waves. A wave is a set of disjoint groups of ranks 
 the registry (cluster.py). A group runs one micro-batch: documents *distributed* over all of
 its members with one sharding mode, plus documents *local* to single members (computed with
 no communication, Skrull-style). A rank in no group of a wave has nothing to do in it. In
-mode "blocks" the group also carries its block layout (block_plan.py: owned chunks and placed
+mode "blocks" the group also carries its block layout (block_layout.py: owned chunks and placed
 compute blocks). Samples with a mask other than causal carry it in `masks` (masks.py).
-A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/chunking.py): each a long
+A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/plan/chunks.py): each a long
 sample cut into dependent chunks run in order on that rank, one sample after another.
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
@@ -35,10 +35,10 @@ class PlanError(ValueError):
 
 
 class ChunkedSample(NamedTuple):
-    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/chunking.py)."""
+    """A long sample run as dependent chunks on one rank (ChunkFlow; hf_cp/plan/chunks.py)."""
 
     sample: int
-    chunk_size: int  # its chunks are chunking.dependent_chunk_sizes(length, chunk_size)
+    chunk_size: int  # its chunks are chunks.dependent_chunk_sizes(length, chunk_size)
     keep: int  # K: chunks whose activations are kept; the first N-K are recomputed in backward
 
 
@@ -48,7 +48,7 @@ class Group:
     distributed: List[int] = field(default_factory=list)  # sample ids, packed in this order
     mode: str = ShardMode.RING_PER_DOC.value  # how `distributed` is sharded: a registered mode name
     local: Dict[int, List[int]] = field(default_factory=dict)  # rank -> sample ids on it alone
-    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_plan.py)
+    blocks: Optional[BlockLayout] = None  # mode BLOCKS: the chunks and compute blocks (block_layout.py)
     # rank -> samples run as dependent chunks, one after another; only in a one-rank group
     # that runs nothing else (the chunks' forwards and backwards are its micro-batches)
     chunked: Dict[int, List[ChunkedSample]] = field(default_factory=dict)
@@ -297,9 +297,9 @@ class StepPlan:
 
         With a CostModel, also check that Ulysses groups split the model's heads evenly, that
         a blocks group's head ranges cover the model's heads, and count each blocks-group
-        member's received K/V and Q rows (in tokens of activation memory, block_cost.py)
+        member's received K/V and Q rows (in tokens of activation memory, block_layout.received_token_equivalent)
         against the cap. Masks must match their samples; a blocks layout must follow its
-        format (block_plan.BlockLayout.validate), its errors naming the sample, chunk and block.
+        format (block_layout.BlockLayout.validate), its errors naming the sample, chunk and block.
         """
         where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
         if len(self.sample_ids) != len(self.lengths):
@@ -389,7 +389,7 @@ class StepPlan:
 
     def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> List[int]:
         """Check a blocks-mode group's layout; return each member's received rows in token
-        units (block_cost.received_token_equivalent; zero without a cost model or layout)."""
+        units (block_layout.received_token_equivalent; zero without a cost model or layout)."""
         if not mode_spec(g.mode).carries_layout or not g.distributed:
             if g.blocks is not None and g.distributed:
                 raise PlanError(f"{where}: a block layout is given but the mode is {mode_name(g.mode)!r}, not 'blocks'")

@@ -6,7 +6,7 @@ distributed ones) runs one rank after the other on this device; communication is
 The measured time per rank is set beside the simulator's compute time for the same rank
 (hf_cp.cost.simulate.simulate with the cost model restricted to the layers replayed: no LM head).
 
-A rank's distributed shard compute is its query segments (shard.rank_segments) attending
+A rank's distributed shard compute is its query segments (registry.rank_segments) attending
 causally to the keys of their own documents; under Ulysses it is the whole distributed
 documents on heads/group-size heads (hf_cp.profiling.layers.RankWork).
 """

@@ -11,11 +11,14 @@
 `tokenised` has input_ids (and optionally labels with -100 on prompt tokens) per row. From a
 YAML config: `python -m hf_cp.train CONFIG` under a launcher, or `hf-cp train CONFIG`.
 
-Modules, by role: trainer.py (the Trainer's hooks), step.py (one step's waves, for training and
-evaluation), collator.py / columns.py (data), loss.py (chunked LM-head loss), history.py (the
-typed step record), metrics.py (logged aggregates), groups.py (CP process groups), config.py
-and launch.py (YAML config, entry point), dry_run.py (`hf-cp train --dry-run`), resume.py
-(restarts, resumption), stop_signal.py, gc_schedule.py. Planning lives in hf_cp.planning.
+Modules, by role: trainer.py (the Trainer's hooks), trainer_setup.py (what it sets up when
+built), step.py (one step's waves, for training and evaluation), agreement.py (the plan
+agreement that opens each step), online_calibration.py (refits of the cost model during the
+run), evaluation.py (planned evaluation), collator.py / columns.py (data), loss.py (chunked
+LM-head loss), history.py / step_record.py (the typed step record), metrics.py (logged
+aggregates), groups.py (CP process groups), config.py and launch.py (YAML config, entry point),
+dry_run.py (`hf-cp train --dry-run`), resume.py (restarts, resumption), stop_signal.py,
+gc_schedule.py. Planning lives in hf_cp.planning.
 
 Names are imported lazily: `hf_cp.train.history` or `.config` do not load transformers.
 """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -165,6 +166,11 @@ class CPTrainingArguments(TrainingArguments):
         if isinstance(self.deepspeed, str):
             # a shipped recipe (recipes/ds-zero2-gpu.json) is found from any directory (hf_cp.resources)
             self.deepspeed = str(input_path(self.deepspeed))
+        ds_env = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if ds_env and ds_env != "none":
+            # so is an accelerate config's deepspeed_config_file (`hf-cp recipe cpu-2proc-zero2` from
+            # a wheel): accelerate reads it relative to the working directory when training.deepspeed is unset
+            os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(input_path(ds_env))
         super().__post_init__()
         for name in ("cp_balancer_options", "cp_profile"):
             value = getattr(self, name)

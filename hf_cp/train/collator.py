@@ -2,7 +2,7 @@
 
 Token layout of a micro-batch (hf_cp/attention/context.py): this rank's local documents,
 whole and in order, then its segments of the group's distributed documents in
-`Group.member_segments` order (`shard.rank_segments`; in mode "blocks", the chunks it owns).
+`Group.member_segments` order (`registry.rank_segments`; in mode "blocks", the chunks it owns).
 For every token:
     input_ids      the token
     shift_labels   the next token of the same document (already shifted, so a segment cut
@@ -12,7 +12,7 @@ For every token:
 `cu_seq_lens` are the boundaries of the contiguous pieces (whole documents or segments).
 
 A sample with a mask (hf_cp/masks.py, read from the dataset's mask column) takes its positions
-and targets from it (sample_targets.py: a shared-prompt sample's answers continue from the
+and targets from it (samples/targets.py: a shared-prompt sample's answers continue from the
 prompt's end, targets never cross answers, and the prompt's last token predicts every answer's
 first token, the extra ones as `extra_rows`/`extra_targets`); the masks travel to the attention
 in the CP context (`local_masks`, `masks` (distributed documents), aligned with the lengths, None = causal).

@@ -1,6 +1,10 @@
 """Training configs: one YAML file with model, data and training sections, read and checked.
 
     accelerate launch --config_file recipes/cpu-2proc-zero2.yaml -m hf_cp.train configs/tiny-cpu.yaml
+    accelerate launch --config_file "$(hf-cp recipe cpu-2proc-zero2)" -m hf_cp.train tiny-cpu   # from a wheel
+
+CONFIG is a path, or the name of a config hf_cp ships (tiny-cpu: configs/tiny-cpu.yaml, the user's
+configs/ first, then the package's; hf_cp.resources).
 
 Sections:
     model:    config (a config.json path or a model name, hf_cp.resources), attn_implementation
@@ -32,7 +36,7 @@ from typing import List, Optional
 import yaml
 
 from hf_cp.cost.model import read_yaml_mapping, resolve_config
-from hf_cp.resources import input_path, shipped_training_configs
+from hf_cp.resources import input_path, shipped_training_configs, training_config_path
 from hf_cp.train.config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
 
 __all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
@@ -46,11 +50,11 @@ def _resolve(p: str) -> str:
 
 
 def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
-    p = input_path(path)
+    p = training_config_path(path)  # a path, or a shipped config's name (tiny-cpu)
     if not p.exists():
         raise TrainConfigError(
             f"training config {path}: no such file here, and hf_cp ships none at that path; it ships "
-            f"{shipped_training_configs()}"
+            f"{shipped_training_configs()}, each also by name (tiny-cpu)"
         )
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
     unknown = set(cfg) - {"model", "data", "training"}
@@ -262,7 +266,9 @@ def training_arguments(tcfg: dict, source: str):
 def add_config_arguments(parser) -> None:
     """The CONFIG positional and the repeatable --set override, shared by `hf-cp train` and
     `python -m hf_cp.train` (an argparse parser)."""
-    parser.add_argument("config", help="training config YAML, e.g. configs/tiny-cpu.yaml")
+    parser.add_argument(
+        "config", help="training config YAML, e.g. configs/tiny-cpu.yaml, or a shipped config's name (tiny-cpu)"
+    )
     parser.add_argument(
         "--set",
         dest="overrides",

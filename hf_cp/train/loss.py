@@ -48,7 +48,7 @@ def chunked_lm_head_loss(
     hidden: [T, H]; weight: [V, H]; targets: [T] (ignore_index where no loss). Every chunk stays
     in the graph even when all its targets are ignored, so the head always receives a gradient
     (zero), as with the full logits. The extra targets are rows with more than one target (a
-    shared prompt's last token predicts the first token of every answer: sample_targets.py).
+    shared prompt's last token predicts the first token of every answer: samples/targets.py).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")

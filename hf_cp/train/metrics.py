@@ -96,8 +96,8 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
         lines.append(
             f"predicted step time: {balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms "
-            f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run, "
-            f"scripts/bench_train_balance.py measures both)"
+            f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run; "
+            f"a run with cp_balancer: {compare} measures it)"
         )
     return lines + memory_lines(records) + wall_clock_lines(records)
 

@@ -1,11 +1,14 @@
 """CPTrainer: a `transformers.Trainer` whose every optimizer step follows a balanced plan.
 
-Only the Trainer's hooks live here: one item of the training loader is one planned optimizer
-step (`RankStep`), `training_step` hands it to the step executor (step.py: the waves, the loss
-scaling, the dummy micro-batches that keep ZeRO-2's reduction in step), `evaluate` runs planned
-evaluation batches through the same executor, and every step leaves a `StepRecord`
-(history.py) for the logs, the per-rank history files and `hf-cp report`. Planning comes from
-hf_cp.planning (the same setup as the dry run and `hf-cp plan`).
+Only the Trainer's hooks live here; they call components that hold the work. One item of the
+training loader is one planned optimizer step (`RankStep`); `training_step` opens it with the
+plan agreement (agreement.py, which also carries the stop decision and the online calibration's
+new coefficients, online_calibration.py), hands it to the step executor (step.py: the waves, the
+loss scaling, the dummy micro-batches that keep ZeRO-2's reduction in step), and leaves a
+`StepRecord` (step_record.py, history.py) for the logs, the per-rank history files and `hf-cp
+report`. `evaluate` runs planned evaluation batches through the same executor (evaluation.py).
+Planning comes from hf_cp.planning (the same setup as the dry run and `hf-cp plan`), set up once
+when the trainer is built (trainer_setup.py).
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
 
-from hf_cp.planning.evaluation import plan_evaluation
+import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, RankStep
+from hf_cp.train.collator import PlanCollator, RankStep
 from hf_cp.train.columns import read_token_columns
-from hf_cp.train.consistency import assert_data_agrees, assert_plans_agree
-from hf_cp.train.evaluation import evaluation_rank_steps
+from hf_cp.train.consistency import assert_data_agrees
+from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.history import StepRecord, append_record, history_path
@@ -41,7 +44,6 @@ from hf_cp.train.resume import (
     check_resume,
     checkpoint_step,
     resolve_resume,
-    restart_attempt,
     restart_problems,
     schedule_record,
     truncate_history,
@@ -51,15 +53,10 @@ from hf_cp.train.setup_checks import check_parallelism, check_step_attention
 from hf_cp.train.step import StepExecutor, WaveTotals
 from hf_cp.train.step_record import gather_measurements, step_record
 from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
-from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics, data_epoch
+from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics
 from hf_cp.train.trainer_setup import check_training_data, deepspeed_arch_env, start_warnings, trainer_planning_setup
 
 logger = logging.getLogger(__name__)
-
-try:  # registers attn_implementation="hf_cp" with transformers
-    from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
-except ImportError:  # pragma: no cover - the attention package is part of hf_cp
-    HF_CP_ATTENTION = "hf_cp"
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -138,14 +135,9 @@ class CPTrainer(Trainer):
         self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
         self.cp_data = read_token_columns(self.train_dataset, "train_dataset")
         # the run's PlanningSettings, built once: cp_setup.settings from here on
-        self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data.lengths, self.cp_world)
-        self.cp_cost, self.cp_cluster, self.cp_sampler = (
-            self.cp_setup.cost,
-            self.cp_setup.cluster,
-            self.cp_setup.sampler,
-        )
-        model_name = getattr(self.model.config, "_name_or_path", "")
-        for warning in start_warnings(self.cp_setup, args.device.type, model_name):
+        setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data.lengths, self.cp_world)
+        self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
+        for warning in start_warnings(setup, args.device.type, getattr(self.model.config, "_name_or_path", "")):
             self._cp_warn(warning)
         # online calibration (online_calibration.py): a refit rides on the next step's plan agreement
         self.cp_calibration = OnlineCalibration.for_run(args, self.cp_cost, len(self.cp_sampler), self.cp_rank)
@@ -309,50 +301,28 @@ class CPTrainer(Trainer):
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._cp_setup()
-        name = f"eval dataset {metric_key_prefix!r}"
         cached = self._cp_eval_data.get(id(ds))
         if cached is None or cached[0] is not ds:
-            data = read_token_columns(ds, name)
-            if int(data.valid_counts.sum()) == 0:
-                raise ValueError(f"CPTrainer.evaluate: {name} has no target tokens (every label is {IGNORE_INDEX})")
-            plans = plan_evaluation(
-                data.lengths,
-                data.valid_counts,
+            data, plans = evaluation_data(
+                ds,
+                f"eval dataset {metric_key_prefix!r}",
                 self.cp_setup.settings.step_tokens(self.cp_world),
                 self.cp_balancer or self.cp_setup.balancer(),
                 self.cp_cluster,
                 self.cp_cost,
                 self.args.seed,
-                name,
-                masks=data.masks,
             )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
         _, data, plans = cached
         t0 = time.perf_counter()
-        device = self.args.device
         model = self.model
-        if next(model.parameters()).device != device:
+        if next(model.parameters()).device != self.args.device:
             # evaluate() before train() under DeepSpeed: the engine has not placed the model yet
-            model.to(device)
-        was_training = model.training
-        model.eval()
-        loss_sum, valid, tokens = 0.0, 0, 0
-        try:
-            with torch.no_grad():
-                for step in evaluation_rank_steps(plans, data, self.cp_rank):
-                    # as in training: a rank with another plan would wait in the wrong group
-                    assert_plans_agree(
-                        step.plan.digest(), step.index + 1, group=self.cp_groups.control, phase="evaluation batch"
-                    )
-                    self._cp_check_attention(step, "evaluation batch")
-                    got = self.cp_executor.evaluate(model, step)
-                    loss_sum, valid, tokens = loss_sum + got.loss_sum, valid + got.valid, tokens + got.tokens
-        finally:
-            model.train(was_training)
-        totals = torch.tensor([loss_sum, float(valid), float(tokens)], dtype=torch.float64)
-        if self.cp_world > 1:
-            dist.all_reduce(totals, group=self.cp_groups.control)
+            model.to(self.args.device)
+        impl = getattr(model.config, "_attn_implementation", None)
+        group = self.cp_groups.control
+        totals = evaluation_totals(model, self.cp_executor, plans, data, self.cp_rank, self.cp_world, group, impl)
         metrics = {
             f"{metric_key_prefix}_loss": float(totals[0] / totals[1]),
             f"{metric_key_prefix}_tokens": int(totals[2]),

@@ -1,4 +1,4 @@
-"""A pool of long-lived gloo processes for the attention tests.
+"""A pool of long-lived gloo processes for the attention and consistency tests.
 
 Spawning and importing torch costs seconds per process on the CI's two cores, so each world
 size gets one process group for the whole session and every hypothesis example is a task
@@ -17,6 +17,7 @@ import traceback
 
 import pytest
 import torch.multiprocessing as mp
+
 from helpers.dist_utils import free_port
 
 
@@ -42,6 +43,13 @@ def _pool_main(rank, world, port, inbox, outbox, collective_timeout_s):
                 outbox.put((task_id, rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
+
+
+def _reported(rank, world, fn, args):
+    try:
+        return ("ok", fn(rank, world, *args))
+    except Exception as e:
+        return ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
 class GlooPool:
@@ -105,6 +113,13 @@ class GlooPool:
             v = results[r][1]
             out.extend(v) if isinstance(v, list) else out.append(v)
         return out
+
+    def outcomes(self, fn, *args, timeout_s: float = 90) -> dict:
+        """fn(rank, world, *args) on every rank, each rank's exception caught and reported:
+        {rank: ("ok", result) | ("error", "Type: message\ntraceback")}, like
+        dist_utils.run_distributed but on the session's processes. For tasks whose errors
+        leave the ranks in step (every rank raises after the same collectives)."""
+        return dict(enumerate(self.run(_reported, fn, args, timeout_s=timeout_s)))
 
     def close(self):
         for p, box in zip(self.procs, getattr(self, "inboxes", [])):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def dense_mask(mask, length, window=None):
@@ -74,3 +75,22 @@ def reference_attention(q, k, v, allowed, scale, sinks=None):
     if sinks is not None:
         p = p[..., :-1]
     return torch.einsum("hqk,khd->qhd", p, vx)
+
+
+def causal_reference_attention(q, k, v, lengths, scale):
+    """float64 SDPA, causal inside each document: the single-process truth."""
+    outs, o = [], 0
+    for n in lengths:
+        sl = slice(o, o + n)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[sl].transpose(0, 1),
+                k[sl].transpose(0, 1),
+                v[sl].transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        )
+        o += n
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[2])

@@ -168,7 +168,13 @@ def run_processes(spec: dict, nproc: int, timeout: float = 240) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
     cmd += ["-m", "helpers.masked_training", str(out / "spec.json")]
     from helpers.harness.job import run_launcher

@@ -5,19 +5,26 @@ group costs more than training the tiny model for a few steps, so every run list
 trained by the same two gloo processes, one after the other (harness.job's "runs"), once per
 test session: the `world2_job` fixture (conftest.py) returns {name: spec} with each run's
 output folder. A fast world-2 test adds its run to world2_runs() and reads it from the
-fixture (`shared_or_own_run`) instead of starting a job of its own.
+fixture (`shared_or_own_run`) instead of starting a job of its own. Below them: specs of runs
+that start a job of their own (spec_for), and what the tests read back from any run.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 from typing import Dict
 
+from helpers.harness.balancers import balancer_for
+from helpers.harness.check import check_run
 from helpers.harness.job import MUTATIONS, run_distributed
-
-from hf_cp.balance import available_balancers
+from helpers.harness.models import tiny_config
+from hf_cp.balance import available_balancers, get_balancer
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning import GlobalBatchSampler, Planner
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
 # wave of static), [3] alone (a step that gives ranks no sample), [4..9], [10..16].
@@ -45,6 +52,8 @@ BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON
 MUTATED_BALANCER = "auto"
 
 WORLD2_JOB_TIMEOUT = 900
+FIXTURE_TIMEOUT = WORLD2_JOB_TIMEOUT + 60  # the first test to ask for the job waits for it
+JOB_TIMEOUT = 300  # one job of one run
 COLLECTIVE_TIMEOUT = 120  # a hung collective fails the job in minutes, not ddp_timeout's default
 
 
@@ -182,3 +191,40 @@ def shared_or_own_run(request, name: str, spec: dict, timeout: float) -> dict:
     if mine != theirs:
         raise AssertionError(f"the test's run {name!r} is {mine}, but world2_runs() trains {theirs}")
     return request.getfixturevalue("world2_job")[name]
+
+
+# ------------------------------------------------------------------ runs of their own, results
+def spec_for(tmp_path: Path, balancer: str, steps: int = 3, **kw) -> dict:
+    """A run on LENGTHS with its output folder under tmp_path (named by balancer and `tag`)."""
+    out = str(tmp_path / f"{balancer}-{kw.pop('tag', 'run')}")
+    return dict(lengths_spec(balancer, steps, **kw), out=out)
+
+
+def assert_matches_reference(spec: dict) -> dict:
+    """Every step of the run in spec['out'] against the single-process reference (harness.check:
+    losses, gradients before the optimizer, parameters after it); the worst relative errors."""
+    return check_run(spec).worst
+
+
+def executed_plans(spec: dict):
+    """The plans of the run's steps, re-planned here and matched to the digests the run
+    recorded (so the placement checks below are about what actually ran)."""
+    sampler = GlobalBatchSampler(
+        spec["lengths"], spec["tokens_per_step"], seed=42, max_steps=spec["steps"], shuffle=False
+    )
+    planner = Planner(
+        sampler,
+        balancer_for(spec["balancer"]) or get_balancer(spec["balancer"], **spec.get("balancer_options", {})),
+        ClusterSpec(2, spec["max_tokens_per_rank"]),
+        # the trainer's cost model: the model's own dimensions and the run's profile
+        CostModel(
+            ModelDims.from_hf_config(tiny_config(spec.get("model") or "llama").to_dict()),
+            HardwareProfile.load(spec.get("profile", "h200-qwen2.5-7b")),
+        ),
+        seed=42,
+        lookahead=0,
+    )
+    plans = [planner.get(k).plan for k in range(spec["steps"])]
+    recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
+    assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
+    return plans

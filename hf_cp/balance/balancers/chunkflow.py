@@ -1,4 +1,4 @@
-"""`chunkflow`: ChunkFlow's chunks (hf_cp/chunking.py), balanced over the ranks by their real cost.
+"""`chunkflow`: ChunkFlow's chunks (hf_cp/plan/chunks.py), balanced over the ranks by their real cost.
 
 Samples of at most `chunk_size` tokens are packed into standalone chunks (first-fit
 decreasing); a longer sample runs as dependent chunks on one rank, with the largest chunk size

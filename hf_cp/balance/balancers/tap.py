@@ -33,6 +33,7 @@ from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock,
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import group_costs
+from hf_cp.modes import ring
 from hf_cp.modes.segments import split_sizes
 from hf_cp.plan.block_layout import received_row_bytes, received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
@@ -85,7 +86,7 @@ def pool_chunks(
     for docs, members in packs:
         g = len(members)
         total = sum(doc_lengths[d] for d in docs)
-        sizes = split_sizes(total, 2 * g) if g > 1 else [total]
+        sizes = ring.part_sizes(total, g) if g > 1 else [total]
         bounds = [0]
         for x in sizes:
             bounds.append(bounds[-1] + x)
@@ -96,7 +97,7 @@ def pool_chunks(
                 lo, hi = max(bounds[p], offset), min(bounds[p + 1], offset + n)
                 if lo >= hi:
                     continue
-                owner = members[p if p < g else 2 * g - 1 - p]
+                owner = members[ring.part_member(p, g)]
                 start = lo - offset
                 for piece in split_sizes(hi - lo, -(-(hi - lo) // tile_tokens)):
                     out.append(Chunk(d, start, piece, owner))
@@ -117,7 +118,7 @@ def place_tiles(
     """TAP's greedy over one pool's members (see the module docstring). `base_load`: each
     member's work that stays put (its linear work, and anything else it runs). With `cap`, a
     tile only goes where the member's owned rows plus the K/V and Q rows it receives
-    (block_cost.received_token_equivalent's measure) stay within it. Returns the placement
+    (block_layout.received_token_equivalent's measure) stay within it. Returns the placement
     (every block of a tile on the tile's worker) and the members' loads."""
     H = cost.dims.num_heads
     group = max(1, H // cost.dims.num_kv_heads)  # query heads per KV head: the finest head split

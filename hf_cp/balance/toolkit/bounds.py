@@ -63,7 +63,7 @@ class StepTotals:
 
 
 def step_lower_bound_ms(req: PlanRequest, totals: Optional[StepTotals] = None) -> float:
-    """sim.lower_bound_ms of the request: max(work / world, costliest sample / largest group)."""
+    """simulate.lower_bound_ms of the request: max(work / world, costliest sample / largest group)."""
     t = totals or StepTotals.of(req)
     cl = req.cluster
     return max(t.local_ms_sum / cl.world_size, t.local_ms_max / cl.group_sizes[-1])
@@ -136,7 +136,7 @@ class BoundCache:
         return step_lower_bound_ms(self.req, self.totals)
 
     def charged(self) -> float:
-        """sim.charged_lower_bound_ms of the request, from the shared per-length caches."""
+        """simulate.charged_lower_bound_ms of the request, from the shared per-length caches."""
         if self._charged is None:
             memo = cost_memo(self.req.cost)
             self._charged = charged_lower_bound_ms(

@@ -12,7 +12,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from hf_cp.cost.model import CostModel
-from hf_cp.modes.segments import ShardMode, split_sizes
+from hf_cp.modes.ring import split_member_tokens
+from hf_cp.modes.segments import ShardMode
 
 
 class CostMemo:
@@ -75,14 +76,13 @@ class CostMemo:
         return v
 
     def per_doc_member_tokens(self, length: int, group_size: int) -> Tuple[int, ...]:
-        """Tokens each member holds when one document is per-document sharded over the group:
-        parts m and 2g-1-m of shard.split_sizes(length, 2g) (shard.per_doc_segments' layout,
-        in O(g) instead of calling it for every member)."""
+        """Tokens each member holds when one document is per-document sharded over the group
+        (ring.split_member_tokens: ring.per_doc_segments' layout in closed form), kept per
+        length and group size."""
         key = (length, group_size)
         v = self._member_tokens.get(key)
         if v is None:
-            parts = split_sizes(length, 2 * group_size)
-            v = self._member_tokens[key] = tuple(parts[m] + parts[2 * group_size - 1 - m] for m in range(group_size))
+            v = self._member_tokens[key] = tuple(split_member_tokens(length, group_size))
         return v
 
 

@@ -225,7 +225,7 @@ def zigzag_placement(
     doc_slices: Optional[Sequence[Sequence[AttnSlice]]] = None,
 ) -> BlockPlacement:
     """Ring zigzag as a placement (for comparisons): the packed sequence in 2g windows of
-    shard.split_sizes' sizes, member r owning windows r and 2g-1-r."""
+    segments.split_sizes' sizes, member r owning windows r and 2g-1-r."""
 
     slices = doc_slices if doc_slices is not None else sample_slices(doc_lengths, masks)
     g = group_size

@@ -6,7 +6,7 @@ exactly once, and every (query chunk, key chunk) pair of one sample with a non-z
 area (masks.rect_pairs) is a compute block (q_chunk, k_chunk, head_start, head_end, executor)
 over a head range. `to_dict()` is the plan JSON's "blocks" object.
 
-This module is the solvers' side of that contract (block_plan.py holds the format and its
+This module is the solvers' side of that contract (plan/block_layout.py holds the format and its
 validation): building a placement from a few rules, keeping each block's masked area, and
 measuring it (tokens per member, masked area per member, K/V chunk transfers) in the same
 terms the solvers optimise. Pure Python, no torch.
@@ -96,7 +96,7 @@ class BlockPlacement:
         return out
 
     def to_layout(self, divisions: Optional[Sequence[int]] = None) -> BlockLayout:
-        """The plan format's layout (block_plan.BlockLayout) of this placement, with a division
+        """The plan format's layout (block_layout.BlockLayout) of this placement, with a division
         per compute block if given (dcp.schedule_divisions)."""
         return BlockLayout(
             tuple((c.doc, c.start, c.length, c.owner) for c in self.chunks),
@@ -105,7 +105,7 @@ class BlockPlacement:
         )
 
     def check(self, doc_lengths: Sequence[int], doc_slices: Sequence[Sequence[AttnSlice]]) -> BlockPlacement:
-        """The block-plan contract (block_plan.BlockLayout.validate: chunks cover every document
+        """The block-plan contract (block_layout.BlockLayout.validate: chunks cover every document
         exactly once, every attended chunk pair appears with head ranges partitioning the heads,
         no zero-area block, members in range); raises BlockLayoutError naming what breaks it."""
         self.to_layout().validate(doc_lengths, self.group_size, [tuple(s) for s in doc_slices], self.num_heads)

@@ -13,7 +13,7 @@ sums are taken in another order) from vectorised pieces:
   (length, group size), built once with numpy; zigzag: the segments of the packed sequence
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
   O(documents + g); every other mode (Ulysses, blocks: no built-in balancer plans them)
-  and every plan with masked samples go through the cost model (sim.group_costs);
+  and every plan with masked samples go through the cost model (simulate.group_costs);
 * the timing loop runs once per group, size-1 groups without arithmetic on arrays.
 
 Nothing here has a cost formula of its own beyond re-arranging CostModel's; the test suite
@@ -30,6 +30,7 @@ import numpy as np
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
+from hf_cp.modes import ring
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import StepPlan
 
@@ -45,7 +46,7 @@ class PlanPricer:
         self.c1, self.c2, self.head = cost.c1, cost.c2, cost.head_ms_per_token
         self.overhead_ms = cost.micro_batch_overhead_ms()
         self.cp_attention_scale = p.cp_attention_scale
-        self.execution = getattr(cost, "execution", None)  # wall clock: sim.simulate's execution rule
+        self.execution = getattr(cost, "execution", None)  # wall clock: simulate.simulate's execution rule
         self.kv_bytes_per_token = 2 * d.num_kv_heads * d.head_dim * p.bytes_per_element
         self.gpus_per_node = p.gpus_per_node
         qs = [q for q, _ in p.chunk_efficiency]
@@ -82,29 +83,20 @@ class PlanPricer:
 
     def per_doc_table(self, length: int, group_size: int) -> Tuple[np.ndarray, np.ndarray]:
         """(tokens, per-layer attention ms) of every member when one document is split in 2g
-        parts, member m holding parts m and 2g-1-m (shard.per_doc_segments)."""
+        parts, member m holding parts m and 2g-1-m (ring.per_doc_segments)."""
         key = (length, group_size)
         v = self._per_doc.get(key)
         if v is None:
-            g = group_size
-            parts = 2 * g
-            q, r = divmod(length, parts)
-            p = np.arange(parts, dtype=np.int64)
-            size = q + (p < r)
-            start = p * q + np.minimum(p, r)
+            start, size = ring.part_arrays(length, group_size)
             attn = self.segment_attention(start, size)
-            mirror = parts - 1 - np.arange(g)
-            tok = size[:g] + size[mirror]
-            v = self._per_doc[key] = (tok, attn[:g] + attn[mirror])
+            v = self._per_doc[key] = (ring.member_sums(size), ring.member_sums(attn))
         return v
 
     def zigzag_members(self, doc_lengths: Sequence[int], group_size: int) -> Tuple[np.ndarray, np.ndarray]:
         """(tokens, per-layer attention ms) of every member of a zigzag-split packed sequence."""
         g = group_size
         lens = np.asarray(doc_lengths, dtype=np.int64)
-        total = int(lens.sum())
-        q, r = divmod(total, 2 * g)
-        sizes = q + (np.arange(2 * g) < r)
+        sizes = ring.part_arrays(int(lens.sum()), g)[1]
         chunk_bounds = np.concatenate(([0], np.cumsum(sizes)))
         doc_bounds = np.concatenate(([0], np.cumsum(lens)))
         cuts = np.union1d(chunk_bounds, doc_bounds)
@@ -113,8 +105,7 @@ class PlanPricer:
         chunk = np.searchsorted(chunk_bounds, begin, side="right") - 1
         attn = self.segment_attention(begin - doc_bounds[doc], end - begin)
         chunk_attn = np.bincount(chunk, weights=attn, minlength=2 * g)
-        mirror = 2 * g - 1 - np.arange(g)
-        return sizes[:g] + sizes[mirror], chunk_attn[:g] + chunk_attn[mirror]
+        return ring.member_sums(sizes), ring.member_sums(chunk_attn)
 
     def distributed_member_ms(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int]) -> np.ndarray:
         """Every member's time (compute + unhidden communication, overhead excluded) for the
@@ -246,7 +237,7 @@ class PlanPricer:
         return np.asarray(clock)
 
     def _finish_by_cost_model(self, plan: StepPlan) -> np.ndarray:
-        """rank_finish_ms by sim.group_costs for every group (plans with masked or chunked samples)."""
+        """rank_finish_ms by simulate.group_costs for every group (plans with masked or chunked samples)."""
         lens = plan.length_of()
         clock = [0.0] * plan.world_size
         overhead = self.overhead_ms
@@ -255,7 +246,7 @@ class PlanPricer:
             if wall is not None:
                 wall.enter_wave(w, clock)
             for g in wave.groups:
-                if any(g.chunked.values()):  # one rank running dependent chunks: as sim.simulate
+                if any(g.chunked.values()):  # one rank running dependent chunks: as simulate.simulate
                     ms = chunked_group_cost(lens, g, self.cost)[0]
                     clock[g.ranks[0]] += ms
                     if wall is not None:
@@ -282,7 +273,7 @@ class PlanPricer:
 
 
 class _WallClock:
-    """sim.simulate's execution rule (hf_cp/execution.py) on a pricing loop's clocks: at every
+    """simulate.simulate's execution rule (hf_cp/execution.py) on a pricing loop's clocks: at every
     wave's end every rank pads to the wave's backward count with dummy micro-batches (none
     worked: one; a chunked sample: one per dependent chunk) and, when waves synchronise (or at
     the last wave), all wait for the slowest and the gradient reductions (one per backward
@@ -340,7 +331,7 @@ def pricer_for(cost: CostModel) -> PlanPricer:
 
 
 def lower_bound_from_local_ms(local_ms: np.ndarray, world_size: int, largest_group: int) -> float:
-    """sim.lower_bound_ms from the samples' single-rank times (CostMemo.local_ms_array)."""
+    """simulate.lower_bound_ms from the samples' single-rank times (CostMemo.local_ms_array)."""
     if not len(local_ms):
         return 0.0
     return max(float(local_ms.sum()) / world_size, float(local_ms.max()) / largest_group)

@@ -3,16 +3,16 @@
 Any balancer that distributes documents over a group can ask `choose_layout` for the layout
 the cost model predicts fastest among (families):
 
-  ring     ring zigzag of the packed sequence and per-document sharding (shard.py);
+  ring     ring zigzag of the packed sequence and per-document sharding (modes/ring.py);
   ulysses  Ulysses' contiguous split with an all-to-all over heads (when the heads allow);
-  magi     MagiAttention's dispatch (magi.py): equal windows placed by masked area, K/V
+  magi     MagiAttention's dispatch (magi_dispatch.py): equal windows placed by masked area, K/V
            moving only where needed; windows of T / (k g) tokens for k in `magi_windows`;
-  usp      Ulysses x ring (usp.py) for every u x r = g with u dividing the heads, ring part
+  usp      Ulysses x ring (usp_layout.py) for every u x r = g with u dividing the heads, ring part
            zigzag or per-document; u = 1 is the ring geometry with K/V sent only where
            needed, u = g Ulysses as blocks.
 
 Every candidate is priced by the same cost model the simulator uses (CostModel for the
-whole-document modes, block_cost.block_group_costs for placements: masked areas, kernel
+whole-document modes, cost.blocks.block_group_costs for placements: masked areas, kernel
 efficiency of the query chunk length, head-split overhead, exchange bytes over the group's
 link), with the samples' masks, and must fit the memory cap (received K/V and Q rows counted
 as StepPlan.validate counts them). The slowest member decides; on ties the earlier family
@@ -106,7 +106,7 @@ def compute_bound_ms(
     local: Mapping[int, Sequence[int]],
     local_masks: Mapping[int, Sequence[Optional[SampleMask]]],
 ) -> float:
-    """The slowest member's computation under a placement (block_cost.block_group_costs'
+    """The slowest member's computation under a placement (cost.blocks.block_group_costs'
     compute term, from the placement's own masked pairs): a lower bound of its time."""
     L, H = cost.dims.num_layers, cost.dims.num_heads
     tokens = pl.member_tokens()

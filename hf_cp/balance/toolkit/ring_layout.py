@@ -1,5 +1,6 @@
-"""Ring layout of a group's distributed documents: tokens per member, memory fit, and the
-zigzag vs per-document choice (WLB-LLM's per-sequence vs per-document sharding)."""
+"""Ring layout of a group's distributed documents: the memory fit and the zigzag vs
+per-document choice (WLB-LLM's per-sequence vs per-document sharding). Which tokens each
+member holds is the ring modes' geometry (hf_cp/modes/ring.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.cost.model import CostModel
-from hf_cp.modes.registry import rank_segments
-from hf_cp.modes.segments import ShardMode, segment_tokens, split_sizes
+from hf_cp.modes import ring
+from hf_cp.modes.segments import ShardMode
 
 # Per-document sharding costs O(documents x 2g) to evaluate per member, and the comparison
 # runs for every micro-batch of a step. Up to PER_DOC_MAX_DOCS documents (and
@@ -35,30 +36,16 @@ def sampled_members(group_size: int) -> List[int]:
     return sorted({0, 1, g // 2 - 1, g // 2, g - 2, g - 1})
 
 
-def member_tokens(mode: ShardMode, doc_lengths: Sequence[int], group_size: int, memo: CostMemo) -> np.ndarray:
-    """Tokens every member holds of the distributed documents under `mode`."""
-    g = group_size
-    if not doc_lengths:
-        return np.zeros(g, dtype=np.int64)
-    if mode == ShardMode.RING_ZIGZAG:
-        # member m holds chunks m and 2g-1-m of the packed total cut in 2g (shard.zigzag_segments)
-        parts = np.asarray(split_sizes(sum(doc_lengths), 2 * g), dtype=np.int64)
-        return parts[:g] + parts[g:][::-1]
-    if mode == ShardMode.RING_PER_DOC:  # every document is split on its own
-        return np.sum([memo.per_doc_member_tokens(n, g) for n in doc_lengths], axis=0).astype(np.int64)
-    return np.asarray([segment_tokens(rank_segments(mode, doc_lengths, g, m)) for m in range(g)], dtype=np.int64)
-
-
 def group_fits(
     mode: ShardMode,
     doc_lengths: Sequence[int],
     group_size: int,
     cap: int,
-    memo: CostMemo,
     local_tokens: Optional[Sequence[int]] = None,
 ) -> bool:
-    """Whether every member holds at most `cap` tokens (its distributed share plus its locals)."""
-    t = member_tokens(mode, doc_lengths, group_size, memo)
+    """Whether every member holds at most `cap` tokens (its distributed share under the ring
+    mode, ring.member_tokens, plus its locals)."""
+    t = ring.member_tokens(mode, doc_lengths, group_size)
     if local_tokens is not None:
         t = t + np.asarray(local_tokens, dtype=np.int64)
     return int(t.max()) <= cap
@@ -109,12 +96,12 @@ def ring_mode_and_ms(
     memo = memo or cost_memo(cost)
     g = len(ranks)
     docs = list(doc_lengths)
-    zz_fits = group_fits(ShardMode.RING_ZIGZAG, docs, g, cap, memo, local_tokens)
+    zz_fits = group_fits(ShardMode.RING_ZIGZAG, docs, g, cap, local_tokens)
     if len(docs) == 1 and zz_fits:  # one document: both modes are the same split
         return ShardMode.RING_PER_DOC, memo.doc_on_group_ms(docs[0], g) if estimate else float("nan")
     exact = len(docs) <= PER_DOC_MAX_DOCS and len(docs) * g <= PER_DOC_EVAL_BUDGET
     summed = not exact and len(docs) <= PER_DOC_SUM_DOCS
-    pd_fits = (exact or summed or not zz_fits) and group_fits(ShardMode.RING_PER_DOC, docs, g, cap, memo, local_tokens)
+    pd_fits = (exact or summed or not zz_fits) and group_fits(ShardMode.RING_PER_DOC, docs, g, cap, local_tokens)
     if not pd_fits and not zz_fits:
         raise ValueError(
             f"documents {docs[:8]} ({len(docs)} documents, {sum(docs)} tokens) "

@@ -14,7 +14,7 @@ heads out, partial outputs back), across positions it is the ring's K/V exchange
 executor receiving only the K/V heads its query heads use (GQA: the same KV head goes to
 several executors only when u exceeds the KV heads, i.e. replicated as far as needed). The
 engine executes and prices it as what it is: every byte and the head-split overhead
-(CostModel.head_split_factor) come from the placement (block_cost.py).
+(CostModel.head_split_factor) come from the placement (cost/blocks.py).
 
 u = g, r = 1 is Ulysses; u = 1 is a ring placement with K/V sent only where needed.
 """

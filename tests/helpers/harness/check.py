@@ -15,7 +15,7 @@ magnitude, so a loss scaled by 1.001 moves the parameters almost exactly as the 
 parameters). The loss and the gradients carry such a scale whole: 1e-3 relative.
 
 Tolerances, against the largest errors of the correct world-2 runs of the fast suite (float32
-sums in another order; tests/world2_job.py, measured at the commit that set them): loss and
+sums in another order; tests/helpers/world2_job.py, measured at the commit that set them): loss and
 grad_norm 1e-5 (runs: <= 1.3e-7), gradients 1e-4 (runs: <= 4.1e-6), parameters 1e-5 (runs:
 <= 2.7e-6). A 0.1% loss or gradient scale is 1e-3 on the loss or the gradients: 10 to 100
 times the tolerance (tests/test_trainer_exactness.py shows the check failing on it).

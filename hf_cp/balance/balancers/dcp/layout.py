@@ -18,7 +18,7 @@ from hf_cp.balance.balancers.dcp.placement import WavePlacement, group_placement
 from hf_cp.balance.balancers.dcp.weights import LongSample, Weights, block_count, causal_slices, cut_sample
 from hf_cp.balance.toolkit.placement import BlockPlacement
 from hf_cp.cost.model import CostModel
-from hf_cp.modes.segments import split_sizes
+from hf_cp.modes.ring import per_doc_max_member_tokens
 from hf_cp.samples.masks import AttnSlice, SampleMask
 
 
@@ -130,8 +130,7 @@ def plan_layout(
                 pending.append(([], []))
                 continue
             # the K/V its blocks receive do not fit: ring attention streams them instead
-            parts, p2 = split_sizes(lengths[ids[0]], 2 * len(blk)), 2 * len(blk)
-            if max(parts[m] + parts[p2 - 1 - m] for m in range(len(blk))) > cap:
+            if per_doc_max_member_tokens(lengths[ids[0]], len(blk)) > cap:
                 raise DcpError(
                     f"dcp: sample {ids[0]} ({lengths[ids[0]]} tokens) does not fit ranks {blk[0]}..{blk[-1]} x {cap} "
                     f"tokens, neither as blocks with the K/V and Q rows they receive nor per-document on a ring"

@@ -23,7 +23,7 @@ class DcpOptions:
     # computation/communication divisions per group (the seed uses several). The engine's
     # executor runs a layout's exchange before its blocks and does not pipeline divisions yet,
     # so the default, 1, predicts what runs; more divisions are scheduled, carried in the
-    # layouts and priced as the pipeline (block_cost.division_comm_ms) for an executor that does
+    # layouts and priced as the pipeline (cost.blocks.division_comm_ms) for an executor that does
     divisions: int = 1
     refine_max_vertices: int = 2000  # Mt-KaHyPar refines a block's top level up to this many vertices
 

@@ -27,7 +27,7 @@ class Weights:
         self._lin = cost.c1 * self.L + cost.head_ms_per_token
         self._per_pair: Dict[int, float] = {}
         # memory of a received row against an owned token's, as StepPlan.validate counts it
-        # (block_cost.received_token_equivalent: one layer's buffers, in activation tokens)
+        # (block_layout.received_token_equivalent: one layer's buffers, in activation tokens)
         self.kv_row_bytes, self.q_row_bytes = received_row_bytes(cost)
         self.token_bytes = int(cost.profile.activation_bytes_per_token)
 

@@ -1,0 +1,21 @@
+"""Code the tests share; no test module imports another.
+
+pytest puts tests/ on sys.path (tests/conftest.py, rootdir-relative "prepend" import mode), so
+tests import these as `helpers.<module>`; the processes the helpers start (torchrun jobs, spawned
+gloo pools) find them the same way: run_distributed and run_processes put the repository and
+tests/ on PYTHONPATH, spawned processes inherit sys.path.
+
+- harness/: CPTrainer exactness runs: tiny models and data, scripted balancers, the torchrun
+  job, the single-process reference and the per-step check
+- world2_job: the world-2 runs one shared torchrun job trains once per session (the
+  `world2_job` fixture), and specs of runs of their own
+- attention_pool, dist_utils: long-lived gloo process pools, one-off gloo jobs
+- the references and cases of the attention, ChunkFlow and balancer tests (one module each)
+
+Test code: nothing under hf_cp/ imports it (tests/test_trainer_exactness.py checks that).
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRACES = REPO / "benchmarks" / "traces"  # the length traces committed with the repository
