@@ -100,7 +100,7 @@ def test_a_missing_training_config_names_the_shipped_ones(elsewhere):
 def test_input_paths_do_not_leave_the_package(elsewhere):
     assert (PACKAGE_ROOT.parent / "setup.cfg").exists()  # the checkout's, beside the package
     assert input_path("../setup.cfg") == Path("../setup.cfg")  # unchanged: not found here
-    assert input_path("cost.py") == PACKAGE_ROOT / "cost.py"  # inside the package
+    assert input_path("resources.py") == PACKAGE_ROOT / "resources.py"  # inside the package
 
 
 def test_the_checkout_links_to_the_package_files_instead_of_copying_them():
@@ -132,7 +132,7 @@ def unpacked_wheel(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(REPO / "hf_cp", src / "hf_cp", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO / name, src / name)
     isolation = ["--no-build-isolation"] if _can_build_here() else []
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp / "dist"), str(src)]
@@ -156,6 +156,8 @@ def test_the_wheel_carries_every_data_file_of_the_package(unpacked_wheel):
     assert {"hf_cp/configs/profiles/h200-qwen2.5-7b.yaml", "hf_cp/configs/models/qwen2.5-7b.json"} <= data
     assert {"hf_cp/configs/tiny-cpu.yaml", "hf_cp/recipes/ds-zero2-cpu.json"} <= data
     assert data - names == set()
+    assert {"hf_cp/recipes/cpu-2proc-zero2.yaml", "hf_cp/recipes/trl_sft.py"} <= names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(n for n in names if "dist-info" in n)
 
 
 def test_the_installed_wheel_plans_and_dry_runs_from_a_directory_without_a_checkout(

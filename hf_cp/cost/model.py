@@ -14,9 +14,10 @@ is what a roofline-limited kernel would do.
 from __future__ import annotations
 
 import bisect
+import difflib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -184,28 +185,79 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
+        """Build and check a profile: every key known (else the nearest known key is named), every
+        number finite and in its range; each message names `source` (the file) and the field."""
+        known = {f.name for f in fields(cls)} | {"calibration"}  # calibration: how it was made, free text
+        for k in d:
+            if k not in known:
+                near = difflib.get_close_matches(str(k), sorted(known), n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else f"; known fields: {', '.join(sorted(known))}"
+                raise ConfigError(f"{source}: unknown field {k!r}{hint}")
+
+        def number(field: str, v, typ=float) -> float:
+            if isinstance(v, bool) or v is None:
+                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {v!r}")
+            try:
+                x = typ(v)
+            except (TypeError, ValueError, OverflowError):
+                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {v!r}") from None
+            if not math.isfinite(x):
+                raise ConfigError(f"{source}: field {field!r} must be a finite number, got {v!r}")
+            if typ is int and float(v) != x:
+                raise ConfigError(f"{source}: field {field!r} must be a whole number, got {v!r}")
+            return x
+
         def need(k, typ=float):
             if k not in d:
                 raise ConfigError(f"{source}: missing field {k!r}")
-            try:
-                v = typ(d[k])
-            except (TypeError, ValueError):
-                raise ConfigError(f"{source}: field {k!r} must be {typ.__name__}, got {d[k]!r}") from None
-            return v
+            if typ is dict:
+                if not isinstance(d[k], Mapping):
+                    raise ConfigError(f"{source}: field {k!r} must be a mapping, got {d[k]!r}")
+                return dict(d[k])
+            return number(k, d[k], typ)
 
-        try:
-            eff = tuple(sorted((int(q), float(e)) for q, e in (d.get("chunk_efficiency") or {}).items()))
-            hs = tuple(sorted((int(w), float(f)) for w, f in (d.get("head_split_factor") or {1: 1.0}).items()))
-            links = {
-                k: Link(float(v["bandwidth_gbps"]), float(v["latency_us"])) for k, v in need("links", dict).items()
-            }
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise ConfigError(f"{source}: bad chunk_efficiency / head_split_factor / links: {e!r}") from None
+        def table(k, default) -> Tuple[Tuple[int, float], ...]:
+            t = d.get(k)
+            if t is None:
+                t = default
+            if not isinstance(t, Mapping):
+                raise ConfigError(f"{source}: field {k!r} must be a mapping of integer keys to numbers, got {t!r}")
+            return tuple(sorted((int(number(f"{k}.{q}", q, int)), number(f"{k}.{q}", e)) for q, e in t.items()))
+
+        eff = table("chunk_efficiency", {})
+        hs = table("head_split_factor", {1: 1.0})
+        links = {}
+        for name, v in need("links", dict).items():
+            if name not in ("intra_node", "inter_node"):
+                near = difflib.get_close_matches(str(name), ["intra_node", "inter_node"], n=1)
+                raise ConfigError(
+                    f"{source}: unknown link links.{name}"
+                    + (f"; did you mean {near[0]!r}?" if near else "")
+                    + " (links are intra_node and inter_node)"
+                )
+            if not isinstance(v, Mapping) or set(v) != {"bandwidth_gbps", "latency_us"}:
+                raise ConfigError(f"{source}: links.{name} needs exactly bandwidth_gbps and latency_us, got {v!r}")
+            links[name] = Link(
+                number(f"links.{name}.bandwidth_gbps", v["bandwidth_gbps"]),
+                number(f"links.{name}.latency_us", v["latency_us"]),
+            )
+            if not links[name].bandwidth_gbps > 0:
+                raise ConfigError(
+                    f"{source}: links.{name}.bandwidth_gbps must be positive, got {v['bandwidth_gbps']!r}"
+                )
+            if links[name].latency_us < 0:
+                raise ConfigError(f"{source}: links.{name}.latency_us must not be negative, got {v['latency_us']!r}")
         for q, e in eff:
             if not (q > 0 and 0 < e <= 1.0):
                 raise ConfigError(f"{source}: chunk_efficiency {q}: {e} must be in (0, 1]")
         if any(a[1] > b[1] for a, b in zip(eff, eff[1:])):
             raise ConfigError(f"{source}: chunk_efficiency must not decrease with chunk length: {dict(eff)}")
+        for w, f in hs:
+            if w < 1 or f < 1:
+                raise ConfigError(
+                    f"{source}: head_split_factor {w}: {f}: ways must be >= 1 and the factor (attention time "
+                    "with the heads split that many ways, relative to unsplit) >= 1"
+                )
         for k in ("intra_node", "inter_node"):
             if k not in links:
                 raise ConfigError(f"{source}: links.{k} missing")
@@ -234,12 +286,13 @@ class HardwareProfile:
             raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
         for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token", "cp_attention_scale"):
             if getattr(prof, k) <= 0:
-                raise ConfigError(f"{source}: {k} must be positive")
-        for k in ("c0_ms", "reduction_overhead_ms", "step_overhead_ms", "cp_message_ms"):
+                raise ConfigError(f"{source}: {k} must be positive, got {getattr(prof, k)}")
+        for k in ("c0_ms", "static_bytes", "reduction_overhead_ms", "step_overhead_ms", "cp_message_ms"):
             if getattr(prof, k) < 0:
-                raise ConfigError(f"{source}: {k} must not be negative")
-        if prof.gpus_per_node <= 0:
-            raise ConfigError(f"{source}: gpus_per_node must be positive")
+                raise ConfigError(f"{source}: {k} must not be negative, got {getattr(prof, k)}")
+        for k in ("gpus_per_node", "bytes_per_element"):
+            if getattr(prof, k) <= 0:
+                raise ConfigError(f"{source}: {k} must be positive, got {getattr(prof, k)}")
         return prof
 
     @classmethod

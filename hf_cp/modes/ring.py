@@ -109,6 +109,30 @@ def zigzag_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> L
     return [s for p in member_parts(rank, group_size) for s in cut(doc_lengths, b[p], b[p + 1])]
 
 
+def zigzag_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int, Segment]]:
+    """Every member's pieces at once when the whole packed sequence is zigzag-split, as
+    (member, segment) in packed order: part by part, each part cut at document ends (empty
+    parts give none). Member m's segments are zigzag_segments(doc_lengths, group_size, m)."""
+    b = chunk_bounds(sum(doc_lengths), 2 * group_size)
+    return [
+        (part_member(p, group_size), s) for p in range(2 * group_size) for s in cut(doc_lengths, b[p], b[p + 1])
+    ]
+
+
+def per_doc_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int, Segment]]:
+    """Every member's pieces at once when each document is split in 2g parts, as (member,
+    segment) document by document, parts in order (empty parts give none). Member m's
+    segments are per_doc_segments(doc_lengths, group_size, m)."""
+    out: List[Tuple[int, Segment]] = []
+    for d, ln in enumerate(doc_lengths):
+        start = 0
+        for p, size in enumerate(part_sizes(ln, group_size)):
+            if size:
+                out.append((part_member(p, group_size), Segment(d, start, size)))
+            start += size
+    return out
+
+
 def per_doc_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
     """Member `rank`'s segments when each document is split in 2g parts (r and 2g-1-r).
 

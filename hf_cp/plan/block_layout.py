@@ -27,7 +27,9 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Set, Tuple
 
-from hf_cp.modes.segments import Segment, split_sizes
+from hf_cp.modes.ring import per_doc_pieces, zigzag_pieces
+from hf_cp.modes.segments import Segment
+from hf_cp.modes.ulysses import contiguous_segments
 from hf_cp.samples.masks import AttnSlice, SampleMask, SliceKind, Slices, clip_slices, rect_pairs
 
 PARTIAL_BYTES = 4  # partial outputs, log-sum-exp and gradient partials travel in float32
@@ -310,47 +312,26 @@ def layout_from_chunks(
     return BlockLayout(tuple(chunks), tuple(compute))
 
 
-def _cut(doc_lengths: Sequence[int], begin: int, end: int, owner: int) -> List[Chunk]:
-    out, offset = [], 0
-    for d, n in enumerate(doc_lengths):
-        lo, hi = max(begin, offset), min(end, offset + n)
-        if lo < hi:
-            out.append(Chunk(d, lo - offset, hi - lo, owner))
-        offset += n
-    return out
-
-
-def _bounds(n: int, parts: int) -> List[int]:
-    b = [0]
-    for s in split_sizes(n, parts):
-        b.append(b[-1] + s)
-    return b
-
-
 def contiguous_chunks(doc_lengths: Sequence[int], group_size: int) -> List[Chunk]:
-    """The packed sequence in g contiguous pieces, member m holding piece m (cut at sample ends)."""
-    b = _bounds(sum(doc_lengths), group_size)
-    return [c for m in range(group_size) for c in _cut(doc_lengths, b[m], b[m + 1], m)]
+    """The packed sequence in g contiguous pieces, member m holding piece m (cut at sample ends:
+    ulysses.contiguous_segments)."""
+    return [
+        Chunk(s.doc, s.start, s.length, m)
+        for m in range(group_size)
+        for s in contiguous_segments(doc_lengths, group_size, m)
+    ]
 
 
 def zigzag_chunks(doc_lengths: Sequence[int], group_size: int) -> List[Chunk]:
-    """Ring zigzag's geometry: the packed sequence in 2g pieces, member r holding r and 2g-1-r."""
-    g = group_size
-    b = _bounds(sum(doc_lengths), 2 * g)
-    return [c for p in range(2 * g) for c in _cut(doc_lengths, b[p], b[p + 1], p if p < g else 2 * g - 1 - p)]
+    """Ring zigzag's geometry (ring.zigzag_pieces): the packed sequence in 2g pieces, member r
+    holding r and 2g-1-r."""
+    return [Chunk(s.doc, s.start, s.length, m) for m, s in zigzag_pieces(doc_lengths, group_size)]
 
 
 def per_doc_chunks(doc_lengths: Sequence[int], group_size: int) -> List[Chunk]:
-    """Ring per-document geometry: each sample in 2g parts, member r holding parts r and 2g-1-r."""
-    g = group_size
-    out = []
-    for d, n in enumerate(doc_lengths):
-        start = 0
-        for p, size in enumerate(split_sizes(n, 2 * g)):
-            if size:
-                out.append(Chunk(d, start, size, p if p < g else 2 * g - 1 - p))
-            start += size
-    return out
+    """Ring per-document geometry (ring.per_doc_pieces): each sample in 2g parts, member r
+    holding parts r and 2g-1-r."""
+    return [Chunk(s.doc, s.start, s.length, m) for m, s in per_doc_pieces(doc_lengths, group_size)]
 
 
 def contiguous_layout(doc_lengths, group_size, num_heads, slices=None) -> BlockLayout:

@@ -14,6 +14,7 @@ when the trainer is built (trainer_setup.py).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import math
 import time
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.planning.worker import Planner
@@ -66,8 +68,6 @@ class NonFiniteGradientError(RuntimeError):
 def skip_deepspeed_shm_build() -> None:
     """DeepSpeed JIT-compiles a shared-memory comm op (~50 s) on every first init; CPU training
     over gloo does not use it."""
-    import importlib
-
     try:
         # by module name: the package attribute `deepspeed.comm.torch` is torch itself
         ds_torch = importlib.import_module("deepspeed.comm.torch")
@@ -398,8 +398,6 @@ class CPTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.args.should_save:  # first, so a checkpoint folder never lacks it
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             write_schedule(str(folder), self.cp_schedule())
             # the calibrated cost model (hf-cp plan --profile FILE reads it)

@@ -34,7 +34,7 @@ from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import group_costs
 from hf_cp.modes import ring
-from hf_cp.modes.segments import split_sizes
+from hf_cp.modes.segments import cut, split_sizes
 from hf_cp.plan.block_layout import received_row_bytes, received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
@@ -85,24 +85,14 @@ def pool_chunks(
     out: List[Chunk] = []
     for docs, members in packs:
         g = len(members)
-        total = sum(doc_lengths[d] for d in docs)
-        sizes = ring.part_sizes(total, g) if g > 1 else [total]
-        bounds = [0]
-        for x in sizes:
-            bounds.append(bounds[-1] + x)
-        offset = 0
-        for d in docs:
-            n = doc_lengths[d]
-            for p in range(len(sizes)):
-                lo, hi = max(bounds[p], offset), min(bounds[p + 1], offset + n)
-                if lo >= hi:
-                    continue
-                owner = members[ring.part_member(p, g)]
-                start = lo - offset
-                for piece in split_sizes(hi - lo, -(-(hi - lo) // tile_tokens)):
-                    out.append(Chunk(d, start, piece, owner))
-                    start += piece
-            offset += n
+        lens = [doc_lengths[d] for d in docs]
+        # in packed order, so document by document
+        pieces = ring.zigzag_pieces(lens, g) if g > 1 else [(0, s) for s in cut(lens, 0, sum(lens))]
+        for m, s in pieces:
+            start = s.start
+            for piece in split_sizes(s.length, -(-s.length // tile_tokens)):
+                out.append(Chunk(docs[s.doc], start, piece, members[m]))
+                start += piece
     return out
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks, sample_slices
-from hf_cp.modes.segments import split_sizes
+from hf_cp.modes.ring import zigzag_pieces
 from hf_cp.samples.masks import AttnSlice, SampleMask, rect_pairs
 
 # Exact search on instances up to this many windows (branch and bound, node-limited).
@@ -224,26 +224,11 @@ def zigzag_placement(
     masks: Optional[Sequence[Optional[SampleMask]]] = None,
     doc_slices: Optional[Sequence[Sequence[AttnSlice]]] = None,
 ) -> BlockPlacement:
-    """Ring zigzag as a placement (for comparisons): the packed sequence in 2g windows of
-    segments.split_sizes' sizes, member r owning windows r and 2g-1-r."""
+    """Ring zigzag as a placement (for comparisons): the packed sequence in 2g windows
+    (ring.zigzag_pieces), member r owning windows r and 2g-1-r."""
 
     slices = doc_slices if doc_slices is not None else sample_slices(doc_lengths, masks)
-    g = group_size
-    sizes = split_sizes(sum(doc_lengths), 2 * g)
-    pl = BlockPlacement(g, num_heads)
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    offset = 0
-    starts = []
-    for n in doc_lengths:
-        starts.append(offset)
-        offset += n
-    for w in range(2 * g):
-        owner = w if w < g else 2 * g - 1 - w
-        lo, hi = bounds[w], bounds[w + 1]
-        for d, n in enumerate(doc_lengths):
-            a, b = max(lo, starts[d]), min(hi, starts[d] + n)
-            if a < b:
-                pl.chunks.append(Chunk(d, a - starts[d], b - a, owner))
+    pl = BlockPlacement(group_size, num_heads)
+    for owner, s in zigzag_pieces(doc_lengths, group_size):
+        pl.chunks.append(Chunk(s.doc, s.start, s.length, owner))
     return add_compute_blocks(pl, slices)

@@ -13,8 +13,8 @@ import numpy as np
 def even_cap(cap: int, group_size: int) -> int:
     """Per-rank token budget that a zigzag split of a group's pack can always honour.
 
-    A zigzag member holds two of 2g nearly equal chunks, i.e. at most 2*ceil(T/2g) tokens:
-    with T <= g * (cap rounded down to even) that is <= cap.
+    A zigzag member holds two of 2g nearly equal chunks (modes/ring.py: split_member_tokens),
+    i.e. at most 2*ceil(T/2g) tokens: with T <= g * (cap rounded down to even) that is <= cap.
     """
     return cap if group_size == 1 else cap - (cap & 1)
 

@@ -97,7 +97,7 @@ class BlockPlacement:
 
     def to_layout(self, divisions: Optional[Sequence[int]] = None) -> BlockLayout:
         """The plan format's layout (block_layout.BlockLayout) of this placement, with a division
-        per compute block if given (dcp.schedule_divisions)."""
+        per compute block if given (balancers/dcp/divisions.py: schedule_divisions)."""
         return BlockLayout(
             tuple((c.doc, c.start, c.length, c.owner) for c in self.chunks),
             tuple((b.q_chunk, b.k_chunk, b.head_start, b.head_end, b.executor) for b in self.compute),

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks, sample_slices
+from hf_cp.modes.ring import per_doc_pieces, zigzag_pieces
 from hf_cp.modes.segments import split_sizes
 from hf_cp.samples.masks import AttnSlice, SampleMask
 
@@ -42,29 +43,12 @@ def usp_factorisations(group_size: int, num_heads: int, max_ulysses: Optional[in
 
 
 def _pieces(doc_lengths: Sequence[int], r: int, ring: str) -> List[List[Tuple[int, int, int]]]:
-    """Per ring position: its (doc, start, length) pieces in order."""
+    """Per ring position: its (doc, start, length) pieces in order (ring.zigzag_pieces or
+    ring.per_doc_pieces over the r positions)."""
     out: List[List[Tuple[int, int, int]]] = [[] for _ in range(r)]
-    if ring == "per_doc":
-        for d, n in enumerate(doc_lengths):
-            start = 0
-            for p, size in enumerate(split_sizes(n, 2 * r)):
-                if size:
-                    out[p if p < r else 2 * r - 1 - p].append((d, start, size))
-                start += size
-        return out
-    total = sum(doc_lengths)
-    bounds = [0]
-    for s in split_sizes(total, 2 * r):
-        bounds.append(bounds[-1] + s)
-    offsets = [0]
-    for n in doc_lengths:
-        offsets.append(offsets[-1] + n)
-    for p in range(2 * r):
-        lo, hi = bounds[p], bounds[p + 1]
-        for d, n in enumerate(doc_lengths):
-            a, b = max(lo, offsets[d]), min(hi, offsets[d] + n)
-            if a < b:
-                out[p if p < r else 2 * r - 1 - p].append((d, a - offsets[d], b - a))
+    pieces = per_doc_pieces(doc_lengths, r) if ring == "per_doc" else zigzag_pieces(doc_lengths, r)
+    for position, s in pieces:
+        out[position].append((s.doc, s.start, s.length))
     return out
 
 
