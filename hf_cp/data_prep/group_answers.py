@@ -90,15 +90,6 @@ def group_layout(
     )
 
 
-def _maybe_json(value):
-    if isinstance(value, str) and value[:1] in "[{":
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
 def _is_messages(value) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in value) and bool(value)
 
@@ -120,15 +111,22 @@ class GroupAnswersEncoder:
         """(answer, trained) pairs of record j."""
         lay = self.layout
         if lay.as_list:
-            value = _maybe_json(batch[lay.answers[0]][j])
+            # fields are taken as the input format gives them: JSON is parsed per record by the
+            # loader, never again inside a field, so text that looks like JSON stays text
+            value = batch[lay.answers[0]][j]
             if not isinstance(value, (list, tuple)) or not value:
+                hint = (
+                    " (a text field is one answer, never parsed: give the answers as a list, in JSON lines or parquet)"
+                    if isinstance(value, str)
+                    else ""
+                )
                 raise EncodeError(
-                    f"sample {index}: {lay.answers[0]!r} must be a non-empty list of answers, got {value!r:.80}"
+                    f"sample {index}: {lay.answers[0]!r} must be a non-empty list of answers, got {value!r:.80}{hint}"
                 )
             if _is_messages(value):  # one conversation is one answer, not a list of answers
                 value = [value]
             return [(a, True) for a in value]
-        return [(_maybe_json(batch[f][j]), f not in lay.untrained) for f in lay.answers]
+        return [(batch[f][j], f not in lay.untrained) for f in lay.answers]
 
     def _render(self, messages, index: int, generation_prompt: bool = False) -> str:
         try:
@@ -177,7 +175,7 @@ class GroupAnswersEncoder:
         return self._ids(head, False), out
 
     def encode(self, batch: Dict[str, list], j: int, index: int) -> Dict[str, object]:
-        prompt = _maybe_json(batch[self.layout.prompt][j])
+        prompt = batch[self.layout.prompt][j]
         answers = self._answers(batch, j, index)
         texts = [a for a, _ in answers]
         if _is_messages(prompt):

@@ -114,9 +114,7 @@ def zigzag_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int
     (member, segment) in packed order: part by part, each part cut at document ends (empty
     parts give none). Member m's segments are zigzag_segments(doc_lengths, group_size, m)."""
     b = chunk_bounds(sum(doc_lengths), 2 * group_size)
-    return [
-        (part_member(p, group_size), s) for p in range(2 * group_size) for s in cut(doc_lengths, b[p], b[p + 1])
-    ]
+    return [(part_member(p, group_size), s) for p in range(2 * group_size) for s in cut(doc_lengths, b[p], b[p + 1])]
 
 
 def per_doc_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int, Segment]]:

@@ -80,8 +80,8 @@ def pool_chunks(
 ) -> List[Chunk]:
     """Chunks of a pool's documents. `packs`: (document positions, owning members) of each
     packed sequence. One member: its documents whole; n members: the packed sequence in ring
-    zigzag's 2n pieces (member j holding pieces j and 2n-1-j), cut at document ends. Every
-    piece is cut to at most `tile_tokens` (the query length of a sequence tile)."""
+    zigzag's 2n pieces (ring.zigzag_pieces: member j holding pieces j and 2n-1-j, cut at document
+    ends). Every piece is cut to at most `tile_tokens` (the query length of a sequence tile)."""
     out: List[Chunk] = []
     for docs, members in packs:
         g = len(members)
