@@ -372,6 +372,13 @@ def test_profile_check_names_device_and_dimensions():
     assert profile_mismatches(CPU, TINY, "cpu") == []
     assert profile_warning(CPU, "cpu", TINY, "cpu") is None
     assert profile_mismatches(replace(CPU, device=""), TINY, "cuda") == []  # unknown: no claim
+    # the vocabulary too: a 49K-vocabulary model on a profile fitted with another one
+    smol_vocab = replace(TINY, vocab_size=49152)
+    (vocab,) = profile_mismatches(CPU, smol_vocab, "cpu")
+    assert vocab == (
+        f"it was fitted with a vocabulary of {TINY.vocab_size} tokens, the model has 49152: the LM head "
+        "and the loss take another share of each token's time"
+    )
 
 
 def test_ranks_that_share_cores_are_warned_about():

@@ -6,6 +6,7 @@ otherwise fails at the first step that spreads one)."""
 from __future__ import annotations
 
 import pytest
+from helpers import REPO
 from helpers.harness.models import synthetic_rows, tiny_model
 
 from hf_cp.train.setup_checks import HF_CP_ATTENTION, SetupError, check_attention, check_parallelism
@@ -75,3 +76,31 @@ def test_arch_suffixes_deepspeed_cannot_parse_are_dropped():
     assert deepspeed_arch_list("9.0a+PTX") == "9.0+PTX"
     assert deepspeed_arch_list("8.0;9.0") is None  # nothing to change
     assert deepspeed_arch_list("") is None and deepspeed_arch_list(None) is None
+
+
+def test_a_parallelism_config_mapping_from_yaml_is_refused_with_the_fix(tmp_path):
+    from hf_cp.train.args import CPTrainingArguments
+
+    with pytest.raises(SetupError, match=r"training.parallelism_config \{'dp_shard_size': 2\}.*remove it"):
+        CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, parallelism_config={"dp_shard_size": 2})
+
+
+def test_a_parallelism_config_in_a_training_config_fails_the_dry_run(tmp_path, capsys):
+    import yaml
+
+    from hf_cp.cli import main
+
+    cfg = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    cfg["training"]["parallelism_config"] = {"cp_size": 1}
+    cfg["training"]["output_dir"] = str(tmp_path / "out")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(path), "--dry-run", "--world", "2"]) != 0
+    assert "error: training.parallelism_config {'cp_size': 1}" in capsys.readouterr().err
+
+
+def test_use_liger_kernel_is_refused_by_name(tmp_path):
+    from hf_cp.train.args import CPTrainingArguments
+
+    with pytest.raises(ValueError, match="use_liger_kernel is not supported"):
+        CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)

@@ -15,7 +15,9 @@ from typing import List, Optional
 from hf_cp.cost.model import HardwareProfile, ModelDims
 
 # The per-layer dimensions c1 and c2 are measured with; other values are scaled by FLOP ratios
-# (CostModel), which a real kernel follows only roughly. Layers and vocabulary are exact.
+# (CostModel), which a real kernel follows only roughly. The number of layers scales exactly.
+# The vocabulary sets the LM head's and the loss's share of a token's time, which a profile fitted
+# on another vocabulary mispredicts (a 49K-vocabulary model on a 151K-vocabulary profile: 7x).
 _LAYER_DIMS = ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate")
 
 
@@ -33,6 +35,11 @@ def profile_mismatches(profile: HardwareProfile, dims: ModelDims, device_type: O
             "its coefficients were fitted on other layer dimensions (profile vs model: "
             + ", ".join(differ)
             + "); they are scaled by FLOP ratios, which kernels follow only roughly"
+        )
+    if fd.vocab_size != dims.vocab_size:
+        out.append(
+            f"it was fitted with a vocabulary of {fd.vocab_size} tokens, the model has {dims.vocab_size}: the LM head "
+            "and the loss take another share of each token's time"
         )
     return out
 

@@ -183,6 +183,13 @@ class CPTrainingArguments(TrainingArguments):
                 setattr(self, name, parsed)
         if isinstance(self.cp_compare_balancer, str) and self.cp_compare_balancer.lower() in ("", "none", "null"):
             self.cp_compare_balancer = None  # as `hf-cp plan --compare-balancer none`: a command-line flag's None
+        if getattr(self, "use_liger_kernel", False):
+            # Liger patches the model's LM head and loss; CPTrainer computes the loss itself (chunked over
+            # the LM head, over a plan's shards), so the patch would be bypassed without a word
+            raise ValueError(
+                "CPTrainingArguments: use_liger_kernel is not supported: CPTrainer computes the loss with its own "
+                "chunked LM-head loss (cp_loss_chunk_tokens bounds the logits' memory); set use_liger_kernel: false"
+            )
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "

@@ -4,9 +4,10 @@ A bad setting found by N processes after model loading costs a queue wait and N 
 here it costs seconds on a login node. The dry run reads the config, the model's config (not its
 weights) and the data, builds the same cost model, cluster and sampler as CPTrainer
 (planning_setup), plans and validates the first steps and the evaluation set for the target
-world size, and checks what a resume would find in output_dir (the sample schedule, a ZeRO
-checkpoint of another world size) and what a restart would need. It raises the error training
-would raise, or returns a short report.
+world size, and checks what a resume would find in output_dir (which checkpoint it takes,
+partial checkpoints of an interrupted save, the sample schedule, a ZeRO checkpoint of another
+world size) and what a restart would need. It raises the error training would raise, or
+returns a short report.
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from hf_cp.planning.setup import planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.train.columns import read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
-from hf_cp.train.resume import check_resume, resolve_resume, restart_problems, schedule_record
+from hf_cp.train.resume import (
+    LATEST,
+    check_resume,
+    checkpoint_status,
+    legacy_note,
+    resolve_resume,
+    restart_problems,
+    scan_checkpoints,
+    schedule_record,
+)
 from hf_cp.train.setup_checks import check_attention
 
 
@@ -116,7 +126,11 @@ def dry_run(
             masks=eval_data.masks,
         )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir)
+    # a resume takes the newest complete checkpoint: partial ones (a save that was interrupted) are named
+    partial = [c for c in scan_checkpoints(args.output_dir) if not c.complete]
+    skipped = "a resume or restart skips it" if args.resume_from_checkpoint else "resume_from_checkpoint is off"
+    lines += [f"warning: {c.path} is a partial checkpoint ({c.problem}); {skipped}" for c in partial]
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, notes=[])  # reported here
     if resume is not None:
         now = schedule_record(
             sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size, data.digest()
@@ -125,10 +139,18 @@ def dry_run(
         notes = check_resume(
             resume, now, world_size, ds.config if ds is not None else None, args.cp_allow_schedule_change
         )
-        lines.append(f"resume: {resume}: its sample schedule and ZeRO world size fit this run")
-        lines += [f"note: {note}" for note in notes]
+        status = checkpoint_status(resume)
+        setting = args.resume_from_checkpoint
+        latest = setting is True or (isinstance(setting, str) and setting.lower() in LATEST)
+        lines.append(
+            f"resume: a launch or restart resumes from {resume}"
+            + (" (the newest complete checkpoint)" if partial and latest else "")
+            + ": its sample schedule and ZeRO world size fit this run"
+        )
+        lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
     elif args.resume_from_checkpoint:
-        lines.append(f"resume: no checkpoint in {args.output_dir} yet, a fresh start")
+        what = "no complete checkpoint" if partial else "no checkpoint"
+        lines.append(f"resume: {what} in {args.output_dir} yet, a fresh start")
     if max_restarts:
         env = dict(os.environ, TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
         lines += [f"warning: {p}" for p in restart_problems(args.save_strategy, args.resume_from_checkpoint, env)]

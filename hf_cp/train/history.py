@@ -10,6 +10,7 @@ existed (missing fields take their defaults) and names the file and line of a ma
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
@@ -104,16 +105,37 @@ def append_record(output_dir: Union[str, Path], record: StepRecord) -> None:
         f.write(json.dumps(record.to_dict()) + "\n")
 
 
-def read_history(path: Union[str, Path]) -> Iterator[Tuple[int, StepRecord]]:
-    """(line number, record) of every non-empty line of one rank's history file."""
+def history_lines(path: Union[str, Path]) -> Iterator[Tuple[int, dict]]:
+    """(line number, decoded JSON) of every non-empty line of one rank's history file.
+
+    A kill while a line is appended leaves it torn: the file then ends without a newline. Such
+    a last line, when it does not decode, is skipped with a warning naming the file and line;
+    a line that does not decode anywhere else is an error naming them."""
     p = Path(path)
-    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+    text = p.read_text()
+    lines = text.splitlines()
+    torn_tail = bool(text) and not text.endswith("\n")
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
         except json.JSONDecodeError as e:
+            if torn_tail and lineno == len(lines):
+                warnings.warn(
+                    f"{p}, line {lineno}: skipped a torn last line (a process was killed while writing it)",
+                    stacklevel=3,
+                )
+                return
             raise HistoryError(f"{p}, line {lineno}: not a JSON step record ({e})") from None
+        yield lineno, d
+
+
+def read_history(path: Union[str, Path]) -> Iterator[Tuple[int, StepRecord]]:
+    """(line number, record) of every non-empty line of one rank's history file (a torn last
+    line skipped: history_lines)."""
+    p = Path(path)
+    for lineno, d in history_lines(p):
         yield lineno, StepRecord.from_dict(d, f"{p}, line {lineno}")
 
 

@@ -17,15 +17,33 @@ fresh store per attempt needs:
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --rdzv-backend c10d \\
         --rdzv-endpoint HOST:PORT --max-restarts 3 ...
+
+Atomic checkpoints: a save killed halfway (a crashed rank, a full disk) leaves a checkpoint-N
+folder with some of its files. A checkpoint is complete only once COMPLETE_FILE is in it: rank 0
+writes it (atomically) last, after every rank has written its files. Resume ("latest", True)
+takes the newest complete checkpoint and warns, naming each partial one it skips; a partial one
+named explicitly is refused. The schedule file, written first, says that its checkpoint is
+marked (MARKED_FIELD), so an unmarked folder holding it is partial whatever else it holds. A
+checkpoint without either (saved before hf_cp marked them, or by another tool) counts as
+complete when its trainer_state.json is readable (the Trainer writes it last), with a note.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Union
+
+from hf_cp.train.history import history_lines
+
+logger = logging.getLogger(__name__)
 
 LATEST = ("latest", "last", "auto")
 SHARED_STORE_ADVICE = (
@@ -63,33 +81,66 @@ def restart_problems(save_strategy: str, resume, env: Optional[dict] = None) -> 
     return problems
 
 
-def resolve_resume(resume: Union[None, bool, str], output_dir: str) -> Optional[str]:
+def resolve_resume(resume: Union[None, bool, str], output_dir: str, notes: Optional[List[str]] = None) -> Optional[str]:
     """The checkpoint to resume from.
 
-    None/False: start fresh. "latest": the newest checkpoint-N of `output_dir`, or a fresh
-    start when there is none yet (the first attempt of a restartable job). True: the newest
-    checkpoint, which must exist (the Trainer's meaning). A path must exist: a typo must not
-    silently restart training from scratch.
+    None/False: start fresh. "latest": the newest complete checkpoint-N of `output_dir`, or a
+    fresh start when there is none yet (the first attempt of a restartable job). True: the
+    newest complete checkpoint, which must exist (the Trainer's meaning). A path must exist and
+    be complete: a typo must not silently restart training from scratch, nor a half-written
+    checkpoint fail every restart. Partial checkpoints skipped and checkpoints without a
+    completion mark resumed are described in `notes` (None: logged as warnings).
     """
-    if resume is None or resume is False or resume == "":
-        return None
-    if resume is True or (isinstance(resume, str) and resume.lower() in LATEST):
-        from transformers.trainer_utils import get_last_checkpoint
-
-        found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if found is None and resume is True:
+    said: List[str] = []
+    try:
+        if resume is None or resume is False or resume == "":
+            return None
+        if resume is True or (isinstance(resume, str) and resume.lower() in LATEST):
+            found = scan_checkpoints(output_dir)
+            complete = [c for c in found if c.complete]
+            newest = complete[-1] if complete else None
+            said += [
+                f"{c.path} is a partial checkpoint ({c.problem}): skipped"
+                + (f", resuming from {newest.name}" if newest is not None else ", no complete checkpoint to resume")
+                for c in found
+                if not c.complete
+            ]
+            if newest is None and resume is True:
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder"
+                    + (f" that is complete ({len(found)} partial: {', '.join(c.name for c in found)})" if found else "")
+                    + "; use 'latest' to start fresh when there is none"
+                )
+            if newest is not None and newest.legacy:
+                said.append(legacy_note(newest.path))
+            return newest.path if newest is not None else None
+        p = Path(str(resume))
+        if not p.is_dir():
             raise FileNotFoundError(
-                f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-N folder; "
-                f"use 'latest' to start fresh when there is none"
+                f"resume_from_checkpoint {resume!r} is not a checkpoint folder; use 'latest' to "
+                f"resume from the newest checkpoint of output_dir (or start fresh if none)"
             )
-        return found
-    p = Path(str(resume))
-    if not p.is_dir():
-        raise FileNotFoundError(
-            f"resume_from_checkpoint {resume!r} is not a checkpoint folder; use 'latest' to "
-            f"resume from the newest checkpoint of output_dir (or start fresh if none)"
-        )
-    return str(p)
+        status = checkpoint_status(p)
+        if not status.complete:
+            kept = last_complete(p.parent)
+            raise PartialCheckpointError(
+                f"resume_from_checkpoint {resume!r} is a partial checkpoint: {status.problem}. "
+                + (
+                    f"The newest complete checkpoint beside it is {kept}"
+                    if kept is not None
+                    else f"{p.parent} holds no complete checkpoint"
+                )
+                + " (resume_from_checkpoint: latest takes the newest complete one)"
+            )
+        if status.legacy:
+            said.append(legacy_note(str(p)))
+        return str(p)
+    finally:
+        if notes is None:
+            for note in said:
+                logger.warning("hf_cp: %s", note)
+        else:
+            notes.extend(said)
 
 
 def checkpoint_step(checkpoint: str) -> int:
@@ -102,12 +153,16 @@ def checkpoint_step(checkpoint: str) -> int:
 
 def truncate_history(path: Path, steps_done: int) -> int:
     """Keep the history lines of steps below `steps_done` (those the checkpoint holds); steps
-    after it are trained again by the resumed run. Returns the number of lines dropped."""
+    after it are trained again by the resumed run. A last line torn by the kill is dropped too
+    (history_lines warns), so the resumed run appends to whole lines. Returns the number of
+    lines dropped."""
     if not path.is_file():
         return 0
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = [ln for ln in lines if json.loads(ln)["index"] < steps_done]
-    if len(kept) != len(lines):
+    text = path.read_text()
+    raw = text.splitlines()
+    lines = [ln for ln in raw if ln.strip()]
+    kept = [raw[n - 1] for n, d in history_lines(path) if d["index"] < steps_done]
+    if len(kept) != len(lines) or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(path)
@@ -195,11 +250,13 @@ def schedule_record(
     }
 
 
-def write_schedule(checkpoint: str, record: dict) -> None:
+def write_schedule(checkpoint: str, record: dict, marked: bool = False) -> None:
+    """`marked`: the checkpoint will be complete only once marked (COMPLETE_FILE): CPTrainer's
+    saves, which write this file first."""
     path = Path(checkpoint)
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / (SCHEDULE_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.write_text(json.dumps(dict(record, **{MARKED_FIELD: COMPLETE_FILE}) if marked else record, indent=1) + "\n")
     tmp.replace(path / SCHEDULE_FILE)  # never a half-written file, even if killed here
 
 
@@ -273,3 +330,270 @@ def check_resume(
     if check_zero_world_size(checkpoint, world_size, deepspeed_config):
         notes.append(f"resuming {checkpoint} from its universal checkpoint on {world_size} ranks")
     return notes
+
+
+# ------------------------------------------------------------------ atomic checkpoints
+COMPLETE_FILE = "hf_cp_complete.json"
+# in SCHEDULE_FILE (written first): this checkpoint is complete only with COMPLETE_FILE
+MARKED_FIELD = "completion_marker"
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+_CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+_TMP_SUFFIX = ".tmp"
+# disk space errors: the OSError of a write, or its text where a library re-raised it
+SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+SPACE_TEXTS = ("No space left on device", "Disk quota exceeded")
+# torch's zip writer reports a short write without errno ("[enforce fail at inline_container.cc]
+# . unexpected pos 128 vs 0", "PytorchStreamWriter failed writing file ..."); on a filesystem
+# with less than LOW_SPACE_BYTES left, space running out is taken for the cause
+TORCH_WRITE_TEXTS = ("unexpected pos", "failed writing file", "file write failed")
+LOW_SPACE_BYTES = 64 << 20
+
+
+class PartialCheckpointError(FileNotFoundError):
+    """Resuming a checkpoint whose save did not finish."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (errno ENOSPC when space ran out); it is left unmarked."""
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """What a checkpoint folder holds. `legacy`: complete without COMPLETE_FILE (saved before
+    hf_cp marked checkpoints, or by another tool); `problem`: why it is partial."""
+
+    path: str
+    step: int
+    complete: bool
+    legacy: bool = False
+    problem: str = ""
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+
+def legacy_note(checkpoint: str) -> str:
+    return (
+        f"{checkpoint} has no {COMPLETE_FILE} (saved before hf_cp marked complete checkpoints, or by "
+        f"another tool): resumed as complete since its trainer_state.json is readable"
+    )
+
+
+def _held(folder: Path) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    return "it holds " + ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def checkpoint_status(folder: Union[str, Path]) -> CheckpointStatus:
+    """Whether `folder` is a complete checkpoint (see the module's docstring)."""
+    p = Path(folder)
+    match = _CHECKPOINT_NAME.match(p.name)
+    step = int(match.group(1)) if match else -1
+
+    def partial(problem: str) -> CheckpointStatus:
+        return CheckpointStatus(str(p), step, False, problem=problem)
+
+    try:
+        marker = p / COMPLETE_FILE
+        if marker.is_file():
+            try:
+                files = dict(json.loads(marker.read_text())["files"])
+            except (ValueError, KeyError, TypeError):
+                return partial(f"{COMPLETE_FILE} is not a valid completion record")
+            missing = sorted(f for f in files if not (p / f).is_file())
+            if missing:
+                shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                return partial(f"files its {COMPLETE_FILE} lists are missing: {shown}")
+            return CheckpointStatus(str(p), step, True)
+        try:
+            schedule = json.loads((p / SCHEDULE_FILE).read_text())
+        except (OSError, ValueError):
+            schedule = None
+        if isinstance(schedule, dict) and schedule.get(MARKED_FIELD):
+            return partial(f"no {COMPLETE_FILE}: its save did not finish; {_held(p)}")
+        state = p / "trainer_state.json"
+        if not state.is_file():
+            return partial(f"no trainer_state.json and no {COMPLETE_FILE}: its save did not finish; {_held(p)}")
+        try:
+            int(json.loads(state.read_text())["global_step"])
+        except (ValueError, KeyError, TypeError):
+            return partial(f"its trainer_state.json is unreadable (cut short?) and it has no {COMPLETE_FILE}")
+        return CheckpointStatus(str(p), step, True, legacy=True)
+    except FileNotFoundError:  # removed while being looked at (rotation)
+        return partial("it was removed while being read")
+
+
+def scan_checkpoints(output_dir: Union[str, Path]) -> List[CheckpointStatus]:
+    """Every checkpoint-N folder of `output_dir`, oldest step first."""
+    d = Path(output_dir)
+    if not d.is_dir():
+        return []
+    found = [checkpoint_status(c) for c in d.iterdir() if _CHECKPOINT_NAME.match(c.name) and c.is_dir()]
+    return sorted(found, key=lambda c: c.step)
+
+
+def last_complete(output_dir: Union[str, Path], before: Optional[int] = None) -> Optional[str]:
+    """The newest complete checkpoint of `output_dir` (below step `before`), or None."""
+    complete = [c for c in scan_checkpoints(output_dir) if c.complete and (before is None or c.step < before)]
+    return complete[-1].path if complete else None
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def mark_complete(checkpoint: Union[str, Path], step: int, world_size: int) -> Path:
+    """Mark `checkpoint` complete, once every rank has written its files. They are flushed to
+    disk first (a write error that a filesystem reports late, a quota on NFS, surfaces here,
+    before the mark); then COMPLETE_FILE lists them with their sizes, written atomically."""
+    p = Path(checkpoint)
+    files = {}
+    for f in sorted(p.rglob("*")):
+        if f.is_file() and f.name != COMPLETE_FILE and not f.name.endswith(_TMP_SUFFIX):
+            _fsync(f)
+            files[f.relative_to(p).as_posix()] = f.stat().st_size
+    record = {"step": int(step), "world_size": int(world_size), "files": files}
+    tmp = p / (COMPLETE_FILE + _TMP_SUFFIX)
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(record, indent=1) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(p / COMPLETE_FILE)
+    _fsync(p, directory=True)
+    return p / COMPLETE_FILE
+
+
+def clear_for_save(checkpoint: Union[str, Path]) -> Optional[str]:
+    """Before saving into `checkpoint` (rank 0, before any rank writes there): a partial folder of
+    an earlier attempt is removed, a complete one loses its mark until the new save completes.
+    A note when there was something, else None."""
+    p = Path(checkpoint)
+    if not p.is_dir():
+        return None
+    status = checkpoint_status(p)
+    if status.complete:
+        (p / COMPLETE_FILE).unlink(missing_ok=True)
+        _fsync(p, directory=True)
+        return f"saving {p} again: it is partial until this save completes"
+    shutil.rmtree(p)
+    return f"removed the partial {p} of an earlier attempt ({status.problem}) before saving it again"
+
+
+def rotate_checkpoints(
+    output_dir: Union[str, Path], limit: Optional[int], keep: Iterable[Optional[str]] = ()
+) -> List[str]:
+    """transformers' rotation (save_total_limit) over complete checkpoints only: the oldest are
+    deleted until `limit` are left, never the newest complete one nor those in `keep` (the one
+    just saved, the best model). A partial checkpoint is never counted, so it cannot push out
+    the last complete one; partial ones older than the newest complete one (left by failed
+    saves, resumed by nothing) go too. Returns the paths deleted."""
+    if limit is None or limit <= 0:
+        return []
+    found = scan_checkpoints(output_dir)
+    complete = [c for c in found if c.complete]
+    if not complete:
+        return []
+    protected = {os.path.realpath(k) for k in keep if k} | {os.path.realpath(complete[-1].path)}
+    kept = sum(os.path.realpath(c.path) in protected for c in complete)
+    remaining, deleted = len(complete), []
+    for c in complete:
+        if remaining <= max(limit, kept):
+            break
+        if os.path.realpath(c.path) not in protected:
+            shutil.rmtree(c.path, ignore_errors=True)
+            deleted.append(c.path)
+            remaining -= 1
+    for c in found:
+        if not c.complete and c.step < complete[-1].step and os.path.realpath(c.path) not in protected:
+            shutil.rmtree(c.path, ignore_errors=True)
+            deleted.append(c.path)
+    return deleted
+
+
+@dataclass(frozen=True)
+class StorageFailure:
+    """A checkpoint write that failed on the storage: `space` when the disk (or quota) ran out."""
+
+    space: bool
+    cause: str
+    free_bytes: Optional[int]
+
+
+def free_bytes(path: Union[str, Path]) -> Optional[int]:
+    """Bytes free to this user on the filesystem of `path` (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return int(shutil.disk_usage(p).free)
+    except OSError:
+        return None
+
+
+def _chain(err: Optional[BaseException]):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def storage_failure(err: BaseException, checkpoint: Union[str, Path]) -> Optional[StorageFailure]:
+    """Whether `err`, raised while writing `checkpoint`, is a failed write (None: another error),
+    and whether space ran out: an errno of ENOSPC / EDQUOT or their text anywhere in the chain of
+    exceptions, or torch's short-write error on a filesystem with under LOW_SPACE_BYTES left."""
+    chain = list(_chain(err))
+    free = free_bytes(checkpoint)
+    for e in chain:
+        if (isinstance(e, OSError) and e.errno in SPACE_ERRNOS) or any(t in str(e) for t in SPACE_TEXTS):
+            return StorageFailure(True, f"{type(e).__name__}: {e}", free)
+    for e in chain:
+        if isinstance(e, RuntimeError) and any(t in str(e) for t in TORCH_WRITE_TEXTS):
+            cause = f"{type(e).__name__}: {str(e).strip()}"
+            return StorageFailure(free is not None and free < LOW_SPACE_BYTES, cause, free)
+    if isinstance(err, OSError) and not isinstance(err, CheckpointSaveError):
+        return StorageFailure(False, f"{type(err).__name__}: {err}", free)
+    return None
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "an unknown amount"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return f"{n} B"  # pragma: no cover
+
+
+def save_failure_error(
+    failure: StorageFailure, checkpoint: Union[str, Path], kept: Optional[str], removed: bool
+) -> CheckpointSaveError:
+    """The error of a failed checkpoint write: the folder, whether space ran out, and what a
+    restart resumes from (`kept`: the last complete checkpoint, None when there is none)."""
+    name = Path(checkpoint).name
+    free = f"{_size(failure.free_bytes)} free on its filesystem"
+    if failure.space:
+        what = (
+            f"saving checkpoint {checkpoint} failed: No space left on device (space ran out: {free}; {failure.cause})"
+        )
+    else:
+        what = f"saving checkpoint {checkpoint} failed ({failure.cause}; {free})"
+    partial = f"The partial {name} was removed" if removed else f"The partial {name} is left without {COMPLETE_FILE}"
+    if kept is not None:
+        after = f"; {kept}, the last complete checkpoint, is kept: a restart (resume_from_checkpoint: latest) resumes from it"
+    else:
+        after = "; there is no complete checkpoint yet: a restart starts from step 0"
+    advice = ". Free space (or lower save_total_limit) before restarting" if failure.space else ""
+    error = CheckpointSaveError(what + ". " + partial + after + advice)
+    error.errno = errno.ENOSPC if failure.space else None
+    return error

@@ -44,6 +44,15 @@ def deepspeed_arch_list(value: Optional[str]) -> Optional[str]:
 def check_parallelism(parallelism_config, environ: Optional[Mapping[str, str]] = None) -> None:
     """hf_cp plans its own context-parallel groups per step; accelerate's CP (cp_size, FSDP2) and
     DeepSpeed's Ulysses sequence parallelism (sp_size, ALST) would shard the same sequences again."""
+    if isinstance(parallelism_config, Mapping):
+        # a YAML mapping reaches TrainingArguments as a dict, which accelerate cannot use ("'dict' object
+        # has no attribute 'get_device_mesh'", at launch): refused here, where the config is read
+        raise SetupError(
+            f"training.parallelism_config {dict(parallelism_config)!r}: hf_cp plans its context-parallel groups "
+            f"per step and takes the data-parallel size from the launcher (its world size), so a training config "
+            f"takes no parallelism_config; remove it, and size CP with cp_max_tokens_per_rank (what one rank holds) "
+            f"and cp_max_group_size (the largest group)"
+        )
     sizes = parallelism_sizes(parallelism_config, environ)
     if sizes["sp_size"] > 1:
         raise SetupError(

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import logging
 import math
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -43,11 +44,18 @@ from hf_cp.train.history import StepRecord, append_record, history_path
 from hf_cp.train.metrics import aggregate, summary_lines
 from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
 from hf_cp.train.resume import (
+    CheckpointSaveError,
     check_resume,
     checkpoint_step,
+    clear_for_save,
+    last_complete,
+    mark_complete,
     resolve_resume,
     restart_problems,
+    rotate_checkpoints,
+    save_failure_error,
     schedule_record,
+    storage_failure,
     truncate_history,
     write_schedule,
 )
@@ -397,20 +405,75 @@ class CPTrainer(Trainer):
         )
 
     def _save_checkpoint(self, model, trial) -> None:
-        if self.args.should_save:  # first, so a checkpoint folder never lacks it
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            write_schedule(str(folder), self.cp_schedule())
-            # the calibrated cost model (hf-cp plan --profile FILE reads it)
-            write_calibrated_profile(folder, self.cp_calibrated_profile(), CALIBRATED_PROFILE)
-        super()._save_checkpoint(model, trial)
+        """The Trainer's save, made atomic (resume.py): a checkpoint is complete once every rank
+        has written its files and rank 0 has then marked it; resume skips unmarked ones. The
+        Trainer's rotation (save_total_limit) would count the unmarked checkpoint and could
+        delete the last complete one before the mark: it runs here, after the mark, over
+        complete checkpoints only. A failed write (a full disk) raises CheckpointSaveError
+        naming the folder, whether space ran out, and the complete checkpoint kept."""
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        save = self.args.should_save
+        if save:
+            self._cp_warn(clear_for_save(folder))  # a partial folder of an earlier attempt
+        self._cp_barrier()  # no rank writes into the folder before it is cleared
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # no rotation inside the Trainer's save (see above)
+        try:
+            if save:  # first, so a checkpoint folder never lacks it; it also says "complete once marked"
+                write_schedule(str(folder), self.cp_schedule(), marked=True)
+                # the calibrated cost model (hf-cp plan --profile FILE reads it)
+                write_calibrated_profile(folder, self.cp_calibrated_profile(), CALIBRATED_PROFILE)
+            super()._save_checkpoint(model, trial)
+            self._cp_barrier()  # every rank has written its files
+            if save:
+                mark_complete(folder, self.state.global_step, self.cp_world)
+        except Exception as err:
+            error = self._cp_save_failed(err, folder, run_dir)
+            if error is None:
+                raise
+            raise error from err
+        finally:
+            self.args.save_total_limit = limit
+        if save:
+            for path in rotate_checkpoints(run_dir, limit, keep=(str(folder), self.state.best_model_checkpoint)):
+                logger.info("hf_cp: deleted %s (save_total_limit %s)", path, limit)
+
+    def _cp_barrier(self) -> None:
+        if self.cp_world > 1 and self.cp_groups is not None and self.cp_groups.control is not None:
+            dist.barrier(group=self.cp_groups.control)
+
+    def _cp_save_failed(self, err: Exception, folder: Path, run_dir: Path) -> Optional[CheckpointSaveError]:
+        """The error to raise for `err`, raised while saving `folder`: a CheckpointSaveError for a
+        failed write (the partial folder is removed when space ran out, to give it back), None
+        to re-raise `err` itself (with a note saying what a restart resumes from)."""
+        kept = last_complete(run_dir, before=self.state.global_step)
+        failure = storage_failure(err, folder)
+        if failure is None:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(
+                    f"hf_cp: {folder} is left partial (not marked complete); a restart resumes from "
+                    + (kept if kept is not None else "step 0 (no complete checkpoint yet)")
+                )
+            return None
+        removed = False
+        if failure.space and self.args.should_save:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed = not folder.exists()
+        return save_failure_error(failure, folder, kept, removed)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """`resume_from_checkpoint`: a checkpoint folder, True (the newest one, which must exist)
-        or "latest" (the newest one, else a fresh start: what a restarted job passes)."""
+        """`resume_from_checkpoint`: a complete checkpoint folder, True (the newest complete one,
+        which must exist) or "latest" (the newest complete one, else a fresh start: what a
+        restarted job passes). Partial checkpoints (a save that did not finish) are skipped with
+        a warning naming them (resume.py)."""
         if self.cp_rank == 0:
             for problem in restart_problems(self.args.save_strategy, resume_from_checkpoint):
                 logger.warning("hf_cp: %s", problem)
-        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        notes: List[str] = []  # partial checkpoints skipped, an unmarked one resumed
+        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, notes)
+        for note in notes:
+            self._cp_warn(note)
         if resume is not None:  # on every rank, before any collective: all raise or none
             ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
             for note in check_resume(
