@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost.model import HardwareProfile
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,15 @@ def test_main_job_calibrates_a_profile_three_times_wrong(tmp_path):
         assert m and float(m.group(1)) > 50 and float(m.group(2)) < float(m.group(1)), text[-3000:]
         assert "calibration 1 from 8 steps" in text
         saved = HardwareProfile.load(out / "cp_profile_calibrated.yaml")
-        assert saved.c1_ms_per_token > 2 * HardwareProfile.load(profile).c1_ms_per_token
+        # What calibration guarantees is the prediction of whole micro-batches, not any one
+        # coefficient: c1, c2 and c0 trade off against each other on the run's few lengths (c1
+        # alone was found at 1.92x of a 3x error under load). So the saved profile must predict
+        # the main job's documents at least 1.5x slower than the wrong one did (a calibration that
+        # does nothing: 1.0x; the truth: ~3x)
+        dims = ModelDims.load("tiny-llama")
+        lengths = [256, 1024, 4096]
+        new_ms, old_ms = (CostModel(dims, p).local_ms(lengths) for p in (saved, HardwareProfile.load(profile)))
+        assert new_ms > 1.5 * old_ms, (new_ms, old_ms, seen)
         assert saved.reduction_overhead_ms + saved.step_overhead_ms > 0
         if e1 < 0.15:
             break

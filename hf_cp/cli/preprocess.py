@@ -77,8 +77,8 @@ def add_parser(sub) -> None:
         "one prompt and several answers (GRPO/RLOO groups, n samples per prompt, DPO chosen/rejected) as one "
         "sample: [prompt][answer 1]...[answer n], each answer attending to the prompt and itself, positions "
         "continuing from the prompt, labels never crossing answers, the prompt stored and computed once. The "
-        "mask goes to the 'attn_mask' column; training equals each (prompt, answer) as its own sequence with "
-        "the prompt's targets counted once",
+        "mask goes to the 'attn_mask' column; training (SFT's token cross-entropy: no preference or RL loss) "
+        "equals each (prompt, answer) as its own sequence with the prompt's targets counted once",
     )
     g.add_argument(
         "--group-answers",
