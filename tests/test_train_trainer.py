@@ -92,6 +92,20 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
         CPTrainer(model=tiny_model(0), args=args, train_dataset=ds)
 
 
+def test_a_streaming_dataset_is_refused_by_name_with_the_fix(tmp_path):
+    from datasets import Dataset
+    from helpers.harness.models import tiny_model
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", cp_tokens_per_step=500
+    )
+    stream = Dataset.from_list([{"input_ids": [1, 2, 3]}] * 4).to_iterable_dataset()
+    with pytest.raises(TypeError, match=r"train_dataset is a streaming IterableDataset.*Dataset.from_generator"):
+        CPTrainer(model=tiny_model(0), args=args, train_dataset=stream)
+
+
 def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do(tmp_path):
     from datasets import Dataset
     from helpers.harness.models import eval_rows, synthetic_rows, tiny_model

@@ -64,7 +64,13 @@ from hf_cp.train.step import StepExecutor, WaveTotals
 from hf_cp.train.step_record import gather_measurements, step_record
 from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
 from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics
-from hf_cp.train.trainer_setup import check_training_data, deepspeed_arch_env, start_warnings, trainer_planning_setup
+from hf_cp.train.trainer_setup import (
+    check_training_data,
+    deepspeed_arch_env,
+    refuse_streaming,
+    start_warnings,
+    trainer_planning_setup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,7 @@ class CPTrainer(Trainer):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
+        refuse_streaming(train_dataset)
         if args.deepspeed:
             skip_deepspeed_shm_build()
             note = deepspeed_arch_env()

@@ -34,11 +34,25 @@ def deepspeed_arch_env(environ: Optional[MutableMapping[str, str]] = None) -> Op
     return note
 
 
+def refuse_streaming(dataset) -> None:
+    """A streaming dataset is refused by name, before the Trainer's own length check."""
+    if dataset is not None and not hasattr(dataset, "__len__"):
+        # every rank must know every sample's length to plan a step (the sampler cuts steps by
+        # tokens and balances them): a stream has no lengths ahead of time
+        raise TypeError(
+            f"CPTrainer: train_dataset is a streaming {type(dataset).__name__}, which CPTrainer cannot plan yet "
+            "(every rank needs the lengths of a step's samples before it runs). Materialise it as a map-style "
+            "dataset first, e.g. datasets.Dataset.from_generator(lambda: iter(stream)) or stream.take(n), or "
+            "`hf-cp preprocess` to a folder, and train on that"
+        )
+
+
 def check_training_data(dataset, data_collator) -> Optional[str]:
     """The dataset training reads (None is an error) and what the user's data collator means for
     it (user_collator.check_data_collator): a warning, or None."""
     if dataset is None:
         raise ValueError("CPTrainer: training needs a train_dataset")
+    refuse_streaming(dataset)
     columns = getattr(dataset, "column_names", None) or []
     return check_data_collator(data_collator, has_labels="labels" in columns)
 
