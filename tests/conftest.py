@@ -1,6 +1,7 @@
 import os
 
 import pytest
+
 from helpers import TRACES
 
 os.environ.setdefault("MPLBACKEND", "Agg")

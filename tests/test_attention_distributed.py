@@ -13,13 +13,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers.attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
-from helpers.cp_layout import expected_bytes, group_documents, member_rows
-from helpers.mask_reference import causal_reference_attention
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from hf_cp.modes.segments import ShardMode
+
+from helpers.attention_pool import collective_spy, pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.cp_layout import expected_bytes, group_documents, member_rows
+from helpers.mask_reference import causal_reference_attention
 
 MODES = (ShardMode.ULYSSES, ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
 TOL = 1e-5

@@ -15,10 +15,11 @@ import math
 
 import pytest
 import torch
-from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
-from helpers.mask_specs import make_mask, spec_length
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+
+from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
+from helpers.mask_specs import make_mask, spec_length
 
 TOL = 1e-5
 
@@ -48,7 +49,6 @@ def _layouts(lengths, slices, g, heads, seed, names):
 
 def _worker(rank, world, cases):
     import torch.distributed as dist
-    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_attention
     from hf_cp.attention.dispatch import layer_slices
@@ -56,6 +56,8 @@ def _worker(rank, world, cases):
     from hf_cp.modes.registry import rank_segments
     from hf_cp.modes.segments import ShardMode
     from hf_cp.plan.block_layout import causal_slices, layer_exchange
+
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     group = process_group(list(range(world)))
     results = []

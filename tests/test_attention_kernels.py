@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.kernel_checks import check_kernel
 
 from hf_cp.attention.kernels import CpuFlashKernel, MathKernel, kernel_for
+
+from helpers.kernel_checks import check_kernel
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from helpers.mask_reference import causal_reference_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +24,8 @@ from hf_cp.attention.blocks import block_pairs, range_pair_blocks
 from hf_cp.attention.kernels import CpuFlashKernel
 from hf_cp.modes.registry import rank_segments
 from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode, doc_pairs
+
+from helpers.mask_reference import causal_reference_attention
 
 
 def _dense(blocks, n_q, n_k):
@@ -307,10 +308,10 @@ def masked_docs(draw, max_len=30):
 def test_masked_blocks_compute_each_attended_pair_once(docs, window, data):
     """Any rectangle of any masked document (under a layer window) as kernel blocks: each
     attended pair exactly once, causal and inverse-causal blocks square."""
-    from helpers.mask_reference import dense_mask
-
     from hf_cp.attention.blocks import masked_range_blocks
     from hf_cp.samples.masks import SampleMask, window_slices
+
+    from helpers.mask_reference import dense_mask
 
     lengths, masks = docs
     d = data.draw(st.integers(0, len(lengths) - 1))
@@ -341,10 +342,10 @@ def test_masked_blocks_compute_each_attended_pair_once(docs, window, data):
     seed=st.integers(0, 1000),
 )
 def test_packed_attention_under_masks_window_and_sinks_matches_dense_reference(docs, window, heads, sinks, seed):
+    from hf_cp.attention.dispatch import layer_slices
+
     from helpers.mask_reference import packed_dense_mask
     from helpers.mask_reference import reference_attention as dense_reference
-
-    from hf_cp.attention.dispatch import layer_slices
 
     lengths, masks = docs
     h, hkv = heads

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from hf_cp.modes.segments import ShardMode
+
 from helpers.attention_models import CONFIGS, build_model, packed_batch
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from helpers.cp_layout import expected_bytes, group_documents, member_rows
-
-from hf_cp.modes.segments import ShardMode
 
 TOL = 1e-5
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from helpers.block_models import (
     CASES,

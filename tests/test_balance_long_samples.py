@@ -8,7 +8,6 @@ chunk of at least 16 tokens the store of 500."""
 import warnings
 
 import pytest
-from helpers.toy_cost import toy_cost
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, get_balancer
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths, chunk_fits, sample_token_limit
@@ -17,6 +16,8 @@ from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning.predict import plan_and_predict
 from hf_cp.planning.sampler import GlobalBatchSampler
 from hf_cp.planning.worker import Planner
+
+from helpers.toy_cost import toy_cost
 
 CLUSTER = ClusterSpec(2, 64)  # the whole world holds 128 tokens
 LENGTHS = [400, 20, 30, 10, 50, 7]  # sample 0: 3 x the world's tokens

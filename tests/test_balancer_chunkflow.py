@@ -1,8 +1,6 @@
 """The `chunkflow` balancer: ChunkFlow's chunks placed by their real cost, within each rank's memory."""
 
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
-from helpers.toy_cost import toy_cost
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, available_balancers, get_balancer
@@ -10,6 +8,9 @@ from hf_cp.balance.auto import default_members
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.chunks import chunked_memory_bytes, chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms
 from hf_cp.plan.cluster import ClusterSpec
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
+from helpers.toy_cost import toy_cost
 
 
 def test_registered_and_an_auto_member_since_the_trainer_runs_it():

@@ -6,7 +6,6 @@ import random
 import time
 
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
@@ -23,6 +22,8 @@ from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.block_layout import received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
 

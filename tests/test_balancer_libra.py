@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +9,8 @@ from hf_cp.balance.toolkit.assign import group_indices
 from hf_cp.balance.toolkit.packing import lookahead_pack
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +31,8 @@ from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.block_layout import BlockLayoutError
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
 # ---------------------------------------------------------------------- reference cases

@@ -1,7 +1,6 @@
 """The fast plan pricer equals the simulator; the cheap bounds auto prunes with are true bounds."""
 
 import pytest
-from helpers.plan_gen import random_valid_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +10,8 @@ from hf_cp.balance.toolkit.pricing import PlanPricer
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
 from hf_cp.plan.cluster import ClusterSpec
+
+from helpers.plan_gen import random_valid_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 

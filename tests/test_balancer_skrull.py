@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
@@ -8,6 +7,8 @@ from hf_cp.balance.balancers.skrull import Dacp, interleave_micro_batches
 from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

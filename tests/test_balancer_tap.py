@@ -5,7 +5,6 @@ tiles prefer the worker that owns their queries or already holds their keys."""
 import random
 
 import pytest
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
@@ -15,6 +14,8 @@ from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
 def placement_loads(cost, pl, lengths, base):

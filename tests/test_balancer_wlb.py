@@ -1,11 +1,12 @@
 import numpy as np
-from helpers.balancer_checks import check_balancer_properties, step_cases
 from hypothesis import HealthCheck, given, settings
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.balancers.wlb import workload_greedy
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
+
+from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,9 +5,10 @@ import importlib.util
 import sys
 
 import pytest
-from helpers import REPO
 
 from hf_cp.samples.lengths import read_lengths, step_batches
+
+from helpers import REPO
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 

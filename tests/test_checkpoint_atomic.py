@@ -18,9 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.harness.job import free_port, run_launcher
-from helpers.harness.models import ROOT, synthetic_rows
-from helpers.world2_job import JOB_TIMEOUT, LENGTHS, assert_matches_reference, spec_for
 
 from hf_cp.report.samples import audit_samples
 from hf_cp.train.resume import (
@@ -41,6 +38,10 @@ from hf_cp.train.resume import (
     storage_failure,
     write_schedule,
 )
+
+from helpers.harness.job import free_port, run_launcher
+from helpers.harness.models import ROOT, synthetic_rows
+from helpers.world2_job import JOB_TIMEOUT, LENGTHS, assert_matches_reference, spec_for
 
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 SCHEDULE = schedule_record([5, 9, 3], 1024, seed=0, shuffle=True, world_size=2)
@@ -192,9 +193,10 @@ def test_full_disk_errors_name_the_folder_and_say_space_ran_out(tmp_path, monkey
 def _train(out: Path, resume=None, steps: int = 4):
     """A world-1 CPTrainer on LENGTHS (4 steps an epoch at 500 tokens), a checkpoint every 2 steps."""
     from datasets import Dataset
-    from helpers.harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    from helpers.harness.models import tiny_model
 
     args = CPTrainingArguments(
         output_dir=str(out),

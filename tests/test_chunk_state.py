@@ -8,7 +8,6 @@ here and computed in float64 (GQA heads repeated by hand).
 
 import pytest
 import torch
-from helpers.chunk_state_reference import HKV, SCALE, D, dense_reference, leaves, run_chunked, tensors
 
 from hf_cp.attention.chunk_state import (
     ChunkContext,
@@ -17,6 +16,8 @@ from hf_cp.attention.chunk_state import (
     chunk_attention,
 )
 from hf_cp.plan.chunks import chunk_starts, dependent_chunk_sizes
+
+from helpers.chunk_state_reference import HKV, SCALE, D, dense_reference, leaves, run_chunked, tensors
 
 
 @pytest.mark.parametrize("n, chunk, keep", [(23, 23, 1), (23, 12, 1), (23, 12, 2), (23, 5, 1), (23, 5, 3), (23, 5, 9)])

@@ -4,6 +4,7 @@ loss equal the single-process reference of the whole global batch (what CPTraine
 
 import pytest
 import torch
+
 from helpers.attention_pool import pools  # noqa: F401  (pools: fixture)
 from helpers.chunkflow_reference import grad_errors, reference, sample
 
@@ -13,13 +14,14 @@ LENGTHS = [45, 3, 9, 60, 5, 11, 2, 38, 7, 30, 1]
 
 def _dp_worker(rank, world, model_name, lengths, cap, keep):
     import torch.distributed as dist
-    from helpers.attention_models import build_model
 
     from hf_cp.balance import PlanRequest, get_balancer
     from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
     from hf_cp.plan.chunks import dependent_chunk_sizes
     from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.train.chunkflow import run_chunked_sample, sample_chunks
+
+    from helpers.attention_models import build_model
 
     model = build_model(model_name, "hf_cp")
     cost = CostModel(ModelDims.from_hf_config(model.config.to_dict()), HardwareProfile.load("cpu"))

@@ -7,14 +7,15 @@ in the same model built with sdpa attention (the single-process reference), in f
 
 import pytest
 import torch
-from helpers.attention_models import CONFIGS, build_model
-from helpers.chunkflow_reference import grad_errors, reference, sample
 
 from hf_cp.attention.chunk_state import ChunkStateStore
 from hf_cp.attention.context import CPContext, cp_context
 from hf_cp.plan.chunks import dependent_chunk_sizes
 from hf_cp.train.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks, token_loss
 from hf_cp.train.loss import chunkable_head
+
+from helpers.attention_models import CONFIGS, build_model
+from helpers.chunkflow_reference import grad_errors, reference, sample
 
 TOL = 1e-5  # relative to the largest entry of each reference tensor
 LENGTH = 37

@@ -1,7 +1,6 @@
 """ChunkFlow's chunk plan (hf_cp/chunking.py): geometry, construction, validate(), JSON, pricing."""
 
 import pytest
-from helpers.toy_cost import DIMS, toy_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,8 @@ from hf_cp.plan.chunks import (
     standalone_chunk_ms,
     state_bytes,
 )
+
+from helpers.toy_cost import DIMS, toy_cost
 
 
 # --------------------------------------------------------------------------- geometry

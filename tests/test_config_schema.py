@@ -4,11 +4,13 @@ is reported as missing."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from hf_cp.train.config import TrainConfigError, load_config, load_datasets, model_config, training_arguments
+from hf_cp.train.config_schema import training_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -45,7 +47,7 @@ def config_file(tmp_path, text: str) -> str:
         ),
         (
             "model: {config: tiny-llama}\ndata: {bundled: longtail_sample, limit: many}\n",
-            r"data\.limit must be an integer",
+            r"data\.limit: expected an integer",
         ),
         (
             "model: {config: tiny-llama}\ndata: {bundled: longtail_sample, limit: -3}\n",
@@ -103,3 +105,64 @@ def test_missing_paths_are_reported_as_missing(tmp_path, monkeypatch):
 def test_every_shipped_config_passes_the_schema(config):
     cfg = load_config(str(ROOT / "configs" / config))
     assert set(cfg) >= {"model", "data", "training"}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('training.cp_max_tokens_per_rank="8k"', "training.cp_max_tokens_per_rank: expected an integer, got '8k'"),
+        ("training.learning_rate=fast", "training.learning_rate: expected a number, got 'fast'"),
+        ("training.max_steps=5.5", "training.max_steps: expected an integer, got 5.5"),
+        ("training.use_cpu=maybe", "training.use_cpu: expected true or false, got 'maybe'"),
+        ("training.cp_plan_lookahead=true", "training.cp_plan_lookahead: expected an integer, got True"),
+        ("training.eval_strategy=5", "training.eval_strategy: expected a string (no, steps, epoch), got 5"),
+        ("training.cp_profile=[1, 2]", "training.cp_profile: expected a mapping or a string, got [1, 2]"),
+        ("training.label_names=[1, 2]", "training.label_names: expected a list of strings, got [1, 2]"),
+        ("training.report_to={a: 1}", "training.report_to: expected a string or a list of strings, got {'a': 1}"),
+        ("model.seed=abc", "model.seed: expected an integer (seed of the random weights of `config`), got 'abc'"),
+        ("model.trust_remote_code=1", "model.trust_remote_code: expected true or false"),
+        ("data.eval_split=much", "data.eval_split: expected a number (a held-out fraction"),
+        ("data.limit=many", "data.limit: expected an integer"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_key_the_type_and_the_value(override, message):
+    """Issue 27: `cp_max_tokens_per_rank: "8k"` failed deep inside planning with `'<=' not supported
+    between 'str' and 'int'`, no key named. Every section's values are typed when the config is read."""
+    with pytest.raises(TrainConfigError, match=re.escape(message)):
+        load_config(TINY, [override])
+
+
+def test_training_values_are_typed_from_the_dataclass_fields_when_built_directly_too():
+    with pytest.raises(TrainConfigError, match=re.escape("cfg.yaml: training.cp_tokens_per_step: expected an integer")):
+        training_arguments({"cp_tokens_per_step": "16k", "use_cpu": True}, "cfg.yaml")
+    # several wrong values: all named at once
+    with pytest.raises(TrainConfigError, match=r"training\.seed: expected an integer.*training\.warmup_steps"):
+        training_arguments({"seed": "x", "warmup_steps": "y", "use_cpu": True}, "cfg.yaml")
+
+
+def test_every_training_field_type_is_read_from_the_dataclass():
+    """No hand-written list: each init field of CPTrainingArguments has a readable expected type."""
+    from hf_cp.train.config_schema import training_types
+
+    types = training_types()
+    assert set(types) == set(training_keys())
+    assert types["cp_max_tokens_per_rank"].describe() == "an integer"
+    assert types["learning_rate"].describe() == "a number"
+    assert types["cp_balancer_options"].describe() == "a mapping or a string"
+    # each field's default passes its own type (the check refuses nothing the dataclass gives itself)
+    from dataclasses import MISSING, fields
+
+    from hf_cp.train.args import CPTrainingArguments
+
+    for f in fields(CPTrainingArguments):
+        if f.init and f.default is not MISSING and f.default is not None:
+            assert types[f.name].accepts(f.default), (f.name, f.default)
+
+
+def test_a_number_in_exponent_notation_is_read_as_a_number():
+    """PyYAML reads `1e-3` (no dot) as a string: a float key takes it as the number it spells."""
+    cfg = load_config(TINY, ["training.learning_rate=1e-3", "training.weight_decay=1E-2"])
+    assert cfg["training"]["learning_rate"] == pytest.approx(1e-3)
+    assert training_arguments(dict(cfg["training"], use_cpu=True), "cfg.yaml").weight_decay == pytest.approx(1e-2)
+    with pytest.raises(TrainConfigError, match=re.escape("training.max_steps: expected an integer, got '1e3'")):
+        load_config(TINY, ["training.max_steps=1e3"])  # an integer key stays strict

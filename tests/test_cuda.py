@@ -20,9 +20,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.kernel_checks import check_kernel
 
 from hf_cp.attention.kernels import kernel_for
+
+from helpers.kernel_checks import check_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -156,11 +157,11 @@ def test_packed_model_on_the_device_matches_each_document_alone_in_float64(preci
 # ----------------------------------------------------------------------------- masks, engine, chunks
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_masked_packed_attention_with_window_and_sinks_on_the_device(dtype):
-    from helpers.mask_reference import packed_dense_mask, reference_attention
-
     from hf_cp.attention import packed_attention
     from hf_cp.attention.dispatch import layer_slices
     from hf_cp.samples.masks import SampleMask
+
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     lengths = [150, 90, 260]
     masks = [None, SampleMask.shared_prompt(30, [20, 25, 15]), SampleMask.block_causal(260, 64)]
@@ -186,11 +187,11 @@ def _rel(a, r) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_engine_one_rank_path_on_the_device(dtype):
-    from helpers.mask_reference import packed_dense_mask, reference_attention
-
     from hf_cp.attention.engine import EngineSpec, engine_attention
     from hf_cp.plan.block_layout import doc_slices, random_layout
     from hf_cp.samples.masks import SampleMask
+
+    from helpers.mask_reference import packed_dense_mask, reference_attention
 
     lengths = [300, 140]
     masks = [None, SampleMask.shared_prompt(40, [60, 40])]
@@ -214,9 +215,9 @@ def test_block_engine_one_rank_path_on_the_device(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunkflow_chunk_attention_on_the_device(dtype):
-    from helpers.chunk_state_reference import dense_reference, leaves, run_chunked, tensors
-
     from hf_cp.plan.chunks import dependent_chunk_sizes
+
+    from helpers.chunk_state_reference import dense_reference, leaves, run_chunked, tensors
 
     n = 700
     q, k, v, w = tensors(n, seed=3)

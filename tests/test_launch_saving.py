@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from helpers.harness.models import synthetic_rows
 from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.harness.models import tiny_model
 
 from hf_cp.train.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
+
+from helpers.harness.models import tiny_model
 
 IGNORE = -100
 

@@ -1,11 +1,12 @@
 import pytest
-from helpers.plan_gen import random_valid_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
+
+from helpers.plan_gen import random_valid_plan
 
 CL = ClusterSpec(world_size=8, max_tokens_per_rank=1000, gpus_per_node=4)
 

@@ -1,12 +1,13 @@
 """Chunked samples in a StepPlan (Group.chunked): JSON, validate(), the simulator's price, refusals."""
 
 import pytest
-from helpers.toy_cost import toy_cost
 
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes, standalone_chunk_ms, state_bytes
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import ChunkedSample, Group, PlanError, StepPlan, Wave
+
+from helpers.toy_cost import toy_cost
 
 CL = ClusterSpec(world_size=4, max_tokens_per_rank=1000)
 

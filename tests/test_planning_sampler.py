@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from helpers.world2_job import LENGTHS
 
 from hf_cp.planning import GlobalBatchSampler
+
+from helpers.world2_job import LENGTHS
 
 
 def test_sampler_is_deterministic_and_covers_each_epoch_once():

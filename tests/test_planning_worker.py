@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.world2_job import LENGTHS
 
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning import GlobalBatchSampler, Planner
+
+from helpers.world2_job import LENGTHS
 
 
 @pytest.mark.parametrize("in_process", [False, True])

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 from hf_cp.cli import main
 from hf_cp.data_prep import preprocess
 from hf_cp.data_prep.encode import IGNORE_INDEX
+
+from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
 TEXT_ROWS = [
     {"prompt": "Question: what is 2+2?\nAnswer:", "completion": " 4"},

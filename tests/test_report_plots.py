@@ -95,9 +95,9 @@ def test_report_reads_the_spread_logged_by_a_new_run(tmp_path):
     """A run whose logs keep only the spread (trainer_state.json): the report still draws it."""
     import json
 
-    from helpers.step_records import records
-
     from hf_cp.train.metrics import aggregate
+
+    from helpers.step_records import records
 
     recs = records(32, steps=8)
     entries = [dict(aggregate(recs[k : k + 2]), loss=2.0, step=k + 2) for k in range(0, 8, 2)]

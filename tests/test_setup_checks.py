@@ -6,10 +6,11 @@ otherwise fails at the first step that spreads one)."""
 from __future__ import annotations
 
 import pytest
-from helpers import REPO
-from helpers.harness.models import synthetic_rows, tiny_model
 
 from hf_cp.train.setup_checks import HF_CP_ATTENTION, SetupError, check_attention, check_parallelism
+
+from helpers import REPO
+from helpers.harness.models import synthetic_rows, tiny_model
 
 
 def test_the_attention_name_is_the_registered_one():

@@ -1,5 +1,4 @@
 import pytest
-from helpers.plan_gen import random_valid_plan
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -7,6 +6,8 @@ from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
+
+from helpers.plan_gen import random_valid_plan
 
 
 def ulysses_ok(cost):

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.harness.balancers import FixedModeBalancer
-from helpers.harness.models import synthetic_rows
-from helpers.world2_job import LENGTHS
 
 from hf_cp.attention.context import CPContext
 from hf_cp.cost.model import CostModel
@@ -16,6 +13,10 @@ from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.planning import GlobalBatchSampler, Planner
 from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
+
+from helpers.harness.balancers import FixedModeBalancer
+from helpers.harness.models import synthetic_rows
+from helpers.world2_job import LENGTHS
 
 
 def test_shifted_targets_mask_prompt_and_document_end():

@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hf_cp.cost.model import CostModel
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning import GlobalBatchSampler, Planner
+
 from helpers.harness.balancers import balancer_for
 from helpers.harness.job import run_distributed
 from helpers.harness.reference import reference_eval_loss
@@ -29,10 +34,6 @@ from helpers.world2_job import (
     shared_or_own_run,
     spec_for,
 )
-
-from hf_cp.cost.model import CostModel
-from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.planning import GlobalBatchSampler, Planner
 
 MODES = ["fixed_ulysses", "fixed_ring_zigzag", "fixed_ring_per_doc"]
 

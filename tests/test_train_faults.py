@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.harness.job import run_distributed
-from helpers.world2_job import JOB_TIMEOUT, LENGTHS, TOKENS_PER_STEP, assert_matches_reference, spec_for
 
 from hf_cp.planning import GlobalBatchSampler
 from hf_cp.report.samples import audit_samples
@@ -29,6 +27,16 @@ from hf_cp.train.resume import (
     write_schedule,
 )
 
+from helpers.harness.job import run_distributed
+from helpers.world2_job import (
+    FIXTURE_TIMEOUT,
+    JOB_TIMEOUT,
+    LENGTHS,
+    TOKENS_PER_STEP,
+    assert_matches_reference,
+    spec_for,
+)
+
 
 def _history_lines(out: Path):
     """Per rank: the cp_history records, in file order."""
@@ -39,6 +47,10 @@ def _history_lines(out: Path):
 
 
 # ------------------------------------------------------------------ kill one rank, restart, resume
+# slow: three torchrun launches (~2 min on 2 cores); the fast suite checks the restart's parts
+# without processes (test_resolve_resume, test_resume_checks_the_sample_schedule_of_the_checkpoint,
+# test_truncate_history_keeps_the_checkpointed_steps, test_restart_problems_*)
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_path):
     # one epoch of 4 steps; checkpoint after step 2; rank 1 is SIGKILLed inside step 4's
@@ -78,6 +90,9 @@ def test_killed_rank_restarts_from_checkpoint_and_trains_every_sample_once(tmp_p
 
 
 # ------------------------------------------------------------------ a stop signal (preemption)
+# slow: two torchrun launches, the second resuming the first's checkpoint (~1 min on 2 cores);
+# the fast suite checks the signal flag (test_stop_signal_sets_a_flag_and_restores_the_handler)
+@pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_TIMEOUT)
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path):
     # enable_jit_checkpoint, no periodic checkpoints. Rank 1 alone gets SIGTERM inside step 2;
@@ -124,21 +139,22 @@ def test_stop_signal_sets_a_flag_and_restores_the_handler():
 
 
 # ------------------------------------------------------------------ non-finite gradients
-@pytest.mark.timeout(JOB_TIMEOUT)
-def test_nan_on_one_rank_stops_every_rank_before_that_steps_checkpoint(tmp_path):
+# Both runs come from the session's world-2 job (helpers/world2_job.py: nan_spec); the first
+# stops with an error on every rank, which the job records (error_rank<r>.txt) and goes on.
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_nan_on_one_rank_stops_every_rank_before_that_steps_checkpoint(world2_job):
     # rank 1's hidden states turn NaN in step 2; DeepSpeed would skip the update and go on,
     # silently leaving step 2's samples unlearned. Both ranks stop, naming step and samples.
-    spec = spec_for(tmp_path, "auto", steps=3, save_steps=1, tag="nan", fault=dict(kind="nan", rank=1, step=1))
-    with pytest.raises(RuntimeError) as err:
-        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
-    text = str(err.value)
+    spec = world2_job["nan-stop"]
+    out = Path(spec["out"])
+    errors = [out / f"error_rank{r}.txt" for r in range(2)]
+    assert all(e.is_file() for e in errors), "a rank trained on past the non-finite step"
+    text = "\n".join(e.read_text() for e in errors)
     assert "NonFiniteGradientError: step 2: the gradient norm is inf" in text, text[-3000:]
     assert "DeepSpeed skipped the update" in text and "its samples: [" in text
-    out = Path(spec["out"])
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]  # none of the bad step
     # with the check off the run goes on, as DeepSpeed alone would
-    spec = dict(spec, out=str(tmp_path / "nan-warn"), stop_on_nonfinite_grad=False)
-    run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    spec = world2_job["nan-warn"]
     assert sorted(p.name for p in Path(spec["out"]).glob("checkpoint-*")) == [
         "checkpoint-1",
         "checkpoint-2",
@@ -213,6 +229,9 @@ def test_zero_world_size_check_names_the_conversion(tmp_path):
 
 
 # ------------------------------------------------------------------ a stalled rank
+# slow: a torchrun launch of its own whose collective must time out (~30 s on 2 cores); the
+# fast suite checks the error's naming (test_collective_scope_names_step_wave_and_group)
+@pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_stalled_rank_fails_the_job_within_the_timeout_naming_step_wave_and_group(tmp_path):
     # every sample is spread over the group [0, 1] with Ulysses: rank 0 waits in its all-to-all

@@ -4,9 +4,10 @@ warning when it is the last one; a bad line anywhere else is an error naming fil
 import json
 
 import pytest
-from helpers.step_records import records
 
 from hf_cp.train.history import HistoryError, append_record, history_path, latest_records, read_history
+
+from helpers.step_records import records
 
 
 def _write_two_steps(tmp_path):

@@ -5,9 +5,10 @@ import re
 import statistics
 
 import pytest
-from helpers.step_records import records
 
 from hf_cp.train.metrics import aggregate, summary_lines
+
+from helpers.step_records import records
 
 
 @pytest.mark.parametrize("world", [8, 64])

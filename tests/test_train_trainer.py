@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.harness.models import synthetic_rows
-from helpers.world2_job import LENGTHS
 
 from hf_cp.planning import GlobalBatchSampler
+
+from helpers.harness.models import synthetic_rows
+from helpers.world2_job import LENGTHS
 
 
 def test_single_process_trainer_matches_reference(tmp_path):
     """World of one, no DeepSpeed: the CPTrainer path against the sample-by-sample reference,
     every step (loss, gradients before clipping, parameters after the optimizer)."""
     from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+
     from helpers.harness.capture import capture_steps
     from helpers.harness.check import compare_with_reference
     from helpers.harness.models import tiny_model
-
-    from hf_cp.train import CPTrainer, CPTrainingArguments
 
     spec = dict(lengths=LENGTHS, tokens_per_step=500, max_tokens_per_rank=256, steps=3, balancer="static")
     rows = synthetic_rows(LENGTHS)
@@ -74,9 +76,10 @@ def test_single_process_trainer_matches_reference(tmp_path):
 )
 def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
     from datasets import Dataset
-    from helpers.harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    from helpers.harness.models import tiny_model
 
     args = CPTrainingArguments(
         output_dir=str(tmp_path),
@@ -94,9 +97,10 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
 
 def test_a_streaming_dataset_is_refused_by_name_with_the_fix(tmp_path):
     from datasets import Dataset
-    from helpers.harness.models import tiny_model
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    from helpers.harness.models import tiny_model
 
     args = CPTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", cp_tokens_per_step=500
@@ -108,10 +112,11 @@ def test_a_streaming_dataset_is_refused_by_name_with_the_fix(tmp_path):
 
 def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do(tmp_path):
     from datasets import Dataset
-    from helpers.harness.models import eval_rows, synthetic_rows, tiny_model
-    from helpers.harness.reference import reference_eval_loss
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    from helpers.harness.models import eval_rows, synthetic_rows, tiny_model
+    from helpers.harness.reference import reference_eval_loss
 
     spec = dict(lengths=[40, 30], eval_lengths=[60, 9, 200], steps=0, tokens_per_step=300)
     args = CPTrainingArguments(

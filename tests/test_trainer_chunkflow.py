@@ -20,6 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
+
+from hf_cp.balance import get_balancer
+from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.plan.chunks import dependent_chunk_sizes
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning.evaluation import plan_evaluation
+
 from helpers.harness.check import check_run
 from helpers.harness.job import run_distributed
 from helpers.harness.models import MODELS, tiny_config
@@ -32,12 +39,6 @@ from helpers.world2_job import (
     chunkflow_mixed_spec,
     executed_plans,
 )
-
-from hf_cp.balance import get_balancer
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
-from hf_cp.plan.chunks import dependent_chunk_sizes
-from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.planning.evaluation import plan_evaluation
 
 # Unshuffled at 500 tokens per step: [0..4] (250 tokens the longest; the other four, 220
 # tokens, fit rank 1's cap of 256 in one pack) and [5..9] (200 the longest; rank 1 packs 120,

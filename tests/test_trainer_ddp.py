@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from helpers.harness.reference import sample_loss_sum, sample_valid_targets
 from helpers.masked_training import max_relative_error, run_processes, tiny_llama
 

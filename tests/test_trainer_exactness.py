@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hf_cp.plan.chunks import dependent_chunk_sizes
+
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
 from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
 from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
 from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, FIXTURE_TIMEOUT, MUTATED_BALANCER, executed_plans
-
-from hf_cp.plan.chunks import dependent_chunk_sizes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -161,7 +162,11 @@ def test_reference_uses_nothing_of_hf_cp():
     # models.py may register hf_cp's attention, for the runs under test (never for the reference's "sdpa")
     allowed = {"reference.py": set(), "models.py": {"hf_cp.attention.interface"}}
     for name, ok in allowed.items():
-        used = [m for m in _imports(REPO / "tests" / "helpers" / "harness" / name) if m.split(".")[0] == "hf_cp" and m not in ok]
+        used = [
+            m
+            for m in _imports(REPO / "tests" / "helpers" / "harness" / name)
+            if m.split(".")[0] == "hf_cp" and m not in ok
+        ]
         assert used == [], f"tests/helpers/harness/{name} imports {used}: the reference must not share code it checks"
 
 

@@ -2,6 +2,7 @@
 one per row (TRL's BFD packing), in one process and in two."""
 
 import pytest
+
 from helpers.masked_training import max_relative_error, one_step, run_processes
 from helpers.packed_docs import docs_dataset
 
@@ -73,6 +74,7 @@ def separate_sequences_reference(parts):
     the definition, without hf_cp's collator, targets or loss."""
     import torch
     import torch.nn.functional as F
+
     from helpers.masked_training import tiny_llama
 
     model = tiny_llama(0, attn="sdpa")

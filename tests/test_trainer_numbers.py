@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.harness.models import synthetic_rows, tiny_model
 
 from hf_cp.planning import GlobalBatchSampler
+
+from helpers.harness.models import synthetic_rows, tiny_model
 
 LENGTHS = [200, 150, 130, 250, 255, 90, 7, 33, 60, 40, 120, 100, 18, 5, 64, 21, 77]
 

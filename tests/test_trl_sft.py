@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from helpers.harness.job import run_launcher
 from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 

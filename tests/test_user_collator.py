@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from helpers.harness.models import synthetic_rows, tiny_model
-from helpers.tiny_tokenizer import tiny_chat_tokenizer
 
 from hf_cp.train.user_collator import UnsupportedCollatorError, check_data_collator
+
+from helpers.harness.models import synthetic_rows, tiny_model
+from helpers.tiny_tokenizer import tiny_chat_tokenizer
 
 
 def trainer_with(tmp_path, collator, rows=None, **kw):

@@ -8,9 +8,14 @@ tests/ on PYTHONPATH, spawned processes inherit sys.path.
 - harness/: CPTrainer exactness runs: tiny models and data, scripted balancers, the torchrun
   job, the single-process reference and the per-step check
 - world2_job: the world-2 runs one shared torchrun job trains once per session (the
-  `world2_job` fixture), and specs of runs of their own
-- attention_pool, dist_utils: long-lived gloo process pools, one-off gloo jobs
-- the references and cases of the attention, ChunkFlow and balancer tests (one module each)
+  `world2_job` fixture), specs of runs of their own, what the tests read back from a run
+- masked_training: one CPTrainer step on a tiny Llama, in this process or under torchrun + DDP
+- attention_pool: the session's long-lived gloo process pools (the `pools` fixture);
+  dist_utils: a one-off gloo job of N spawned processes
+- attention: attention_models, block_models, cp_layout, mask_reference, mask_specs,
+  kernel_checks, chunk_state_reference, chunkflow_reference
+- planning and data: balancer_checks, plan_gen, toy_cost, step_records, packed_docs,
+  tiny_tokenizer
 
 Test code: nothing under hf_cp/ imports it (tests/test_trainer_exactness.py checks that).
 """

@@ -1,5 +1,6 @@
 """Dense references for masked attention, written from each mask kind's plain definition (not
-from masks.py's slices or pair counts), for the attention tests to compare against."""
+from masks.py's slices or pair counts), and causal documents by torch's own SDPA in float64,
+for the attention tests to compare against."""
 
 from __future__ import annotations
 

@@ -38,6 +38,7 @@ def tiny_chat_model(seed: int = 0, attn: str = "hf_cp"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
+
     from helpers.harness.models import TINY_MODEL
 
     cfg = LlamaConfig(**dict(json.loads(TINY_MODEL.read_text()), vocab_size=VOCAB_SIZE))

@@ -16,8 +16,9 @@ name, or a scripted one of balancers.py: fixed_<mode>, spread_<mode>, chunks_<N>
 optional model ("llama" or "qwen2", models.py), balancer_options, model_seed,
 data_seed, seed, lr, adam_epsilon, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
-activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault) and
-mutation (see MUTATIONS: a deliberate bug, for the tests that show the exactness check fails).
+activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault),
+mutation (see MUTATIONS: a deliberate bug, for the tests that show the exactness check fails) and
+expect_error (the run must stop with an error on every rank: recorded, and the job goes on).
 """
 
 from __future__ import annotations
@@ -84,10 +85,24 @@ def run_job(spec: dict) -> None:
     PartialState(backend="gloo", timeout=timedelta(seconds=timeout_s))
     for run in runs:
         t0 = time.perf_counter()
-        train_one(run)
+        if run.get("expect_error"):
+            _train_expecting_error(run)
+        else:
+            train_one(run)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"harness.job: {Path(run['out']).name} trained in {time.perf_counter() - t0:.1f} s", flush=True)
     shutdown_distributed()
+
+
+def _train_expecting_error(spec: dict) -> None:
+    """A run the trainer must stop with an error on every rank (a fault it detects, in step on
+    every rank): each rank writes its error to error_rank<r>.txt and the job goes on with its
+    next run; a rank that trains to the end writes no file (the test fails on that)."""
+    try:
+        train_one(spec)
+    except Exception as e:
+        rank = int(os.environ.get("RANK", "0"))
+        (Path(spec["out"]) / f"error_rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
 
 
 def train_one(spec: dict) -> None:

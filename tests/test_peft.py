@@ -1,0 +1,129 @@
+"""PEFT / LoRA under CPTrainer: a tiny Llama wrapped by peft.get_peft_model(LoraConfig on q_proj
+and v_proj) trains exactly as the same LoRA model trained on one process, sample by sample,
+by torch, transformers and peft alone (helpers.lora_job's reference): per step the loss, the
+gradient norm, the LoRA gradients before the optimizer and the LoRA weights after it. The
+base weights stay frozen and bit-identical, and trainer.save_model / checkpoints save the
+adapter, which loads back into the base model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from helpers.harness.check import PARAM_RTOL  # noqa: E402
+from helpers.lora_job import (  # noqa: E402
+    LORA_TARGETS,
+    compare_with_reference,
+    frozen,
+    lora_model,
+    reference_steps,
+    relative_error,
+    run_lora_job,
+    train_lora,
+)
+
+# At 600 tokens per step, unshuffled: [0 1 2 3] (sample 0 has 400 tokens, over the 256-token cap
+# of a rank at world 2: a CP group of both ranks holds it, the others run local) and [4..9];
+# step 3 is [0..3] again (the second epoch)
+LENGTHS = [400, 60, 30, 90, 120, 100, 150, 90, 60, 70]
+TOKENS_PER_STEP = 600
+
+
+def lora_spec(out: Path, **kw) -> dict:
+    spec = dict(lengths=LENGTHS, tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=256, steps=3, balancer="auto")
+    spec.update(kw)
+    return dict(spec, out=str(out))
+
+
+def assert_adapter_saved(folder: Path, final: dict) -> None:
+    """`folder` holds a peft adapter (no base weights) that loads back into the base model with
+    the trained LoRA weights."""
+    from peft import PeftModel
+
+    names = sorted(p.name for p in folder.iterdir())
+    assert "adapter_config.json" in names and "adapter_model.safetensors" in names, names
+    assert not any(n.startswith("model") for n in names), f"the base model was saved too: {names}"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == sorted(LORA_TARGETS) and config["r"] == 4
+    from helpers.harness.models import tiny_model
+
+    loaded = PeftModel.from_pretrained(tiny_model(0, attn="sdpa"), str(folder))
+    lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert lora and set(lora) == {n for n in final if "lora_" in n}
+    for n, p in lora.items():
+        assert torch.equal(p.detach(), final[n]), n
+
+
+def assert_only_lora_trained(final: dict) -> None:
+    """The base weights are the untrained model's, bit for bit; every LoRA weight moved."""
+    init = lora_model(0, attn="sdpa")
+    base = frozen(init)
+    assert set(base) | {n for n in final if "lora_" in n} == set(final)
+    for n, p in base.items():
+        assert torch.equal(final[n], p), f"frozen {n} changed"
+    moved = {n: float((final[n] - p.detach()).norm()) for n, p in init.named_parameters() if p.requires_grad}
+    assert all("lora_" in n for n in moved) and len(moved) == 2 * len(LORA_TARGETS) * 2  # A and B, 2 layers
+    assert all(m > 0 for m in moved.values()), moved
+
+
+def test_lora_model_trains_under_cptrainer_like_one_plain_process(tmp_path):
+    """World 1 (this process), with activation checkpointing: three CPTrainer steps of the LoRA
+    model equal the reference; only LoRA weights train; save_model writes the adapter."""
+    spec = lora_spec(tmp_path / "w1", max_tokens_per_rank=512, activation_checkpointing=True)
+    model = lora_model(0)
+    assert model.config._attn_implementation == "hf_cp"
+    trainer = train_lora(spec, model)
+    assert trainer.model is model  # a plain PeftModel, not unwrapped or rebuilt
+    worst = compare_with_reference(spec)
+    assert worst["params"] < PARAM_RTOL
+    final = torch.load(Path(spec["out"]) / "params.pt")
+    assert_only_lora_trained(final)
+    assert_adapter_saved(Path(spec["out"]) / "adapter", final)
+
+
+def test_reference_trains_lora_only():
+    """The reference is not vacuous: its LoRA B weights get gradients from step 1, lora_A from
+    step 2 (B starts at zero), and the loss moves."""
+    steps = reference_steps(lora_spec(Path("unused")))
+    a = [n for n in steps[0].grads if "lora_A" in n]
+    b = [n for n in steps[0].grads if "lora_B" in n]
+    assert a and b and len(steps[0].grads) == len(a) + len(b)
+    assert all(steps[0].grads[n].norm() > 0 for n in b) and all(steps[0].grads[n].norm() == 0 for n in a)
+    assert all(steps[1].grads[n].norm() > 0 for n in a)
+    assert steps[0].loss != steps[2].loss  # the same batch, one epoch later
+
+
+def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
+    """World 2 (torchrun, gloo): the 400-token sample on a CP group of both ranks, the rest local,
+    under DeepSpeed ZeRO-2 and under plain DDP (that run also checkpoints after every step):
+    every step equals the single-process reference, base weights untouched, adapter saved."""
+    zero2 = lora_spec(tmp_path / "zero2", deepspeed=True)
+    ddp = lora_spec(tmp_path / "ddp", save_steps=1)
+    run_lora_job([zero2, ddp], 2)
+    for spec in (zero2, ddp):
+        out = Path(spec["out"])
+        history = json.loads((out / "history.json").read_text())
+        assert sum(r["cp_size_samples"].get("2", 0) for r in history) >= 2, "no sample ran on a CP group"
+        assert sum(r["cp_size_samples"].get("1", 0) for r in history) >= 1, "no sample ran locally"
+        compare_with_reference(spec)
+        final = torch.load(out / "params.pt")
+        assert_only_lora_trained(final)
+        assert_adapter_saved(out / "adapter", final)
+    # the checkpoints hold the adapter of their step, marked complete
+    steps = reference_steps(ddp)
+    for k in (1, 3):
+        ckpt = Path(ddp["out"]) / f"checkpoint-{k}"
+        assert (ckpt / "hf_cp_complete.json").exists()
+        from safetensors.torch import load_file
+
+        saved = load_file(str(ckpt / "adapter_model.safetensors"))
+        # peft drops the adapter name ("default") from the saved keys
+        want = {n.replace(".default", ""): p for n, p in steps[k - 1].params.items()}
+        assert set(saved) == set(want)
+        assert max(relative_error(saved[n], want[n]) for n in want) < PARAM_RTOL
