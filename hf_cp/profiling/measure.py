@@ -1,6 +1,6 @@
 """`hf-cp profile`: measure one decoder layer on this device and fit the cost model.
 
-The method of ../shared/data/calibration/measure.py, on the model's own layer classes:
+The method behind benchmarks/calibration/h200-qwen2.5-7b-dims.json (the project's H200 measurements), on the model's own layer classes:
   1. query-chunk efficiency: attention fwd+bwd of query chunks of length q against a fixed
      number of keys, causal pairs per millisecond relative to the best chunk length;
   2. head split (Ulysses): attention with heads/w heads, times w, over all heads;

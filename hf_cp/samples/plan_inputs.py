@@ -1,7 +1,7 @@
 """What `hf-cp plan` plans: the samples' lengths and masks, read from one of
     - a text file, one token count per line (a causal sample each);
     - a JSON-lines file of shared-prompt groups, `{"prompt": P, "answers": [a1, ..., an]}` in
-      tokens (../shared/data/traces/shared_prompt_*.jsonl): one sample of P + sum(a) tokens with
+      tokens (benchmarks/traces/shared_prompt_*.jsonl): one sample of P + sum(a) tokens with
       the shared-prompt mask each (a single answer is a causal sample);
     - a dataset saved by `hf-cp preprocess` (or any save_to_disk folder): its `length` column
       (else the input_ids' lengths), its `attn_mask` column, and pre-packed rows unpacked into
