@@ -129,7 +129,7 @@ def test_rows_with_interior_eos_and_no_boundaries_warn_once_naming_the_rows():
         "train_dataset: 2 of 4 rows hold the EOS token (id 2) before their last token (4 in all: row 0: 1, row 2: 3)"
         in warning
     )
-    assert "each trains as ONE document" in warning and "seq_lengths" in warning and "cu_seqlens" in warning
+    assert "each such row trains as ONE document" in warning and "seq_lengths" in warning and "cu_seqlens" in warning
     # a model config's list of EOS ids; many rows: the first few named, then how many more
     many = Dataset.from_list([{"input_ids": [5, 2, 6]}] * 12)
     (warning,) = read_token_columns(many, "eval_dataset", eos_token_ids=[2, 3]).warnings

@@ -33,6 +33,7 @@ from helpers.lora_job import (  # noqa: E402
 # step 3 is [0..3] again (the second epoch)
 LENGTHS = [400, 60, 30, 90, 120, 100, 150, 90, 60, 70]
 TOKENS_PER_STEP = 600
+WORLD2_TIMEOUT = 300
 
 
 def lora_spec(out: Path, **kw) -> dict:
@@ -87,6 +88,15 @@ def test_lora_model_trains_under_cptrainer_like_one_plain_process(tmp_path):
     assert_adapter_saved(Path(spec["out"]) / "adapter", final)
 
 
+def test_comparison_fails_on_a_loss_scaled_by_one_part_in_a_thousand(tmp_path):
+    spec = lora_spec(tmp_path / "scaled", max_tokens_per_rank=512, mutation="loss_scale")
+    train_lora(spec)
+    with pytest.raises(AssertionError) as caught:
+        compare_with_reference(spec)
+    assert "step 1 loss: relative error 0.001" in str(caught.value)
+    assert "step 1 gradient of" in str(caught.value)
+
+
 def test_reference_trains_lora_only():
     """The reference is not vacuous: its LoRA B weights get gradients from step 1, lora_A from
     step 2 (B starts at zero), and the loss moves."""
@@ -99,13 +109,23 @@ def test_reference_trains_lora_only():
     assert steps[0].loss != steps[2].loss  # the same batch, one epoch later
 
 
+# one torchrun job of 2 processes (two runs of 3 steps, ~7 s of training): ~35-60 s on a loaded
+# 2-core machine, most of it the two processes importing torch, transformers, DeepSpeed and peft
+@pytest.mark.slow
+@pytest.mark.timeout(WORLD2_TIMEOUT + 120)
 def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
     """World 2 (torchrun, gloo): the 400-token sample on a CP group of both ranks, the rest local,
-    under DeepSpeed ZeRO-2 and under plain DDP (that run also checkpoints after every step):
+    under DeepSpeed ZeRO-2 and under plain DDP (that run with activation checkpointing, and a
+    checkpoint after every step):
     every step equals the single-process reference, base weights untouched, adapter saved."""
     zero2 = lora_spec(tmp_path / "zero2", deepspeed=True)
-    ddp = lora_spec(tmp_path / "ddp", save_steps=1)
-    run_lora_job([zero2, ddp], 2)
+    ddp = lora_spec(tmp_path / "ddp", save_steps=1, activation_checkpointing=True)
+    run_lora_job([zero2, ddp], 2, timeout=WORLD2_TIMEOUT)
+    engines = {k: json.loads((Path(s["out"]) / "engine.json").read_text()) for k, s in (("zero2", zero2), ("ddp", ddp))}
+    assert engines == {
+        "zero2": {"deepspeed": True, "wrapper": "DeepSpeedEngine"},
+        "ddp": {"deepspeed": False, "wrapper": "DistributedDataParallel"},
+    }
     for spec in (zero2, ddp):
         out = Path(spec["out"])
         history = json.loads((out / "history.json").read_text())
@@ -119,7 +139,7 @@ def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
     steps = reference_steps(ddp)
     for k in (1, 3):
         ckpt = Path(ddp["out"]) / f"checkpoint-{k}"
-        assert (ckpt / "hf_cp_complete.json").exists()
+        assert (ckpt / "hf_cp_complete.json").exists() and not list(ckpt.glob("global_step*"))  # no DeepSpeed
         from safetensors.torch import load_file
 
         saved = load_file(str(ckpt / "adapter_model.safetensors"))

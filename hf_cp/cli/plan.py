@@ -323,16 +323,15 @@ def settings_from_args(args) -> PlanningSettings:
 def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     """--plan-json: plans made elsewhere, to simulate again."""
     cost = CostModel(ModelDims.load(args.model), load_profile(args.profile), execution_named(args.execution))
-    data = json.loads(Path(args.plan_json).read_text())
-    items = data if isinstance(data, list) else data.get("plans", [data]) if isinstance(data, dict) else None
-    if not items:
-        raise PlanError(f"{args.plan_json}: expected a plan object or a list of plans")
-    plans = [StepPlan.from_dict(d, source=f"{args.plan_json}[{i}]") for i, d in enumerate(items)]
+    plans = StepPlan.load_file(args.plan_json)  # read and checked, errors naming the file and plan
     world = plans[0].world_size
     if args.world and args.world != world:
-        raise PlanError(f"--world {args.world} disagrees with the plan's world_size {world}")
+        raise PlanError(f"--world {args.world} disagrees with the world_size {world} of {args.plan_json}")
     gpus = args.gpus_per_node or load_profile(args.profile).gpus_per_node
-    cluster = ClusterSpec(world, plans[0].max_tokens_per_rank, gpus, args.max_group_size)
+    try:
+        cluster = ClusterSpec(world, plans[0].max_tokens_per_rank, gpus, args.max_group_size)
+    except ValueError as e:
+        raise PlanError(f"{args.plan_json}: {e}") from None
     return plans, cluster, cost, f"simulated {len(plans)} plan(s) from {args.plan_json}"
 
 
@@ -342,8 +341,11 @@ def run(args) -> int:
         plans, cluster, cost, header = _replan(args)
         planner_ms = [0.0] * len(plans)
         sims = []
-        for plan in plans:
-            plan.validate(cluster, cost)
+        for i, plan in enumerate(plans):
+            try:
+                plan.validate(cluster, cost)
+            except PlanError as e:
+                raise PlanError(f"{args.plan_json}[{i}]: {e}") from None
             sims.append(simulate(plan, cost, cluster))
         compare_ms = [None] * len(plans)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from hf_cp.modes.registry import mode_name, mode_spec, rank_segments
@@ -100,14 +101,53 @@ class Group:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Group:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"a group must be an object with 'ranks', got {d!r:.60}")
+
+        def per_rank(key: str) -> Mapping:
+            v = d.get(key, {})
+            if not isinstance(v, Mapping):
+                raise ValueError(f"group {key!r} must map ranks to sample lists, got {v!r:.60}")
+            return v
+
+        def chunk(c) -> ChunkedSample:
+            if not isinstance(c, (list, tuple)) or len(c) != 3:
+                raise ValueError(f"a chunked sample is [sample, chunk_size, keep], got {c!r:.60}")
+            return ChunkedSample(*(whole(x, "chunked sample") for x in c))
+
         return cls(
-            ranks=tuple(d["ranks"]),
-            distributed=list(d.get("distributed", [])),
+            ranks=tuple(whole(r, "ranks") for r in _items(d["ranks"], "ranks")),
+            distributed=[whole(s, "distributed") for s in _items(d.get("distributed", []), "distributed")],
             mode=d.get("mode", ShardMode.RING_PER_DOC.value),
-            local={int(k): list(v) for k, v in d.get("local", {}).items()},
+            local={
+                whole(k, "local", key=True): [whole(s, "local") for s in _items(v, "local")]
+                for k, v in per_rank("local").items()
+            },
             blocks=BlockLayout.from_dict(d["blocks"], "group blocks") if "blocks" in d else None,
-            chunked={int(k): [ChunkedSample(*c) for c in v] for k, v in d.get("chunked", {}).items()},
+            chunked={
+                whole(k, "chunked", key=True): [chunk(c) for c in _items(v, "chunked")]
+                for k, v in per_rank("chunked").items()
+            },
         )
+
+
+def whole(v, what: str, key: bool = False) -> int:
+    """An integer of a plan file: an int or an integral float (`key`: a string of one, as JSON
+    writes the keys of `local` and `chunked`); a fraction, a bool or text is refused, never rounded."""
+    if key and isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"{what}: {v!r} is not a whole number") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise ValueError(f"{what}: {v!r:.60} is not a whole number")
+    return int(v)
+
+
+def _items(v, what: str) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"{what} must be a list, got {v!r:.60}")
+    return v
 
 
 @dataclass
@@ -263,25 +303,67 @@ class StepPlan:
         if d.get("format") != FORMAT:
             raise PlanError(f"{source}: format is {d.get('format')!r}, expected {FORMAT!r}")
         try:
-            samples = d["samples"]
+            samples = _items(d["samples"], "samples")
+            if not all(isinstance(s, list) and len(s) == 2 for s in samples):
+                raise ValueError("samples are [sample id, length] pairs")
+            waves = _items(d["waves"], "waves")
+            if not all(isinstance(w, Mapping) for w in waves):
+                raise ValueError("waves are objects with 'groups'")
+            balancer, notes = d.get("balancer", ""), _items(d.get("notes", []), "notes")
+            if not isinstance(balancer, str) or not all(isinstance(n, str) for n in notes):
+                raise ValueError("balancer is text and notes a list of texts")
+            masks = d.get("masks")
+            if masks is not None and not isinstance(masks, Mapping):
+                raise ValueError(f"masks must map sample ids to masks, got {masks!r:.60}")
             plan = cls(
-                world_size=int(d["world_size"]),
-                max_tokens_per_rank=int(d["max_tokens_per_rank"]),
-                sample_ids=[int(s[0]) for s in samples],
-                lengths=[int(s[1]) for s in samples],
-                waves=[Wave([Group.from_dict(g) for g in w["groups"]]) for w in d["waves"]],
-                step=int(d.get("step", 0)),
-                balancer=str(d.get("balancer", "")),
-                notes=[str(n) for n in d.get("notes", [])],
+                world_size=whole(d["world_size"], "world_size"),
+                max_tokens_per_rank=whole(d["max_tokens_per_rank"], "max_tokens_per_rank"),
+                sample_ids=[whole(s[0], "samples") for s in samples],
+                lengths=[whole(s[1], "samples") for s in samples],
+                waves=[Wave([Group.from_dict(g) for g in _items(w["groups"], "groups")]) for w in waves],
+                step=whole(d.get("step", 0), "step"),
+                balancer=balancer,
+                notes=list(notes),
             )
-            plan.masks = masks_from_json(d.get("masks"), plan.length_of())
+            plan.masks = masks_from_json(masks, plan.length_of())
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
         except (MaskError, BlockLayoutError) as e:
             raise PlanError(f"{source}: {e}") from None
-        except (TypeError, ValueError, IndexError) as e:
+        except (TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"{source}: malformed plan: {e}") from None
         return plan
+
+    @classmethod
+    def load_file(cls, path, validate: bool = True) -> List[StepPlan]:
+        """The plans of a JSON file: `hf-cp plan --json`'s {"plans": [...], ...}, a list of plans
+        or one plan; each read (and, with `validate`, checked) with errors naming the file and
+        the plan's index: "plans.json[2]: step 5, wave 1: ..."."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_bytes())
+        except OSError as e:
+            raise PlanError(f"{path}: {e.strerror or e}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise PlanError(f"{path}: not valid JSON: {e}") from None
+        if isinstance(data, Mapping) and "plans" in data:
+            items = data["plans"]
+        elif isinstance(data, list):
+            items = data
+        else:
+            items = [data]
+        if not isinstance(items, list) or not items:
+            raise PlanError(f'{path}: holds no plans (expected a plan object, a list of plans or {{"plans": [...]}})')
+        plans = []
+        for i, d in enumerate(items):
+            plan = cls.from_dict(d, source=f"{path}[{i}]")
+            if validate:
+                try:
+                    plan.validate()
+                except PlanError as e:
+                    raise PlanError(f"{path}[{i}]: {e}") from None
+            plans.append(plan)
+        return plans
 
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> StepPlan:

@@ -14,7 +14,6 @@ documents on heads/group-size heads (hf_cp.profiling.layers.RankWork).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,23 +29,9 @@ from hf_cp.profiling.timing import time_each
 
 
 def load_plans(path: Union[str, Path]) -> List[StepPlan]:
-    """Plans from `hf-cp plan --json` ({"plans": [...], ...}), a list of plans, or one plan."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise PlanError(f"{path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"{path}: not valid JSON: {e}") from None
-    if isinstance(data, dict) and "plans" in data:
-        items = data["plans"]
-    elif isinstance(data, list):
-        items = data
-    else:
-        items = [data]
-    if not items:
-        raise PlanError(f"{path}: holds no plans")
-    return [StepPlan.from_dict(d, source=f"{path}[{i}]") for i, d in enumerate(items)]
+    """Plans from `hf-cp plan --json` ({"plans": [...], ...}), a list of plans, or one plan, each
+    checked; errors name the file and the plan ("plans.json[1]: step 1, wave 0: ...")."""
+    return StepPlan.load_file(path)
 
 
 def select_plan(plans: Sequence[StepPlan], step: Optional[int], source: str = "plans") -> StepPlan:

@@ -9,7 +9,9 @@ must agree):
     position_ids   positions that restart at 0 where a document begins and count up by one
                    inside it (DataCollatorWithFlattening's convention)
 A row without any of them is one document, as before. A row whose boundaries cannot be read
-(lengths that do not add up to the row, positions that jump) is refused with the fix.
+(lengths that do not add up to the row, positions that jump) is refused with the fix. Rows of a
+dataset without any of them that hold the EOS token before their last token look packed
+(interior_eos): the reader warns, naming them, since each trains as one document.
 
 Targets never cross a boundary: every document's last token predicts nothing (TRL sets the
 label of every document's first token to -100 for the same reason).
@@ -18,7 +20,7 @@ Pure Python and numpy.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,3 +117,36 @@ def row_documents(n_tokens: int, boundaries: dict, row: object = "?") -> List[in
                 f"row {row}: {first} gives documents {docs[:10]} but {c} gives {other[:10]}; they must agree ({FIX})"
             )
     return docs
+
+
+EOS_ROWS_NAMED = 5  # rows named in the interior-EOS warning before "and N more"
+
+
+def interior_eos(offsets: np.ndarray, flat: np.ndarray, eos_ids: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Rows that hold an EOS token before their last token (ascending), and how many each.
+    `flat` holds the rows' tokens back to back, row r at flat[offsets[r]:offsets[r + 1]].
+    Vectorised: one pass over the tokens, then work only for the EOS tokens found."""
+    pos = np.flatnonzero(np.isin(flat, np.asarray(list(eos_ids))))
+    if len(pos) == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    offsets = np.asarray(offsets, dtype=np.int64)
+    rows = np.searchsorted(offsets, pos, side="right") - 1  # the row each EOS token sits in
+    inside = pos < offsets[rows + 1] - 1  # not the row's last token
+    return np.unique(rows[inside], return_counts=True)
+
+
+def interior_eos_warning(
+    name: str, rows: np.ndarray, counts: np.ndarray, n_rows: int, eos_ids: Sequence[int]
+) -> Optional[str]:
+    """The set-up warning for rows that look packed but say nothing of their documents (None: no such row)."""
+    if len(rows) == 0:
+        return None
+    k = EOS_ROWS_NAMED
+    named = ", ".join(f"row {int(r)}: {int(c)}" for r, c in zip(rows[:k], counts[:k]))
+    more = f" and {len(rows) - k} more rows" if len(rows) > k else ""
+    return (
+        f"{name}: {len(rows)} of {n_rows} rows hold the EOS token (id {' or '.join(str(i) for i in eos_ids)}) "
+        f"before their last token ({int(counts.sum())} in all: {named}{more}), and the dataset has no document "
+        f"boundaries, so each such row trains as ONE document whose parts attend to each other. If the rows are "
+        f"packed documents, {FIX}. If EOS belongs inside them (chat turns that end with it), nothing to do"
+    )

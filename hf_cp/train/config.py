@@ -23,7 +23,10 @@ Sections:
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
               a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
               model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
-A key a section does not know is an error naming the nearest valid key (config_schema.py).
+A key a section does not know is an error naming the nearest valid key, and a value of the wrong
+type one naming the key, the type and the value (config_schema.py). A key set to null is no
+setting, in every section: as if the key were absent (its default applies; an override
+`--set training.deepspeed=null` removes the key).
 The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
 """
 
@@ -37,7 +40,14 @@ import yaml
 
 from hf_cp.cost.model import read_yaml_mapping, resolve_config
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
-from hf_cp.train.config_schema import DATA_KEYS, MODEL_KEYS, TrainConfigError, check_section, check_training_keys
+from hf_cp.train.config_schema import (
+    DATA_KEYS,
+    MODEL_KEYS,
+    TrainConfigError,
+    check_section,
+    check_training_keys,
+    unset,
+)
 
 __all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
 
@@ -69,13 +79,17 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
         section, field = key.split(".", 1)
         if section not in ("model", "data", "training"):
             raise TrainConfigError(f"override {item!r}: unknown section {section!r}; expected model, data or training")
-        cfg.setdefault(section, {})[field] = yaml.safe_load(value)
-    # every section against its schema: a typo names the key and the nearest valid one
-    check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
-    check_section("data", cfg.get("data"), DATA_KEYS, str(p))
+        if cfg.get(section) is None:  # `data:` with nothing under it
+            cfg[section] = {}
+        if isinstance(cfg[section], dict):  # otherwise the schema check below names the section
+            cfg[section][field] = yaml.safe_load(value)
+    # every section against its schema: a typo names the key and the nearest valid one, a value
+    # of the wrong type the key, the type and the value; null keys are left out (unset)
+    cfg["model"] = check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
+    cfg["data"] = check_section("data", cfg.get("data"), DATA_KEYS, str(p))
     if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
         raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
-    check_training_keys(cfg.get("training") or {}, str(p))
+    cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p))
     cfg["_source"] = str(p)
     return cfg
 
@@ -83,7 +97,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
 def trust_remote_code(mcfg: dict, source: str) -> bool:
     """model.trust_remote_code, off unless the config says `true`: Python shipped with a model
     folder runs only when the user asks for it."""
-    value = mcfg.get("trust_remote_code", False)
+    value = unset(mcfg).get("trust_remote_code", False)
     if not isinstance(value, bool):
         raise TrainConfigError(f"{source}: model.trust_remote_code must be true or false, got {value!r}")
     return value
@@ -97,7 +111,9 @@ def looks_like_a_path(name: str) -> bool:
 def pretrained_path(mcfg: dict, source: str) -> str:
     """model.pretrained resolved; a path that does not exist is reported as missing (not as a
     Hub download that failed)."""
-    name = str(mcfg["pretrained"])
+    name = mcfg["pretrained"]
+    if not isinstance(name, str):
+        raise TrainConfigError(f"{source}: model.pretrained: expected a string (a model folder), got {name!r}")
     path = _resolve(name)
     if not Path(path).exists() and looks_like_a_path(name):
         raise TrainConfigError(f"{source}: model.pretrained {name} does not exist ({LOOKED})")
@@ -122,6 +138,7 @@ def model_config(mcfg: dict, source: str):
     """The model's transformers config, without building the model or reading weights."""
     from transformers import AutoConfig
 
+    mcfg = unset(mcfg)  # `pretrained: null` is no pretrained model, not one named 'None'
     trusted = trust_remote_code(mcfg, source)
     if "pretrained" in mcfg:
         return _from_pretrained(
@@ -145,6 +162,7 @@ def build_model(mcfg: dict, source: str):
 
     import hf_cp.attention.interface  # noqa: F401  torch, transformers: registers attn_implementation="hf_cp"
 
+    mcfg = unset(mcfg)
     attn = mcfg.get("attn_implementation", "hf_cp")
     if "pretrained" in mcfg:
         model = _from_pretrained(
@@ -171,6 +189,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def load_run_tokenizer(mcfg: dict, source: str):
     """The run's tokenizer, saved with the final model: model.tokenizer (a folder), else the one
     in the model.pretrained folder; None when the run has none (a model built from a config)."""
+    mcfg = unset(mcfg)
     name = mcfg.get("tokenizer")
     if name is None and "pretrained" in mcfg:
         folder = Path(pretrained_path(mcfg, source))
@@ -212,7 +231,7 @@ def load_datasets(dcfg: dict, source: str):
     data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
     from hf_cp.data import load_sample_dataset  # datasets, loaded only when data is read
 
-    check_section("data", dcfg, DATA_KEYS, source)
+    dcfg = check_section("data", dcfg, DATA_KEYS, source)  # typed, null keys left out
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
         if dcfg["bundled"] != "longtail_sample":
@@ -241,12 +260,8 @@ def load_datasets(dcfg: dict, source: str):
 def training_arguments(tcfg: dict, source: str):
     from hf_cp.train.args import CPTrainingArguments  # transformers (TrainingArguments)
 
-    t = dict(tcfg)
-    for k, v in t.items():
-        # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
-        if v is False and (k.endswith("_strategy") or k == "report_to"):
-            t[k] = "no"
-    check_training_keys(t, source)
+    # the dataclass's fields, each of its type; null keys left out (unset); `no` read as "no"
+    t = check_training_keys(tcfg, source)
     ds = t.get("deepspeed")
     if isinstance(ds, str) and not input_path(ds).exists():
         raise TrainConfigError(f"{source}: training.deepspeed {ds} does not exist ({LOOKED})")

@@ -1,14 +1,25 @@
 """The schema of a training config: which keys each section takes, what type each holds, and
 which keys exclude each other. A typo is an error that names the key and the nearest valid one
 (model.attn_implemention: did you mean model.attn_implementation?), not a setting silently
-ignored. The training section's keys are CPTrainingArguments' fields, read from the dataclass.
+ignored; a value of the wrong type names the key, the type and the value
+(training.cp_max_tokens_per_rank: expected an integer, got '8k'). The training section's keys and
+their types are CPTrainingArguments' fields and annotations, read from the dataclass.
+
+A key set to null is no setting: it reads as if it were absent, in every section (unset()).
+A number key also takes the text PyYAML leaves a number without a dot as (1e-3).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
+import enum
+import functools
+import re
+import types
+import typing
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -85,27 +96,43 @@ def unknown_key_message(section: str, key: str, valid: Iterable[str]) -> str:
     return f"unknown key {section}.{key}: {hint}"
 
 
-def _type_name(types: Tuple[type, ...]) -> str:
-    return " or ".join({str: "a string", int: "an integer", float: "a number", bool: "true/false"}[t] for t in types)
+def unset(values: Optional[Mapping]) -> dict:
+    """A section without its null keys: `key: null` is no setting, exactly as if the key were absent."""
+    return {k: v for k, v in (values or {}).items() if v is not None}
 
 
-def check_section(section: str, values: object, schema: Mapping[str, Key], source: str) -> None:
-    """Every key of `values` is in `schema`, of an accepted type, and passes its check."""
+# a number as PyYAML 1.1 leaves it a string: an exponent without a dot (1e-3, 5E4)
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _as_number(value: object) -> object:
+    """`value`, or the float a number text spells (for a key whose type is a number)."""
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def _wrong_type(section: str, key: str, expected: str, value: object, help: str = "") -> str:
+    return f"{section}.{key}: expected {expected}{f' ({help})' if help else ''}, got {value!r:.80}"
+
+
+def check_section(section: str, values: object, schema: Mapping[str, Key], source: str) -> dict:
+    """Every key of `values` is in `schema`, of an accepted type, and passes its check; returns the
+    section as read: null keys left out (unset), number texts (1e-3) as numbers."""
     if values is None:
-        return
+        return {}
     if not isinstance(values, Mapping):
         raise SchemaError(f"{source}: section {section} must be a mapping of keys to values, got {values!r:.60}")
-    problems = []
-    for key, value in values.items():
+    problems, out = [], {}
+    for key, value in unset(values).items():
         spec = schema.get(key)
         if spec is None:
             problems.append(unknown_key_message(section, str(key), schema))
             continue
-        if value is None:
-            continue
-        types = spec.types + ((int,) if float in spec.types else ())  # YAML reads 1 as int
-        if isinstance(value, bool) and bool not in spec.types or not isinstance(value, types):
-            problems.append(f"{section}.{key} must be {_type_name(spec.types)} ({spec.help}), got {value!r:.60}")
+        expected = _Type.of(spec.types[0] if len(spec.types) == 1 else typing.Union[spec.types])
+        value = out[key] = expected.read(value)
+        if not expected.accepts(value):
+            problems.append(_wrong_type(section, key, expected.describe(), value, spec.help))
             continue
         bad = spec.check(value) if spec.check else None
         if bad:
@@ -115,6 +142,106 @@ def check_section(section: str, values: object, schema: Mapping[str, Key], sourc
             problems.append(f"{section}.{a} and {section}.{b} both set: {why}")
     if problems:
         raise SchemaError(f"{source}: " + "; ".join(problems))
+    return out
+
+
+# ---------------------------------------------------------------- types read from annotations
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+_PLURALS = {bool: "true/false values", int: "integers", float: "numbers", str: "strings"}
+_ENUM_SHOWN = 8  # enum values named in an error before "..."
+_LISTS = (list, tuple, collections.abc.Sequence)
+_MAPPINGS = (dict, collections.abc.Mapping)
+
+
+@dataclass(frozen=True)
+class _Type:
+    """An annotation (int, `str | None`, `dict | str`, `list[str]`, `IntervalStrategy | str`,
+    `Literal[False]`, ...) as a check of a YAML value and a description for its error."""
+
+    annotation: Any
+
+    @staticmethod
+    def of(annotation: Any) -> _Type:
+        return _Type(annotation)
+
+    def _args(self) -> Tuple[Any, ...]:
+        return typing.get_args(self.annotation)
+
+    def _is_union(self) -> bool:
+        return typing.get_origin(self.annotation) in (typing.Union, types.UnionType)
+
+    def accepts(self, value: object) -> bool:
+        tp, origin = self.annotation, typing.get_origin(self.annotation)
+        if tp is Any:
+            return True
+        if self._is_union():
+            return any(_Type(a).accepts(value) for a in self._args())
+        if origin is typing.Literal:
+            return any(type(value) is type(a) and value == a for a in self._args())
+        if tp is type(None):
+            return value is None
+        if tp is bool:
+            return isinstance(value, bool)
+        if tp is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        if tp is float:  # YAML reads 1 as an int
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if origin in _LISTS or tp in (list, tuple):
+            item = self._args()[0] if self._args() else Any
+            return isinstance(value, (list, tuple)) and all(_Type(item).accepts(v) for v in value)
+        if origin in _MAPPINGS or tp is dict:
+            return isinstance(value, Mapping)
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            return isinstance(value, tp) or value in {m.value for m in tp}
+        if isinstance(tp, type):
+            return isinstance(value, tp)
+        return True  # an annotation this check cannot read: the dataclass judges the value
+
+    def read(self, value: object) -> object:
+        """`value`, with a number text read as the number, where this type takes a number and no string."""
+        if isinstance(value, str) and self._takes(float) and not self._takes(str):
+            return _as_number(value)
+        return value
+
+    def _takes(self, t: type) -> bool:
+        if self._is_union():
+            return any(_Type(a)._takes(t) for a in self._args())
+        return self.annotation is t
+
+    def describe(self, plural: bool = False) -> str:
+        tp, origin = self.annotation, typing.get_origin(self.annotation)
+        if self._is_union():
+            members = [a for a in self._args() if a is not type(None)]
+            enums = [a for a in members if isinstance(a, type) and issubclass(a, enum.Enum)]
+            if enums and str in members:  # `IntervalStrategy | str`: a string, one of the enum's values
+                members = [a for a in members if a not in enums]
+            names = []
+            for a in members:
+                name = _Type(a).describe(plural)
+                if a is str and enums:
+                    name += f" ({_enum_values(enums[0])})"
+                if name not in names:
+                    names.append(name)
+            return " or ".join(names)
+        if origin is typing.Literal:
+            return " or ".join("true" if a is True else "false" if a is False else repr(a) for a in self._args())
+        if tp in _NAMES:
+            return _PLURALS.get(tp, _NAMES[tp]) if plural else _NAMES[tp]
+        if origin in _LISTS or tp in (list, tuple):
+            item = self._args()[0] if self._args() else Any
+            return ("lists" if plural else "a list") + (f" of {_Type(item).describe(True)}" if item is not Any else "")
+        if origin in _MAPPINGS or tp is dict:
+            return "mappings" if plural else "a mapping"
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            return ("strings" if plural else "a string") + f" ({_enum_values(tp)})"
+        if isinstance(tp, type):
+            return f"{tp.__name__} objects" if plural else f"a {tp.__name__}"
+        return str(tp)
+
+
+def _enum_values(e: type) -> str:
+    values = [str(m.value) for m in e]
+    return ", ".join(values[:_ENUM_SHOWN]) + (", ..." if len(values) > _ENUM_SHOWN else "")
 
 
 def training_keys() -> Dict[str, str]:
@@ -126,9 +253,35 @@ def training_keys() -> Dict[str, str]:
     return {f.name: str(f.metadata.get("help", "")) for f in fields(CPTrainingArguments) if f.init}
 
 
-def check_training_keys(values: Mapping, source: str) -> None:
-    """The training section's keys are CPTrainingArguments fields (types are the dataclass's to check)."""
-    valid = training_keys()
-    problems = [unknown_key_message("training", str(k), valid) for k in values if k not in valid]
+@functools.lru_cache(maxsize=1)
+def training_types() -> Dict[str, _Type]:
+    """CPTrainingArguments' init fields -> their types, from the dataclass's annotations (as
+    transformers' HfArgumentParser reads them)."""
+    from dataclasses import fields
+
+    from hf_cp.train.args import CPTrainingArguments  # transformers (TrainingArguments)
+
+    hints = typing.get_type_hints(CPTrainingArguments)
+    return {f.name: _Type.of(hints.get(f.name, Any)) for f in fields(CPTrainingArguments) if f.init}
+
+
+def check_training_keys(values: Mapping, source: str) -> dict:
+    """The training section as CPTrainingArguments will take it: its keys are the dataclass's
+    fields and each value is of its field's type (null keys left out: unset; an unquoted `no`, which
+    YAML 1.1 reads as false, is "no" for the *_strategy keys and report_to; 1e-3 a number)."""
+    valid, typed = training_keys(), training_types()
+    problems, out = [], {}
+    for key, value in unset(values).items():
+        if key not in valid:
+            problems.append(unknown_key_message("training", str(key), valid))
+            continue
+        # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
+        if value is False and (key.endswith("_strategy") or key == "report_to"):
+            value = "no"
+        expected = typed[key]
+        value = out[key] = expected.read(value)
+        if not expected.accepts(value):
+            problems.append(_wrong_type("training", key, expected.describe(), value))
     if problems:
         raise SchemaError(f"{source}: " + "; ".join(problems))
+    return out

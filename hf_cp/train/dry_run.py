@@ -22,7 +22,7 @@ from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
 from hf_cp.planning.setup import planning_setup
 from hf_cp.planning.worker import Planner
-from hf_cp.train.columns import read_token_columns
+from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from hf_cp.train.resume import (
     LATEST,
@@ -50,9 +50,9 @@ def dry_run(
     args = training_arguments(tcfg, src)
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
-    load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
+    tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
-    data = read_token_columns(train, "train_dataset")
+    data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config))
     setup = planning_setup(
         args.planning_settings(),
         data.lengths,
@@ -98,6 +98,7 @@ def dry_run(
     warning = profile_warning(cost.profile, name, cost.dims, device, str(model_name))
     if warning:
         lines.append(f"warning: {warning}")
+    lines += [f"warning: {w}" for w in data.warnings]  # rows that look packed but carry no boundaries
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union, get_args, get_origin, get_type_hints
 
 
 class HistoryError(ValueError):
@@ -75,10 +75,24 @@ class StepRecord:
         if not isinstance(d, Mapping):
             raise HistoryError(f"{where}: expected a JSON object, got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
-        try:
-            return cls(**{k: v for k, v in d.items() if k in names})
-        except TypeError as e:  # a required field is missing
-            raise HistoryError(f"{where}: not a step record ({e})") from None
+        missing = [
+            f.name for f in fields(cls) if f.name not in d and f.default is MISSING and f.default_factory is MISSING
+        ]
+        if missing:
+            raise HistoryError(f"{where}: not a step record (no {', '.join(repr(k) for k in missing)})")
+        hints = _field_types()
+        for k, v in d.items():
+            if k in names and not _fits(v, hints[k]):
+                raise HistoryError(f"{where}: field {k!r} must be {_describe(hints[k])}, got {v!r:.80}")
+        negative = [k for k in COUNT_FIELDS if isinstance(d.get(k), int) and d[k] < 0]
+        if negative:
+            raise HistoryError(f"{where}: field {negative[0]!r} must not be negative, got {d[negative[0]]}")
+        if not d["measured_ms"] or len(d["measured_ms"]) != len(d["predicted_ms"]):
+            raise HistoryError(
+                f"{where}: measured_ms and predicted_ms must hold one time per rank each, got "
+                f"{len(d['measured_ms'])} and {len(d['predicted_ms'])}"
+            )
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def for_rank(
         self,
@@ -89,6 +103,50 @@ class StepRecord:
     ) -> StepRecord:
         extra = {"step_span": step_span, "wave_timeline": [list(w) for w in wave_timeline or []] or None}
         return StepRecord(**{**asdict(self), "rank": rank, "trained_sample_ids": list(trained_sample_ids), **extra})
+
+
+# fields that count something: never negative
+COUNT_FIELDS = ("index", "epoch", "global_step", "num_samples", "global_tokens", "global_valid_tokens", "waves")
+COUNT_FIELDS += ("attempt", "rank", "step_in_epoch", "resumed_from", "dataset_samples", "calibration")
+_TYPES: Dict[str, object] = {}
+
+
+def _field_types() -> Dict[str, object]:
+    if not _TYPES:
+        _TYPES.update(get_type_hints(StepRecord))
+    return _TYPES
+
+
+def _fits(v, hint) -> bool:
+    """Whether a JSON value `v` is of the field type `hint` (int, float, str, Optional, List, Dict)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        return any(_fits(v, a) for a in args)
+    if hint is type(None):
+        return v is None
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:  # JSON writes a whole float as an int; NaN and infinity are numbers too
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is str:
+        return isinstance(v, str)
+    if origin is list:
+        return isinstance(v, list) and all(_fits(x, args[0]) for x in v)
+    if origin is dict:
+        return isinstance(v, dict) and all(_fits(x, args[1]) for x in v.values())
+    return True  # pragma: no cover
+
+
+def _describe(hint, plural: bool = False) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        return " or ".join(_describe(a, plural) for a in args)
+    if origin is list:
+        return ("lists" if plural else "a list") + f" of {_describe(args[0], True)}"
+    if origin is dict:
+        return ("objects" if plural else "an object") + f" of {_describe(args[1], True)}"
+    names = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"), str: ("a text", "texts")}
+    return names.get(hint, ("null", "nulls"))[plural]
 
 
 def history_path(output_dir: Union[str, Path], rank: int) -> Path:

@@ -34,14 +34,15 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
-from hf_cp.train.history import history_lines
+from hf_cp.train.history import HistoryError, history_lines
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,13 @@ def checkpoint_step(checkpoint: str) -> int:
     state = Path(checkpoint) / "trainer_state.json"
     if not state.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} has no trainer_state.json; is it a Trainer checkpoint?")
-    return int(json.loads(state.read_text())["global_step"])
+    try:
+        step = json.loads(state.read_text())["global_step"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{state}: no readable global_step ({type(e).__name__}: {e})") from None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CorruptCheckpointError(f"{state}: global_step must be a whole number >= 0, got {step!r}")
+    return step
 
 
 def truncate_history(path: Path, steps_done: int) -> int:
@@ -161,12 +168,19 @@ def truncate_history(path: Path, steps_done: int) -> int:
     text = path.read_text()
     raw = text.splitlines()
     lines = [ln for ln in raw if ln.strip()]
-    kept = [raw[n - 1] for n, d in history_lines(path) if d["index"] < steps_done]
+    kept = [raw[n - 1] for n, d in history_lines(path) if _line_index(path, n, d) < steps_done]
     if len(kept) != len(lines) or (text and not text.endswith("\n")):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(path)
     return len(lines) - len(kept)
+
+
+def _line_index(path: Path, lineno: int, d) -> int:
+    index = d.get("index") if isinstance(d, dict) else None
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise HistoryError(f"{path}, line {lineno}: not a step record (its 'index' is {index!r}, not a step number)")
+    return index
 
 
 class ReshardNeededError(ValueError):
@@ -323,10 +337,13 @@ def check_resume(
     deepspeed_config: Optional[dict],
     allow_schedule_change: bool = False,
 ) -> List[str]:
-    """Everything that decides whether `checkpoint` may be resumed by this run: its sample
-    schedule and its ZeRO world size. Raises ScheduleChangedError / ReshardNeededError; returns
-    notes worth a warning. Used by CPTrainer.train and by the dry run alike."""
-    notes = check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
+    """Everything that decides whether `checkpoint` may be resumed by this run: its files (each
+    readable: check_checkpoint_files), its sample schedule and its ZeRO world size. Raises
+    CorruptCheckpointError / ScheduleChangedError / ReshardNeededError, the same on every rank
+    (each checks every file), before any collective; returns notes worth a warning. Used by
+    CPTrainer.train and by the dry run alike."""
+    notes = check_checkpoint_files(checkpoint)
+    notes += check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
     if check_zero_world_size(checkpoint, world_size, deepspeed_config):
         notes.append(f"resuming {checkpoint} from its universal checkpoint on {world_size} ranks")
     return notes
@@ -597,3 +614,295 @@ def save_failure_error(
     error = CheckpointSaveError(what + ". " + partial + after + advice)
     error.errno = errno.ENOSPC if failure.space else None
     return error
+
+
+# ------------------------------------------------------------------ readable checkpoint files
+# Before a resume loads anything, every file of the checkpoint that the Trainer or DeepSpeed
+# reads is checked cheaply: JSON files parse (trainer_state.json with the fields and types the
+# Trainer uses), a safetensors header covers the file exactly, a torch.save archive has its zip
+# directory and each entry's header where the directory says. Every rank checks every file, so
+# all raise the same error, naming the file, before any collective (a corrupt shard would else
+# fail one rank inside DeepSpeed's load with "failed finding central directory" and no path).
+# Flipped bits inside tensor data are not found: torch.load does not see them either.
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save archives: optimizer, scheduler, RNG, ZeRO shards
+SAFETENSORS_SUFFIX = ".safetensors"
+# a torch.save archive up to this size has every entry's CRC-32 checked; a larger one only its
+# pickle and metadata (the tensors' bytes, most of it, are read by the load itself)
+TORCH_CHECKSUM_BYTES = 64 << 20
+# safetensors' own limit on the JSON header; a larger length is a damaged first 8 bytes
+SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+_ZIP_LOCAL_HEADER = b"PK\x03\x04"
+# trainer_state.json: TrainerState's fields and what the Trainer needs of them on resume
+# (None allowed where the field is optional)
+_COUNT, _NUMBER, _TEXT, _FLAG = "a whole number >= 0", "a finite number", "text", "true or false"
+TRAINER_STATE_FIELDS = {
+    "global_step": (_COUNT, False),
+    "epoch": (_NUMBER, True),
+    "max_steps": (_COUNT, False),
+    "logging_steps": (_NUMBER, True),
+    "eval_steps": (_NUMBER, True),
+    "save_steps": (_NUMBER, True),
+    "train_batch_size": (_COUNT, True),
+    "num_train_epochs": (_NUMBER, False),
+    "num_input_tokens_seen": (_COUNT, False),
+    "total_flos": (_NUMBER, False),
+    "log_history": ("a list of objects", False),
+    "best_metric": (_NUMBER, True),
+    "best_global_step": (_COUNT, True),
+    "best_model_checkpoint": (_TEXT, True),
+    "is_local_process_zero": (_FLAG, False),
+    "is_world_process_zero": (_FLAG, False),
+    "is_hyper_param_search": (_FLAG, False),
+    "trial_name": (_TEXT, True),
+    "trial_params": ("an object", True),
+    "stateful_callbacks": ("an object of callback states", True),
+}
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that a resume cannot load (cut short, damaged, not its format); the
+    message names the file, what is wrong and what to resume instead."""
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _fits(kind: str, v) -> bool:
+    if kind == _COUNT:
+        return _is_count(v)
+    if kind == _NUMBER:
+        return _is_number(v)
+    if kind == _TEXT:
+        return isinstance(v, str)
+    if kind == _FLAG:
+        return isinstance(v, bool)
+    if kind == "a list of objects":
+        return isinstance(v, list) and all(isinstance(e, dict) for e in v)
+    if kind == "an object":
+        return isinstance(v, dict)
+    # stateful_callbacks: name -> {"args": {...}, "attributes": {...}}, or a list of them
+    return isinstance(v, dict) and all(
+        all(isinstance(c, dict) and all(isinstance(c.get(k, {}), dict) for k in ("args", "attributes")) for c in cs)
+        for cs in (x if isinstance(x, list) else [x] for x in v.values())
+    )
+
+
+def _trainer_state_fields() -> set:
+    try:  # the installed transformers' fields: TrainerState(**state) refuses any other key
+        from dataclasses import fields
+
+        from transformers import TrainerState  # transformers
+    except ImportError:  # pragma: no cover
+        return set(TRAINER_STATE_FIELDS)
+    return {f.name for f in fields(TrainerState)}
+
+
+def _json_problem(path: Path) -> Optional[str]:
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        return f"is not valid JSON ({e})"
+    if path.name != "trainer_state.json":
+        return None
+    if not isinstance(data, dict):
+        return f"must hold a JSON object (the Trainer's state), got {type(data).__name__}"
+    known = _trainer_state_fields()
+    for k, v in data.items():
+        if k not in known:
+            return f"field {k!r} is not one of transformers' TrainerState (saved by another transformers version?)"
+        if k in TRAINER_STATE_FIELDS:
+            kind, optional = TRAINER_STATE_FIELDS[k]
+            if not (v is None and optional) and not _fits(kind, v):
+                return f"field {k!r} must be {kind}{' or null' if optional else ''}, got {v!r:.80}"
+    if "global_step" not in data:
+        return "has no global_step: the Trainer cannot tell where to resume"
+    return None
+
+
+def _safetensors_problem(path: Path, size: int) -> Optional[str]:
+    if size < 8:
+        return f"is cut short: {size} bytes, less than the 8-byte header length a safetensors file starts with"
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > SAFETENSORS_MAX_HEADER:
+            return f"is damaged: its first 8 bytes give a header of {n} bytes, not a safetensors header length"
+        if 8 + n > size:
+            return f"is cut short: its header needs {n} bytes after the first 8, the file has {size} bytes in all"
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        return f"is damaged: its header is not valid JSON ({e})"
+    if not isinstance(header, dict):
+        return "is damaged: its header is not a JSON object"
+    spans = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = t["dtype"], list(t["shape"]), t["data_offsets"]
+            ok = all(_is_count(x) for x in [start, end, *shape]) and start <= end
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            return f"is damaged: tensor {name!r} has no valid dtype, shape and data_offsets in the header"
+        elems = 1
+        for x in shape:
+            elems *= x
+        width = SAFETENSORS_DTYPE_BYTES.get(dtype)
+        if width is not None and elems * width != end - start:
+            return f"is damaged: tensor {name!r} ({dtype}, shape {shape}) does not span {end - start} bytes"
+        spans.append((start, end, name))
+    data = size - 8 - n
+    at = 0
+    for start, end, name in sorted(spans):
+        if start != at:
+            return f"is damaged: tensor {name!r} starts at byte {start} of the data, where {at} was expected"
+        at = end
+    if at > data:
+        return f"is cut short: its tensors need {at} bytes of data, the file holds {data} ({size} bytes in all)"
+    if at < data:
+        return f"is damaged: {data - at} bytes follow its last tensor"
+    return None
+
+
+def _torch_problem(path: Path, size: int) -> Optional[str]:
+    import zipfile
+
+    if size == 0:
+        return "is empty (0 bytes)"
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+        if magic != _ZIP_LOCAL_HEADER:
+            if magic[:1] == b"\x80":  # torch.save's legacy pickle format: nothing cheap to check
+                return None
+            return "is not a torch.save archive (no zip signature at its start): damaged or another kind of file"
+        try:
+            z = zipfile.ZipFile(fh)
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            return f"is cut short or damaged: its zip directory cannot be read ({e})"
+        with z:
+            entries = z.infolist()
+            if not any(e.filename == "data.pkl" or e.filename.endswith("/data.pkl") for e in entries):
+                return "is not a torch.save archive: it holds no data.pkl"
+            whole = size <= TORCH_CHECKSUM_BYTES
+            for e in entries:
+                if e.header_offset + 30 + e.compress_size > size:
+                    return f"is cut short: its entry {e.filename} reaches past the end of the file ({size} bytes)"
+                fh.seek(e.header_offset)
+                if fh.read(4) != _ZIP_LOCAL_HEADER:
+                    return f"is damaged: its entry {e.filename} has no zip header where the directory places it"
+                if whole or "/data/" not in "/" + e.filename:  # the pickle and its metadata; tensors of small files
+                    try:
+                        with z.open(e) as r:
+                            while r.read(1 << 20):
+                                pass
+                    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+                        return f"is damaged: its entry {e.filename} does not match its checksum ({err})"
+    return None
+
+
+def _deepspeed_problem(checkpoint: Path) -> Optional[Tuple[Path, str]]:
+    """The DeepSpeed folder named by `latest`: present, with its model states and a ZeRO
+    optimizer shard for every rank 0..N-1."""
+    latest = checkpoint / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_bytes().decode("utf-8", "replace").strip()
+    folder = checkpoint / tag
+    if not tag or "/" in tag or not folder.is_dir():
+        return latest, f"names the DeepSpeed folder {tag!r}, which {checkpoint} does not hold"
+    if not any(folder.glob("*model_states.pt")):
+        return folder, "holds no mp_rank_00_model_states.pt (DeepSpeed's model states)"
+    ranks = sorted(
+        int(m.group(1))
+        for f in folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")
+        if (m := re.match(r"zero_pp_rank_(\d+)_", f.name))
+    )
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks)) if ranks else []
+    if missing:
+        return folder / f"zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt", (
+            f"is missing: the ZeRO optimizer state of rank {missing[0]} (ranks {ranks} are there)"
+        )
+    return None
+
+
+def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
+    """Raise CorruptCheckpointError naming the first file of `checkpoint` that a resume could not
+    load: trainer_state.json (missing, not JSON, a field the Trainer cannot use), any other JSON
+    file, a safetensors file (header, coverage), a torch.save archive (.pt, .pth, .bin: optimizer,
+    scheduler, RNG state, DeepSpeed model states and ZeRO shards) or DeepSpeed's `latest` folder.
+    Returns notes: files that read fine but whose size differs from the one COMPLETE_FILE
+    recorded at the save (changed since)."""
+    ckpt = Path(checkpoint)
+    try:
+        recorded = dict(json.loads((ckpt / COMPLETE_FILE).read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = {}
+    notes: List[str] = []
+
+    def refuse(path: Path, problem: str, size: Optional[int] = None):
+        saved = recorded.get(path.relative_to(ckpt).as_posix()) if path.is_relative_to(ckpt) else None
+        if size is not None and isinstance(saved, int) and saved != size:
+            problem += f" ({size} bytes; {saved} when it was saved)"
+        step = _CHECKPOINT_NAME.match(ckpt.name)
+        older = last_complete(ckpt.parent, before=int(step.group(1))) if step else None
+        instead = (
+            f"resume {older}, the complete checkpoint before it, or delete {ckpt.name} ('latest' then resumes it)"
+            if older is not None
+            else f"no complete checkpoint precedes it in {ckpt.parent} (delete {ckpt.name} to start afresh)"
+        )
+        raise CorruptCheckpointError(f"checkpoint file {path} {problem}. {ckpt} cannot be resumed: {instead}")
+
+    state = ckpt / "trainer_state.json"
+    if not state.is_file():
+        refuse(state, "is missing: a Trainer checkpoint holds its training state there")
+    files = sorted(f for f in ckpt.rglob("*") if f.is_file())
+    # the small files first: trainer_state.json names the step before the weights are looked at
+    for f in sorted(files, key=lambda f: (f != state, f.suffix != ".json", str(f))):
+        if f.name in (COMPLETE_FILE, SCHEDULE_FILE) or f.name.endswith(_TMP_SUFFIX):
+            continue  # checked by checkpoint_status and check_resumed_schedule
+        suffix = f.suffix.lower()
+        if suffix not in (".json", SAFETENSORS_SUFFIX) + TORCH_SUFFIXES:
+            continue
+        try:
+            size = f.stat().st_size
+            if suffix == ".json":
+                problem = _json_problem(f)
+            elif suffix == SAFETENSORS_SUFFIX:
+                problem = _safetensors_problem(f, size)
+            else:
+                problem = _torch_problem(f, size)
+        except OSError as e:
+            problem, size = f"cannot be read ({e.strerror or e})", None
+        if problem is not None:
+            refuse(f, problem, size)
+        saved = recorded.get(f.relative_to(ckpt).as_posix())
+        if isinstance(saved, int) and saved != size and suffix != ".json":
+            notes.append(f"checkpoint file {f} has {size} bytes, {saved} when it was saved; it reads fine")
+    found = _deepspeed_problem(ckpt)
+    if found is not None:
+        refuse(*found)
+    return notes

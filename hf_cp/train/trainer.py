@@ -35,7 +35,7 @@ from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.collator import PlanCollator, RankStep
-from hf_cp.train.columns import read_token_columns
+from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.consistency import assert_data_agrees
 from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
@@ -148,7 +148,10 @@ class CPTrainer(Trainer):
             0, DataEpochCallback(lambda: self.cp_history[-1].data_epoch if self.cp_history else None)
         )
         self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
-        self.cp_data = read_token_columns(self.train_dataset, "train_dataset")
+        eos = eos_token_ids(self.processing_class, getattr(self.model, "config", None))
+        self.cp_data = read_token_columns(self.train_dataset, "train_dataset", eos)
+        for warning in self.cp_data.warnings:  # rows that look packed but carry no boundaries
+            self._cp_warn(warning)
         # the run's PlanningSettings, built once: cp_setup.settings from here on
         setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data.lengths, self.cp_world)
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler

@@ -7,11 +7,13 @@ single-process reference built from torch, transformers and peft alone (nothing 
 after the other by the same processes. Keys of a run: lengths, tokens_per_step,
 max_tokens_per_rank, steps, balancer (registered name or harness.balancers' scripted one), out;
 optional deepspeed (ZeRO-2, harness.job.zero2_config; default plain DDP), save_steps,
-activation_checkpointing, lr,
+activation_checkpointing, mutation ("loss_scale": a deliberate bug, every wave's loss x 1.001,
+for the test that shows the comparison fails), lr,
 model_seed, data_seed. Each run writes on rank 0: steps.pt (per step: gradients of the
 trainable parameters before clipping, trainable parameters after the optimizer step),
 params.pt (every parameter at the end, trainable or not), history.json, log_history.json,
-and trainer.save_model's output in out/adapter.
+engine.json (DeepSpeed or not, and the model's wrapper), and trainer.save_model's output in
+out/adapter.
 
 The reference trains the same LoRA model (same seeds, SDPA attention) one sample at a time on
 the same global batches: loss = sum of token losses / valid targets of the global batch,
@@ -154,6 +156,7 @@ def _capture(trainer) -> dict:
 def train_lora(spec: dict, model=None):
     """Train the run `spec` with CPTrainer in this process (a world of one, or one rank of a
     torchrun job); save what the tests read (rank 0) and return the trainer."""
+    from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
@@ -161,6 +164,11 @@ def train_lora(spec: dict, model=None):
     from helpers.harness.balancers import balancer_for
     from helpers.harness.job import zero2_config
 
+    # an earlier run's Accelerator state (its DeepSpeed plugin) must not leak into this one
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    if not spec.get("deepspeed"):  # a DeepSpeed run before it in this process leaves it set
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     model = lora_model(spec.get("model_seed") or 0) if model is None else model
@@ -194,6 +202,10 @@ def train_lora(spec: dict, model=None):
         train_dataset=Dataset.from_list(synthetic_rows(spec["lengths"], spec.get("data_seed") or 0)),
         balancer=balancer_for(spec["balancer"]),
     )
+    if spec.get("mutation") == "loss_scale":
+        _scale_wave_losses(trainer)
+    elif spec.get("mutation"):
+        raise ValueError(f"mutation {spec['mutation']!r}: expected loss_scale")
     records, stop = _capture(trainer)
     try:
         trainer.train()
@@ -207,12 +219,30 @@ def train_lora(spec: dict, model=None):
         torch.save({n: p.detach().clone().cpu() for n, p in trainer.model.named_parameters()}, out / "params.pt")
         (out / "history.json").write_text(json.dumps([r.to_dict() for r in trainer.cp_history]))
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        engine = dict(deepspeed=trainer.is_deepspeed_enabled, wrapper=type(trainer.model_wrapped).__name__)
+        (out / "engine.json").write_text(json.dumps(engine))
     return trainer
+
+
+def _scale_wave_losses(trainer) -> None:
+    """Every wave's summed loss x 1.001 (what the trainer records, logs and backpropagates), in
+    this trainer's step executor only (built by _cp_setup)."""
+    from helpers.harness.job import MUTATION_SCALE
+
+    setup = trainer._cp_setup
+
+    def scaled_setup():
+        setup()
+        executor = trainer.cp_executor
+        if "wave_loss" not in vars(executor):
+            wave_loss = executor.wave_loss
+            executor.wave_loss = lambda model, mb: wave_loss(model, mb) * MUTATION_SCALE
+
+    trainer._cp_setup = scaled_setup
 
 
 def _job(spec_file: str) -> None:
     from accelerate import PartialState
-    from accelerate.state import AcceleratorState, GradientState
 
     from hf_cp.train.launch import shutdown_distributed
     from hf_cp.train.trainer import skip_deepspeed_shm_build
@@ -220,9 +250,6 @@ def _job(spec_file: str) -> None:
     skip_deepspeed_shm_build()
     PartialState(backend="gloo", timeout=timedelta(seconds=120))
     for run in json.loads(Path(spec_file).read_text())["runs"]:
-        # the previous run's Accelerator state (its DeepSpeed plugin) must not leak into this one
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
         t0 = time.perf_counter()
         train_lora(run)
         if int(os.environ.get("RANK", "0")) == 0:
