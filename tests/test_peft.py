@@ -115,10 +115,10 @@ def test_reference_trains_lora_only():
 @pytest.mark.timeout(WORLD2_TIMEOUT + 120)
 def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
     """World 2 (torchrun, gloo): the 400-token sample on a CP group of both ranks, the rest local,
-    under DeepSpeed ZeRO-2 and under plain DDP (that run with activation checkpointing, and a
-    checkpoint after every step):
-    every step equals the single-process reference, base weights untouched, adapter saved."""
-    zero2 = lora_spec(tmp_path / "zero2", deepspeed=True)
+    under DeepSpeed ZeRO-2 (a checkpoint after the last step) and under plain DDP (with
+    activation checkpointing, a checkpoint after every step): every step equals the
+    single-process reference, base weights untouched; checkpoints and save_model hold the adapter."""
+    zero2 = lora_spec(tmp_path / "zero2", deepspeed=True, save_steps=3)
     ddp = lora_spec(tmp_path / "ddp", save_steps=1, activation_checkpointing=True)
     run_lora_job([zero2, ddp], 2, timeout=WORLD2_TIMEOUT)
     engines = {k: json.loads((Path(s["out"]) / "engine.json").read_text()) for k, s in (("zero2", zero2), ("ddp", ddp))}
@@ -135,15 +135,22 @@ def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
         final = torch.load(out / "params.pt")
         assert_only_lora_trained(final)
         assert_adapter_saved(out / "adapter", final)
-    # the checkpoints hold the adapter of their step, marked complete
-    steps = reference_steps(ddp)
-    for k in (1, 3):
-        ckpt = Path(ddp["out"]) / f"checkpoint-{k}"
-        assert (ckpt / "hf_cp_complete.json").exists() and not list(ckpt.glob("global_step*"))  # no DeepSpeed
-        from safetensors.torch import load_file
+    # the checkpoints hold the adapter of their step (not the base weights), marked complete
+    from safetensors.torch import load_file
 
+    steps = reference_steps(ddp)
+    for spec, k in ((ddp, 1), (ddp, 3), (zero2, 3)):
+        ckpt = Path(spec["out"]) / f"checkpoint-{k}"
+        assert (ckpt / "hf_cp_complete.json").exists()
         saved = load_file(str(ckpt / "adapter_model.safetensors"))
         # peft drops the adapter name ("default") from the saved keys
         want = {n.replace(".default", ""): p for n, p in steps[k - 1].params.items()}
         assert set(saved) == set(want)
         assert max(relative_error(saved[n], want[n]) for n in want) < PARAM_RTOL
+        engine_files = list(ckpt.glob("global_step*/mp_rank_00_model_states.pt"))
+        if spec is ddp:
+            assert not engine_files  # plain DDP: no DeepSpeed checkpoint
+        else:  # DeepSpeed's own copy of the module: the trainable (LoRA) weights only
+            (states,) = engine_files
+            module = torch.load(states, weights_only=False)["module"]
+            assert set(module) == set(steps[k - 1].params)

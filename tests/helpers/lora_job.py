@@ -8,8 +8,7 @@ after the other by the same processes. Keys of a run: lengths, tokens_per_step,
 max_tokens_per_rank, steps, balancer (registered name or harness.balancers' scripted one), out;
 optional deepspeed (ZeRO-2, harness.job.zero2_config; default plain DDP), save_steps,
 activation_checkpointing, mutation ("loss_scale": a deliberate bug, every wave's loss x 1.001,
-for the test that shows the comparison fails), lr,
-model_seed, data_seed. Each run writes on rank 0: steps.pt (per step: gradients of the
+for the test that shows the comparison fails), lr, model_seed, data_seed. Each run writes on rank 0: steps.pt (per step: gradients of the
 trainable parameters before clipping, trainable parameters after the optimizer step),
 params.pt (every parameter at the end, trainable or not), history.json, log_history.json,
 engine.json (DeepSpeed or not, and the model's wrapper), and trainer.save_model's output in
