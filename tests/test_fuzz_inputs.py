@@ -93,6 +93,7 @@ class Tally:
     kind: str
     counts: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     bad: List[str] = field(default_factory=list)
+    files_named: int = 0  # clear refusals whose message names the file itself (Case.names[0])
 
     def judge(self, case: Case, call: Callable[[], object], errors: tuple) -> str:
         try:
@@ -103,6 +104,7 @@ class Tally:
                 outcome = FALSE_REFUSAL
             else:
                 outcome = CLEAR if any(n and n in text for n in case.names) else UNCLEAR
+                self.files_named += outcome == CLEAR and case.names[0] in text
             detail = f"{type(e).__name__}: {text.strip()[:300]}"
         except Exception as e:  # noqa: BLE001 (what the fuzz is after)
             outcome, detail = TRACEBACK, f"{type(e).__name__}: {str(e)[:300]}"
@@ -115,7 +117,8 @@ class Tally:
 
     def report(self) -> str:
         n = sum(self.counts.values())
-        return f"fuzz {self.kind}: {n} inputs: " + ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items())
+        return f"fuzz {self.kind}: {n} inputs: {counts} (the file named in {self.files_named} refusals)"
 
     def check(self) -> None:
         print("\n" + self.report())
@@ -140,17 +143,24 @@ def _typo(rng: random.Random, key: str) -> str:
     return key[:i] + key[i + 1 :] if len(key) > 3 else key + "x"
 
 
+def _key(d, k: str):
+    """`k` as the key of `d`: a list index, or an integer key (YAML reads `8:` as 8)."""
+    if isinstance(d, list) or (k.isdigit() and int(k) in d):
+        return int(k)
+    return k
+
+
 def _get(d, path: str):
     for k in path.split("."):
-        d = d[int(k) if isinstance(d, list) else k]
+        d = d[_key(d, k)]
     return d
 
 
 def _set(d, path: str, value) -> None:
     *head, last = path.split(".")
     for k in head:
-        d = d[int(k) if isinstance(d, list) else k]
-    d[int(last) if isinstance(d, list) else last] = value
+        d = d[_key(d, k)]
+    d[_key(d, last)] = value
 
 
 def _delete(d, path: str) -> None:
@@ -363,8 +373,9 @@ def group_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case, 
                 recs[j][bad] = rng.choice([None, 3])
             case = Case(f"preference pair: {bad or 'valid'} changed", bad is not None, (str(f), "answer", bad or "-"))
         else:
-            text = rng.choice(["", "{not json\n", json.dumps(GROUP_BASE) + "\n", "\n\n", '"a string"\n'])
-            case = Case(f"whole file {text[:30]!r}", True, (str(f),))
+            text = rng.choice(["", "{not json\n", json.dumps(GROUP_BASE) + "\n", "\n\n", '"a string"\n', "[1, 2]\n"])
+            # one JSON array of the records: datasets reads it as the same rows
+            case = Case(f"whole file {text[:30]!r}", not text.startswith("[{"), (str(f),))
         f.write_text(text if text is not None else "".join(json.dumps(r) + "\n" for r in recs))
         yield case, f
 
@@ -527,7 +538,10 @@ def _pickle_span(path: Path) -> Tuple[int, int]:
 
     with zipfile.ZipFile(path) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
-    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    with open(path, "rb") as fh:  # the local header's name and extra field (torch pads it) precede the data
+        fh.seek(info.header_offset + 26)
+        head = fh.read(4)
+    start = info.header_offset + 30 + int.from_bytes(head[:2], "little") + int.from_bytes(head[2:], "little")
     return start, start + info.compress_size
 
 

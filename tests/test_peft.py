@@ -14,32 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("peft")
-
-from helpers.harness.check import PARAM_RTOL  # noqa: E402
-from helpers.lora_job import (  # noqa: E402
+from helpers.harness.check import PARAM_RTOL
+from helpers.lora_job import (
     LORA_TARGETS,
     compare_with_reference,
     frozen,
     lora_model,
     reference_steps,
     relative_error,
-    run_lora_job,
     train_lora,
 )
-
-# At 600 tokens per step, unshuffled: [0 1 2 3] (sample 0 has 400 tokens, over the 256-token cap
-# of a rank at world 2: a CP group of both ranks holds it, the others run local) and [4..9];
-# step 3 is [0..3] again (the second epoch)
-LENGTHS = [400, 60, 30, 90, 120, 100, 150, 90, 60, 70]
-TOKENS_PER_STEP = 600
-WORLD2_TIMEOUT = 300
+from helpers.lora_job import lora_spec as run_spec
+from helpers.world2_job import FIXTURE_TIMEOUT
 
 
 def lora_spec(out: Path, **kw) -> dict:
-    spec = dict(lengths=LENGTHS, tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=256, steps=3, balancer="auto")
-    spec.update(kw)
-    return dict(spec, out=str(out))
+    return dict(run_spec(**kw), out=str(out))
 
 
 def assert_adapter_saved(folder: Path, final: dict) -> None:
@@ -109,18 +99,13 @@ def test_reference_trains_lora_only():
     assert steps[0].loss != steps[2].loss  # the same batch, one epoch later
 
 
-# one torchrun job of 2 processes (two runs of 3 steps, ~7 s of training): ~35-60 s on a loaded
-# 2-core machine, most of it the two processes importing torch, transformers, DeepSpeed and peft
-@pytest.mark.slow
-@pytest.mark.timeout(WORLD2_TIMEOUT + 120)
-def test_lora_trains_at_world_2_exactly_as_one_process(tmp_path):
-    """World 2 (torchrun, gloo): the 400-token sample on a CP group of both ranks, the rest local,
-    under DeepSpeed ZeRO-2 (a checkpoint after the last step) and under plain DDP (with
-    activation checkpointing, a checkpoint after every step): every step equals the
-    single-process reference, base weights untouched; checkpoints and save_model hold the adapter."""
-    zero2 = lora_spec(tmp_path / "zero2", deepspeed=True, save_steps=3)
-    ddp = lora_spec(tmp_path / "ddp", save_steps=1, activation_checkpointing=True)
-    run_lora_job([zero2, ddp], 2, timeout=WORLD2_TIMEOUT)
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_lora_trains_at_world_2_exactly_as_one_process(world2_job):
+    """World 2 (the session's torchrun job, gloo): the 400-token sample on a CP group of both
+    ranks, the rest local, under DeepSpeed ZeRO-2 (a checkpoint after the last step) and under
+    plain DDP (with activation checkpointing, a checkpoint after every step): every step equals
+    the single-process reference, base weights untouched; checkpoints and save_model hold the adapter."""
+    zero2, ddp = world2_job["lora-zero2"], world2_job["lora-ddp"]
     engines = {k: json.loads((Path(s["out"]) / "engine.json").read_text()) for k, s in (("zero2", zero2), ("ddp", ddp))}
     assert engines == {
         "zero2": {"deepspeed": True, "wrapper": "DeepSpeedEngine"},

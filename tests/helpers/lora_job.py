@@ -43,6 +43,29 @@ Tensors = Dict[str, torch.Tensor]
 LORA_RANK = 4
 LORA_ALPHA = 8
 LORA_TARGETS = ("q_proj", "v_proj")
+# At 600 tokens per step, unshuffled: [0 1 2 3] (sample 0 has 400 tokens, over the 256-token cap
+# of a rank at world 2: a CP group of both ranks holds it, the others run local) and [4..9];
+# step 3 is [0..3] again (the second epoch)
+LENGTHS = [400, 60, 30, 90, 120, 100, 150, 90, 60, 70]
+TOKENS_PER_STEP = 600
+
+
+def lora_spec(**kw) -> dict:
+    """A LoRA run (without its output folder): `lora: True` sends it to train_lora in a job."""
+    spec = dict(
+        lora=True, lengths=LENGTHS, tokens_per_step=TOKENS_PER_STEP, max_tokens_per_rank=256, steps=3, balancer="auto"
+    )
+    spec.update(kw)
+    return spec
+
+
+# the world-2 runs (trained by the session's shared world-2 job, tests/helpers/world2_job.py):
+# DeepSpeed ZeRO-2 with a checkpoint after the last step, plain DDP with activation
+# checkpointing and a checkpoint after every step
+WORLD2_LORA_RUNS = {
+    "lora-zero2": lora_spec(deepspeed=True, save_steps=3),
+    "lora-ddp": lora_spec(save_steps=1, activation_checkpointing=True),
+}
 
 
 def lora_config():

@@ -26,6 +26,7 @@ from helpers.harness.balancers import balancer_for
 from helpers.harness.check import check_run
 from helpers.harness.job import MUTATIONS, run_distributed
 from helpers.harness.models import tiny_config
+from helpers.lora_job import WORLD2_LORA_RUNS
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
 # wave of static), [3] alone (a step that gives ranks no sample), [4..9], [10..16].
@@ -175,6 +176,8 @@ def world2_runs() -> Dict[str, dict]:
     runs["eval-auto"] = lengths_spec("auto", eval_lengths=EVAL_LENGTHS, eval_steps=2)
     runs["eval-static"] = lengths_spec("static", eval_lengths=[5], eval_steps=2)
     runs["ckpt-fixed_ring_zigzag"] = lengths_spec("fixed_ring_zigzag", activation_checkpointing=True)
+    # test_peft's LoRA runs (train_lora resets the Accelerator state and DeepSpeed's flag itself)
+    runs.update(WORLD2_LORA_RUNS)
     # test_train_faults' non-finite gradient runs (last: the first one stops with an error)
     runs["nan-stop"] = nan_spec(expect_error=True)
     runs["nan-warn"] = nan_spec(stop_on_nonfinite_grad=False)

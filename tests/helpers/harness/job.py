@@ -87,6 +87,10 @@ def run_job(spec: dict) -> None:
         t0 = time.perf_counter()
         if run.get("expect_error"):
             _train_expecting_error(run)
+        elif run.get("lora"):
+            from helpers.lora_job import train_lora  # peft: loaded only by a job that trains a LoRA run
+
+            train_lora(run)
         else:
             train_one(run)
         if int(os.environ.get("RANK", "0")) == 0:
