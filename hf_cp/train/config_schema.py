@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+from hf_cp.train.setup_checks import check_parallelism
+
 
 @dataclass(frozen=True)
 class Key:
@@ -271,7 +273,10 @@ def check_training_keys(values: Mapping, source: str) -> dict:
     YAML 1.1 reads as false, is "no" for the *_strategy keys and report_to; 1e-3 a number)."""
     valid, typed = training_keys(), training_types()
     problems, out = [], {}
-    for key, value in unset(values).items():
+    values = unset(values)
+    # a mapping cannot become accelerate's ParallelismConfig; the refusal says why and what to do
+    check_parallelism(values.get("parallelism_config"))
+    for key, value in values.items():
         if key not in valid:
             problems.append(unknown_key_message("training", str(key), valid))
             continue
