@@ -172,6 +172,26 @@ def test_a_flipped_byte_in_a_small_torch_archive_fails_its_checksum(run_copy):
         check_checkpoint_files(ckpt)
 
 
+def test_large_archives_have_only_their_pickle_checksummed(run_copy, monkeypatch):
+    """Every rank reads every file: past TORCH_CHECKSUM_TOTAL bytes (a universal checkpoint's
+    thousands of files) the tensors' bytes are left to the load, the pickle is still checked."""
+    import zipfile
+
+    import hf_cp.train.resume as resume
+
+    ckpt = run_copy / "checkpoint-2"
+    path = ckpt / "rng_state.pth"
+    with zipfile.ZipFile(path) as z:
+        tensor = next(i for i in z.infolist() if "/data/" in i.filename)
+    data = bytearray(path.read_bytes())
+    data[tensor.header_offset + 30 + len(tensor.filename) + 100] ^= 0x01  # inside the tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"rng_state/data/\d+ does not match its checksum"):
+        check_checkpoint_files(ckpt)
+    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 0)
+    assert check_checkpoint_files(ckpt) == []
+
+
 def test_trainer_state_fields_the_trainer_would_trip_over_are_named(run_copy):
     ckpt = run_copy / "checkpoint-2"
     path = ckpt / "trainer_state.json"

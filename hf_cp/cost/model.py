@@ -84,25 +84,43 @@ class ModelDims:
     @classmethod
     def from_hf_config(cls, cfg: Mapping, source: str = "config") -> ModelDims:
         """Read a transformers config dict (config.json) without importing transformers."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"{source}: expected a transformers config (a JSON object), got {type(cfg).__name__}")
         cfg = dict(cfg)
-        if "text_config" in cfg and "hidden_size" not in cfg:
+        if isinstance(cfg.get("text_config"), Mapping) and "hidden_size" not in cfg:
             cfg = dict(cfg["text_config"])
+
+        def dim(key: str, default=None) -> int:
+            """A whole number of the config (null or absent: `default`); never rounded."""
+            v = cfg[key] if default is None else cfg.get(key)
+            if v is None and default is not None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
+                raise ConfigError(f"{source}: field {key!r} must be a whole number, got {v!r}")
+            return int(v)
+
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
+            hidden = dim("hidden_size")
+            heads = dim("num_attention_heads")
+            if heads <= 0:
+                raise ConfigError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
+            if dim("vocab_size", 0) < 0:
+                raise ConfigError(f"{source}: field 'vocab_size' must not be negative, got {cfg['vocab_size']}")
             return cls(
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=dim("num_hidden_layers"),
                 hidden=hidden,
                 num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate=int(cfg["intermediate_size"]),
-                vocab_size=int(cfg.get("vocab_size") or 0),
+                num_kv_heads=dim("num_key_value_heads", heads),
+                head_dim=dim("head_dim", hidden // heads),
+                intermediate=dim("intermediate_size"),
+                vocab_size=dim("vocab_size", 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None
-        except (TypeError, ValueError) as e:
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(f"{source}:") else f"{source}: {e}") from None
+        except (TypeError, ValueError, OverflowError) as e:
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
@@ -114,7 +132,7 @@ class ModelDims:
             p = p / "config.json"
         try:
             cfg = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
             raise ConfigError(f"model config {p}: {e}") from None
         return cls.from_hf_config(cfg, source=str(p))
 
@@ -125,7 +143,7 @@ def read_yaml_mapping(
     """A YAML file that must hold a mapping, read with the safe loader (no code from files)."""
     try:
         d = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise error(f"{what} {path}: {e}") from None
     if not isinstance(d, dict):
         raise error(f"{what} {path}: expected {expect}")

@@ -158,6 +158,9 @@ class GroupAnswersEncoder:
                 f"the tokenizer {getattr(self.tokenizer, 'name_or_path', '')!r} has no chat template; "
                 f"conversational prompts need one"
             )
+        bad = next((k for k, m in enumerate(prompt) if "content" not in m), None)
+        if bad is not None:
+            raise EncodeError(f"sample {index}: prompt message {bad} has no 'content' (a message is {{role, content}})")
         messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         head = self._render(messages, index, generation_prompt=True)
         out = []

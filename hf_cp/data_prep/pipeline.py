@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from hf_cp.data_prep.encode import SampleEncoder, truncate
+from hf_cp.data_prep.encode import EncodeError, SampleEncoder, truncate
 from hf_cp.data_prep.group_answers import GroupAnswersEncoder, group_layout, truncate_group
 from hf_cp.data_prep.inputs import InputError, load_input
 from hf_cp.samples.mask_column import MASK_COLUMN
@@ -167,15 +167,18 @@ def preprocess(
         encoder = SampleEncoder(tokenizer, kind, fld, mask=mask, add_eos=add_eos, completion_field=completion_field)
         columns, cut = OUTPUT_COLUMNS, truncate
     num_proc = num_proc if num_proc and num_proc > 1 else None
-    ds = raw.map(
-        encoder,
-        batched=True,
-        batch_size=batch_size,
-        with_indices=True,
-        num_proc=num_proc,
-        remove_columns=raw.column_names,
-        desc=f"tokenising {kind} samples",
-    )
+    try:
+        ds = raw.map(
+            encoder,
+            batched=True,
+            batch_size=batch_size,
+            with_indices=True,
+            num_proc=num_proc,
+            remove_columns=raw.column_names,
+            desc=f"tokenising {kind} samples",
+        )
+    except EncodeError as e:  # "sample 7: ..." of which input
+        raise EncodeError(f"{source}: {e}") from None
     grouped = None
     if group_answers:
         answers = np.asarray(ds["answers"], dtype=np.int64)

@@ -84,6 +84,9 @@ class StepRecord:
         for k, v in d.items():
             if k in names and not _fits(v, hints[k]):
                 raise HistoryError(f"{where}: field {k!r} must be {_describe(hints[k])}, got {v!r:.80}")
+        sizes = d.get("cp_size_samples") or {}
+        if not all(isinstance(k, str) and k.isdigit() for k in sizes):
+            raise HistoryError(f"{where}: field 'cp_size_samples' maps CP group sizes to samples, got {sizes!r:.80}")
         negative = [k for k in COUNT_FIELDS if isinstance(d.get(k), int) and d[k] < 0]
         if negative:
             raise HistoryError(f"{where}: field {negative[0]!r} must not be negative, got {d[negative[0]]}")

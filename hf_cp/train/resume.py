@@ -626,9 +626,12 @@ def save_failure_error(
 # Flipped bits inside tensor data are not found: torch.load does not see them either.
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save archives: optimizer, scheduler, RNG, ZeRO shards
 SAFETENSORS_SUFFIX = ".safetensors"
-# a torch.save archive up to this size has every entry's CRC-32 checked; a larger one only its
-# pickle and metadata (the tensors' bytes, most of it, are read by the load itself)
+# a torch.save archive up to this size has every entry's CRC-32 checked, smallest first until
+# TORCH_CHECKSUM_TOTAL bytes of a checkpoint are read (RNG, scheduler, small models); a larger
+# one only its pickle and metadata (the tensors' bytes, most of it, are read by the load itself;
+# every rank checks every file, so a universal checkpoint's thousands of files are not read whole)
 TORCH_CHECKSUM_BYTES = 64 << 20
+TORCH_CHECKSUM_TOTAL = 256 << 20
 # safetensors' own limit on the JSON header; a larger length is a damaged first 8 bytes
 SAFETENSORS_MAX_HEADER = 100_000_000
 SAFETENSORS_DTYPE_BYTES = {
@@ -647,7 +650,10 @@ SAFETENSORS_DTYPE_BYTES = {
     "BOOL": 1,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
 }
+SAFETENSORS_PACKED_DTYPES = ("F4", "F6_E2M3", "F6_E3M2")  # sub-byte: their sizes are not checked
 _ZIP_LOCAL_HEADER = b"PK\x03\x04"
 # trainer_state.json: TrainerState's fields and what the Trainer needs of them on resume
 # (None allowed where the field is optional)
@@ -772,6 +778,8 @@ def _safetensors_problem(path: Path, size: int) -> Optional[str]:
         for x in shape:
             elems *= x
         width = SAFETENSORS_DTYPE_BYTES.get(dtype)
+        if width is None and dtype not in SAFETENSORS_PACKED_DTYPES:
+            return f"is damaged: tensor {name!r} has dtype {dtype!r}, which is no safetensors dtype"
         if width is not None and elems * width != end - start:
             return f"is damaged: tensor {name!r} ({dtype}, shape {shape}) does not span {end - start} bytes"
         spans.append((start, end, name))
@@ -788,11 +796,12 @@ def _safetensors_problem(path: Path, size: int) -> Optional[str]:
     return None
 
 
-def _torch_problem(path: Path, size: int) -> Optional[str]:
+def _torch_problem(path: Path, size: int, whole: bool) -> Optional[str]:
+    """`whole`: check the CRC-32 of every entry, not only of the pickle and metadata."""
     import zipfile
 
     if size == 0:
-        return "is empty (0 bytes)"
+        return "is empty"
     with open(path, "rb") as fh:
         magic = fh.read(4)
         if magic != _ZIP_LOCAL_HEADER:
@@ -807,7 +816,6 @@ def _torch_problem(path: Path, size: int) -> Optional[str]:
             entries = z.infolist()
             if not any(e.filename == "data.pkl" or e.filename.endswith("/data.pkl") for e in entries):
                 return "is not a torch.save archive: it holds no data.pkl"
-            whole = size <= TORCH_CHECKSUM_BYTES
             for e in entries:
                 if e.header_offset + 30 + e.compress_size > size:
                     return f"is cut short: its entry {e.filename} reaches past the end of the file ({size} bytes)"
@@ -849,6 +857,13 @@ def _deepspeed_problem(checkpoint: Path) -> Optional[Tuple[Path, str]]:
     return None
 
 
+def _bytes(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # gone since it was listed: read below, which names it
+        return 0
+
+
 def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
     """Raise CorruptCheckpointError naming the first file of `checkpoint` that a resume could not
     load: trainer_state.json (missing, not JSON, a field the Trainer cannot use), any other JSON
@@ -881,7 +896,9 @@ def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
         refuse(state, "is missing: a Trainer checkpoint holds its training state there")
     files = sorted(f for f in ckpt.rglob("*") if f.is_file())
     # the small files first: trainer_state.json names the step before the weights are looked at
-    for f in sorted(files, key=lambda f: (f != state, f.suffix != ".json", str(f))):
+    budget = TORCH_CHECKSUM_TOTAL
+    sizes = {f: _bytes(f) for f in files}
+    for f in sorted(files, key=lambda f: (f != state, f.suffix != ".json", sizes[f], str(f))):
         if f.name in (COMPLETE_FILE, SCHEDULE_FILE) or f.name.endswith(_TMP_SUFFIX):
             continue  # checked by checkpoint_status and check_resumed_schedule
         suffix = f.suffix.lower()
@@ -894,7 +911,9 @@ def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
             elif suffix == SAFETENSORS_SUFFIX:
                 problem = _safetensors_problem(f, size)
             else:
-                problem = _torch_problem(f, size)
+                whole = size <= min(TORCH_CHECKSUM_BYTES, budget)
+                budget -= size if whole else 0
+                problem = _torch_problem(f, size, whole)
         except OSError as e:
             problem, size = f"cannot be read ({e.strerror or e})", None
         if problem is not None:
