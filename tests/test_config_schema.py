@@ -166,3 +166,93 @@ def test_a_number_in_exponent_notation_is_read_as_a_number():
     assert training_arguments(dict(cfg["training"], use_cpu=True), "cfg.yaml").weight_decay == pytest.approx(1e-2)
     with pytest.raises(TrainConfigError, match=re.escape("training.max_steps: expected an integer, got '1e3'")):
         load_config(TINY, ["training.max_steps=1e3"])  # an integer key stays strict
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.learning_rate=.nan", "training.learning_rate: expected a finite number, got nan"),
+        ("training.learning_rate=.inf", "training.learning_rate: expected a finite number, got inf"),
+        ("training.weight_decay=-.inf", "training.weight_decay: expected a finite number, got -inf"),
+        ("training.max_grad_norm=.nan", "training.max_grad_norm: expected a finite number, got nan"),
+        ("data.eval_split=.nan", "data.eval_split: expected a finite number (a held-out fraction"),
+        ("training.learning_rate=-1.0", "training.learning_rate must be >= 0, got -1.0"),
+        ("training.weight_decay=-1.0", "training.weight_decay must be >= 0, got -1.0"),
+        ("training.logging_steps=-5", "training.logging_steps must be > 0, got -5"),
+        ("training.save_steps=0", "training.save_steps must be > 0, got 0"),
+        ("training.eval_steps=-1", "training.eval_steps must be > 0, got -1"),
+        ("training.num_train_epochs=-1", "training.num_train_epochs must be > 0, got -1"),
+        ("training.max_steps=0", "training.max_steps must be > 0 (or -1: num_train_epochs decides), got 0"),
+        ("training.warmup_steps=-2", "training.warmup_steps must be >= 0, got -2"),
+        ("training.adam_beta2=1.5", "training.adam_beta2 must be in [0, 1), got 1.5"),
+        ("training.seed=-1", "training.seed must be in [0, 2**32 - 1]"),
+    ],
+)
+def test_a_number_out_of_range_or_not_finite_is_refused_naming_the_file_and_key(override, message):
+    """The fuzz (test_fuzz_inputs, configs) found learning_rate -1, nan and inf, weight_decay nan and
+    -1 and logging_steps -5 accepted without a word: no float key takes .nan or .inf, and the common
+    numeric keys TrainingArguments does not check have their ranges (TRAINING_RANGES)."""
+    with pytest.raises(TrainConfigError, match=re.escape(f"{TINY}: ") + ".*" + re.escape(message)):
+        load_config(TINY, [override])
+
+
+def test_null_steps_and_the_defaults_pass_the_ranges():
+    cfg = load_config(TINY, ["training.eval_steps=null", "training.max_steps=-1", "training.learning_rate=0"])
+    assert "eval_steps" not in cfg["training"] and cfg["training"]["max_steps"] == -1
+
+
+@pytest.mark.parametrize(
+    "override, error, message",
+    [
+        (
+            "training.lr_scheduler_type=sometimes",
+            TrainConfigError,
+            "training.lr_scheduler_type: expected one of linear, cosine, cosine_with_restarts, polynomial, constant, "
+            "constant_with_warmup, inverse_sqrt, reduce_lr_on_plateau, ",
+        ),
+        (
+            "training.save_strategy=sometimes",
+            TrainConfigError,
+            "training.save_strategy: expected one of no, steps, epoch, best (SaveStrategy), got 'sometimes'",
+        ),
+        (
+            "training.eval_strategy=sometimes",
+            TrainConfigError,
+            "training.eval_strategy: expected one of no, steps, epoch",
+        ),
+        ("training.optim=fastest", TrainConfigError, "training.optim: expected one of adamw_torch"),
+        ("training.cp_profile=nope", Exception, "training.cp_profile: no profile named 'nope'"),
+        ("training.cp_profile={c1_ms_per_token: 1}", Exception, "training.cp_profile: profile: "),
+        ("training.cp_balancer=nope", KeyError, "training.cp_balancer: unknown balancer 'nope'; available: "),
+        ("training.cp_compare_balancer=nope", KeyError, "training.cp_compare_balancer: unknown balancer 'nope'"),
+        ("model.config=nope", Exception, "model.config: no model named 'nope'"),
+    ],
+)
+def test_a_name_that_resolves_to_nothing_is_refused_when_read_naming_the_file_and_key(override, error, message):
+    """A profile, balancer or model name, or a string of a Trainer enum, that means nothing was
+    refused later without naming the key (`no profile named 'nope'`, `sometimes is not a valid
+    SaveStrategy`); it is refused when the config is read, with the names available."""
+    with pytest.raises(error, match=re.escape(f"{TINY}: ") + ".*" + re.escape(message)):
+        load_config(TINY, [override])
+
+
+def test_valid_names_and_the_no_comparison_spellings_pass():
+    cfg = load_config(
+        TINY,
+        ["training.cp_balancer=static", "training.cp_compare_balancer=none", "training.lr_scheduler_type=linear"],
+    )
+    assert cfg["training"]["cp_balancer"] == "static"
+    load_config(TINY, ["training.cp_profile=h200-qwen2.5-7b", "training.save_strategy=epoch"])
+
+
+def test_errors_of_building_the_arguments_or_the_model_config_name_the_file_and_key():
+    """CPTrainingArguments' and transformers' own checks, and the model config's, come out as the
+    same exception type with the file and section.key before the message (which is kept)."""
+    with pytest.raises(ValueError, match=r"^cfg\.yaml: training\.cp_max_tokens_per_rank: CPTrainingArguments: "):
+        training_arguments({"cp_max_tokens_per_rank": 0, "use_cpu": True}, "cfg.yaml")
+    with pytest.raises(ValueError, match=r"^cfg\.yaml: training\.cp_plan_lookahead: .*must be >= 0, got -1"):
+        training_arguments({"cp_plan_lookahead": -1, "use_cpu": True}, "cfg.yaml")
+    with pytest.raises(ValueError, match=r"^cfg\.yaml: training\.lr_scheduler_type: .*requires an eval strategy"):
+        training_arguments({"lr_scheduler_type": "reduce_lr_on_plateau", "use_cpu": True}, "cfg.yaml")
+    with pytest.raises(Exception, match=r"^cfg\.yaml: model\.config: no model named 'nope'"):
+        model_config({"config": "nope"}, "cfg.yaml")

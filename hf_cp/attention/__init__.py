@@ -18,8 +18,6 @@ from hf_cp.attention.local import block_attention, packed_attention
 from hf_cp.attention.ring import RingSpec, ring_attention
 from hf_cp.attention.ulysses import UlyssesSpec, check_ulysses_heads, ulysses_attention
 
-
-
 __all__ = [
     "Block",
     "document_blocks",

@@ -24,7 +24,11 @@ Sections:
               a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
               model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
 A key a section does not know is an error naming the nearest valid key, and a value of the wrong
-type one naming the key, the type and the value (config_schema.py). A key set to null is no
+type one naming the key, the type and the value (config_schema.py); a name that resolves to
+nothing (model.config, training.cp_profile, cp_balancer, cp_compare_balancer) is refused when the
+config is read, naming the key and the names available; an error raised while the training
+arguments or the model config are built from the file is prefixed with the file and the
+section.key it concerns (named_errors). A key set to null is no
 setting, in every section: as if the key were absent (its default applies; an override
 `--set training.deepspeed=null` removes the key).
 The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
@@ -32,13 +36,16 @@ The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterable, Iterator, List, Optional
 
 import yaml
 
-from hf_cp.cost.model import read_yaml_mapping, resolve_config
+from hf_cp.balance.registry import available_balancers
+from hf_cp.cost.model import HardwareProfile, read_yaml_mapping, resolve_config
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
 from hf_cp.train.config_schema import (
     DATA_KEYS,
@@ -46,6 +53,7 @@ from hf_cp.train.config_schema import (
     TrainConfigError,
     check_section,
     check_training_keys,
+    training_keys,
     unset,
 )
 
@@ -90,8 +98,75 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
         raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
     cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p))
+    check_names(cfg, str(p))
     cfg["_source"] = str(p)
     return cfg
+
+
+NO_BALANCER = ("", "none", "null")  # cp_compare_balancer: no comparison (CPTrainingArguments)
+
+
+def check_names(cfg: dict, source: str) -> None:
+    """The names a config gives that must resolve to something hf_cp knows, checked when the config
+    is read: model.config (a config.json or a model name), training.cp_profile (a profile file or
+    name, read and checked, or a mapping of its fields), training.cp_balancer and cp_compare_balancer (registered balancers). The error is the
+    one the launch would raise later (ConfigError, KeyError), prefixed with the file and the key."""
+    mcfg, tcfg = cfg.get("model") or {}, cfg.get("training") or {}
+    name = mcfg.get("config")
+    if isinstance(name, str) and "pretrained" not in mcfg:
+        with named_errors(source, "model.config", []):
+            resolve_config(name, "models", (".json",))
+    profile = tcfg.get("cp_profile")
+    if isinstance(profile, dict) or (isinstance(profile, str) and not profile.lstrip().startswith("{")):
+        with named_errors(source, "training.cp_profile", []):  # read as the planning setup reads it (load_profile)
+            if isinstance(profile, dict):
+                HardwareProfile.from_dict(profile, source="profile")
+            else:
+                HardwareProfile.load(profile)
+    for key in ("cp_balancer", "cp_compare_balancer"):
+        name = tcfg.get(key)
+        if not isinstance(name, str) or (key == "cp_compare_balancer" and name.strip().lower() in NO_BALANCER):
+            continue
+        names = available_balancers()
+        if name not in names:
+            raise KeyError(f"{source}: training.{key}: unknown balancer {name!r}; available: {', '.join(names)}")
+
+
+def _key_named(message: str, keys: Iterable[str], preferred: Iterable[str] = ()) -> Optional[str]:
+    """The first of `keys` the message names as a word (a key the config set first, the longest
+    at a position: cp_max_tokens_per_rank, not max_tokens_per_rank)."""
+    for candidates in (list(preferred), list(keys)):
+        found = [
+            (m.start(), -len(k), k)
+            for k in candidates
+            for m in [re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}(?![A-Za-z0-9_])", message)]
+            if m
+        ]
+        if found:
+            return min(found)[2]
+    return None
+
+
+@contextlib.contextmanager
+def named_errors(source: str, section: str, keys: Iterable[str], preferred: Iterable[str] = ()) -> Iterator[None]:
+    """Errors raised inside (building CPTrainingArguments, the model config, a name's file) come
+    out as the same exception type with the config file and `section.key` before the message, the
+    key being the first of `keys` the message names (`section` alone when it names none; a
+    `section` such as "training.cp_profile" names the key itself); the message itself is kept."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError) as e:
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+        if text.startswith(f"{source}: "):  # already named (a TrainConfigError of the schema)
+            raise
+        key = _key_named(text, keys, preferred)
+        where = f"{section}.{key}" if key else section
+        message = f"{source}: {where}: {text}"
+        try:
+            error = type(e)(message)
+        except Exception:  # noqa: BLE001 (an exception type that takes other arguments)
+            error = TrainConfigError(message)
+        raise error from None
 
 
 def trust_remote_code(mcfg: dict, source: str) -> bool:
@@ -147,13 +222,20 @@ def model_config(mcfg: dict, source: str):
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
 
-    cpath = resolve_config(mcfg["config"], "models", (".json",))
-    d = json.loads(Path(cpath).read_text())
+    with named_errors(source, "model.config", []):
+        cpath = resolve_config(mcfg["config"], "models", (".json",))
+    try:
+        d = json.loads(Path(cpath).read_text())
+    except (OSError, ValueError) as e:
+        raise TrainConfigError(f"{source}: model.config {cpath} is not a readable JSON file: {e}") from None
+    if not isinstance(d, dict):
+        raise TrainConfigError(f"{source}: model.config {cpath} must hold a JSON object, got {type(d).__name__}")
     d.pop("architectures", None)
     mtype = d.pop("model_type", None)
     if mtype is None:
         raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
-    return AutoConfig.for_model(mtype, **d)
+    with named_errors(source, f"model.config {cpath}", []):
+        return AutoConfig.for_model(mtype, **d)
 
 
 def build_model(mcfg: dict, source: str):
@@ -273,9 +355,10 @@ def training_arguments(tcfg: dict, source: str):
         except ImportError:
             t["report_to"] = "none"
     try:
-        return CPTrainingArguments(**t)
+        with named_errors(source, "training", training_keys(), t):
+            return CPTrainingArguments(**t)
     except TypeError as e:
-        raise TrainConfigError(f"{source}: training: {e}") from None
+        raise TrainConfigError(str(e)) from None
 
 
 def add_config_arguments(parser) -> None:

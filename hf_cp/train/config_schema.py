@@ -6,7 +6,10 @@ ignored; a value of the wrong type names the key, the type and the value
 their types are CPTrainingArguments' fields and annotations, read from the dataclass.
 
 A key set to null is no setting: it reads as if it were absent, in every section (unset()).
-A number key also takes the text PyYAML leaves a number without a dot as (1e-3).
+A number key also takes the text PyYAML leaves a number without a dot as (1e-3), and no number
+key takes .nan or .inf. The common numeric training keys transformers does not range-check have
+their ranges here (TRAINING_RANGES: learning_rate >= 0, logging_steps > 0, ...), and a string key
+typed `SomeEnum | str` (lr_scheduler_type, save_strategy, ...) takes only the enum's values.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import collections.abc
 import difflib
 import enum
 import functools
+import math
 import re
 import types
 import typing
@@ -39,6 +43,22 @@ def _non_negative(v) -> Optional[str]:
 
 def _fraction(v) -> Optional[str]:
     return None if 0 < v < 1 else "must be a fraction in (0, 1)"
+
+
+def _positive(v) -> Optional[str]:
+    return None if v > 0 else "must be > 0"
+
+
+def _unit_interval(v) -> Optional[str]:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _max_steps(v) -> Optional[str]:
+    return None if v > 0 or v == -1 else "must be > 0 (or -1: num_train_epochs decides)"
+
+
+def _seed(v) -> Optional[str]:
+    return None if 0 <= v < 2**32 else "must be in [0, 2**32 - 1] (numpy's seed range)"
 
 
 _STR = (str,)
@@ -70,6 +90,31 @@ EXCLUSIVE = {
         ("bundled", "path", "data.path would be ignored: train on the bundled dataset or on your own, not both"),
         ("eval_path", "eval_split", "choose one source of evaluation data"),
     ],
+}
+
+
+# ranges of the common numeric training keys that TrainingArguments does not check itself (a null
+# key is unset and not checked: eval_steps: null takes logging_steps)
+TRAINING_RANGES: Dict[str, Callable[[object], Optional[str]]] = {
+    "learning_rate": _non_negative,
+    "weight_decay": _non_negative,
+    "num_train_epochs": _positive,
+    "max_steps": _max_steps,
+    "warmup_steps": _non_negative,
+    "logging_steps": _positive,
+    "save_steps": _positive,
+    "eval_steps": _positive,
+    "eval_delay": _non_negative,
+    "max_grad_norm": _non_negative,
+    "adam_beta1": _unit_interval,
+    "adam_beta2": _unit_interval,
+    "adam_epsilon": _non_negative,
+    "label_smoothing_factor": _unit_interval,
+    "neftune_noise_alpha": _positive,
+    "per_device_eval_batch_size": _positive,
+    "dataloader_num_workers": _non_negative,
+    "seed": _seed,
+    "data_seed": _seed,
 }
 
 
@@ -115,6 +160,8 @@ def _as_number(value: object) -> object:
 
 
 def _wrong_type(section: str, key: str, expected: str, value: object, help: str = "") -> str:
+    if isinstance(value, float) and not math.isfinite(value) and "a number" in expected:
+        expected = expected.replace("a number", "a finite number", 1)  # .nan, .inf
     return f"{section}.{key}: expected {expected}{f' ({help})' if help else ''}, got {value!r:.80}"
 
 
@@ -186,8 +233,8 @@ class _Type:
             return isinstance(value, bool)
         if tp is int:
             return isinstance(value, int) and not isinstance(value, bool)
-        if tp is float:  # YAML reads 1 as an int
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is float:  # YAML reads 1 as an int; .nan and .inf are no setting of any number key
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if origin in _LISTS or tp in (list, tuple):
             item = self._args()[0] if self._args() else Any
             return isinstance(value, (list, tuple)) and all(_Type(item).accepts(v) for v in value)
@@ -209,6 +256,15 @@ class _Type:
         if self._is_union():
             return any(_Type(a)._takes(t) for a in self._args())
         return self.annotation is t
+
+    def enum_of_string(self) -> Optional[type]:
+        """E for an `E | str` annotation (an enum whose values a string spells): the string must be
+        one of E's values (TrainingArguments converts it: SchedulerType, SaveStrategy, ...)."""
+        if not self._is_union():
+            return None
+        members = [a for a in self._args() if a is not type(None)]
+        enums = [a for a in members if isinstance(a, type) and issubclass(a, enum.Enum)]
+        return enums[0] if len(enums) == 1 and set(members) == {enums[0], str} else None
 
     def describe(self, plural: bool = False) -> str:
         tp, origin = self.annotation, typing.get_origin(self.annotation)
@@ -287,6 +343,16 @@ def check_training_keys(values: Mapping, source: str) -> dict:
         value = out[key] = expected.read(value)
         if not expected.accepts(value):
             problems.append(_wrong_type("training", key, expected.describe(), value))
+            continue
+        choices = expected.enum_of_string()
+        if choices is not None and isinstance(value, str) and value not in {m.value for m in choices}:
+            valid_values = ", ".join(str(m.value) for m in choices)
+            problems.append(f"training.{key}: expected one of {valid_values} ({choices.__name__}), got {value!r:.80}")
+            continue
+        check = TRAINING_RANGES.get(key)
+        bad = check(value) if check and isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if bad:
+            problems.append(f"training.{key} {bad}, got {value!r}")
     if problems:
         raise SchemaError(f"{source}: " + "; ".join(problems))
     return out
