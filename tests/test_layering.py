@@ -221,10 +221,17 @@ def test_every_entry_point_registers_the_attention_with_transformers():
         "m = AutoModelForCausalLM.from_config(cfg, attn_implementation='hf_cp')\n"
         "print(m.config._attn_implementation)\n"
     )
-    for first in ("hf_cp", "hf_cp.train", "hf_cp.attention", "transformers, hf_cp.planning"):
-        out = subprocess.run(
+    firsts = ("hf_cp", "hf_cp.train", "hf_cp.attention", "transformers, hf_cp.planning")
+    # one fresh interpreter each, run side by side (each spends seconds importing torch)
+    procs = {
+        first: subprocess.Popen(
             [sys.executable, "-W", "error::UserWarning:hf_cp.registration", "-c", code.format(first=first)],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
-        assert out.returncode == 0 and out.stdout.strip().endswith("hf_cp"), (first, out.stderr[-2000:])
+        for first in firsts
+    }
+    for first, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0 and out.strip().endswith("hf_cp"), (first, err[-2000:])

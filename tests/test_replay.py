@@ -207,6 +207,8 @@ def test_cli_names_a_missing_step_and_a_bad_file(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+# slow (~15 s): the GPU script's CPU smoke mode; the replay itself is checked by the fast tests above
+@pytest.mark.slow
 def test_gpu_script_smoke_on_cpu(tmp_path):
     """scripts/gpu_profile_replay.py end to end at toy sizes: profile, plans at world 8, replay, table."""
     balancers = [b for b in ("auto", "static") if b in available_balancers()]

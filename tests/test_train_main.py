@@ -126,6 +126,8 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     print(f"main job wall time {wall:.0f} s")
 
 
+# slow (~18 s, a launcher job of its own): the launcher's failure summary
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
     # torchrun's failure summary shows the root-cause rank's exception, not a pointer to docs

@@ -21,6 +21,8 @@ def reference(rows):
     return float(total.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+# slow (a DDP job of its own, ~20 s): the fast suite trains under DDP in the world-2 job's lora-ddp run
+@pytest.mark.slow
 def test_chunked_sample_in_the_last_wave_trains_exactly_under_ddp(tmp_path):
     """Rank 0 runs a 60-token sample as 4 dependent chunks keeping 2 in the step's only wave,
     rank 1 one pack of the rest. The chunked sample's backwards run under one wave context:

@@ -17,7 +17,6 @@ import contextlib
 import importlib
 import logging
 import math
-import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,29 +33,22 @@ import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="
 from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
+from hf_cp.train.checkpointing import resume_point, save_failure
 from hf_cp.train.collator import PlanCollator, RankStep
 from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.consistency import assert_data_agrees
 from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
 from hf_cp.train.groups import CPGroups
-from hf_cp.train.history import StepRecord, append_record, history_path
+from hf_cp.train.history import StepRecord, append_record
 from hf_cp.train.metrics import aggregate, summary_lines
 from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
 from hf_cp.train.resume import (
-    CheckpointSaveError,
-    check_resume,
     checkpoint_step,
     clear_for_save,
-    last_complete,
     mark_complete,
-    resolve_resume,
-    restart_problems,
     rotate_checkpoints,
-    save_failure_error,
     schedule_record,
-    storage_failure,
-    truncate_history,
     write_schedule,
 )
 from hf_cp.train.setup_checks import check_parallelism, check_step_attention
@@ -439,7 +431,7 @@ class CPTrainer(Trainer):
             if save:
                 mark_complete(folder, self.state.global_step, self.cp_world)
         except Exception as err:
-            error = self._cp_save_failed(err, folder, run_dir)
+            error = save_failure(err, folder, run_dir, self.state.global_step, save)
             if error is None:
                 raise
             raise error from err
@@ -453,55 +445,21 @@ class CPTrainer(Trainer):
         if self.cp_world > 1 and self.cp_groups is not None and self.cp_groups.control is not None:
             dist.barrier(group=self.cp_groups.control)
 
-    def _cp_save_failed(self, err: Exception, folder: Path, run_dir: Path) -> Optional[CheckpointSaveError]:
-        """The error to raise for `err`, raised while saving `folder`: a CheckpointSaveError for a
-        failed write (the partial folder is removed when space ran out, to give it back), None
-        to re-raise `err` itself (with a note saying what a restart resumes from)."""
-        kept = last_complete(run_dir, before=self.state.global_step)
-        failure = storage_failure(err, folder)
-        if failure is None:
-            if hasattr(err, "add_note"):  # Python 3.11+
-                err.add_note(
-                    f"hf_cp: {folder} is left partial (not marked complete); a restart resumes from "
-                    + (kept if kept is not None else "step 0 (no complete checkpoint yet)")
-                )
-            return None
-        removed = False
-        if failure.space and self.args.should_save:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed = not folder.exists()
-        return save_failure_error(failure, folder, kept, removed)
-
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`resume_from_checkpoint`: a complete checkpoint folder, True (the newest complete one,
         which must exist) or "latest" (the newest complete one, else a fresh start: what a
         restarted job passes). Partial checkpoints (a save that did not finish) are skipped with
         a warning naming them (resume.py)."""
-        if self.cp_rank == 0:
-            for problem in restart_problems(self.args.save_strategy, resume_from_checkpoint):
-                logger.warning("hf_cp: %s", problem)
-        notes: List[str] = []  # partial checkpoints skipped, an unmarked one resumed
-        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, notes)
-        for note in notes:
-            self._cp_warn(note)
-        if resume is not None:  # on every rank, before any collective: all raise or none
-            ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
-            for note in check_resume(
-                resume,
-                self.cp_schedule(),
-                self.cp_world,
-                ds.config if ds is not None else None,
-                self.args.cp_allow_schedule_change,
-            ):
-                if self.cp_rank == 0:
-                    logger.warning("hf_cp: %s", note)
-        if self.args.cp_record_history:
-            hist = history_path(self.args.output_dir, self.cp_rank)
-            if resume is None:
-                hist.unlink(missing_ok=True)  # a fresh run starts a fresh history
-            else:
-                # a resumed one continues it from the checkpoint: steps after it run again
-                truncate_history(hist, checkpoint_step(resume))
+        ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
+        resume = resume_point(
+            resume_from_checkpoint,
+            self.args,
+            self.cp_rank,
+            self.cp_schedule(),
+            self.cp_world,
+            ds.config if ds is not None else None,
+            self._cp_warn,
+        )
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
         self._cp_history_start = len(self.cp_history)
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():

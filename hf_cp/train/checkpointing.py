@@ -1,0 +1,78 @@
+"""What CPTrainer's checkpoint hooks call: the resume point of a run (restart checks, the newest
+complete checkpoint, its schedule and files checked, the history files cut back to it), and
+the error a failed save raises. The rules themselves (completion marks, partial folders,
+rotation, full disks) are resume.py's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from hf_cp.train.history import history_path
+from hf_cp.train.resume import (
+    CheckpointSaveError,
+    check_resume,
+    checkpoint_step,
+    last_complete,
+    resolve_resume,
+    restart_problems,
+    save_failure_error,
+    storage_failure,
+    truncate_history,
+)
+
+
+def resume_point(
+    resume_from_checkpoint,
+    args,
+    rank: int,
+    schedule: dict,
+    world: int,
+    deepspeed_config: Optional[dict],
+    warn: Callable[[str], None],
+) -> Optional[str]:
+    """The checkpoint `train(resume_from_checkpoint)` resumes from, or None; `warn` gets each
+    warning as it is found (a restart that would lose work, partial checkpoints skipped, notes
+    on the checkpoint resumed). Every rank checks the same things before any collective, so all
+    raise or none (a changed schedule, a damaged file). The rank's history file starts afresh,
+    or is cut back to the checkpoint's steps."""
+    for problem in restart_problems(args.save_strategy, resume_from_checkpoint):
+        warn(problem)
+    notes: List[str] = []  # partial checkpoints skipped, an unmarked one resumed
+    resume = resolve_resume(resume_from_checkpoint, args.output_dir, notes)
+    for note in notes:
+        warn(note)
+    if resume is not None:
+        for note in check_resume(resume, schedule, world, deepspeed_config, args.cp_allow_schedule_change):
+            warn(note)
+    if args.cp_record_history:
+        hist = history_path(args.output_dir, rank)
+        if resume is None:
+            hist.unlink(missing_ok=True)  # a fresh run starts a fresh history
+        else:
+            # a resumed one continues it from the checkpoint: steps after it run again
+            truncate_history(hist, checkpoint_step(resume))
+    return resume
+
+
+def save_failure(
+    err: Exception, folder: Path, run_dir: Path, global_step: int, should_save: bool
+) -> Optional[CheckpointSaveError]:
+    """The error to raise for `err`, raised while saving `folder`: a CheckpointSaveError for a
+    failed write (the partial folder is removed when space ran out, to give it back), None
+    to re-raise `err` itself (with a note saying what a restart resumes from)."""
+    kept = last_complete(run_dir, before=global_step)
+    failure = storage_failure(err, folder)
+    if failure is None:
+        if hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(
+                f"hf_cp: {folder} is left partial (not marked complete); a restart resumes from "
+                + (kept if kept is not None else "step 0 (no complete checkpoint yet)")
+            )
+        return None
+    removed = False
+    if failure.space and should_save:
+        shutil.rmtree(folder, ignore_errors=True)
+        removed = not folder.exists()
+    return save_failure_error(failure, folder, kept, removed)
