@@ -39,8 +39,9 @@ from hf_cp.train.resume import (
     write_schedule,
 )
 
+from helpers.checkpoint_runs import train_with_checkpoints
 from helpers.harness.job import free_port, run_launcher
-from helpers.harness.models import ROOT, synthetic_rows
+from helpers.harness.models import ROOT
 from helpers.world2_job import JOB_TIMEOUT, LENGTHS, assert_matches_reference, spec_for
 
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -192,34 +193,8 @@ def test_full_disk_errors_name_the_folder_and_say_space_ran_out(tmp_path, monkey
 # ------------------------------------------------------------------ CPTrainer, one process
 def _train(out: Path, resume=None, steps: int = 4):
     """A world-1 CPTrainer on LENGTHS (4 steps an epoch at 500 tokens), a checkpoint every 2 steps."""
-    from datasets import Dataset
-
-    from hf_cp.train import CPTrainer, CPTrainingArguments
-
-    from helpers.harness.models import tiny_model
-
-    args = CPTrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        seed=42,
-        cp_balancer="static",
-        cp_max_tokens_per_rank=256,
-        cp_tokens_per_step=500,
-        cp_shuffle=False,
-        max_steps=steps,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        report_to="none",
-        save_strategy="steps",
-        save_steps=2,
-        save_total_limit=1,  # the Trainer's own rotation would delete checkpoint-2 before the mark
-        disable_tqdm=True,
-        logging_steps=1,
-        cp_compare_balancer=None,
-    )
-    trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(synthetic_rows(LENGTHS)))
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
+    # save_total_limit 1: the Trainer's own rotation would delete checkpoint-2 before the mark
+    return train_with_checkpoints(out, steps, resume, save_total_limit=1)
 
 
 def _history(out: Path):

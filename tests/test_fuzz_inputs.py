@@ -71,8 +71,8 @@ from hf_cp.train.resume import (
     resolve_resume,
 )
 
-from helpers.harness.models import ROOT, synthetic_rows
-from helpers.world2_job import LENGTHS
+from helpers.checkpoint_runs import train_with_checkpoints
+from helpers.harness.models import ROOT
 
 SEED = 27
 FAST = 24  # inputs per class in the fast suite
@@ -498,31 +498,7 @@ def test_fuzz_configs(tmp_path):
 # ------------------------------------------------------------------ (d) checkpoint files
 def _train(out: Path, steps: int) -> None:
     """A world-1 CPTrainer without DeepSpeed on LENGTHS, a checkpoint every 2 steps (~5 s)."""
-    from datasets import Dataset
-
-    from hf_cp.train import CPTrainer, CPTrainingArguments
-
-    from helpers.harness.models import tiny_model
-
-    args = CPTrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        seed=42,
-        cp_balancer="static",
-        cp_max_tokens_per_rank=256,
-        cp_tokens_per_step=500,
-        cp_shuffle=False,
-        max_steps=steps,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        report_to="none",
-        save_strategy="steps",
-        save_steps=2,
-        disable_tqdm=True,
-        logging_steps=1,
-        cp_compare_balancer=None,
-    )
-    CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(synthetic_rows(LENGTHS))).train()
+    train_with_checkpoints(out, steps)
 
 
 @pytest.fixture(scope="module")
