@@ -160,6 +160,8 @@ def test_the_wheel_carries_every_data_file_of_the_package(unpacked_wheel):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(n for n in names if "dist-info" in n)
 
 
+# slow (~13 s of subprocesses): .ci/check_wheel runs the same from a wheel installed in a fresh venv
+@pytest.mark.slow
 def test_the_installed_wheel_plans_and_dry_runs_from_a_directory_without_a_checkout(
     unpacked_wheel, elsewhere, traces_dir
 ):
