@@ -40,7 +40,7 @@ from hf_cp.train.resume import (
 )
 
 from helpers.checkpoint_runs import train_with_checkpoints
-from helpers.harness.job import free_port, run_launcher
+from helpers.harness.job import run_distributed
 from helpers.harness.models import ROOT
 from helpers.world2_job import JOB_TIMEOUT, LENGTHS, assert_matches_reference, spec_for
 
@@ -290,26 +290,7 @@ def test_the_dry_run_reports_partial_checkpoints_and_what_a_restart_resumes(tmp_
 # ------------------------------------------------------------------ both ranks killed inside a save
 def _launch_killing_in_save(spec: dict, nproc: int = 2, max_restarts: int = 1):
     """helpers.harness.job's run_distributed, with this module as the job (see __main__ below)."""
-    out = Path(spec["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    spec_file = out / "spec.json"
-    spec_file.write_text(json.dumps(spec))
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=path,
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # a fresh store per attempt (hf_cp.train.resume)
-    )
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *rdzv]
-    cmd += ["--max-restarts", str(max_restarts), "-m", "test_checkpoint_atomic", str(spec_file)]
-    proc = run_launcher(cmd, env, JOB_TIMEOUT)
-    assert proc.returncode == 0, f"rc {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+    return run_distributed(spec, nproc, JOB_TIMEOUT, max_restarts, module="test_checkpoint_atomic")
 
 
 def _kill_inside_save(step: int, attempt: int) -> None:

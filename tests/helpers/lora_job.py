@@ -1,10 +1,8 @@
-"""LoRA (peft) under CPTrainer: the LoRA model, a CPTrainer job on gloo processes, and a
+"""LoRA (peft) under CPTrainer: the LoRA model, its CPTrainer run (train_lora: in this process,
+or as a rank of the shared world-2 job, which hands it every run marked "lora"), and a
 single-process reference built from torch, transformers and peft alone (nothing of hf_cp).
 
-    python -m torch.distributed.run --nproc_per_node N -m helpers.lora_job SPEC.json
-
-(repository and tests/ on PYTHONPATH, as run_lora_job sets it). SPEC holds "runs", trained one
-after the other by the same processes. Keys of a run: lengths, tokens_per_step,
+Keys of a run: lengths, tokens_per_step,
 max_tokens_per_rank, steps, balancer (registered name or harness.balancers' scripted one), out;
 optional deepspeed (ZeRO-2, harness.job.zero2_config; default plain DDP), save_steps,
 activation_checkpointing, mutation ("loss_scale": a deliberate bug, every wave's loss x 1.001,
@@ -23,17 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import time
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-from helpers.harness.models import ROOT, synthetic_rows, tiny_model
+from helpers.harness.models import synthetic_rows, tiny_model
 from helpers.harness.reference import reference_batches, sample_loss_sum, sample_valid_targets
 
 Tensors = Dict[str, torch.Tensor]
@@ -263,46 +258,6 @@ def _scale_wave_losses(trainer) -> None:
     trainer._cp_setup = scaled_setup
 
 
-def _job(spec_file: str) -> None:
-    from accelerate import PartialState
-
-    from hf_cp.train.launch import shutdown_distributed
-    from hf_cp.train.trainer import skip_deepspeed_shm_build
-
-    skip_deepspeed_shm_build()
-    PartialState(backend="gloo", timeout=timedelta(seconds=120))
-    for run in json.loads(Path(spec_file).read_text())["runs"]:
-        t0 = time.perf_counter()
-        train_lora(run)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"lora_job: {Path(run['out']).name} trained in {time.perf_counter() - t0:.1f} s", flush=True)
-    shutdown_distributed()
-
-
-def run_lora_job(runs: List[dict], nproc: int, timeout: float = 300):
-    """Train `runs` on `nproc` gloo processes (one torchrun job); raise with its log on failure."""
-    from helpers.harness.job import free_port, run_launcher
-
-    for run in runs:
-        Path(run["out"]).mkdir(parents=True, exist_ok=True)
-    spec_file = Path(runs[0]["out"]) / "lora_spec.json"
-    spec_file.write_text(json.dumps({"runs": runs}))
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_port", str(free_port()), "-m", "helpers.lora_job", str(spec_file)]
-    proc = run_launcher(cmd, env, timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"LoRA job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
 # --------------------------------------------------------------------- the comparison
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
@@ -345,7 +300,3 @@ def compare_with_reference(spec: dict) -> Dict[str, float]:
     if failures:
         raise AssertionError("LoRA run differs from the single-process reference:\n  " + "\n  ".join(failures))
     return worst
-
-
-if __name__ == "__main__":
-    _job(sys.argv[1])

@@ -292,9 +292,12 @@ def run_launcher(cmd: list, env: dict, timeout: float, cwd: Path = ROOT) -> subp
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
-def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: int = 0) -> subprocess.CompletedProcess:
+def run_distributed(
+    spec: dict, nproc: int, timeout: float = 240, max_restarts: int = 0, module: str = "helpers.harness.job"
+) -> subprocess.CompletedProcess:
     """Run `run_job(spec)` on `nproc` gloo processes (torchrun, restarting the whole job up to
-    `max_restarts` times when a worker dies); raise with the log on failure."""
+    `max_restarts` times when a worker dies); raise with the log on failure. `module`: the job
+    run as `python -m module SPEC.json` (a test's own job wrapping run_job)."""
     runs = spec.get("runs") or [spec]
     for run in runs:
         Path(run["out"]).mkdir(parents=True, exist_ok=True)
@@ -324,7 +327,7 @@ def run_distributed(spec: dict, nproc: int, timeout: float = 240, max_restarts: 
         str(nproc),
         *launch,
         "-m",
-        "helpers.harness.job",
+        module,
         str(spec_file),
     ]
     proc = run_launcher(cmd, env, timeout)
