@@ -39,6 +39,11 @@ class SampleTargets:
     positions: np.ndarray  # [n] int64: rotary position of each token
     extra_rows: np.ndarray  # [k] int64: positions with one more target each (sample-local)
     extra_tokens: np.ndarray  # [k] int64: those targets (never IGNORE_INDEX)
+    # which answer each target belongs to (a shared-prompt sample's answer index; 0 for the one
+    # sequence of any other sample), -1 where no valid target or a prompt token predicts a prompt
+    # token: sequence-level losses (DPO, GRPO) sum log-probs per answer
+    answers: Optional[np.ndarray] = None  # [n] int64
+    extra_answers: Optional[np.ndarray] = None  # [k] int64
 
     @property
     def valid(self) -> int:
@@ -63,26 +68,40 @@ def sample_targets(
     n = len(src)
     if mask is None or mask.kind != "shared_prompt" or len(mask.answers) <= 1:
         pos = np.arange(n, dtype=np.int64) if mask is None else np.asarray(mask.position_ids(), dtype=np.int64)
-        return SampleTargets(_shift(src), pos, _NO_EXTRAS, _NO_EXTRAS)
+        shifted = _shift(src)
+        # one answer: the sequence itself (a one-answer shared-prompt sample: its prompt's targets
+        # other than the answer's first token are the prompt's, answer -1)
+        answers = np.where(shifted != IGNORE_INDEX, 0, -1).astype(np.int64)
+        if mask is not None and mask.kind == "shared_prompt" and mask.prompt > 1:
+            answers[: mask.prompt - 1] = -1
+        return SampleTargets(shifted, pos, _NO_EXTRAS, _NO_EXTRAS, answers, _NO_EXTRAS)
     if mask.length != n:
         raise ValueError(f"the mask covers {mask.length} tokens but the sample has {n}")
     shifted = np.full(n, IGNORE_INDEX, dtype=np.int64)
-    for start, end in mask.segments():  # targets stay inside their segment
+    answers = np.full(n, -1, dtype=np.int64)
+    for k, (start, end) in enumerate(mask.segments()):  # targets stay inside their segment
         shifted[start : end - 1] = src[start + 1 : end]
-    firsts = []
+        if mask.prompt == 0 or k > 0:  # segment k is answer k-1 after a prompt
+            answers[start : end - 1] = k - (1 if mask.prompt > 0 else 0)
+    answers[shifted == IGNORE_INDEX] = -1
+    firsts, first_answers = [], []
     if mask.prompt > 0:
         start = mask.prompt
-        for a in mask.answers:
+        for i, a in enumerate(mask.answers):
             if src[start] != IGNORE_INDEX:
                 firsts.append(int(src[start]))
+                first_answers.append(i)
             start += a
     last_prompt = mask.prompt - 1
-    extra_rows, extra_tokens = _NO_EXTRAS, _NO_EXTRAS
+    extra_rows, extra_tokens, extra_answers = _NO_EXTRAS, _NO_EXTRAS, _NO_EXTRAS
     if firsts:
         shifted[last_prompt] = firsts[0]
+        answers[last_prompt] = first_answers[0]
         extra_tokens = np.asarray(firsts[1:], dtype=np.int64)
         extra_rows = np.full(len(extra_tokens), last_prompt, dtype=np.int64)
-    return SampleTargets(shifted, np.asarray(mask.position_ids(), dtype=np.int64), extra_rows, extra_tokens)
+        extra_answers = np.asarray(first_answers[1:], dtype=np.int64)
+    positions = np.asarray(mask.position_ids(), dtype=np.int64)
+    return SampleTargets(shifted, positions, extra_rows, extra_tokens, answers, extra_answers)
 
 
 def sample_valid_targets(

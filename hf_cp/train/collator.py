@@ -21,7 +21,7 @@ in the CP context (`local_masks`, `masks` (distributed documents), aligned with 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -69,6 +69,10 @@ class MicroBatch:
     # token of every answer): the loss adds CE(row's hidden state, target) for each pair
     extra_rows: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
     extra_targets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
+    # the step's answer slot (RankStep.answer_slots) of each row's target and of each extra target,
+    # -1 where none: sequence-level losses sum per-token log-probs into them
+    target_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.long))  # [1, T]
+    extra_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [k]
 
     # ChunkFlow: samples this rank runs as dependent chunks in this wave (then the rows above are empty)
     chunked: List[ChunkedRows] = field(default_factory=list)
@@ -121,6 +125,9 @@ class RankStep:
     planned: object = None  # the PlannedStep (predictions, planner time)
     masked_samples: Tuple[int, ...] = ()  # samples of the whole step with a non-causal mask
     wave_backward_calls: List[int] = field(default_factory=list)  # per wave: backward passes every rank runs
+    # (sample id, answer index) of every answer of the step, the same on every rank: the slots that
+    # MicroBatch.target_slots index (a causal sample is one answer, a shared-prompt sample has several)
+    answer_slots: Tuple[Tuple[int, int], ...] = ()
 
     @property
     def has_masks(self) -> bool:
@@ -150,7 +157,21 @@ class PlanCollator:
         self.fetch = fetch
         self.masks = dict(masks or {})
 
-    def micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> Optional[MicroBatch]:
+    def answer_slots(self, plan: StepPlan) -> Tuple[Tuple[int, int], ...]:
+        """(sample id, answer) of every answer of the step, in the plan's sample order."""
+        out: List[Tuple[int, int]] = []
+        for sid in plan.sample_ids:
+            m = self.masks.get(sid)
+            n = len(m.answers) if m is not None and m.kind == "shared_prompt" else 1
+            out += [(sid, a) for a in range(n)]
+        return tuple(out)
+
+    def micro_batch(
+        self, plan: StepPlan, wave: int, group: Group, rank: int, first_slot: Optional[Mapping[int, int]] = None
+    ) -> Optional[MicroBatch]:
+        """`first_slot`: sample id -> the slot of its first answer (default: from answer_slots)."""
+        if first_slot is None:
+            first_slot = _first_slots(self.answer_slots(plan))
         if group.chunked.get(rank):
             return self.chunked_micro_batch(plan, wave, group, rank)
         local = list(group.local.get(rank, []))
@@ -159,6 +180,7 @@ class PlanCollator:
         member = group.ranks.index(rank)
         ids, tgts, pos, pieces = [], [], [], []
         extra_rows, extra_targets = [], []
+        slots, extra_slots = [], []
         local_lengths = []
         row = 0
         for sid in local:
@@ -169,6 +191,8 @@ class PlanCollator:
             pos.append(t.positions)
             extra_rows.append(t.extra_rows + row)
             extra_targets.append(t.extra_tokens)
+            slots.append(_slots(t.answers, first_slot[sid]))
+            extra_slots.append(_slots(t.extra_answers, first_slot[sid]))
             pieces.append(len(x))
             local_lengths.append(len(x))
             row += len(x)
@@ -187,6 +211,9 @@ class PlanCollator:
                 mine = (t.extra_rows >= seg.start) & (t.extra_rows < seg.start + seg.length)
                 extra_rows.append(t.extra_rows[mine] - seg.start + row)
                 extra_targets.append(t.extra_tokens[mine])
+                sid = group.distributed[seg.doc]
+                slots.append(_slots(t.answers[sl], first_slot[sid]))
+                extra_slots.append(_slots(t.extra_answers[mine], first_slot[sid]))
                 pieces.append(seg.length)
                 row += seg.length
         if not pieces:
@@ -197,6 +224,7 @@ class PlanCollator:
             ids.append(np.zeros(1, dtype=np.int64))
             tgts.append(np.full(1, IGNORE_INDEX, dtype=np.int64))
             pos.append(np.zeros(1, dtype=np.int64))
+            slots.append(np.full(1, -1, dtype=np.int64))
             pieces.append(1)
             local_lengths.append(1)
         cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
@@ -224,6 +252,8 @@ class PlanCollator:
             distributed_ids=list(group.distributed),
             extra_rows=flat(extra_rows),
             extra_targets=flat(extra_targets),
+            target_slots=cat(slots),
+            extra_slots=flat(extra_slots),
         )
 
     def chunked_micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> MicroBatch:
@@ -257,9 +287,11 @@ class PlanCollator:
         self, plan: StepPlan, rank: int, global_valid_tokens: int, epoch: int = 0, planned: object = None
     ) -> RankStep:
         waves: List[Optional[MicroBatch]] = []
+        slots = self.answer_slots(plan)
+        first = _first_slots(slots)
         for w, wave in enumerate(plan.waves):
             mine = [g for g in wave.groups if rank in g.ranks]
-            waves.append(self.micro_batch(plan, w, mine[0], rank) if mine else None)
+            waves.append(self.micro_batch(plan, w, mine[0], rank, first) if mine else None)
         return RankStep(
             rank=rank,
             index=plan.step,
@@ -270,7 +302,21 @@ class PlanCollator:
             planned=planned,
             masked_samples=tuple(s for s in plan.sample_ids if s in self.masks),
             wave_backward_calls=plan.wave_backward_calls(),
+            answer_slots=slots,
         )
+
+
+def _first_slots(slots: Sequence[Tuple[int, int]]) -> Dict[int, int]:
+    first: Dict[int, int] = {}
+    for k, (sid, _) in enumerate(slots):
+        first.setdefault(sid, k)
+    return first
+
+
+def _slots(answers: Optional[np.ndarray], first: int) -> np.ndarray:
+    """Answer indices of a sample's targets -> the step's slots (-1 stays -1)."""
+    a = np.asarray(answers if answers is not None else [], dtype=np.int64)
+    return np.where(a >= 0, a + first, -1)
 
 
 def _aligned_masks(masks: Mapping[int, SampleMask], ids: Sequence[int], n: int) -> Tuple[Optional[SampleMask], ...]:

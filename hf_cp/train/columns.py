@@ -230,9 +230,13 @@ def _integer_message(name: str, column: str, what: str, row: int, pos: int, valu
     )
 
 
-def check_interior_eos(ds, rows: Sequence, eos_ids: Sequence[int], name: str) -> Optional[str]:
+def check_interior_eos(
+    ds, rows: Sequence, eos_ids: Sequence[int], name: str, masked: Sequence[int] = ()
+) -> Optional[str]:
     """The warning for rows whose input_ids hold an EOS token before their last token (rows that
-    look packed, in a dataset without boundary columns), or None. Vectorised over batches."""
+    look packed, in a dataset without boundary columns), or None. Rows in `masked` carry their
+    own segments (a shared-prompt sample's answers each end with EOS) and are not counted.
+    Vectorised over batches."""
     if not eos_ids:
         return None
     found_rows, found_counts = [], []
@@ -242,7 +246,11 @@ def check_interior_eos(ds, rows: Sequence, eos_ids: Sequence[int], name: str) ->
         found_counts.append(c)
     if not found_rows:
         return None
-    return interior_eos_warning(name, np.concatenate(found_rows), np.concatenate(found_counts), len(rows), eos_ids)
+    found, counts = np.concatenate(found_rows), np.concatenate(found_counts)
+    keep = ~np.isin(found, np.asarray(list(masked), dtype=np.int64))
+    if not keep.any():
+        return None
+    return interior_eos_warning(name, found[keep], counts[keep], len(rows), eos_ids)
 
 
 def read_token_columns(ds, name: str = "train_dataset", eos_token_ids: Sequence[int] | int = ()) -> TokenColumns:
@@ -288,11 +296,11 @@ def read_token_columns(ds, name: str = "train_dataset", eos_token_ids: Sequence[
             )
         return _unpacked(ds, name, ids_col, labels_col, row_lengths, packed)
     eos = (eos_token_ids,) if isinstance(eos_token_ids, (int, np.integer)) else tuple(eos_token_ids)
-    warning = check_interior_eos(ds, ids_col, eos, name)
     try:
         masks = decode_mask_column(mask_values, row_lengths, name) if mask_values is not None else {}
     except MaskError as e:
         raise ValueError(f"CPTrainer: {e}") from None
+    warning = check_interior_eos(ds, ids_col, eos, name, masked=list(masks))
     valid = [
         sample_valid_targets(ids_col[i], labels_col[i], masks[i])
         if i in masks

@@ -83,6 +83,79 @@ def chunked_lm_head_loss(
     return total
 
 
+def _chunk_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    return -F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")  # 0 where ignored
+
+
+def chunked_lm_head_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_targets: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(target) in fp32 (0 where the target is ignored), `chunk_tokens` rows of
+    logits at a time, recomputed in backward: ([T], [k] for the extra targets). The summed
+    cross-entropy above is minus their sum; sequence-level losses (DPO, GRPO) need them apart."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
+        raise ValueError(
+            f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    parts = [
+        checkpoint(
+            _chunk_token_logps,
+            hidden[s : s + chunk_tokens],
+            weight,
+            bias,
+            targets[s : s + chunk_tokens],
+            ignore_index,
+            use_reentrant=False,
+        )
+        for s in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    rows, extra = _checked_extras(hidden.shape[0], extra_rows, extra_targets)
+    extras = [
+        checkpoint(
+            _chunk_token_logps,
+            hidden.index_select(0, rows[s : s + chunk_tokens]),
+            weight,
+            bias,
+            extra[s : s + chunk_tokens],
+            ignore_index,
+            use_reentrant=False,
+        )
+        for s in range(0, rows.numel(), chunk_tokens)
+    ]
+    empty = hidden.new_zeros(0, dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
+    return torch.cat(parts), (torch.cat(extras) if extras else empty)
+
+
+def logits_token_logps(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_targets: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The same per-token log-probs from full logits [T, V]."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    own = -F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+    rows, extra = _checked_extras(logits.shape[0], extra_rows, extra_targets)
+    more = -F.cross_entropy(logits.index_select(0, rows), extra, reduction="none") if rows.numel() else own[:0]
+    return own, more
+
+
 def logits_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, ContextManager, List, Optional, Tuple
+from typing import Callable, ContextManager, List, Optional, Tuple, Union
 
 import torch
 
@@ -28,9 +28,23 @@ from hf_cp.train.chunkflow import evaluate_chunked_sample, run_chunked_sample, s
 from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, RankStep
 from hf_cp.train.consistency import collective_scope
 from hf_cp.train.groups import CPGroups
-from hf_cp.train.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed, logits_loss
+from hf_cp.train.loss import (
+    chunkable_head,
+    chunked_lm_head_loss,
+    chunked_lm_head_token_logps,
+    head_output_is_logits,
+    lm_head_bypassed,
+    logits_loss,
+    logits_token_logps,
+)
 
 logger = logging.getLogger(__name__)
+
+# A sequence-level objective's share of one micro-batch: (micro-batch, per-token log-probs of its
+# rows [T] (0 where no target), of its extra targets [k]) -> this rank's part of the step's loss,
+# already normalised for the whole step (the executor only multiplies by the world size, for the
+# data-parallel average). DPO and GRPO build one per step (train/dpo.py, train/grpo.py).
+TokenObjective = Callable[[MicroBatch, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -111,9 +125,10 @@ class StepExecutor:
             ctx = replace(ctx, group=self.groups.get(ctx.group_ranks))
         return ctx
 
-    def train(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
+    def train(self, model: torch.nn.Module, step: RankStep, objective: Optional[TokenObjective] = None) -> WaveTotals:
         """Forward+backward of every wave; the loss handed to backward is scaled so that the
-        data-parallel average is the gradient of (sum of token losses / global valid targets).
+        data-parallel average is the gradient of (sum of token losses / global valid targets),
+        or, with `objective`, of the sum over ranks and waves of what it returns.
 
         Every rank runs the same number of backward passes in each wave (step.wave_backward_calls:
         a chunked sample runs one per dependent chunk), padding with zero-weight micro-batches;
@@ -140,8 +155,14 @@ class StepExecutor:
                     cp_context(None if mb.chunked else ctx),
                     collective_scope(step.index + 1, w, ctx.group_ranks),
                 ):
+                    if mb.chunked and objective is not None:
+                        raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
                     if mb.chunked:
                         wave_sum, loss = self._chunked_wave(model, mb, scale, last_wave and pad == 0)
+                    elif objective is not None:
+                        wave_sum = objective(mb, *self.wave_token_logps(model, mb))
+                        loss = wave_sum * self.world_size
+                        self.backward(loss, last_wave and pad == 0)
                     else:
                         wave_sum = self.wave_loss(model, mb)
                         loss = wave_sum * scale
@@ -206,7 +227,53 @@ class StepExecutor:
             totals.tokens += mb.num_tokens
         return totals
 
+    def answer_logps(
+        self, model: torch.nn.Module, step: RankStep, head: Union[str, Optional[torch.nn.Linear]] = "policy"
+    ) -> torch.Tensor:
+        """This rank's part of every answer's summed log-prob (RankStep.answer_slots), forward only
+        (call under torch.no_grad()); summed over the world they are the answers' log-probs.
+        `head`: the LM head the chunked path bypasses ("policy": the trained model's; pass another
+        model's own head, or None for full logits)."""
+        sums = torch.zeros(len(step.answer_slots), dtype=torch.float64, device=self.device)
+        for w, mb in enumerate(step.waves):
+            if mb is None:  # forward only: no gradient reduction to join
+                continue
+            if mb.chunked:
+                raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+            ctx = self._context(mb)
+            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "log-prob micro-batch"):
+                own, extra = self.wave_token_logps(model, mb, head)
+            sums += answer_sums(mb, own, extra, len(step.answer_slots)).double()
+        return sums
+
     # ------------------------------------------------------------------ loss
+    def wave_token_logps(
+        self, model: torch.nn.Module, mb: MicroBatch, head: Union[str, Optional[torch.nn.Linear]] = "policy"
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log p(target) of a micro-batch's rows [T] and extra targets [k] (fp32, 0 where
+        the target is ignored), through the chunked LM head when the model allows it."""
+        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
+        targets = mb.shift_labels[0].to(self.device)
+        extra_rows, extra_targets = mb.extra_rows.to(self.device), mb.extra_targets.to(self.device)
+        if isinstance(head, str):
+            head = self.loss_head()
+        if head is None:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            return logits_token_logps(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
+        captured: List[torch.Tensor] = []
+        with lm_head_bypassed(head, captured):
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+        return chunked_lm_head_token_logps(
+            captured[-1][0],
+            head.weight,
+            targets,
+            self.loss_chunk_tokens,
+            bias=head.bias,
+            ignore_index=IGNORE_INDEX,
+            extra_rows=extra_rows,
+            extra_targets=extra_targets,
+        )
+
     def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
         loss when the model allows it, else from the full logits."""
@@ -251,3 +318,22 @@ class StepExecutor:
                     else "the model post-processes its LM head's output (scaling or soft-capping)",
                 )
         return self._head
+
+
+_CHUNKED_OBJECTIVE = (
+    "step {step}: samples {samples} run as dependent chunks (ChunkFlow); a sequence-level loss (DPO, GRPO) "
+    "needs shared-prompt samples, which are never chunked: plan this data with another balancer"
+)
+
+
+def answer_sums(mb: MicroBatch, own: torch.Tensor, extra: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Per-token values of a micro-batch (own [T], extra [k]) summed into the step's answer
+    slots [num_slots]; rows without an answer (slot -1) are left out. Differentiable."""
+    slots = mb.target_slots[0].to(own.device)
+    keep = slots >= 0
+    out = own.new_zeros(num_slots).index_add(0, slots[keep], own[keep])
+    if extra.numel():
+        xs = mb.extra_slots.to(own.device)
+        keep = xs >= 0
+        out = out.index_add(0, xs[keep], extra[keep])
+    return out

@@ -14,13 +14,14 @@ when the trainer is built (trainer_setup.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
 import math
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -259,22 +260,34 @@ class CPTrainer(Trainer):
         cuda = self.args.device if self.args.device.type == "cuda" else None
         if cuda is not None:
             torch.cuda.reset_peak_memory_stats(cuda)
-        totals = self.cp_executor.train(model, step)
+        totals, loss = self._cp_train_waves(model, step)
         wall_ms = (time.perf_counter() - t_step) * 1e3
         peak_bytes = float(torch.cuda.max_memory_allocated(cuda)) if cuda is not None else -1.0
-        self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3], peak_bytes)
+        self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3], peak_bytes, loss)
         self._cp_last_step = step
         return totals.loss
+
+    def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
+        """The step's forward and backward passes: (what this rank did, the step's loss when it is
+        not the mean token cross-entropy). Sequence-level trainers (dpo.py) replace it."""
+        return self.cp_executor.train(model, step), None
 
     def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
         impl = getattr(self.model.config, "_attn_implementation", None)
         check_step_attention(step.plan, step.has_masks, step.index, impl, what)
 
     def _cp_record(
-        self, step: RankStep, totals: WaveTotals, wall_ms: float, span: List[float], peak_bytes: float = -1.0
+        self,
+        step: RankStep,
+        totals: WaveTotals,
+        wall_ms: float,
+        span: List[float],
+        peak_bytes: float = -1.0,
+        loss: Optional[float] = None,
     ) -> None:
         """One StepRecord per step, identical on every rank (one all-gather of the measurements).
-        `peak_bytes`: the device's peak allocated memory in the step (-1: not measured, off CUDA)."""
+        `peak_bytes`: the device's peak allocated memory in the step (-1: not measured, off CUDA).
+        `loss`: the step's loss when it is not the mean token cross-entropy (DPO, GRPO)."""
         rows = gather_measurements(totals, wall_ms, peak_bytes, self.cp_world, self.cp_groups.control)
         rec = step_record(
             step,
@@ -285,6 +298,8 @@ class CPTrainer(Trainer):
             self._cp_resumed_from,  # the checkpoint step this process started from
             len(self.cp_data),
         )
+        if loss is not None:
+            rec = dataclasses.replace(rec, loss=float(loss))
         self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)
         self._cp_pending.append(rec)

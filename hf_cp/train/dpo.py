@@ -1,0 +1,339 @@
+"""CPTrainer mixed with TRL's DPOTrainer: TRL prepares the preference data and owns the reference
+model; hf_cp plans each step and computes the loss wherever the answers' tokens were placed.
+
+    from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer
+
+    args = CPDPOConfig(output_dir="out", beta=0.1, cp_max_tokens_per_rank=32768, cp_tokens_per_rank_per_step=65536)
+    CPDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer).train()
+
+`pairs` is any dataset DPOTrainer takes (prompt/chosen/rejected, plain or conversational).
+DPOTrainer tokenises it (prompt_ids, chosen_ids, rejected_ids); each pair then becomes one
+shared-prompt sample [prompt][chosen][rejected] (samples/masks.py): the prompt is computed
+once, each answer attends to the prompt and to itself, and its positions continue from the
+prompt's end, so each answer's log-prob is exactly the one of prompt+answer as its own sequence.
+The balancer plans these samples per step like any other (local, Ulysses, ring, blocks).
+
+A step (one optimizer step = one planned global batch of pairs):
+1. forward without gradients, policy and reference (unless precomputed): each rank sums the
+   per-token log-probs of the tokens it holds into the step's answer slots; one all-reduce gives
+   every answer's summed log-prob on every rank;
+2. the DPO loss on those whole-step vectors (dpo_loss.py, TRL's formulas), and its gradient
+   with respect to each answer's log-prob, g_a;
+3. forward and backward of every wave with the loss sum_a g_a * (the rank's part of log p(a)),
+   whose gradient is exactly the DPO loss's (the chain rule through the sums).
+The extra forward pass (1) is the price of exactness under any placement with bounded memory:
+an answer's log-prob is only known once every wave that holds part of it has run, and the
+waves' activations are not kept. With dropout the two forwards would differ, so dropout must be
+off (`disable_dropout=True`, DPOConfig's default).
+
+The reference: TRL's (a copy of the model, `ref_model`, or the PEFT model with its adapter
+disabled), run under the same plan; or, with `precompute_ref_log_probs=True`, computed once in a
+planned pass over the training data with the initial policy before the first update, and kept
+in `output_dir/cp_reference_logps.json` for resumed runs.
+
+Defaults that differ from DPOConfig's: `max_length=None` (DPOConfig truncates at 1024 tokens;
+hf_cp places long pairs over CP groups and refuses, by name, a pair longer than the largest
+group holds); `per_device_train_batch_size=1`, `gradient_accumulation_steps=1` (one loader item
+is one planned step; size steps with cp_tokens_per_step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+try:
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.utils import use_adapter
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("hf_cp.train.dpo needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')") from e
+from accelerate.utils import is_peft_model
+
+from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
+from hf_cp.samples.masks import SampleMask
+from hf_cp.train.args import CPTrainingArguments
+from hf_cp.train.collator import IGNORE_INDEX, RankStep
+from hf_cp.train.dpo_loss import DPOSettings, dpo_loss, pair_slots
+from hf_cp.train.evaluation import evaluation_data, evaluation_rank_steps
+from hf_cp.train.loss import chunkable_head
+from hf_cp.train.step import WaveTotals, answer_sums
+from hf_cp.train.trainer import CPTrainer
+
+logger = logging.getLogger(__name__)
+
+REFERENCE_FILE = "cp_reference_logps.json"
+
+
+@dataclass
+class CPDPOConfig(CPTrainingArguments, DPOConfig):
+    """DPOConfig (the preference loss, the reference model) plus CPTrainingArguments (planning)."""
+
+    max_length: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "must stay None: hf_cp never truncates a pair (it refuses, naming it, a pair longer than its "
+            "largest CP group holds)"
+        },
+    )
+
+
+def pair_sample(example: dict, index: int) -> dict:
+    """One tokenised DPO pair -> one shared-prompt sample: input_ids prompt+chosen+rejected, the
+    prompt unlabelled, the mask in the `attn_mask` column. Errors name the pair."""
+    prompt, chosen, rejected = (list(example[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+    if not prompt:
+        raise ValueError(
+            f"DPO pair {index}: the prompt has no tokens (the answers' first tokens would have no context)"
+        )
+    for name, ids in (("chosen", chosen), ("rejected", rejected)):
+        if not ids:
+            raise ValueError(f"DPO pair {index}: the {name} answer has no tokens")
+    if chosen == rejected:
+        raise ValueError(
+            f"DPO pair {index}: the chosen and rejected answers are the same {len(chosen)} tokens; the pair carries no "
+            "preference (its DPO gradient is zero)"
+        )
+    mask = SampleMask.shared_prompt(len(prompt), [len(chosen), len(rejected)])
+    return {
+        "input_ids": prompt + chosen + rejected,
+        "labels": [IGNORE_INDEX] * len(prompt) + chosen + rejected,
+        MASK_COLUMN: encode_mask(mask),
+    }
+
+
+def _dropout_modules(model: torch.nn.Module) -> List[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+
+
+class CPDPOTrainer(CPTrainer, DPOTrainer):
+    """DPOTrainer's data and reference model, CPTrainer's planned steps, the DPO loss computed
+    from each answer's summed log-prob wherever its tokens ran. Takes DPOTrainer's arguments
+    plus `balancer`; `args` must be a CPDPOConfig."""
+
+    def __init__(self, model=None, ref_model=None, args: Optional[CPDPOConfig] = None, train_dataset=None, **kwargs):
+        if not isinstance(args, CPDPOConfig):
+            raise TypeError(
+                f"CPDPOTrainer needs CPDPOConfig (DPOConfig + CPTrainingArguments), got {type(args).__name__}"
+            )
+        if args.max_length is not None:
+            raise ValueError(
+                f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
+                "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
+            )
+        self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
+        self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
+        super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "CPDPOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
+                "planned forward does not collect; set router_aux_loss_coef=0"
+            )
+        dropout = _dropout_modules(self.model)
+        if dropout:
+            raise ValueError(
+                f"CPDPOTrainer: {len(dropout)} dropout modules are active (e.g. {dropout[0]!r}); the log-prob pass and "
+                "the gradient pass must see the same network: set disable_dropout=True (DPOConfig's default)"
+            )
+        if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
+            raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")
+
+    # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        prepared = DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
+        return prepared.map(
+            pair_sample, with_indices=True, desc=f"Joining {dataset_name} pairs into shared-prompt samples"
+        )
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        # hf_cp computes them in a planned pass before the first update (_cp_reference_logps)
+        return dataset
+
+    # ------------------------------------------------------------------ reference log-probs
+    def _cp_reference(self):
+        """(model, its LM head for the chunked path, context) of the reference forward."""
+        policy_head = self.cp_executor.loss_head()
+        if self.ref_model is not None:
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            head = chunkable_head(ref) if policy_head is not None else None
+            return ref, head, contextlib.nullcontext()
+        if is_peft_model(self.model):
+            name = "ref" if "ref" in self.model.peft_config else None
+            return self.model, "policy", use_adapter(self.model, adapter_name=name)
+        return self.model, "policy", contextlib.nullcontext()  # precompute: the policy before its first update
+
+    def _cp_reference_pass(self, step: RankStep) -> torch.Tensor:
+        """This rank's part of every answer's reference log-prob (forward only)."""
+        model, head, ctx = self._cp_reference()
+        with torch.no_grad(), ctx:
+            return self.cp_executor.answer_logps(model, step, head)
+
+    def _cp_reference_file(self) -> Path:
+        return Path(self.args.output_dir) / REFERENCE_FILE
+
+    def _cp_precompute_references(self) -> Dict[int, Tuple[float, float]]:
+        """Every training pair's reference log-probs, from a planned pass over the training data
+        with the policy before its first update; written to output_dir for resumed runs."""
+        path = self._cp_reference_file()
+        digest = self.cp_data.digest()
+        if self.state.global_step > 0:  # a resumed run: the policy is no longer the reference
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"CPDPOTrainer: resuming at step {self.state.global_step} with precompute_ref_log_probs=True needs "
+                    f"the reference log-probs of the first run, {path}, which is missing"
+                )
+            saved = json.loads(path.read_text())
+            if saved.get("data_digest") != digest:
+                raise ValueError(f"CPDPOTrainer: {path} was computed for other training data; remove it to recompute")
+            return {int(k): (float(v[0]), float(v[1])) for k, v in saved["pairs"].items()}
+        _, plans = evaluation_data(
+            self.train_dataset,
+            "train_dataset (reference log-probs)",
+            self.cp_setup.settings.step_tokens(self.cp_world),
+            self.cp_balancer or self.cp_setup.balancer(),
+            self.cp_cluster,
+            self.cp_cost,
+            self.args.seed,
+        )
+        table: Dict[int, Tuple[float, float]] = {}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for step in evaluation_rank_steps(plans, self.cp_data, self.cp_rank):
+                self._cp_check_attention(step, "reference log-prob batch")
+                sums = self._cp_all_reduce(self._cp_reference_pass(step))
+                samples, chosen, rejected = pair_slots(step.answer_slots)
+                for sid, c, r in zip(samples, chosen, rejected):
+                    table[sid] = (float(sums[c]), float(sums[r]))
+        finally:
+            self.model.train(was_training)
+        if self.cp_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"data_digest": digest, "pairs": {str(k): v for k, v in table.items()}}))
+            tmp.replace(path)
+        return table
+
+    def _cp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.cp_world > 1:
+            dist.all_reduce(t)
+        return t
+
+    # ------------------------------------------------------------------ one step
+    def _cp_pair_logps(self, step: RankStep, model) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every answer's summed log-prob of the step, policy and reference, on every rank."""
+        policy = self.accelerator.unwrap_model(model)
+        with torch.no_grad():
+            own = self.cp_executor.answer_logps(policy, step)
+        if self.precompute_ref_logps:
+            if self._cp_reference_table is None:
+                self._cp_reference_table = self._cp_precompute_references()
+            ref = torch.zeros_like(own)
+            for k, (sid, a) in enumerate(step.answer_slots):
+                ref[k] = self._cp_reference_table[sid][a]
+            return self._cp_all_reduce(own), ref
+        both = self._cp_all_reduce(torch.stack([own, self._cp_reference_pass(step)]))
+        return both[0], both[1]
+
+    def _cp_answer_tokens(self, step: RankStep) -> torch.Tensor:
+        """Token count of every answer of the step (its length: every answer token is a target)."""
+        out = torch.zeros(len(step.answer_slots), dtype=torch.float64)
+        for k, (sid, a) in enumerate(step.answer_slots):
+            out[k] = self.cp_data.masks[sid].answers[a]
+        return out
+
+    def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
+        samples, chosen, rejected = pair_slots(step.answer_slots)
+        policy, reference = self._cp_pair_logps(step, model)
+        tokens = self._cp_answer_tokens(step).to(policy.device)
+        leaf = policy.detach().clone().requires_grad_(True)
+        loss, metrics = dpo_loss(
+            self.cp_dpo,
+            leaf[chosen],
+            leaf[rejected],
+            reference[chosen],
+            reference[rejected],
+            tokens[chosen],
+            tokens[rejected],
+        )
+        loss.backward()  # d loss / d (each answer's log-prob): the weights of the gradient pass
+        weights = leaf.grad.detach()
+
+        def objective(mb, own, extra):
+            return (answer_sums(mb, own, extra, len(weights)) * weights.to(own.dtype)).sum()
+
+        totals = self.cp_executor.train(model, step, objective)
+        totals.loss = loss.detach().to(totals.loss.device, totals.loss.dtype)
+        for name, value in metrics.items():
+            self._metrics["train"][name].append(value)
+        return totals, loss.item()
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
+        """The DPO loss and TRL's reward metrics over the eval pairs (planned like training):
+        {prefix}_loss, {prefix}_rewards/..., {prefix}_logps/..., {prefix}_samples, {prefix}_runtime."""
+        ds = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if ds is None:
+            raise ValueError("CPDPOTrainer.evaluate: no eval_dataset (pass one to evaluate() or to the trainer)")
+        if isinstance(ds, dict):
+            metrics: Dict[str, float] = {}
+            for name, part in ds.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if "input_ids" not in getattr(ds, "column_names", ["input_ids"]):  # raw pairs: TRL's pipeline first
+            ds = self._prepare_dataset(ds, self.processing_class, self.args, metric_key_prefix)
+        if self.precompute_ref_logps and self.ref_model is None and not is_peft_model(self.model):
+            raise ValueError(
+                "CPDPOTrainer.evaluate: with precompute_ref_log_probs=True and no ref_model there is no reference "
+                "model left to score eval pairs with; pass ref_model"
+            )
+        self._cp_setup()
+        t0 = time.perf_counter()
+        data, plans = evaluation_data(
+            ds,
+            f"eval dataset {metric_key_prefix!r}",
+            self.cp_setup.settings.step_tokens(self.cp_world),
+            self.cp_balancer or self.cp_setup.balancer(),
+            self.cp_cluster,
+            self.cp_cost,
+            self.args.seed,
+        )
+        model = self.model
+        if next(model.parameters()).device != self.args.device:
+            model = model.to(self.args.device)
+        pairs: Dict[int, List[float]] = {}
+        was_training = model.training
+        model.eval()
+        try:
+            for step in evaluation_rank_steps(plans, data, self.cp_rank):
+                self._cp_check_attention(step, "evaluation batch")
+                with torch.no_grad():
+                    own = self.cp_executor.answer_logps(model, step)
+                    ref = self._cp_reference_pass(step)
+                both = self._cp_all_reduce(torch.stack([own, ref]))
+                samples, chosen, rejected = pair_slots(step.answer_slots)
+                for sid, c, r in zip(samples, chosen, rejected):
+                    m = data.masks[sid]
+                    pairs[sid] = [float(both[0, c]), float(both[0, r]), float(both[1, c]), float(both[1, r])]
+                    pairs[sid] += [float(m.answers[0]), float(m.answers[1])]
+        finally:
+            model.train(was_training)
+        v = torch.tensor(np.asarray([pairs[s] for s in sorted(pairs)]), dtype=torch.float64)
+        with torch.no_grad():
+            loss, reward_metrics = dpo_loss(self.cp_dpo, v[:, 0], v[:, 1], v[:, 2], v[:, 3], v[:, 4], v[:, 5])
+        out = {f"{metric_key_prefix}_loss": float(loss), f"{metric_key_prefix}_samples": float(len(pairs))}
+        out.update({f"{metric_key_prefix}_{k}": val for k, val in reward_metrics.items()})
+        out[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - t0, 4)
+        model.eval()  # DPOTrainer.log adds the metrics of the mode the model is in
+        self.log(out)
+        model.train(was_training)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, out)
+        return out
