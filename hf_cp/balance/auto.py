@@ -6,9 +6,10 @@ per-length tables shared by every member; no validation or simulation per member
 planning a member, `auto` skips it when it cannot matter:
 
 * the best plan so far is within `stop_within` of the step's charged lower bound
-  (simulate.charged_lower_bound_ms): no member can beat it by more than that fraction (the
-  charged bound is proven for per-document and local plans; for zigzag packs it is checked
-  on the traces only, see its docstring);
+  (simulate.charged_lower_bound_ms, masked samples by their masked area, as the simulator
+  prices them: bounds.BoundCache.charged): no member can beat it by more than that fraction
+  (the charged bound is proven for per-document and local plans; for zigzag packs it is
+  checked on the traces only, see its docstring);
 * the member's own bound (its `lower_bound_ms(request, bounds)`: static, wlb and libra,
   whose plans run every sample on groups of one size, and skrull, whose samples stay in
   one block each) is no better than the best plan so far.
