@@ -119,7 +119,8 @@ def trl_run(rows, batches: List[List[int]], out: str, precompute: bool = False, 
 
     settings = dict(SETTINGS, per_device_train_batch_size=max(len(b) for b in batches), max_length=None)
     settings.update(kw)
-    args = DPOConfig(output_dir=out, max_steps=len(batches), precompute_ref_log_probs=precompute, **settings)
+    settings["precompute_ref_log_probs"] = precompute
+    args = DPOConfig(output_dir=out, max_steps=len(batches), **settings)
     model = tiny_chat_model(0, attn="eager")
     tape = GradTape()
     trainer = SteppedDPOTrainer(

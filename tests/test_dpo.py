@@ -1,0 +1,250 @@
+"""CPDPOTrainer (hf_cp.train.dpo) against TRL's own DPOTrainer on the same global batches: per-step
+losses and every parameter's gradient within fp32 noise at world 1, for several loss types, a
+combination with loss_weights, precomputed reference log-probs and evaluation; the hf_cp trainer
+at worlds 2 and 4 (gloo processes, a prompt longer than one rank's cap) against world 1; a
+deliberately wrong loss (the rejected answers' log-probs x 1.001) caught by the same comparison;
+and the settings and data it refuses, by name."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")  # the optional `trl` extra
+
+from helpers.dpo_runs import hf_cp_run, preference_rows, trl_run  # noqa: E402
+from helpers.harness.job import free_port, run_launcher  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 2
+GRAD_TOL = 2e-5  # max |difference| / max |gradient| of a parameter: fp32 noise is ~1e-6
+
+
+def grad_gap(ours, theirs) -> float:
+    """The worst relative gradient difference over steps and parameters."""
+    assert len(ours) == len(theirs) and ours, (len(ours), len(theirs))
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for name in b:
+            scale = float(b[name].abs().max()) or 1.0
+            worst = max(worst, float((a[name] - b[name]).abs().max()) / scale)
+    return worst
+
+
+def compare(tmp_path, rows=None, trl_kw=None, **kw):
+    rows = rows or preference_rows(8)
+    batches, losses, grads, logs = hf_cp_run(rows, str(tmp_path / "hf_cp"), STEPS, **kw)
+    assert len(batches) == STEPS and all(batches)
+    trl_losses, trl_grads, trl_logs = trl_run(rows, batches, str(tmp_path / "trl"), **dict(kw_for_trl(kw), **(trl_kw or {})))
+    return losses, grads, logs, trl_losses, trl_grads, trl_logs
+
+
+def kw_for_trl(kw: dict) -> dict:
+    """The DPOConfig settings of an hf_cp run (without hf_cp's own and the runner's keys)."""
+    return {k: v for k, v in kw.items() if not k.startswith("cp_") and k not in ("ref", "precompute_ref_log_probs")}
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        dict(loss_type=["sigmoid"]),
+        dict(loss_type=["ipo"]),
+        dict(loss_type=["hinge"]),
+        dict(loss_type=["apo_zero"]),
+        dict(loss_type=["sft"]),
+        dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
+    ],
+    ids=["sigmoid", "ipo", "hinge", "apo_zero", "sft", "sigmoid+0.5sft"],
+)
+def test_losses_and_gradients_equal_trls_dpo_trainer(tmp_path, loss):
+    losses, grads, logs, trl_losses, trl_grads, trl_logs = compare(tmp_path, **loss)
+    print(loss, "losses", losses, trl_losses, "gradient gap", grad_gap(grads, trl_grads))
+    assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
+    assert grad_gap(grads, trl_grads) < GRAD_TOL
+    assert losses[0] != pytest.approx(losses[1]), "the steps differ: the policy moved"
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        ours = [x[key] for x in logs if key in x]
+        theirs = [x[key] for x in trl_logs if key in x]
+        assert len(ours) == STEPS and ours == pytest.approx(theirs, rel=1e-4, abs=1e-5), key
+
+
+def test_precomputed_reference_log_probs_equal_trls_precompute(tmp_path):
+    losses, grads, _, trl_losses, trl_grads, _ = compare(
+        tmp_path, ref=False, precompute_ref_log_probs=True, trl_kw=dict(precompute=True)
+    )
+    assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
+    assert grad_gap(grads, trl_grads) < GRAD_TOL
+    saved = json.loads((tmp_path / "hf_cp" / "cp_reference_logps.json").read_text())
+    assert len(saved["pairs"]) == 8, "every training pair's reference log-probs, for resumed runs"
+
+
+def test_a_wrong_rejected_log_prob_is_caught(tmp_path, monkeypatch):
+    """The comparison's power: the rejected answers' log-probs x 1.001 before the loss."""
+    import hf_cp.train.dpo as dpo
+
+    real = dpo.dpo_loss
+
+    def broken(s, chosen, rejected, *rest):
+        return real(s, chosen, rejected * 1.001, *rest)
+
+    monkeypatch.setattr(dpo, "dpo_loss", broken)
+    losses, grads, _, trl_losses, trl_grads, _ = compare(tmp_path)
+    assert grad_gap(grads, trl_grads) > 10 * GRAD_TOL or losses != pytest.approx(trl_losses, rel=1e-5)
+
+
+def test_evaluation_gives_trls_loss_and_reward_metrics(tmp_path):
+    from datasets import Dataset
+
+    from helpers.dpo_runs import hf_cp_trainer
+
+    rows = preference_rows(8)
+    ours = hf_cp_trainer(rows, str(tmp_path / "hf_cp"), 1)
+    metrics = ours.evaluate(Dataset.from_list(rows[:5]))  # raw pairs: TRL's pipeline first
+    assert metrics["eval_samples"] == 5
+    # TRL: its own eval on one batch of the same 5 pairs
+    import copy
+
+    from trl import DPOConfig, DPOTrainer
+
+    from helpers.dpo_runs import SETTINGS
+    from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+
+    model = tiny_chat_model(0, attn="eager")
+    trl = DPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=DPOConfig(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=5, max_length=None, **SETTINGS),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tiny_chat_tokenizer(),
+    )
+    theirs = trl.evaluate(Dataset.from_list(rows[:5]))
+    assert metrics["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    for key in ("eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
+        assert metrics[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), key
+
+
+# ---------------------------------------------------------------- refusals, by name
+def _trainer(tmp_path, rows=None, **kw):
+    from helpers.dpo_runs import hf_cp_trainer
+
+    return hf_cp_trainer(rows or preference_rows(4), str(tmp_path), 1, **kw)
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(use_weighting=True), "use_weighting"),
+        (dict(ld_alpha=0.5), "ld_alpha"),
+        (dict(max_length=512), "max_length=512"),
+        (dict(loss_type=["bco"]), "loss_type"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(tmp_path, setting, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        _trainer(tmp_path, **setting)
+
+
+def test_bad_pairs_are_refused_naming_the_pair(tmp_path):
+    rows = preference_rows(4)
+    rows[2] = dict(rows[2], rejected=rows[2]["chosen"])
+    with pytest.raises(ValueError, match="DPO pair 2: the chosen and rejected answers are the same"):
+        _trainer(tmp_path, rows)
+    from hf_cp.train.dpo import pair_sample
+
+    with pytest.raises(ValueError, match="DPO pair 7: the rejected answer has no tokens"):
+        pair_sample({"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": []}, 7)
+    with pytest.raises(ValueError, match="DPO pair 3: the prompt has no tokens"):
+        pair_sample({"prompt_ids": [], "chosen_ids": [3], "rejected_ids": [4]}, 3)
+
+
+def test_a_pair_longer_than_every_cp_group_is_refused_by_name(tmp_path):
+    rows = preference_rows(4, long_prompt=700)
+    trainer = _trainer(tmp_path, rows, cp_max_tokens_per_rank=128)  # world 1: one rank holds 128 tokens
+    with pytest.raises(ValueError, match=r"sample 1\b"):
+        trainer.train()
+
+
+def test_active_dropout_is_refused(tmp_path):
+    """The log-prob pass and the gradient pass must compute one function."""
+    from datasets import Dataset
+
+    from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer
+    from helpers.dpo_runs import SETTINGS
+    from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+
+    model = tiny_chat_model(0)
+    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.1))  # kept: disable_dropout=False
+    args = CPDPOConfig(output_dir=str(tmp_path), max_steps=1, disable_dropout=False, cp_profile="cpu", **SETTINGS)
+    with pytest.raises(ValueError, match="disable_dropout=True"):
+        CPDPOTrainer(
+            model=model,
+            ref_model=tiny_chat_model(0),
+            args=args,
+            train_dataset=Dataset.from_list(preference_rows(4)),
+            processing_class=tiny_chat_tokenizer(),
+        )
+
+
+# ---------------------------------------------------------------- worlds 2 and 4 against world 1
+def _launch(spec: dict, nproc: int, tmp_path: Path):
+    import os
+
+    spec_file = tmp_path / f"spec{nproc}.json"
+    spec_file.write_text(json.dumps(spec))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
+    cmd += [str(free_port()), "-m", "helpers.dpo_runs", str(spec_file)]
+    p = run_launcher(cmd, env, 900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+
+
+def _world_runs(tmp_path: Path, world: int, cap: int):
+    return [
+        dict(out=str(tmp_path / f"w{world}_ref"), settings=dict(cp_max_tokens_per_rank=cap)),
+        dict(
+            out=str(tmp_path / f"w{world}_pre_magi"),
+            ref=False,
+            settings=dict(cp_max_tokens_per_rank=cap, precompute_ref_log_probs=True, cp_balancer="magi"),
+        ),
+    ]
+
+
+def _check_world(tmp_path: Path, world: int, cap: int):
+    rows = preference_rows(8, long_prompt=300)  # pair 1 is over one rank's cap
+    runs = _world_runs(tmp_path, world, cap)
+    _launch(dict(rows=rows, steps=STEPS, runs=runs), world, tmp_path)
+    one = {
+        "ref": hf_cp_run(rows, str(tmp_path / "w1_ref"), STEPS),
+        "pre": hf_cp_run(rows, str(tmp_path / "w1_pre"), STEPS, ref=False, precompute_ref_log_probs=True),
+    }
+    for run, key in zip(runs, ("ref", "pre")):
+        got = torch.load(Path(run["out"]) / "dpo.pt")
+        batches, losses, grads, _ = one[key]
+        assert got["batches"] == batches
+        assert got["losses"] == pytest.approx(losses, rel=1e-5)
+        gap = grad_gap(got["grads"], grads)
+        print(f"world {world} {key}: losses {got['losses']} gradient gap {gap:.2e}")
+        assert gap < GRAD_TOL
+    history = [json.loads(x) for x in (Path(runs[0]["out"]) / "cp_history" / "rank0.jsonl").read_text().splitlines()]
+    assert any(int(g) > 1 for r in history for g in r["cp_size_samples"]), "the long pair ran over a CP group"
+
+
+def test_world_2_equals_world_1(tmp_path):
+    _check_world(tmp_path, 2, cap=256)
+
+
+@pytest.mark.slow
+def test_world_4_equals_world_1(tmp_path):
+    _check_world(tmp_path, 4, cap=128)
