@@ -148,6 +148,15 @@ def test_trl_preference_pairs_group_chosen_and_rejected(tmp_path, tok, train_rej
         assert target_pairs(row["input_ids"], row["labels"], mask) == ref
     notes = [line for line in res.summary_lines(None, "error") if line.startswith("note:")]
     assert bool(notes) != train_rejected
+    # which trainer the data feeds, said plainly: SFT here, DPO from the raw pairs
+    (feeds,) = [line for line in res.summary_lines(None, "error") if line.startswith("trains:")]
+    assert "not DPO" in feeds and "CPDPOTrainer" in feeds and "recipes/trl_dpo.py" in feeds
+
+
+def test_answer_groups_say_they_train_sft_and_where_grpo_goes(tmp_path, tok):
+    res = preprocess(str(write_jsonl(tmp_path / "g.jsonl", TEXT_RECORDS)), tok, None, group_answers=True)
+    (feeds,) = [line for line in res.summary_lines(None, "error") if line.startswith("trains:")]
+    assert feeds.startswith("trains: SFT cross-entropy") and "CPGRPOTrainer" in feeds
 
 
 def test_prompt_labels_with_mask_none_are_counted_once(tmp_path, tok):

@@ -29,6 +29,7 @@ SHIPPED = {
     "gpu-8x1-zero2.yaml",
     "gpu-8x4-multinode-zero2.yaml",
     "trl_sft.py",
+    "trl_dpo.py",
 }
 
 

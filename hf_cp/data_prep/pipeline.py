@@ -70,6 +70,8 @@ class PreprocessResult:
             )
             if g.get("untrained"):
                 lines.append(f"note: {g['untrained']}")
+            if g.get("feeds"):
+                lines.append(f"trains: {g['feeds']}")
         if self.dropped_empty:
             lines.append(f"dropped {self.dropped_empty} samples that encode to no tokens")
         if self.prompt_not_prefix:
@@ -84,6 +86,21 @@ class PreprocessResult:
                 f"they cost compute but add nothing to the loss"
             )
         return lines
+
+
+def grouped_data_feeds(layout) -> str:
+    """Which trainer grouped data feeds, said plainly: preprocessing writes SFT data; preference
+    pairs and GRPO prompts go to the TRL trainers raw."""
+    sft = "SFT cross-entropy on the trained answers (CPTrainer: hf-cp train, or the Python API)"
+    if "rejected" in layout.answers:
+        return (
+            f"{sft}, not DPO: these are preference pairs; for DPO give the raw prompt/chosen/rejected data to "
+            f"hf_cp.train.dpo.CPDPOTrainer (recipes/trl_dpo.py), which builds the same shared-prompt samples itself"
+        )
+    return (
+        f"{sft}; for GRPO, give the prompts to hf_cp.train.grpo.CPGRPOTrainer (recipes/trl_grpo.py), which groups "
+        f"the completions it generates itself"
+    )
 
 
 def infer_kind(
@@ -196,6 +213,7 @@ def preprocess(
                 f"{' and '.join(layout.untrained)} answers carry no labels (hf_cp's loss is cross-entropy, which "
                 f"would teach them); --train-rejected trains them"
             )
+        grouped["feeds"] = grouped_data_feeds(layout)
 
     lengths = np.asarray(ds["length"], dtype=np.int64)
     longest = int(lengths.max())

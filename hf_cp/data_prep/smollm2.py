@@ -44,15 +44,22 @@ def load_model(gguf=None, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=getattr(torch, dtype))
 
 
+def load_trainable_model(gguf=None, dtype: str = "float32"):
+    """load_model as a plain model: the weights are already dequantised, so the GGUF "quantizer"
+    record is dropped (with it, transformers' Trainer refuses to fine-tune, and the folder a
+    save writes would not load as a plain model)."""
+    model = load_model(gguf, dtype)
+    model.hf_quantizer = None
+    model.is_quantized = False  # from_pretrained sets it on the instance
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
 def convert(out_dir, dtype: str = "float32", gguf=None) -> Path:
     """Write model + tokenizer as a transformers folder (save_pretrained)."""
     out = Path(out_dir)
-    model = load_model(gguf, dtype)
-    # The weights are already dequantised; drop the GGUF "quantizer" record so the folder saves
-    # and loads as a plain model.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    model = load_trainable_model(gguf, dtype)
     model.config.use_cache = False  # packed CP training: a cache would let documents attend across boundaries
     tokenizer = load_tokenizer(gguf)
     out.mkdir(parents=True, exist_ok=True)
