@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import List, Optional
 
+from hf_cp.data.toy_preferences import toy_preference_rows
+
 
 @dataclass
 class ScriptArguments:
@@ -60,7 +62,7 @@ def load_model_and_tokenizer(script: ScriptArguments):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if script.model_path == "smollm2":
-        from hf_cp.data_prep.smollm2 import load_tokenizer, load_trainable_model  # gguf
+        from hf_cp.data_prep.smollm2 import load_tokenizer, load_trainable_model  # transformers (GGUF)
 
         model = load_trainable_model()
         model.set_attn_implementation(script.attn_implementation)
@@ -99,8 +101,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         ref_model = None if args.precompute_ref_log_probs else copy.deepcopy(model)
     if script.dataset_path == "toy":
         from datasets import Dataset
-
-        from hf_cp.data.toy_preferences import toy_preference_rows
 
         dataset = Dataset.from_list(toy_preference_rows())
     else:
