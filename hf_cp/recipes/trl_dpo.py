@@ -7,7 +7,7 @@ loss wherever the answers' tokens ran, exactly equal to TRL's DPOTrainer. Needs 
     accelerate launch --config_file recipes/cpu-2proc-zero2.yaml recipes/trl_dpo.py \\
         --output_dir outputs/trl-dpo --use_cpu --deepspeed recipes/ds-zero2-cpu.json \\
         --cp_max_tokens_per_rank 192 --cp_tokens_per_step 1536 --cp_profile cpu \\
-        --max_steps 20 --learning_rate 5e-6 --logging_steps 2
+        --max_steps 8 --learning_rate 5e-6 --logging_steps 2
     # 8 GPUs, your data (prompt/chosen/rejected, plain or conversational) and model
     accelerate launch --config_file recipes/gpu-8x1-zero2.yaml recipes/trl_dpo.py \\
         --model_path Qwen/Qwen2.5-0.5B-Instruct --dataset_path trl-lib/ultrafeedback_binarized \\
