@@ -30,6 +30,7 @@ SHIPPED = {
     "gpu-8x4-multinode-zero2.yaml",
     "trl_sft.py",
     "trl_dpo.py",
+    "trl_grpo.py",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 from transformers import TrainingArguments
 
@@ -24,6 +24,10 @@ class CPTrainingArguments(TrainingArguments):
     waves of CP groups. The Trainer's batch size and gradient accumulation therefore stay at 1;
     the plan decides how many micro-batches (waves) each step has.
     """
+
+    # one loader item is one planned step; a trainer whose loader yields other batches (CPGRPOTrainer:
+    # TRL's prompt batches, each generation batch then planned as one step) turns the check off
+    cp_loader_items_are_steps: ClassVar[bool] = True
 
     per_device_train_batch_size: int = field(
         default=1, metadata={"help": "must stay 1: one loader item is one whole planned step"}
@@ -196,7 +200,7 @@ class CPTrainingArguments(TrainingArguments):
                 f"CPTrainer accumulates over the waves of each planned step, size steps with "
                 f"cp_tokens_per_step instead and keep gradient_accumulation_steps=1"
             )
-        if self.per_device_train_batch_size != 1:
+        if self.cp_loader_items_are_steps and self.per_device_train_batch_size != 1:
             raise ValueError(
                 f"CPTrainingArguments: per_device_train_batch_size is {self.per_device_train_batch_size}; "
                 f"one loader item is one whole planned step, so it must be 1 (use cp_tokens_per_step)"

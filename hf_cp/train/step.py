@@ -78,6 +78,7 @@ class StepExecutor:
         loss_chunk_tokens: int,
         backward: Callable[[torch.Tensor, bool], None],
         wave_context: Optional[Callable[[bool], ContextManager]] = None,
+        logit_temperature: float = 1.0,
     ):
         self.model = model
         self.groups = groups
@@ -89,6 +90,8 @@ class StepExecutor:
         # entered around a whole wave (forward and backward), `last` marking the accumulation
         # boundary: DDP's no_sync must cover the forward too, where DDP decides to reduce
         self.wave_context = wave_context or (lambda last: contextlib.nullcontext())
+        # per-token log-probs (wave_token_logps) are those of logits / logit_temperature
+        self.logit_temperature = float(logit_temperature)
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
         self._backward_end: Optional[float] = None
@@ -257,18 +260,23 @@ class StepExecutor:
         extra_rows, extra_targets = mb.extra_rows.to(self.device), mb.extra_targets.to(self.device)
         if isinstance(head, str):
             head = self.loss_head()
+        t = self.logit_temperature
         if head is None:
-            out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            return logits_token_logps(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            logits = logits if t == 1.0 else logits / t
+            return logits_token_logps(logits, targets, IGNORE_INDEX, extra_rows, extra_targets)
         captured: List[torch.Tensor] = []
         with lm_head_bypassed(head, captured):
             model(input_ids=ids, position_ids=pos, use_cache=False)
+        hidden, bias = captured[-1][0], head.bias
+        if t != 1.0:  # (h W^T + b) / t = (h / t) W^T + b / t
+            hidden, bias = hidden / t, (None if bias is None else bias / t)
         return chunked_lm_head_token_logps(
-            captured[-1][0],
+            hidden,
             head.weight,
             targets,
             self.loss_chunk_tokens,
-            bias=head.bias,
+            bias=bias,
             ignore_index=IGNORE_INDEX,
             extra_rows=extra_rows,
             extra_targets=extra_targets,

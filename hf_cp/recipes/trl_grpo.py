@@ -1,0 +1,138 @@
+"""TRL GRPO with hf_cp: TRL generates and rewards the completions, hf_cp plans every policy step
+(each prompt with its completions one shared-prompt sample, balanced context parallelism) and
+runs it. The TRL recipe; needs the `trl` extra.
+
+    # 2 CPU processes over gloo, a tiny model, the toy task (reward: the share of "a" in a completion)
+    torchrun --nproc_per_node 2 recipes/trl_grpo.py --model_path outputs/tiny-chat-llama \\
+        --output_dir outputs/trl-grpo --use_cpu --bf16 false --gradient_checkpointing false \\
+        --cp_max_tokens_per_rank 256 --cp_profile cpu --num_generations 4 --per_device_train_batch_size 8 \\
+        --max_completion_length 16 --learning_rate 1e-2 --max_steps 25 --logging_steps 1
+    # the same with accelerate, DeepSpeed ZeRO-2 over gloo
+    accelerate launch --config_file recipes/cpu-2proc-zero2.yaml recipes/trl_grpo.py ... \\
+        --deepspeed recipes/ds-zero2-cpu.json
+    # 8 GPUs, your prompts and reward (a dataset with a "prompt" column; --reward_module my_rewards:score)
+    accelerate launch --config_file recipes/gpu-8x1-zero2.yaml recipes/trl_grpo.py \\
+        --model_path Qwen/Qwen2.5-0.5B-Instruct --dataset_path my_prompts.jsonl --reward_module my_rewards:score \\
+        --output_dir outputs/trl-grpo --bf16 --deepspeed recipes/ds-zero2-gpu.json --cp_max_tokens_per_rank 32768
+
+Every GRPOConfig option (TRL) and every cp_* option (hf_cp) is a flag. Without --dataset_path
+the prompts are a built-in toy set; without --reward_module the reward is the toy one (the
+share of --target_char in the completion). Rank 0 ends with the mean reward of the first and
+the last quarter of the steps; the final model and tokenizer are saved to --output_dir.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import List, Optional
+
+
+@dataclass
+class ScriptArguments:
+    model_path: str = field(
+        metadata={"help": "model folder or Hub name (its tokenizer is used unless --tokenizer_path)"}
+    )
+    dataset_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "prompts: a .json/.jsonl/.parquet/.csv file, a saved dataset folder or a Hub dataset name, with "
+            "a 'prompt' column (default: the built-in toy prompts)"
+        },
+    )
+    tokenizer_path: Optional[str] = field(default=None, metadata={"help": "tokenizer folder (default: model_path)"})
+    dataset_split: str = field(default="train", metadata={"help": "split of a dataset with several"})
+    attn_implementation: str = field(default="hf_cp", metadata={"help": "hf_cp: local, Ulysses and ring attention"})
+    reward_module: Optional[str] = field(
+        default=None, metadata={"help": "module:function of a TRL reward function (default: the toy reward)"}
+    )
+    target_char: str = field(default="a", metadata={"help": "the toy reward: the share of this character"})
+    toy_prompts: int = field(default=64, metadata={"help": "how many built-in toy prompts"})
+
+
+TOY_WORDS = ["apple", "river", "stone", "cloud", "night", "green", "music", "light"]
+
+
+def toy_prompts(n: int) -> List[dict]:
+    """Plain-text prompts for the toy task."""
+    return [{"prompt": f"Task {i}: write a word like {TOY_WORDS[i % len(TOY_WORDS)]}: "} for i in range(n)]
+
+
+def share_of(char: str):
+    """The toy reward function: the share of `char` among a completion's characters."""
+
+    def reward_target_char(completions, **kwargs) -> List[float]:
+        out = []
+        for c in completions:
+            text = c if isinstance(c, str) else " ".join(m.get("content", "") for m in c)
+            out.append(text.count(char) / max(len(text), 1))
+        return out
+
+    return reward_target_char
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainerCallback
+
+    import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
+    from hf_cp.data_prep.inputs import load_input  # datasets
+    from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer  # trl
+    from hf_cp.train.launch import shutdown_distributed  # torch
+    from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
+
+    script, args = HfArgumentParser((ScriptArguments, CPGRPOConfig)).parse_args_into_dataclasses(argv)
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # CPU: gloo for every collective, created before the Trainer's Accelerator
+        from accelerate import PartialState
+
+        if args.deepspeed:
+            skip_deepspeed_shm_build()
+        PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    model = AutoModelForCausalLM.from_pretrained(script.model_path, attn_implementation=script.attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_path or script.model_path)
+    if script.dataset_path:
+        dataset = load_input(script.dataset_path, split=script.dataset_split)
+    else:
+        from datasets import Dataset  # datasets
+
+        dataset = Dataset.from_list(toy_prompts(script.toy_prompts))
+    if script.reward_module:
+        module, _, name = script.reward_module.partition(":")
+        reward = getattr(importlib.import_module(module), name or "reward")
+    else:
+        reward = share_of(script.target_char)
+
+    rewards: List[float] = []
+
+    class RewardLog(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "reward" in logs and logs["reward"] is not None:
+                rewards.append(float(logs["reward"]))
+
+    trainer = CPGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[RewardLog()],
+    )
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(args.output_dir)  # every rank (DeepSpeed gathers); the tokenizer too
+    if trainer.cp_rank == 0:
+        print(f"\n==== hf_cp + TRL GRPO: {trainer.cp_world} process(es), {len(dataset)} prompts ====")
+        if rewards:
+            k = max(1, len(rewards) // 4)
+            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+            print(f"  mean reward: first {k} steps {first:.4f}, last {k} steps {last:.4f}")
+        print(f"  final model and tokenizer saved to {args.output_dir}")
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+../hf_cp/recipes/trl_grpo.py
