@@ -79,7 +79,13 @@ def test_prompt_completion_from_the_command_line(tmp_path, capsys):
     assert "3 input samples (prompt-completion), 3 kept" in capsys.readouterr().out
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "only a prompt"}])
     assert main(["preprocess", str(bad), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "b")]) == 2
-    assert "need both a 'prompt' and a 'completion' column; 'completion' is missing" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "need both a 'prompt' and a 'completion' column; 'completion' is missing" in err
+    assert "GRPO data: give them raw to hf_cp.train.grpo.CPGRPOTrainer" in err, "which trainer prompts feed"
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
+    assert main(["preprocess", str(pairs), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "preference pairs" in err and "CPDPOTrainer" in err and "--group-answers" in err
 
 
 def test_the_length_report_prices_the_tokenizer_s_model(tmp_path, capsys):

@@ -118,11 +118,23 @@ def infer_kind(
         return "chat", messages_field
     if prompt_field in columns and completion_field in columns:
         return "prompt-completion", prompt_field
+    if prompt_field in columns and "chosen" in columns and "rejected" in columns:
+        raise InputError(
+            f"these are preference pairs ({prompt_field!r}, 'chosen', 'rejected'): for DPO give them raw to "
+            f"hf_cp.train.dpo.CPDPOTrainer (recipes/trl_dpo.py); for SFT on the chosen answers, preprocess with "
+            f"--group-answers"
+        )
     if prompt_field in columns or completion_field in columns:
         missing = completion_field if prompt_field in columns else prompt_field
+        grpo = (
+            "; prompts without completions are GRPO data: give them raw to hf_cp.train.grpo.CPGRPOTrainer "
+            "(recipes/trl_grpo.py), which generates and rewards the completions"
+            if missing == completion_field
+            else ""
+        )
         raise InputError(
             f"prompt-completion samples need both a {prompt_field!r} and a {completion_field!r} column; "
-            f"{missing!r} is missing (columns: {columns}); name them with --prompt-field / --completion-field"
+            f"{missing!r} is missing (columns: {columns}); name them with --prompt-field / --completion-field{grpo}"
         )
     if "text" in columns:
         return "text", "text"

@@ -66,3 +66,21 @@ def convert(out_dir, dtype: str = "float32", gguf=None) -> Path:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     return out
+
+
+def load_model_and_tokenizer(model_path: str, tokenizer_path=None, attn_implementation: str = "hf_cp"):
+    """A recipe's model and tokenizer: `model_path` "smollm2" is the bundled SmolLM2-135M-Instruct
+    (offline, as a plain trainable model), anything else a folder or Hub name. A tokenizer
+    without a pad token pads with EOS (TRL's collators pad)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_path == "smollm2":
+        model = load_trainable_model()
+        model.set_attn_implementation(attn_implementation)
+        tokenizer = load_tokenizer()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

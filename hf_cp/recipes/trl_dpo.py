@@ -58,28 +58,12 @@ class ScriptArguments:
     attn_implementation: str = field(default="hf_cp", metadata={"help": "hf_cp: local, Ulysses and ring attention"})
 
 
-def load_model_and_tokenizer(script: ScriptArguments):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if script.model_path == "smollm2":
-        from hf_cp.data_prep.smollm2 import load_tokenizer, load_trainable_model  # transformers (GGUF)
-
-        model = load_trainable_model()
-        model.set_attn_implementation(script.attn_implementation)
-        tokenizer = load_tokenizer()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(script.model_path, attn_implementation=script.attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_path or script.model_path)
-    if tokenizer.pad_token is None:  # TRL's preference collator pads
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, HfArgumentParser
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
+    from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
     from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer  # trl
     from hf_cp.train.launch import shutdown_distributed  # torch
     from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
@@ -92,7 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.deepspeed:
             skip_deepspeed_shm_build()
         PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
-    model, tokenizer = load_model_and_tokenizer(script)
+    model, tokenizer = load_model_and_tokenizer(script.model_path, script.tokenizer_path, script.attn_implementation)
     if script.ref_model_path:
         ref_model = AutoModelForCausalLM.from_pretrained(
             script.ref_model_path, attn_implementation=script.attn_implementation

