@@ -371,3 +371,27 @@ def test_the_recipe_trains_on_two_cpu_processes(model_path, tmp_path):
     assert "==== hf_cp + TRL GRPO: 2 process(es), 16 prompts ====" in proc.stdout
     assert "mean reward: first 1 steps" in proc.stdout
     assert (out / "config.json").is_file()
+
+
+# --------------------------------------------------------------------------- world 4
+WORLD4 = ("dapo", "beta")
+CAP4 = 80  # the long prompt's group (about 260 tokens) needs a CP group of 4
+
+
+@pytest.mark.slow
+def test_world_4_with_a_group_over_four_ranks_equals_trls_world_1(model_path, tmp_path):
+    """Four gloo processes, three rows each (a group's completions on several processes): the
+    planned step equals TRL's world-1 one, the long group over a CP group of 4."""
+    from helpers.harness.job import run_distributed
+
+    runs = [
+        dict(out=str(tmp_path / f"cp-{n}"), settings=dict(WORLD2[n][0], cp_max_tokens_per_rank=CAP4)) for n in WORLD4
+    ]
+    spec = dict(rows=prompt_rows(long_prompt=200), steps=STEPS, model=model_path, runs=runs)
+    run_distributed(spec, 4, timeout=1200, module="helpers.grpo_runs")
+    for name, run in zip(WORLD4, runs):
+        got = torch.load(Path(run["out"]) / "grpo.pt", weights_only=False)
+        ref = trl_results(name, model_path, tmp_path / name, rows_key="long")
+        rel = assert_same_steps(got["losses"], got["grads"], got["logs"], ref, f"{name} at world 4")
+        print(f"{name}: world 4 vs trl world 1, {rel}")
+        assert any(4 in sizes for sizes in got["plans"]), got["plans"]
