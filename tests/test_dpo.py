@@ -213,35 +213,38 @@ def _launch(spec: dict, nproc: int, tmp_path: Path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
 
 
-def _world_runs(tmp_path: Path, world: int, cap: int):
-    return [
-        dict(out=str(tmp_path / f"w{world}_ref"), settings=dict(cp_max_tokens_per_rank=cap)),
-        dict(
-            out=str(tmp_path / f"w{world}_pre_magi"),
-            ref=False,
-            settings=dict(cp_max_tokens_per_rank=cap, precompute_ref_log_probs=True, cp_balancer="magi"),
-        ),
-    ]
+# name -> (the world-1 run it must equal, its settings): every way a pair can be placed, the
+# long pair over a CP group: auto's choice, blocks (magi), ring zigzag (static), Ulysses (usp)
+WORLD_RUNS = {
+    "ref": ("ref", {}),
+    "pre_magi": ("pre", dict(ref=False, precompute_ref_log_probs=True, cp_balancer="magi")),
+    "static_ring": ("ref", dict(cp_balancer="static")),
+    "usp_ulysses": ("ref", dict(cp_balancer="usp")),
+}
 
 
 def _check_world(tmp_path: Path, world: int, cap: int):
     rows = preference_rows(8, long_prompt=300)  # pair 1 is over one rank's cap
-    runs = _world_runs(tmp_path, world, cap)
+    runs = []
+    for name, (_, settings) in WORLD_RUNS.items():
+        settings = dict(settings, cp_max_tokens_per_rank=cap)
+        ref = settings.pop("ref", True)
+        runs.append(dict(out=str(tmp_path / f"w{world}_{name}"), ref=ref, settings=settings))
     _launch(dict(rows=rows, steps=STEPS, runs=runs), world, tmp_path)
     one = {
         "ref": hf_cp_run(rows, str(tmp_path / "w1_ref"), STEPS),
         "pre": hf_cp_run(rows, str(tmp_path / "w1_pre"), STEPS, ref=False, precompute_ref_log_probs=True),
     }
-    for run, key in zip(runs, ("ref", "pre")):
+    for run, (name, (key, _)) in zip(runs, WORLD_RUNS.items()):
         got = torch.load(Path(run["out"]) / "dpo.pt")
         batches, losses, grads, _ = one[key]
         assert got["batches"] == batches
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         gap = grad_gap(got["grads"], grads)
-        print(f"world {world} {key}: losses {got['losses']} gradient gap {gap:.2e}")
-        assert gap < GRAD_TOL
-    history = [json.loads(x) for x in (Path(runs[0]["out"]) / "cp_history" / "rank0.jsonl").read_text().splitlines()]
-    assert any(int(g) > 1 for r in history for g in r["cp_size_samples"]), "the long pair ran over a CP group"
+        print(f"world {world} {name}: losses {got['losses']} gradient gap {gap:.2e}")
+        assert gap < GRAD_TOL, name
+        history = [json.loads(x) for x in (Path(run["out"]) / "cp_history" / "rank0.jsonl").read_text().splitlines()]
+        assert any(int(g) > 1 for r in history for g in r["cp_size_samples"]), f"{name}: the long pair ran over a group"
 
 
 def test_world_2_equals_world_1(tmp_path):
