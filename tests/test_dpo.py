@@ -292,3 +292,19 @@ def test_the_recipe_on_two_processes_learns_the_toy_preferences(tmp_path):
     assert accuracy, log[-3000:]
     first, last = (float(x) for x in accuracy[-1].split("preference accuracy ")[1].split(",")[0].split(" -> "))
     assert last > first and last >= 0.75, accuracy[-1]
+
+
+def test_conversational_pairs_equal_trls(tmp_path):
+    """TRL's conversational format (the prompt a list of messages, each answer an assistant
+    message), rendered by the chat template in TRL's pipeline: the same steps as TRL's trainer."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "chosen": [{"role": "assistant", "content": r["chosen"]}],
+            "rejected": [{"role": "assistant", "content": r["rejected"]}],
+        }
+        for r in preference_rows(8)
+    ]
+    losses, grads, _, trl_losses, trl_grads, _ = compare(tmp_path, rows=rows)
+    assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
+    assert grad_gap(grads, trl_grads) < GRAD_TOL
