@@ -95,7 +95,8 @@ def test_trainer_rejects_bad_datasets_by_name(tmp_path, rows, message):
         CPTrainer(model=tiny_model(0), args=args, train_dataset=ds)
 
 
-def test_a_streaming_dataset_is_refused_by_name_with_the_fix(tmp_path):
+def test_a_streaming_dataset_without_max_steps_is_refused_by_name(tmp_path):
+    """A stream trains (tests/test_streaming.py) but has no length: max_steps must say how long."""
     from datasets import Dataset
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
@@ -106,7 +107,9 @@ def test_a_streaming_dataset_is_refused_by_name_with_the_fix(tmp_path):
         output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", cp_tokens_per_step=500
     )
     stream = Dataset.from_list([{"input_ids": [1, 2, 3]}] * 4).to_iterable_dataset()
-    with pytest.raises(TypeError, match=r"train_dataset is a streaming IterableDataset.*Dataset.from_generator"):
+    with pytest.raises(
+        ValueError, match=r"train_dataset is a streaming IterableDataset, which has no length: set max_steps"
+    ):
         CPTrainer(model=tiny_model(0), args=args, train_dataset=stream)
 
 

@@ -10,7 +10,7 @@ defaults from here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from hf_cp.balance.registry import get_balancer
 from hf_cp.cost.execution import execution_for_run, execution_named, model_state_bytes_per_parameter, zero_stage_of
@@ -180,11 +180,14 @@ def planning_setup(
     model_config: Optional[Mapping] = None,
     num_epochs: float = 1.0,
     max_steps: Optional[int] = None,
+    sampler: Optional[Callable[[int, int, Optional[int]], Any]] = None,
 ) -> PlanningSetup:
     """The cost model, cluster and sampler of a run of `world_size` ranks over `lengths`.
 
     Model dimensions come from `settings.model_dims` when set, else from `model_config` (the
-    model's transformers config as a dict); one of the two is required.
+    model's transformers config as a dict); one of the two is required. `sampler`: builds the
+    run's sampler from (tokens per step, seed, max_steps) instead of a GlobalBatchSampler over
+    `lengths` (a streaming dataset's: stream_sampler.StreamBatchSampler).
     """
     if settings.model_dims:
         dims = ModelDims.load(settings.model_dims)
@@ -209,12 +212,16 @@ def planning_setup(
         settings.gpus_per_node or profile.gpus_per_node,
         settings.max_group_size,
     )
-    sampler = GlobalBatchSampler(
-        lengths,
-        settings.step_tokens(world_size),
-        seed=settings.seed,
-        num_epochs=num_epochs,
-        max_steps=max_steps if max_steps and max_steps > 0 else None,
-        shuffle=settings.shuffle,
-    )
-    return PlanningSetup(settings, CostModel(dims, profile, execution_named(settings.execution)), cluster, sampler)
+    steps = max_steps if max_steps and max_steps > 0 else None
+    if sampler is not None:
+        batches = sampler(settings.step_tokens(world_size), settings.seed, steps)
+    else:
+        batches = GlobalBatchSampler(
+            lengths,
+            settings.step_tokens(world_size),
+            seed=settings.seed,
+            num_epochs=num_epochs,
+            max_steps=steps,
+            shuffle=settings.shuffle,
+        )
+    return PlanningSetup(settings, CostModel(dims, profile, execution_named(settings.execution)), cluster, batches)

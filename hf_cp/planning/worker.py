@@ -10,6 +10,13 @@ kernel's OOM killer picks the process with a large heap) is replaced and its ste
 again, so a multi-day run neither hangs nor stops for it.
 Every plan is a pure function of (global batch, cluster, cost model, seed, step) and is
 validated here, before the trainer issues any collective for it.
+
+A streaming sampler (stream_sampler.py) learns a step's batch only when it reads the stream, on
+the training process: a forked worker never sees what was read after the fork. For one, `get`
+reads each batch here and hands it, with its samples' masks, to the worker (or thread) with the
+request; a map-style sampler's batches are computed where the plan is made, as before. A
+stream's steps before the one asked for are released (the trainer has collated them), and its
+samples are checked against the balancer's limit step by step (there are no lengths up front).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from hf_cp.plan.step_plan import StepPlan
 from hf_cp.planning.predict import plan_and_predict, predict
 from hf_cp.planning.sampler import GlobalBatch, GlobalBatchSampler
 from hf_cp.planning.setup import PlanningSetup
+from hf_cp.planning.stream_sampler import StreamEnded
 from hf_cp.samples.masks import SampleMask
 
 
@@ -84,10 +92,12 @@ def _worker_pid() -> int:
     return os.getpid()
 
 
-def _plan_in_worker(index: int, version: int = 0, profile=None) -> PlannedStep:
-    # the worker was forked with the setup's cost model; a later one comes with the request
+def _plan_in_worker(index: int, version: int = 0, profile=None, batch=None, masks=None) -> PlannedStep:
+    # the worker was forked with the setup's cost model; a later one comes with the request, and
+    # so does a stream's batch (read after the fork)
     planner = _FORKED_PLANNER
-    return planner.plan_now(index, cost=planner._cost_of_version(version, profile), version=version)
+    cost = planner._cost_of_version(version, profile)
+    return planner.plan_now(index, cost=cost, version=version, batch=batch, masks=masks)
 
 
 class Planner:
@@ -123,15 +133,29 @@ class Planner:
         self._version_costs: Dict[int, CostModel] = {0: cost}  # in a forked worker: models received
         self.seed = seed
         self.lookahead = lookahead
-        self.dataset_max_length = max(sampler.lengths)
-        # the longest sample the balancer trains: what the largest CP group holds, or longer
-        # under chunkflow (dependent chunks on one rank); every sample is checked up front
-        self.max_sample_tokens = check_sample_lengths(
-            self.balancer, range(len(sampler.lengths)), sampler.lengths, cluster, cost, self.balancer_name, self.masks
-        )
+        self.streaming = bool(getattr(sampler, "streaming", False))
+        if self.streaming:
+            # a stream's lengths come with its steps: no dataset-wide longest sample, and each
+            # step's samples are checked when it is planned
+            self.dataset_max_length = None
+            self.max_sample_tokens = sample_token_limit(self.balancer, cluster, cost)
+            self.masks = {}  # a stream's masks come with each batch (batch_masks), never from here
+        else:
+            self.dataset_max_length = max(sampler.lengths)
+            # the longest sample the balancer trains: what the largest CP group holds, or longer
+            # under chunkflow (dependent chunks on one rank); every sample is checked up front
+            self.max_sample_tokens = check_sample_lengths(
+                self.balancer,
+                range(len(sampler.lengths)),
+                sampler.lengths,
+                cluster,
+                cost,
+                self.balancer_name,
+                self.masks,
+            )
         # the comparison balancer is only reported: it skips the steps whose samples it cannot train
         self.compare_limit = sample_token_limit(self.compare, cluster, cost) if self.compare is not None else None
-        if self.compare_limit is not None and self.dataset_max_length > self.compare_limit:
+        if self.compare_limit is not None and (self.dataset_max_length or 0) > self.compare_limit:
             warnings.warn(
                 f"the comparison balancer {self.compare_name!r} trains samples up to {self.compare_limit} tokens; "
                 f"steps with longer samples (sample {sampler.lengths.index(self.dataset_max_length)} has "
@@ -218,7 +242,12 @@ class Planner:
             self._version_costs[version] = CostModel(self.cost.dims, profile, self.cost.execution)
         return self._version_costs[version]
 
-    def request(self, batch: GlobalBatch, cost: Optional[CostModel] = None) -> PlanRequest:
+    def request(
+        self, batch: GlobalBatch, cost: Optional[CostModel] = None, masks: Optional[Mapping[int, SampleMask]] = None
+    ) -> PlanRequest:
+        """`masks`: the batch's masks (a stream's, read with it); default: from the planner's."""
+        if masks is None and self.masks:
+            masks = {s: self.masks[s] for s in batch.sample_ids if s in self.masks}
         return PlanRequest(
             sample_ids=batch.sample_ids,
             lengths=batch.lengths,
@@ -228,16 +257,38 @@ class Planner:
             step=batch.index,
             dataset_max_length=self.dataset_max_length,
             max_sample_tokens=self.max_sample_tokens,
-            masks={s: self.masks[s] for s in batch.sample_ids if s in self.masks} if self.masks else None,
+            masks=masks,
         )
 
-    def plan_now(self, index: int, cost: Optional[CostModel] = None, version: Optional[int] = None) -> PlannedStep:
+    def plan_now(
+        self,
+        index: int,
+        cost: Optional[CostModel] = None,
+        version: Optional[int] = None,
+        batch: Optional[GlobalBatch] = None,
+        masks: Optional[Mapping[int, SampleMask]] = None,
+    ) -> PlannedStep:
         """Plan, validate and simulate global step `index` on the calling thread, with `cost`
-        (default: the model set for that step)."""
+        (default: the model set for that step). `batch` (and its `masks`): a stream's step as
+        read on the training process (default: the sampler's)."""
         if cost is None:
             version, cost = self.cost_for(index)
-        batch = self.sampler[index]
-        req = self.request(batch, cost)
+        if batch is None:
+            batch = self.sampler[index]
+            if self.streaming:
+                masks = self.sampler.batch_masks(batch)
+        if self.streaming:
+            check_sample_lengths(
+                self.balancer,
+                batch.sample_ids,
+                batch.lengths,
+                self.cluster,
+                cost,
+                self.balancer_name,
+                masks or (),
+                label=lambda s: f"stream sample {s}",
+            )
+        req = self.request(batch, cost, masks)
         check_mask_support(self.balancer, req, self.balancer_name)
         planned = plan_and_predict(self.balancer, req)
         compare = None
@@ -269,6 +320,8 @@ class Planner:
         """The planned step `index`; schedules the next `lookahead` steps in the background."""
         if not 0 <= index < len(self.sampler):
             raise IndexError(f"step {index}: the run has steps 0..{len(self.sampler) - 1}")
+        if self.streaming:  # the trainer has collated every step before this one
+            self.sampler.release(index)
         if self._pool is None:
             return self.plan_now(index)
         try:  # a dead worker surfaces at submit or at result, whichever comes first
@@ -276,10 +329,19 @@ class Planner:
                 for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
                     if k not in self._futures:
                         version, cost = self.cost_for(k)
+                        read = ()  # a stream's batch is read here, on the training process
+                        if self.streaming:
+                            try:
+                                batch = self.sampler[k]
+                            except StreamEnded:
+                                if k == index:
+                                    raise
+                                break  # nothing to plan ahead past the stream's end
+                            read = (batch, self.sampler.batch_masks(batch))
                         self._futures[k] = (
-                            self._pool.submit(_plan_in_worker, k, version, cost.profile if version else None)
+                            self._pool.submit(_plan_in_worker, k, version, cost.profile if version else None, *read)
                             if self.in_process
-                            else self._pool.submit(self.plan_now, k, cost, version)
+                            else self._pool.submit(self.plan_now, k, cost, version, *read)
                         )
                 fut = self._futures.pop(index)
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop

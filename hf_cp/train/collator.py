@@ -155,7 +155,8 @@ class PlanCollator:
 
     def __init__(self, fetch: FetchFn, masks: Optional[Mapping[int, SampleMask]] = None):
         self.fetch = fetch
-        self.masks = dict(masks or {})
+        # a dict is kept, not copied: a stream's masks arrive as it is read (streaming.py)
+        self.masks = masks if isinstance(masks, dict) else dict(masks or {})
 
     def answer_slots(self, plan: StepPlan) -> Tuple[Tuple[int, int], ...]:
         """(sample id, answer) of every answer of the step, in the plan's sample order."""

@@ -57,6 +57,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("hf_cp.train.dpo needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')") from e
 from accelerate.utils import is_peft_model
+from datasets import IterableDataset
 
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
@@ -128,6 +129,11 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             raise ValueError(
                 f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
                 "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
+            )
+        if isinstance(train_dataset, IterableDataset):
+            raise ValueError(
+                "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
+                "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
         self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None

@@ -49,20 +49,21 @@ def step_record(
     ps = step.planned
     gv = step.global_valid_tokens
     waves = len(rows[0]) - 5
+    # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback);
+    # unknown for a stream (no length), as its number of samples is
+    stream = bool(getattr(sampler, "streaming", False))
+    if stream:
+        epochs = None
+    elif ps is not None:
+        done = sum(map(len, sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1]))
+        epochs = data_epoch(step.epoch, done, len(sampler.lengths))
+    else:
+        epochs = float(step.epoch)
     return StepRecord(
         index=step.index,
         epoch=step.epoch,
         step_in_epoch=ps.batch.step_in_epoch if ps is not None else None,
-        # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback)
-        data_epoch=(
-            data_epoch(
-                step.epoch,
-                sum(map(len, sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1])),
-                len(sampler.lengths),
-            )
-            if ps is not None
-            else float(step.epoch)
-        ),
+        data_epoch=epochs,
         global_step=global_step,
         num_samples=len(step.plan.sample_ids),
         global_tokens=step.plan.total_tokens,
@@ -86,7 +87,7 @@ def step_record(
         chunked=step.plan.chunking_summary(),
         attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
         resumed_from=resumed_from,
-        dataset_samples=dataset_samples,  # for the exactly-once audit of hf-cp report
+        dataset_samples=None if stream else dataset_samples,  # for the exactly-once audit of hf-cp report
         wave_max_ms=[max(r[5 + w] for r in rows) for w in range(waves)],
         calibration=ps.cost_version if ps is not None else 0,
         peak_memory_gb=[r[4] / 1e9 for r in rows] if all(r[4] >= 0 for r in rows) else [],

@@ -36,7 +36,7 @@ from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.checkpointing import resume_point, save_failure
 from hf_cp.train.collator import PlanCollator, RankStep
-from hf_cp.train.columns import eos_token_ids, read_token_columns
+from hf_cp.train.columns import eos_token_ids
 from hf_cp.train.consistency import assert_data_agrees
 from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
@@ -56,11 +56,11 @@ from hf_cp.train.setup_checks import check_parallelism, check_step_attention
 from hf_cp.train.step import StepExecutor, WaveTotals
 from hf_cp.train.step_record import gather_measurements, step_record
 from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
+from hf_cp.train.streaming import attach_stream, check_streaming, read_training_data, start_stream
 from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics
 from hf_cp.train.trainer_setup import (
     check_training_data,
     deepspeed_arch_env,
-    refuse_streaming,
     start_warnings,
     trainer_planning_setup,
 )
@@ -112,7 +112,8 @@ class CPTrainer(Trainer):
     `position_ids`), which are unpacked into their documents (columns.py).
     Samples a plan distributes over a CP group need the model loaded with
     `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
-    the registry lookup of `args.cp_balancer`, for balancers built in code.
+    the registry lookup of `args.cp_balancer`, for balancers built in code. A streaming
+    `train_dataset` (no length) is read as training goes, with max_steps set (streaming.py).
     """
 
     def __init__(
@@ -122,7 +123,7 @@ class CPTrainer(Trainer):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
-        refuse_streaming(train_dataset)
+        check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (streaming.py)
         if args.deepspeed:
             skip_deepspeed_shm_build()
             note = deepspeed_arch_env()
@@ -142,12 +143,13 @@ class CPTrainer(Trainer):
         )
         self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
         eos = eos_token_ids(self.processing_class, getattr(self.model, "config", None))
-        self.cp_data = read_token_columns(self.train_dataset, "train_dataset", eos)
+        self.cp_data = read_training_data(self.train_dataset, "train_dataset", eos)  # a stream: read as it trains
         for warning in self.cp_data.warnings:  # rows that look packed but carry no boundaries
             self._cp_warn(warning)
         # the run's PlanningSettings, built once: cp_setup.settings from here on
-        setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data.lengths, self.cp_world)
+        setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
+        self.cp_stream = attach_stream(self, balancer)  # a streaming train_dataset's StreamColumns, else None
         for warning in start_warnings(setup, args.device.type, getattr(self.model.config, "_name_or_path", "")):
             self._cp_warn(warning)
         # online calibration (online_calibration.py): a refit rides on the next step's plan agreement
@@ -416,6 +418,8 @@ class CPTrainer(Trainer):
 
     def cp_schedule(self) -> dict:
         """What decides the samples of every step: saved with each checkpoint, checked on resume."""
+        if self.cp_stream is not None:  # with the position of the next step in the stream
+            return self.cp_stream.schedule(self.cp_world, self.state.global_step)
         sm = self.cp_sampler
         return schedule_record(
             sm.lengths, sm.tokens_per_step, sm.seed, sm.shuffle, self.cp_world, self.cp_data.digest()
@@ -476,6 +480,8 @@ class CPTrainer(Trainer):
             self._cp_warn,
         )
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
+        if self.cp_stream is not None:  # from the stream's start, or where the checkpoint's next step starts
+            start_stream(self, resume)
         self._cp_history_start = len(self.cp_history)
         if self.cp_stop_signal is not None and not self.cp_stop_signal.install():
             logger.warning(

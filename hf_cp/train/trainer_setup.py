@@ -9,13 +9,15 @@ Each function returns its warnings as sentences: the trainer logs them on rank 0
 from __future__ import annotations
 
 import os
-from typing import List, Mapping, MutableMapping, Optional, Sequence
+from typing import List, Mapping, MutableMapping, Optional, Sequence, Union
 
 import torch
 
 from hf_cp.planning.profile_check import available_cores, profile_warning, shared_cores_warning
 from hf_cp.planning.setup import PlanningSetup, planning_setup
+from hf_cp.train.columns import TokenColumns
 from hf_cp.train.setup_checks import check_attention, deepspeed_arch_list
+from hf_cp.train.streaming import StreamColumns
 from hf_cp.train.user_collator import check_data_collator
 
 
@@ -34,32 +36,25 @@ def deepspeed_arch_env(environ: Optional[MutableMapping[str, str]] = None) -> Op
     return note
 
 
-def refuse_streaming(dataset) -> None:
-    """A streaming dataset is refused by name, before the Trainer's own length check."""
-    if dataset is not None and not hasattr(dataset, "__len__"):
-        # every rank must know every sample's length to plan a step (the sampler cuts steps by
-        # tokens and balances them): a stream has no lengths ahead of time
-        raise TypeError(
-            f"CPTrainer: train_dataset is a streaming {type(dataset).__name__}, which CPTrainer cannot plan yet "
-            "(every rank needs the lengths of a step's samples before it runs). Materialise it as a map-style "
-            "dataset first, e.g. datasets.Dataset.from_generator(lambda: iter(stream)) or stream.take(n), or "
-            "`hf-cp preprocess` to a folder, and train on that"
-        )
-
-
 def check_training_data(dataset, data_collator) -> Optional[str]:
     """The dataset training reads (None is an error) and what the user's data collator means for
-    it (user_collator.check_data_collator): a warning, or None."""
+    it (user_collator.check_data_collator): a warning, or None. A streaming dataset's settings
+    were checked before (streaming.check_streaming)."""
     if dataset is None:
         raise ValueError("CPTrainer: training needs a train_dataset")
-    refuse_streaming(dataset)
     columns = getattr(dataset, "column_names", None) or []
     return check_data_collator(data_collator, has_labels="labels" in columns)
 
 
-def trainer_planning_setup(args, model, lengths: Sequence[int], world_size: int) -> PlanningSetup:
+def trainer_planning_setup(
+    args, model, lengths: Union[Sequence[int], TokenColumns, StreamColumns], world_size: int
+) -> PlanningSetup:
     """The planning setup of a run of `args` (CPTrainingArguments) training `model` on samples of
-    `lengths`; fails now if its plans need hf_cp's attention and the model does not use it."""
+    `lengths` (or a TokenColumns' samples), or on a stream (its StreamColumns, whose sampler reads
+    it); fails now if its plans need hf_cp's attention and the model does not use it."""
+    stream = lengths if isinstance(lengths, StreamColumns) else None
+    if isinstance(lengths, TokenColumns):
+        lengths = lengths.lengths
     settings = args.planning_settings()
     # the memory model's model states: in the dtype the model was built in (without DeepSpeed
     # they stay in it; DeepSpeed's own dtypes follow its config)
@@ -68,11 +63,12 @@ def trainer_planning_setup(args, model, lengths: Sequence[int], world_size: int)
         settings.model_states["param_bytes"] = param.element_size()
     setup = planning_setup(
         settings,
-        lengths,
+        () if stream is not None else lengths,
         world_size,
         model_config=model.config.to_dict(),
         num_epochs=args.num_train_epochs,
         max_steps=args.max_steps,
+        sampler=stream.make_sampler if stream is not None else None,
     )
     # now, not at the first step that spreads a sample (after the model is placed and minutes in)
     check_attention(getattr(model.config, "_attn_implementation", None), setup.cluster.group_sizes[-1])

@@ -17,8 +17,9 @@ optional model ("llama" or "qwen2", models.py), balancer_options, model_seed,
 data_seed, seed, lr, adam_epsilon, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
 activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault),
-mutation (see MUTATIONS: a deliberate bug, for the tests that show the exactness check fails) and
-expect_error (the run must stop with an error on every rank: recorded, and the job goes on).
+mutation (see MUTATIONS: a deliberate bug, for the tests that show the exactness check fails),
+streaming (the rows as a streaming datasets.IterableDataset) and expect_error (the run must stop
+with an error on every rank: recorded, and the job goes on).
 """
 
 from __future__ import annotations
@@ -159,10 +160,11 @@ def train_one(spec: dict) -> None:
         cp_stop_on_nonfinite_grad=spec.get("stop_on_nonfinite_grad", True),
     )
     evaluating = bool(spec.get("eval_lengths"))
+    train = Dataset.from_list(train_rows(spec))
     trainer = CPTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(train_rows(spec)),
+        train_dataset=train.to_iterable_dataset() if spec.get("streaming") else train,
         eval_dataset=Dataset.from_list(eval_rows(spec)) if evaluating else None,
         balancer=balancer_for(spec["balancer"]),
     )
