@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
+import textwrap
 import time
 from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from hf_cp.balance.options import parse_assignments
-from hf_cp.balance.registry import available_balancers
+from hf_cp.balance.registry import available_balancers, describe_options
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.cost.exchange import plan_exchange
@@ -36,7 +38,8 @@ def add_parser(sub) -> None:
         "with the cost model (--model dimensions on --profile hardware) and print predicted step "
         "time, lower bound, balance, communication and memory. With --plan-json, simulate plans "
         "made elsewhere instead.",
-        formatter_class=HelpFormatter,
+        epilog="balancer options (--balancer-opt KEY=VALUE):\n" + options_text(),
+        formatter_class=PlanHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -82,7 +85,16 @@ def add_parser(sub) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="an option of the balancer (repeatable; VALUE is read as YAML: 0.05, true, [1, 2]); the same "
-        "options as training.cp_balancer_options in a training config",
+        "options as training.cp_balancer_options in a training config; auto's members take theirs as "
+        "member_options.NAME.KEY=VALUE. Each balancer's options are listed below and by --list-balancer-options",
+    )
+    p.add_argument(
+        "--list-balancer-options",
+        nargs="?",
+        const="",
+        metavar="BALANCER",
+        action=ListBalancerOptions,
+        help="print the options of every balancer (or of BALANCER): name, type, default and meaning; then exit",
     )
     p.add_argument(
         "--compare-balancer",
@@ -134,6 +146,40 @@ def add_parser(sub) -> None:
         f"{PROGRESS_MIN_SAMPLES:,} samples or more, where planning takes seconds per step",
     )
     p.set_defaults(func=run)
+
+
+def options_text(names: Optional[List[str]] = None) -> str:
+    """Every option of each balancer (describe_options): a line per balancer, then one per option."""
+    lines = []
+    for name in names if names is not None else available_balancers():
+        opts = describe_options(name)
+        lines.append(f"{name}:" + ("" if opts else " no options"))
+        lines += [f"  {o.line()}" for o in opts]
+    return "\n".join(lines)
+
+
+class PlanHelpFormatter(HelpFormatter):
+    """Keeps the line breaks of the description and epilog (the options list), wrapping each line."""
+
+    def _fill_text(self, text, width, indent):
+        out = []
+        for line in text.splitlines():
+            depth = len(line) - len(line.lstrip())
+            lead = indent + " " * depth
+            more = lead + ("    " if depth else "")  # an option's help runs on under its name
+            out.append(textwrap.fill(line.strip(), width, initial_indent=lead, subsequent_indent=more))
+        return "\n".join(out)
+
+
+class ListBalancerOptions(argparse.Action):
+    """--list-balancer-options [BALANCER]: print the options and exit (like --help)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        names = available_balancers()
+        if values and values not in names:
+            parser.error(f"unknown balancer {values!r}; available: {', '.join(names)}")
+        print(options_text([values] if values else None))
+        parser.exit()
 
 
 # from this many samples on, `--progress auto` reports progress (a 1M-line trace plans for 10-20 s)

@@ -13,7 +13,8 @@ reduction ends the step; and the profile's fixed cost per step is added.
 
 A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
 chunks.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
-its memory adds the samples' K/V state store to their activations.
+its memory adds the samples' K/V state store to their activations. A blocks group's member
+holds its rows plus the K/V and Q rows it receives (StepPlan.held_tokens, what validate bounds).
 """
 
 from __future__ import annotations
@@ -253,7 +254,9 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
             # members with no tokens still join the group's collectives when it has distributed work
             active = [bool(c.tokens) or bool(g.distributed) for c in costs]
             dur = max(c.total_ms for c in costs) + overhead
-            for c, r, act in zip(costs, g.ranks, active):
+            # memory: what StepPlan.validate bounds (a blocks group's members add the rows they receive)
+            held = plan.held_tokens(g, lens, cost) if g.blocks is not None and g.distributed else None
+            for m, (c, r, act) in enumerate(zip(costs, g.ranks, active)):
                 if not act:
                     continue
                 cm, cc, cb, tk = c.compute_ms, c.comm_ms, c.comm_bytes, c.tokens
@@ -261,8 +264,9 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 compute[r] += cm + overhead
                 comm[r] += cc
                 comm_bytes += cb
-                peak_tokens[r] = max(peak_tokens[r], tk)
-                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(tk))
+                mem = held[m] if held is not None else tk
+                peak_tokens[r] = max(peak_tokens[r], mem)
+                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(mem))
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)

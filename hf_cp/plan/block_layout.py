@@ -465,8 +465,11 @@ def layer_exchange(layout: BlockLayout, slices: Sequence[Slices], num_heads: int
     )
 
 
-# received rows, in tokens of activation memory: what StepPlan.validate and the simulator
-# both count for a member of a blocks group (`cost` is a CostModel, read for its sizes only)
+# --------------------------------------------------------------------------- a member's memory
+# A blocks-group member holds its owned rows plus, for one layer at a time, the K/V and Q rows
+# it receives. `held_tokens` is the one count of that, in tokens of activation memory:
+# StepPlan.validate checks it against the cap, the simulator reports it as the peak, and the
+# planners that place blocks (dcp, tap, relayout) plan against it. Two counts drift.
 def received_row_bytes(cost) -> Tuple[int, int]:
     """Bytes one received row holds for one layer: (a K/V row with its fp32 dK/dV partials,
     a Q row with dO, O, the log-sum-exp and the fp32 dQ)."""
@@ -476,13 +479,39 @@ def received_row_bytes(cost) -> Tuple[int, int]:
     return kv_row, q_row
 
 
-def received_token_equivalent(layout: BlockLayout, member: int, cost) -> int:
-    """The member's received K/V and Q rows of one layer, in tokens of whole-model activation
-    memory (what StepPlan.validate adds to the owned rows): received K/V with their fp32
-    dK/dV partials, and received Q rows with dO, O, the log-sum-exp and the fp32 dQ. Those
-    buffers live for one layer at a time; the engine re-sends them in backward."""
-    kv, q = layout.received_chunks(member)
+def held_tokens(owned, kv_rows, q_rows, cost):
+    """Tokens a member holds: `owned` (its chunks' rows and local samples' tokens) plus the
+    `kv_rows` K/V rows and `q_rows` Q rows it receives, priced by their bytes of one layer
+    (received_row_bytes) in tokens of whole-model activation memory, rounded up. Those buffers
+    live for one layer at a time; the engine re-sends them in backward. Integers, or integer
+    numpy arrays elementwise (one value per rank)."""
     kv_row, q_row = received_row_bytes(cost)
-    nbytes = sum(layout.chunks[c].length for c in kv) * kv_row + sum(layout.chunks[c].length for c in q) * q_row
-    per_token = cost.profile.activation_bytes_per_token
-    return -(-nbytes // int(per_token)) if nbytes else 0
+    per_token = int(cost.profile.activation_bytes_per_token)
+    return owned + -(-(kv_rows * kv_row + q_rows * q_row) // per_token)
+
+
+def received_rows(layout: BlockLayout, group_size: int) -> Tuple[List[int], List[int]]:
+    """(K/V rows, Q rows) every member receives to run its blocks: the rows of the chunks it
+    uses but does not own, each chunk once per member (one pass over the compute entries)."""
+    chunks = layout.chunks
+    kv: Set[Tuple[int, int]] = set()
+    q: Set[Tuple[int, int]] = set()
+    for b in layout.compute:
+        e = b.executor
+        if chunks[b.k_chunk].owner != e:
+            kv.add((b.k_chunk, e))
+        if chunks[b.q_chunk].owner != e:
+            q.add((b.q_chunk, e))
+    kv_rows, q_rows = [0] * group_size, [0] * group_size
+    for c, e in kv:
+        kv_rows[e] += chunks[c].length
+    for c, e in q:
+        q_rows[e] += chunks[c].length
+    return kv_rows, q_rows
+
+
+def received_token_equivalent(layout: BlockLayout, member: int, cost) -> int:
+    """The member's received K/V and Q rows of one layer in tokens of activation memory
+    (held_tokens of nothing owned). For every member at once, received_rows is one pass."""
+    kv, q = layout.received_chunks(member)
+    return held_tokens(0, sum(layout.chunks[c].length for c in kv), sum(layout.chunks[c].length for c in q), cost)

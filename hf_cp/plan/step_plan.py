@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from hf_cp.modes.registry import mode_name, mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, segment_tokens
-from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, received_token_equivalent
+from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, held_tokens, received_rows
 from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
@@ -379,8 +379,8 @@ class StepPlan:
 
         With a CostModel, also check that Ulysses groups split the model's heads evenly, that
         a blocks group's head ranges cover the model's heads, and count each blocks-group
-        member's received K/V and Q rows (in tokens of activation memory, block_layout.received_token_equivalent)
-        against the cap. Masks must match their samples; a blocks layout must follow its
+        member's received K/V and Q rows (in tokens of activation memory: `held_tokens`, the count
+        the simulator and the block planners use) against the cap. Masks must match their samples; a blocks layout must follow its
         format (block_layout.BlockLayout.validate), its errors naming the sample, chunk and block.
         """
         where = f"step {self.step}" + (f" ({self.balancer})" if self.balancer else "")
@@ -444,9 +444,8 @@ class StepPlan:
                     if s in seen:
                         raise PlanError(f"{where}: sample {s} is scheduled twice (waves {seen[s]} and {w})")
                     seen[s] = w
-                extra = self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
-                for m, r in enumerate(g.ranks):
-                    t = self.rank_tokens(g, r, lens) + extra[m]
+                self._validate_blocks(g, lens, cost, f"{where}, wave {w}, group {gi} {list(g.ranks)}")
+                for r, t in zip(g.ranks, self.held_tokens(g, lens, cost)):
                     if t > self.max_tokens_per_rank and any(g.chunked.values()):
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds the activations of {t} tokens of the chunked "
@@ -454,11 +453,12 @@ class StepPlan:
                             f"lower their chunk_size or keep (K)"
                         )
                     if t > self.max_tokens_per_rank:
+                        extra = t - self.rank_tokens(g, r, lens)
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
                             f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
                             f"{g.distributed} distributed over {list(g.ranks)}"
-                            + (f", received K/V and Q rows counted as {extra[m]} tokens" if extra[m] else "")
+                            + (f", received K/V and Q rows counted as {extra} tokens" if extra else "")
                             + ")"
                         )
         missing = [s for s in self.sample_ids if s not in seen]
@@ -469,13 +469,24 @@ class StepPlan:
             )
         return self
 
-    def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> List[int]:
-        """Check a blocks-mode group's layout; return each member's received rows in token
-        units (block_layout.received_token_equivalent; zero without a cost model or layout)."""
+    def held_tokens(self, g: Group, lens: Optional[Mapping[int, int]] = None, cost=None) -> List[int]:
+        """Tokens each member of group `g` holds, what the cap bounds: rank_tokens, plus in a
+        blocks group, given a CostModel, the K/V and Q rows it receives (block_layout.held_tokens:
+        the one count that validate checks, the simulator reports and the block planners plan
+        against). The layout is not checked here (validate does)."""
+        lens = self.length_of() if lens is None else lens
+        own = [self.rank_tokens(g, r, lens) for r in g.ranks]
+        if cost is None or g.blocks is None or not g.distributed or not mode_spec(g.mode).carries_layout:
+            return own
+        kv, q = received_rows(g.blocks, g.size)
+        return [held_tokens(o, kv[m], q[m], cost) for m, o in enumerate(own)]
+
+    def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> None:
+        """Check a blocks-mode group's layout (its format, and with a CostModel the model's heads)."""
         if not mode_spec(g.mode).carries_layout or not g.distributed:
             if g.blocks is not None and g.distributed:
                 raise PlanError(f"{where}: a block layout is given but the mode is {mode_name(g.mode)!r}, not 'blocks'")
-            return [0] * g.size
+            return
         if g.blocks is None:
             raise PlanError(f"{where}: mode 'blocks' needs a block layout ('blocks': chunks and compute)")
         dist = [lens[s] for s in g.distributed]
@@ -484,10 +495,6 @@ class StepPlan:
             g.blocks.validate(dist, g.size, doc_slices(dist, self.group_masks(g)), heads, g.distributed)
         except BlockLayoutError as e:
             raise PlanError(f"{where}: {e}") from None
-        if cost is None:
-            return [0] * g.size
-
-        return [received_token_equivalent(g.blocks, m, cost) for m in range(g.size)]
 
     def _validate_chunked(self, g: Group, where: str, lens: Mapping[int, int], cost) -> None:
         """A chunked group: one rank running only chunked samples with sane chunk settings; with a

@@ -7,15 +7,19 @@ No CP group is fixed in advance. Per step:
    (query block, key block) pair with masked pairs, masks.rect_pairs). Shorter samples are
    atoms: one rank computes each whole. Block size heuristic: the largest power of two at
    most cap/4 tokens, but at least two blocks per rank the sample spreads over, in a
-   multiple of that, and at most max(`max_blocks`, 2 x those ranks) blocks: the hypergraph
-   stays small, so planner time is bounded by construction.
+   multiple of that, and at most max(`max_blocks`, 2 x those ranks) blocks. A sample over p
+   ranks so has about 2p^2 compute blocks (2.1M at p = 1024): they are numpy arrays, never
+   walked in Python, and the planner's deadline (below) bounds the rest.
 2. Where a long sample runs. hf_cp's collectives run on pre-built groups (aligned
    power-of-two blocks of ranks), and every member of a group meets the others at every
    layer's exchange, so a sample's placement spans one such block and spreads over all of
    it: as many ranks as its predicted time (against a rank's share of the step) and its
    memory need, rounded up to a power of two, on the block with the least work so far,
-   heaviest samples first; samples share a wave while their ranks' memory allows (`fill`).
-   Within the block the placement is DCP's: the ranks talk only as the placement needs.
+   heaviest samples first; samples share a wave while their ranks' owned tokens allow (`fill`).
+   A wave's blocks may overlap (a sample on ranks 0-63, another on rank 0): each is placed
+   against what the wave already holds on its ranks, largest blocks first, and one that no
+   longer fits moves to the next wave. Within the block the placement is DCP's: the ranks talk
+   only as the placement needs.
 3. Placement within the block: a hypergraph whose vertices are the compute blocks (weight:
    predicted time) and data blocks (weight: their linear work), with one net per data block
    joining its users (a K/V net: the blocks that read its keys; a Q net: the blocks that read
@@ -23,8 +27,9 @@ No CP group is fixed in advance. Per step:
    minimises the bytes moved (connectivity - 1) with every part's time within (1 + epsilon)
    of its share. Hierarchical: first across the block's nodes (inter-node bytes are the
    expensive ones), then across the GPUs of each node. Memory is the hard constraint: every
-   rank's owned tokens plus received rows (priced by their bytes against a token's activation
-   memory, as StepPlan.validate counts them) must fit its cap.
+   rank's owned tokens plus received rows must fit its cap, counted over the whole wave by
+   block_layout.held_tokens, the one function StepPlan.validate and the simulator count with,
+   so every plan dcp returns validates.
    KaHyPar-family partitioners balance one weight, and DCP needs two (memory hard, time
    within epsilon). So the initial partition is a greedy fill that balances both: each long
    sample's query rows (a data block and the compute blocks reading its queries), paired
@@ -51,12 +56,21 @@ No CP group is fixed in advance. Per step:
    divisions the same way. Off by default (`divisions=1`): the engine's executor does not
    pipeline divisions yet, and a plan's prediction must be what runs.
 
+Deadline. `deadline_s` (wall clock) is checked between the placement's bounded steps (a
+block's partition level, 65,536 compute blocks of a group's layout; each Mt-KaHyPar call is
+bounded by `refine_max_vertices`). Past it the step gets the fallback plan (the long samples
+ring per-document on aligned groups of the same sizes, the atoms as above; no partitioner) and
+a note in StepPlan.notes; `plan_fallback(request)` rebuilds it.
+
+Options are a BalancerOptions (checked by name, type and range from Python, YAML, the command
+line and `auto`'s member_options; listed by `hf-cp plan --list-balancer-options dcp`).
+
 Modules: options.py (DcpOptions, DcpError), weights.py (the cost model's numbers for blocks,
 long samples cut in data and compute blocks), graph.py (a wave's hypergraph), hypergraph.py
 (Mt-KaHyPar), partition.py (greedy fill, refinement, hierarchical placement of a block),
 placement.py (a wave's placement -> groups and block placements), divisions.py (the
-computation/communication schedule), layout.py (plan_layout: one step) and balancer.py
-(DcpBalancer, registered as "dcp").
+computation/communication schedule), layout.py (plan_layout: one step; fallback_layout: the
+deadline's plan) and balancer.py (DcpBalancer, registered as "dcp").
 """
 
 from hf_cp.balance.balancers.dcp import balancer  # noqa: F401  registers "dcp"

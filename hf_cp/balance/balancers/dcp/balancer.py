@@ -1,27 +1,37 @@
-"""DCP's planner as a registered balancer ("dcp"): plan_layout's waves as a StepPlan."""
+"""DCP's planner as a registered balancer ("dcp"): plan_layout's waves as a StepPlan, under the
+planner's deadline (`deadline_s`), past which the step gets fallback_layout's plan and a note."""
 
 from __future__ import annotations
 
+import time
+from typing import Callable, Optional
+
 from hf_cp.balance.balancers.dcp import hypergraph
-from hf_cp.balance.balancers.dcp.layout import plan_layout
+from hf_cp.balance.balancers.dcp.layout import DcpLayout, deadline_check, fallback_layout, plan_layout
 from hf_cp.balance.balancers.dcp.options import DcpOptions
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import register_balancer
-from hf_cp.balance.toolkit.placement import blocks_group, request_masks
+from hf_cp.balance.toolkit.deadline import DeadlinePassed
+from hf_cp.balance.toolkit.placement import request_masks
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
 
 @register_balancer("dcp", auto_member=True)
 class DcpBalancer:
-    """DCP's planner as a balancer: options are DcpOptions' fields. The last plan's planner time
-    (seconds) and partitioner are kept in `last_planner_s` / `last_backend`."""
+    """DCP's planner as a balancer: options are DcpOptions' fields (checked by name, type and
+    range like every balancer's). The last plan's planner time (seconds) and partitioner are
+    kept in `last_planner_s` / `last_backend` ("none" when the deadline passed)."""
 
     name = "dcp"
+    options_class = DcpOptions
     handles_masks = True  # blocks and atoms are priced by their masked pairs
 
     def __init__(self, **options):
-        self.options = DcpOptions(**options)
+        self.options = DcpOptions.from_dict(options)
+        # a deadline makes a plan depend on the machine's speed: ranks that planned the same step
+        # may differ, and the trainer then runs the first rank's plan
+        self.timing_dependent = self.options.deadline_s is not None
         self.last_planner_s = 0.0
         self.last_backend = ""
 
@@ -31,6 +41,38 @@ class DcpBalancer:
             hypergraph.warm_up()
 
     def plan(self, req: PlanRequest) -> StepPlan:
+        t0 = time.perf_counter()
+        limit = self.options.deadline_s
+        check = deadline_check(None if limit is None else time.monotonic() + limit, limit)
+        try:
+            plan = self._plan(req, check)
+        except DeadlinePassed:
+            plan = self.plan_fallback(req)
+            plan.notes.append(
+                f"dcp: the block placement passed its {limit:g} s deadline; planned with the long samples "
+                f"ring per-document (dcp's fallback)"
+            )
+        self.last_planner_s = time.perf_counter() - t0
+        return plan
+
+    def plan_fallback(self, req: PlanRequest) -> StepPlan:
+        """The plan a passed deadline leads to (layout.fallback_layout: no blocks, no partitioner;
+        deterministic, for ranks that must agree on a step one of them planned past the deadline)."""
+        cl = req.cluster
+        masks = request_masks(req)
+        lay = fallback_layout(
+            req.lengths,
+            cl.world_size,
+            cl.max_tokens_per_rank,
+            req.cost,
+            [masks.get(s) for s in req.sample_ids],
+            self.options,
+            cl.max_group_size,
+        )
+        self.last_backend = lay.backend
+        return self._to_plan(req, lay)
+
+    def _plan(self, req: PlanRequest, check) -> StepPlan:
         masks = request_masks(req)
         cl = req.cluster
         lay = plan_layout(
@@ -42,20 +84,30 @@ class DcpBalancer:
             [masks.get(s) for s in req.sample_ids],
             self.options,
             cl.max_group_size,
+            check,
         )
-        self.last_planner_s, self.last_backend = lay.planner_s, lay.backend
+        self.last_backend = lay.backend
+        return self._to_plan(req, lay, check)
+
+    def _to_plan(self, req: PlanRequest, lay: DcpLayout, check: Optional[Callable[[], None]] = None) -> StepPlan:
+        masks = request_masks(req)
         ids = req.sample_ids
         plan = req.empty_plan(self.name)
-        plan.masks = {s: m for s, m in masks.items() if s in set(ids)}
+        in_step = set(ids)
+        plan.masks = {s: m for s, m in masks.items() if s in in_step}
         for groups in lay.waves:
             wave = []
             for ranks, docs, pl, div, local in groups:
-                loc = {r: [ids[i] for i in v] for r, v in local.items()}
-                if docs and pl is None:  # too large for blocks: ring per-document sharding
-                    wave.append(Group(ranks=ranks, distributed=[ids[i] for i in docs], mode=ShardMode.RING_PER_DOC))
-                    continue
-                wave.append(
-                    blocks_group(ranks, [ids[i] for i in docs], pl, loc, div if self.options.divisions > 1 else None)
-                )
+                loc = {r: [ids[i] for i in v] for r, v in local.items() if v}
+                dist = [ids[i] for i in docs]
+                if not docs:
+                    wave.append(Group(ranks=ranks, local=loc))
+                elif pl is None:  # too large for blocks (or the fallback): ring per-document sharding
+                    wave.append(Group(ranks=ranks, distributed=dist, mode=ShardMode.RING_PER_DOC, local=loc))
+                else:
+                    # a group's layout is the plan's largest piece (a sample over 1024 ranks has
+                    # 2.1M blocks): it is made under the deadline
+                    layout = pl.to_layout(div if self.options.divisions > 1 else None, check)
+                    wave.append(Group(ranks=ranks, distributed=dist, mode=ShardMode.BLOCKS, local=loc, blocks=layout))
             plan.waves.append(Wave(sorted(wave, key=lambda g: g.ranks[0])))
         return plan

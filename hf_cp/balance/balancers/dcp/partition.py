@@ -1,86 +1,95 @@
 """Partitioning a wave's hypergraph over an aligned block of ranks: the greedy fill that balances
 time and memory, Mt-KaHyPar's refinement of it (hypergraph.py), and the hierarchical placement
-(the block's nodes, then the GPUs of each node)."""
+(the block's nodes, then the GPUs of each node). Vertices are numpy arrays: a part's vertices
+are split off by one stable sort, rows are summed by bincount, and only the rows' zigzag pairs
+(at most two per rank of the block) are walked in Python."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from hf_cp.balance.balancers.dcp import hypergraph
 from hf_cp.balance.balancers.dcp.graph import WaveGraph
 from hf_cp.balance.balancers.dcp.options import DcpOptions
-from hf_cp.balance.balancers.dcp.placement import WavePlacement
+from hf_cp.balance.balancers.dcp.placement import Rows, WaveMemory, placement_rows
 from hf_cp.balance.balancers.dcp.weights import Weights
 
 
 def greedy_rows(
     graph: WaveGraph,
     vertices: Sequence[int],
-    loads: List[float],
+    loads: Sequence[float],
     caps: Sequence[float],
     token_caps: Optional[Sequence[float]] = None,
-) -> Dict[int, int]:
-    """Part of each vertex: rows (a data block and the compute blocks that read its queries)
-    paired zigzag-fashion within a sample, each pair onto the current part while its time
-    stays under `caps` and its owned tokens under `token_caps`, else onto the part with the
-    most time left (that has the tokens' room, if any has). Samples heaviest first; `loads`
-    (each part's time so far) is updated."""
-    rows: Dict[Tuple[int, int], List[int]] = {}
-    for v in vertices:
-        rows.setdefault(graph.row_of[v], []).append(v)
-    by_sample: Dict[int, List[int]] = {}
-    for sp, qi in rows:
-        by_sample.setdefault(sp, []).append(qi)
-    weight, tokens = graph.weight, graph.tokens
-    sample_w = {sp: sum(weight[v] for qi in qis for v in rows[(sp, qi)]) for sp, qis in by_sample.items()}
-    out: Dict[int, int] = {}
+) -> np.ndarray:
+    """Part of each vertex (aligned with `vertices`): rows (a data block and the compute blocks
+    that read its queries) paired zigzag-fashion within a sample, each pair onto the current
+    part while its time stays under `caps` and its owned tokens under `token_caps`, else onto
+    the part with the most time left (that has the tokens' room, if any has). Samples
+    heaviest first, starting from each part's time `loads`."""
+    verts = np.asarray(vertices, dtype=np.int64)
     k = len(loads)
-    tok = [0.0] * k
-    tcap = list(token_caps) if token_caps is not None else [float("inf")] * k
-    for sp in sorted(by_sample, key=lambda s: (-sample_w[s], s)):
-        qis = sorted(by_sample[sp])
-        units = []
-        for a in range(-(-len(qis) // 2)):
-            pair = [qis[a]] + ([qis[-1 - a]] if len(qis) - 1 - a != a else [])
-            units.append([v for qi in pair for v in rows[(sp, qi)]])
-        cur = min(range(k), key=lambda p: (loads[p] - caps[p], p))
-        for unit in units:
-            uw = sum(weight[v] for v in unit)
-            ut = sum(tokens[v] for v in unit)
-            if loads[cur] + uw > caps[cur] or tok[cur] + ut > tcap[cur]:
-                roomy = [p for p in range(k) if tok[p] + ut <= tcap[p]] or list(range(k))
-                cur = min(roomy, key=lambda p: (loads[p] - caps[p], p))
-            for v in unit:
-                out[v] = cur
-            loads[cur] += uw
+    if len(verts) == 0:
+        return np.zeros(0, dtype=np.int64)
+    sp, qi = graph.sp[verts], graph.qi[verts]
+    width = int(qi.max()) + 1
+    rows, inv = np.unique(sp * width + qi, return_inverse=True)  # by sample, then query block
+    inv = inv.reshape(-1)
+    row_w = np.bincount(inv, weights=graph.weight[verts], minlength=len(rows))
+    row_t = np.bincount(inv, weights=graph.tokens[verts].astype(np.float64), minlength=len(rows))
+    row_sp = rows // width
+    starts = np.flatnonzero(np.concatenate([[True], row_sp[1:] != row_sp[:-1]]))
+    ends = np.append(starts[1:], len(rows))
+    sample_w = np.add.reduceat(row_w, starts)
+    load = np.asarray(loads, dtype=np.float64).copy()
+    cap = np.asarray(caps, dtype=np.float64)
+    tcap = np.asarray(token_caps, dtype=np.float64) if token_caps is not None else np.full(k, np.inf)
+    tok = np.zeros(k)
+    part = np.zeros(len(rows), dtype=np.int64)
+    rw, rt = row_w.tolist(), row_t.tolist()
+    for j in sorted(range(len(starts)), key=lambda j: (-sample_w[j], int(row_sp[starts[j]]))):
+        a, b = int(starts[j]), int(ends[j]) - 1
+        cur = int(np.argmin(load - cap))
+        while a <= b:  # row a with row b: a zigzag pair (the middle row alone)
+            uw = rw[a] + (rw[b] if b != a else 0.0)
+            ut = rt[a] + (rt[b] if b != a else 0.0)
+            if load[cur] + uw > cap[cur] or tok[cur] + ut > tcap[cur]:
+                roomy = tok + ut <= tcap
+                slack = np.where(roomy, load - cap, np.inf) if roomy.any() else load - cap
+                cur = int(np.argmin(slack))
+            part[a] = part[b] = cur
+            load[cur] += uw
             tok[cur] += ut
-    return out
+            a, b = a + 1, b - 1
+    return part[inv]
 
 
 def refine_parts(
-    graph: WaveGraph, vertices: Sequence[int], caps: Sequence[float], initial: Dict[int, int], token_room: int
-) -> Dict[int, int]:
-    """Mt-KaHyPar's refinement of a level's partition (hypergraph.refine): fewer bytes moved,
-    each part's time under its cap. Data vertices may move as long as every part's owned
-    tokens stay within `token_room`; if they would not, data stays where `initial` put it
-    (memory hard-balanced) and only compute blocks move."""
-    local = {v: i for i, v in enumerate(vertices)}
-    nets, nb = [], []
-    for e, pins in enumerate(graph.nets):
-        sub = [local[v] for v in pins if v in local]
-        if len(sub) > 1:
-            nets.append(sub)
-            nb.append(graph.net_bytes[e])
-    weights = [graph.weight[v] for v in vertices]
-    init = [initial[v] for v in vertices]
+    graph: WaveGraph,
+    vertices: Sequence[int],
+    caps: Sequence[float],
+    initial: Sequence[int],
+    token_room: Union[int, Sequence[float]],
+) -> np.ndarray:
+    """Mt-KaHyPar's refinement of a level's partition (hypergraph.refine; `initial` aligned with
+    `vertices`): fewer bytes moved, each part's time under its cap. Data vertices may move as
+    long as every part's owned tokens stay within `token_room` (one number, or one per part);
+    if they would not, data stays where `initial` put it (memory hard-balanced) and only compute
+    blocks move."""
+    verts = [int(v) for v in vertices]
+    nets, nb = graph.nets(verts)
+    weights = graph.weight[verts].tolist()
+    init = [int(p) for p in initial]
     parts = hypergraph.refine(weights, nets, nb, caps, init)
-    tok = [0] * len(caps)
-    for i, v in enumerate(vertices):
-        tok[parts[i]] += graph.tokens[v]
-    if max(tok) > token_room:
-        fixed = [init[i] if graph.tokens[v] else -1 for i, v in enumerate(vertices)]
+    room = np.broadcast_to(np.asarray(token_room, dtype=np.float64), (len(caps),))
+    tok = np.bincount(parts, weights=graph.tokens[verts].astype(np.float64), minlength=len(caps))
+    if (tok > room).any():
+        tokens = graph.tokens[verts]
+        fixed = [init[i] if tokens[i] else -1 for i in range(len(verts))]
         parts = hypergraph.refine(weights, nets, nb, caps, init, fixed=fixed)
-    return {v: parts[i] for i, v in enumerate(vertices)}
+    return np.asarray(parts, dtype=np.int64)
 
 
 def place_block(
@@ -93,36 +102,68 @@ def place_block(
     w: Weights,
     opt: DcpOptions,
     backend: str,
-) -> Optional[List[int]]:
-    """Ranks (in first_rank .. first_rank + size - 1, an aligned block) of the blocks of the long
-    samples in `graph`, hierarchically (the block's nodes, then the GPUs of each node), every
-    part's time under (1 + epsilon) x its share of the graph's time. None if a rank's memory
-    (owned plus received rows, as StepPlan.validate counts them) would pass the cap."""
+    held: Optional[WaveMemory] = None,
+    check: Optional[Callable[[], None]] = None,
+) -> Optional[np.ndarray]:
+    """Rank of every vertex of `graph` (place_block_rows without the rows)."""
+    placed = place_block_rows(graph, first_rank, size, gpus_per_node, cap, world, w, opt, backend, held, check)
+    return None if placed is None else placed[0]
+
+
+def place_block_rows(
+    graph: WaveGraph,
+    first_rank: int,
+    size: int,
+    gpus_per_node: int,
+    cap: int,
+    world: int,
+    w: Weights,
+    opt: DcpOptions,
+    backend: str,
+    held: Optional[WaveMemory] = None,
+    check: Optional[Callable[[], None]] = None,
+) -> Optional[Tuple[np.ndarray, Rows]]:
+    """(rank of every vertex of `graph` (in first_rank .. first_rank + size - 1, an aligned block),
+    hierarchically (the block's nodes, then the GPUs of each node), every part's time under
+    (1 + epsilon) x its share of the graph's time; and the rows each rank owns and receives
+    (placement_rows)). `held`: what the wave already holds on each rank (its owned tokens leave
+    less room to fill). None if a rank would hold more than
+    the cap, owned plus received rows on top of `held` (block_layout.held_tokens, as
+    StepPlan.validate counts). `check` is called between steps (the planner's deadline)."""
     eps = 1.0 + opt.epsilon
-    total = sum(graph.weight)
+    total = float(graph.weight.sum())
+    room = np.full(world, cap * opt.fill)
+    if held is not None:
+        room = np.maximum(room - held.owned, 0.0)
     levels = [size // gpus_per_node, gpus_per_node] if size > gpus_per_node else [size]
-    rank_of = [0] * len(graph)
-    todo = [(list(range(len(graph))), first_rank)]  # (vertices, first rank of the part)
+    rank_of = np.zeros(len(graph), dtype=np.int64)
+    todo = [(np.arange(len(graph), dtype=np.int64), first_rank)]  # (vertices, first rank of the part)
     span = size
     for k in levels:
         span //= k
         nxt = []
         for verts, first in todo:
+            if check is not None:
+                check()
             if k == 1:
-                parts = {v: 0 for v in verts}
+                parts = np.zeros(len(verts), dtype=np.int64)
             else:
                 caps = [eps * total * span / size] * k
-                tcap = [span * cap * opt.fill] * k
+                tcap = room[first : first + k * span].reshape(k, span).sum(axis=1)
                 parts = greedy_rows(graph, verts, [0.0] * k, caps, tcap)
                 if backend == "mtkahypar" and span * k == size and 1 < len(verts) <= opt.refine_max_vertices:
-                    parts = refine_parts(graph, verts, caps, parts, int(span * cap * opt.fill))
+                    parts = refine_parts(graph, verts, caps, parts, tcap)
+            rank_of[verts] = first + parts * span
+            order = np.argsort(parts, kind="stable")
+            counts = np.bincount(parts, minlength=k)
+            bounds = np.concatenate([[0], np.cumsum(counts)])
             for p in range(k):
-                pv = [v for v in verts if parts[v] == p]
-                for v in pv:
-                    rank_of[v] = first + p * span
-                if pv:
-                    nxt.append((pv, first + p * span))
+                if counts[p]:
+                    nxt.append((verts[order[bounds[p] : bounds[p + 1]]], first + p * span))
         todo = nxt
-    if max(WavePlacement(graph, rank_of).block_tokens(world, w), default=0) > cap:
+    rows = placement_rows(graph, rank_of, world)
+    memory = WaveMemory(world) if held is None else held.copy()
+    memory.add(rows)
+    if memory.held(w.cost)[first_rank : first_rank + size].max(initial=0) > cap:
         return None
-    return rank_of
+    return rank_of, rows
