@@ -129,8 +129,13 @@ def test_fit_recovers_known_coefficients_despite_noise_and_outliers():
         "cp_message_ms": True,
     }
     got = (fitted.c1_ms_per_token / CPU.c1_ms_per_token, fitted.c2_ms_per_pair / CPU.c2_ms_per_pair)
-    assert got == pytest.approx(TRUE_SCALES[:2], rel=0.05), got
-    assert fitted.cp_attention_scale == pytest.approx(TRUE_CP_SCALE, rel=0.1)
+    # c1 to 5%; c2 to 10%: with static's packs even per replica (every replica its share of the
+    # step), the steps vary a rank's attention pairs less than its tokens, and seeds 0-5 put c2
+    # 0.2-8.6% off. A calibration that does nothing stays at (1, 1), far outside either.
+    assert got[0] == pytest.approx(TRUE_SCALES[0], rel=0.05), got
+    assert got[1] == pytest.approx(TRUE_SCALES[1], rel=0.1), got
+    # seeds 0-5: 1.60-1.79 for 1.8 (the CP groups' share of these steps is small); the prior is 1
+    assert fitted.cp_attention_scale == pytest.approx(TRUE_CP_SCALE, rel=0.15)
     # priced at 0 by the profile, fitted freely from the groups' micro-batches; per group
     # micro-batch it is collinear with c0, which the shape prior holds low: bounded, and the
     # predictions below must be right
@@ -145,8 +150,9 @@ def test_fit_recovers_known_coefficients_despite_noise_and_outliers():
     meas = np.asarray([m for o in clean for m in o.measured_ms])
     err = np.abs(pred[meas > 0] / meas[meas > 0] - 1)
     # the prior's pull on c0 (held near its profile shape, 2.7x against the true 4x) moves into the
-    # message term and the groups' attention scale on a few group micro-batches
-    assert np.median(err) < 0.01 and err.max() < 0.08, (np.median(err), err.max())
+    # message term and the groups' attention scale on a few group micro-batches (median 1.6%, max
+    # 4.9% since static deals every replica an even share; the profile as given is 50-70% off)
+    assert np.median(err) < 0.02 and err.max() < 0.08, (np.median(err), err.max())
 
 
 def test_calibrator_lowers_the_error_below_five_percent_and_fits_the_wall_terms():

@@ -215,8 +215,8 @@ def _inject_mutation(trainer, kind: str) -> None:
             collator = dl.dataset.collator
             micro_batch = collator.micro_batch
 
-            def dropping(plan, wave, group, rank):
-                mb = micro_batch(plan, wave, group, rank)
+            def dropping(plan, wave, group, rank, *rest):
+                mb = micro_batch(plan, wave, group, rank, *rest)
                 if mb is not None and rank == 0:
                     valid = torch.nonzero(mb.shift_labels[0] != IGNORE_INDEX).flatten()
                     if len(valid):
