@@ -177,3 +177,28 @@ def test_bypassed_head_under_ddp_with_find_unused_parameters(tmp_path):
     for n, p in model.named_parameters():
         err = float((p.grad - want[n]).abs().max() / want[n].abs().max())
         assert err < 1e-6, f"{n}: {err:.2g}"
+
+
+def test_per_token_log_probs_are_minus_the_token_cross_entropies_chunk_by_chunk():
+    """chunked_lm_head_token_logps: log p(target) per row and per extra target, 0 where ignored;
+    their sum is minus the summed loss, and gradients agree."""
+    import torch
+
+    from hf_cp.train.loss import chunked_lm_head_loss, chunked_lm_head_token_logps
+
+    torch.manual_seed(0)
+    hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([3, -100, 4, 0, 10, -100, 2])
+    rows, extra = torch.tensor([2, 2]), torch.tensor([5, 6])
+    own, more = chunked_lm_head_token_logps(hidden, weight, targets, 3, extra_rows=rows, extra_targets=extra)
+    logits = hidden @ weight.T
+    want = torch.log_softmax(logits, -1)
+    assert own[1] == 0 and own[5] == 0
+    assert torch.allclose(own[0], want[0, 3]) and torch.allclose(more, want[[2, 2], [5, 6]])
+    total = -(own.sum() + more.sum())
+    loss = chunked_lm_head_loss(hidden, weight, targets, 3, extra_rows=rows, extra_targets=extra)
+    assert torch.allclose(total, loss)
+    g1 = torch.autograd.grad(total, (hidden, weight))
+    g2 = torch.autograd.grad(loss, (hidden, weight))
+    assert all(torch.allclose(a, b) for a, b in zip(g1, g2))

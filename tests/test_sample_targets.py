@@ -175,3 +175,24 @@ def test_loss_adds_extra_targets_from_their_rows_hidden_state():
         chunked_lm_head_loss(hidden, w, targets, 4, extra_rows=torch.tensor([T]), extra_targets=torch.tensor([1]))
     with pytest.raises(ValueError, match="given together"):
         logits_loss(hidden @ w.T, targets, extra_rows=rows)
+
+
+def test_every_target_knows_its_answer():
+    """[p0 p1 p2][a0 a1][b0 b1 b2]: the prompt's last row predicts a0 (answer 0) and, as an
+    extra target, b0 (answer 1); prompt rows predicting prompt tokens and every answer's last
+    row belong to no answer."""
+    from hf_cp.samples.masks import SampleMask
+    from hf_cp.samples.targets import sample_targets
+
+    ids = [10, 11, 12, 20, 21, 30, 31, 32]
+    labels = [-100, -100, -100, 20, 21, 30, 31, 32]
+    t = sample_targets(ids, labels, SampleMask.shared_prompt(3, [2, 3]))
+    assert t.answers.tolist() == [-1, -1, 0, 0, -1, 1, 1, -1]
+    assert t.extra_rows.tolist() == [2] and t.extra_tokens.tolist() == [30] and t.extra_answers.tolist() == [1]
+    # an answer whose first token carries no label: the prompt's last row predicts the next answer's
+    labels = [-100, -100, -100, -100, 21, 30, 31, 32]
+    t = sample_targets(ids, labels, SampleMask.shared_prompt(3, [2, 3]))
+    assert t.shifted[2] == 30 and t.answers[2] == 1 and t.extra_answers.tolist() == []
+    # a causal sample is one answer: every valid target is answer 0
+    t = sample_targets([1, 2, 3], [-100, 2, 3])
+    assert t.answers.tolist() == [0, 0, -1]
