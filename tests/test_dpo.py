@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("trl")  # the optional `trl` extra
 
 from helpers.dpo_runs import hf_cp_run, preference_rows, trl_run  # noqa: E402
-from helpers.harness.job import free_port, run_launcher  # noqa: E402
+from helpers.harness.job import free_port, run_distributed, run_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
@@ -209,25 +209,6 @@ def test_active_dropout_is_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- worlds 2 and 4 against world 1
-def _launch(spec: dict, nproc: int, tmp_path: Path):
-    import os
-
-    spec_file = tmp_path / f"spec{nproc}.json"
-    spec_file.write_text(json.dumps(spec))
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
-    cmd += [str(free_port()), "-m", "helpers.dpo_runs", str(spec_file)]
-    p = run_launcher(cmd, env, 900)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-
-
 # name -> (the world-1 run it must equal, its settings): every way a pair can be placed, the
 # long pair over a CP group: auto's choice, blocks (magi), ring zigzag (static), Ulysses (usp)
 WORLD_RUNS = {
@@ -245,7 +226,7 @@ def _check_world(tmp_path: Path, world: int, cap: int):
         settings = dict(settings, cp_max_tokens_per_rank=cap)
         ref = settings.pop("ref", True)
         runs.append(dict(out=str(tmp_path / f"w{world}_{name}"), ref=ref, settings=settings))
-    _launch(dict(rows=rows, steps=STEPS, runs=runs), world, tmp_path)
+    run_distributed(dict(rows=rows, steps=STEPS, runs=runs), world, timeout=900, module="helpers.dpo_runs")
     one = {
         "ref": hf_cp_run(rows, str(tmp_path / "w1_ref"), STEPS),
         "pre": hf_cp_run(rows, str(tmp_path / "w1_pre"), STEPS, ref=False, precompute_ref_log_probs=True),

@@ -25,10 +25,8 @@ the first update). The final model and tokenizer are saved to --output_dir.
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import List, Optional
 
 from hf_cp.data.toy_preferences import toy_preference_rows
@@ -59,23 +57,15 @@ class ScriptArguments:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import torch
     from transformers import AutoModelForCausalLM, HfArgumentParser
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
     from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer  # trl
-    from hf_cp.train.launch import shutdown_distributed  # torch
-    from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
+    from hf_cp.train.launch import shutdown_distributed, start_cpu_processes  # torch
 
     script, args = HfArgumentParser((ScriptArguments, CPDPOConfig)).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # CPU: gloo for every collective, created before the Trainer's Accelerator
-        from accelerate import PartialState
-
-        if args.deepspeed:
-            skip_deepspeed_shm_build()
-        PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    start_cpu_processes(bool(args.deepspeed), args.ddp_timeout)  # CPU: gloo, before the Trainer's Accelerator
     model, tokenizer = load_model_and_tokenizer(script.model_path, script.tokenizer_path, script.attn_implementation)
     if script.ref_model_path:
         ref_model = AutoModelForCausalLM.from_pretrained(

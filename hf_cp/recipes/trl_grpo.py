@@ -22,10 +22,8 @@ the last quarter of the steps; the final model and tokenizer are saved to --outp
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import List, Optional
 
 
@@ -77,24 +75,16 @@ def share_of(char: str):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import torch
     from transformers import HfArgumentParser, TrainerCallback
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
     from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
     from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer  # trl
-    from hf_cp.train.launch import shutdown_distributed  # torch
-    from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
+    from hf_cp.train.launch import shutdown_distributed, start_cpu_processes  # torch
 
     script, args = HfArgumentParser((ScriptArguments, CPGRPOConfig)).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # CPU: gloo for every collective, created before the Trainer's Accelerator
-        from accelerate import PartialState
-
-        if args.deepspeed:
-            skip_deepspeed_shm_build()
-        PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    start_cpu_processes(bool(args.deepspeed), args.ddp_timeout)  # CPU: gloo, before the Trainer's Accelerator
     model, tokenizer = load_model_and_tokenizer(script.model_path, script.tokenizer_path, script.attn_implementation)
     if script.dataset_path:
         dataset = load_input(script.dataset_path, split=script.dataset_split)

@@ -21,10 +21,8 @@ to --output_dir.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import List, Optional
 
 
@@ -42,23 +40,15 @@ class ScriptArguments:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
-    from hf_cp.train.launch import shutdown_distributed  # torch
+    from hf_cp.train.launch import shutdown_distributed, start_cpu_processes  # torch
     from hf_cp.train.sft import CPSFTConfig, CPSFTTrainer  # trl
-    from hf_cp.train.trainer import skip_deepspeed_shm_build  # deepspeed
 
     script, args = HfArgumentParser((ScriptArguments, CPSFTConfig)).parse_args_into_dataclasses(argv)
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # CPU: gloo for every collective, created before the Trainer's Accelerator
-        from accelerate import PartialState
-
-        if args.deepspeed:
-            skip_deepspeed_shm_build()
-        PartialState(backend="gloo", timeout=timedelta(seconds=args.ddp_timeout))
+    start_cpu_processes(bool(args.deepspeed), args.ddp_timeout)  # CPU: gloo, before the Trainer's Accelerator
     model = AutoModelForCausalLM.from_pretrained(script.model_path, attn_implementation=script.attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_path or script.model_path)
     dataset = load_input(script.dataset_path, split=script.dataset_split)

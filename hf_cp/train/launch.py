@@ -36,24 +36,31 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
+def start_cpu_processes(deepspeed: bool, ddp_timeout_s: float) -> None:
+    """On a machine without CUDA: gloo for every collective (DeepSpeed's CPU default is not
+    available here), set before the Trainer's Accelerator exists, the world group with the run's
+    collective timeout (ddp_timeout, as on GPU); DeepSpeed's shared-memory op is not built."""
     import torch
 
-    from hf_cp.train.trainer import CPTrainer, skip_deepspeed_shm_build  # torch, transformers, deepspeed
+    from hf_cp.train.trainer import skip_deepspeed_shm_build  # torch, transformers, deepspeed
+
+    if torch.cuda.is_available():
+        return
+    if deepspeed:
+        skip_deepspeed_shm_build()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import PartialState
+
+        PartialState(backend="gloo", timeout=timedelta(seconds=int(ddp_timeout_s)))
+
+
+def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
+    from hf_cp.train.trainer import CPTrainer  # torch, transformers, deepspeed
 
     cfg = load_config(config_path, overrides)
     src = cfg["_source"]
     tcfg = cfg.get("training") or {}
-    if not torch.cuda.is_available():
-        # CPU: gloo for every collective (DeepSpeed's CPU default is not available here),
-        # set before the Trainer's Accelerator exists
-        if tcfg.get("deepspeed"):
-            skip_deepspeed_shm_build()
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from accelerate import PartialState
-
-            # the world group gets the run's collective timeout too (ddp_timeout, as on GPU)
-            PartialState(backend="gloo", timeout=timedelta(seconds=int(tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))))
+    start_cpu_processes(bool(tcfg.get("deepspeed")), tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))
     t0 = time.perf_counter()
     args = training_arguments(tcfg, src)  # first: the cheap checks before the model loads
     tokenizer = load_run_tokenizer(cfg.get("model") or {}, src)
