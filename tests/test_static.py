@@ -143,3 +143,25 @@ def test_first_fit_newest_bin_shortcut_keeps_first_fit_order(weights, capacity):
     ]
     assert packer.bins == expect
     assert packer.loads == [sum(weights[i] for i in items) for items in expect]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_contiguous_shares_have_the_smallest_largest_share(seed):
+    """Against every way to cut a short list into at most `parts` contiguous runs."""
+    import itertools
+    import random
+
+    from hf_cp.balance.balancers.static import contiguous_shares
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 50) for _ in range(rng.randint(1, 9))]
+    parts = rng.randint(1, 4)
+    best = min(
+        max(sum(lengths[a:b]) for a, b in zip((0,) + cut, cut + (len(lengths),)))
+        for k in range(min(parts, len(lengths)))
+        for cut in itertools.combinations(range(1, len(lengths)), k)
+    )
+    runs = contiguous_shares(lengths, parts)
+    assert len(runs) <= parts and runs[0][0] == 0 and runs[-1][1] == len(lengths)
+    assert all(a < b and b == c for (a, b), (c, _) in zip(runs, runs[1:] + [(len(lengths), 0)]))
+    assert max(sum(lengths[a:b]) for a, b in runs) == best
