@@ -90,7 +90,9 @@ def assert_same_steps(losses, grads, logs, ref, what: str) -> str:
         for m in COMPARED_METRICS:
             if theirs.get(m) is not None:
                 assert mine.get(m) is not None, f"{what}: step {k + 1} does not log {m}"
-                assert abs(mine[m] - theirs[m]) <= 1e-5, f"{what}: step {k + 1} {m} {mine[m]} vs {theirs[m]}"
+                # fp32 noise: 1e-5 absolute, or relative for large values (kl reaches ~50)
+                tol = 1e-5 * max(1.0, abs(theirs[m]))
+                assert abs(mine[m] - theirs[m]) <= tol, f"{what}: step {k + 1} {m} {mine[m]} vs {theirs[m]}"
     dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
     return f"max relative gradient difference {rel:.2e}, max loss difference {dl:.1e}"
 
