@@ -179,6 +179,9 @@ def _trainer(tmp_path, rows=None, **kw):
         (dict(ld_alpha=0.5), "ld_alpha"),
         (dict(max_length=512), "max_length=512"),
         (dict(loss_type=["bco"]), "loss_type"),
+        (dict(activation_offloading=True), "activation_offloading=True"),
+        (dict(pad_to_multiple_of=8), "pad_to_multiple_of=8"),
+        (dict(precompute_ref_batch_size=4), "precompute_ref_batch_size=4"),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(tmp_path, setting, message):

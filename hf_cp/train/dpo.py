@@ -111,6 +111,22 @@ def pair_sample(example: dict, index: int) -> dict:
     }
 
 
+def refuse_padded_batch_settings(args) -> None:
+    """DPOConfig settings of TRL's padded batches and its own training step, which the planned
+    steps replace: refused by name when set, rather than silently ignored."""
+    if getattr(args, "activation_offloading", False):
+        raise ValueError(
+            "CPDPOTrainer: activation_offloading=True wraps DPOTrainer's training step, which hf_cp's planned step "
+            "replaces; bound activation memory with cp_max_tokens_per_rank instead"
+        )
+    for name in ("pad_to_multiple_of", "precompute_ref_batch_size"):
+        if getattr(args, name, None) is not None:
+            raise ValueError(
+                f"CPDPOTrainer: {name}={getattr(args, name)!r} shapes TRL's padded batches, which hf_cp does not build "
+                f"(every pair is one unpadded sample of a planned step); leave {name} unset"
+            )
+
+
 def _dropout_modules(model: torch.nn.Module) -> List[str]:
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
 
@@ -135,6 +151,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
+        refuse_padded_batch_settings(args)
         self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
