@@ -64,7 +64,7 @@ from hf_cp.samples.masks import SampleMask
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.dpo_loss import DPOSettings, dpo_loss, pair_slots
-from hf_cp.train.evaluation import evaluation_data, evaluation_rank_steps
+from hf_cp.train.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.loss import chunkable_head
 from hf_cp.train.step import WaveTotals, answer_sums
 from hf_cp.train.trainer import CPTrainer
@@ -217,15 +217,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             if saved.get("data_digest") != digest:
                 raise ValueError(f"CPDPOTrainer: {path} was computed for other training data; remove it to recompute")
             return {int(k): (float(v[0]), float(v[1])) for k, v in saved["pairs"].items()}
-        _, plans = evaluation_data(
-            self.train_dataset,
-            "train_dataset (reference log-probs)",
-            self.cp_setup.settings.step_tokens(self.cp_world),
-            self.cp_balancer or self.cp_setup.balancer(),
-            self.cp_cluster,
-            self.cp_cost,
-            self.args.seed,
-        )
+        plans = evaluation_plans(self.cp_data, "train_dataset (reference log-probs)", *self._cp_evaluation_settings())
         table: Dict[int, Tuple[float, float]] = {}
         was_training = self.model.training
         self.model.eval()
@@ -320,15 +312,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             )
         self._cp_setup()
         t0 = time.perf_counter()
-        data, plans = evaluation_data(
-            ds,
-            f"eval dataset {metric_key_prefix!r}",
-            self.cp_setup.settings.step_tokens(self.cp_world),
-            self.cp_balancer or self.cp_setup.balancer(),
-            self.cp_cluster,
-            self.cp_cost,
-            self.args.seed,
-        )
+        data, plans = evaluation_data(ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings())
         model = self.model
         if next(model.parameters()).device != self.args.device:
             model = model.to(self.args.device)

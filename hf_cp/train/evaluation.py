@@ -32,15 +32,22 @@ def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns,
 def evaluation_data(
     ds, name: str, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel, seed: int
 ) -> Tuple[TokenColumns, List[Tuple[StepPlan, int]]]:
-    """An eval dataset's token columns and its planned batches (plan_evaluation); `name` names
-    it in errors. A dataset without a single target token is an error."""
+    """An eval dataset's token columns and its planned batches (evaluation_plans); `name` names
+    it in errors."""
     data = read_token_columns(ds, name)
+    return data, evaluation_plans(data, name, tokens_per_step, balancer, cluster, cost, seed)
+
+
+def evaluation_plans(
+    data: TokenColumns, name: str, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel, seed: int
+) -> List[Tuple[StepPlan, int]]:
+    """Planned batches over every sample of `data` once (plan_evaluation). A dataset without a
+    single target token is an error."""
     if int(data.valid_counts.sum()) == 0:
         raise ValueError(f"CPTrainer.evaluate: {name} has no target tokens (every label is {IGNORE_INDEX})")
-    plans = plan_evaluation(
+    return plan_evaluation(
         data.lengths, data.valid_counts, tokens_per_step, balancer, cluster, cost, seed, name, masks=data.masks
     )
-    return data, plans
 
 
 def evaluation_totals(

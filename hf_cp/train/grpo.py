@@ -247,11 +247,7 @@ class CPGRPOTrainer(GRPOTrainer):
 
     def _cp_setup(self) -> None:
         """The group registry and the step executor: once, at the first step, on every rank."""
-        if self.cp_groups is None:
-            if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
-                raise RuntimeError(
-                    f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}"
-                )
+        if self.cp_groups is None:  # CPGroups checks torch.distributed's world against the cluster's
             self.cp_groups = CPGroups(self.cp_cluster, timeout=timedelta(seconds=self.args.ddp_timeout))
         if self.cp_executor is None:
             self.cp_executor = StepExecutor(

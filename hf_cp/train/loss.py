@@ -50,12 +50,7 @@ def chunked_lm_head_loss(
     (zero), as with the full logits. The extra targets are rows with more than one target (a
     shared prompt's last token predicts the first token of every answer: samples/targets.py).
     """
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
-        raise ValueError(
-            f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
-        )
+    _check_rows(hidden, targets, chunk_tokens)
     total = None
     for s in range(0, hidden.shape[0], chunk_tokens):
         part = checkpoint(
@@ -105,12 +100,7 @@ def chunked_lm_head_token_logps(
     """Per-token log p(target) in fp32 (0 where the target is ignored), `chunk_tokens` rows of
     logits at a time, recomputed in backward: ([T], [k] for the extra targets). The summed
     cross-entropy above is minus their sum; sequence-level losses (DPO, GRPO) need them apart."""
-    if chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
-        raise ValueError(
-            f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
-        )
+    _check_rows(hidden, targets, chunk_tokens)
     parts = [
         checkpoint(
             _chunk_token_logps,
@@ -171,6 +161,15 @@ def logits_loss(
     if rows.numel():
         total = total + F.cross_entropy(logits.index_select(0, rows), extra, reduction="sum")
     return total
+
+
+def _check_rows(hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> None:
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
+        raise ValueError(
+            f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
 
 
 def _checked_extras(

@@ -314,6 +314,18 @@ class CPTrainer(Trainer):
         return self.cp_calibration.profile_yaml(self.args.cp_profile, self.args.output_dir)
 
     # ------------------------------------------------------------------ evaluation
+    def _cp_evaluation_settings(self) -> tuple:
+        """(tokens per batch, balancer, cluster, cost model, seed) of planned evaluation passes:
+        the run's own (evaluation.evaluation_data / evaluation_plans)."""
+        balancer = self.cp_balancer or self.cp_setup.balancer()
+        return (
+            self.cp_setup.settings.step_tokens(self.cp_world),
+            balancer,
+            self.cp_cluster,
+            self.cp_cost,
+            self.args.seed,
+        )
+
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> Dict[str, float]:
         """Loss over the eval set (sum of token losses / valid targets), planned like training.
 
@@ -330,15 +342,7 @@ class CPTrainer(Trainer):
         self._cp_setup()
         cached = self._cp_eval_data.get(id(ds))
         if cached is None or cached[0] is not ds:
-            data, plans = evaluation_data(
-                ds,
-                f"eval dataset {metric_key_prefix!r}",
-                self.cp_setup.settings.step_tokens(self.cp_world),
-                self.cp_balancer or self.cp_setup.balancer(),
-                self.cp_cluster,
-                self.cp_cost,
-                self.args.seed,
-            )
+            data, plans = evaluation_data(ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings())
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
         _, data, plans = cached
