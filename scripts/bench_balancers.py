@@ -20,6 +20,9 @@ Quick look:
 The placement solvers of issue 16 on their own workloads (shared prompts, a sliding window, an
 outlier document; group layouts and whole steps; writes benchmarks/solvers.md; ~15 minutes):
     python scripts/bench_balancers.py --solvers
+CP groups of any size within a node (dynamic_cp and auto as planned, and again as NAME+any with
+option any_size_groups on a cluster that registers those groups; summary lines compare them):
+    python scripts/bench_balancers.py --worlds 64,512 --balancers dynamic_cp,auto --any-size-groups --no-partial --out -
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -47,6 +51,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 TARGET_CPU_MS = {64: 20.0, 512: 300.0}  # issue 14: auto's median planner CPU time per full step
 TARGET_SHARE_OF_STEP = {1024: 0.10}  # ... and at 1024 ranks, as a share of the predicted step
 TARGET_RATIO = 1.02  # auto / lower bound on full steps at 64 and 512 ranks
+ANY_SIZE_SUFFIX = "+any"  # --any-size-groups: the balancer with option any_size_groups on
 
 
 def parse_args(argv=None):
@@ -71,6 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--seed", type=int, default=0, help="epoch shuffle seed")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "balancers.md"), help="markdown output ('-' for none)")
+    p.add_argument(
+        "--any-size-groups",
+        action="store_true",
+        help="also plan with every listed balancer that has option any_size_groups (dynamic_cp, auto) with it on, "
+        "as NAME+any, on a cluster that registers contiguous groups of any size within a node",
+    )
     p.add_argument(
         "--solvers",
         action="store_true",
@@ -122,7 +133,7 @@ def main(argv=None) -> int:
 
         out = args.out if "--out" in (argv or sys.argv[1:]) else str(REPO / "benchmarks" / "solvers.md")
         return solver_workloads(args, out, argv)
-    from hf_cp.balance import PlanRequest, available_balancers, get_balancer
+    from hf_cp.balance import PlanRequest, available_balancers, balancer_options, get_balancer
     from hf_cp.cost.model import CostModel
     from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
     from hf_cp.plan.cluster import ClusterSpec
@@ -147,9 +158,16 @@ def main(argv=None) -> int:
     print(f"scenario: {scenario}")
     load_start = os.getloadavg()
     print(f"balancers: {', '.join(balancers)}")
+    insts = {b: get_balancer(b) for b in balancers}
+    if args.any_size_groups:
+        for b in list(balancers):
+            opts = balancer_options(b)
+            if opts is not None and "any_size_groups" in {h.name for h in opts.describe()}:
+                balancers.insert(balancers.index(b) + 1, f"{b}{ANY_SIZE_SUFFIX}")
+                insts[f"{b}{ANY_SIZE_SUFFIX}"] = get_balancer(b, any_size_groups=True)
+        print(f"balancers with groups of any size: {', '.join(b for b in balancers if b.endswith(ANY_SIZE_SUFFIX))}")
     # a CostModel per balancer: each one warms its own per-length caches, none profits from another's
     costs = {b: CostModel.load(args.model, args.profile) for b in balancers}
-    insts = {b: get_balancer(b) for b in balancers}
     ref_cost = CostModel.load(args.model, args.profile)
     # A planner call should pay only for the collections its own allocations cause. Building
     # `megatron` imports torch and megatron-core: ~380k GC-tracked objects that live as long as
@@ -226,6 +244,9 @@ def bench_steps(
 ):  # fmt: skip
     per: Dict[str, Dict[str, list]] = defaultdict(lambda: defaultdict(list))
     n_samples = []
+    # a balancer planning groups of any size needs a cluster that registers them (the same
+    # ranks, cap and aligned blocks: the bounds are those of `cluster`)
+    any_size = replace(cluster, any_size_groups=True)
     for step, ids in sorted(steps.items()):
         lens = [lengths[i % n] for i in ids]
         n_samples.append(len(ids))
@@ -234,13 +255,14 @@ def bench_steps(
         for b in balancers:
             if b == "megatron" and world > args.megatron_max_world:
                 continue
-            req = PlanRequest(ids, lens, cluster, costs[b], seed=args.seed, step=step, dataset_max_length=longest)
+            cl = any_size if getattr(insts[b], "needs_any_size_groups", False) else cluster
+            req = PlanRequest(ids, lens, cl, costs[b], seed=args.seed, step=step, dataset_max_length=longest)
             gc.collect()
             c0 = cpu_s()
             plan = insts[b].plan(req)
             cpu_ms = (cpu_s() - c0) * 1e3
             c1 = time.process_time()
-            plan.validate(cluster, ref_cost)
+            plan.validate(cl, ref_cost)
             check_ms = (time.process_time() - c1) * 1e3
             sim = simulate(plan, ref_cost)
             d = per[b]
@@ -252,7 +274,9 @@ def bench_steps(
             d["cpu_ms"].append(cpu_ms)
             d["check_ms"].append(check_ms)
             d["far"].append(sim.makespan_ms >= 1.5 * charged)
-            if b == "auto":
+            # a size with more than one bit set is not a power of two
+            d["off_power_of_two"].append(any(g.size & (g.size - 1) for w in plan.waves for g in w.groups))
+            if getattr(insts[b], "name", b) == "auto":  # auto and auto+any record their winners
                 d["winner"].append(plan.balancer.split(":", 1)[-1])
                 d["planned"].append(len(insts[b].last_makespans))
     rows = []
@@ -282,6 +306,7 @@ def bench_steps(
             "check_ms": statistics.median(d["check_ms"]),
             "winners": ",".join(sorted(set(d["winner"]))) if d["winner"] else "",
             "planned": statistics.mean(d["planned"]) if d["planned"] else None,
+            "off_power_of_two": sum(d["off_power_of_two"]),
         }
         rows.append(row)
         print(
@@ -344,6 +369,7 @@ def acceptance(rows) -> List[str]:
                 + ", ".join(f"{r['vs_megatron']:.2f}" for r in mega)
                 + f"); vs `static`: {statistics.mean(r['vs_static'] for r in auto):.2f}x"
             )
+    out.extend(any_size_summary(full))
     flagged = [r for r in full if r["far"]]
     if flagged:
         out.append(
@@ -355,6 +381,28 @@ def acceptance(rows) -> List[str]:
         "- plans below the charged bound (which does not cover zigzag packs): "
         + (", ".join(f"{r['balancer']}@{r['world']}/{r['trace']} {r['ratio_charged']:.3f}" for r in under) or "none")
     )
+    return out
+
+
+def any_size_summary(full_rows) -> List[str]:
+    """--any-size-groups: per world, NAME+any against NAME on every trace (predicted step time
+    summed over the steps, its ratio to the lower bound and the steps whose plan used a group
+    that is not a power of two)."""
+    out = []
+    by_key = {(r["world"], r["trace"], r["balancer"]): r for r in full_rows}
+    for r in full_rows:
+        if not r["balancer"].endswith(ANY_SIZE_SUFFIX):
+            continue
+        base = by_key.get((r["world"], r["trace"], r["balancer"][: -len(ANY_SIZE_SUFFIX)]))
+        if base is None:
+            continue
+        out.append(
+            f"- world {r['world']}, {r['trace']}, `{r['balancer']}` vs `{base['balancer']}`: predicted step "
+            f"{r['pred_ms']:.1f} vs {base['pred_ms']:.1f} ms ({base['pred_ms'] / r['pred_ms']:.4f}x), "
+            f"pred/LB {r['ratio']:.4f} vs {base['ratio']:.4f}, pred/charged {r['ratio_charged']:.4f} vs "
+            f"{base['ratio_charged']:.4f}; steps with a group that is not a power of two: "
+            f"{r['off_power_of_two']} of {r['steps']}; plan CPU {r['cpu_ms']:.1f} vs {base['cpu_ms']:.1f} ms"
+        )
     return out
 
 

@@ -86,6 +86,7 @@ def test_every_built_in_balancer_lists_its_options_with_help():
         "simulate_within",
         "simulate_samples_per_rank",
         "refine_candidates",
+        "any_size_groups",
     }
     assert describe_options("static") == []
     # options round-trip through plain data

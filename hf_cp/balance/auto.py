@@ -33,7 +33,13 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from hf_cp.balance.base import Balancer, PlanRequest, SampleTooLongError, UnsupportedMaskError, warm_up_balancer
 from hf_cp.balance.options import BalancerOptionError, BalancerOptions, option
-from hf_cp.balance.registry import auto_member_balancers, balancers_handling_masks, get_balancer, register_balancer
+from hf_cp.balance.registry import (
+    auto_member_balancers,
+    balancers_handling_masks,
+    describe_options,
+    get_balancer,
+    register_balancer,
+)
 from hf_cp.balance.toolkit.bounds import BoundCache
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.balance.toolkit.sample_limit import sample_token_limit, trains_length
@@ -82,6 +88,11 @@ class AutoOptions(BalancerOptions):
         "plan no further member once the best plan is within this fraction of the step's lower bound "
         "(0: plan every member a bound cannot rule out)",
     )
+    any_size_groups: bool = option(
+        False,
+        "turn on option any_size_groups of every member that has it (dynamic_cp: CP groups of any size within "
+        "a node); a member's own setting in member_options wins; needs ClusterSpec(any_size_groups=True)",
+    )
 
     def check(self) -> None:
         names = list(default_members() if self.members is None else self.members)
@@ -111,11 +122,21 @@ class AutoBalancer:
         self.options = o = AutoOptions.from_dict(options)
         names = list(default_members() if o.members is None else o.members)
         self.members: List[Tuple[str, Balancer]] = []
+        taking_any_size = [n for n in names if "any_size_groups" in {h.name for h in describe_options(n)}]
+        if o.any_size_groups and not taking_any_size:
+            raise BalancerOptionError(
+                f"auto: any_size_groups is an option of none of its members {names}; add dynamic_cp to the members"
+            )
         for n in names:
+            kwargs = dict(o.member_options.get(n, {}))
+            if o.any_size_groups and n in taking_any_size:
+                kwargs.setdefault("any_size_groups", True)
             try:
-                self.members.append((n, get_balancer(n, **o.member_options.get(n, {}))))
+                self.members.append((n, get_balancer(n, **kwargs)))
             except BalancerOptionError as e:
                 raise BalancerOptionError(f"auto: member_options.{n}: {e}") from None
+        # a member planning groups of any size needs a cluster that registers them (dynamic_cp.py)
+        self.needs_any_size_groups = any(getattr(b, "needs_any_size_groups", False) for _, b in self.members)
         # a member whose plans depend on timing (a solver's time limit) makes auto's depend on it too
         self.timing_dependent = any(getattr(b, "timing_dependent", False) for _, b in self.members)
         self.last_makespans: Dict[str, float] = {}  # member -> predicted ms, for those planned on the last step

@@ -3,6 +3,12 @@
 `dist.new_group` is itself a collective over the whole world, so every rank builds every
 group of `cluster.all_groups()` in the same order, whether or not it is a member. At run time
 the trainer only looks groups up.
+
+A cluster with `any_size_groups` registers every contiguous run of ranks inside a node as well
+(ClusterSpec.all_groups: the aligned blocks first, then the other runs), so groups of 3, 5, 6
+or 7 ranks are looked up here like the others. That is 28 groups per node of 8 instead of 7
+(plus the blocks larger than a node), which is why the registry holds them only when a
+planner asks for them.
 """
 
 from __future__ import annotations

@@ -19,21 +19,49 @@ Execution order makes groups never wait for each other: every rank runs its dist
 micro-batches from the largest group size to the smallest, then its local ones. Aligned
 blocks nest, so the members of a block of size g have done exactly the same larger-group
 work before it and reach it at the same moment.
+
+Option `any_size_groups` (FCP, arXiv 2602.21788; Megatron PR #7097): the CP sizes also come
+from every size up to a node (a sample that needs 2.5 ranks' memory gets 3, not 4; the
+workload pass steps one size at a time up to a node, then doubles), placed on the
+contiguous runs of ranks inside a node that the cluster registers
+(ClusterSpec.any_size_groups). Such runs do not nest, so the aligned schedule's no-wait
+argument does not hold; instead the distributed samples are list-scheduled, largest groups
+first (heaviest per rank first within a size), onto the run of their size that finishes
+them first (a run starts when its busiest member is free; the least idle run on ties), and
+every rank runs them in that order, then its local samples: the estimate counts the waits
+as the simulator's timing rule does. These candidates are added to the aligned ones (the
+same thetas; the aligned ones and their refinement unchanged), and the kept plan is picked
+among all of them as above, the aligned one on ties. Plans shard every distributed sample
+with a ring mode (per document, or zigzag for a pack), which runs on any group size;
+Ulysses, which needs the heads to divide by the group size, is never chosen here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, List, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.options import BalancerOptionError, BalancerOptions, option
 from hf_cp.balance.registry import register_balancer
-from hf_cp.balance.toolkit.costs import cost_memo
-from hf_cp.balance.toolkit.cp_candidates import Candidate, balance_sizes, memory_min_sizes, pick_fastest, refine_best
-from hf_cp.plan.step_plan import StepPlan
+from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
+from hf_cp.balance.toolkit.cp_candidates import (
+    Candidate,
+    balance_sizes,
+    fill_ranks,
+    local_micro_batches,
+    memory_min_sizes,
+    per_rank_ms,
+    pick_fastest,
+    refine_best,
+)
+from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.waves import WaveBuilder
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
+from hf_cp.plan.step_plan import Group, StepPlan
 
 DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125)
 
@@ -56,6 +84,12 @@ class DynamicCPOptions(BalancerOptions):
         1,
         "candidates (lowest estimates first) whose local samples are evened out by moves and swaps afterwards "
         "(a second one gains ~0.2% on coarse steps such as long documents at 64 ranks, for ~60% more time)",
+    )
+    any_size_groups: bool = option(
+        False,
+        "also try CP groups of any size up to a node (3, 5, 6, 7 ranks...), contiguous at any offset inside "
+        "a node, and keep them where they predict faster; needs a cluster that registers them "
+        "(ClusterSpec(any_size_groups=True)); off: aligned power-of-two blocks only",
     )
 
     def check(self) -> None:
@@ -83,24 +117,59 @@ class DynamicCPBalancer:
         self.simulate_within = o.simulate_within
         self.simulate_samples_per_rank = o.simulate_samples_per_rank
         self.refine_candidates = o.refine_candidates
+        # the cluster this balancer plans for must register groups of any size (the trainer
+        # builds a process group for each registered group, ClusterSpec.any_size_groups)
+        self.needs_any_size_groups = o.any_size_groups
 
     def plan(self, req: PlanRequest) -> StepPlan:
         memo = cost_memo(req.cost)
         cl = req.cluster
+        if self.needs_any_size_groups and not cl.any_size_groups:
+            raise BalancerOptionError(
+                f"dynamic_cp: option any_size_groups plans groups of any size within a node, but this cluster "
+                f"registers {cl.describe_registry()} only: build it with ClusterSpec(..., any_size_groups=True) "
+                f"so that every rank creates those groups, or turn the option off"
+            )
+        # aligned blocks tile a power-of-two world only; a world of one node of another size
+        # (ClusterSpec admits it with any_size_groups) is planned on runs of any size alone
+        aligned = is_power_of_two(cl.world_size)
+        if not aligned and not self.needs_any_size_groups:
+            raise BalancerOptionError(
+                f"dynamic_cp: a world of {cl.world_size} ranks is not a power of two, so it has no aligned blocks "
+                f"to plan on; of the built-in balancers only dynamic_cp with option any_size_groups plans it"
+            )
         lengths = np.asarray(req.lengths, dtype=np.int64)
         local_ms = memo.step_local_ms(req.lengths)
-        min_sizes = memory_min_sizes(memo, lengths, req)
         quota = float(local_ms.sum()) / cl.world_size
-        seen = set()
         candidates: List[Candidate] = []
-        for theta in self.thetas:
-            sizes = balance_sizes(memo, lengths, min_sizes, local_ms, cl.group_sizes[-1], quota, theta)
-            key = sizes.tobytes()
-            if key in seen:
-                continue
-            seen.add(key)
-            candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
+        if aligned:
+            min_sizes = memory_min_sizes(memo, lengths, req)
+            seen = set()
+            for theta in self.thetas:
+                sizes = balance_sizes(memo, lengths, min_sizes, local_ms, cl.group_sizes[-1], quota, theta)
+                key = sizes.tobytes()
+                if key in seen:
+                    continue
+                seen.add(key)
+                candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
         refine_best(req, memo, candidates, lengths, local_ms, self.refine_candidates)
+        if self.needs_any_size_groups:
+            # refined apart, so that the aligned candidates (and their refinement) are exactly
+            # those of the option off; listed after them: on equal estimates the aligned plan
+            # is kept. Sizes that are all aligned ones are the aligned candidates' business
+            # (they never wait): a copy here would only crowd pick_fastest's simulated places
+            min_any = memory_min_sizes_any(memo, lengths, req)
+            seen_any = set()
+            any_size: List[Candidate] = []
+            for theta in self.thetas:
+                sizes = balance_sizes_on(cl.all_group_sizes, memo, lengths, min_any, local_ms, quota, theta)
+                key = sizes.tobytes()
+                if key in seen_any or (aligned and np.isin(sizes, cl.group_sizes).all()):
+                    continue
+                seen_any.add(key)
+                any_size.append(AnySizeCandidate(req, memo, lengths, local_ms, sizes))
+            refine_best(req, memo, any_size, lengths, local_ms, self.refine_candidates)
+            candidates += any_size
         plan, self.last_predicted_ms = pick_fastest(
             req,
             memo,
@@ -109,4 +178,146 @@ class DynamicCPBalancer:
             self.simulate_within,
             simulate_up_to_samples=int(self.simulate_samples_per_rank * cl.world_size),
         )
+        return plan
+
+
+# ----------------------------------------------------------------------------- groups of any size
+def memory_min_sizes_any(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> np.ndarray:
+    """Smallest registered size (ClusterSpec.all_group_sizes) per sample whose per-document
+    shards fit the cap (cp_candidates.memory_min_sizes over every size, not the aligned ones)."""
+    cl = req.cluster
+    cap = cl.max_tokens_per_rank
+    sizes = np.ones(len(lengths), dtype=np.int64)
+    for i in np.nonzero(lengths > cap)[0].tolist():
+        n = int(lengths[i])
+        g = next((s for s in cl.all_group_sizes if s * cap >= n and max(memo.per_doc_member_tokens(n, s)) <= cap), None)
+        if g is None:  # PlanRequest rejects these; kept as a guard against a changed registry
+            raise ValueError(
+                f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.all_group_sizes} with cap {cap}"
+            )
+        sizes[i] = g
+    return sizes
+
+
+def balance_sizes_on(
+    ladder: Sequence[int],
+    memo: CostMemo,
+    lengths: np.ndarray,
+    min_sizes: np.ndarray,
+    local_ms: np.ndarray,
+    quota_ms: float,
+    theta: Optional[float],
+) -> np.ndarray:
+    """Workload pass over the sizes of `ladder` (ascending): a sample over theta x quota
+    moves to the next size while that makes it faster (cp_candidates.balance_sizes, whose
+    ladder is the powers of two)."""
+    sizes = min_sizes.copy()
+    if theta is None:
+        return sizes
+    limit = theta * quota_ms
+    step_up = {a: b for a, b in zip(ladder, ladder[1:])}
+    for i in np.nonzero((local_ms > limit) | (min_sizes > 1))[0].tolist():
+        n, g = int(lengths[i]), int(sizes[i])
+        t = per_rank_ms(memo, n, g)
+        while t > limit and g in step_up:
+            g2 = step_up[g]
+            t2 = per_rank_ms(memo, n, g2)
+            if t2 >= t:
+                break
+            g, t = g2, t2
+        sizes[i] = g
+    return sizes
+
+
+class GroupChooser:
+    """The registered groups of each size, as first ranks, and which of them finishes a
+    sample first given every rank's free time."""
+
+    def __init__(self, cluster: ClusterSpec):
+        self.cluster = cluster
+        self._starts: Dict[int, np.ndarray] = {}
+
+    def starts(self, size: int) -> np.ndarray:
+        v = self._starts.get(size)
+        if v is None:
+            v = self._starts[size] = np.asarray([r[0] for r in self.cluster.groups_of_size(size)], dtype=np.int64)
+        return v
+
+    def best(self, free: np.ndarray, size: int) -> int:
+        """First rank of the group of `size` whose busiest member is free first (it finishes
+        the sample first); on ties the one whose members idle least waiting for each other,
+        then the lowest."""
+        starts = self.starts(size)
+        if self.cluster.is_node_run_size(size):
+            windows = np.lib.stride_tricks.sliding_window_view(free, size)[starts]
+        else:  # aligned blocks: consecutive and disjoint
+            windows = free[: len(starts) * size].reshape(len(starts), size)
+        busiest = windows.max(axis=1)
+        idle = busiest * size - windows.sum(axis=1)
+        return int(starts[np.lexsort((starts, idle, busiest))[0]])
+
+
+class AnySizeCandidate(Candidate):
+    """A Candidate whose distributed samples run on registered groups of any size.
+
+    The samples are list-scheduled, largest groups first and heaviest per rank first within a
+    size, each onto the group of its size that finishes it first (GroupChooser.best); a group starts when its busiest member is
+    free, so `loads` hold when every rank is done with its distributed samples, waits
+    included. Every rank runs its groups in that order, then its local samples (filled and
+    refined as in Candidate)."""
+
+    def __init__(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray, sizes: np.ndarray):
+        free = np.zeros(req.cluster.world_size, dtype=np.float64)
+        chooser = GroupChooser(req.cluster)
+        dist = np.nonzero(sizes > 1)[0]
+        times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
+        self.scheduled: List[Tuple[int, int, int]] = []  # (sample index, first rank, size), in run order
+        # largest groups first (they need the most ranks free at once), heaviest per rank first
+        # within a size; ties keep the sample order
+        for k in np.lexsort((np.arange(len(dist)), -times, -sizes[dist])).tolist():
+            i, g = int(dist[k]), int(sizes[dist[k]])
+            first = chooser.best(free, g)
+            free[first : first + g] = free[first : first + g].max() + times[k]
+            self.scheduled.append((i, first, g))
+        self.local_idx = np.flatnonzero(sizes == 1)
+        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], free)
+        self.refined = False
+        self.estimate(req, memo, lengths)
+
+    def plan(self, req: PlanRequest, memo: CostMemo, name: str) -> StepPlan:
+        """Groups in scheduling order; a sample joins the micro-batch of the group before it on
+        the same ranks when nothing ran on them in between and its shards fit the cap (one
+        micro-batch overhead less), the pack then sharded by the faster ring mode."""
+        cap = req.cluster.max_tokens_per_rank
+        ids, lens = req.sample_ids, req.lengths
+        packs: List[Tuple[Tuple[int, ...], List[int]]] = []  # (ranks, sample indices) in run order
+        held: List[int] = []  # per pack: tokens its busiest member holds
+        latest: Dict[int, int] = {}  # rank -> index of its latest pack
+        for i, first, g in self.scheduled:
+            ranks = tuple(range(first, first + g))
+            need = max(memo.per_doc_member_tokens(lens[i], g))
+            k = latest.get(first)
+            if (
+                k is not None
+                and packs[k][0] == ranks
+                and all(latest.get(r) == k for r in ranks)
+                and held[k] + need <= cap
+            ):
+                packs[k][1].append(i)
+                held[k] += need
+                continue
+            latest.update(dict.fromkeys(ranks, len(packs)))
+            packs.append((ranks, [i]))
+            held.append(need)
+        waves = WaveBuilder(req.cluster.world_size)
+        for ranks, pack in packs:
+            doc_lens = [lens[i] for i in pack]
+            mode = pick_ring_mode(req.cost, doc_lens, ranks, cap) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
+        id_arr = np.asarray(ids, dtype=np.int64)
+        len_arr = np.asarray(lens, dtype=np.int64)
+        for r, piece in local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap):
+            waves.add(Group(ranks=(r,), local={r: id_arr[self.local_idx[piece]].tolist()}))
+        plan = req.empty_plan(name)
+        plan.waves = waves.build()
         return plan
