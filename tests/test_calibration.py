@@ -337,7 +337,9 @@ def test_zero2_charges_a_reduction_per_chunk_backward_and_the_padding_micro_batc
 def test_execution_of_a_run():
     assert execution_for_run(None) == "ddp"
     assert execution_for_run({"zero_optimization": {"stage": 2}}) == "zero2"
-    assert execution_for_run({"zero_optimization": {"stage": 3, "overlap_comm": True}}) == "zero2-overlap"
+    assert execution_for_run({"zero_optimization": {"stage": 2, "overlap_comm": True}}) == "zero2-overlap"
+    assert execution_for_run({"zero_optimization": {"stage": 3, "overlap_comm": True}}) == "zero3"
+    assert execution_for_run(None, fsdp_version=2) == "fsdp2"
     assert execution_for_run({"zero_optimization": {"stage": 1}}) == "ddp"
     assert execution_named("compute") is None
     with pytest.raises(ValueError, match="unknown execution 'zero9'; one of: compute"):

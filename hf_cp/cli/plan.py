@@ -25,7 +25,7 @@ from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import PlanError, StepPlan
-from hf_cp.planning.setup import PlanningSettings, load_profile, planning_setup
+from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.samples.plan_inputs import read_plan_inputs
 
@@ -110,8 +110,16 @@ def add_parser(sub) -> None:
         choices=["compute", *EXECUTIONS],
         help="price plans by the plan's compute alone (compute), or by the step's wall time under this "
         "execution: zero2 (every wave ends in a gradient reduction over all ranks, as DeepSpeed ZeRO-2 "
-        "runs it; zero2-overlap with overlap_comm), ddp (one reduction per step); adds dummy micro-batches, "
+        "runs it; zero2-overlap with overlap_comm), zero3 and fsdp2 (parameters sharded too: every forward "
+        "all-gathers them, every backward all-gathers them again and reduce-scatters the gradients, "
+        "overlapped with compute), ddp (one reduction per step); adds dummy micro-batches (passes), "
         "reductions and the profile's reduction_overhead_ms / step_overhead_ms (the lower bound stays compute)",
+    )
+    p.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="memory of one device in GB, for the largest model each engine (ZeRO-2, ZeRO-3, FSDP2) fits at the "
+        "cap (default: the profile's device_memory_gb)",
     )
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the profile's)")
     p.add_argument("--max-group-size", type=int, help="largest CP group a plan may use (default: the world)")
@@ -338,6 +346,18 @@ def print_pipeline(plans: List[StepPlan], cost: CostModel, cluster: ClusterSpec,
         )
 
 
+def print_memory(cost: CostModel, cluster: ClusterSpec, device_memory_gb: Optional[float]) -> None:
+    """One rank's peak memory at the cap under ZeRO-2, ZeRO-3 and FSDP2 for the model, and the
+    largest model each fits in the device's memory (planning.setup.engine_memory). hf-cp plan
+    knows no run's precision: half precision when the profile's elements are 2 bytes."""
+    device = cost.profile.device_memory_gb if device_memory_gb is None else device_memory_gb
+    half = cost.profile.bytes_per_element == 2
+    world, cap = cluster.world_size, cluster.max_tokens_per_rank
+    rows = engine_memory(cost.dims, cost.profile, world, cap, half, device_memory_gb=device)
+    for line in engine_memory_lines(rows, world, cap, half, device):
+        print(line)
+
+
 def balancer_options(items: List[str]) -> dict:
     """--balancer-opt KEY=VALUE items -> options (values read as YAML; dotted keys nest:
     member_options.wlb.fill=0.8)."""
@@ -444,6 +464,7 @@ def run(args) -> int:
         rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms, ring))
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
+    print_memory(cost, cluster, args.device_memory_gb)
     if args.pipeline_stages:
         print_pipeline(plans, cost, cluster, args.pipeline_stages, settings_from_args(args) if args.lengths else None)
     if args.json:

@@ -60,11 +60,15 @@ class ModelDims:
         return attn + mlp
 
     @property
+    def embedding_parameters(self) -> int:
+        """The embedding and the LM head (one matrix when tied): what FSDP2's root group holds."""
+        return self.vocab_size * self.hidden * (1 if self.tie_word_embeddings else 2)
+
+    @property
     def parameters(self) -> int:
         """Trained parameters, to the precision the gradient reduction needs: the decoder layers'
         matrices and the embedding (and the LM head unless tied); norms are negligible."""
-        embed = self.vocab_size * self.hidden
-        return self.num_layers * self.linear_params_per_layer + embed * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.linear_params_per_layer + self.embedding_parameters
 
     @property
     def linear_flops_per_token(self) -> float:
@@ -200,6 +204,9 @@ class HardwareProfile:
     # attention. Measured on 2 CPU ranks (gloo, tiny Llama): 2.9 ms, 17 ms per ring micro-batch.
     cp_message_ms: float = 0.0
     device: str = ""  # the device type it was measured on ("cuda", "cpu"; "" unknown)
+    # memory of one device in GB (1e9 bytes; 0 unknown): what `hf-cp plan` and the dry run fit the
+    # largest model into under each engine
+    device_memory_gb: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
@@ -299,13 +306,21 @@ class HardwareProfile:
             cp_attention_scale=need("cp_attention_scale") if "cp_attention_scale" in d else 1.0,
             cp_message_ms=need("cp_message_ms") if "cp_message_ms" in d else 0.0,
             device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
+            device_memory_gb=need("device_memory_gb") if "device_memory_gb" in d else 0.0,
         )
         if not 0 < prof.forward_share < 1:
             raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
         for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token", "cp_attention_scale"):
             if getattr(prof, k) <= 0:
                 raise ConfigError(f"{source}: {k} must be positive, got {getattr(prof, k)}")
-        for k in ("c0_ms", "static_bytes", "reduction_overhead_ms", "step_overhead_ms", "cp_message_ms"):
+        for k in (
+            "c0_ms",
+            "static_bytes",
+            "reduction_overhead_ms",
+            "step_overhead_ms",
+            "cp_message_ms",
+            "device_memory_gb",
+        ):
             if getattr(prof, k) < 0:
                 raise ConfigError(f"{source}: {k} must not be negative, got {getattr(prof, k)}")
         for k in ("gpus_per_node", "bytes_per_element"):
@@ -565,21 +580,52 @@ class CostModel:
         """The zero-weight one-token micro-batch a rank without work runs in a wave."""
         return self.local_ms([1]) + self.micro_batch_overhead_ms()
 
+    def ring_collective_ms(
+        self, nbytes: float, world_size: int, all_reduce: bool = False, collectives: int = 1
+    ) -> float:
+        """World-wide ring collectives over `world_size` ranks moving `nbytes` (the unsharded
+        size) in all: an all-gather or a reduce-scatter moves (W-1)/W of the bytes per rank over
+        the slowest link the ring crosses, an all-reduce twice that; each of the `collectives`
+        calls pays a latency per ring step (W-1, twice for an all-reduce)."""
+        if world_size <= 1:
+            return 0.0
+        link = self.link_for(range(world_size))
+        rounds = 2 if all_reduce else 1
+        share = (world_size - 1) / world_size * rounds
+        steps = (world_size - 1) * rounds * collectives
+        return share * nbytes / (link.bandwidth_gbps * 1e6) + steps * link.latency_us * 1e-3
+
     def gradient_reduction_ms(self, world_size: int, hidden_behind_ms: float = 0.0) -> float:
         """One data-parallel gradient reduction over `world_size` ranks, as the wall clock sees
-        it: the gradients' bytes over the slowest link a ring crosses (a reduce-scatter moves
-        (W-1)/W of them per rank, an all-reduce twice that) plus a latency per ring step, less
-        what ran during `hidden_behind_ms` of backward when the reduction overlaps it, plus the
-        profile's fixed cost per reduction."""
+        it: the gradients' bytes in one ring collective (ring_collective_ms: a reduce-scatter,
+        an all-reduce under DDP), less what ran during `hidden_behind_ms` of backward when the
+        reduction overlaps it, plus the profile's fixed cost per reduction."""
         ex = self.execution
         fixed = self.profile.reduction_overhead_ms
         if world_size <= 1:
             return fixed
-        link = self.link_for(range(world_size))
-        share = (world_size - 1) / world_size * (2 if ex is not None and ex.all_reduce else 1)
-        steps = (world_size - 1) * (2 if ex is not None and ex.all_reduce else 1)
         grad_bytes = self.dims.parameters * self.profile.bytes_per_element
-        ms = share * grad_bytes / (link.bandwidth_gbps * 1e6) + steps * link.latency_us * 1e-3
+        ms = self.ring_collective_ms(grad_bytes, world_size, all_reduce=ex is not None and ex.all_reduce)
         if ex is not None and ex.overlaps_backward:
             ms = max(0.0, ms - hidden_behind_ms)
         return ms + fixed
+
+    def parameter_pass_comm_ms(self, world_size: int, backward: bool) -> float:
+        """The parameter communication of one pass under a parameter-sharding execution (FSDP2,
+        ZeRO-3; 0 otherwise), over `world_size` ranks at the link gradient_reduction_ms uses: a
+        forward all-gathers every decoder layer's parameters and the root's (embedding, LM
+        head), one collective each; a backward all-gathers the layers again (and the root,
+        unless the execution keeps it gathered from forward: FSDP2) and reduce-scatters every
+        gradient. Bytes at the profile's element size, as the gradient reduction's. Whether
+        compute hides it is the simulator's business (simulate.sharded_wave_ms)."""
+        ex = self.execution
+        if ex is None or not ex.shards_parameters or world_size <= 1:
+            return 0.0
+        d, element = self.dims, self.profile.bytes_per_element
+        layers = d.num_layers * d.linear_params_per_layer
+        regather_root = not (backward and ex.keeps_root_gathered)
+        gathered = layers + (d.embedding_parameters if regather_root else 0)
+        ms = self.ring_collective_ms(gathered * element, world_size, collectives=d.num_layers + int(regather_root))
+        if backward:
+            ms += self.ring_collective_ms(d.parameters * element, world_size, collectives=d.num_layers + 1)
+        return ms

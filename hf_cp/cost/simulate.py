@@ -9,7 +9,11 @@ model carries the run's execution (`CostModel.execution`, hf_cp/execution.py) th
 the step's wall time instead: ranks without work in a wave run the dummy micro-batch; under
 ZeRO-2 every wave ends in a world-wide gradient reduction (a barrier: the next wave starts
 when the slowest rank of this one has finished and the reduction is done); under DDP one
-reduction ends the step; and the profile's fixed cost per step is added.
+reduction ends the step; and the profile's fixed cost per step is added. Under FSDP2 and ZeRO-3
+(executions that shard the parameters) every rank runs the wave's pass sequence
+(StepPlan.wave_passes), each pass a chain of world-wide collectives: a pass lasts as long as
+the slowest rank's compute in it or its parameter communication, whichever is longer
+(sharded_wave_ms), and dummy passes cost their communication.
 
 A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
 chunks.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
@@ -30,8 +34,15 @@ from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.modes.registry import mode_spec
 from hf_cp.modes.ring import per_doc_max_member_tokens
 from hf_cp.modes.segments import ShardMode
-from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
+from hf_cp.plan.chunks import (
+    chunk_starts,
+    chunked_sample_cost,
+    dependent_chunk_layers_ms,
+    dependent_chunk_sizes,
+    recomputed_chunks,
+)
 from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.passes import BACKWARD, FORWARD, FORWARD_NO_GRAPH
 from hf_cp.plan.step_plan import Group, StepPlan
 
 
@@ -78,8 +89,12 @@ class SimResult:
     # wait for each other at every layer, so each spends the group's duration (and, when the
     # group starts later than the member is free, the wait in its first collective)
     occupied_ms: List[float] = field(default_factory=list)
-    reduction_ms: float = 0.0  # wall time in gradient reductions (with an execution)
+    # wall time in gradient reductions (with an execution); under FSDP2/ZeRO-3 only their fixed
+    # cost (reduction_overhead_ms): their bytes travel within the backward passes (parameter_comm_ms)
+    reduction_ms: float = 0.0
     reductions: int = 0  # how many (with an execution): one per backward pass of a wave under ZeRO-2
+    # wall time the parameter communication of FSDP2/ZeRO-3 adds beyond the passes' compute
+    parameter_comm_ms: float = 0.0
     fixed_ms: float = 0.0  # the step's fixed cost (with an execution)
     lower_bound_ms: Optional[float] = None  # lower_bound_ms of the plan's samples (simulate with a cluster)
     charged_bound_ms: Optional[float] = None  # charged_lower_bound_ms of the same
@@ -197,6 +212,57 @@ def wave_reductions(calls: int, synchronise: bool, last: bool) -> int:
     return 1 if last else 0
 
 
+def chunked_pass_ms(cost: CostModel, sizes: Sequence[int], keep: int) -> List[float]:
+    """The compute of each pass of one chunked sample, in plan/passes.chunked_passes order (N-K
+    forwards without a graph, K with one, then the chunks last first: a kept chunk's backward,
+    or a recomputed chunk's forward and backward), summing to chunked_sample_cost's compute_ms.
+    A chunk's fwd+bwd and its micro-batch overhead split by profile.forward_share; the first
+    forward of a recomputed chunk runs its decoder layers only (it fills the K/V store)."""
+    fs = cost.profile.forward_share
+    overhead = cost.micro_batch_overhead_ms()
+    layers_ms = [dependent_chunk_layers_ms(cost, s, n) for s, n in zip(chunk_starts(sizes), sizes)]
+    whole = [ms + cost.head_ms_per_token * n + overhead for ms, n in zip(layers_ms, sizes)]
+    n_re = recomputed_chunks(len(sizes), keep)
+    out = [fs * (layers_ms[i] + overhead) for i in range(n_re)]
+    out += [fs * whole[i] for i in range(n_re, len(sizes))]
+    for i in reversed(range(len(sizes))):
+        if i < n_re:
+            out.append(fs * whole[i])
+        out.append((1 - fs) * whole[i])
+    return out
+
+
+def place_compute_ms(
+    passes: str, own_passes: Sequence[str], own_ms: Sequence[Sequence[float]], dummy_ms: Dict[str, float]
+) -> List[float]:
+    """Per place of a wave's pass sequence, the slowest rank's compute there. A rank runs each of
+    its own passes (`own_passes[r]`, taking `own_ms[r]`) at the next place of its kind, as
+    plan/passes.PassCursor does, and a zero-weight dummy pass (`dummy_ms` by kind) elsewhere."""
+    out = [dummy_ms[kind] for kind in passes]
+    for r, (own, ms) in enumerate(zip(own_passes, own_ms)):
+        if len(own) != len(ms):
+            raise ValueError(f"rank {r}: {len(ms)} pass times for its passes {own!r}")
+        place = 0
+        for kind, t in zip(own, ms):
+            place = passes.find(kind, place)
+            if place < 0:
+                raise ValueError(f"rank {r}'s passes {own!r} do not fit the wave's {passes!r}")
+            out[place] = max(out[place], t)
+            place += 1
+    return out
+
+
+def sharded_wave_ms(passes: str, place_ms: Sequence[float], forward_comm_ms: float, backward_comm_ms: float) -> float:
+    """Wall time of a wave's passes when the parameters are sharded (FSDP2, ZeRO-3). Each pass is
+    a chain of world-wide collectives (one per layer), so every rank meets the others in it; on
+    a GPU the engines run them on their own streams, the next layer's all-gather (and the
+    previous layer's reduce-scatter) beside the current layer's compute, so a pass lasts
+    max(its slowest rank's compute `place_ms`, its communication): communication shows only
+    where it outlasts compute, as in a dummy pass. A forward (f or F) costs
+    `forward_comm_ms`, a backward `backward_comm_ms` (CostModel.parameter_pass_comm_ms)."""
+    return sum(max(ms, backward_comm_ms if kind == BACKWARD else forward_comm_ms) for kind, ms in zip(passes, place_ms))
+
+
 def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
     """Per-rank times of the plan by the timing rule of the module docstring. With the
     cluster, the result also carries the plan's lower bounds and flags."""
@@ -220,12 +286,22 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     dummy = cost.dummy_micro_batch_ms() if ex is not None else 0.0
     reduction_total = 0.0
     reduction_count = 0
+    sharded = ex is not None and ex.shards_parameters
+    parameter_comm_total = 0.0
+    if sharded:  # every rank runs each wave's pass sequence; a dummy pass is a one-token pass's share
+        passes_of_wave = plan.wave_passes()
+        forward_comm = cost.parameter_pass_comm_ms(W, backward=False)
+        backward_comm = cost.parameter_pass_comm_ms(W, backward=True)
+        fs = cost.profile.forward_share
+        dummy_pass = {FORWARD_NO_GRAPH: fs * dummy, FORWARD: fs * dummy, BACKWARD: (1 - fs) * dummy}
     for w, wave in enumerate(plan.waves):
         if ex is not None and ex.waves_synchronise:  # the previous wave ended in a barrier
             top = max(clock)
             for r in range(W):
                 idle[r] += top - clock[r]
                 clock[r] = top
+        wave_start = max(clock) if clock else 0.0
+        own_ms: List[List[float]] = [[] for _ in range(W)]  # per rank, its own passes' compute (sharded)
         calls = [0] * W  # backward passes per rank in this wave
         chunked_wave = False
         slowest_compute = 0.0
@@ -233,6 +309,12 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
             if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
                 ms, tk, mem = chunked_group_cost(lens, g, cost)
                 r = g.ranks[0]
+                if sharded:
+                    own_ms[r] = [
+                        t
+                        for c in g.chunked.get(r, [])
+                        for t in chunked_pass_ms(cost, dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep)
+                    ]
                 runs.append(GroupRun(w, g.ranks, clock[r], ms, [ms], [0.0], None, 0, 0, [tk], True))
                 compute[r] += ms
                 clock[r] += ms
@@ -273,6 +355,8 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 calls[r] = max(calls[r], 1)
                 slowest_compute = max(slowest_compute, cm)
                 clock[r] = start + dur
+                if sharded:  # the group's members meet at every layer: each spends the group's time
+                    own_ms[r] = [fs * dur, (1 - fs) * dur]
             if g.distributed:
                 cp_samples[g.size] += len(g.distributed)
                 cp_tokens[g.size] += sum(lens[s] for s in g.distributed)
@@ -294,7 +378,22 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                     messages=group_messages(lens, g, cost, plan.masks),
                 )
             )
-        if ex is not None:
+        if sharded:
+            passes = passes_of_wave[w]
+            places = place_compute_ms(passes, plan.rank_passes(w, lens), own_ms, dummy_pass)
+            wall = sharded_wave_ms(passes, places, forward_comm, backward_comm)
+            # every backward reduce-scatters the gradients (its bytes are in backward_comm); the
+            # profile's fixed cost per reduction comes on top
+            k = passes.count(BACKWARD)
+            red = k * cost.profile.reduction_overhead_ms
+            parameter_comm_total += wall - sum(places)
+            reduction_total += red
+            reduction_count += k
+            end = wave_start + wall + red
+            for r in range(W):
+                idle[r] += end - clock[r]
+                clock[r] = end
+        elif ex is not None:
             last = w == len(plan.waves) - 1
             # every rank runs the wave's backward count (StepPlan.wave_backward_calls), padding
             # with zero-weight micro-batches: one per dependent chunk of the wave's longest chain
@@ -344,6 +443,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         occupied_ms=occupied,
         reduction_ms=reduction_total,
         reductions=reduction_count,
+        parameter_comm_ms=parameter_comm_total,
         fixed_ms=fixed,
         **bounds,
     )

@@ -9,11 +9,22 @@ defaults from here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from hf_cp.balance.registry import get_balancer
-from hf_cp.cost.execution import execution_for_run, execution_named, model_state_bytes_per_parameter, zero_stage_of
+from hf_cp.balance.registry import available_balancers, get_balancer
+from hf_cp.cost.execution import (
+    MEMORY_ENGINES,
+    engine_model_states,
+    execution_for_run,
+    execution_named,
+    gathered_bytes_per_element,
+    gathered_working_set_bytes,
+    model_state_bytes_per_parameter,
+    model_states_of_run,
+    sharding_of,
+)
 from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning.sampler import GlobalBatchSampler
@@ -52,13 +63,13 @@ class PlanningSettings:
     shuffle: bool = True
     """Shuffle the epoch order."""
     execution: Optional[str] = None
-    """How the run's waves synchronise (hf_cp/execution.py: zero2, zero2-overlap, ddp): plans are then
-    priced by their wall time. None or "compute": the plan's compute alone."""
+    """How the run's waves synchronise (hf_cp/cost/execution.py: zero2, zero2-overlap, zero3, fsdp2, ddp):
+    plans are then priced by their wall time. None or "compute": the plan's compute alone."""
     model_states: Optional[Dict[str, Any]] = None
     """How the run keeps its model states, for the memory model's static bytes: {"deepspeed": bool,
     "zero_stage": int, "half_precision": bool, and optionally "param_bytes": the element size of
-    the model's parameters} (execution.model_state_bytes_per_parameter). None:
-    the profile's static_bytes as written (its nominal setting)."""
+    the model's parameters, "sharding": "fsdp2" / "zero3" / None, the engine that shards the
+    parameters} (static_memory). None: the profile's static_bytes as written (its nominal setting)."""
     loss_chunk_tokens: Optional[int] = None
     """Tokens per chunk of the chunked LM-head loss (0: full logits); with model_states, its working
     set, fp32 logits and their gradient over the vocabulary, joins the static bytes."""
@@ -110,7 +121,8 @@ class PlanningSettings:
     @classmethod
     def from_training_args(cls, args) -> PlanningSettings:
         """The settings of CPTrainingArguments (its cp_* fields)."""
-        ds = _deepspeed_config(args)  # read once: it may be a JSON file
+        ds = deepspeed_config_of(args)  # read once: it may be a JSON file
+        fsdp_version = fsdp_version_of(args)
         return cls(
             balancer=args.cp_balancer,
             balancer_options=dict(args.cp_balancer_options or {}),
@@ -126,17 +138,29 @@ class PlanningSettings:
             chunk_keep=args.cp_chunk_keep,
             seed=args.seed,
             shuffle=args.cp_shuffle,
-            execution=execution_for_run(ds),
-            model_states={
-                "deepspeed": ds is not None,
-                "zero_stage": zero_stage_of(ds),
-                "half_precision": bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),
-            },
+            execution=execution_for_run(ds, fsdp_version),
+            model_states=model_states_of_run(
+                ds, fsdp_version, bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
+            ),
             loss_chunk_tokens=getattr(args, "cp_loss_chunk_tokens", None),
         )
 
 
-def _deepspeed_config(args) -> Optional[dict]:
+def fsdp_version_of(args, environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The FSDP version a run asks for (None without FSDP): from TrainingArguments' `fsdp` /
+    `fsdp_config` (transformers turns them into fsdp_plugin_args; a bare `fsdp: full_shard` is
+    version 2), else from the environment `accelerate launch` sets from an FSDP config
+    (ACCELERATE_USE_FSDP, FSDP_VERSION)."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if getattr(args, "fsdp", None) and isinstance(plugin, Mapping):
+        return int(plugin.get("fsdp_version", 1) or 1)
+    env = os.environ if environ is None else environ
+    if str(env.get("ACCELERATE_USE_FSDP", "false")).lower() in ("1", "true", "yes"):
+        return int(env.get("FSDP_VERSION", "1") or 1)
+    return None
+
+
+def deepspeed_config_of(args) -> Optional[dict]:
     """The run's DeepSpeed config as a dict (None without DeepSpeed), from TrainingArguments."""
     ds = getattr(args, "hf_deepspeed_config", None)
     if ds is not None and isinstance(getattr(ds, "config", None), dict):
@@ -199,18 +223,21 @@ def planning_setup(
     if settings.model_states is not None:
         # the run's own model states, not the profile's nominal ones (memory reports only: the
         # token caps and chunk room subtract them out)
-        per_param = model_state_bytes_per_parameter(world_size=world_size, **settings.model_states)
-        static = dims.parameters * per_param
-        if settings.loss_chunk_tokens is not None:
-            # a micro-batch's logits at once: a loss chunk, or every token of it (full logits)
-            rows = settings.loss_chunk_tokens or settings.max_tokens_per_rank
-            static += min(rows, settings.max_tokens_per_rank) * dims.vocab_size * 8
-        profile = replace(profile, static_bytes=float(static))
+        static = static_memory(
+            dims, settings.model_states, world_size, settings.max_tokens_per_rank, settings.loss_chunk_tokens
+        )
+        profile = replace(profile, static_bytes=static.total_bytes)
+    # a balancer that plans groups of any size within a node (dynamic_cp's any_size_groups, FCP-style)
+    # needs them in the registry, which holds only aligned power-of-two blocks otherwise
+    # (a balancer built in code and passed to the trainer is not looked up: it plans aligned blocks)
+    registered = settings.balancer in available_balancers()
+    balancer = get_balancer(settings.balancer, **settings.balancer_kwargs()) if registered else None
     cluster = ClusterSpec(
         world_size,
         settings.max_tokens_per_rank,
         settings.gpus_per_node or profile.gpus_per_node,
         settings.max_group_size,
+        any_size_groups=bool(getattr(balancer, "needs_any_size_groups", False)),
     )
     steps = max_steps if max_steps and max_steps > 0 else None
     if sampler is not None:
@@ -225,3 +252,167 @@ def planning_setup(
             shuffle=settings.shuffle,
         )
     return PlanningSetup(settings, CostModel(dims, profile, execution_named(settings.execution)), cluster, batches)
+
+
+# --------------------------------------------------------------------------- memory per engine
+@dataclass(frozen=True)
+class StaticMemory:
+    """What one rank holds besides its micro-batch's activations (the memory model's beta)."""
+
+    model_states_bytes: float  # its parameters, gradients and Adam states (sharded or not)
+    gathered_bytes: float  # unsharded parameters and gradients a sharding engine gathers at once
+    logits_bytes: float  # the loss's fp32 logits and their gradient (with loss_chunk_tokens)
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_states_bytes + self.gathered_bytes + self.logits_bytes
+
+
+def static_memory(
+    dims: ModelDims,
+    model_states: Mapping[str, Any],
+    world_size: int,
+    max_tokens_per_rank: int,
+    loss_chunk_tokens: Optional[int] = None,
+) -> StaticMemory:
+    """The static bytes of a run (PlanningSettings.model_states and loss_chunk_tokens) on one of
+    `world_size` ranks: what planning_setup gives the memory model, and what `hf-cp plan` and
+    the dry run print per engine (engine_memory).
+
+    model states = parameters x model_state_bytes_per_parameter; gathered =
+    gathered_working_set_bytes in the gather dtype (bf16 in a half-precision run); logits =
+    rows x vocab x 8 (fp32 logits and their gradient) for a loss chunk of `loss_chunk_tokens`
+    rows, or every token of the micro-batch (0: full logits); none when it is None."""
+    states = dict(model_states)
+    per_param = model_state_bytes_per_parameter(world_size=world_size, **states)
+    sharding = sharding_of(bool(states["deepspeed"]), int(states["zero_stage"]), states.get("sharding"))
+    gather_bytes = gathered_bytes_per_element(bool(states["half_precision"]), int(states.get("param_bytes", 4)))
+    logits = 0.0
+    if loss_chunk_tokens is not None:
+        # a micro-batch's logits at once: a loss chunk, or every token of it (full logits)
+        rows = loss_chunk_tokens or max_tokens_per_rank
+        logits = float(min(rows, max_tokens_per_rank) * dims.vocab_size * 8)
+    return StaticMemory(
+        model_states_bytes=float(dims.parameters * per_param),
+        gathered_bytes=gathered_working_set_bytes(dims, sharding, gather_bytes),
+        logits_bytes=logits,
+    )
+
+
+def activation_bytes_per_token(profile: HardwareProfile, dims: ModelDims, num_layers: int) -> float:
+    """The memory model's alpha for `dims` with `num_layers` decoder layers instead of its own:
+    the profile's alpha (measured with full activation checkpointing: every layer's checkpointed
+    input, hidden x element bytes per token, plus one layer's recompute working set) with the
+    checkpointed inputs of the added (or removed) layers; never below those inputs alone."""
+    per_layer = dims.hidden * profile.bytes_per_element
+    alpha = profile.activation_bytes_per_token + (num_layers - dims.num_layers) * per_layer
+    return max(alpha, float(num_layers * per_layer))
+
+
+def peak_bytes_with_layers(
+    dims: ModelDims,
+    num_layers: int,
+    profile: HardwareProfile,
+    model_states: Mapping[str, Any],
+    world_size: int,
+    max_tokens_per_rank: int,
+    loss_chunk_tokens: Optional[int] = None,
+) -> float:
+    """One rank's peak at the cap for `dims` with `num_layers` decoder layers: activations
+    (activation_bytes_per_token x cap) plus static_memory."""
+    static = static_memory(
+        replace(dims, num_layers=num_layers), model_states, world_size, max_tokens_per_rank, loss_chunk_tokens
+    )
+    return activation_bytes_per_token(profile, dims, num_layers) * max_tokens_per_rank + static.total_bytes
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Peak memory of one rank at the cap under one engine, and the largest model that fits."""
+
+    engine: str
+    static: StaticMemory
+    activation_bytes: float  # alpha x the cap
+    largest_layers: Optional[int]  # decoder layers of the run's shape that fit (None: device memory unknown)
+    largest_parameters: Optional[int]  # that model's parameters (0: not even one layer fits)
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.activation_bytes + self.static.total_bytes
+
+
+def engine_memory(
+    dims: ModelDims,
+    profile: HardwareProfile,
+    world_size: int,
+    max_tokens_per_rank: int,
+    half_precision: bool,
+    loss_chunk_tokens: Optional[int] = None,
+    param_bytes: int = 4,
+    device_memory_gb: Optional[float] = None,
+) -> List[EngineMemory]:
+    """Per engine of MEMORY_ENGINES (ZeRO-2, ZeRO-3, FSDP2): one rank's peak at the cap (alpha x
+    cap + static_memory) for the run's model, and the largest model that fits `device_memory_gb`
+    (None: the profile's; 0: unknown) at the cap.
+
+    The larger models keep the run's layer shape (hidden, heads, intermediate, vocabulary) and
+    add decoder layers: that is how a model family deepens at one width, and the profile's
+    alpha is known per layer of this width only (activation_bytes_per_token). Peak memory is
+    linear in the layer count, so the largest count follows from the peaks at one and two."""
+    device = profile.device_memory_gb if device_memory_gb is None else device_memory_gb
+    budget = device * 1e9 if device else None
+    out = []
+    for engine in MEMORY_ENGINES:
+        states = dict(engine_model_states(engine, half_precision), param_bytes=param_bytes)
+        run = (profile, states, world_size, max_tokens_per_rank, loss_chunk_tokens)
+        layers = parameters = None
+        if budget is not None:
+            one = peak_bytes_with_layers(dims, 1, *run)
+            slope = peak_bytes_with_layers(dims, 2, *run) - one
+            layers = 0 if one > budget else 1 + int((budget - one) // slope)
+            while layers > 0 and peak_bytes_with_layers(dims, layers, *run) > budget:  # rounding at the boundary
+                layers -= 1
+            parameters = replace(dims, num_layers=layers).parameters if layers else 0
+        out.append(
+            EngineMemory(
+                engine,
+                static_memory(dims, states, world_size, max_tokens_per_rank, loss_chunk_tokens),
+                profile.activation_bytes_per_token * max_tokens_per_rank,
+                layers,
+                parameters,
+            )
+        )
+    return out
+
+
+def engine_memory_lines(
+    rows: Sequence[EngineMemory],
+    world_size: int,
+    max_tokens_per_rank: int,
+    half_precision: bool,
+    device_memory_gb: float,
+) -> List[str]:
+    """engine_memory as a small table per rank: model states, gathered parameters, activations
+    (with the loss's logits), their sum, and the largest model; in GB (1e9 bytes), or in MB
+    for a model whose peak stays under a GB (a test model would read 0.00 throughout)."""
+    unit, scale = ("GB", 1e9) if max((m.peak_bytes for m in rows), default=0.0) >= 1e9 else ("MB", 1e6)
+    fit = f"largest model in {device_memory_gb:g} GB" if device_memory_gb else "largest model"
+    lines = [
+        f"memory per rank at the cap ({max_tokens_per_rank} tokens/rank), world {world_size}, "
+        f"{'bf16/fp16' if half_precision else 'fp32'}; the largest model adds decoder layers of this shape:",
+        f"{'engine':<7} {'states ' + unit:>9} {'gathered ' + unit:>11} {'activ. ' + unit:>9} {'peak ' + unit:>8}  {fit}",
+    ]
+    for m in rows:
+        if m.largest_layers is None:
+            largest = "-"
+        elif m.largest_layers == 0:
+            largest = "none (one layer does not fit)"
+        else:
+            largest = f"{m.largest_parameters / 1e9:.2f}B parameters ({m.largest_layers} layers)"
+        lines.append(
+            f"{m.engine:<7} {m.static.model_states_bytes / scale:>9.2f} {m.static.gathered_bytes / scale:>11.2f} "
+            f"{(m.activation_bytes + m.static.logits_bytes) / scale:>9.2f} {m.peak_bytes / scale:>8.2f}  {largest}"
+        )
+    if not device_memory_gb:
+        lines.append("device memory unknown: set device_memory_gb in the profile (hf-cp plan: --device-memory-gb)")
+    return lines

@@ -20,7 +20,7 @@ from typing import List, Optional
 from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
-from hf_cp.planning.setup import planning_setup
+from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
@@ -45,16 +45,20 @@ def dry_run(
     src = cfg["_source"]
     tcfg = dict(cfg.get("training") or {})
     device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
+    half_precision = bool(tcfg.get("bf16") or tcfg.get("fp16"))  # what the run's model states will be
     # precision and device do not change plans; a login node has no GPU to validate bf16 with
     tcfg.update(bf16=False, fp16=False, use_cpu=True)
     args = training_arguments(tcfg, src)
+    settings = args.planning_settings()
+    if settings.model_states is not None:  # the run's precision, not the login node's
+        settings.model_states["half_precision"] = half_precision
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config))
     setup = planning_setup(
-        args.planning_settings(),
+        settings,
         data.lengths,
         world_size,
         model_config=hf_config.to_dict(),
@@ -92,7 +96,6 @@ def dry_run(
             f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks (ChunkFlow), "
             f"whose K/V state store is reached through model.attn_implementation: {HF_CP_ATTENTION}"
         )
-    settings = setup.settings
     name = settings.profile if isinstance(settings.profile, str) else cost.profile.name
     model_name = settings.model_dims or mcfg.get("pretrained") or mcfg.get("config") or ""
     warning = profile_warning(cost.profile, name, cost.dims, device, str(model_name))
@@ -113,6 +116,20 @@ def dry_run(
             f" (on the {len(compared)} steps it can plan)" if len(compared) < len(planned) else ""
         )
     lines.append(line)
+    # what each engine would hold per rank at this cap, and the largest model each fits
+    states = settings.model_states or {}
+    device_memory = cost.profile.device_memory_gb
+    memory = engine_memory(
+        cost.dims,
+        cost.profile,
+        world_size,
+        cluster.max_tokens_per_rank,
+        half_precision,
+        settings.loss_chunk_tokens,
+        int(states.get("param_bytes", 4)),
+        device_memory,
+    )
+    lines += engine_memory_lines(memory, world_size, cluster.max_tokens_per_rank, half_precision, device_memory)
     if evaluation is not None:
         eval_data = read_token_columns(evaluation, "eval_dataset")
         plans = plan_evaluation(
