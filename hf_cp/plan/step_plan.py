@@ -26,6 +26,7 @@ from hf_cp.modes.segments import Segment, ShardMode, segment_tokens
 from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, held_tokens, received_rows
 from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.passes import MICRO_BATCH_PASSES, chunked_passes, merge_passes
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
 
 FORMAT = "hf_cp.step_plan/1"
@@ -264,6 +265,30 @@ class StepPlan:
             calls[-1] += 1
         return calls
 
+    def rank_passes(self, wave: int, lens: Optional[Mapping[int, int]] = None) -> List[str]:
+        """Per rank, the forward (F) and backward (B) passes it itself runs in wave `wave`
+        (plan/passes.py): "FB" for a micro-batch with work, ChunkFlow's schedule for each chunked
+        sample, "" without."""
+        own = [""] * self.world_size
+        for g in self.waves[wave].groups:
+            for r in g.ranks:
+                if g.chunked.get(r):
+                    lens = lens or self.length_of()
+                    own[r] = "".join(
+                        chunked_passes(len(dependent_chunk_sizes(lens[c.sample], c.chunk_size)), c.keep)
+                        for c in g.chunked[r]
+                    )
+                elif g.distributed or g.local.get(r):
+                    own[r] = MICRO_BATCH_PASSES
+        return own
+
+    def wave_passes(self) -> List[str]:
+        """Per wave, the pass sequence every rank runs when the parameters are sharded (FSDP2,
+        ZeRO-3: each pass is a chain of world-wide collectives), each rank's own passes in their
+        places and zero-weight dummies elsewhere (plan/passes.merge_passes)."""
+        lens = self.length_of() if any(g.chunked for w in self.waves for g in w.groups) else None
+        return [merge_passes(self.rank_passes(w, lens)) for w in range(len(self.waves))]
+
     @property
     def spreads_samples(self) -> bool:
         """Whether some sample runs over a CP group of several ranks (needs CP attention)."""
@@ -423,7 +448,7 @@ class StepPlan:
                 if cluster is not None and not cluster.is_registered(g.ranks):
                     raise PlanError(
                         f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
-                        f"(aligned power-of-two blocks of size in {cluster.group_sizes})"
+                        f"({cluster.describe_registry()})"
                     )
                 if cost is not None and g.distributed and g.size > 1:
                     try:

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_cp.attention.chunk_state import ChunkContext, ChunkStateStore, chunk_context
-from hf_cp.train.loss import chunked_lm_head_loss, lm_head_bypassed
+from hf_cp.plan.passes import BACKWARD, FORWARD, FORWARD_NO_GRAPH
+from hf_cp.train.loss import chunked_lm_head_loss, lm_head_bypassed, lm_head_computing
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100
@@ -78,12 +79,14 @@ def token_loss(
         if head is None:
             out = model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False)
             return F.cross_entropy(out.logits[0].float(), targets, ignore_index=ignore_index, reduction="sum")
-        captured: List[Tensor] = []
-        with lm_head_bypassed(head, captured):
-            model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False)
-        return chunked_lm_head_loss(
-            captured[-1][0], head.weight, targets, loss_chunk_tokens, bias=head.bias, ignore_index=ignore_index
-        )
+
+        def summed(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+            return chunked_lm_head_loss(
+                hidden[0], weight, targets, loss_chunk_tokens, bias=bias, ignore_index=ignore_index
+            )
+
+        with lm_head_computing(head, summed):
+            return model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False).logits
 
     return loss
 
@@ -128,6 +131,7 @@ def run_chunked_sample(
     backward: Optional[Callable[[Tensor, bool], None]] = None,
     last: bool = True,
     stats: Optional[ChunkRunStats] = None,
+    on_pass: Optional[Callable[[str], None]] = None,
 ) -> Tensor:
     """Forward and backward of one sample cut into `chunks`, by the state-aware schedule.
 
@@ -141,6 +145,9 @@ def run_chunked_sample(
         backward: called as backward(scaled_loss, is_last) once per chunk; default loss.backward().
             is_last is True for the sample's final backward when `last` is (the accumulation boundary).
         stats: filled with counts and the state store's peak bytes when given.
+        on_pass: called with "f", "F" or "B" (plan/passes.py) before each forward without a graph,
+            forward with one, and backward, outside the chunk's context: the executor runs other
+            ranks' passes there as dummies when parameters are sharded.
 
     Returns:
         The sample's summed token loss (unscaled, detached). Gradients are in the parameters' .grad.
@@ -165,6 +172,7 @@ def run_chunked_sample(
         expect += pos.numel()
     loss_fn = loss_fn or token_loss()
     backward = backward or _plain_backward
+    on_pass = on_pass or _no_pass_hook
     n = len(chunks)
     first_kept = max(0, n - keep)
     store = ChunkStateStore([ch.num_tokens for ch in chunks])
@@ -176,6 +184,7 @@ def run_chunked_sample(
     try:
         # 1. forward every chunk; only the last K keep their graphs
         for i, ch in enumerate(chunks):
+            on_pass(FORWARD_NO_GRAPH if i < first_kept else FORWARD)
             with chunk_context(ChunkContext(store, i)):
                 if i < first_kept:
                     devices = _rng_devices(ch)  # a recompute sees the same random numbers (dropout)
@@ -185,17 +194,20 @@ def run_chunked_sample(
                     kept[i] = loss_fn(model, ch)
         # 2. backward the kept chunks, last first; 3. recompute and backward the others, last first
         for i in reversed(range(n)):
-            with chunk_context(ChunkContext(store, i)):
-                if i >= first_kept:
-                    loss = kept.pop(i)
-                else:
+            if i >= first_kept:
+                loss = kept.pop(i)
+            else:
+                on_pass(FORWARD)
+                with chunk_context(ChunkContext(store, i)):
                     cpu_state, cuda_states, devices = rng.pop(i)
                     with torch.random.fork_rng(devices=devices):
                         torch.set_rng_state(cpu_state)
                         for d, st in zip(devices, cuda_states):
                             torch.cuda.set_rng_state(st, d)
                         loss = loss_fn(model, chunks[i])
-                    stats.recomputed += 1
+                stats.recomputed += 1
+            on_pass(BACKWARD)
+            with chunk_context(ChunkContext(store, i)):
                 backward(loss * loss_scale, last and i == 0)
                 stats.backwards += 1
             total += loss.detach().to(device="cpu", dtype=torch.float64)
@@ -206,6 +218,10 @@ def run_chunked_sample(
         store.release()
         stats.store_bytes_after = store.nbytes
     return total
+
+
+def _no_pass_hook(kind: str) -> None:
+    return None
 
 
 def evaluate_chunked_sample(

@@ -125,6 +125,8 @@ class RankStep:
     planned: object = None  # the PlannedStep (predictions, planner time)
     masked_samples: Tuple[int, ...] = ()  # samples of the whole step with a non-causal mask
     wave_backward_calls: List[int] = field(default_factory=list)  # per wave: backward passes every rank runs
+    # per wave: the F/B pass sequence every rank runs when parameters are sharded (plan/passes.py)
+    wave_passes: List[str] = field(default_factory=list)
     # (sample id, answer index) of every answer of the step, the same on every rank: the slots that
     # MicroBatch.target_slots index (a causal sample is one answer, a shared-prompt sample has several)
     answer_slots: Tuple[Tuple[int, int], ...] = ()
@@ -303,6 +305,7 @@ class PlanCollator:
             planned=planned,
             masked_samples=tuple(s for s in plan.sample_ids if s in self.masks),
             wave_backward_calls=plan.wave_backward_calls(),
+            wave_passes=plan.wave_passes(),
             answer_slots=slots,
         )
 

@@ -323,6 +323,11 @@ def training_types() -> Dict[str, _Type]:
     return {f.name: _Type.of(hints.get(f.name, Any)) for f in fields(CPTrainingArguments) if f.init}
 
 
+# keys TrainingArguments annotates as text but documents as a switch too (`fsdp=True` turns FSDP on;
+# the old option strings "full_shard ..." are deprecated in transformers 5)
+BOOL_TRAINING_KEYS = frozenset({"fsdp"})
+
+
 def check_training_keys(values: Mapping, source: str) -> dict:
     """The training section as CPTrainingArguments will take it: its keys are the dataclass's
     fields and each value is of its field's type (null keys left out: unset; an unquoted `no`, which
@@ -339,6 +344,9 @@ def check_training_keys(values: Mapping, source: str) -> dict:
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`
         if value is False and (key.endswith("_strategy") or key == "report_to"):
             value = "no"
+        if key in BOOL_TRAINING_KEYS and isinstance(value, bool):
+            out[key] = value
+            continue
         expected = typed[key]
         value = out[key] = expected.read(value)
         if not expected.accepts(value):

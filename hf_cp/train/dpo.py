@@ -66,6 +66,7 @@ from hf_cp.train.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.dpo_loss import DPOSettings, dpo_loss, pair_slots
 from hf_cp.train.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.loss import chunkable_head
+from hf_cp.train.sharding import refuse_sharding
 from hf_cp.train.step import WaveTotals, answer_sums
 from hf_cp.train.trainer import CPTrainer
 
@@ -141,6 +142,12 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             raise TypeError(
                 f"CPDPOTrainer needs CPDPOConfig (DPOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
+        refuse_sharding(
+            args,
+            "CPDPOTrainer",
+            "its log-prob and reference passes run forward-only outside the per-wave pass sequence that sharded "
+            "parameters need on every rank",
+        )
         if args.max_length is not None:
             raise ValueError(
                 f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "

@@ -79,6 +79,7 @@ from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, PlanCollator, RankSte
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.grpo_loss import GRPOSettings, row_weights, token_losses
 from hf_cp.train.setup_checks import HF_CP_ATTENTION
+from hf_cp.train.sharding import refuse_sharding
 from hf_cp.train.step import StepExecutor
 from hf_cp.train.trainer import CPTrainer
 from hf_cp.train.trainer_setup import trainer_planning_setup
@@ -205,6 +206,12 @@ class CPGRPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"CPGRPOTrainer needs CPGRPOConfig (GRPOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
+        refuse_sharding(
+            args,
+            "CPGRPOTrainer",
+            "TRL's generation and scoring passes run outside the per-wave pass sequence that sharded parameters need "
+            "on every rank",
+        )
         self.cp_grpo = GRPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         for name in ("tools", "environment_factory"):
             if kwargs.get(name):

@@ -11,12 +11,18 @@ the same per-token cross-entropy in fp32, only added in another order.
 Only for heads whose output *is* the model's logits: models that scale or soft-cap logits
 after the head (Gemma 2/3, Cohere, ...) are detected by `head_output_is_logits` and keep the
 full-logits path.
+
+With `use_liger_kernel` on CUDA, `liger_lm_head_loss` takes the chunked loss's place: the same
+sum, by Liger's fused linear cross-entropy (Triton), which computes each chunk's logits, loss
+and gradients in one pass in forward and never keeps the logits for backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+import importlib
+import inspect
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +172,10 @@ def logits_loss(
 def _check_rows(hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> None:
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    _check_shapes(hidden, targets)
+
+
+def _check_shapes(hidden: torch.Tensor, targets: torch.Tensor) -> None:
     if hidden.dim() != 2 or targets.dim() != 1 or hidden.shape[0] != targets.shape[0] or hidden.shape[0] == 0:
         raise ValueError(
             f"hidden [T, H] and targets [T] with T > 0 expected, got {tuple(hidden.shape)} and {tuple(targets.shape)}"
@@ -187,6 +197,65 @@ def _checked_extras(
     return rows, targets
 
 
+# ---------------------------------------------------------------------------- Liger's fused loss
+LIGER_FUNCTIONAL = "liger_kernel.transformers.functional"  # pip install liger-kernel
+# what the trainer logs at start-up when Liger's fused loss replaces the chunked one
+LIGER_LOSS_LINE = "loss: Liger's fused linear cross-entropy in place of the chunked LM-head loss (use_liger_kernel)"
+
+
+def liger_loss_problem(device_type: str, loss_chunk_tokens: int) -> Optional[str]:
+    """Why `use_liger_kernel` cannot be honoured on a `device_type` run (None: it can): Liger's
+    kernels are Triton kernels for CUDA, its package must import, and the loss must go through
+    the LM head bypass (cp_loss_chunk_tokens > 0), where its fused loss replaces the chunked one."""
+    if device_type != "cuda":
+        return (
+            f"use_liger_kernel is not supported on {device_type}: Liger's kernels are Triton kernels for CUDA, and "
+            f"CPTrainer computes the loss with its own chunked LM-head loss (cp_loss_chunk_tokens bounds the "
+            f"logits' memory); set use_liger_kernel: false"
+        )
+    if loss_chunk_tokens == 0:
+        return (
+            "use_liger_kernel with cp_loss_chunk_tokens: 0 (the full logits): Liger's fused loss replaces the chunked "
+            "LM-head loss, which cp_loss_chunk_tokens: 0 turns off; set cp_loss_chunk_tokens > 0 or use_liger_kernel: false"
+        )
+    try:
+        importlib.import_module(LIGER_FUNCTIONAL)
+    except Exception as e:  # noqa: BLE001 - a broken Triton install raises more than ImportError
+        return (
+            f"use_liger_kernel needs liger-kernel (pip install liger-kernel): {LIGER_FUNCTIONAL} does not import "
+            f"({type(e).__name__}: {str(e)[:200]})"
+        )
+    return None
+
+
+def liger_lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    extra_rows: Optional[torch.Tensor] = None,
+    extra_targets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """chunked_lm_head_loss's sum (the same arguments but the chunk size, which Liger chooses
+    itself from the vocabulary and hidden sizes) by Liger's fused linear cross-entropy:
+    sum_t CE(hidden[t] @ weight.T + bias, targets[t]) over the targets that are not
+    ignore_index, plus the extra targets' rows (one more fused call on those rows). The loss is
+    accumulated in fp32, the weight's gradient too where Liger has `accum_dtype`."""
+    _check_shapes(hidden, targets)
+    rows, extra = _checked_extras(hidden.shape[0], extra_rows, extra_targets)
+    # liger-kernel is an optional dependency (CUDA only): imported when its loss is used
+    fused = importlib.import_module(LIGER_FUNCTIONAL).liger_fused_linear_cross_entropy
+    kw = dict(bias=bias, ignore_index=ignore_index, reduction="sum")
+    # accum_dtype: liger-kernel 0.6.2 and later; older releases sum the gradient in the weight's dtype
+    if "accum_dtype" in inspect.signature(fused).parameters:
+        kw["accum_dtype"] = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    total = fused(hidden, weight, targets, **kw)
+    if rows.numel():
+        total = total + fused(hidden.index_select(0, rows.to(hidden.device)), weight, extra.to(targets.device), **kw)
+    return total
+
+
 @contextlib.contextmanager
 def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Iterator[None]:
     """Within the block the LM head appends its input to `captured` and returns an empty
@@ -196,11 +265,40 @@ def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Ite
     find_unused_parameters (the Trainer's default) walks the forward's outputs to find unused
     parameters, and would otherwise mark the head ready at once and again when the chunked
     loss's backward reaches it ("marked as ready twice")."""
-    params = [p for p in head.parameters() if p.requires_grad]
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.append(hidden)
         out = hidden[..., :0]
+        # the parameters as they are now: under FSDP2 they are gathered only during the forward
+        params = [p for p in head.parameters() if p.requires_grad]
+        if params and torch.is_grad_enabled():
+            out = out + sum(p.reshape(-1)[:1].sum() for p in params) * 0
+        return out
+
+    head.forward = forward  # instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+@contextlib.contextmanager
+def lm_head_computing(
+    head: torch.nn.Module, compute: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+) -> Iterator[None]:
+    """Within the block the LM head returns compute(hidden, weight, bias) (e.g. the chunked loss)
+    instead of logits, so the model never materialises them and returns that as its `logits`.
+
+    The result is computed inside the head's own forward and is its output: engines that hook
+    the head's forward and its output's backward see an ordinary head. FSDP2 gathers the weight
+    for that forward and gathers it again when the backward reaches the output, which a loss
+    computed from the weight after the forward would skip (multiple forwards before a backward,
+    as ChunkFlow runs, would then read freed storage). A zero term ties every head parameter to
+    the result, so each gets a gradient even when all of the micro-batch's targets are ignored."""
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden, head.weight, getattr(head, "bias", None))
+        params = [p for p in head.parameters() if p.requires_grad]  # as gathered now, inside the forward
         if params and torch.is_grad_enabled():
             out = out + sum(p.reshape(-1)[:1].sum() for p in params) * 0
         return out

@@ -7,6 +7,11 @@ runs a zero-weight dummy micro-batch instead, joining the reduction with zero gr
 gradient-accumulation boundary is set at the last wave only. Evaluation runs forward only:
 no gradient reduction to join, so a rank without work in a wave skips it.
 
+When the parameters are sharded (FSDP2, ZeRO-3) every pass is itself a chain of world-wide
+collectives, so a wave follows RankStep.wave_passes instead: the same sequence of forwards and
+backwards on every rank, each rank's own passes at their places and zero-weight dummy passes
+elsewhere (plan/passes.py); evaluation then runs as many forwards on every rank.
+
 Loss of a step = sum of token losses / valid targets of the whole global batch (known from the
 plan). Data-parallel reduction averages over the world, so each rank scales its summed loss by
 world / global_valid_tokens: the averaged gradient is exactly the single-process gradient of
@@ -24,6 +29,7 @@ from typing import Callable, ContextManager, List, Optional, Tuple, Union
 import torch
 
 from hf_cp.attention.context import cp_context
+from hf_cp.plan.passes import BACKWARD, FORWARD, PassCursor, most_open_graphs
 from hf_cp.train.chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
 from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, RankStep
 from hf_cp.train.consistency import collective_scope
@@ -33,7 +39,8 @@ from hf_cp.train.loss import (
     chunked_lm_head_loss,
     chunked_lm_head_token_logps,
     head_output_is_logits,
-    lm_head_bypassed,
+    liger_lm_head_loss,
+    lm_head_computing,
     logits_loss,
     logits_token_logps,
 )
@@ -79,6 +86,9 @@ class StepExecutor:
         backward: Callable[[torch.Tensor, bool], None],
         wave_context: Optional[Callable[[bool], ContextManager]] = None,
         logit_temperature: float = 1.0,
+        aligned_passes: bool = False,
+        max_open_graphs: Optional[int] = None,
+        liger_loss: bool = False,
     ):
         self.model = model
         self.groups = groups
@@ -92,6 +102,13 @@ class StepExecutor:
         self.wave_context = wave_context or (lambda last: contextlib.nullcontext())
         # per-token log-probs (wave_token_logps) are those of logits / logit_temperature
         self.logit_temperature = float(logit_temperature)
+        # parameters sharded (FSDP2, ZeRO-3): every rank runs each wave's passes in one sequence
+        self.aligned_passes = bool(aligned_passes)
+        # ZeRO-3 computes wrong gradients when several forward graphs are open at once (measured:
+        # ChunkFlow keeping 4 chunks, gradients 30-70% off); FSDP2 handles it (None: no limit)
+        self.max_open_graphs = max_open_graphs
+        # use_liger_kernel (CUDA): Liger's fused linear cross-entropy in place of the chunked loss
+        self.liger_loss = bool(liger_loss)
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
         self._backward_end: Optional[float] = None
@@ -138,6 +155,9 @@ class StepExecutor:
         the accumulation boundary is the last backward of the last wave."""
         scale = self.world_size / step.global_valid_tokens if step.global_valid_tokens else 0.0
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
+        if self.aligned_passes:
+            return self._train_aligned(model, step, objective, scale, totals)
         n = len(step.waves)
         calls = step.wave_backward_calls or [1] * n
         for w, mb in enumerate(step.waves):
@@ -181,6 +201,105 @@ class StepExecutor:
             self._mark_wave(totals, t0)
         return totals
 
+    def _train_aligned(
+        self,
+        model: torch.nn.Module,
+        step: RankStep,
+        objective: Optional[TokenObjective],
+        scale: float,
+        totals: WaveTotals,
+    ) -> WaveTotals:
+        """train() with sharded parameters: each wave runs step.wave_passes[w] on every rank. The
+        accumulation boundary is the last backward of the last wave, own or dummy."""
+        n = len(step.waves)
+        if len(step.wave_passes) != n:
+            raise RuntimeError(f"step {step.index + 1}: {len(step.wave_passes)} pass sequences for {n} waves")
+        for w, mb in enumerate(step.waves):
+            t0 = self.now()
+            self._backward_end = None
+            self._aligned_wave(model, step, w, mb, objective, scale, totals)
+            self._mark_wave(totals, t0)
+        return totals
+
+    def _aligned_wave(
+        self,
+        model: torch.nn.Module,
+        step: RankStep,
+        w: int,
+        mb: Optional[MicroBatch],
+        objective: Optional[TokenObjective],
+        scale: float,
+        totals: WaveTotals,
+    ) -> None:
+        """One wave of _train_aligned: this rank's own passes at their places in the wave's pass
+        sequence (PassCursor), zero-weight dummy passes at the others."""
+        passes = step.wave_passes[w]
+        if self.max_open_graphs is not None and most_open_graphs(passes) > self.max_open_graphs:
+            raise ValueError(
+                f"step {step.index + 1}, wave {w}: its passes {passes!r} hold {most_open_graphs(passes)} forward graphs "
+                f"open at once (ChunkFlow keeping several chunks), and DeepSpeed ZeRO-3 computes wrong gradients "
+                f"beyond {self.max_open_graphs}: set cp_chunk_keep: 1 (chunkflow option keep=1), or use FSDP2"
+            )
+        # the step's accumulation boundary: the last backward of its last wave
+        boundary = passes.rindex(BACKWARD) if w == len(step.waves) - 1 else -1
+
+        def dummy_forward(graph: bool):
+            return self._dummy_forward(model, step.index + 1, w, graph)
+
+        def dummy_backward(zero_loss: torch.Tensor):  # cursor.pos: the dummy's own place
+            self._dummy_backward_of(zero_loss, step.index + 1, w, cursor.pos == boundary)
+
+        def own_backward_is_boundary() -> bool:  # cursor.pos - 1: the own pass just placed
+            return cursor.pos - 1 == boundary
+
+        cursor = PassCursor(passes, dummy_forward, dummy_backward, f"step {step.index + 1}, wave {w}")
+        t0 = self.now()
+        if mb is not None:
+            ctx = self._context(mb)
+            scope = (step.index + 1, w, ctx.group_ranks)
+            if mb.chunked:
+                if objective is not None:
+                    raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+                with collective_scope(*scope):
+                    wave_sum, loss = self._chunked_wave(model, mb, scale, own_backward_is_boundary, cursor.before)
+            else:
+                cursor.before(FORWARD)
+                with cp_context(ctx), collective_scope(*scope):
+                    if objective is not None:
+                        wave_sum = objective(mb, *self.wave_token_logps(model, mb))
+                        loss = wave_sum * self.world_size
+                    else:
+                        wave_sum = self.wave_loss(model, mb)
+                        loss = wave_sum * scale
+                cursor.before(BACKWARD)
+                with cp_context(ctx), collective_scope(*scope):
+                    self.backward(loss, own_backward_is_boundary())
+            totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+            totals.loss_sum += float(wave_sum.detach())
+            totals.valid += mb.num_valid
+            totals.tokens += mb.num_tokens
+            totals.loss = totals.loss + loss.detach()
+        cursor.finish()
+
+    def _dummy_forward(self, model: torch.nn.Module, step: int, wave: int, graph: bool):
+        """A zero-weight one-token forward on every layer (its collectives join the others'); with
+        `graph`, its output for a later _dummy_backward_of."""
+        everyone = tuple(range(self.world_size))
+        with (
+            cp_context(None),
+            collective_scope(step, wave, everyone, "dummy pass"),
+            contextlib.nullcontext() if graph else torch.no_grad(),
+        ):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            pos = torch.zeros_like(ids)
+            out = model(input_ids=ids, position_ids=pos, use_cache=False).logits.sum()
+        return out * 0.0 if graph else None
+
+    def _dummy_backward_of(self, zero_loss: torch.Tensor, step: int, wave: int, last: bool) -> None:
+        everyone = tuple(range(self.world_size))
+        with cp_context(None), collective_scope(step, wave, everyone, "dummy pass"):
+            self.backward(zero_loss, last)
+
     def _dummy_backward(self, model: torch.nn.Module, step: int, wave: int, last: bool) -> None:
         everyone = tuple(range(self.world_size))
         with self.wave_context(last), cp_context(None), collective_scope(step, wave, everyone, "dummy micro-batch"):
@@ -188,28 +307,39 @@ class StepExecutor:
             out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
             self.backward(out.logits.sum() * 0.0, last)
 
-    def _chunked_wave(self, model: torch.nn.Module, mb: MicroBatch, scale: float, last: bool):
+    def _chunked_wave(
+        self,
+        model: torch.nn.Module,
+        mb: MicroBatch,
+        scale: float,
+        last: Union[bool, Callable[[], bool]],
+        on_pass: Optional[Callable[[str], None]] = None,
+    ):
         """ChunkFlow: every chunked sample of the micro-batch by the state-aware schedule, one
-        backward per dependent chunk (train/chunkflow.py). Returns (summed loss, scaled loss)."""
+        backward per dependent chunk (train/chunkflow.py). `last`: whether the micro-batch's final
+        backward is the accumulation boundary, or (aligned passes) a function telling it of each
+        backward. Returns (summed loss, scaled loss)."""
         loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
         total = torch.zeros((), dtype=torch.float64)
         for k, c in enumerate(mb.chunked):
-            final = last and k == len(mb.chunked) - 1
+            if callable(last):
+                backward = lambda loss, is_last: self.backward(loss, last())  # noqa: E731
+            else:
+                final = last and k == len(mb.chunked) - 1
+                backward = lambda loss, is_last, final=final: self.backward(loss, final and is_last)  # noqa: E731
             chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
             total = total + run_chunked_sample(
-                model,
-                chunks,
-                c.keep,
-                scale,
-                loss_fn=loss_fn,
-                backward=lambda loss, is_last, final=final: self.backward(loss, final and is_last),
+                model, chunks, c.keep, scale, loss_fn=loss_fn, backward=backward, on_pass=on_pass
             )
         return total, total * scale
 
     def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
         """Forward only, every wave with work on this rank (call under torch.no_grad())."""
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
         for w, mb in enumerate(step.waves):
+            if self.aligned_passes:  # sharded parameters: as many forwards on every rank
+                self._evaluation_dummies(model, step, w, mb)
             if mb is None:  # forward only: no gradient reduction to join
                 continue
             if mb.chunked:  # one rank, no collectives: each sample's chunks in order over the K/V store
@@ -229,6 +359,16 @@ class StepExecutor:
             totals.valid += mb.num_valid
             totals.tokens += mb.num_tokens
         return totals
+
+    def _evaluation_dummies(self, model: torch.nn.Module, step: RankStep, w: int, mb: Optional[MicroBatch]) -> None:
+        """Forward-only waves with sharded parameters: every rank runs the wave's largest number of
+        forwards (a micro-batch one, a chunked sample one per chunk), this rank's own ones plus
+        dummies (all forwards alike: their order does not matter)."""
+        own_passes = step.plan.rank_passes(w)
+        forwards = [p.count(BACKWARD) for p in own_passes]  # a backward per chunk, one per micro-batch
+        mine = forwards[self.rank]
+        for _ in range(max(forwards) - mine):
+            self._dummy_forward(model, step.index + 1, w, graph=False)
 
     def answer_logps(
         self, model: torch.nn.Module, step: RankStep, head: Union[str, Optional[torch.nn.Linear]] = "policy"
@@ -265,22 +405,27 @@ class StepExecutor:
             logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
             logits = logits if t == 1.0 else logits / t
             return logits_token_logps(logits, targets, IGNORE_INDEX, extra_rows, extra_targets)
-        captured: List[torch.Tensor] = []
-        with lm_head_bypassed(head, captured):
-            model(input_ids=ids, position_ids=pos, use_cache=False)
-        hidden, bias = captured[-1][0], head.bias
-        if t != 1.0:  # (h W^T + b) / t = (h / t) W^T + b / t
-            hidden, bias = hidden / t, (None if bias is None else bias / t)
-        return chunked_lm_head_token_logps(
-            hidden,
-            head.weight,
-            targets,
-            self.loss_chunk_tokens,
-            bias=bias,
-            ignore_index=IGNORE_INDEX,
-            extra_rows=extra_rows,
-            extra_targets=extra_targets,
-        )
+
+        def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            hidden = hidden[0]
+            if t != 1.0:  # (h W^T + b) / t = (h / t) W^T + b / t
+                hidden, bias = hidden / t, (None if bias is None else bias / t)
+            own, extra = chunked_lm_head_token_logps(
+                hidden,
+                weight,
+                targets,
+                self.loss_chunk_tokens,
+                bias=bias,
+                ignore_index=IGNORE_INDEX,
+                extra_rows=extra_rows,
+                extra_targets=extra_targets,
+            )
+            return torch.cat([own, extra])  # one output tensor: [T + k]
+
+        with lm_head_computing(head, token_logps):
+            both = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        rows = targets.shape[0]
+        return both[:rows], both[rows:]
 
     def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
@@ -293,19 +438,23 @@ class StepExecutor:
         if head is None:
             out = model(input_ids=ids, position_ids=pos, use_cache=False)
             return logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
-        captured: List[torch.Tensor] = []
-        with lm_head_bypassed(head, captured):
-            model(input_ids=ids, position_ids=pos, use_cache=False)
-        return chunked_lm_head_loss(
-            captured[-1][0],
-            head.weight,
-            targets,
-            self.loss_chunk_tokens,
-            bias=head.bias,
-            ignore_index=IGNORE_INDEX,
-            extra_rows=extra_rows,
-            extra_targets=extra_targets,
-        )
+
+        def loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            if self.liger_loss:
+                return liger_lm_head_loss(hidden[0], weight, targets, bias, IGNORE_INDEX, extra_rows, extra_targets)
+            return chunked_lm_head_loss(
+                hidden[0],
+                weight,
+                targets,
+                self.loss_chunk_tokens,
+                bias=bias,
+                ignore_index=IGNORE_INDEX,
+                extra_rows=extra_rows,
+                extra_targets=extra_targets,
+            )
+
+        with lm_head_computing(head, loss):
+            return model(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     def loss_head(self) -> Optional[torch.nn.Linear]:
         """The LM head the chunked loss replaces (decided once), or None for full logits."""

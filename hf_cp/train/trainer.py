@@ -31,6 +31,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
+from hf_cp.attention.kernels import use_attention_kernel
 from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
@@ -42,7 +43,9 @@ from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.history import StepRecord, append_record
-from hf_cp.train.metrics import aggregate, summary_lines
+from hf_cp.train.layer_compile import compile_decoder_layers
+from hf_cp.train.loss import LIGER_LOSS_LINE
+from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
 from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
 from hf_cp.train.resume import (
     checkpoint_step,
@@ -53,6 +56,15 @@ from hf_cp.train.resume import (
     write_schedule,
 )
 from hf_cp.train.setup_checks import check_parallelism, check_step_attention
+from hf_cp.train.sharding import (
+    FSDP2,
+    ZERO3,
+    ZERO3_OPEN_GRAPHS,
+    check_sharding,
+    check_zero3_chunk_keep,
+    route_fsdp_on_cpu,
+    sharding_of,
+)
 from hf_cp.train.step import StepExecutor, WaveTotals
 from hf_cp.train.step_record import gather_measurements, step_record
 from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
@@ -123,14 +135,22 @@ class CPTrainer(Trainer):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
+        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (sharding.py)
+        # "fsdp2", "zero3" or None: sharded parameters make every pass a world-wide collective
+        self.cp_sharding = sharding_of(args)
         check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (streaming.py)
         if args.deepspeed:
             skip_deepspeed_shm_build()
             note = deepspeed_arch_env()
             if note and int(args.process_index) == 0:
                 logger.warning("hf_cp: %s", note)
+        compiled = compile_decoder_layers(model) if args.cp_compile else None  # before DeepSpeed or DDP wrap it
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
+        self._cp_warn(use_attention_kernel(args.cp_attention_kernel, args.device))  # the kernel in use, said once
+        self._cp_warn(compiled)
+        self._cp_warn(LIGER_LOSS_LINE if args.use_liger_kernel else None)
+        self.cp_throughput = StepThroughput.for_model(self.model.config, args.device)  # cp/tflops, cp/mfu
         # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
         # prompt/completion or messages into input_ids and labels): read what it left, not the argument.
         self._cp_warn(check_training_data(self.train_dataset, kwargs.get("data_collator")))
@@ -148,6 +168,7 @@ class CPTrainer(Trainer):
             self._cp_warn(warning)
         # the run's PlanningSettings, built once: cp_setup.settings from here on
         setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
+        check_zero3_chunk_keep(self.cp_sharding, setup.settings.balancer, setup.settings.balancer_kwargs())
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
         self.cp_stream = attach_stream(self, balancer)  # a streaming train_dataset's StreamColumns, else None
         for warning in start_warnings(setup, args.device.type, getattr(self.model.config, "_name_or_path", "")):
@@ -171,6 +192,28 @@ class CPTrainer(Trainer):
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
             self.cp_stop_signal = replace_jit_checkpoint(self.callback_handler)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.cp_sharding != FSDP2:
+            return
+        if route_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # sharding.py: accelerate's CPU gap
+            self.is_fsdp_enabled = True
+        # checkpoints hold each rank's shards (torch distributed checkpoint); save_model gathers a full
+        # one. The configs of the Trainer's default (FULL_STATE_DICT) would otherwise stay in place.
+        plugin = self.accelerator.state.fsdp_plugin
+        plugin.state_dict_config = plugin.optim_state_dict_config = None
+        plugin.set_state_dict_type("SHARDED_STATE_DICT")
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Under FSDP2 a checkpoint's model is sharded (the Trainer's _save_checkpoint writes it);
+        the model saved on its own is a full one, gathered to rank 0, loadable with from_pretrained."""
+        if not (self.is_fsdp_enabled and not _internal_call):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)  # collective: every rank takes part
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
 
     def _cp_warn(self, warning: Optional[str]) -> None:
         """A set-up warning, logged once (rank 0)."""
@@ -207,6 +250,9 @@ class CPTrainer(Trainer):
                 self.args.cp_loss_chunk_tokens,
                 self._cp_backward,
                 self._cp_wave_context,
+                aligned_passes=self.cp_sharding is not None,
+                liger_loss=self.args.use_liger_kernel,
+                max_open_graphs=ZERO3_OPEN_GRAPHS if self.cp_sharding == ZERO3 else None,
             )
 
     def get_train_dataloader(self) -> DataLoader:
@@ -302,6 +348,7 @@ class CPTrainer(Trainer):
         )
         if loss is not None:
             rec = dataclasses.replace(rec, loss=float(loss))
+        self.cp_throughput.observe(step, self.cp_data.masks)
         self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)
         self._cp_pending.append(rec)
@@ -403,7 +450,7 @@ class CPTrainer(Trainer):
     # ------------------------------------------------------------------ logging
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
         if self._cp_pending and "loss" in logs:
-            logs.update(aggregate(self._cp_pending))
+            logs.update(aggregate(self._cp_pending, throughput=self.cp_throughput))
             self._cp_pending = []
         # in place: the same dict is train()'s TrainOutput.metrics
         corrected_speed_metrics(logs, self.cp_history[self._cp_history_start :])
@@ -418,7 +465,9 @@ class CPTrainer(Trainer):
 
     def cp_summary(self, compare: bool = True) -> List[str]:
         name = getattr(self.cp_balancer, "name", None) or self.args.cp_balancer
-        return summary_lines(self.cp_history, name, self.args.cp_compare_balancer if compare else "")
+        return summary_lines(
+            self.cp_history, name, self.args.cp_compare_balancer if compare else "", throughput=self.cp_throughput
+        )
 
     def cp_schedule(self) -> dict:
         """What decides the samples of every step: saved with each checkpoint, checked on resume."""

@@ -5,7 +5,8 @@ Under DeepSpeed the optimizer step runs inside the last wave's backward (acceler
 engine.step() there) and ZeRO-2 keeps each rank's gradient partition only, so the engine's
 step is wrapped and the full gradients are assembled with deepspeed's own
 `safe_get_full_grad` (a collective: every rank calls it, in the same order). Without
-DeepSpeed the Trainer clips in `_clip_grad_norm` just before the optimizer step.
+DeepSpeed the Trainer clips in `_clip_grad_norm` just before the optimizer step; under FSDP2
+the gradients and parameters there are shards, gathered whole.
 """
 
 from __future__ import annotations
@@ -17,8 +18,25 @@ import torch
 Tensors = Dict[str, torch.Tensor]
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    # an FSDP2 shard (DTensor) gathered whole: a collective, which every rank runs here in the same order
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _snapshot(module: torch.nn.Module) -> Tensors:
-    return {n: p.detach().clone().cpu() for n, p in module.named_parameters()}
+    return {n: _full(p).detach().clone().cpu() for n, p in module.named_parameters()}
+
+
+def deepspeed_snapshot(module: torch.nn.Module) -> Tensors:
+    """Every parameter whole under DeepSpeed: ZeRO-3 keeps each rank's partition only (the
+    module's tensors are empty), gathered by deepspeed's safe_get_full_fp32_param (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for n, p in module.named_parameters():
+        whole = safe_get_full_fp32_param(p) if hasattr(p, "ds_id") else p
+        out[n] = whole.detach().clone().float().cpu()
+    return out
 
 
 def capture_steps(trainer) -> tuple:
@@ -40,7 +58,7 @@ def capture_steps(trainer) -> tuple:
                     raise RuntimeError(f"step {index}: DeepSpeed holds no gradient for {n}")
                 grads[n] = g.detach().clone().float().cpu()
             result = original(engine, *args, **kwargs)
-            records[index] = {"grads": grads, "params": _snapshot(engine.module)}
+            records[index] = {"grads": grads, "params": deepspeed_snapshot(engine.module)}
             return result
 
         DeepSpeedEngine.step = step
@@ -54,7 +72,7 @@ def capture_steps(trainer) -> tuple:
     pending: Dict[str, Tensors] = {}
 
     def clip_and_record(model):
-        pending["grads"] = {n: p.grad.detach().clone().cpu() for n, p in model.named_parameters()}
+        pending["grads"] = {n: _full(p.grad).detach().clone().cpu() for n, p in model.named_parameters()}
         return clip(model)
 
     from transformers import TrainerCallback

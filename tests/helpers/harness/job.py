@@ -13,7 +13,8 @@ grad_norm per step).
 
 Keys of a run: lengths, tokens_per_step, max_tokens_per_rank, steps, balancer (a registered
 name, or a scripted one of balancers.py: fixed_<mode>, spread_<mode>, chunks_<N>_keep_<K>), out;
-optional model ("llama" or "qwen2", models.py), balancer_options, model_seed,
+optional engine ("zero2", the default: DeepSpeed ZeRO-2; "fsdp2": FSDP2 through the Trainer's
+fsdp arguments; "zero3": DeepSpeed ZeRO-3), model ("llama" or "qwen2", models.py), balancer_options, model_seed,
 data_seed, seed, lr, adam_epsilon, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
 activation_checkpointing, stop_on_nonfinite_grad, ddp_timeout, fault (see _inject_fault),
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .balancers import balancer_for
-from .capture import capture_steps
+from .capture import capture_steps, deepspeed_snapshot
 from .models import IGNORE_INDEX, ROOT, eval_rows, spec_model, train_rows
 
 # A loss scaled by 0.1% is the smallest error the exactness check is required to catch.
@@ -71,6 +72,33 @@ def zero2_config(bucket: int = 500_000_000) -> dict:
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
     }
+
+
+def zero3_config() -> dict:
+    """DeepSpeed ZeRO-3 as recipes/ds-zero3-cpu.json sets it (fp32, torch AdamW, no prefetch)."""
+    return json.loads((ROOT / "hf_cp" / "recipes" / "ds-zero3-cpu.json").read_text())
+
+
+def engine_args(spec: dict, model) -> dict:
+    """The CPTrainingArguments that choose the run's engine (spec "engine")."""
+    engine = spec.get("engine", "zero2")
+    if engine == "zero2":
+        ds_config = zero2_config()
+        if spec.get("load_universal"):  # resume a checkpoint converted by DeepSpeed's ds_to_universal
+            ds_config["checkpoint"] = {"load_universal": True}
+        return {"deepspeed": ds_config}
+    if engine == "zero3":
+        return {"deepspeed": zero3_config()}
+    if engine == "fsdp2":
+        layer = type(model.model.layers[0]).__name__
+        return {"fsdp": True, "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer]}}
+    raise ValueError(f"engine {engine!r}: expected zero2, zero3 or fsdp2")
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A parameter or gradient whole: an FSDP2 shard (DTensor) is gathered (a collective: every
+    rank calls it, in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 # --------------------------------------------------------------------- one distributed job
@@ -124,13 +152,10 @@ def train_one(spec: dict) -> None:
     model = spec_model(spec, attn=spec.get("attn", "hf_cp"))
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
-    ds_config = zero2_config()
-    if spec.get("load_universal"):  # resume a checkpoint converted by DeepSpeed's ds_to_universal
-        ds_config["checkpoint"] = {"load_universal": True}
     args = CPTrainingArguments(
         output_dir=str(out),
         use_cpu=True,
-        deepspeed=ds_config,
+        **engine_args(spec, model),
         seed=spec.get("seed", 42),
         cp_balancer=spec["balancer"],
         cp_balancer_options=spec.get("balancer_options"),
@@ -182,8 +207,19 @@ def train_one(spec: dict) -> None:
     if evaluating:  # after training, on every rank: every rank must report the same numbers
         final = trainer.evaluate()
         (out / f"eval_rank{trainer.cp_rank}.json").write_text(json.dumps(final))
+    if spec.get("engine") == "zero3":  # partitioned: gathered whole (a collective on every rank)
+        params = deepspeed_snapshot(trainer.model)
+    else:
+        params = {k: full_tensor(v).detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
     if trainer.cp_rank == 0:
-        params = {k: v.detach().clone().cpu() for k, v in trainer.model.state_dict().items()}
+        engine = {
+            "engine": spec.get("engine", "zero2"),
+            "wrapper": type(trainer.model_wrapped).__name__,
+            # FSDP2 leaves its parameters as shards (DTensors) between steps, ZeRO-3 as partitions
+            "sharded_parameters": sum(hasattr(p, "to_local") or hasattr(p, "ds_id") for p in trainer.model.parameters()),
+            "parameters": sum(1 for _ in trainer.model.parameters()),
+        }
+        (out / "engine.json").write_text(json.dumps(engine))
         torch.save(params, out / "params.pt")
         torch.save(records, out / "steps.pt")
         (out / "history.json").write_text(json.dumps([r.to_dict() for r in trainer.cp_history]))

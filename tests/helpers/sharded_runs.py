@@ -1,0 +1,88 @@
+"""World-2 runs of the parameter-sharding engines (FSDP2, DeepSpeed ZeRO-3) under planned steps,
+shared by tests/test_fsdp2.py and tests/test_zero3.py: the runs, one torchrun job that trains
+them all, and what the tests read back.
+
+Under both engines every forward all-gathers each layer's parameters and every backward gathers
+them again and reduce-scatters the gradients, so the ranks of a wave run one sequence of passes
+(StepPlan.wave_passes): ChunkFlow's chunk forwards and recomputes on one rank are matched by
+dummy passes on the others.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from helpers.harness.job import run_distributed
+from helpers.world2_job import (
+    CHUNKFLOW_ADAM_EPSILON,
+    CHUNKFLOW_RUNS,
+    COLLECTIVE_TIMEOUT,
+    balance_spec,
+    chunkflow_mixed_spec,
+    empty_shard_spec,
+    lengths_spec,
+)
+
+JOB_TIMEOUT = 900
+
+
+def chunkflow_spec(name: str) -> dict:
+    return balance_spec("chunkflow", balancer_options=dict(CHUNKFLOW_RUNS[name]), adam_epsilon=CHUNKFLOW_ADAM_EPSILON)
+
+
+SHARDED_RUNS = {
+    "static": lengths_spec("static"),
+    "auto": lengths_spec("auto"),
+    "dcp": lengths_spec("dcp"),
+    # 4 dependent chunks keeping 1 (3 recomputed): forwards without a graph, recompute passes
+    "chunkflow": chunkflow_spec("balancer-chunkflow"),
+    # every chunk kept (K >= N): several forwards before their backwards, dummies matching them
+    "chunkflow-keep-all": chunkflow_spec("chunkflow-keep-all"),
+    # chunks beside a CP group in one step, on the tiny Qwen2, evaluated by the same plans
+    "chunkflow-mixed-qwen2": chunkflow_mixed_spec("qwen2"),
+    # every sample spread over both ranks on its own: 1-token samples leave rank 1 without tokens
+    "empty-shards": empty_shard_spec("ring_per_doc"),
+    # a checkpoint after step 2 of 4, resumed by the tests
+    "checkpointed": lengths_spec("auto", steps=4, save_steps=2),
+    # a deliberate bug: every wave's loss x 1.001
+    "mutation-loss_scale": lengths_spec("auto", mutation="loss_scale"),
+}
+EXACT_RUNS = ["static", "auto", "dcp", "chunkflow", "chunkflow-keep-all", "chunkflow-mixed-qwen2", "empty-shards"]
+
+
+def train_sharded_runs(folder: Path, engine: str, refused: Sequence[str] = ()) -> Dict[str, dict]:
+    """Every run of SHARDED_RUNS under `engine`, trained by one world-2 torchrun job; the runs
+    named in `refused` must stop with an error on every rank (error_rank<r>.txt, error_of)."""
+    runs = {
+        name: dict(
+            spec, engine=engine, ddp_timeout=COLLECTIVE_TIMEOUT, out=str(folder / name), expect_error=name in refused
+        )
+        for name, spec in SHARDED_RUNS.items()
+    }
+    run_distributed({"runs": list(runs.values())}, 2, timeout=JOB_TIMEOUT)
+    return runs
+
+
+def engine_of(spec: dict) -> dict:
+    return json.loads((Path(spec["out"]) / "engine.json").read_text())
+
+
+def history(spec: dict) -> list:
+    return json.loads((Path(spec["out"]) / "history.json").read_text())
+
+
+def trained_ids(out: Path, below: int = None) -> list:
+    ids = []
+    for f in sorted((out / "cp_history").glob("rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            if below is None or rec["index"] < below:
+                ids += rec["trained_sample_ids"]
+    return ids
+
+
+def errors_of(spec: dict) -> List[str]:
+    """The error each rank of a refused run stopped with (one per rank, or fewer if some trained)."""
+    return [f.read_text() for f in sorted(Path(spec["out"]).glob("error_rank*.txt"))]
