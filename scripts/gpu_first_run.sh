@@ -8,7 +8,12 @@
 #            configs/qwen2.5-0.5b-h200.yaml (random weights, bf16, no DeepSpeed) planned with it:
 #            tokens/s, per-step measured vs predicted time and peak memory vs the memory model
 #   deepspeed  the same 3 steps as shipped: DeepSpeed ZeRO-2 in bf16, under torchrun (NCCL, world 1)
-# Usage: scripts/gpu_first_run.sh [tests] [replay] [train] [deepspeed]   (default: all four)
+#   throughput scripts/gpu_throughput.py (issue 30): the 0.5B config on the bundled data and on 64K-token
+#            one-document steps with each attention kernel, Liger's fused loss and cp_compile, 3 steps each
+#            (tokens/s, MFU, peak memory vs the memory model), then TRL DPO, TRL GRPO and FSDP2 once each;
+#            table in benchmarks/gpu_h200_throughput.md. With tests, within one 10-minute call:
+#              scripts/gpu_first_run.sh tests throughput
+# Usage: scripts/gpu_first_run.sh [tests] [replay] [train] [deepspeed] [throughput]   (default: the first four)
 # Logs and results go to $OUT (default ./gpu_run). Python packages missing on the machine can
 # ride along as wheels in .whl/ (installed to /tmp/site); .whl/alt/ holds a datasets that needs an
 # older pyarrow, used when the first cannot be imported. GPU_RUN_SMOKE=1 runs the same steps on
@@ -35,7 +40,8 @@ fi
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
   $PY - <<'EOF'
 import importlib
-for name in ("torch", "transformers", "accelerate", "datasets", "pyarrow", "highspy", "numpy", "flash_attn"):
+for name in ("torch", "transformers", "accelerate", "datasets", "pyarrow", "highspy", "numpy", "trl",
+             "flash_attn.flash_attn_interface", "flash_attn.cute.interface", "liger_kernel", "triton"):
     try:
         m = importlib.import_module(name)
         print(f"{name} {getattr(m, '__version__', '?')}")
@@ -102,7 +108,8 @@ for part in $PARTS; do
   case $part in
   tests)
     if [ "$SMOKE" = 1 ]; then export HF_CP_TEST_DEVICE=cpu; fi
-    run cuda_tests 110 $PY -m pytest -q -m gpu tests/test_cuda.py -s -p no:cacheprovider -W ignore::UserWarning
+    run cuda_tests 110 $PY -m pytest -q -m gpu tests/test_cuda.py tests/test_cuda_options.py -s -p no:cacheprovider \
+      -W ignore::UserWarning
     ;;
   replay)
     if [ "$SMOKE" = 1 ]; then
@@ -130,8 +137,16 @@ for part in $PARTS; do
     # now hands DeepSpeed "9.0" itself (setup_checks.deepspeed_arch_list)
     train_05b train_05b_zero2 240 $PY -m torch.distributed.run --nproc_per_node 1 -m hf_cp.train
     ;;
+  throughput)
+    # at most 420 s of runs, so that `tests throughput` fits one 10-minute call; GPU_THROUGHPUT_ARGS adds options
+    if [ "$SMOKE" = 1 ]; then
+      run throughput 1700 $PY scripts/gpu_throughput.py --smoke --out "$OUT" ${GPU_THROUGHPUT_ARGS:-}
+    else
+      run throughput 470 $PY scripts/gpu_throughput.py --out "$OUT" --budget-s 420 ${GPU_THROUGHPUT_ARGS:-}
+    fi
+    ;;
   *)
-    echo "unknown part $part (tests, replay, train, deepspeed)" >&2
+    echo "unknown part $part (tests, replay, train, deepspeed, throughput)" >&2
     status=2
     ;;
   esac

@@ -11,16 +11,22 @@ result was merged from several blocks (ring attention).
 
 - CPU: aten `_scaled_dot_product_flash_attention_for_cpu` (+ its backward), one batched call
   per run of equal-shaped blocks.
-- CUDA: flash-attn's varlen functions when importable, else torch's `varlen_attn`
-  (`return_aux` gives the lse). Both run fp16/bf16 only, so fp32/fp64 tensors on CUDA go to
-  the math kernel.
+- CUDA: flash-attn 2's varlen functions when importable (`flash_attn`), else flash-attn-4's
+  CuTe-DSL ones on Hopper and later (`flash_attn_4`, import name `flash_attn.cute`), else torch's
+  `varlen_attn` (`torch_varlen`; `return_aux` gives the lse). All run fp16/bf16 only, so
+  fp32/fp64 tensors on CUDA go to the math kernel.
 - math: explicit scores in query tiles, any device and dtype; exact, but its memory grows with
   tile x keys, so it is the fallback, not the fast path.
-Override with HF_CP_ATTENTION_KERNEL=cpu_flash|torch_varlen|flash_attn|math.
+
+A run chooses with the setting `cp_attention_kernel` (KERNEL_CHOICES; `use_attention_kernel`,
+which refuses by name a kernel that is not installed or cannot run on the device, and returns
+the line the trainer logs at start-up). HF_CP_ATTENTION_KERNEL=cpu_flash|torch_varlen|
+flash_attn|flash_attn_4|math forces one for every dtype (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -184,14 +190,18 @@ class TorchVarlenKernel(AttentionKernel):
 
 
 class FlashAttnKernel(AttentionKernel):
-    """flash-attn 2's varlen forward/backward (private entry points: their keywords are matched
-    by name because they changed between releases)."""
+    """flash-attn 2's varlen forward/backward. Not the public `flash_attn_varlen_func`: its
+    autograd backward uses the out and lse of its own forward, where ring attention hands each
+    block the *merged* out and lse of the row, so the private entry points are called (their
+    keywords are matched by name because they changed between releases). GQA passes through:
+    K/V keep their fewer heads. The window is always open ((-1, -1); causal closes its right
+    side): masks and windows reach a kernel compiled to full and causal blocks (blocks.py)."""
 
     name = "flash_attn"
 
     def __init__(self):
-        from flash_attn import flash_attn_interface as fai
-
+        # flash-attn is an optional dependency (CUDA only): imported when this kernel is chosen
+        fai = importlib.import_module(FLASH_ATTN_2_MODULE)
         self._fwd, self._bwd = fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward
         self._fwd_params = set(inspect.signature(self._fwd).parameters)
         self._bwd_params = set(inspect.signature(self._bwd).parameters)
@@ -221,7 +231,7 @@ class FlashAttnKernel(AttentionKernel):
         res = self._fwd(q=q, k=k, v=v, **self._common(self._fwd_params, q_lens, k_lens, q.device, causal, scale))
         # <= 2.6 returns (out, q, k, v, out_padded, lse, S_dmask, rng_state); later (out, lse, S_dmask, rng_state)
         out, lse = res[0], res[5] if len(res) == 8 else res[1]
-        return out, _lse_rows(lse, q.shape[0], q.shape[1])[0].float()
+        return out, _lse_rows(lse, q.shape[0], q.shape[1])[0].to(_lse_dtype(q))
 
     def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -241,6 +251,51 @@ class FlashAttnKernel(AttentionKernel):
             **kw,
         )
         return dq, dk, dv
+
+
+class FlashAttn4Kernel(AttentionKernel):
+    """flash-attn-4's CuTe-DSL varlen forward/backward (`flash_attn.cute.interface`; Hopper and
+    Blackwell). The private `_flash_attn_fwd` / `_flash_attn_bwd`, for the reason FlashAttnKernel
+    gives: backward must take the merged out and lse. lse is [H, T] both ways; GQA passes through;
+    no window is passed (None: open), causal closes its right side."""
+
+    name = "flash_attn_4"
+
+    def __init__(self):
+        # flash-attn-4 is an optional dependency (CUDA, compute capability 9.0+): imported when chosen
+        cute = importlib.import_module(FLASH_ATTN_4_MODULE)
+        self._fwd, self._bwd = cute._flash_attn_fwd, cute._flash_attn_bwd
+
+    @staticmethod
+    def _varlen(q_lens, k_lens, device) -> Dict:
+        return dict(
+            cu_seqlens_q=_cu(q_lens, device),
+            cu_seqlens_k=_cu(k_lens, device),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(k_lens),
+        )
+
+    def forward(self, q, k, v, q_lens, k_lens, causal, scale):
+        # (out, lse) in its first releases, (out, lse, p, row_max) later
+        res = self._fwd(
+            q, k, v, softmax_scale=scale, causal=causal, return_lse=True, **self._varlen(q_lens, k_lens, q.device)
+        )
+        out, lse = res[0], res[1]
+        return out, _lse_rows(lse, q.shape[0], q.shape[1])[0].to(_lse_dtype(q))
+
+    def backward(self, dout, q, k, v, out, lse, q_lens, k_lens, causal, scale):
+        got = self._bwd(
+            q,
+            k,
+            v,
+            out.contiguous(),
+            dout.contiguous(),
+            lse.t().contiguous(),  # the kernel's [H, T]
+            softmax_scale=scale,
+            causal=causal,
+            **self._varlen(q_lens, k_lens, q.device),
+        )
+        return got[0], got[1], got[2]  # (dq, dk, dv), then dsink with learnable sinks
 
 
 class MathKernel(AttentionKernel):
@@ -314,32 +369,150 @@ _KERNELS = {
     "cpu_flash": CpuFlashKernel,
     "torch_varlen": TorchVarlenKernel,
     "flash_attn": FlashAttnKernel,
+    "flash_attn_4": FlashAttn4Kernel,
     "math": MathKernel,
 }
 _CACHE: Dict[str, AttentionKernel] = {}
 _HALF = (torch.float16, torch.bfloat16)
 
+# ---------------------------------------------------------------------------- the run's choice
+FLASH_ATTN_2_MODULE = "flash_attn.flash_attn_interface"  # pip install flash-attn (2.x)
+FLASH_ATTN_4_MODULE = "flash_attn.cute.interface"  # pip install flash-attn-4 (CuTe DSL)
+# cp_attention_kernel's values: auto picks by device and dtype (kernel_for)
+KERNEL_CHOICES = ("auto", "flash_attn", "flash_attn_4", "torch_varlen", "cpu_flash", "math")
+_CUDA_ONLY = ("flash_attn", "flash_attn_4", "torch_varlen")
+FLASH_ATTN_4_MIN_CAPABILITY = (9, 0)  # its kernels are for Hopper (sm90) and Blackwell (sm100+)
+_DESCRIPTIONS = {
+    "cpu_flash": "aten's CPU flash attention",
+    "torch_varlen": "torch.nn.attention.varlen_attn",
+    "flash_attn": "flash-attn 2 varlen",
+    "flash_attn_4": "flash-attn-4 CuTe-DSL varlen",
+    "math": "hf_cp's math kernel (explicit scores)",
+}
+ENV_KERNEL = "HF_CP_ATTENTION_KERNEL"
+_chosen: Optional[str] = None  # the run's cp_attention_kernel (use_attention_kernel); None: auto
+_auto_cuda: Dict[str, str] = {}  # device -> auto's half-precision kernel, decided once per device
+
+
+def import_problem(module: str) -> Optional[str]:
+    """Why `module` cannot be imported (None: it can)."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - a broken CUDA extension raises OSError or RuntimeError, not only ImportError
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def cuda_capability(device: torch.device) -> Optional[Tuple[int, int]]:
+    """(major, minor) of a CUDA device; None where CUDA is not available (a choice checked on a
+    machine without a GPU, as the CPU tests do)."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _kernel_problem(name: str, device: torch.device) -> Optional[str]:
+    """Why kernel `name` cannot run on `device` (None: it can)."""
+    if name not in KERNEL_CHOICES:
+        return f"{name!r} is not one of {', '.join(KERNEL_CHOICES)}"
+    if name in _CUDA_ONLY and device.type != "cuda":
+        return f"{name} runs on CUDA only and this run is on {device.type} (choose auto, cpu_flash or math)"
+    if name == "cpu_flash" and device.type == "cuda":
+        return "cpu_flash is aten's CPU kernel and this run is on CUDA (choose auto, flash_attn, flash_attn_4, torch_varlen or math)"
+    if name == "flash_attn":
+        err = import_problem(FLASH_ATTN_2_MODULE)
+        if err:
+            return f"flash_attn needs flash-attn 2 (pip install flash-attn), and {FLASH_ATTN_2_MODULE} does not import ({err})"
+    if name == "flash_attn_4":
+        err = import_problem(FLASH_ATTN_4_MODULE)
+        if err:
+            return f"flash_attn_4 needs flash-attn-4 (pip install flash-attn-4), and {FLASH_ATTN_4_MODULE} does not import ({err})"
+        got = cuda_capability(device)
+        if got is not None and got < FLASH_ATTN_4_MIN_CAPABILITY:
+            return (
+                f"flash_attn_4 runs on compute capability {'.'.join(map(str, FLASH_ATTN_4_MIN_CAPABILITY))} and "
+                f"above (Hopper, Blackwell); this GPU is {'.'.join(map(str, got))} (choose flash_attn or torch_varlen)"
+            )
+    if name == "torch_varlen":
+        err = import_problem("torch.nn.attention.varlen")
+        if err:
+            return f"torch_varlen needs torch.nn.attention.varlen, which torch {torch.__version__} lacks ({err})"
+    return None
+
+
+def check_kernel_choice(name: str, device: torch.device) -> None:
+    """Refuse, by name, a cp_attention_kernel that is unknown, not installed, or cannot run on
+    `device` (CPTrainingArguments checks it when it is built)."""
+    problem = _kernel_problem(name, device)
+    if problem:
+        raise ValueError(f"cp_attention_kernel: {problem}")
+
+
+def _auto_kernel(device: torch.device, dtype: Optional[torch.dtype]) -> str:
+    """auto's kernel: by device, then dtype; on CUDA the fastest installed flash kernel."""
+    if device.type != "cuda":
+        return "cpu_flash"
+    if dtype is not None and dtype not in _HALF:
+        return "math"  # the flash kernels run fp16/bf16 only
+    key = str(device)
+    if key not in _auto_cuda:
+        if import_problem(FLASH_ATTN_2_MODULE) is None:
+            _auto_cuda[key] = "flash_attn"
+        elif import_problem(FLASH_ATTN_4_MODULE) is None and (cuda_capability(device) or (0, 0)) >= (
+            FLASH_ATTN_4_MIN_CAPABILITY
+        ):
+            _auto_cuda[key] = "flash_attn_4"
+        else:
+            _auto_cuda[key] = "torch_varlen"
+    return _auto_cuda[key]
+
+
+def _run_kernel(device: torch.device, dtype: Optional[torch.dtype]) -> str:
+    """The kernel of the run's choice for tensors of `dtype` on `device` (no override). The choice
+    was checked against the run's device; tensors on another kind of device get auto's kernel."""
+    if _chosen is None or _chosen == "math":
+        return _chosen or _auto_kernel(device, dtype)
+    if (device.type == "cuda") != (_chosen in _CUDA_ONLY):
+        return _auto_kernel(device, dtype)
+    if _chosen in _CUDA_ONLY and dtype is not None and dtype not in _HALF:
+        return "math"  # the chosen flash kernel runs fp16/bf16 only
+    return _chosen
+
 
 def kernel_for(
     device: torch.device, override: Optional[str] = None, dtype: Optional[torch.dtype] = None
 ) -> AttentionKernel:
-    """The kernel for tensors of `dtype` on `device`; HF_CP_ATTENTION_KERNEL (or `override`)
-    forces one."""
-    name = override or os.environ.get("HF_CP_ATTENTION_KERNEL") or ""
-    if not name:
-        if device.type != "cuda":
-            name = "cpu_flash"
-        elif dtype is not None and dtype not in _HALF:
-            name = "math"  # the flash kernels run fp16/bf16 only
-        else:
-            try:
-                import flash_attn  # noqa: F401
-
-                name = "flash_attn"
-            except ImportError:
-                name = "torch_varlen"
+    """The kernel for tensors of `dtype` on `device`: the run's cp_attention_kernel
+    (use_attention_kernel), else auto's; HF_CP_ATTENTION_KERNEL (or `override`) forces one."""
+    name = override or os.environ.get(ENV_KERNEL) or _run_kernel(device, dtype)
     if name not in _KERNELS:
-        raise ValueError(f"HF_CP_ATTENTION_KERNEL={name!r} is not one of {sorted(_KERNELS)}")
+        raise ValueError(f"{ENV_KERNEL}={name!r} is not one of {sorted(_KERNELS)}")
     if name not in _CACHE:
         _CACHE[name] = _KERNELS[name]()
     return _CACHE[name]
+
+
+def use_attention_kernel(name: str, device: torch.device) -> str:
+    """Make `name` (a KERNEL_CHOICES value) this process's attention kernel on `device`, refused
+    by name where it cannot run; returns the start-up line that says which kernel runs."""
+    global _chosen
+    check_kernel_choice(name, device)
+    forced = os.environ.get(ENV_KERNEL)
+    if forced and name != "auto" and forced != name:
+        raise ValueError(f"cp_attention_kernel: {name} and {ENV_KERNEL}={forced} disagree; unset one of them")
+    _chosen = None if name == "auto" else name
+    _auto_cuda.clear()  # decided again: an install may have changed since
+    _CACHE.clear()
+    return attention_kernel_line(device, name)
+
+
+def attention_kernel_line(device: torch.device, setting: str = "auto") -> str:
+    """Which kernel attention runs with on `device`, for half and full precision, and why."""
+    forced = os.environ.get(ENV_KERNEL)
+    half = kernel_for(device, dtype=torch.bfloat16).name
+    full = kernel_for(device, dtype=torch.float32).name
+    why = f"{ENV_KERNEL}={forced}" if forced else f"cp_attention_kernel: {setting}"
+    line = f"attention kernel: {half} ({_DESCRIPTIONS[half]}) on {device.type}"
+    if full != half:
+        line += f" for bf16/fp16, {full} ({_DESCRIPTIONS[full]}) for fp32/fp64"
+    return f"{line} [{why}]"

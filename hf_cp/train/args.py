@@ -6,10 +6,14 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional, Union
 
+import torch
 from transformers import TrainingArguments
 
+from hf_cp.attention.kernels import KERNEL_CHOICES, check_kernel_choice
 from hf_cp.planning.setup import PlanningSettings
 from hf_cp.resources import input_path
+from hf_cp.train.layer_compile import compile_problem
+from hf_cp.train.loss import liger_loss_problem
 from hf_cp.train.setup_checks import check_parallelism
 
 _DEFAULT = PlanningSettings.default  # one set of planning defaults for the trainer, dry run and CLI
@@ -162,6 +166,23 @@ class CPTrainingArguments(TrainingArguments):
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
     )
+    cp_attention_kernel: str = field(
+        default="auto",
+        metadata={
+            "help": f"the local attention kernel, one of {', '.join(KERNEL_CHOICES)}. auto: on CUDA flash-attn 2 when "
+            "installed, else flash-attn-4 on Hopper and later, else torch's varlen_attn; on CPU aten's flash "
+            "attention. A kernel that is not installed or not for the run's device is refused by name; fp32 "
+            "tensors on CUDA run the math kernel whatever the choice (the flash kernels run fp16/bf16 only)"
+        },
+    )
+    cp_compile: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile every decoder layer before training, hf_cp's attention left out of the graphs "
+            "(hf_cp/train/layer_compile.py); refused with ChunkFlow (cp_balancer chunkflow, or auto with chunkflow "
+            "among its members)"
+        },
+    )
 
     def __post_init__(self):
         # accelerate's CP and DeepSpeed's SP would split the sequences hf_cp plans: refused by name
@@ -187,13 +208,20 @@ class CPTrainingArguments(TrainingArguments):
                 setattr(self, name, parsed)
         if isinstance(self.cp_compare_balancer, str) and self.cp_compare_balancer.lower() in ("", "none", "null"):
             self.cp_compare_balancer = None  # as `hf-cp plan --compare-balancer none`: a command-line flag's None
+        # the kind of device the run trains on, for the choices that depend on it (before the
+        # Trainer sets up its device: TrainingArguments.device would start the distributed state)
+        device = torch.device("cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu")
         if getattr(self, "use_liger_kernel", False):
-            # Liger patches the model's LM head and loss; CPTrainer computes the loss itself (chunked over
-            # the LM head, over a plan's shards), so the patch would be bypassed without a word
-            raise ValueError(
-                "CPTrainingArguments: use_liger_kernel is not supported: CPTrainer computes the loss with its own "
-                "chunked LM-head loss (cp_loss_chunk_tokens bounds the logits' memory); set use_liger_kernel: false"
-            )
+            # Liger patches the model's LM head and loss; CPTrainer computes the loss itself (over the
+            # LM head, over a plan's shards): on CUDA with Liger's fused linear cross-entropy
+            # (loss.liger_lm_head_loss), elsewhere the patch would be bypassed without a word
+            problem = liger_loss_problem(device.type, self.cp_loss_chunk_tokens)
+            if problem:
+                raise ValueError(f"CPTrainingArguments: {problem}")
+        try:
+            check_kernel_choice(self.cp_attention_kernel, device)
+        except ValueError as e:
+            raise ValueError(f"CPTrainingArguments: {e}") from None
         if self.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"CPTrainingArguments: gradient_accumulation_steps is {self.gradient_accumulation_steps}; "
@@ -227,6 +255,10 @@ class CPTrainingArguments(TrainingArguments):
             )
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
+        if self.cp_compile:
+            problem = compile_problem(self.planning_settings())
+            if problem:
+                raise ValueError(f"CPTrainingArguments: {problem}")
         # the loader yields planned steps, not model inputs: keep every dataset column
         self.remove_unused_columns = False
 

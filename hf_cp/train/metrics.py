@@ -4,14 +4,79 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from typing import Dict, List, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
+import torch
+
+from hf_cp.cost.flops import DevicePeak, ModelFlops, achieved_tflops, device_peak, mfu
 from hf_cp.cost.simulate import max_over_mean
+from hf_cp.samples.masks import SampleMask
+from hf_cp.train.collator import RankStep
 from hf_cp.train.history import StepRecord
+from hf_cp.train.step_record import step_model_flops
 
 
-def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, float]:
-    """Log entries for the steps in `records` (one StepRecord per step)."""
+def device_name(device: torch.device) -> str:
+    """What a device calls itself: the GPU's name on CUDA (its peak is looked up by it), else the
+    device type ("cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+class StepThroughput:
+    """Model FLOPs of every step (cost/flops.py) and the peak they are measured against: what
+    turns the step records' wall times into achieved TFLOP/s and MFU for the logs (`cp/tflops`,
+    `cp/mfu`) and the run summary. The records carry no FLOPs: the trainer hands every step here
+    as it records it (`observe`), and the aggregations look the FLOPs up by step index."""
+
+    def __init__(self, model: ModelFlops, peak: DevicePeak):
+        self.model = model
+        self.peak = peak
+        self.step_flops: Dict[int, float] = {}  # StepRecord.index -> the step's model FLOPs
+
+    @classmethod
+    def for_model(cls, model_config, device: torch.device) -> StepThroughput:
+        """From the model's transformers config (a PretrainedConfig or its dict) and the run's device."""
+        config = model_config.to_dict() if hasattr(model_config, "to_dict") else model_config
+        return cls(ModelFlops.from_config(config), device_peak(device_name(device)))
+
+    def observe(self, step: RankStep, masks: Mapping[int, SampleMask]) -> None:
+        """Count the model FLOPs of `step` (its samples under `masks`, by sample id)."""
+        self.step_flops[step.index] = step_model_flops(step, self.model, masks)
+
+    def entries(self, records: Sequence[StepRecord]) -> Dict[str, float]:
+        """`tflops` (model TFLOP/s per GPU) and, with a known peak, `mfu` (a fraction of it) over
+        the steps of `records` whose FLOPs were observed; {} when none was."""
+        counted = [r for r in records if r.index in self.step_flops]
+        wall_s = sum(r.step_wall_ms for r in counted) / 1e3
+        if not counted or wall_s <= 0:
+            return {}
+        flops, gpus = sum(self.step_flops[r.index] for r in counted), len(counted[0].measured_ms)
+        out = {"tflops": achieved_tflops(flops, wall_s, gpus)}
+        util = mfu(flops, wall_s, gpus, self.peak)
+        if util is not None:
+            out["mfu"] = util
+        return out
+
+    def summary_line(self, records: Sequence[StepRecord]) -> Optional[str]:
+        got = self.entries(records)
+        if not got:
+            return None
+        gpus = len(records[0].measured_ms)
+        line = (
+            f"model FLOPs: {got['tflops']:.3g} TFLOP/s per {'GPU' if self.peak.tflops else 'device'} over "
+            f"{gpus} rank(s) (6 x matmul parameters per token + attention over the masked area; recompute not "
+            f"counted; time: the steps' wall clock)"
+        )
+        if "mfu" in got:
+            return line + f", MFU {100 * got['mfu']:.1f}% of the {self.peak.describe()}"
+        return line + f"; MFU not reported: {self.peak.describe()}"
+
+
+def aggregate(
+    records: Sequence[StepRecord], prefix: str = "cp/", throughput: Optional[StepThroughput] = None
+) -> Dict[str, float]:
+    """Log entries for the steps in `records` (one StepRecord per step); with `throughput`, also
+    the model TFLOP/s per GPU (`tflops`) and the MFU (`mfu`, where the device's peak is known)."""
     if not records:
         return {}
     world = len(records[0].measured_ms)
@@ -43,6 +108,8 @@ def aggregate(records: Sequence[StepRecord], prefix: str = "cp/") -> Dict[str, f
         hist.update({int(g): n for g, n in r.cp_size_samples.items()})
     for g, n in sorted(hist.items()):
         out[f"cp_size{g}_samples"] = float(n)
+    if throughput is not None:
+        out.update(throughput.entries(records))
     return {prefix + k: float(v) for k, v in out.items()}
 
 
@@ -62,8 +129,11 @@ def slowest_rank(records: Sequence[StepRecord]) -> int:
 SUMMARY_MAX_RANKS = 16
 
 
-def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "") -> List[str]:
-    """Human-readable end-of-run summary (printed by the main job on rank 0)."""
+def summary_lines(
+    records: Sequence[StepRecord], balancer: str, compare: str = "", throughput: Optional[StepThroughput] = None
+) -> List[str]:
+    """Human-readable end-of-run summary (printed by the main job on rank 0); with `throughput`,
+    a line of model TFLOP/s and MFU (with the peak it is a fraction of)."""
     if not records:
         return ["no steps were trained"]
     n = len(records)
@@ -99,7 +169,8 @@ def summary_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
             f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run; "
             f"a run with cp_balancer: {compare} measures it)"
         )
-    return lines + memory_lines(records) + wall_clock_lines(records)
+    flops_line = throughput.summary_line(records) if throughput is not None else None
+    return lines + memory_lines(records) + wall_clock_lines(records) + ([flops_line] if flops_line else [])
 
 
 def memory_lines(records: Sequence[StepRecord]) -> List[str]:

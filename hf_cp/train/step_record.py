@@ -3,12 +3,14 @@ all-gather over the control group) and the plan's predictions, as a StepRecord (
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
+from hf_cp.cost.flops import ModelFlops
 from hf_cp.planning.sampler import GlobalBatchSampler
+from hf_cp.samples.masks import SampleMask
 from hf_cp.train.collator import RankStep
 from hf_cp.train.history import StepRecord
 from hf_cp.train.resume import restart_attempt
@@ -93,3 +95,10 @@ def step_record(
         peak_memory_gb=[r[4] / 1e9 for r in rows] if all(r[4] >= 0 for r in rows) else [],
         predicted_peak_memory_gb=[b / 1e9 for b in ps.predicted.peak_memory_bytes] if ps is not None else [],
     )
+
+
+def step_model_flops(step: RankStep, flops: ModelFlops, masks: Mapping[int, SampleMask]) -> float:
+    """Model FLOPs of the whole step, all ranks together (cost/flops.py): the step's samples, each
+    under its mask from `masks` (by sample id; causal without one). The same on every rank."""
+    plan = step.plan
+    return flops.samples(plan.lengths, [masks.get(s) for s in plan.sample_ids])
