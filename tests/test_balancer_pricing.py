@@ -181,14 +181,15 @@ def test_pricer_hands_masked_samples_and_other_modes_to_the_cost_model(h200_cost
     lengths=st.lists(st.integers(1, 120_000), min_size=1, max_size=30),
     seed=st.integers(0, 10**6),
     world=st.sampled_from([1, 2, 4, 8, 16]),
-    execution=st.sampled_from(["zero2", "zero2-overlap", "ddp"]),
+    execution=st.sampled_from(["zero2", "zero2-overlap", "ddp", "fsdp2", "zero3"]),
     cp_scale=st.sampled_from([1.0, 1.7]),
     message_ms=st.sampled_from([0.0, 2.5]),
 )
 def test_pricer_follows_the_execution_and_the_cp_attention_scale(
     h200_cost, lengths, seed, world, execution, cp_scale, message_ms
 ):
-    # wall clock (hf_cp/execution.py): dummies, barriers, reductions and the step's fixed cost;
+    # wall clock (hf_cp/cost/execution.py): dummies, barriers, reductions and the step's fixed cost;
+    # under FSDP2/ZeRO-3 every wave's pass sequence and its parameter communication;
     # CP groups: the attention scale and the exchange's per-message cost
     from dataclasses import replace
 
@@ -206,3 +207,32 @@ def test_pricer_follows_the_execution_and_the_cp_attention_scale(
     lengths = [min(n, cl.largest_capacity) for n in lengths]
     plan = random_valid_plan(lengths, cl, seed, ulysses_ok(cost)).validate(cl)
     assert PlanPricer(cost).makespan_ms(plan) == pytest.approx(simulate(plan, cost).makespan_ms, rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.parametrize("execution", ["fsdp2", "zero3", "zero2", "zero2-overlap", "ddp"])
+@pytest.mark.parametrize("inter_node_gbps", [40.0, 5.0])
+def test_pricer_equals_simulate_on_chunkflow_plans_under_every_execution(
+    h200_cost, traces_dir, execution, inter_node_gbps
+):
+    # chunked samples run their own pass sequences (ffFBFB...), which every other rank follows
+    # with dummy passes under FSDP2/ZeRO-3; a slow link makes the passes' communication show
+    from dataclasses import replace
+
+    from hf_cp.cost.execution import execution_named
+    from hf_cp.cost.model import Link
+    from hf_cp.samples.lengths import read_lengths
+
+    links = dict(h200_cost.profile.links)
+    links["inter_node"] = Link(inter_node_gbps, links["inter_node"].latency_us)
+    profile = replace(h200_cost.profile, links=links, reduction_overhead_ms=3.0, step_overhead_ms=5.0)
+    cost = CostModel(h200_cost.dims, profile, execution_named(execution))
+    lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:120] + [100_000, 60_000]
+    cl = ClusterSpec(16, 32768)
+    req = PlanRequest(range(len(lengths)), lengths, cl, cost, dataset_max_length=max(lengths))
+    plan = get_balancer("chunkflow", chunk_size=8192).plan(req)
+    plan.validate(cl, cost)
+    assert len(plan.chunked_samples) >= 5 and plan.spreads_samples
+    sim = simulate(plan, cost)
+    if cost.execution.shards_parameters:  # the case this checks: passes whose communication shows
+        assert sim.parameter_comm_ms > 0 and any(len(p) > 2 for p in plan.wave_passes())
+    assert PlanPricer(cost).makespan_ms(plan) == pytest.approx(sim.makespan_ms, rel=1e-12)

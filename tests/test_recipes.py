@@ -24,9 +24,13 @@ from hf_cp.train.config import TrainConfigError, load_config
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = {
     "cpu-2proc-zero2.yaml",
+    "cpu-2proc-fsdp2.yaml",
     "ds-zero2-cpu.json",
     "ds-zero2-gpu.json",
+    "ds-zero3-cpu.json",
+    "ds-zero3-gpu.json",
     "gpu-8x1-zero2.yaml",
+    "gpu-8x1-fsdp2.yaml",
     "gpu-8x4-multinode-zero2.yaml",
     "trl_sft.py",
     "trl_dpo.py",

@@ -18,7 +18,9 @@ A step with masked samples (shared prompts, windows) is planned only by the memb
 declare `handles_masks` (they price samples by their masked area). So `auto` is never slower
 (predicted) than any member it planned. The first member's plan
 is not priced unless another member is planned: its own prediction (`last_predicted_ms`,
-which dynamic_cp and flexsp set on every plan()) decides whether to stop. Everything is a
+which dynamic_cp and flexsp set on every plan()) decides whether to stop; under an execution
+rule (the cost model's `execution`: ZeRO-2, FSDP2, ...) it is priced at once, since members
+predict compute alone and the wall clock can rank plans differently. Everything is a
 pure function of the request: the same members are planned and skipped on every rank. No
 member's plan is validated here: the caller validates the winner (the planner worker and
 `hf-cp plan` do, before any collective). The winner is recorded in the plan as
@@ -180,7 +182,9 @@ class AutoBalancer:
             if best is None:
                 # the first member's own prediction (built-ins set last_predicted_ms on every
                 # plan()) decides whether anything else is planned; it is priced only if so
-                own = getattr(balancer, "last_predicted_ms", None)
+                # Members predict compute alone; under an execution rule (ZeRO-2's per-wave
+                # reductions, FSDP2's per-pass gathers) only the pricer's wall clock may stop the search
+                own = getattr(balancer, "last_predicted_ms", None) if req.cost.execution is None else None
                 best = [own, name, plan, False] if own is not None else [pricer.makespan_ms(plan), name, plan, True]
                 self.last_makespans[name] = best[0]
                 continue

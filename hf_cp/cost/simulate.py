@@ -263,6 +263,69 @@ def sharded_wave_ms(passes: str, place_ms: Sequence[float], forward_comm_ms: flo
     return sum(max(ms, backward_comm_ms if kind == BACKWARD else forward_comm_ms) for kind, ms in zip(passes, place_ms))
 
 
+@dataclass(frozen=True)
+class ShardedWave:
+    """One wave's wall time when the parameters are sharded (ShardedPasses.wave)."""
+
+    place_ms: List[float]  # per place of the wave's passes, the slowest rank's compute (place_compute_ms)
+    passes_ms: float  # the passes' wall time, communication where it outlasts compute (sharded_wave_ms)
+    reductions: int  # one per backward place: each reduce-scatters the gradients
+    reduction_ms: float  # their fixed cost (profile.reduction_overhead_ms each); their bytes are in passes_ms
+
+    @property
+    def wall_ms(self) -> float:
+        """From the wave's start (every rank at the previous wave's barrier) to its end."""
+        return self.passes_ms + self.reduction_ms
+
+
+class ShardedPasses:
+    """The wave rule of a plan under a parameter-sharding execution (FSDP2, ZeRO-3): every rank
+    runs each wave's pass sequence (StepPlan.wave_passes), its own passes at the places of their
+    kind and a dummy pass (a one-token micro-batch's share of its kind) elsewhere; the wave lasts
+    sharded_wave_ms plus one fixed reduction cost per backward place. `simulate` and the
+    balancers' pricer (balance/toolkit/pricing.PlanPricer) both price waves through this, so
+    what a balancer compares is what the simulator predicts."""
+
+    def __init__(self, plan: StepPlan, cost: CostModel, lens: Optional[Dict[int, int]] = None):
+        W = plan.world_size
+        self.plan, self.cost = plan, cost
+        self.lens = lens if lens is not None else plan.length_of()
+        self.passes_of_wave = plan.wave_passes()
+        self.forward_comm_ms = cost.parameter_pass_comm_ms(W, backward=False)
+        self.backward_comm_ms = cost.parameter_pass_comm_ms(W, backward=True)
+        self.forward_share = fs = cost.profile.forward_share
+        dummy = cost.dummy_micro_batch_ms()
+        self.dummy_pass_ms = {FORWARD_NO_GRAPH: fs * dummy, FORWARD: fs * dummy, BACKWARD: (1 - fs) * dummy}
+
+    def micro_batch_ms(self, duration_ms: float) -> List[float]:
+        """A member's own passes (F, B) in a group's micro-batch of `duration_ms` (overhead
+        included): the members meet at every layer, so each spends the group's time, split
+        by the profile's forward share."""
+        fs = self.forward_share
+        return [fs * duration_ms, (1 - fs) * duration_ms]
+
+    def chunked_ms(self, group: Group, rank: int) -> List[float]:
+        """`rank`'s own passes in a one-rank group of chunked samples, in the order it runs them."""
+        return [
+            t
+            for c in group.chunked.get(rank, [])
+            for t in chunked_pass_ms(self.cost, dependent_chunk_sizes(self.lens[c.sample], c.chunk_size), c.keep)
+        ]
+
+    def wave(self, w: int, own_ms: Sequence[Sequence[float]]) -> ShardedWave:
+        """Wave `w`'s wall time, given every rank's own passes' compute (`own_ms[r]`: [] for a
+        rank without work, micro_batch_ms or chunked_ms otherwise)."""
+        passes = self.passes_of_wave[w]
+        places = place_compute_ms(passes, self.plan.rank_passes(w, self.lens), own_ms, self.dummy_pass_ms)
+        k = passes.count(BACKWARD)
+        return ShardedWave(
+            places,
+            sharded_wave_ms(passes, places, self.forward_comm_ms, self.backward_comm_ms),
+            k,
+            k * self.cost.profile.reduction_overhead_ms,
+        )
+
+
 def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
     """Per-rank times of the plan by the timing rule of the module docstring. With the
     cluster, the result also carries the plan's lower bounds and flags."""
@@ -286,14 +349,9 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     dummy = cost.dummy_micro_batch_ms() if ex is not None else 0.0
     reduction_total = 0.0
     reduction_count = 0
-    sharded = ex is not None and ex.shards_parameters
+    # every rank runs each wave's pass sequence (ShardedPasses)
+    sharded = ShardedPasses(plan, cost, lens) if ex is not None and ex.shards_parameters else None
     parameter_comm_total = 0.0
-    if sharded:  # every rank runs each wave's pass sequence; a dummy pass is a one-token pass's share
-        passes_of_wave = plan.wave_passes()
-        forward_comm = cost.parameter_pass_comm_ms(W, backward=False)
-        backward_comm = cost.parameter_pass_comm_ms(W, backward=True)
-        fs = cost.profile.forward_share
-        dummy_pass = {FORWARD_NO_GRAPH: fs * dummy, FORWARD: fs * dummy, BACKWARD: (1 - fs) * dummy}
     for w, wave in enumerate(plan.waves):
         if ex is not None and ex.waves_synchronise:  # the previous wave ended in a barrier
             top = max(clock)
@@ -309,12 +367,8 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
             if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
                 ms, tk, mem = chunked_group_cost(lens, g, cost)
                 r = g.ranks[0]
-                if sharded:
-                    own_ms[r] = [
-                        t
-                        for c in g.chunked.get(r, [])
-                        for t in chunked_pass_ms(cost, dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep)
-                    ]
+                if sharded is not None:
+                    own_ms[r] = sharded.chunked_ms(g, r)
                 runs.append(GroupRun(w, g.ranks, clock[r], ms, [ms], [0.0], None, 0, 0, [tk], True))
                 compute[r] += ms
                 clock[r] += ms
@@ -355,8 +409,8 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 calls[r] = max(calls[r], 1)
                 slowest_compute = max(slowest_compute, cm)
                 clock[r] = start + dur
-                if sharded:  # the group's members meet at every layer: each spends the group's time
-                    own_ms[r] = [fs * dur, (1 - fs) * dur]
+                if sharded is not None:
+                    own_ms[r] = sharded.micro_batch_ms(dur)
             if g.distributed:
                 cp_samples[g.size] += len(g.distributed)
                 cp_tokens[g.size] += sum(lens[s] for s in g.distributed)
@@ -378,18 +432,14 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                     messages=group_messages(lens, g, cost, plan.masks),
                 )
             )
-        if sharded:
-            passes = passes_of_wave[w]
-            places = place_compute_ms(passes, plan.rank_passes(w, lens), own_ms, dummy_pass)
-            wall = sharded_wave_ms(passes, places, forward_comm, backward_comm)
-            # every backward reduce-scatters the gradients (its bytes are in backward_comm); the
-            # profile's fixed cost per reduction comes on top
-            k = passes.count(BACKWARD)
-            red = k * cost.profile.reduction_overhead_ms
-            parameter_comm_total += wall - sum(places)
-            reduction_total += red
-            reduction_count += k
-            end = wave_start + wall + red
+        if sharded is not None:
+            sw = sharded.wave(w, own_ms)
+            # every backward reduce-scatters the gradients (their bytes are in the passes' time);
+            # the profile's fixed cost per reduction comes on top
+            parameter_comm_total += sw.passes_ms - sum(sw.place_ms)
+            reduction_total += sw.reduction_ms
+            reduction_count += sw.reductions
+            end = wave_start + sw.passes_ms + sw.reduction_ms
             for r in range(W):
                 idle[r] += end - clock[r]
                 clock[r] = end

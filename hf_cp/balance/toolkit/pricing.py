@@ -14,7 +14,11 @@ sums are taken in another order) from vectorised pieces:
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
   O(documents + g); every other mode (Ulysses, blocks: no built-in balancer plans them)
   and every plan with masked samples go through the cost model (simulate.group_costs);
-* the timing loop runs once per group, size-1 groups without arithmetic on arrays.
+* the timing loop runs once per group, size-1 groups without arithmetic on arrays;
+* with an execution the wall clock follows simulate's rule (_WallClock): dummies, barriers and
+  reductions under ZeRO-2 and DDP; under FSDP2 and ZeRO-3 (parameters sharded) every wave
+  runs its pass sequence, each pass at least its parameter communication, through the same
+  simulate.ShardedPasses the simulator uses, so balancers see what an extra wave costs.
 
 Nothing here has a cost formula of its own beyond re-arranging CostModel's; the test suite
 checks pricing against `simulate` on random valid plans and every balancer's plans.
@@ -29,10 +33,16 @@ import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.cost.model import CostModel
-from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
+from hf_cp.cost.simulate import (
+    ShardedPasses,
+    chunked_group_calls,
+    chunked_group_cost,
+    group_costs,
+    wave_reductions,
+)
 from hf_cp.modes import ring
 from hf_cp.modes.segments import ShardMode
-from hf_cp.plan.step_plan import StepPlan
+from hf_cp.plan.step_plan import Group, StepPlan
 
 
 class PlanPricer:
@@ -188,7 +198,7 @@ class PlanPricer:
         clock = [0.0] * plan.world_size
         overhead = self.overhead_ms
         length_of = None
-        wall = _WallClock(self.cost, plan.world_size) if self.execution is not None else None
+        wall = _WallClock(self.cost, plan) if self.execution is not None else None
         wave_of = [w for w, wave in enumerate(plan.waves) for _ in wave.groups]
         for k, g in enumerate(groups):
             if wall is not None:
@@ -201,7 +211,7 @@ class PlanPricer:
                     r = g.ranks[0]
                     clock[r] = clock[r] + slot_ms_l[mine[0][1]] + overhead
                     if wall is not None:
-                        wall.worked(r, slot_ms_l[mine[0][1]])
+                        wall.worked(r, slot_ms_l[mine[0][1]], slot_ms_l[mine[0][1]] + overhead)
                     continue
                 start = max(clock[r] for r in g.ranks)
                 dur = max(slot_ms_l[s] for _, s in mine if slot_tok_l[s]) if mine else 0.0
@@ -210,7 +220,7 @@ class PlanPricer:
                     if slot_tok_l[s]:
                         clock[g.ranks[m]] = end
                         if wall is not None:
-                            wall.worked(g.ranks[m], slot_ms_l[s])
+                            wall.worked(g.ranks[m], slot_ms_l[s], dur + overhead)
                 continue
             if length_of is None:
                 length_of = dict(zip(plan.sample_ids, plan.lengths))
@@ -227,11 +237,12 @@ class PlanPricer:
                 member = np.asarray([c.total_ms for c in costs])
                 member_compute = np.asarray([c.compute_ms for c in costs])
             start = max(clock[r] for r in g.ranks)
-            end = start + float(member.max()) + overhead
+            dur = float(member.max()) + overhead
+            end = start + dur
             for m, r in enumerate(g.ranks):
                 clock[r] = end
                 if wall is not None:
-                    wall.worked(r, float(member_compute[m]))
+                    wall.worked(r, float(member_compute[m]), dur)
         if wall is not None:
             return wall.finish(clock, len(plan.waves))
         return np.asarray(clock)
@@ -241,7 +252,7 @@ class PlanPricer:
         lens = plan.length_of()
         clock = [0.0] * plan.world_size
         overhead = self.overhead_ms
-        wall = _WallClock(self.cost, plan.world_size) if self.execution is not None else None
+        wall = _WallClock(self.cost, plan) if self.execution is not None else None
         for w, wave in enumerate(plan.waves):
             if wall is not None:
                 wall.enter_wave(w, clock)
@@ -250,17 +261,18 @@ class PlanPricer:
                     ms = chunked_group_cost(lens, g, self.cost)[0]
                     clock[g.ranks[0]] += ms
                     if wall is not None:
-                        wall.worked(g.ranks[0], ms, calls=chunked_group_calls(lens, g), chunked=True)
+                        wall.worked_chunked(lens, g, ms)
                     continue
                 costs = group_costs(lens, g, self.cost, plan.masks)
                 if all(c.tokens == 0 for c in costs):
                     continue
-                end = max(clock[r] for r in g.ranks) + max(c.total_ms for c in costs) + overhead
+                dur = max(c.total_ms for c in costs) + overhead
+                end = max(clock[r] for r in g.ranks) + dur
                 for c, r in zip(costs, g.ranks):
                     if c.tokens or g.distributed:
                         clock[r] = end
                         if wall is not None:
-                            wall.worked(r, c.compute_ms)
+                            wall.worked(r, c.compute_ms, dur)
         if wall is not None:
             return wall.finish(clock, len(plan.waves))
         return np.asarray(clock)
@@ -273,27 +285,56 @@ class PlanPricer:
 
 
 class _WallClock:
-    """simulate.simulate's execution rule (hf_cp/execution.py) on a pricing loop's clocks: at every
-    wave's end every rank pads to the wave's backward count with dummy micro-batches (none
-    worked: one; a chunked sample: one per dependent chunk) and, when waves synchronise (or at
-    the last wave), all wait for the slowest and the gradient reductions (one per backward
-    pass when waves synchronise)."""
+    """simulate.simulate's execution rule (hf_cp/cost/execution.py) on a pricing loop's clocks.
 
-    def __init__(self, cost: CostModel, world: int):
-        self.cost, self.world = cost, world
+    Replicated parameters (ZeRO-2, DDP): at every wave's end every rank pads to the wave's
+    backward count with dummy micro-batches (none worked: one; a chunked sample: one per
+    dependent chunk) and, when waves synchronise (or at the last wave), all wait for the slowest
+    and the gradient reductions (one per backward pass when waves synchronise).
+
+    Sharded parameters (FSDP2, ZeRO-3): every pass re-gathers the parameters, so a wave's time
+    is not its slowest rank's compute but its pass sequence's (simulate.ShardedPasses, the
+    simulator's own rule): each pass lasts at least its communication, dummy passes included,
+    and every wave the plan adds pays that again. The loop's clocks only collect each rank's own
+    passes; the wave then ends for all at its start plus ShardedPasses.wave's wall time."""
+
+    def __init__(self, cost: CostModel, plan: StepPlan):
+        self.cost, self.world = cost, plan.world_size
         self.ex = cost.execution
+        # one ShardedPasses per plan: its pass sequences (StepPlan.wave_passes) are the plan's
+        self.sharded = ShardedPasses(plan, cost) if self.ex.shards_parameters else None
         self.dummy = cost.dummy_micro_batch_ms()
         self.wave = -1
-        self.calls = [0] * world
+        self.wave_start = 0.0
+        self.calls = [0] * self.world
+        self.own_ms: List[List[float]] = [[] for _ in range(self.world)]
         self.chunked = False
         self.slowest = 0.0
 
-    def worked(self, rank: int, compute_ms: float, calls: int = 1, chunked: bool = False) -> None:
-        self.calls[rank] = self.calls[rank] + calls if chunked else max(self.calls[rank], calls)
-        self.chunked = self.chunked or chunked
+    def worked(self, rank: int, compute_ms: float, duration_ms: float) -> None:
+        """`rank` ran a micro-batch: `compute_ms` its own compute (what can hide a reduction),
+        `duration_ms` its group's time with the overhead (what its passes take when sharded)."""
+        self.calls[rank] = max(self.calls[rank], 1)
         self.slowest = max(self.slowest, compute_ms)
+        if self.sharded is not None:
+            self.own_ms[rank] = self.sharded.micro_batch_ms(duration_ms)
+
+    def worked_chunked(self, lens: Dict[int, int], group: Group, compute_ms: float) -> None:
+        """A one-rank group of chunked samples ran, taking `compute_ms`: one backward per
+        dependent chunk, or, when sharded, ChunkFlow's own passes."""
+        rank = group.ranks[0]
+        self.calls[rank] += chunked_group_calls(lens, group)
+        self.chunked = True
+        self.slowest = max(self.slowest, compute_ms)
+        if self.sharded is not None:
+            self.own_ms[rank] = self.sharded.chunked_ms(group, rank)
 
     def _end_wave(self, clock: List[float], last: bool) -> None:
+        if self.sharded is not None:
+            # every rank runs the wave's passes from the barrier that started it to their end
+            clock[:] = [self.wave_start + self.sharded.wave(self.wave, self.own_ms).wall_ms] * self.world
+            self.own_ms = [[] for _ in range(self.world)]
+            return
         n_calls = max(1, max(self.calls)) + (1 if last and self.chunked else 0)
         for r in range(self.world):
             clock[r] += (n_calls - self.calls[r]) * self.dummy
@@ -311,6 +352,7 @@ class _WallClock:
             if self.wave >= 0:
                 self._end_wave(clock, last=False)
             self.wave += 1
+            self.wave_start = max(clock)
 
     def finish(self, clock: List[float], n_waves: int) -> np.ndarray:
         if n_waves:
