@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
+import torch
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from hf_cp.cost.execution import zero_stage_of
 from hf_cp.planning.setup import deepspeed_config_of, fsdp_version_of
@@ -130,3 +132,16 @@ def refuse_sharding(args, trainer: str, why: str) -> None:
             f"{trainer} under {engine}: not supported ({why}). Use DeepSpeed ZeRO-2 (deepspeed: "
             f"recipes/ds-zero2-cpu.json or ds-zero2-gpu.json) or plain DDP"
         )
+
+
+def fsdp2_mixed_precision(accelerator, plugin_args: Optional[Mapping]) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's policy for a half-precision run: parameters gathered in bf16 (fp16) for compute,
+    gradients reduced in fp32 (accelerate's own default reduces in the half type, which rounds the
+    sum over ranks). None: keep what is set (no mixed precision, or the user's own
+    fsdp_config.mixed_precision_policy)."""
+    if (plugin_args or {}).get("mixed_precision_policy") is not None:
+        return None
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(getattr(accelerator, "mixed_precision", "no")))
+    if half is None:
+        return None
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)

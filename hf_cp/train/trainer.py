@@ -62,6 +62,7 @@ from hf_cp.train.sharding import (
     ZERO3_OPEN_GRAPHS,
     check_sharding,
     check_zero3_chunk_keep,
+    fsdp2_mixed_precision,
     route_fsdp_on_cpu,
     sharding_of,
 )
@@ -204,6 +205,9 @@ class CPTrainer(Trainer):
         plugin = self.accelerator.state.fsdp_plugin
         plugin.state_dict_config = plugin.optim_state_dict_config = None
         plugin.set_state_dict_type("SHARDED_STATE_DICT")
+        policy = fsdp2_mixed_precision(self.accelerator, self.args.fsdp_plugin_args)
+        if policy is not None:  # bf16 compute, fp32 reduction (sharding.py)
+            plugin.mixed_precision_policy = policy
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """Under FSDP2 a checkpoint's model is sharded (the Trainer's _save_checkpoint writes it);

@@ -13,7 +13,7 @@ grad_norm per step).
 
 Keys of a run: lengths, tokens_per_step, max_tokens_per_rank, steps, balancer (a registered
 name, or a scripted one of balancers.py: fixed_<mode>, spread_<mode>, chunks_<N>_keep_<K>), out;
-optional engine ("zero2", the default: DeepSpeed ZeRO-2; "fsdp2": FSDP2 through the Trainer's
+optional bf16 (mixed precision), engine ("zero2", the default: DeepSpeed ZeRO-2; "fsdp2": FSDP2 through the Trainer's
 fsdp arguments; "zero3": DeepSpeed ZeRO-3), model ("llama" or "qwen2", models.py), balancer_options, model_seed,
 data_seed, seed, lr, adam_epsilon, max_grad_norm, profile, attn, loss_chunk_tokens, eval_lengths,
 eval_steps, save_steps, resume_from, load_universal, jit_checkpoint,
@@ -183,6 +183,7 @@ def train_one(spec: dict) -> None:
         enable_jit_checkpoint=bool(spec.get("jit_checkpoint")),
         activation_checkpointing=bool(spec.get("activation_checkpointing")),
         cp_stop_on_nonfinite_grad=spec.get("stop_on_nonfinite_grad", True),
+        bf16=bool(spec.get("bf16")),
     )
     evaluating = bool(spec.get("eval_lengths"))
     train = Dataset.from_list(train_rows(spec))
@@ -219,6 +220,10 @@ def train_one(spec: dict) -> None:
             "sharded_parameters": sum(hasattr(p, "to_local") or hasattr(p, "ds_id") for p in trainer.model.parameters()),
             "parameters": sum(1 for _ in trainer.model.parameters()),
         }
+        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+        policy = getattr(plugin, "mixed_precision_policy", None)
+        if policy is not None:
+            engine["param_dtype"], engine["reduce_dtype"] = str(policy.param_dtype), str(policy.reduce_dtype)
         (out / "engine.json").write_text(json.dumps(engine))
         torch.save(params, out / "params.pt")
         torch.save(records, out / "steps.pt")
