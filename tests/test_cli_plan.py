@@ -141,3 +141,20 @@ def test_a_sample_longer_than_the_world_is_planned_by_chunkflow_and_refused_by_s
     (plan,) = json.loads((tmp_path / "plans.json").read_text())["plans"]
     chunked = [c for w in plan["waves"] for g in w["groups"] for cs in g.get("chunked", {}).values() for c in cs]
     assert [c[0] for c in chunked] == [1]
+
+
+def test_plans_on_groups_of_any_size_are_planned_and_resimulated_from_the_cli(capsys, tmp_path):
+    """--balancer-opt any_size_groups=true registers every run of ranks inside a node (the step of
+    tests/test_any_size_groups.py uses a group of 7); --plan-json reads such plans back."""
+    lengths = tmp_path / "coarse.txt"
+    lengths.write_text("\n".join(map(str, [86535, 71510, 148198, 142586, 18391])) + "\n")
+    out_json = tmp_path / "plans.json"
+    common = ["--lengths", lengths, "--world", 8, "--max-tokens-per-rank", 65536, "--tokens-per-step", 10**6]
+    rc, _, err = run(
+        capsys, *common, "--balancer", "dynamic_cp", "--balancer-opt", "any_size_groups=true", "--json", out_json
+    )
+    assert rc == 0, err
+    sizes = {len(g["ranks"]) for w in json.loads(out_json.read_text())["plans"][0]["waves"] for g in w["groups"]}
+    assert sizes - {1, 2, 4, 8}, f"no group of another size: {sizes}"
+    rc, out, err = run(capsys, "--plan-json", out_json)
+    assert rc == 0 and "simulated 1 plan(s)" in out, err

@@ -394,8 +394,12 @@ def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     if args.world and args.world != world:
         raise PlanError(f"--world {args.world} disagrees with the world_size {world} of {args.plan_json}")
     gpus = args.gpus_per_node or load_profile(args.profile).gpus_per_node
+    # plans made with any_size_groups (dynamic_cp's option) use groups that are not aligned blocks
+    unaligned = any(
+        len(g.ranks) & (len(g.ranks) - 1) or g.ranks[0] % len(g.ranks) for p in plans for w in p.waves for g in w.groups
+    )
     try:
-        cluster = ClusterSpec(world, plans[0].max_tokens_per_rank, gpus, args.max_group_size)
+        cluster = ClusterSpec(world, plans[0].max_tokens_per_rank, gpus, args.max_group_size, any_size_groups=unaligned)
     except ValueError as e:
         raise PlanError(f"{args.plan_json}: {e}") from None
     return plans, cluster, cost, f"simulated {len(plans)} plan(s) from {args.plan_json}"
