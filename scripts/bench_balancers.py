@@ -20,6 +20,9 @@ Quick look:
 The placement solvers of issue 16 on their own workloads (shared prompts, a sliding window, an
 outlier document; group layouts and whole steps; writes benchmarks/solvers.md; ~15 minutes):
     python scripts/bench_balancers.py --solvers
+Planner scale (issue 28): `auto` from 64 to 4096 ranks on three traces, planner CPU with its
+solver workers, validation and share of the step, into the scaling section of balancers.md:
+    python scripts/bench_balancers.py --scaling --steps 3
 CP groups of any size within a node (dynamic_cp and auto as planned, and again as NAME+any with
 option any_size_groups on a cluster that registers those groups; summary lines compare them):
     python scripts/bench_balancers.py --worlds 64,512 --balancers dynamic_cp,auto --any-size-groups --no-partial --out -
@@ -52,6 +55,13 @@ TARGET_CPU_MS = {64: 20.0, 512: 300.0}  # issue 14: auto's median planner CPU ti
 TARGET_SHARE_OF_STEP = {1024: 0.10}  # ... and at 1024 ranks, as a share of the predicted step
 TARGET_RATIO = 1.02  # auto / lower bound on full steps at 64 and 512 ranks
 ANY_SIZE_SUFFIX = "+any"  # --any-size-groups: the balancer with option any_size_groups on
+# --scaling (issue 28): worlds and traces of the planner-scale table, and its targets
+SCALING_WORLDS = "64,128,256,512,1024,2048,4096"
+SCALING_TRACES = "chat_lmsys_chat1m_191conv,longdoc_leval_multiturn,code_numpy_files"
+SCALING_SHARE_AT = {4096: 0.10}  # auto's planner CPU / predicted step, at most
+SCALING_CPU_MS = {64: 20.0}  # auto's median planner CPU ms, at most
+SCALING_VALIDATE_SHARE = 0.5  # validation / planning, at most
+SCALING_MARKERS = ("<!-- scaling: made by bench_balancers.py --scaling -->", "<!-- /scaling -->")
 
 
 def parse_args(argv=None):
@@ -81,6 +91,13 @@ def parse_args(argv=None):
         action="store_true",
         help="also plan with every listed balancer that has option any_size_groups (dynamic_cp, auto) with it on, "
         "as NAME+any, on a cluster that registers contiguous groups of any size within a node",
+    )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="planner scale instead (issue 28): `auto` on full steps at every world of --worlds (default "
+        f"{SCALING_WORLDS}) on --traces (default {SCALING_TRACES}): planner CPU (solver workers included), "
+        "validation and share of the predicted step; writes its table between the scaling markers of --out",
     )
     p.add_argument(
         "--solvers",
@@ -113,10 +130,28 @@ def full_step_ids(lengths: Sequence[int], tokens_per_step: int, seed: int, wante
 
 
 def cpu_s() -> float:
-    """CPU seconds of this process and of its waited-for children: flexsp's MILP runs in a
-    worker process (balance/deadline.py), whose time counts as the planner's."""
+    """CPU seconds of this process, of its waited-for children and of the live solver worker:
+    flexsp's MILP runs in a long-lived worker process (balance/toolkit/deadline.py), whose time
+    counts as the planner's. os.times() sees a child's time only once it is waited for, so the
+    live worker's is read from /proc (62% of flexsp's CPU at 64 ranks went uncounted without it)."""
     t = os.times()
-    return time.process_time() + t.children_user + t.children_system
+    return time.process_time() + t.children_user + t.children_system + worker_cpu_s()
+
+
+def worker_cpu_s() -> float:
+    """CPU seconds used so far by the running solver worker (0 when none runs, or off Linux).
+    When a worker is replaced between two readings, the one that ended was waited for
+    (SolverWorker stops it with join), so os.times() counts it from then on."""
+    from hf_cp.balance.toolkit.deadline import solver_worker
+
+    pid = solver_worker().pid
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def sampled(count: int, steps: int) -> List[int]:
@@ -133,6 +168,8 @@ def main(argv=None) -> int:
 
         out = args.out if "--out" in (argv or sys.argv[1:]) else str(REPO / "benchmarks" / "solvers.md")
         return solver_workloads(args, out, argv)
+    if args.scaling:
+        return scaling(args, argv)
     from hf_cp.balance import PlanRequest, available_balancers, balancer_options, get_balancer
     from hf_cp.cost.model import CostModel
     from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
@@ -403,6 +440,141 @@ def any_size_summary(full_rows) -> List[str]:
             f"{base['ratio_charged']:.4f}; steps with a group that is not a power of two: "
             f"{r['off_power_of_two']} of {r['steps']}; plan CPU {r['cpu_ms']:.1f} vs {base['cpu_ms']:.1f} ms"
         )
+    return out
+
+
+def scaling(args, argv) -> int:
+    """--scaling: `auto` on --steps full steps per trace and world, median planner CPU (its solver
+    workers included, cpu_s), median validation of the winner (StepPlan.validate with the
+    cluster and cost model, as every caller does) and their share of the predicted step; the
+    table replaces the one between SCALING_MARKERS in --out (appended when there is none)."""
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.cost.model import CostModel
+    from hf_cp.cost.simulate import simulate
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.samples.lengths import read_lengths, step_batches
+
+    given = argv if argv is not None else sys.argv[1:]
+    worlds = [int(w) for w in (args.worlds if "--worlds" in given else SCALING_WORLDS).split(",")]
+    names = (args.traces or SCALING_TRACES).split(",")
+    cap, tpr = args.max_tokens_per_rank, args.tokens_per_rank_per_step
+    cost = CostModel.load(args.model, args.profile)
+    auto = get_balancer("auto")
+    gc.collect()
+    gc.freeze()
+    rows = []
+    for name in names:
+        all_lengths = read_lengths(Path(args.traces_dir) / f"{name}.txt")
+        for world in worlds:
+            cluster = ClusterSpec(world, cap, cost.profile.gpus_per_node)
+            lengths = [n for n in all_lengths if n <= cluster.largest_capacity]
+            epoch0 = step_batches(lengths, tpr * world, seed=args.seed)
+            full_in_epoch = sum(1 for b in epoch0 if sum(lengths[i] for i in b) >= 0.9 * tpr * world)
+            steps = full_step_ids(lengths, tpr * world, args.seed, sampled(max(full_in_epoch, args.steps), args.steps))
+            d = defaultdict(list)
+            n = len(lengths)
+            for step, ids in sorted(steps.items()):
+                req = PlanRequest(ids, [lengths[i % n] for i in ids], cluster, cost, seed=args.seed, step=step,
+                                  dataset_max_length=max(lengths))  # fmt: skip
+                gc.collect()
+                c0 = cpu_s()
+                plan = auto.plan(req)
+                d["cpu"].append((cpu_s() - c0) * 1e3)
+                gc.collect()
+                c0 = cpu_s()
+                plan.validate(cluster, cost)
+                d["check"].append((cpu_s() - c0) * 1e3)
+                d["pred"].append(simulate(plan, cost).makespan_ms)
+                d["samples"].append(len(ids))
+            row = {
+                "trace": name,
+                "world": world,
+                "steps": len(d["cpu"]),
+                "samples": statistics.mean(d["samples"]),
+                "cpu_ms": statistics.median(d["cpu"]),
+                "check_ms": statistics.median(d["check"]),
+                "pred_ms": statistics.mean(d["pred"]),
+                "share": max(c / p for c, p in zip(d["cpu"], d["pred"])),
+            }
+            row["per_sample_us"] = 1e3 * row["cpu_ms"] / row["samples"]
+            rows.append(row)
+            print(
+                f"scaling W={world:<5} {name:28s} samples/step {row['samples']:.0f} plan CPU {row['cpu_ms']:.1f} ms "
+                f"validate {row['check_ms']:.1f} ms pred step {row['pred_ms']:.1f} ms share {100 * row['share']:.1f}%",
+                flush=True,
+            )
+    load = os.getloadavg()
+    command = "python scripts/bench_balancers.py " + " ".join(shlex.quote(a) for a in given)
+    lines = scaling_markdown(rows, command, args, load)
+    print("\n".join(lines))
+    if args.out != "-":
+        path = Path(args.out)
+        text = path.read_text() if path.exists() else ""
+        block = "\n".join([SCALING_MARKERS[0], *lines, SCALING_MARKERS[1]])
+        if SCALING_MARKERS[0] in text and SCALING_MARKERS[1] in text:
+            head, rest = text.split(SCALING_MARKERS[0], 1)
+            text = head + block + rest.split(SCALING_MARKERS[1], 1)[1]
+        else:
+            text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+        path.write_text(text)
+        print(f"wrote the scaling table into {args.out}")
+    return 0
+
+
+def scaling_markdown(rows, command, args, load) -> List[str]:
+    """The scaling section: how it was made, the targets met or missed, one row per trace and world."""
+    out = [
+        "## Planner scale: `auto` from 64 to 4096 ranks (full steps)",
+        "",
+        "Made by:",
+        "",
+        f"    {command}",
+        "",
+        f"Profile {args.profile}, model {args.model}, cap {args.max_tokens_per_rank} tokens per rank per micro-batch, "
+        f"{args.tokens_per_rank_per_step} tokens per rank per step, {args.steps} full steps per trace and world. "
+        "*plan CPU ms*: median CPU time of `auto`'s plan() per step, its solver worker processes included "
+        "(the live worker's time read from /proc); *validate ms*: median CPU time of StepPlan.validate(cluster, cost) "
+        "of the winner, which every caller runs; *share*: the worst step's plan CPU / its predicted step time; "
+        "*us/sample*: plan CPU per sample of the step (flat when growth is linear in samples per step).",
+        "",
+    ]
+    for world, t in SCALING_CPU_MS.items():
+        got = [r for r in rows if r["world"] == world]
+        if got:
+            worst = max(r["cpu_ms"] for r in got)
+            out.append(
+                f"- world {world}: worst median plan CPU {worst:.1f} ms, target <= {t:.0f}: {'met' if worst <= t else 'MISSED'}"
+            )
+    for world, t in SCALING_SHARE_AT.items():
+        got = [r for r in rows if r["world"] == world]
+        if got:
+            worst = max(r["share"] for r in got)
+            out.append(
+                f"- world {world}: worst share of the predicted step {100 * worst:.1f}%, target <= {100 * t:.0f}%: "
+                f"{'met' if worst <= t else 'MISSED'}"
+            )
+    if rows:
+        worst = max(rows, key=lambda r: r["check_ms"] / r["cpu_ms"])
+        ratio = worst["check_ms"] / worst["cpu_ms"]
+        out.append(
+            f"- validation / planning, worst: {ratio:.2f} ({worst['trace']} at {worst['world']}), target <= "
+            f"{SCALING_VALIDATE_SHARE}: {'met' if ratio <= SCALING_VALIDATE_SHARE else 'MISSED'}"
+        )
+    out.append(
+        f"- machine load average (1/5/15 min) at the end {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on "
+        f"{os.cpu_count()} CPUs (CPU times exclude waiting for a CPU, not a loaded machine's cache sharing)"
+    )
+    out += [
+        "",
+        "| trace | world | samples/step | plan CPU ms | validate ms | pred step ms | share | us/sample |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['trace']} | {r['world']} | {r['samples']:.0f} | {r['cpu_ms']:.1f} | {r['check_ms']:.1f} | "
+            f"{r['pred_ms']:.1f} | {100 * r['share']:.1f}% | {r['per_sample_us']:.2f} |"
+        )
+    out.append("")
     return out
 
 

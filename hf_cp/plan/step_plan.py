@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
 
+import numpy as np
+
 from hf_cp.modes.registry import mode_name, mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, segment_tokens
 from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, held_tokens, received_rows
@@ -62,20 +64,25 @@ class Group:
         except ValueError as e:
             raise PlanError(f"group {list(self.ranks)}: {e}") from None
         self.local = {int(r): list(v) for r, v in self.local.items()}
-        if isinstance(self.blocks, Mapping):
+        # planners build ~10^4 groups a step with no layout: skip the (slow) ABC check for them
+        if self.blocks is not None and isinstance(self.blocks, Mapping):
             self.blocks = BlockLayout.from_dict(self.blocks)
-        self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
+        if self.chunked:
+            self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
+        else:
+            self.chunked = {}  # a fresh dict, as the comprehension made
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
     def sample_ids(self) -> List[int]:
-        return (
-            list(self.distributed)
-            + [s for r in sorted(self.local) for s in self.local[r]]
-            + [c.sample for r in sorted(self.chunked) for c in self.chunked[r]]
-        )
+        ids = list(self.distributed)
+        for r in sorted(self.local):
+            ids.extend(self.local[r])
+        for r in sorted(self.chunked):
+            ids.extend(c.sample for c in self.chunked[r])
+        return ids
 
     def member_segments(self, member: int, lens: Mapping[int, int]) -> List[Segment]:
         """The segments of the distributed samples `member` holds, in its row order."""
@@ -185,7 +192,7 @@ class StepPlan:
         """Tokens `rank` holds while running `group`'s micro-batch."""
         lens = self.length_of() if lens is None else lens
         member = group.ranks.index(rank)
-        t = sum(lens[s] for s in group.local.get(rank, []))
+        t = sum(map(lens.__getitem__, group.local.get(rank, ())))
         if group.distributed:
             placed = mode_spec(group.mode).carries_layout
             if placed and group.blocks is not None:
@@ -413,16 +420,24 @@ class StepPlan:
             raise PlanError(f"{where}: {len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
         if not self.sample_ids:
             raise PlanError(f"{where}: the step has no samples")
-        if len(set(self.sample_ids)) != len(self.sample_ids):
-            dup = next(s for s in self.sample_ids if self.sample_ids.count(s) > 1)
-            raise PlanError(f"{where}: sample {dup} appears twice in the global batch")
-        for s, n in zip(self.sample_ids, self.lengths):
-            if n <= 0:
-                raise PlanError(f"{where}: sample {s} has length {n}; lengths must be positive")
+        bulk = _BulkSamples.of(self)
+        if bulk is None or bulk.duplicated:
+            if len(set(self.sample_ids)) != len(self.sample_ids):
+                dup = next(s for s in self.sample_ids if self.sample_ids.count(s) > 1)
+                raise PlanError(f"{where}: sample {dup} appears twice in the global batch")
+        if min(self.lengths) <= 0:
+            s, n = next((s, n) for s, n in zip(self.sample_ids, self.lengths) if n <= 0)
+            raise PlanError(f"{where}: sample {s} has length {n}; lengths must be positive")
         if cluster is not None:
             if cluster.world_size != self.world_size:
                 raise PlanError(f"{where}: plan is for world {self.world_size}, cluster has {cluster.world_size}")
-        lens = self.length_of()
+        # With every sample scheduled exactly once (checked in bulk), the per-sample checks below
+        # cannot fail and are skipped, and each group looks its samples' lengths up in its own
+        # slice: one by one, through a dict of the whole step, they cost more than planning on
+        # steps of ~10^5 samples. Otherwise they run as they always did, so the first broken
+        # invariant is named exactly as before.
+        each_once = bulk is not None and bulk.each_once
+        lens = self.length_of() if not each_once or self.masks else None
         for s, m in sorted(self.masks.items()):
             if s not in lens:
                 raise PlanError(f"{where}: a mask is given for sample {s}, which is not in the step")
@@ -430,10 +445,13 @@ class StepPlan:
                 m.validate(s, lens[s])
             except MaskError as e:
                 raise PlanError(f"{where}: {e}") from None
+        registered: Dict[Tuple[int, ...], bool] = {}  # ranks -> cluster.is_registered, per distinct group
         seen: Dict[int, int] = {}  # sample -> wave
+        k = -1  # the group's index over the whole plan (bulk's numbering)
         for w, wave in enumerate(self.waves):
             busy: Dict[int, int] = {}
             for gi, g in enumerate(wave.groups):
+                k += 1
                 if not g.ranks:
                     raise PlanError(f"{where}, wave {w}: group {gi} has no ranks")
                 for r in g.ranks:
@@ -445,7 +463,10 @@ class StepPlan:
                             f"groups of a wave must be disjoint"
                         )
                     busy[r] = gi
-                if cluster is not None and not cluster.is_registered(g.ranks):
+                ok = registered.get(g.ranks) if cluster is not None else True
+                if ok is None:
+                    ok = registered[g.ranks] = cluster.is_registered(g.ranks)
+                if not ok:
                     raise PlanError(
                         f"{where}, wave {w}: group {list(g.ranks)} is not a registered group "
                         f"({cluster.describe_registry()})"
@@ -461,9 +482,14 @@ class StepPlan:
                             f"{where}, wave {w}: local samples {g.local[r]} on rank {r}, "
                             f"which is not in group {list(g.ranks)}"
                         )
-                if any(g.chunked.values()):
+                chunked = any(g.chunked.values())
+                if each_once:
+                    if not g.distributed and not chunked and g.blocks is None and not bulk.local_over_cap[k]:
+                        continue  # local samples alone, their tokens within the cap: nothing below can fail
+                    lens = bulk.group_lengths(k)
+                if chunked:
                     self._validate_chunked(g, f"{where}, wave {w}", lens, cost)
-                for s in g.sample_ids():
+                for s in () if each_once else g.sample_ids():
                     if s not in lens:
                         raise PlanError(f"{where}, wave {w}: sample {s} is not in the step's global batch")
                     if s in seen:
@@ -486,7 +512,7 @@ class StepPlan:
                             + (f", received K/V and Q rows counted as {extra} tokens" if extra else "")
                             + ")"
                         )
-        missing = [s for s in self.sample_ids if s not in seen]
+        missing = [] if each_once else [s for s in self.sample_ids if s not in seen]
         if missing:
             raise PlanError(
                 f"{where}: samples {missing[:10]}{'...' if len(missing) > 10 else ''} "
@@ -553,3 +579,67 @@ class StepPlan:
                             f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
                             f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
                         )
+
+
+@dataclass
+class _BulkSamples:
+    """A plan's samples looked at all at once, for StepPlan.validate: whether the batch holds
+    an id twice, whether the groups schedule every sample of the batch exactly once, and then
+    each group's samples with their lengths (a slice of one array gathered with numpy) and
+    whether some rank's local samples of a group exceed the cap."""
+
+    duplicated: bool
+    each_once: bool = False
+    ids: List[int] = field(default_factory=list)  # the scheduled ids, group after group
+    lengths: Optional[np.ndarray] = None  # their lengths (each_once only)
+    group_start: List[int] = field(default_factory=list)  # per group, its first entry in `ids` (and the end)
+    local_over_cap: Optional[np.ndarray] = None  # per group: some rank's local samples exceed the cap
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> Optional[_BulkSamples]:
+        """None when the ids are not plain integers (validate then checks one by one)."""
+        ids = np.asarray(plan.sample_ids)
+        if ids.dtype.kind not in "iu":
+            return None
+        by_id = np.argsort(ids, kind="stable")
+        sorted_ids = ids[by_id]
+        if bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
+            return cls(duplicated=True)
+        sched: List[int] = []
+        group_start = [0]
+        spans: List[Tuple[int, int, int]] = []  # (group, first, end) of each rank's local samples
+        for wave in plan.waves:
+            for g in wave.groups:
+                sched.extend(g.distributed)
+                for r in sorted(g.local):
+                    a = len(sched)
+                    sched.extend(g.local[r])
+                    spans.append((len(group_start) - 1, a, len(sched)))
+                for r in sorted(g.chunked):
+                    sched.extend(c.sample for c in g.chunked[r])
+                group_start.append(len(sched))
+        n = len(ids)
+        arr = np.asarray(sched)
+        if len(sched) != n or arr.dtype.kind not in "iu":
+            return cls(duplicated=False)
+        # sorted, the scheduled ids are the batch's (which has none twice): each sample exactly once
+        by_sched = np.argsort(arr, kind="stable")
+        if not np.array_equal(arr[by_sched], sorted_ids):
+            return cls(duplicated=False)
+        batch_lengths = np.asarray(plan.lengths)
+        if batch_lengths.dtype.kind not in "iu":
+            return cls(duplicated=False)
+        lengths = np.empty(n, dtype=np.int64)
+        lengths[by_sched] = batch_lengths[by_id]
+        over = np.zeros(len(group_start) - 1, dtype=bool)
+        if spans:
+            span = np.asarray(spans, dtype=np.int64)
+            csum = np.concatenate(([0], np.cumsum(lengths)))
+            sums = csum[span[:, 2]] - csum[span[:, 1]]
+            over[span[sums > plan.max_tokens_per_rank, 0]] = True
+        return cls(False, True, sched, lengths, group_start, over)
+
+    def group_lengths(self, k: int) -> Dict[int, int]:
+        """Sample id -> length of the samples of group `k`."""
+        a, b = self.group_start[k], self.group_start[k + 1]
+        return dict(zip(self.ids[a:b], self.lengths[a:b].tolist()))

@@ -316,8 +316,8 @@ class AnySizeCandidate(Candidate):
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
         id_arr = np.asarray(ids, dtype=np.int64)
         len_arr = np.asarray(lens, dtype=np.int64)
-        for r, piece in local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap):
-            waves.add(Group(ranks=(r,), local={r: id_arr[self.local_idx[piece]].tolist()}))
+        for r, mbatch in local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap, id_arr[self.local_idx]):
+            waves.add(Group(ranks=(r,), local={r: mbatch}))
         plan = req.empty_plan(name)
         plan.waves = waves.build()
         return plan

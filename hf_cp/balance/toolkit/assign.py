@@ -51,23 +51,72 @@ def lpt_assign(
         if exact_items is None
         else min(n, exact_items)
     )
-    heap = [(float(l), b) for b, l in enumerate(load.tolist())]
-    heapq.heapify(heap)
     exact = order[:k]
-    chosen = []
-    replace = heapq.heapreplace
-    for x in w[exact].tolist():
-        l, b = heap[0]
-        chosen.append(b)
-        replace(heap, (l + x, b))
-    bins[exact] = chosen
-    for l, b in heap:
-        load[b] = l
+    bins[exact] = least_loaded_first(w[exact], load)
     if k < n:
         tail = order[k:]
         bins[tail] = water_fill(w[tail], load)
         load += np.bincount(bins[tail], weights=w[tail], minlength=n_bins)
     return bins, load
+
+
+# least_loaded_first: below this many items a round of the batched pass places, the heap
+# takes over for HEAP_STRETCH_BINS x bins items (a round sorts every bin: it pays only when it
+# places many items)
+MIN_ROUND_ITEMS = 32
+HEAP_STRETCH_BINS = 1
+
+
+def least_loaded_first(items: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Each item in turn onto the bin of least (load, index): the bins chosen, `load` updated
+    in place. Exactly a heap of (load, bin) pairs popped and pushed back with the item added.
+
+    The heap's pops come out in increasing (load, bin) order (a pushed pair is above the one
+    popped), so a round sorts the bins once and gives the j-th next item to the j-th least
+    loaded bin, for as long as that bin is below every pair pushed earlier in the round: the
+    same pops the heap makes, with numpy doing the per-item work (the heap's Python loop was
+    most of dynamic_cp's time on steps of ~10^5 short samples). A round stops at the first
+    bin not strictly below them (ties go to the next round, which sorts them by index).
+    Rounds that place few items (a few bins far below the rest) hand a stretch to the heap.
+    """
+    n = len(items)
+    n_bins = len(load)
+    out = np.empty(n, dtype=np.int64)
+    index = np.arange(n_bins)
+    pos = 0
+    while pos < n:
+        m = min(n_bins, n - pos)
+        by_load = np.lexsort((index, load))[:m]
+        start = load[by_load]
+        pushed = start + items[pos : pos + m]
+        # item j may take the j-th bin when it is below every pair pushed before it
+        below = np.ones(m, dtype=bool)
+        if m > 1:
+            below[1:] = start[1:] < np.minimum.accumulate(pushed[:-1])
+        took = m if below.all() else int(np.argmin(below))
+        out[pos : pos + took] = by_load[:took]
+        load[by_load[:took]] = pushed[:took]
+        pos += took
+        if took < MIN_ROUND_ITEMS and pos < n:
+            stop = min(n, pos + HEAP_STRETCH_BINS * n_bins)
+            out[pos:stop] = _heap_assign(items[pos:stop], load)
+            pos = stop
+    return out
+
+
+def _heap_assign(items: np.ndarray, load: np.ndarray) -> List[int]:
+    """least_loaded_first by a heap, one item at a time (`load` updated in place)."""
+    heap = [(l, b) for b, l in enumerate(load.tolist())]
+    heapq.heapify(heap)
+    chosen = []
+    replace = heapq.heapreplace
+    for x in items.tolist():
+        l, b = heap[0]
+        chosen.append(b)
+        replace(heap, (l + x, b))
+    for l, b in heap:
+        load[b] = l
+    return chosen
 
 
 def water_fill(weights: np.ndarray, loads: np.ndarray) -> np.ndarray:

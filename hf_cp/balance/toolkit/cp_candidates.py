@@ -16,7 +16,7 @@ import numpy as np
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
 from hf_cp.balance.toolkit.costs import CostMemo
-from hf_cp.balance.toolkit.packing import split_to_cap
+from hf_cp.balance.toolkit.packing import first_fit_sorted
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
@@ -84,10 +84,29 @@ def place_distributed(
     dist = np.nonzero(sizes > 1)[0]
     times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
     placed: Dict[Tuple[int, int], List[int]] = {}
+    if not len(dist):
+        return placed
+    # Every aligned block's busiest load, kept per block size and updated in place: recomputing
+    # loads.reshape(world // g, g).max(axis=1) for every sample cost O(world) per sample, and
+    # most of `auto`'s time at 4096 ranks on long-document steps. A placement adds t to every
+    # rank of block (g, b): the blocks of smaller sizes inside it rise by t (floating addition
+    # is monotone, so max(l + t) = max(l) + t exactly), and the one block of each larger size
+    # around it rises to at most the placed block's new maximum.
+    top = int(sizes.max())
+    level_sizes = [1 << e for e in range(top.bit_length()) if (1 << e) <= top]
+    block_max = {h: loads.reshape(world // h, h).max(axis=1) for h in level_sizes if h > 1}
+    block_max[1] = loads  # the loads themselves (updated in place, as before)
     for k in np.argsort(-times, kind="stable").tolist():
         i, g = int(dist[k]), int(sizes[dist[k]])
-        b = int(np.argmin(loads.reshape(world // g, g).max(axis=1)))
-        loads[b * g : (b + 1) * g] += times[k]
+        t = times[k]
+        b = int(np.argmin(block_max[g]))
+        for h in level_sizes:
+            if h <= g:
+                block_max[h][b * (g // h) : (b + 1) * (g // h)] += t
+            else:
+                j = b // (h // g)
+                if block_max[h][j] < block_max[g][b]:
+                    block_max[h][j] = block_max[g][b]
         placed.setdefault((g, b), []).append(i)
     return placed
 
@@ -110,15 +129,19 @@ def fill_ranks(
     return lpt_assign(weights, world, loads, exact_items=exact)
 
 
-def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> List[Tuple[int, np.ndarray]]:
+def local_micro_batches(
+    rank_of: np.ndarray, lengths: np.ndarray, cap: int, ids: np.ndarray
+) -> List[Tuple[int, List[int]]]:
     """Pack every rank's local samples into micro-batches of at most `cap` tokens.
 
-    Returns (rank, sample indices) per micro-batch, by rank. Fast path: each rank takes the
-    fewest micro-batches its tokens allow and deals its samples, longest first, in a snake
-    order over them (near-equal token sums); ranks where that overflows fall back to
-    first-fit decreasing (packing.split_to_cap).
+    Returns (rank, sample ids) per micro-batch, by rank (`ids`: the sample ids, aligned with
+    `rank_of` and `lengths`). Fast path: each rank takes the fewest micro-batches its tokens
+    allow and deals its samples, longest first, in a snake order over them (near-equal token
+    sums); ranks where that overflows fall back to first-fit decreasing (packing.split_to_cap's
+    rule, on the rank's samples as they are already sorted). The ids are gathered once and
+    sliced per micro-batch: a step has thousands of them.
     """
-    out: List[Tuple[int, np.ndarray]] = []
+    out: List[Tuple[int, List[int]]] = []
     if len(rank_of) == 0:
         return out
     order = np.lexsort((-lengths, rank_of))  # by rank, then longest first (stable)
@@ -136,15 +159,18 @@ def local_micro_batches(rank_of: np.ndarray, lengths: np.ndarray, cap: int) -> L
     bad = sums.max(axis=1) > cap
     by_slot = np.argsort(slot, kind="stable")
     slot_sorted = slot[by_slot]
-    bounds = np.flatnonzero(np.diff(slot_sorted)) + 1
-    for piece, first in zip(np.split(order[by_slot], bounds), np.concatenate(([0], bounds)).tolist()):
-        ri = int(slot_sorted[first]) // kmax
-        if not bad[ri]:
-            out.append((int(ranks[ri]), piece))
+    firsts = np.concatenate(([0], np.flatnonzero(np.diff(slot_sorted)) + 1))
+    ends = np.append(firsts[1:], len(slot_sorted)).tolist()
+    ids_by_slot = ids[order[by_slot]].tolist()
+    ranks_list, bad_list = ranks.tolist(), bad.tolist()
+    for first, end, ri in zip(firsts.tolist(), ends, (slot_sorted[firsts] // kmax).tolist()):
+        if not bad_list[ri]:
+            out.append((ranks_list[ri], ids_by_slot[first:end]))
+    ids_sorted, lens_sorted = ids[order].tolist(), l_sorted.tolist()
     for ri in np.flatnonzero(bad).tolist():
-        idx = order[starts[ri] : starts[ri] + counts[ri]]
-        for mbatch in split_to_cap(idx.tolist(), lengths[idx].tolist(), cap):
-            out.append((int(ranks[ri]), np.asarray(mbatch, dtype=np.int64)))
+        a, b = int(starts[ri]), int(starts[ri] + counts[ri])
+        for mbatch in first_fit_sorted(ids_sorted[a:b], lens_sorted[a:b], cap):
+            out.append((ranks_list[ri], mbatch))
     out.sort(key=lambda t: t[0])  # stable: a rank's micro-batches keep their order
     return out
 
@@ -184,8 +210,8 @@ def assemble_plan(
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
     id_arr = np.asarray(ids, dtype=np.int64)
     len_arr = np.asarray(lens, dtype=np.int64)
-    for r, piece in local_micro_batches(local_rank_of, len_arr[local_idx], cap):
-        waves.add(Group(ranks=(r,), local={r: id_arr[local_idx[piece]].tolist()}))
+    for r, mbatch in local_micro_batches(local_rank_of, len_arr[local_idx], cap, id_arr[local_idx]):
+        waves.add(Group(ranks=(r,), local={r: mbatch}))
     plan = req.empty_plan(name)
     plan.waves = waves.build()
     return plan
