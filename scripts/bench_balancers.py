@@ -21,7 +21,9 @@ The placement solvers of issue 16 on their own workloads (shared prompts, a slid
 outlier document; group layouts and whole steps; writes benchmarks/solvers.md; ~15 minutes):
     python scripts/bench_balancers.py --solvers
 Planner scale (issue 28): `auto` from 64 to 4096 ranks on three traces, planner CPU with its
-solver workers, validation and share of the step, into the scaling section of balancers.md:
+solver workers, validation and share of the step, into the scaling section of balancers.md
+(with, at 64 ranks, a step of ~28K short samples: chat_alpaca's samples cut at 192 tokens,
+SCALING_SHORT):
     python scripts/bench_balancers.py --scaling --steps 3
 CP groups of any size within a node (dynamic_cp and auto as planned, and again as NAME+any with
 option any_size_groups on a cluster that registers those groups; summary lines compare them):
@@ -62,6 +64,10 @@ SCALING_SHARE_AT = {4096: 0.10}  # auto's planner CPU / predicted step, at most
 SCALING_CPU_MS = {64: 20.0}  # auto's median planner CPU ms, at most
 SCALING_VALIDATE_SHARE = 0.5  # validation / planning, at most
 SCALING_MARKERS = ("<!-- scaling: made by bench_balancers.py --scaling -->", "<!-- /scaling -->")
+# ... and the step of ~28K short samples the 64-rank target is set on (issue 28): no shared
+# trace has one, so chat_alpaca's samples are cut into turn-sized pieces (split_lengths: at most
+# 192 tokens, mean ~152, ~27.7K samples per 64-rank step of 64K tokens per rank)
+SCALING_SHORT = ("chat_alpaca_eval_outputs", 192, 64)
 
 
 def parse_args(argv=None):
@@ -126,6 +132,17 @@ def full_step_ids(lengths: Sequence[int], tokens_per_step: int, seed: int, wante
         if step in wanted:
             out[step] = ids[start:end].tolist()
         start = end
+    return out
+
+
+def split_lengths(lengths: Sequence[int], at_most: int) -> List[int]:
+    """Every sample cut into ceil(n / at_most) pieces of near-equal length (the longer ones
+    first), in trace order: a conversation trace read as turn-sized samples."""
+    out: List[int] = []
+    for n in lengths:
+        k = -(-n // at_most)
+        q, r = divmod(n, k)
+        out += [q + 1] * r + [q] * (k - r)
     return out
 
 
@@ -463,9 +480,15 @@ def scaling(args, argv) -> int:
     gc.collect()
     gc.freeze()
     rows = []
-    for name in names:
-        all_lengths = read_lengths(Path(args.traces_dir) / f"{name}.txt")
-        for world in worlds:
+    runs = [(name, name, None, worlds) for name in names]
+    short, at_most, short_world = SCALING_SHORT
+    if short_world in worlds and (Path(args.traces_dir) / f"{short}.txt").exists():
+        runs.append((f"{short} cut at {at_most}", short, at_most, [short_world]))
+    for name, stem, split_at, run_worlds in runs:
+        all_lengths = read_lengths(Path(args.traces_dir) / f"{stem}.txt")
+        if split_at is not None:
+            all_lengths = split_lengths(all_lengths, split_at)
+        for world in run_worlds:
             cluster = ClusterSpec(world, cap, cost.profile.gpus_per_node)
             lengths = [n for n in all_lengths if n <= cluster.largest_capacity]
             epoch0 = step_batches(lengths, tpr * world, seed=args.seed)
@@ -538,12 +561,23 @@ def scaling_markdown(rows, command, args, load) -> List[str]:
         "*us/sample*: plan CPU per sample of the step (flat when growth is linear in samples per step).",
         "",
     ]
+    short, at_most, _ = SCALING_SHORT
     for world, t in SCALING_CPU_MS.items():
-        got = [r for r in rows if r["world"] == world]
+        got = [r for r in rows if r["world"] == world and r["trace"] == f"{short} cut at {at_most}"]
         if got:
-            worst = max(r["cpu_ms"] for r in got)
+            r = got[0]
             out.append(
-                f"- world {world}: worst median plan CPU {worst:.1f} ms, target <= {t:.0f}: {'met' if worst <= t else 'MISSED'}"
+                f"- world {world}, a step of {r['samples']:.0f} short samples ({short} cut at {at_most} tokens, "
+                f"split_lengths): median plan CPU {r['cpu_ms']:.1f} ms, target <= {t:.0f}: "
+                f"{'met' if r['cpu_ms'] <= t else 'MISSED'}"
+            )
+        got = [r for r in rows if r["world"] == world and r["trace"] != f"{short} cut at {at_most}"]
+        if got:
+            worst = max(got, key=lambda r: r["cpu_ms"])
+            out.append(
+                f"- world {world}, the other traces (their steps hold {min(r['samples'] for r in got):.0f}-"
+                f"{max(r['samples'] for r in got):.0f} samples): worst median plan CPU {worst['cpu_ms']:.1f} ms "
+                f"({worst['trace']})"
             )
     for world, t in SCALING_SHARE_AT.items():
         got = [r for r in rows if r["world"] == world]

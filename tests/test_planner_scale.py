@@ -1,6 +1,7 @@
-"""Planner scale (issue 28): the batched LPT, the per-size block maxima of place_distributed
-and the bulk checks of StepPlan.validate are exact rewrites of what they replaced; plans of
-the shared traces are byte-identical to those made before the rewrite."""
+"""Planner scale (issue 28): the batched LPT, the per-size block maxima of place_distributed,
+the list-and-heap rounds of improve_max_load, the cached ring-mode choice and the bulk checks
+of StepPlan.validate are exact rewrites of what they replaced; plans of the shared traces (and
+of a step of ~28K short samples) are byte-identical to those made before the rewrites."""
 
 import hashlib
 import heapq
@@ -11,10 +12,13 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.balance.toolkit.assign import least_loaded_first
+from hf_cp.balance.toolkit import assign, cp_candidates
+from hf_cp.balance.toolkit.assign import group_indices, improve_max_load, least_loaded_first, stable_order
 from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_candidates import local_micro_batches, per_rank_ms, place_distributed
 from hf_cp.balance.toolkit.packing import split_to_cap
+from hf_cp.balance.toolkit.ring_layout import pick_ring_mode, ring_mode_and_ms
+from hf_cp.balance.toolkit.waves import block_ranks
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
@@ -72,7 +76,9 @@ def naive_place(memo, lengths, sizes, world, loads):
     return placed
 
 
-def test_place_distributed_keeps_the_blocks_it_chose_by_recomputed_maxima():
+@pytest.mark.parametrize("heap_max_size", [1, 16, 1 << 20])  # arrays, by the step's sizes, heaps
+def test_place_distributed_keeps_the_blocks_it_chose_by_recomputed_maxima(monkeypatch, heap_max_size):
+    monkeypatch.setattr(cp_candidates, "HEAP_PLACE_MAX_SIZE", heap_max_size)
     memo = cost_memo(CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b"))
     rng = np.random.default_rng(3)
     for world in (8, 64, 256):
@@ -102,6 +108,117 @@ def test_local_micro_batches_are_under_the_cap_and_overflowing_ranks_pack_first_
         ffd = split_to_cap(ids[idx].tolist(), lengths[idx].tolist(), 8192)
         if len(mine) != -(-int(lengths[idx].sum()) // 8192):
             assert mine == ffd
+
+
+def numpy_improve_max_load(w, bins, loads, partners=4, tolerance=2e-3):
+    """improve_max_load as it was: numpy arrays every round, partners by np.argpartition."""
+    bins, loads, w = bins.copy(), loads.astype(np.float64).copy(), np.asarray(w, dtype=np.float64)
+    n_bins = len(loads)
+    if len(w) == 0 or n_bins < 2:
+        return bins, loads
+    members = dict(enumerate(group_indices(bins, n_bins)))
+    mean, k = float(loads.mean()), min(partners, n_bins - 1)
+    span = 2.0 * (float(w.max()) + float(loads.max()) + 1.0)
+    for _ in range(2 * n_bins):
+        hi = int(np.argmax(loads))
+        top, a_idx = float(loads[hi]), members[hi]
+        if top <= mean * (1.0 + tolerance) or not len(a_idx):
+            break
+        a = w[a_idx]
+        light = np.argpartition(loads, k)[: k + 1] if k + 1 < n_bins else np.arange(n_bins)
+        light = light[np.lexsort((light, loads[light]))]
+        light = light[light != hi][:k]
+        gaps = top - loads[light]
+        segments = [members[p][np.lexsort((members[p], w[members[p]]))] for p in light.tolist()]
+        b_idx = np.concatenate([x for seg in segments for x in (np.array([-1]), seg)])
+        q_of = np.repeat(np.arange(len(light)), [len(seg) + 1 for seg in segments])
+        b_w = np.where(b_idx >= 0, w[np.maximum(b_idx, 0)], 0.0)
+        key = b_w + q_of * span
+        pos = np.searchsorted(key, (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(light))[None, :] * span)
+        best_kept, best = 0.0, None
+        for cand in (pos - 1, pos):
+            c = np.clip(cand, 0, len(key) - 1)
+            d = a[:, None] - b_w[c]
+            g = gaps[None, :]
+            ok = (q_of[c] == np.arange(len(light))[None, :]) & (d > 0) & (d < g)
+            kept = np.where(ok, np.minimum(d, g - d), -np.inf)
+            flat = int(np.argmax(kept))
+            if kept.flat[flat] > best_kept:
+                i, q = np.unravel_index(flat, kept.shape)
+                best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(c[i, q]))
+        if best is None or best_kept <= 1e-12 * max(top, 1.0):
+            break
+        i, q, c = best
+        p, item, j = int(light[q]), int(a_idx[i]), int(b_idx[c])
+        d = w[item] - (w[j] if j >= 0 else 0.0)
+        loads[hi] -= d
+        loads[p] += d
+        bins[item] = p
+        hi_items, p_items = members[hi][members[hi] != item], np.append(members[p], item)
+        if j >= 0:
+            bins[j] = hi
+            hi_items, p_items = np.append(hi_items, j), p_items[p_items != j]
+        members[hi], members[p] = hi_items, p_items
+    return bins, loads
+
+
+@pytest.mark.parametrize("py_pairs", [0, assign.PY_SEARCH_MAX_PAIRS, 10**9])
+def test_improve_max_load_makes_the_numpy_versions_exchanges(monkeypatch, py_pairs):
+    """Every search path (vectorised, mixed, Python) on loads full of ties: equal items, bins
+    of equal loads on both sides of the partners' edge (argpartition decides there)."""
+    monkeypatch.setattr(assign, "PY_SEARCH_MAX_PAIRS", py_pairs)
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n_bins, n = int(rng.integers(2, 40)), int(rng.integers(0, 300))
+        kind = trial % 4
+        if kind == 0:  # integer weights and loads
+            w, start = rng.integers(1, 5, n).astype(float), rng.integers(0, 3, n_bins).astype(float)
+        elif kind == 1:  # pairs of equal loads, as a sample sharded over 2 ranks leaves them
+            w, start = rng.lognormal(0, 1, n), np.repeat(rng.random(n_bins // 2 + 1), 2)[:n_bins]
+        elif kind == 2:
+            w, start = rng.random(n).round(1), np.where(rng.random(n_bins) < 0.5, 0.0, 2.0)
+        else:
+            w, start = rng.lognormal(0, 2, n), rng.random(n_bins) * 3
+        bins = rng.integers(0, n_bins, n)
+        loads = start + np.bincount(bins, weights=w, minlength=n_bins)
+        partners, tol = int(rng.integers(1, 6)), (0.0, 2e-3, 0.05)[trial % 3]
+        got = improve_max_load(w, bins, loads, partners=partners, tolerance=tol)
+        want = numpy_improve_max_load(w, bins, loads, partners=partners, tolerance=tol)
+        assert np.array_equal(got[0], want[0]) and got[1].tobytes() == want[1].tobytes()
+
+
+def test_stable_order_is_numpys_stable_argsort():
+    rng = np.random.default_rng(2)
+    for keys in (rng.integers(-40000, 40000, 5000), rng.integers(0, 64, 5000), -rng.integers(1, 32769, 5000)):
+        assert np.array_equal(stable_order(keys), np.argsort(keys, kind="stable"))
+
+
+def test_cached_ring_mode_is_the_uncached_choice_on_every_block():
+    cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+    memo = cost_memo(cost)
+    rng = np.random.default_rng(4)
+    for _ in range(60):
+        g = int(2 ** rng.integers(1, 5))
+        docs = rng.integers(200, 16000, int(rng.integers(2, 6))).tolist()
+        for b in (0, 1, 3):  # blocks inside a node and (g = 16: two nodes of 8) across nodes
+            ranks = block_ranks(b, g)
+            try:
+                want = ring_mode_and_ms(cost, docs, ranks, 32768, memo=memo, estimate=False)[0]
+            except ValueError:
+                with pytest.raises(ValueError):
+                    pick_ring_mode(cost, docs, ranks, 32768, memo=memo)
+                continue
+            assert pick_ring_mode(cost, docs, ranks, 32768, memo=memo) == want
+            assert pick_ring_mode(cost, docs, ranks, 32768, memo=memo) == want  # from the cache
+
+
+def test_one_rank_groups_are_the_constructors_groups():
+    pairs = [(0, [3, 1]), (5, [2]), (5, [7, 8, 9])]
+    got = Group.one_rank_groups([(r, list(v)) for r, v in pairs])
+    want = [Group(ranks=(r,), local={r: v}) for r, v in pairs]
+    assert got == want
+    assert [g.to_dict() for g in got] == [g.to_dict() for g in want]
+    assert all(vars(a) == vars(b) for a, b in zip(got, want))
 
 
 def local_plan(groups_per_wave, ids, lens, cap=100, world=4):
@@ -143,6 +260,9 @@ PINNED = {
     ("chat_lmsys_chat1m_191conv", "auto"): "fcd68775464490e4e8f23ed80aacf306ef6eeca064f3aea3edd321fc9d794a4e",
     ("longdoc_leval_multiturn", "auto"): "3dbe820868e11868eb2951116bc76bef889792676490ae4479cef6161e566036",
     ("code_numpy_files", "auto"): "2c1dc2504de88782533e6267f962618364558569f938c5014eb4e247a784e5fd",
+    # the step of ~28K short samples (chat_alpaca cut at 192 tokens: bench_balancers.SCALING_SHORT)
+    ("chat_alpaca_eval_outputs/192", "auto"): "c46584ebd7c59adbec2098f8b4a62a9a37625fdb65e5fb5215132a7e22ba3d10",
+    ("chat_alpaca_eval_outputs/192", "dynamic_cp"): "ac2a2f34864632c2b6bfc53f291ae20767f13d4b985209049afd8e10384d935a",
 }
 
 
@@ -159,8 +279,16 @@ def bench():
 def test_plans_are_byte_identical_to_those_before_the_rewrite(bench, traces_dir, trace, balancer):
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     cluster = ClusterSpec(64, 32768, cost.profile.gpus_per_node)
-    lengths = [n for n in read_lengths(traces_dir / f"{trace}.txt") if n <= cluster.largest_capacity]
+    stem, _, cut = trace.partition("/")
+    lengths = read_lengths(traces_dir / f"{stem}.txt")
+    if cut:
+        lengths = bench.split_lengths(lengths, int(cut))
+    lengths = [n for n in lengths if n <= cluster.largest_capacity]
     ids = bench.full_step_ids(lengths, 65536 * 64, 0, [0])[0]
     req = PlanRequest(ids, [lengths[i % len(lengths)] for i in ids], cluster, cost, dataset_max_length=max(lengths))
     plan = get_balancer(balancer).plan(req).validate(cluster, cost)
     assert hashlib.sha256(plan.to_json().encode()).hexdigest() == PINNED[(trace, balancer)]
+
+
+def test_split_lengths_cuts_every_sample_into_near_equal_pieces(bench):
+    assert bench.split_lengths([5, 192, 193, 400], 192) == [5, 192, 97, 96, 134, 133, 133]

@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -71,6 +71,21 @@ class Group:
             self.chunked = {int(r): [ChunkedSample(*(int(x) for x in c)) for c in v] for r, v in self.chunked.items()}
         else:
             self.chunked = {}  # a fresh dict, as the comprehension made
+
+    @classmethod
+    def one_rank_groups(cls, micro_batches: Sequence[Tuple[int, List[int]]]) -> List[Group]:
+        """Group(ranks=(r,), local={r: ids}) for each (r, ids), made without __post_init__'s
+        conversions: planners make ~10^4 of them a step, each rank a Python int and each ids
+        a fresh list of them (the group keeps that list). The same groups as the constructor
+        makes (tests/test_planner_scale.py compares them)."""
+        default_mode = mode_name(ShardMode.RING_PER_DOC.value)
+        out = []
+        new = object.__new__
+        for r, ids in micro_batches:
+            g = new(cls)
+            g.ranks, g.distributed, g.mode, g.local, g.blocks, g.chunked = (r,), [], default_mode, {r: ids}, None, {}
+            out.append(g)
+        return out
 
     @property
     def size(self) -> int:

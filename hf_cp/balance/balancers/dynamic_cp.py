@@ -312,12 +312,15 @@ class AnySizeCandidate(Candidate):
         waves = WaveBuilder(req.cluster.world_size)
         for ranks, pack in packs:
             doc_lens = [lens[i] for i in pack]
-            mode = pick_ring_mode(req.cost, doc_lens, ranks, cap) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            mode = (
+                pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            )
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
         id_arr = np.asarray(ids, dtype=np.int64)
         len_arr = np.asarray(lens, dtype=np.int64)
-        for r, mbatch in local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap, id_arr[self.local_idx]):
-            waves.add(Group(ranks=(r,), local={r: mbatch}))
+        local = local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap, id_arr[self.local_idx])
+        for group in Group.one_rank_groups(local):
+            waves.add(group)
         plan = req.empty_plan(name)
         plan.waves = waves.build()
         return plan

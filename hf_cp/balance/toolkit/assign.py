@@ -6,6 +6,8 @@ Deterministic in the arguments: equal weights keep their input order, ties go to
 from __future__ import annotations
 
 import heapq
+import math
+from bisect import bisect_left, insort
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -137,11 +139,34 @@ def water_fill(weights: np.ndarray, loads: np.ndarray) -> np.ndarray:
     return by_load[pos]
 
 
+def stable_order(keys: np.ndarray) -> np.ndarray:
+    """np.argsort(keys, kind="stable"), through a radix sort when the integer keys fit 16 bits
+    (numpy radix-sorts only those; a merge sort of 10^5 int64 keys costs ~10x more). The
+    cast keeps every key, so the order is the same."""
+    keys = np.asarray(keys)
+    if (
+        keys.dtype.kind in "iu"
+        and len(keys)
+        and np.iinfo(np.int16).min <= keys.min()
+        and keys.max() <= np.iinfo(np.int16).max
+    ):
+        keys = keys.astype(np.int16)
+    return np.argsort(keys, kind="stable")
+
+
+def group_offsets(labels: np.ndarray, n_groups: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(indices by label, each label's first position in them): label b's indices, in
+    increasing order, are order[first[b]:first[b + 1]]."""
+    order = stable_order(labels)
+    first = np.zeros(n_groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(labels, minlength=n_groups), out=first[1:])
+    return order, first
+
+
 def group_indices(labels: np.ndarray, n_groups: int) -> List[np.ndarray]:
     """Indices of each label 0..n_groups-1, in increasing index order."""
-    order = np.argsort(labels, kind="stable")
-    counts = np.bincount(labels, minlength=n_groups)
-    return np.split(order, np.cumsum(counts)[:-1])
+    order, first = group_offsets(labels, n_groups)
+    return np.split(order, first[1:-1])
 
 
 def serpentine(n_items: int, n_bins: int) -> np.ndarray:
@@ -150,6 +175,17 @@ def serpentine(n_items: int, n_bins: int) -> np.ndarray:
     p = np.arange(n_items)
     r = p % (2 * n_bins)
     return np.where(r < n_bins, r, 2 * n_bins - 1 - r)
+
+
+# improve_max_load runs up to 2 x bins rounds, each of which used to cost ~40 numpy calls on
+# arrays of a few items (the busiest bin's and its partners'), an argmax and an argpartition over
+# every bin: ~100 us a round, 0.3-0.5 s at 4096 ranks on long-document steps. The rounds now
+# keep the bins sorted by (load, index) in a list (two bins change per round) and search the
+# exchanges of small bins in plain Python; the arithmetic and every tie-break are the numpy
+# version's, so the choices are the same (tests/test_planner_scale.py checks it against it).
+# Up to this many (item of the busiest bin, partner) pairs the search runs in Python (about a
+# microsecond a pair); above it, vectorised (~100 us a round, whatever the size).
+PY_SEARCH_MAX_PAIRS = 96
 
 
 def improve_max_load(
@@ -169,7 +205,8 @@ def improve_max_load(
     `tolerance` of the mean, or after `max_rounds` (default 2 x bins). LPT leaves coarse
     items (a few per bin) up to a few percent uneven; this closes most of that. `loads` may
     include work that cannot move (it is only added to). Returns new (bins, loads);
-    deterministic (ties: lowest indices).
+    deterministic (ties: lowest indices; the partners are the `partners` + 1 least loaded
+    bins as numpy's argpartition picks them, the busiest left out).
     """
     bins = np.array(bins, dtype=np.int64, copy=True)
     loads = np.array(loads, dtype=np.float64, copy=True)
@@ -177,66 +214,164 @@ def improve_max_load(
     n_bins = len(loads)
     if len(w) == 0 or n_bins < 2:
         return bins, loads
-    members: Dict[int, np.ndarray] = dict(enumerate(group_indices(bins, n_bins)))
-    by_weight: Dict[int, np.ndarray] = {}  # bins looked at: their items by (weight, index)
+    wl = w.tolist()
+    # each bin's items, in the order the numpy version kept them (increasing index, then as
+    # exchanged), made when a bin is first looked at (most never are)
+    grouped, first = group_offsets(bins, n_bins)
+    members: Dict[int, List[int]] = {}
+    by_weight: Dict[int, Tuple[List[float], List[int]]] = {}  # bins looked at: items by (weight, index)
+    as_arrays: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # ... as arrays after a 0 (a move)
 
-    def sorted_items(b: int) -> np.ndarray:
+    def items_of(b: int) -> List[int]:
+        v = members.get(b)
+        if v is None:
+            v = members[b] = grouped[first[b] : first[b + 1]].tolist()
+        return v
+
+    def sorted_items(b: int) -> Tuple[List[float], List[int]]:
         v = by_weight.get(b)
         if v is None:
-            ix = members[b]
-            v = by_weight[b] = ix[np.lexsort((ix, w[ix]))]
+            ix = sorted(items_of(b), key=lambda i: (wl[i], i))
+            v = by_weight[b] = ([wl[i] for i in ix], ix)
+        return v
+
+    def sorted_arrays(b: int) -> Tuple[np.ndarray, np.ndarray]:
+        v = as_arrays.get(b)
+        if v is None:
+            ix = np.asarray(items_of(b), dtype=np.int64)
+            ix = ix[np.lexsort((ix, w[ix]))]
+            v = as_arrays[b] = (np.concatenate(([0.0], w[ix])), np.concatenate(([-1], ix)))
         return v
 
     mean = float(loads.mean())
     k = min(partners, n_bins - 1)
     span = 2.0 * (float(w.max()) + float(loads.max()) + 1.0)  # keeps the partners' keys apart
+    ld = loads.tolist()  # the loads as Python floats (the same float64 sums as numpy's)
+    ranked = sorted(zip(ld, range(n_bins)))  # (load, bin), kept sorted as two bins change a round
     for _ in range(2 * n_bins if max_rounds is None else max_rounds):
-        hi = int(np.argmax(loads))
-        top = float(loads[hi])
-        a_idx = members[hi]
-        if top <= mean * (1.0 + tolerance) or not len(a_idx):
+        top = ranked[-1][0]
+        hi = ranked[bisect_left(ranked, (top, -1))][1]  # np.argmax: the lowest bin of the top load
+        a_idx = items_of(hi)
+        if top <= mean * (1.0 + tolerance) or not a_idx:
             break
-        a = w[a_idx]
-        light = np.argpartition(loads, k)[: k + 1] if k + 1 < n_bins else np.arange(n_bins)
-        light = light[np.lexsort((light, loads[light]))]
-        light = light[light != hi][:k]
-        gaps = top - loads[light]
-        # every partner's items after a 0 (a move), by weight: partner q's keys are its
-        # weights + q * span, so the keys of all partners are sorted as they stand
-        segments = [sorted_items(p) for p in light.tolist()]
-        b_idx = np.concatenate([x for seg in segments for x in (np.array([-1]), seg)])
-        q_of = np.repeat(np.arange(len(light)), [len(seg) + 1 for seg in segments])
-        b_w = np.where(b_idx >= 0, w[np.maximum(b_idx, 0)], 0.0)
-        key = b_w + q_of * span
-        # for every (item a, partner q): the b nearest a - gap_q / 2, from below and above
-        target = (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(light))[None, :] * span
-        pos = np.searchsorted(key, target)
-        best_kept, best = 0.0, None
-        for cand in (pos - 1, pos):
-            c = np.clip(cand, 0, len(key) - 1)
-            same = q_of[c] == np.arange(len(light))[None, :]
-            d = a[:, None] - b_w[c]
-            g = gaps[None, :]
-            kept = np.where(same & (d > 0) & (d < g), np.minimum(d, g - d), -np.inf)
-            flat = int(np.argmax(kept))
-            if kept.flat[flat] > best_kept:
-                i, q = np.unravel_index(flat, kept.shape)
-                best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(c[i, q]))
+        light = _partners(ranked, loads, hi, k)
+        gaps = [top - ld[p] for p in light]
+        if len(a_idx) * len(light) <= PY_SEARCH_MAX_PAIRS:
+            segments = [sorted_items(p) for p in light]
+            best_kept, best = _best_exchange_py([wl[i] for i in a_idx], gaps, segments, span)
+        else:
+            arrays = [sorted_arrays(p) for p in light]
+            best_kept, best = _best_exchange_np(w[np.array(a_idx)], np.array(gaps), arrays, span)
         if best is None or best_kept <= 1e-12 * max(top, 1.0):
             break
-        i, q, c = best
-        p, item, j = int(light[q]), int(a_idx[i]), int(b_idx[c])
-        d = w[item] - (w[j] if j >= 0 else 0.0)
-        loads[hi] -= d
-        loads[p] += d
+        i, q, j = best
+        p, item = light[q], a_idx[i]
+        d = wl[item] - (wl[j] if j >= 0 else 0.0)
+        old_hi, old_p = ld[hi], ld[p]
+        ld[hi] = old_hi - d
+        ld[p] = old_p + d
+        loads[hi], loads[p] = ld[hi], ld[p]
+        for old, b in ((old_hi, hi), (old_p, p)):
+            del ranked[bisect_left(ranked, (old, b))]
+        insort(ranked, (ld[hi], hi))
+        insort(ranked, (ld[p], p))
         bins[item] = p
-        hi_items = members[hi][members[hi] != item]
-        p_items = np.append(members[p], item)
+        hi_items = [x for x in members[hi] if x != item]
+        p_items = items_of(p) + [item]
         if j >= 0:
             bins[j] = hi
-            hi_items = np.append(hi_items, j)
-            p_items = p_items[p_items != j]
+            hi_items.append(j)
+            p_items = [x for x in p_items if x != j]
         members[hi], members[p] = hi_items, p_items
-        by_weight.pop(hi, None)
-        by_weight.pop(p, None)
+        for b in (hi, p):
+            by_weight.pop(b, None)
+            as_arrays.pop(b, None)
     return bins, loads
+
+
+def _partners(ranked: List[Tuple[float, int]], loads: np.ndarray, hi: int, k: int) -> List[int]:
+    """The k least loaded bins but `hi`, by (load, index): of the k + 1 least loaded ones as
+    np.argpartition(loads, k) picks them, `hi` left out, the first k. Which k + 1 it picks
+    matters only on a tie across its edge: when the k least loads are below the (k+1)-th
+    (a tie after it only decides which tied bin comes last, and that one is cut) and the
+    (k+1)-th is below `hi`'s (so `hi` is not among them), the answer is the first k of
+    `ranked`; when all k + 1 are below the next load, the first k + 1 but `hi`. Otherwise
+    (ties across the edge on both sides: a few rounds) argpartition is asked."""
+    n_bins = len(ranked)
+    if k + 1 >= n_bins:
+        light = [b for _, b in ranked]
+    elif k >= 1 and ranked[k - 1][0] < ranked[k][0] < ranked[-1][0]:
+        return [b for _, b in ranked[:k]]
+    elif ranked[k][0] < ranked[k + 1][0]:
+        light = [b for _, b in ranked[: k + 1]]
+    else:
+        pick = np.argpartition(loads, k)[: k + 1]
+        light = pick[np.lexsort((pick, loads[pick]))].tolist()
+    return [b for b in light if b != hi][:k]
+
+
+def _best_exchange_py(a: List[float], gaps: List[float], segments, span: float):
+    """_best_exchange_np in plain Python, for a few items: the same keys, bisections and choice
+    (numpy's argmax over the first candidate's pairs, item-major; then the second candidate's
+    best where it keeps more)."""
+    last = len(segments) - 1
+    parts = []
+    for q, (wts, ix) in enumerate(segments):
+        shift = q * span
+        parts.append((q, shift, gaps[q], [0.0 + shift] + [x + shift for x in wts], [0.0, *wts], [-1, *ix]))
+    kept1 = kept2 = -math.inf
+    at1 = at2 = None
+    for i, x in enumerate(a):
+        for q, shift, g, keys, bw, ix in parts:
+            # searchsorted over all partners' keys laid end to end lands in partner q's own
+            # stretch (span keeps them apart) or just past it; its neighbours are other partners
+            # (no exchange) except where np.clip folds the ends back onto the first and last
+            pos = bisect_left(keys, (x - g / 2.0) + shift)
+            c = pos - 1 if pos else (0 if q == 0 else -1)
+            if c >= 0:
+                d = x - bw[c]
+                if d > 0 and d < g:
+                    kept = min(d, g - d)
+                    if kept > kept1:
+                        kept1, at1 = kept, (i, q, ix[c])
+            c = pos if pos < len(keys) else (pos - 1 if q == last else -1)
+            if c >= 0:
+                d = x - bw[c]
+                if d > 0 and d < g:
+                    kept = min(d, g - d)
+                    if kept > kept2:
+                        kept2, at2 = kept, (i, q, ix[c])
+    best_kept, best = 0.0, None
+    if at1 is not None and kept1 > best_kept:
+        best_kept, best = kept1, at1
+    if at2 is not None and kept2 > best_kept:
+        best_kept, best = kept2, at2
+    return best_kept, best
+
+
+def _best_exchange_np(a: np.ndarray, gaps: np.ndarray, arrays, span: float):
+    """The exchange of largest kept = min(d, gap - d) over every (item a, partner q) pair, d = a - b
+    with b the partner's item nearest a - gap_q / 2 from below or above: (kept, (item position,
+    partner position, b's index or -1 for a move)), or (0.0, None) when none sheds load."""
+    # arrays: per partner, its items' weights and indices after a 0 and a -1 (a move), by
+    # weight. Partner q's keys are its weights + q * span, so the keys of all partners are
+    # sorted as they stand
+    b_w = np.concatenate([bw for bw, _ in arrays])
+    b_idx = np.concatenate([ix for _, ix in arrays])
+    q_of = np.repeat(np.arange(len(arrays)), [len(bw) for bw, _ in arrays])
+    key = b_w + q_of * span
+    # for every (item a, partner q): the b nearest a - gap_q / 2, from below and above
+    target = (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(arrays))[None, :] * span
+    pos = np.searchsorted(key, target)
+    best_kept, best = 0.0, None
+    for cand in (pos - 1, pos):
+        c = np.clip(cand, 0, len(key) - 1)
+        same = q_of[c] == np.arange(len(arrays))[None, :]
+        d = a[:, None] - b_w[c]
+        g = gaps[None, :]
+        kept = np.where(same & (d > 0) & (d < g), np.minimum(d, g - d), -np.inf)
+        flat = int(np.argmax(kept))
+        if kept.flat[flat] > best_kept:
+            i, q = np.unravel_index(flat, kept.shape)
+            best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(b_idx[c[i, q]]))
+    return best_kept, best

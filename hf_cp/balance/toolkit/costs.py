@@ -32,6 +32,10 @@ class CostMemo:
         self.overhead_ms = cost.micro_batch_overhead_ms()
         self._step_lengths: Optional[Tuple[int, ...]] = None
         self._step_local = np.zeros(0)
+        # ring_layout.pick_ring_mode's choices by (pack's lengths, group size, link, cap): a
+        # step's packs repeat a few length tuples (60 distinct of 1,471 packs on a long-document
+        # step at 4096 ranks), and each choice prices up to 2 x 6 members (filled there)
+        self.ring_modes: Dict[tuple, ShardMode] = {}
 
     def local_ms(self, length: int) -> float:
         """Whole-document compute of one sample on one rank (CostModel.sample_local_ms)."""

@@ -9,12 +9,13 @@ several candidates (closest ones priced by the simulator's timing rule).
 
 from __future__ import annotations
 
+import heapq
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hf_cp.balance.base import PlanRequest
-from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
+from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign, stable_order
 from hf_cp.balance.toolkit.costs import CostMemo
 from hf_cp.balance.toolkit.packing import first_fit_sorted
 from hf_cp.balance.toolkit.pricing import pricer_for
@@ -92,13 +93,25 @@ def place_distributed(
     # rank of block (g, b): the blocks of smaller sizes inside it rise by t (floating addition
     # is monotone, so max(l + t) = max(l) + t exactly), and the one block of each larger size
     # around it rises to at most the placed block's new maximum.
-    top = int(sizes.max())
+    order = np.argsort(-times, kind="stable")
+    samples, groups, weights = dist[order].tolist(), sizes[dist[order]].tolist(), times[order].tolist()
+    if max(groups) <= HEAP_PLACE_MAX_SIZE:
+        blocks = _blocks_by_heaps(groups, weights, world, loads)
+        # the ranks' loads: every rank of each chosen block gets its sample's time, added in
+        # placement order (np.add.at adds repeated indices one by one, in order: the same sums
+        # as adding sample by sample)
+        g_of = np.asarray(groups, dtype=np.int64)
+        first = np.asarray(blocks, dtype=np.int64) * g_of
+        offsets = np.arange(int(g_of.sum())) - np.repeat(np.cumsum(g_of) - g_of, g_of)
+        np.add.at(loads, np.repeat(first, g_of) + offsets, np.repeat(times[order], g_of))
+        for i, g, b in zip(samples, groups, blocks):
+            placed.setdefault((g, b), []).append(i)
+        return placed
+    top = max(groups)
     level_sizes = [1 << e for e in range(top.bit_length()) if (1 << e) <= top]
     block_max = {h: loads.reshape(world // h, h).max(axis=1) for h in level_sizes if h > 1}
     block_max[1] = loads  # the loads themselves (updated in place, as before)
-    for k in np.argsort(-times, kind="stable").tolist():
-        i, g = int(dist[k]), int(sizes[dist[k]])
-        t = times[k]
+    for i, g, t in zip(samples, groups, times[order]):
         b = int(np.argmin(block_max[g]))
         for h in level_sizes:
             if h <= g:
@@ -109,6 +122,46 @@ def place_distributed(
                     block_max[h][j] = block_max[g][b]
         placed.setdefault((g, b), []).append(i)
     return placed
+
+
+# place_distributed keeps its block maxima in Python lists with a heap per size when no sample
+# spans more than this many ranks: a placement then changes a few entries (numpy's per-call
+# cost was most of the time at 4096 ranks on long-document steps). A placement on g ranks
+# changes ~2g entries one by one, so steps with larger groups keep the arrays.
+HEAP_PLACE_MAX_SIZE = 16
+
+
+def _blocks_by_heaps(groups: List[int], weights: List[float], world: int, loads: np.ndarray) -> List[int]:
+    """place_distributed's blocks (in placement order; `loads` left as it is): per size that
+    samples are placed at, every block's maximum in a list and a heap of (maximum, block)
+    whose top is np.argmin's answer (least maximum, lowest block on ties). Maxima only rise,
+    so an entry whose value is no longer its block's is stale and dropped when it surfaces."""
+    used = sorted(set(groups))
+    block_max = {h: loads.reshape(world // h, h).max(axis=1).tolist() for h in used}
+    heaps = {h: list(zip(block_max[h], range(world // h))) for h in used}
+    for heap in heaps.values():
+        heapq.heapify(heap)
+    push = heapq.heappush
+    blocks = []
+    for g, t in zip(groups, weights):
+        heap, mine = heaps[g], block_max[g]
+        while heap[0][0] != mine[heap[0][1]]:
+            heapq.heappop(heap)
+        b = heap[0][1]
+        blocks.append(b)
+        for h in used:
+            level, hp = block_max[h], heaps[h]
+            if h <= g:
+                r = g // h
+                for j in range(b * r, (b + 1) * r):
+                    level[j] += t
+                    push(hp, (level[j], j))
+            else:
+                j = b // (h // g)
+                if level[j] < mine[b]:
+                    level[j] = mine[b]
+                    push(hp, (level[j], j))
+    return blocks
 
 
 def fill_ranks(
@@ -144,9 +197,14 @@ def local_micro_batches(
     out: List[Tuple[int, List[int]]] = []
     if len(rank_of) == 0:
         return out
-    order = np.lexsort((-lengths, rank_of))  # by rank, then longest first (stable)
+    # by rank, then longest first, then index: np.lexsort((-lengths, rank_of)) as two stable
+    # sorts (each a radix sort where its keys fit 16 bits: assign.stable_order)
+    by_length = stable_order(-lengths)
+    order = by_length[stable_order(rank_of[by_length])]
     r_sorted, l_sorted = rank_of[order], lengths[order]
-    ranks, starts, counts = np.unique(r_sorted, return_index=True, return_counts=True)
+    starts = np.flatnonzero(np.concatenate(([True], r_sorted[1:] != r_sorted[:-1])))
+    ranks = r_sorted[starts]
+    counts = np.diff(np.append(starts, len(r_sorted)))
     totals = np.add.reduceat(l_sorted, starts)
     k = np.maximum(1, -(-totals // cap))
     pos = np.arange(len(order)) - np.repeat(starts, counts)
@@ -166,11 +224,14 @@ def local_micro_batches(
     for first, end, ri in zip(firsts.tolist(), ends, (slot_sorted[firsts] // kmax).tolist()):
         if not bad_list[ri]:
             out.append((ranks_list[ri], ids_by_slot[first:end]))
-    ids_sorted, lens_sorted = ids[order].tolist(), l_sorted.tolist()
-    for ri in np.flatnonzero(bad).tolist():
-        a, b = int(starts[ri]), int(starts[ri] + counts[ri])
-        for mbatch in first_fit_sorted(ids_sorted[a:b], lens_sorted[a:b], cap):
+    # the overflowing ranks' samples only, as lists (a few of ~10^5)
+    in_bad = np.repeat(bad, counts)
+    ids_bad, lens_bad = ids[order[in_bad]].tolist(), l_sorted[in_bad].tolist()
+    a = 0
+    for ri, n in zip(np.flatnonzero(bad).tolist(), counts[bad].tolist()):
+        for mbatch in first_fit_sorted(ids_bad[a : a + n], lens_bad[a : a + n], cap):
             out.append((ranks_list[ri], mbatch))
+        a += n
     out.sort(key=lambda t: t[0])  # stable: a rank's micro-batches keep their order
     return out
 
@@ -206,12 +267,14 @@ def assemble_plan(
             used += need
         for pack in packs:
             doc_lens = [lens[i] for i in pack]
-            mode = pick_ring_mode(req.cost, doc_lens, ranks, cap) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            mode = (
+                pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            )
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
     id_arr = np.asarray(ids, dtype=np.int64)
     len_arr = np.asarray(lens, dtype=np.int64)
-    for r, mbatch in local_micro_batches(local_rank_of, len_arr[local_idx], cap, id_arr[local_idx]):
-        waves.add(Group(ranks=(r,), local={r: mbatch}))
+    for group in Group.one_rank_groups(local_micro_batches(local_rank_of, len_arr[local_idx], cap, id_arr[local_idx])):
+        waves.add(group)
     plan = req.empty_plan(name)
     plan.waves = waves.build()
     return plan

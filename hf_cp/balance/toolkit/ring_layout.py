@@ -24,6 +24,9 @@ PER_DOC_MAX_DOCS = 8
 PER_DOC_EVAL_BUDGET = 2048
 PER_DOC_SUM_DOCS = 64
 ZIGZAG_ALL_MEMBERS_BUDGET = 32768  # member x document evaluations for one zigzag prediction
+# pick_ring_mode's cache (CostMemo.ring_modes) is emptied past this many choices, so that a
+# long run's distinct packs do not pile up
+RING_MODE_CACHE_MAX = 1 << 16
 
 
 def sampled_members(group_size: int) -> List[int]:
@@ -75,8 +78,22 @@ def pick_ring_mode(
     (CostModel.distributed_rank_costs, on sampled members of large groups; per-document
     sharding on ties; locals add the same work under either mode and are left out). Large packs are compared more cheaply or not at all, see
     PER_DOC_MAX_DOCS. Raises ValueError if neither mode fits.
+
+    Without `local_tokens` the choice is kept in the memo (CostMemo.ring_modes): it depends on
+    the ranks only through their number and their link (CostModel.link_for), so one key serves
+    every aligned block of a size. A pack that fits no mode is not kept and raises each time.
     """
-    return ring_mode_and_ms(cost, doc_lengths, ranks, cap, local_tokens, memo, estimate=False)[0]
+    memo = memo or cost_memo(cost)
+    if local_tokens is not None:
+        return ring_mode_and_ms(cost, doc_lengths, ranks, cap, local_tokens, memo, estimate=False)[0]
+    key = (tuple(doc_lengths), len(ranks), cost.link_for(ranks), cap)
+    mode = memo.ring_modes.get(key)
+    if mode is None:
+        mode = ring_mode_and_ms(cost, doc_lengths, ranks, cap, None, memo, estimate=False)[0]
+        if len(memo.ring_modes) >= RING_MODE_CACHE_MAX:
+            memo.ring_modes.clear()
+        memo.ring_modes[key] = mode
+    return mode
 
 
 def ring_mode_and_ms(

@@ -18,12 +18,18 @@ class WaveBuilder:
 
     def add(self, group: Group, at_least: int = 0) -> int:
         """Add `group` to the first wave (not before `at_least`) after its ranks' earlier groups."""
-        w = max(at_least, max(self.next_wave[r] for r in group.ranks))
+        ranks = group.ranks
+        if len(ranks) == 1:  # most groups of a step (local micro-batches): no generator
+            r = ranks[0]
+            w = max(at_least, self.next_wave[r])
+            self.next_wave[r] = w + 1
+        else:
+            w = max(at_least, max(self.next_wave[r] for r in ranks))
+            for r in ranks:
+                self.next_wave[r] = w + 1
         while len(self.waves) <= w:
             self.waves.append([])
         self.waves[w].append(group)
-        for r in group.ranks:
-            self.next_wave[r] = w + 1
         return w
 
     def build(self) -> List[Wave]:
