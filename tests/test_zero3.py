@@ -10,27 +10,23 @@ step with the single-process reference, and fails on a trainer wrong by 0.1%.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_cp.planning import GlobalBatchSampler
 
 from helpers.harness.check import ExactnessMismatch, check_run
-from helpers.harness.job import run_distributed
-from helpers.harness.reference import reference_eval_loss
 from helpers.sharded_runs import (
     EXACT_RUNS,
     JOB_TIMEOUT,
+    assert_ranks_ran_different_passes,
+    assert_resumes_exactly,
     engine_of,
     errors_of,
-    history,
     train_sharded_runs,
-    trained_ids,
 )
-from helpers.world2_job import LENGTHS, TOKENS_PER_STEP, executed_plans
+from helpers.world2_job import LENGTHS, TOKENS_PER_STEP
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +48,7 @@ def test_zero3_equals_single_process_step_by_step(zero3_runs, name):
 
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
 def test_chunked_steps_run_dummy_passes_where_ranks_differ(zero3_runs):
-    """The ChunkFlow runs above test the pass alignment only if some wave gives the ranks
-    different passes: chunks on one rank against a micro-batch or nothing on the other."""
-    for name in ("chunkflow", "chunkflow-mixed-qwen2"):
-        plans = executed_plans(zero3_runs[name])
-        differing = [
-            (p.step, w)
-            for p in plans
-            for w in range(len(p.waves))
-            if len(set(p.rank_passes(w))) > 1 and any("f" in x or x.count("F") > 1 for x in p.rank_passes(w))
-        ]
-        assert differing, f"{name}: no wave where the ranks' passes differ"
-    # forward-only evaluation by the same plans (a CP group and dependent chunks), aligned too
-    mixed = zero3_runs["chunkflow-mixed-qwen2"]
-    evals = [json.loads((Path(mixed["out"]) / f"eval_rank{r}.json").read_text()) for r in range(2)]
-    assert evals[0]["eval_loss"] == evals[1]["eval_loss"]
-    assert evals[0]["eval_loss"] == pytest.approx(reference_eval_loss(mixed, mixed["steps"]), rel=1e-5)
+    assert_ranks_ran_different_passes(zero3_runs, ("chunkflow", "chunkflow-mixed-qwen2"))
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 120)
@@ -86,16 +67,7 @@ def test_zero3_checkpoint_is_partitioned_and_resumes_exactly(zero3_runs, tmp_pat
     assert parts == [
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in range(2) for kind in ("model", "optim")
     ], parts
-    resumed = dict(full, out=str(tmp_path / "resumed"), resume_from=str(ckpt), save_steps=None)
-    run_distributed(resumed, 2, timeout=JOB_TIMEOUT)
-    assert [r["index"] for r in history(resumed)] == [2, 3]
-    check_run(full)
-    check_run(resumed)  # steps 3-4 step by step: parameters and AdamW state came back whole
-    a, b = (torch.load(Path(s["out"]) / "params.pt") for s in (full, resumed))
-    for k in a:
-        assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-6, k
-    trained = trained_ids(Path(full["out"]), below=2) + trained_ids(Path(resumed["out"]))
-    assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
+    assert_resumes_exactly(full, ckpt, tmp_path / "resumed")
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 120)

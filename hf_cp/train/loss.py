@@ -266,20 +266,12 @@ def lm_head_bypassed(head: torch.nn.Module, captured: List[torch.Tensor]) -> Ite
     parameters, and would otherwise mark the head ready at once and again when the chunked
     loss's backward reaches it ("marked as ready twice")."""
 
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
+    def capture(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         captured.append(hidden)
-        out = hidden[..., :0]
-        # the parameters as they are now: under FSDP2 they are gathered only during the forward
-        params = [p for p in head.parameters() if p.requires_grad]
-        if params and torch.is_grad_enabled():
-            out = out + sum(p.reshape(-1)[:1].sum() for p in params) * 0
-        return out
+        return hidden[..., :0]
 
-    head.forward = forward  # instance attribute: shadows the class's forward
-    try:
+    with lm_head_computing(head, capture):
         yield
-    finally:
-        del head.forward
 
 
 @contextlib.contextmanager

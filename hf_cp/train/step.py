@@ -190,16 +190,22 @@ class StepExecutor:
                         wave_sum = self.wave_loss(model, mb)
                         loss = wave_sum * scale
                         self.backward(loss, last_wave and pad == 0)
-                totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
-                totals.loss_sum += float(wave_sum.detach())
-                totals.valid += mb.num_valid
-                totals.tokens += mb.num_tokens
-                totals.loss = totals.loss + loss.detach()
+                self._count_wave(totals, mb, wave_sum, loss, t0)
             for k in range(pad):
                 # no (more) work in this wave: zero-weight micro-batches keep the backward count equal
                 self._dummy_backward(model, step.index + 1, w, last_wave and k == pad - 1)
             self._mark_wave(totals, t0)
         return totals
+
+    def _count_wave(
+        self, totals: WaveTotals, mb: MicroBatch, wave_sum: torch.Tensor, loss: torch.Tensor, t0: float
+    ) -> None:
+        """Add a wave's own work to this rank's totals (its compute up to the embedding's gradient)."""
+        totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+        totals.loss_sum += float(wave_sum.detach())
+        totals.valid += mb.num_valid
+        totals.tokens += mb.num_tokens
+        totals.loss = totals.loss + loss.detach()
 
     def _train_aligned(
         self,
@@ -274,11 +280,7 @@ class StepExecutor:
                 cursor.before(BACKWARD)
                 with cp_context(ctx), collective_scope(*scope):
                     self.backward(loss, own_backward_is_boundary())
-            totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
-            totals.loss_sum += float(wave_sum.detach())
-            totals.valid += mb.num_valid
-            totals.tokens += mb.num_tokens
-            totals.loss = totals.loss + loss.detach()
+            self._count_wave(totals, mb, wave_sum, loss, t0)
         cursor.finish()
 
     def _dummy_forward(self, model: torch.nn.Module, step: int, wave: int, graph: bool):

@@ -14,14 +14,21 @@ import json
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import pytest
+import torch
+
+from helpers.harness.check import check_run
 from helpers.harness.job import run_distributed
+from helpers.harness.reference import reference_eval_loss
 from helpers.world2_job import (
     CHUNKFLOW_ADAM_EPSILON,
     CHUNKFLOW_RUNS,
     COLLECTIVE_TIMEOUT,
+    LENGTHS,
     balance_spec,
     chunkflow_mixed_spec,
     empty_shard_spec,
+    executed_plans,
     lengths_spec,
 )
 
@@ -91,3 +98,37 @@ def trained_ids(out: Path, below: int = None) -> list:
 def errors_of(spec: dict) -> List[str]:
     """The error each rank of a refused run stopped with (one per rank, or fewer if some trained)."""
     return [f.read_text() for f in sorted(Path(spec["out"]).glob("error_rank*.txt"))]
+
+
+def assert_ranks_ran_different_passes(runs: Dict[str, dict], names: Sequence[str]) -> None:
+    """The ChunkFlow runs test the pass alignment only if some wave gives the ranks different
+    passes (chunks on one rank against a micro-batch or nothing on the other); and the mixed
+    run's forward-only evaluation, aligned too, equals the reference on both ranks."""
+    for name in names:
+        plans = executed_plans(runs[name])
+        differing = [
+            (p.step, w)
+            for p in plans
+            for w in range(len(p.waves))
+            if len(set(p.rank_passes(w))) > 1 and any("f" in x or x.count("F") > 1 for x in p.rank_passes(w))
+        ]
+        assert differing, f"{name}: no wave where the ranks' passes differ"
+    mixed = runs["chunkflow-mixed-qwen2"]
+    evals = [json.loads((Path(mixed["out"]) / f"eval_rank{r}.json").read_text()) for r in range(2)]
+    assert evals[0]["eval_loss"] == evals[1]["eval_loss"]
+    assert evals[0]["eval_loss"] == pytest.approx(reference_eval_loss(mixed, mixed["steps"]), rel=1e-5)
+
+
+def assert_resumes_exactly(full: dict, checkpoint: Path, out: Path) -> None:
+    """The checkpointed run resumed from `checkpoint` (after step 2 of 4) into `out`: steps 3-4
+    equal the reference step by step and the uninterrupted run, every sample trained once."""
+    resumed = dict(full, out=str(out), resume_from=str(checkpoint), save_steps=None)
+    run_distributed(resumed, 2, timeout=JOB_TIMEOUT)
+    assert [r["index"] for r in history(resumed)] == [2, 3]
+    check_run(full)
+    check_run(resumed)  # steps 3-4 step by step: parameters and AdamW state came back whole
+    a, b = (torch.load(Path(s["out"]) / "params.pt") for s in (full, resumed))
+    for k in a:
+        assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-6, k
+    trained = trained_ids(Path(full["out"]), below=2) + trained_ids(Path(resumed["out"]))
+    assert sorted(trained) == list(range(len(LENGTHS))), "every sample of the epoch exactly once"
