@@ -397,9 +397,7 @@ class StepExecutor:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Per-token log p(target) of a micro-batch's rows [T] and extra targets [k] (fp32, 0 where
         the target is ignored), through the chunked LM head when the model allows it."""
-        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
-        targets = mb.shift_labels[0].to(self.device)
-        extra_rows, extra_targets = mb.extra_rows.to(self.device), mb.extra_targets.to(self.device)
+        ids, pos, targets, extra_rows, extra_targets = self._device_rows(mb)
         if isinstance(head, str):
             head = self.loss_head()
         t = self.logit_temperature
@@ -429,13 +427,21 @@ class StepExecutor:
         rows = targets.shape[0]
         return both[:rows], both[rows:]
 
+    def _device_rows(self, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
+        """A micro-batch's input ids, positions, shifted targets [T] and extra targets on the
+        device (shared-prompt samples: a prompt's last token predicts every answer: extra rows)."""
+        return (
+            mb.input_ids.to(self.device),
+            mb.position_ids.to(self.device),
+            mb.shift_labels[0].to(self.device),
+            mb.extra_rows.to(self.device),
+            mb.extra_targets.to(self.device),
+        )
+
     def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
         loss when the model allows it, else from the full logits."""
-        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
-        targets = mb.shift_labels[0].to(self.device)
-        # shared-prompt samples: more targets for some rows (a prompt's last token predicts every answer)
-        extra_rows, extra_targets = mb.extra_rows.to(self.device), mb.extra_targets.to(self.device)
+        ids, pos, targets, extra_rows, extra_targets = self._device_rows(mb)
         head = self.loss_head()
         if head is None:
             out = model(input_ids=ids, position_ids=pos, use_cache=False)
