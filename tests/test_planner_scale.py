@@ -13,14 +13,15 @@ import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit import assign, cp_candidates
-from hf_cp.balance.toolkit.assign import group_indices, improve_max_load, least_loaded_first, stable_order
+from hf_cp.balance.toolkit.assign import group_indices, improve_max_load, least_loaded_first
 from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_candidates import local_micro_batches, per_rank_ms, place_distributed
-from hf_cp.balance.toolkit.packing import split_to_cap
+from hf_cp.balance.toolkit.packing import first_fit_sorted, first_fit_sorted_runs, split_to_cap
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode, ring_mode_and_ms
 from hf_cp.balance.toolkit.waves import block_ranks
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.sorting import stable_order
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
 from hf_cp.samples.lengths import read_lengths
 
@@ -110,6 +111,56 @@ def test_local_micro_batches_are_under_the_cap_and_overflowing_ranks_pack_first_
             assert mine == ffd
 
 
+def per_item_first_fit(ids, lengths, cap):
+    """First fit one item at a time into the first bin with room (the reference)."""
+    bins, free = [], []
+    for s, n in zip(ids, lengths):
+        for b, f in enumerate(free):
+            if f >= n:
+                bins[b].append(s)
+                free[b] -= n
+                break
+        else:
+            bins.append([s])
+            free.append(cap - n)
+    return bins
+
+
+def test_first_fit_sorted_is_per_item_first_fit():
+    rng = np.random.default_rng(11)
+    for trial in range(400):
+        n = int(rng.integers(1, 300))
+        cap = int(rng.choice([64, 1000, 8192, 32768]))
+        hi = int(rng.choice([cap, cap // 3 + 1, 40, 2]))
+        lengths = sorted(rng.integers(1, max(2, min(hi, cap) + 1), n).tolist(), reverse=True)
+        if trial % 4 == 0:  # many equal lengths
+            lengths = sorted(rng.choice(lengths[: max(1, n // 10)], n).tolist(), reverse=True)
+        ids = rng.permutation(10 * n)[:n].tolist()
+        assert first_fit_sorted(ids, lengths, cap) == per_item_first_fit(ids, lengths, cap), trial
+    with pytest.raises(ValueError, match="sample 7 has 9 tokens"):
+        first_fit_sorted([7, 1], [9, 1], 8)
+
+
+def test_first_fit_sorted_runs_is_first_fit_on_each_run():
+    rng = np.random.default_rng(12)
+    for trial in range(150):
+        cap = int(rng.choice([50, 1000, 32768]))
+        runs, lens_all, starts = int(rng.integers(1, 40)), [], []
+        for _ in range(runs):
+            n = int(rng.integers(1, 80))
+            hi = int(rng.choice([cap, cap // 4 + 1, 3]))
+            starts.append(len(lens_all))
+            lens_all += sorted(rng.integers(1, min(hi, cap) + 1, n).tolist(), reverse=True)
+        got = first_fit_sorted_runs(np.array(lens_all), np.array(starts), cap)
+        for r, a in enumerate(starts):
+            z = starts[r + 1] if r + 1 < len(starts) else len(lens_all)
+            want = per_item_first_fit(list(range(a, z)), lens_all[a:z], cap)
+            for b, items in enumerate(want):
+                assert got[items].tolist() == [b] * len(items), (trial, r)
+    with pytest.raises(ValueError, match="more than the cap 8"):
+        first_fit_sorted_runs(np.array([9, 1]), np.array([0]), 8)
+
+
 def numpy_improve_max_load(w, bins, loads, partners=4, tolerance=2e-3):
     """improve_max_load as it was: numpy arrays every round, partners by np.argpartition."""
     bins, loads, w = bins.copy(), loads.astype(np.float64).copy(), np.asarray(w, dtype=np.float64)
@@ -189,8 +240,22 @@ def test_improve_max_load_makes_the_numpy_versions_exchanges(monkeypatch, py_pai
 
 def test_stable_order_is_numpys_stable_argsort():
     rng = np.random.default_rng(2)
-    for keys in (rng.integers(-40000, 40000, 5000), rng.integers(0, 64, 5000), -rng.integers(1, 32769, 5000)):
-        assert np.array_equal(stable_order(keys), np.argsort(keys, kind="stable"))
+    cases = [
+        rng.integers(-40000, 40000, 5000),  # the packed-key sort
+        rng.integers(0, 64, 5000),  # radix (16 bits)
+        -rng.integers(1, 32769, 5000),
+        rng.integers(0, 10**12, 4000) * 3,  # wide, ties below
+        np.repeat(rng.integers(-(2**40), 2**40, 300), 7),  # many ties, negative
+        rng.integers(0, 2**62, 100, dtype=np.int64),  # too wide to pack: merge sort
+        np.array([2**64 - 1, 5, 2**64 - 1, 0], dtype=np.uint64),  # beyond int64
+        rng.integers(0, 70000, 3000).astype(np.uint32),
+        rng.random(500),  # floats: numpy's
+        np.array([7]),
+        np.array([], dtype=np.int64),
+    ]
+    cases[3][::5] = cases[3][1::5]
+    for keys in cases:
+        assert np.array_equal(stable_order(keys), np.argsort(keys, kind="stable")), keys.dtype
 
 
 def test_cached_ring_mode_is_the_uncached_choice_on_every_block():

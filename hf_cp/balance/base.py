@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
 
 from hf_cp.balance.registry import balancers_handling_masks
 from hf_cp.cost.model import CostModel
@@ -12,6 +15,11 @@ from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import StepPlan
 from hf_cp.samples.masks import SampleMask
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
 
 
 class SampleTooLongError(ValueError):
@@ -74,6 +82,17 @@ class PlanRequest:
                     + ". Raise max_tokens_per_rank or the world size, or truncate/drop it in preprocessing"
                     + ("" if limit > cap else "; balancer chunkflow trains longer samples as dependent chunks")
                 )
+
+    # The ids and lengths as int64 arrays, made once per request (read-only): a step holds up
+    # to ~10^5 samples, and its members, bounds and pricer each used to convert the tuples
+    # (cached_property writes the instance __dict__, which a frozen dataclass allows).
+    @cached_property
+    def id_array(self) -> np.ndarray:
+        return _read_only(np.asarray(self.sample_ids, dtype=np.int64))
+
+    @cached_property
+    def length_array(self) -> np.ndarray:
+        return _read_only(np.asarray(self.lengths, dtype=np.int64))
 
     def empty_plan(self, balancer: str) -> StepPlan:
         return StepPlan(

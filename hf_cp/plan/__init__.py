@@ -2,7 +2,8 @@
 
 `step_plan.StepPlan` (waves of disjoint CP groups, validated), `cluster.ClusterSpec` (world,
 memory cap, the registry of groups), `block_layout` (the blocks mode's placed chunks and
-compute blocks), `chunks` (ChunkFlow's dependent chunks) and `bins` (first-fit packing).
+compute blocks), `chunks` (ChunkFlow's dependent chunks), `bins` (first-fit packing) and
+`sorting` (fast stable orders of integer keys).
 Plain data and pure functions: a plan never prices itself (cost/ does).
 """
 

@@ -29,6 +29,7 @@ from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, h
 from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.passes import MICRO_BATCH_PASSES, chunked_passes, merge_passes
+from hf_cp.plan.sorting import stable_order
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
 
 FORMAT = "hf_cp.step_plan/1"
@@ -616,7 +617,7 @@ class _BulkSamples:
         ids = np.asarray(plan.sample_ids)
         if ids.dtype.kind not in "iu":
             return None
-        by_id = np.argsort(ids, kind="stable")
+        by_id = stable_order(ids)
         sorted_ids = ids[by_id]
         if bool((sorted_ids[1:] == sorted_ids[:-1]).any()):
             return cls(duplicated=True)
@@ -638,7 +639,7 @@ class _BulkSamples:
         if len(sched) != n or arr.dtype.kind not in "iu":
             return cls(duplicated=False)
         # sorted, the scheduled ids are the batch's (which has none twice): each sample exactly once
-        by_sched = np.argsort(arr, kind="stable")
+        by_sched = stable_order(arr)
         if not np.array_equal(arr[by_sched], sorted_ids):
             return cls(duplicated=False)
         batch_lengths = np.asarray(plan.lengths)

@@ -138,8 +138,8 @@ class DynamicCPBalancer:
                 f"dynamic_cp: a world of {cl.world_size} ranks is not a power of two, so it has no aligned blocks "
                 f"to plan on; of the built-in balancers only dynamic_cp with option any_size_groups plans it"
             )
-        lengths = np.asarray(req.lengths, dtype=np.int64)
-        local_ms = memo.step_local_ms(req.lengths)
+        lengths = req.length_array
+        local_ms = memo.step_local_ms(req.lengths, req.length_array)
         quota = float(local_ms.sum()) / cl.world_size
         candidates: List[Candidate] = []
         if aligned:
@@ -316,8 +316,7 @@ class AnySizeCandidate(Candidate):
                 pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
             )
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
-        id_arr = np.asarray(ids, dtype=np.int64)
-        len_arr = np.asarray(lens, dtype=np.int64)
+        id_arr, len_arr = req.id_array, req.length_array
         local = local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap, id_arr[self.local_idx])
         for group in Group.one_rank_groups(local):
             waves.add(group)

@@ -100,8 +100,8 @@ class Problem:
     def __init__(self, req: PlanRequest, memo: CostMemo, max_heavy: int, heavy_fraction: float):
         cl = req.cluster
         self.world = cl.world_size
-        self.lengths = np.asarray(req.lengths, dtype=np.int64)
-        self.local_ms = memo.step_local_ms(req.lengths)
+        self.lengths = req.length_array
+        self.local_ms = memo.step_local_ms(req.lengths, req.length_array)
         self.min_sizes = memory_min_sizes(memo, self.lengths, req)
         self.quota = float(self.local_ms.sum()) / self.world
         forced = np.flatnonzero(self.min_sizes > 1)

@@ -108,7 +108,7 @@ class LibraBalancer:
         dp = cl.world_size // N
         P = min(self.pool_size, dp)
         memo = cost_memo(req.cost)
-        lens = np.asarray(req.lengths, dtype=np.int64)
+        lens = req.length_array
         # a pack this size always fits zigzag-split; a longer sample (odd cap) is a pack of its own
         pack_of = lookahead_pack(lens, N * even_cap(cl.max_tokens_per_rank, N))
         n_packs = int(pack_of.max()) + 1
@@ -145,8 +145,7 @@ class LibraBalancer:
         N, cap = lay.cp_size, req.cluster.max_tokens_per_rank
         memo = cost_memo(req.cost)
         builder = WaveBuilder(req.cluster.world_size)
-        ids = np.asarray(req.sample_ids, dtype=np.int64)
-        lens = np.asarray(req.lengths, dtype=np.int64)
+        ids, lens = req.id_array, req.length_array
         for k in sorted(range(len(lay.packs)), key=lambda k: (lay.slot_of_pack[k], lay.replica_of_pack[k])):
             ranks = block_ranks(lay.replica_of_pack[k], N)
             pack_ids = ids[lay.packs[k]].tolist()

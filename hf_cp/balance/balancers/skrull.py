@@ -299,8 +299,7 @@ class SkrullBalancer:
         dp = cl.world_size // N
         cap = cl.max_tokens_per_rank
         memo = cost_memo(req.cost)
-        ids = np.asarray(req.sample_ids, dtype=np.int64)
-        lens = np.asarray(req.lengths, dtype=np.int64)
+        ids, lens = req.id_array, req.length_array
         flops = memo.local_ms_array(lens)
         replica, _ = lpt_assign(flops, dp)
         budget = max(int(lens.max()), int(N * even_cap(cap, N) * self.fill)) if N > 1 else cap

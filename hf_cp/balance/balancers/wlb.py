@@ -226,8 +226,7 @@ class WlbBalancer:
         window = N * even_cap(cap, N)  # a pack this size always fits zigzag-split (packing.even_cap)
         # (a document longer than that, possible with an odd cap, is an outlier: alone in its micro-batch)
         memo = cost_memo(req.cost)
-        ids = np.asarray(req.sample_ids, dtype=np.int64)
-        lens = np.asarray(req.lengths, dtype=np.int64)
+        ids, lens = req.id_array, req.length_array
         work = memo.local_ms_array(lens)
         outliers = np.nonzero(lens >= self.outlier_fraction * window)[0].tolist()  # FIFO: data order
         # as few rounds of micro-batches as memory allows, at `fill` of it: a greedy cannot

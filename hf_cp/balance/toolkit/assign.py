@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hf_cp.plan.sorting import stable_order
+
 
 def descending_order(weights: np.ndarray) -> np.ndarray:
     """Indices by decreasing weight; equal weights keep their input order (stable)."""
@@ -137,21 +139,6 @@ def water_fill(weights: np.ndarray, loads: np.ndarray) -> np.ndarray:
     mid = np.cumsum(weights) - weights / 2.0
     pos = np.minimum(np.searchsorted(bounds, mid, side="right"), n_bins - 1)
     return by_load[pos]
-
-
-def stable_order(keys: np.ndarray) -> np.ndarray:
-    """np.argsort(keys, kind="stable"), through a radix sort when the integer keys fit 16 bits
-    (numpy radix-sorts only those; a merge sort of 10^5 int64 keys costs ~10x more). The
-    cast keeps every key, so the order is the same."""
-    keys = np.asarray(keys)
-    if (
-        keys.dtype.kind in "iu"
-        and len(keys)
-        and np.iinfo(np.int16).min <= keys.min()
-        and keys.max() <= np.iinfo(np.int16).max
-    ):
-        keys = keys.astype(np.int16)
-    return np.argsort(keys, kind="stable")
 
 
 def group_offsets(labels: np.ndarray, n_groups: int) -> Tuple[np.ndarray, np.ndarray]:

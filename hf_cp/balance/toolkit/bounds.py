@@ -50,7 +50,7 @@ def request_local_ms(req: PlanRequest, memo: Optional[CostMemo] = None) -> np.nd
     (CostModel.local_ms with its mask, what the simulator and its bounds charge it); without
     masks the memo's shared per-length array (do not modify it)."""
     memo = memo or cost_memo(req.cost)
-    local = memo.step_local_ms(req.lengths)
+    local = memo.step_local_ms(req.lengths, req.length_array)
     if not req.masks:
         return local
     local = local.copy()
@@ -165,7 +165,7 @@ class BoundCache:
         if self._charged is None:
             memo = cost_memo(self.req.cost)
             self._charged = charged_lower_bound_ms(
-                self.req.lengths,
+                self.req.length_array,
                 self.req.cluster,
                 self.req.cost,
                 local_ms=self.local_ms,

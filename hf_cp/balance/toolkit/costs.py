@@ -44,20 +44,33 @@ class CostMemo:
             v = self._local[length] = self.cost.sample_local_ms(length)
         return v
 
-    def step_local_ms(self, lengths: Sequence[int]) -> np.ndarray:
+    def step_local_ms(self, lengths: Sequence[int], as_array: Optional[np.ndarray] = None) -> np.ndarray:
         """local_ms_array of a step's lengths, kept for the last step asked: every member of
-        `auto`, every bound and the pricer ask for the same step's (do not modify it)."""
+        `auto`, every bound and the pricer ask for the same step's (do not modify it).
+        `as_array`: the same lengths as an int64 array, when the caller has it
+        (PlanRequest.length_array)."""
         if self._step_lengths is not lengths:
             key = lengths if isinstance(lengths, tuple) else tuple(lengths)
             if key != self._step_lengths:
-                self._step_local = self.local_ms_array(np.asarray(key, dtype=np.int64))
+                arr = as_array if as_array is not None else np.asarray(key, dtype=np.int64)
+                self._step_local = self.local_ms_array(arr)
             self._step_lengths = key
         return self._step_local
 
     def local_ms_array(self, lengths: np.ndarray) -> np.ndarray:
-        """local_ms of every entry of an integer array."""
-        uniq, inv = np.unique(lengths, return_inverse=True)
+        """local_ms of every entry of an integer array (each distinct length priced once)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
         get = self.local_ms
+        if not len(lengths):
+            return np.zeros(0, dtype=np.float64)
+        top = int(lengths.max())
+        if int(lengths.min()) >= 0 and top <= 4 * len(lengths) + (1 << 16):
+            # a table by length: no sort (a step of 10^5 short samples has a few hundred lengths)
+            uniq = np.flatnonzero(np.bincount(lengths, minlength=top + 1))
+            table = np.zeros(top + 1, dtype=np.float64)
+            table[uniq] = np.fromiter((get(n) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))
+            return table[lengths]
+        uniq, inv = np.unique(lengths, return_inverse=True)
         return np.fromiter((get(int(n)) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))[inv]
 
     def doc_on_group_ms(self, length: int, group_size: int) -> float:

@@ -15,13 +15,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hf_cp.balance.base import PlanRequest
-from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign, stable_order
+from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
 from hf_cp.balance.toolkit.costs import CostMemo
-from hf_cp.balance.toolkit.packing import first_fit_sorted
+from hf_cp.balance.toolkit.packing import first_fit_sorted_runs
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.sorting import stable_order
 from hf_cp.plan.step_plan import Group, StepPlan
 
 
@@ -191,14 +192,15 @@ def local_micro_batches(
     `rank_of` and `lengths`). Fast path: each rank takes the fewest micro-batches its tokens
     allow and deals its samples, longest first, in a snake order over them (near-equal token
     sums); ranks where that overflows fall back to first-fit decreasing (packing.split_to_cap's
-    rule, on the rank's samples as they are already sorted). The ids are gathered once and
-    sliced per micro-batch: a step has thousands of them.
+    rule, on the rank's samples as they are already sorted; all such ranks at once:
+    packing.first_fit_sorted_runs). Every sample then has a (rank, micro-batch) slot; one
+    stable sort by slot lays the micro-batches out, and the ids are gathered once and sliced
+    per micro-batch: a step has thousands of them.
     """
-    out: List[Tuple[int, List[int]]] = []
     if len(rank_of) == 0:
-        return out
+        return []
     # by rank, then longest first, then index: np.lexsort((-lengths, rank_of)) as two stable
-    # sorts (each a radix sort where its keys fit 16 bits: assign.stable_order)
+    # sorts (plan/sorting.py: stable_order)
     by_length = stable_order(-lengths)
     order = by_length[stable_order(rank_of[by_length])]
     r_sorted, l_sorted = rank_of[order], lengths[order]
@@ -212,28 +214,23 @@ def local_micro_batches(
     p = pos % (2 * kk)
     mb = np.where(p < kk, p, 2 * kk - 1 - p)
     kmax = int(k.max())
-    slot = np.repeat(np.arange(len(ranks)), counts) * kmax + mb
-    sums = np.bincount(slot, weights=l_sorted, minlength=len(ranks) * kmax).reshape(len(ranks), kmax)
+    rank_idx = np.repeat(np.arange(len(ranks)), counts)
+    sums = np.bincount(rank_idx * kmax + mb, weights=l_sorted, minlength=len(ranks) * kmax).reshape(len(ranks), kmax)
     bad = sums.max(axis=1) > cap
-    by_slot = np.argsort(slot, kind="stable")
+    if bad.any():
+        in_bad = np.repeat(bad, counts)
+        bad_counts = counts[bad]
+        bad_starts = np.concatenate(([0], np.cumsum(bad_counts)[:-1]))
+        mb[in_bad] = first_fit_sorted_runs(l_sorted[in_bad], bad_starts, cap)
+    per_rank = int(mb.max()) + 1
+    slot = rank_idx * per_rank + mb
+    by_slot = stable_order(slot)
     slot_sorted = slot[by_slot]
-    firsts = np.concatenate(([0], np.flatnonzero(np.diff(slot_sorted)) + 1))
-    ends = np.append(firsts[1:], len(slot_sorted)).tolist()
+    firsts = np.flatnonzero(np.concatenate(([True], slot_sorted[1:] != slot_sorted[:-1])))
+    bounds = firsts.tolist() + [len(slot_sorted)]
     ids_by_slot = ids[order[by_slot]].tolist()
-    ranks_list, bad_list = ranks.tolist(), bad.tolist()
-    for first, end, ri in zip(firsts.tolist(), ends, (slot_sorted[firsts] // kmax).tolist()):
-        if not bad_list[ri]:
-            out.append((ranks_list[ri], ids_by_slot[first:end]))
-    # the overflowing ranks' samples only, as lists (a few of ~10^5)
-    in_bad = np.repeat(bad, counts)
-    ids_bad, lens_bad = ids[order[in_bad]].tolist(), l_sorted[in_bad].tolist()
-    a = 0
-    for ri, n in zip(np.flatnonzero(bad).tolist(), counts[bad].tolist()):
-        for mbatch in first_fit_sorted(ids_bad[a : a + n], lens_bad[a : a + n], cap):
-            out.append((ranks_list[ri], mbatch))
-        a += n
-    out.sort(key=lambda t: t[0])  # stable: a rank's micro-batches keep their order
-    return out
+    mb_ranks = ranks[slot_sorted[firsts] // per_rank].tolist()
+    return [(r, ids_by_slot[a:b]) for r, a, b in zip(mb_ranks, bounds, bounds[1:])]
 
 
 def assemble_plan(
@@ -271,8 +268,7 @@ def assemble_plan(
                 pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
             )
             waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
-    id_arr = np.asarray(ids, dtype=np.int64)
-    len_arr = np.asarray(lens, dtype=np.int64)
+    id_arr, len_arr = req.id_array, req.length_array
     for group in Group.one_rank_groups(local_micro_batches(local_rank_of, len_arr[local_idx], cap, id_arr[local_idx])):
         waves.add(group)
     plan = req.empty_plan(name)

@@ -217,7 +217,9 @@ def train_one(spec: dict) -> None:
             "engine": spec.get("engine", "zero2"),
             "wrapper": type(trainer.model_wrapped).__name__,
             # FSDP2 leaves its parameters as shards (DTensors) between steps, ZeRO-3 as partitions
-            "sharded_parameters": sum(hasattr(p, "to_local") or hasattr(p, "ds_id") for p in trainer.model.parameters()),
+            "sharded_parameters": sum(
+                hasattr(p, "to_local") or hasattr(p, "ds_id") for p in trainer.model.parameters()
+            ),
             "parameters": sum(1 for _ in trainer.model.parameters()),
         }
         plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
