@@ -162,7 +162,7 @@ def test_first_fit_sorted_runs_is_first_fit_on_each_run():
 
 
 def numpy_improve_max_load(w, bins, loads, partners=4, tolerance=2e-3):
-    """improve_max_load as it was: numpy arrays every round, partners by np.argpartition."""
+    """improve_max_load as it was, numpy arrays every round, with partners by (load, index)."""
     bins, loads, w = bins.copy(), loads.astype(np.float64).copy(), np.asarray(w, dtype=np.float64)
     n_bins = len(loads)
     if len(w) == 0 or n_bins < 2:
@@ -176,8 +176,7 @@ def numpy_improve_max_load(w, bins, loads, partners=4, tolerance=2e-3):
         if top <= mean * (1.0 + tolerance) or not len(a_idx):
             break
         a = w[a_idx]
-        light = np.argpartition(loads, k)[: k + 1] if k + 1 < n_bins else np.arange(n_bins)
-        light = light[np.lexsort((light, loads[light]))]
+        light = np.lexsort((np.arange(n_bins), loads))[: k + 1]  # by (load, index)
         light = light[light != hi][:k]
         gaps = top - loads[light]
         segments = [members[p][np.lexsort((members[p], w[members[p]]))] for p in light.tolist()]
@@ -216,7 +215,7 @@ def numpy_improve_max_load(w, bins, loads, partners=4, tolerance=2e-3):
 @pytest.mark.parametrize("py_pairs", [0, assign.PY_SEARCH_MAX_PAIRS, 10**9])
 def test_improve_max_load_makes_the_numpy_versions_exchanges(monkeypatch, py_pairs):
     """Every search path (vectorised, mixed, Python) on loads full of ties: equal items, bins
-    of equal loads on both sides of the partners' edge (argpartition decides there)."""
+    of equal loads on both sides of the partners' edge (the lower index goes first there)."""
     monkeypatch.setattr(assign, "PY_SEARCH_MAX_PAIRS", py_pairs)
     rng = np.random.default_rng(11)
     for trial in range(400):

@@ -168,8 +168,8 @@ def serpentine(n_items: int, n_bins: int) -> np.ndarray:
 # arrays of a few items (the busiest bin's and its partners'), an argmax and an argpartition over
 # every bin: ~100 us a round, 0.3-0.5 s at 4096 ranks on long-document steps. The rounds now
 # keep the bins sorted by (load, index) in a list (two bins change per round) and search the
-# exchanges of small bins in plain Python; the arithmetic and every tie-break are the numpy
-# version's, so the choices are the same (tests/test_planner_scale.py checks it against it).
+# exchanges of small bins in plain Python; the arithmetic and every tie-break are those of the
+# numpy version in tests/test_planner_scale.py, so the choices are the same (checked there).
 # Up to this many (item of the busiest bin, partner) pairs the search runs in Python (about a
 # microsecond a pair); above it, vectorised (~100 us a round, whatever the size).
 PY_SEARCH_MAX_PAIRS = 96
@@ -192,8 +192,8 @@ def improve_max_load(
     `tolerance` of the mean, or after `max_rounds` (default 2 x bins). LPT leaves coarse
     items (a few per bin) up to a few percent uneven; this closes most of that. `loads` may
     include work that cannot move (it is only added to). Returns new (bins, loads);
-    deterministic (ties: lowest indices; the partners are the `partners` + 1 least loaded
-    bins as numpy's argpartition picks them, the busiest left out).
+    deterministic (ties: lowest indices; the partners are the `partners` least loaded bins by
+    (load, index), the busiest left out).
     """
     bins = np.array(bins, dtype=np.int64, copy=True)
     loads = np.array(loads, dtype=np.float64, copy=True)
@@ -241,7 +241,7 @@ def improve_max_load(
         a_idx = items_of(hi)
         if top <= mean * (1.0 + tolerance) or not a_idx:
             break
-        light = _partners(ranked, loads, hi, k)
+        light = _partners(ranked, hi, k)
         gaps = [top - ld[p] for p in light]
         if len(a_idx) * len(light) <= PY_SEARCH_MAX_PAIRS:
             segments = [sorted_items(p) for p in light]
@@ -276,25 +276,12 @@ def improve_max_load(
     return bins, loads
 
 
-def _partners(ranked: List[Tuple[float, int]], loads: np.ndarray, hi: int, k: int) -> List[int]:
-    """The k least loaded bins but `hi`, by (load, index): of the k + 1 least loaded ones as
-    np.argpartition(loads, k) picks them, `hi` left out, the first k. Which k + 1 it picks
-    matters only on a tie across its edge: when the k least loads are below the (k+1)-th
-    (a tie after it only decides which tied bin comes last, and that one is cut) and the
-    (k+1)-th is below `hi`'s (so `hi` is not among them), the answer is the first k of
-    `ranked`; when all k + 1 are below the next load, the first k + 1 but `hi`. Otherwise
-    (ties across the edge on both sides: a few rounds) argpartition is asked."""
-    n_bins = len(ranked)
-    if k + 1 >= n_bins:
-        light = [b for _, b in ranked]
-    elif k >= 1 and ranked[k - 1][0] < ranked[k][0] < ranked[-1][0]:
-        return [b for _, b in ranked[:k]]
-    elif ranked[k][0] < ranked[k + 1][0]:
-        light = [b for _, b in ranked[: k + 1]]
-    else:
-        pick = np.argpartition(loads, k)[: k + 1]
-        light = pick[np.lexsort((pick, loads[pick]))].tolist()
-    return [b for b in light if b != hi][:k]
+def _partners(ranked: List[Tuple[float, int]], hi: int, k: int) -> List[int]:
+    """The k least loaded bins but `hi`, by (load, index): equal loads go to the lowest bins.
+    (It used to follow np.argpartition's pick among loads tied across the k-th place, which
+    needed a partition of every bin on ~3 rounds in 4 at 4096 ranks, and is not specified
+    across numpy builds; a plan must not depend on the CPU that made it.)"""
+    return [b for _, b in ranked[: k + 1] if b != hi][:k]
 
 
 def _best_exchange_py(a: List[float], gaps: List[float], segments, span: float):
@@ -350,15 +337,17 @@ def _best_exchange_np(a: np.ndarray, gaps: np.ndarray, arrays, span: float):
     # for every (item a, partner q): the b nearest a - gap_q / 2, from below and above
     target = (a[:, None] - gaps[None, :] / 2.0) + np.arange(len(arrays))[None, :] * span
     pos = np.searchsorted(key, target)
+    # both neighbours at once, below then above: argmax over the stacked pairs takes the first
+    # maximum, i.e. the one below unless the one above keeps strictly more (the loop it replaced)
+    c = np.stack((pos - 1, pos))
+    np.minimum(np.maximum(c, 0, out=c), len(key) - 1, out=c)  # np.clip, without its per-call checks
+    d = a[None, :, None] - b_w[c]
+    g = gaps[None, None, :]
+    ok = (q_of[c] == np.arange(len(arrays))[None, None, :]) & (d > 0) & (d < g)
+    kept = np.where(ok, np.minimum(d, g - d), -np.inf)
+    flat = int(np.argmax(kept))
     best_kept, best = 0.0, None
-    for cand in (pos - 1, pos):
-        c = np.clip(cand, 0, len(key) - 1)
-        same = q_of[c] == np.arange(len(arrays))[None, :]
-        d = a[:, None] - b_w[c]
-        g = gaps[None, :]
-        kept = np.where(same & (d > 0) & (d < g), np.minimum(d, g - d), -np.inf)
-        flat = int(np.argmax(kept))
-        if kept.flat[flat] > best_kept:
-            i, q = np.unravel_index(flat, kept.shape)
-            best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(b_idx[c[i, q]]))
+    if kept.flat[flat] > best_kept:
+        _, i, q = np.unravel_index(flat, kept.shape)
+        best_kept, best = float(kept.flat[flat]), (int(i), int(q), int(b_idx[c.flat[flat]]))
     return best_kept, best
