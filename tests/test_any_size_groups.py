@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance import PlanRequest, available_balancers, get_balancer
 from hf_cp.balance.options import BalancerOptionError
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.cost.model import CostModel, ModelDims
@@ -15,6 +15,7 @@ from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
+from hf_cp.planning.setup import PlanningSettings, planning_setup
 from hf_cp.samples.lengths import read_lengths, step_batches
 
 from helpers.balancer_checks import member_tokens_of, step_cases
@@ -51,9 +52,9 @@ def test_the_registry_holds_every_run_inside_a_node_and_aligned_blocks_above():
 
 
 def test_a_world_that_is_not_a_power_of_two_needs_the_flag_and_one_node():
-    with pytest.raises(ValueError, match="world_size 3 is not a power of two"):
+    with pytest.raises(ValueError, match="world_size 3 is not a power of two.*at most 8 ranks with any_size_groups"):
         ClusterSpec(3, CAP)
-    with pytest.raises(ValueError, match="at most one node"):
+    with pytest.raises(ValueError, match="one node of at most 8 ranks$"):
         ClusterSpec(12, CAP, gpus_per_node=8, any_size_groups=True)
     six = ClusterSpec(6, CAP, gpus_per_node=8, any_size_groups=True)
     assert six.group_sizes == (1, 2, 4) and six.blocks(4) == [(0, 1, 2, 3)]
@@ -153,8 +154,26 @@ def test_the_option_is_refused_on_a_cluster_without_those_groups(h200_cost):
         BalancerOptionError, match=r"dynamic_cp: option any_size_groups .* ClusterSpec\(\.\.\., any_size"
     ):
         get_balancer("dynamic_cp", any_size_groups=True).plan(req)
-    with pytest.raises(BalancerOptionError, match="not a power of two, so it has no aligned blocks"):
-        get_balancer("dynamic_cp").plan(PlanRequest([0], [100], ClusterSpec(3, CAP, any_size_groups=True), h200_cost))
+
+
+def test_a_world_of_one_node_that_is_not_a_power_of_two_is_planned_by_every_balancer(h200_cost):
+    """Six GPUs: the planning set-up registers the runs of any size (there are no aligned
+    blocks to tile the world), dynamic_cp and the balancers on it plan on them whatever
+    their option says, and every balancer's plan validates on that cluster."""
+    run = PlanningSettings(model_dims="qwen2.5-7b", profile="h200-qwen2.5-7b", max_tokens_per_rank=CAP)
+    lengths = [70000, 50000, 40000, 9000, 3000, 2000, 800, 500, 300, 200, 100, 64]
+    setup = planning_setup(run, lengths, 6)
+    cl = setup.cluster
+    assert cl.any_size_groups and (3, 4, 5) in cl.groups_of_size(3) and cl.is_registered((1, 2, 3, 4, 5))
+    req = PlanRequest(range(len(lengths)), lengths, cl, h200_cost)
+    for name in available_balancers():
+        get_balancer(name).plan(req).validate(cl, h200_cost)
+    off, on = (get_balancer("dynamic_cp", any_size_groups=flag).plan(req) for flag in (False, True))
+    assert off.to_json() == on.to_json()
+    assert any(g.size not in (1, 2, 4) for w in off.waves for g in w.groups)  # a run of 3, 5 or 6 ranks
+    # more than a node is still refused, naming what works
+    with pytest.raises(ValueError, match=r"world_size 12 is not a power of two.*one node of at most 8 ranks"):
+        planning_setup(run, lengths, 12)
 
 
 def test_a_world_of_three_is_planned_on_groups_of_three(h200_cost):

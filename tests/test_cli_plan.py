@@ -62,7 +62,7 @@ def test_plan_json_is_byte_identical_and_resimulates(capsys, tmp_path, traces_di
         ("100\n-5\n", ["--world", "8"], "line 2: length -5 must be positive"),
         ("100\nx\n", ["--world", "8"], "line 2: 'x' is not an integer"),
         ("100\n300000\n", ["--world", "8"], r"sample 1 \(line 2 of .*\) has 300000 tokens"),
-        ("100\n", ["--world", "6"], "world_size 6 is not a power of two"),
+        ("100\n", ["--world", "12"], "world_size 12 is not a power of two.*one node of at most 8 ranks"),
         ("100\n", ["--world", "8", "--balancer", "nope"], "unknown balancer 'nope'"),
         ("100\n", ["--world", "8", "--profile", "nope"], "no profile named 'nope'"),
     ],

@@ -61,8 +61,8 @@ def test_dry_run_raises_what_the_launch_would(tmp_path):
 
 
 def test_dry_run_from_the_command_line(tmp_path, capsys):
-    assert cli_main(["train", TINY, "--dry-run", "--world", "3", "--set", f"training.output_dir={tmp_path}"]) == 2
-    assert "world_size 3 is not a power of two" in capsys.readouterr().err
+    assert cli_main(["train", TINY, "--dry-run", "--world", "12", "--set", f"training.output_dir={tmp_path}"]) == 2
+    assert "world_size 12 is not a power of two" in capsys.readouterr().err
     # --max-restarts resumes from the newest checkpoint, as the launch would; no checkpoints is a warning
     assert (
         cli_main(

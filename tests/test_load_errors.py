@@ -257,11 +257,11 @@ def test_a_plan_for_a_world_the_cluster_cannot_have_names_the_file(tmp_path, cap
     good = _plans(tmp_path, capsys)
     d = json.loads(good.read_text())
     for p in d["plans"]:
-        p["world_size"] = 6  # every rank of the plan still inside: valid as data, not as a cluster
-    bad = tmp_path / "six.json"
+        p["world_size"] = 12  # every rank of the plan still inside: valid as data, not as a cluster
+    bad = tmp_path / "twelve.json"
     bad.write_text(json.dumps(d))
     assert main(["plan", "--plan-json", str(bad), "--model", "tiny-llama", "--profile", "cpu"]) == 2
-    assert f"error: {bad}: world_size 6 is not a power of two" in capsys.readouterr().err
+    assert f"error: {bad}: world_size 12 is not a power of two" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ history files

@@ -23,7 +23,7 @@ from hf_cp.cost.pipeline import bubble_share
 from hf_cp.cost.simulate import SimResult, lower_bound_ms, simulate
 from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
-from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import PlanError, StepPlan
 from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
@@ -394,8 +394,9 @@ def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     if args.world and args.world != world:
         raise PlanError(f"--world {args.world} disagrees with the world_size {world} of {args.plan_json}")
     gpus = args.gpus_per_node or load_profile(args.profile).gpus_per_node
-    # plans made with any_size_groups (dynamic_cp's option) use groups that are not aligned blocks
-    unaligned = any(
+    # plans made with any_size_groups (dynamic_cp's option) use groups that are not aligned
+    # blocks, and so may plans for a world of one node that is not a power of two
+    unaligned = (not is_power_of_two(world) and world <= gpus) or any(
         len(g.ranks) & (len(g.ranks) - 1) or g.ranks[0] % len(g.ranks) for p in plans for w in p.waves for g in w.groups
     )
     try:

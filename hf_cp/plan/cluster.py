@@ -10,8 +10,9 @@ every contiguous run of ranks inside one node, of any size (3, 5, 6, 7 ranks on 
 balancer plans with the aligned blocks (`group_sizes`, `blocks`); only the planners that ask
 for it (dynamic_cp's `any_size_groups` option) use the other runs (`all_group_sizes`,
 `groups_of_size`). The flag also admits a world that is not a power of two if it fits one
-node (three GPUs: groups (0, 1), (1, 2) and (0, 1, 2)); only dynamic_cp with that option plans
-such a world, the balancers built on aligned blocks need a power of two.
+node (three GPUs: groups (0, 1), (1, 2) and (0, 1, 2)); the trainer's planning set-up turns it
+on for such a world, and dynamic_cp (with magi, usp and auto on it) then plans on those runs
+whatever its option says, as there are no aligned blocks to plan on.
 """
 
 from __future__ import annotations
@@ -43,12 +44,9 @@ class ClusterSpec:
         if not is_power_of_two(self.world_size) and not one_node:
             raise ValueError(
                 f"world_size {self.world_size} is not a power of two: CP groups are power-of-two "
-                f"blocks of ranks (use a world of 1, 2, 4, 8, ...)"
-                + (
-                    f", or with any_size_groups a world of at most one node ({self.gpus_per_node} ranks)"
-                    if self.any_size_groups
-                    else ""
-                )
+                f"blocks of ranks, so use a world of 1, 2, 4, 8, ..., or one node of at most "
+                f"{self.gpus_per_node} ranks"
+                + ("" if self.any_size_groups else " with any_size_groups (the trainer's set-up turns it on there)")
             )
         if self.max_tokens_per_rank <= 0:
             raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")

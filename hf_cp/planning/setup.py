@@ -26,7 +26,7 @@ from hf_cp.cost.execution import (
     sharding_of,
 )
 from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
-from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.planning.sampler import GlobalBatchSampler
 
 
@@ -230,14 +230,18 @@ def planning_setup(
     # a balancer that plans groups of any size within a node (dynamic_cp's any_size_groups, FCP-style)
     # needs them in the registry, which holds only aligned power-of-two blocks otherwise
     # (a balancer built in code and passed to the trainer is not looked up: it plans aligned blocks)
+    # and a world of one node that is not a power of two (six GPUs) has no aligned blocks to
+    # tile it: its CP groups are the runs of any size in that node
     registered = settings.balancer in available_balancers()
     balancer = get_balancer(settings.balancer, **settings.balancer_kwargs()) if registered else None
+    gpus_per_node = settings.gpus_per_node or profile.gpus_per_node
+    unaligned_node = not is_power_of_two(world_size) and world_size <= gpus_per_node
     cluster = ClusterSpec(
         world_size,
         settings.max_tokens_per_rank,
-        settings.gpus_per_node or profile.gpus_per_node,
+        gpus_per_node,
         settings.max_group_size,
-        any_size_groups=bool(getattr(balancer, "needs_any_size_groups", False)),
+        any_size_groups=bool(getattr(balancer, "needs_any_size_groups", False)) or unaligned_node,
     )
     steps = max_steps if max_steps and max_steps > 0 else None
     if sampler is not None:

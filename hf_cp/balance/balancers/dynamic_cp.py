@@ -89,7 +89,8 @@ class DynamicCPOptions(BalancerOptions):
         False,
         "also try CP groups of any size up to a node (3, 5, 6, 7 ranks...), contiguous at any offset inside "
         "a node, and keep them where they predict faster; needs a cluster that registers them "
-        "(ClusterSpec(any_size_groups=True)); off: aligned power-of-two blocks only",
+        "(ClusterSpec(any_size_groups=True)); off: aligned power-of-two blocks only (a world of one node that "
+        "is not a power of two has none: there it plans on runs of any size either way)",
     )
 
     def check(self) -> None:
@@ -131,13 +132,11 @@ class DynamicCPBalancer:
                 f"so that every rank creates those groups, or turn the option off"
             )
         # aligned blocks tile a power-of-two world only; a world of one node of another size
-        # (ClusterSpec admits it with any_size_groups) is planned on runs of any size alone
+        # (six GPUs: ClusterSpec admits it with any_size_groups, and the trainer registers them
+        # for it) is planned on runs of any size alone, whatever the option says: there is
+        # nothing else to plan on
         aligned = is_power_of_two(cl.world_size)
-        if not aligned and not self.needs_any_size_groups:
-            raise BalancerOptionError(
-                f"dynamic_cp: a world of {cl.world_size} ranks is not a power of two, so it has no aligned blocks "
-                f"to plan on; of the built-in balancers only dynamic_cp with option any_size_groups plans it"
-            )
+        on_any_size = self.needs_any_size_groups or not aligned
         lengths = req.length_array
         local_ms = memo.step_local_ms(req.lengths, req.length_array)
         quota = float(local_ms.sum()) / cl.world_size
@@ -153,7 +152,7 @@ class DynamicCPBalancer:
                 seen.add(key)
                 candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
         refine_best(req, memo, candidates, lengths, local_ms, self.refine_candidates)
-        if self.needs_any_size_groups:
+        if on_any_size:
             # refined apart, so that the aligned candidates (and their refinement) are exactly
             # those of the option off; listed after them: on equal estimates the aligned plan
             # is kept. Sizes that are all aligned ones are the aligned candidates' business

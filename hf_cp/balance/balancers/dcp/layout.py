@@ -102,9 +102,10 @@ def _prepare(lengths, world, cap, w, masks, opt, max_group) -> _Step:
 
 
 def _blocks_by_load(loads: np.ndarray, p: int) -> np.ndarray:
-    """First ranks' block numbers of the aligned blocks of p ranks, least loaded first."""
+    """First ranks' block numbers of the aligned blocks of p ranks, least loaded first (a world
+    of one node that is not a power of two ends before its last block would: blocks that fit)."""
     n = len(loads) // p
-    return np.lexsort((np.arange(n), loads.reshape(n, p).sum(axis=1)))
+    return np.lexsort((np.arange(n), loads[: n * p].reshape(n, p).sum(axis=1)))
 
 
 def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> List[List[LayoutGroup]]:
