@@ -11,7 +11,7 @@ from hf_cp.balance import PlanRequest, available_balancers, get_balancer
 from hf_cp.balance.options import BalancerOptionError
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.cost.model import CostModel, ModelDims
-from hf_cp.cost.simulate import simulate
+from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
@@ -240,3 +240,16 @@ def test_auto_passes_the_option_to_the_members_that_have_it(h200_cost):
     cl = ClusterSpec(8, CAP, any_size_groups=True)
     plan = auto.plan(PlanRequest(range(len(COARSE_STEP)), COARSE_STEP, cl, h200_cost)).validate(cl, h200_cost)
     assert plan.balancer == "auto:dynamic_cp" and non_power_of_two_sizes(plan) == [7]
+
+
+@pytest.mark.parametrize("lengths", [[100000], [120000, 2000], [90000, 90000, 1000]])
+def test_the_bounds_count_every_registered_group_size(h200_cost, lengths):
+    """On six ranks a 100K-token sample runs on all six; the bounds used to stop at the aligned
+    blocks of four and came out 1.5x above the plan dynamic_cp makes (no longer a bound)."""
+    cl = ClusterSpec(6, CAP, any_size_groups=True)
+    plan = get_balancer("dynamic_cp").plan(PlanRequest(range(len(lengths)), lengths, cl, h200_cost))
+    made = simulate(plan, h200_cost).makespan_ms
+    charged = charged_lower_bound_ms(lengths, cl, h200_cost)
+    assert lower_bound_ms(lengths, cl, h200_cost) <= charged <= made * (1 + 1e-9)
+    if len(lengths) == 1:  # alone on the whole node: the plan is the bound
+        assert made == pytest.approx(charged, rel=1e-9)

@@ -518,7 +518,7 @@ def lower_bound_ms(
     `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
     """
     lens = _check_fits(lengths, cluster)
-    gmax = cluster.group_sizes[-1]
+    gmax = cluster.all_group_sizes[-1]  # any registered size: a run of 6 ranks on a node with them
     areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
     if not len(areas):
         return 0.0
@@ -544,7 +544,8 @@ def charged_lower_bound_ms(
     max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
     longest samples' best time alone on a group: min over the group sizes whose
     per-document shards fit the cap of the slowest member's time (CostModel, the sample
-    per-document sharded over an aligned block) plus one overhead ). A sample's rank-time is
+    per-document sharded over a registered group: every size the cluster registers, runs of
+    any size included) plus one overhead ). A sample's rank-time is
     its single-rank compute, or for a sample over the cap the least g x its time alone on g
     ranks over the sizes it fits.
 
@@ -581,7 +582,7 @@ def charged_lower_bound_ms(
     def fitting_sizes(n: int) -> List[int]:
         # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
         # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
-        return [g for g in cluster.group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
+        return [g for g in cluster.all_group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
 
     # a sample over the cap holds a whole group for at least its time alone there: charge it
     # the cheapest such group's rank-time instead of its single-rank compute
