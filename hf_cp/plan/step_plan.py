@@ -24,7 +24,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 
 from hf_cp.modes.registry import mode_name, mode_spec, rank_segments
-from hf_cp.modes.segments import Segment, ShardMode, segment_tokens
+from hf_cp.modes.segments import Segment, ShardMode
 from hf_cp.plan.block_layout import BlockLayout, BlockLayoutError, doc_slices, held_tokens, received_rows
 from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
@@ -204,20 +204,29 @@ class StepPlan:
         """(wave index, group) pairs this rank takes part in, in execution order."""
         return [(w, g) for w, wave in enumerate(self.waves) for g in wave.groups if rank in g.ranks]
 
-    def rank_tokens(self, group: Group, rank: int, lens: Optional[Mapping[int, int]] = None) -> int:
-        """Tokens `rank` holds while running `group`'s micro-batch."""
+    def member_tokens(self, group: Group, lens: Optional[Mapping[int, int]] = None) -> List[int]:
+        """Tokens each member holds while running `group`'s micro-batch, in the group's rank order.
+        The distributed documents' share comes from the mode's member_tokens, all members at once
+        (its closed form where it has one; by contract the members' segments summed)."""
         lens = self.length_of() if lens is None else lens
-        member = group.ranks.index(rank)
-        t = sum(map(lens.__getitem__, group.local.get(rank, ())))
-        if group.distributed:
-            placed = mode_spec(group.mode).carries_layout
-            if placed and group.blocks is not None:
-                t += group.blocks.member_tokens(member)
-            elif not placed:
-                t += segment_tokens(rank_segments(group.mode, [lens[s] for s in group.distributed], group.size, member))
-        for c in group.chunked.get(rank, []):  # run one after another: the largest counts
-            t = max(t, activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
-        return t
+        g = group
+        out = [sum(map(lens.__getitem__, g.local.get(r, ()))) for r in g.ranks]
+        if g.distributed:
+            spec = mode_spec(g.mode)
+            if spec.carries_layout:
+                if g.blocks is not None:
+                    out = [t + g.blocks.member_tokens(m) for m, t in enumerate(out)]
+            else:
+                shares = spec.member_tokens([lens[s] for s in g.distributed], g.size)
+                out = [t + int(d) for t, d in zip(out, shares)]
+        for m, r in enumerate(g.ranks):
+            for c in g.chunked.get(r, []):  # run one after another: the largest counts
+                out[m] = max(out[m], activation_tokens(dependent_chunk_sizes(lens[c.sample], c.chunk_size), c.keep))
+        return out
+
+    def rank_tokens(self, group: Group, rank: int, lens: Optional[Mapping[int, int]] = None) -> int:
+        """Tokens `rank` holds while running `group`'s micro-batch (member_tokens of that rank)."""
+        return self.member_tokens(group, lens)[group.ranks.index(rank)]
 
     def group_masks(self, group: Group) -> List[Optional[SampleMask]]:
         """The masks of a group's distributed samples, in order (None: causal)."""
@@ -542,7 +551,7 @@ class StepPlan:
         the one count that validate checks, the simulator reports and the block planners plan
         against). The layout is not checked here (validate does)."""
         lens = self.length_of() if lens is None else lens
-        own = [self.rank_tokens(g, r, lens) for r in g.ranks]
+        own = self.member_tokens(g, lens)
         if cost is None or g.blocks is None or not g.distributed or not mode_spec(g.mode).carries_layout:
             return own
         kv, q = received_rows(g.blocks, g.size)
