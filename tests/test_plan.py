@@ -54,6 +54,8 @@ def test_valid_plan_passes_and_round_trips():
         (lambda p: p.lengths.__setitem__(1, 0), "sample 11 has length 0"),
         (lambda p: setattr(p, "sample_ids", [10, 10, 12, 13]), "sample 10 appears twice"),
         (lambda p: setattr(p.waves[0].groups[0], "ranks", (6, 7, 8, 9)), "rank 8 outside world of 8"),
+        (lambda p: p.waves[0].groups.append(Group(ranks=(9,), local={9: []})), "rank 9 outside world of 8"),
+        (lambda p: p.waves[0].groups.append(Group(ranks=(-1,), local={-1: []})), "rank -1 outside world of 8"),
     ],
 )
 def test_validate_rejects_each_broken_invariant(mutate, message):

@@ -198,6 +198,8 @@ class RingPerDoc(_RingSpec):
         return per_doc_segments(doc_lengths, group_size, member)
 
     def member_tokens(self, doc_lengths, group_size, params=None):
+        if len(doc_lengths) == 1:  # most groups of a step hold one document: no numpy
+            return split_member_tokens(doc_lengths[0], group_size)
         return per_doc_member_tokens(doc_lengths, group_size).tolist()
 
 
