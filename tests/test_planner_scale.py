@@ -126,6 +126,18 @@ def per_item_first_fit(ids, lengths, cap):
     return bins
 
 
+def test_descending_order_takes_the_keys_order_only_where_it_is_the_weights():
+    rng = np.random.default_rng(13)
+    lengths = rng.integers(1, 300, 5000)
+    increasing = 0.01 * lengths + 1e-5 * lengths.astype(float) ** 2  # a function of the length
+    flat = np.minimum(lengths, 100) * 0.5  # equal weights for different lengths above 100
+    noisy = increasing + rng.random(5000) * 1e-3  # not a function of the length
+    for w in (increasing, flat, noisy, increasing[::-1].copy(), np.zeros(5000)):
+        want = np.argsort(-w, kind="stable")
+        assert np.array_equal(assign.descending_order(w, lengths), want)
+        assert np.array_equal(assign.descending_order(w), want)
+
+
 def test_first_fit_sorted_is_per_item_first_fit():
     rng = np.random.default_rng(11)
     for trial in range(400):

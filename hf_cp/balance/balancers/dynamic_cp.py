@@ -279,7 +279,7 @@ class AnySizeCandidate(Candidate):
             free[first : first + g] = free[first : first + g].max() + times[k]
             self.scheduled.append((i, first, g))
         self.local_idx = np.flatnonzero(sizes == 1)
-        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], free)
+        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], free, lengths=lengths[self.local_idx])
         self.refined = False
         self.estimate(req, memo, lengths)
 

@@ -281,7 +281,7 @@ def realise(req: PlanRequest, memo: CostMemo, prob: Problem, heavy_sizes: Sequen
             placed.setdefault((d, b), []).extend(members[j])
             loads[b * d : (b + 1) * d] += group_load[j]
     local = np.array(sorted([prob.heavy[k] for k in by_size.get(1, [])] + prob.light.tolist()), dtype=np.int64)
-    rank_of, loads = fill_ranks(prob.local_ms[local], loads)
+    rank_of, loads = fill_ranks(prob.local_ms[local], loads, lengths=prob.lengths[local])
     cand = Candidate.__new__(Candidate)
     cand.placed, cand.local_idx, cand.local_rank_of, cand.loads = placed, local, rank_of, loads
     cand.refined = False

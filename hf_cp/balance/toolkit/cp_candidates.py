@@ -166,7 +166,11 @@ def _blocks_by_heaps(groups: List[int], weights: List[float], world: int, loads:
 
 
 def fill_ranks(
-    weights: np.ndarray, loads: np.ndarray, exact_per_rank: int = 2, light_fraction: float = 0.005
+    weights: np.ndarray,
+    loads: np.ndarray,
+    exact_per_rank: int = 2,
+    light_fraction: float = 0.005,
+    lengths: Optional[np.ndarray] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Memory filling: local samples onto ranks, lightest rank first. Returns (rank of each
     sample, final loads).
@@ -180,7 +184,7 @@ def fill_ranks(
     weights = np.asarray(weights, dtype=np.float64)
     mean_final = (float(weights.sum()) + float(np.sum(loads))) / world
     exact = max(min(len(weights), exact_per_rank * world), int(np.count_nonzero(weights > light_fraction * mean_final)))
-    return lpt_assign(weights, world, loads, exact_items=exact)
+    return lpt_assign(weights, world, loads, exact_items=exact, keys=lengths)
 
 
 def local_micro_batches(
@@ -284,7 +288,9 @@ class Candidate:
         self.loads = np.zeros(world, dtype=np.float64)
         self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
         self.local_idx = np.flatnonzero(sizes == 1)
-        self.local_rank_of, self.loads = fill_ranks(local_ms[self.local_idx], self.loads)
+        self.local_rank_of, self.loads = fill_ranks(
+            local_ms[self.local_idx], self.loads, lengths=lengths[self.local_idx]
+        )
         self.refined = False
         self.estimate(req, memo, lengths)
 
