@@ -395,7 +395,7 @@ def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
         raise PlanError(f"--world {args.world} disagrees with the world_size {world} of {args.plan_json}")
     gpus = args.gpus_per_node or load_profile(args.profile).gpus_per_node
     # plans made with any_size_groups (dynamic_cp's option) use groups that are not aligned
-    # blocks, and so may plans for a world of one node that is not a power of two
+    # blocks, and so may the plans for a world of one node that is not a power of two
     unaligned = (not is_power_of_two(world) and world <= gpus) or any(
         len(g.ranks) & (len(g.ranks) - 1) or g.ranks[0] % len(g.ranks) for p in plans for w in p.waves for g in w.groups
     )

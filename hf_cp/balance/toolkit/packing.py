@@ -86,8 +86,8 @@ def first_fit_sorted_runs(lengths: np.ndarray, starts: np.ndarray, cap: int) -> 
     each run (its bin-by-bin scan, vectorised over the runs): for each bin, every run advances
     by one run of fitting items per numpy pass, a search for its first item that fits on keys
     that sort the runs one after the other (run x (cap + 1) + cap - length) and a search of
-    its prefix sums for how many fit after it. ~1,300 overflowing ranks of a 4096-rank step
-    pack in a few milliseconds instead of ~60 one by one.
+    its prefix sums for how many fit after it. The ~1,300 overflowing ranks of a 4096-rank
+    step pack in ~10 ms this way, against ~60 ms rank by rank.
     """
     lens = np.asarray(lengths, dtype=np.int64)
     n = len(lens)
