@@ -1,25 +1,18 @@
 """scripts/bench_balancers.py: full steps are filled to the budget from a stream of epochs, and
 the partial last step is reported apart."""
 
-import importlib.util
-import sys
-
 import pytest
 
 from hf_cp.samples.lengths import read_lengths, step_batches
 
-from helpers import REPO
+from helpers import load_file_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_balancers", REPO / "scripts" / "bench_balancers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_balancers"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module("bench_balancers", "scripts/bench_balancers.py")
 
 
 def test_full_steps_follow_the_epoch_stream_and_fill_the_budget(bench, traces_dir):

@@ -1,12 +1,9 @@
 """scripts/bench_preference.py: hf_cp's shared-prompt layout against TRL's (prompt repeated per
 answer, DPO rows padded, GRPO siblings on one rank), counted and priced by the same cost model."""
 
-import importlib.util
-import sys
-
 import pytest
 
-from helpers import REPO
+from helpers import load_file_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -16,11 +13,7 @@ TWO_GROUPS = [(10, (5, 3)), (4, (7, 1))]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_preference", REPO / "scripts" / "bench_preference.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_preference"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module("bench_preference", "scripts/bench_preference.py")
 
 
 @pytest.fixture(scope="module")

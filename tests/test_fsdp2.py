@@ -8,7 +8,6 @@ step with the single-process reference, and fails on a trainer wrong by 0.1%.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 
 from hf_cp.planning import GlobalBatchSampler
 
-from helpers import REPO
+from helpers import load_file_module
 from helpers.harness.check import ExactnessMismatch, check_run
 from helpers.harness.job import run_distributed
 from helpers.sharded_runs import (
@@ -140,11 +139,7 @@ def test_fsdp2_memory_model_is_within_15_percent_of_measured_peak():
     steps on 2 processes under FSDP2; each rank's peak resident memory above its baseline (before
     the model is built) against the trainer's memory model at the cap (sharded model states,
     gathered working set, logits chunk, activations). Measured 356 MB against 320 MB predicted."""
-    spec = importlib.util.spec_from_file_location(
-        "measure_sharded_memory", REPO / "scripts" / "measure_sharded_memory.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_file_module("measure_sharded_memory", "scripts/measure_sharded_memory.py")
     rows = script.run(["fsdp2"], 2)
     assert len(rows) == 2
     for r in rows:

@@ -4,7 +4,6 @@ write a table with a row per configuration."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -14,16 +13,12 @@ import pytest
 from hf_cp.cost.flops import ModelFlops, device_peak
 from hf_cp.train.history import StepRecord
 
-from helpers import REPO
+from helpers import REPO, load_file_module
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "scripts" / "gpu_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_throughput"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module("gpu_throughput", "scripts/gpu_throughput.py")
 
 
 def _record(index, ids, tokens, wall_ms, peak, predicted):

@@ -5,8 +5,6 @@ of a step of ~28K short samples) are byte-identical to those made before the rew
 
 import hashlib
 import heapq
-import importlib.util
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ from hf_cp.plan.sorting import stable_order
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
 from hf_cp.samples.lengths import read_lengths
 
-from helpers import REPO
+from helpers import load_file_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 
@@ -344,11 +342,7 @@ PINNED = {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_balancers", REPO / "scripts" / "bench_balancers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_balancers"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module("bench_balancers", "scripts/bench_balancers.py")
 
 
 @pytest.mark.parametrize("trace, balancer", sorted(PINNED))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import load_file_module
 from helpers.harness.job import run_launcher
 from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
 
@@ -118,16 +119,11 @@ def recipe_flags(**extra):
 
 
 def test_the_recipe_reads_trl_and_hf_cp_flags(tmp_path):
-    import importlib.util
-
     from transformers import HfArgumentParser
 
     from hf_cp.train.sft import CPSFTConfig
 
-    spec = importlib.util.spec_from_file_location("trl_sft_recipe", ROOT / "recipes" / "trl_sft.py")
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(recipe)
+    recipe = load_file_module("trl_sft_recipe", "recipes/trl_sft.py")
     flags = ["--model_path", "m", "--dataset_path", "d.jsonl", "--output_dir", str(tmp_path), "--use_cpu"]
     flags += recipe_flags(cp_balancer_options='{"outlier_fraction": 0.05}', cp_balancer="wlb")
     script, args = HfArgumentParser((recipe.ScriptArguments, CPSFTConfig)).parse_args_into_dataclasses(flags)

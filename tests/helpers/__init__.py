@@ -20,7 +20,20 @@ tests/ on PYTHONPATH, spawned processes inherit sys.path.
 Test code: nothing under hf_cp/ imports it (tests/test_trainer_exactness.py checks that).
 """
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "benchmarks" / "traces"  # the length traces committed with the repository
+
+
+def load_file_module(name: str, relpath: str) -> ModuleType:
+    """A script or recipe of the repository (not a package module) imported as module `name`:
+    registered in sys.modules before it runs, as its dataclasses and pickling look it up."""
+    spec = importlib.util.spec_from_file_location(name, REPO / relpath)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
