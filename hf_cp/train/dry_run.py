@@ -34,6 +34,7 @@ from hf_cp.train.resume import (
     scan_checkpoints,
     schedule_record,
 )
+from hf_cp.train.model_checks import check_model_config_supported
 from hf_cp.train.setup_checks import check_attention
 
 
@@ -54,6 +55,7 @@ def dry_run(
         settings.model_states["half_precision"] = half_precision
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
+    check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when it is built
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config))

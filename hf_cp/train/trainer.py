@@ -46,6 +46,7 @@ from hf_cp.train.history import StepRecord, append_record
 from hf_cp.train.layer_compile import compile_decoder_layers
 from hf_cp.train.loss import LIGER_LOSS_LINE
 from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
+from hf_cp.train.model_checks import check_model_supported
 from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
 from hf_cp.train.resume import (
     checkpoint_step,
@@ -134,6 +135,8 @@ class CPTrainer(Trainer):
     ):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
+        if model is not None:  # token mixers and features hf_cp cannot keep exact, before any other work
+            check_model_supported(model, f"{type(self).__name__}: the model")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
         check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (sharding.py)

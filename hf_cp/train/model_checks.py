@@ -1,0 +1,188 @@
+"""Model features hf_cp does not honour, refused when a trainer (or the dry run) is built.
+
+hf_cp keeps training exact by owning how tokens see each other: packed documents never mix and a
+document spread over a CP group computes what it would alone. That holds only for token mixers
+routed through transformers' attention interface (hf_cp.attention.interface). A layer that mixes
+tokens some other way runs on each rank's rows as if they were one sequence:
+- a linear recurrence (Gated DeltaNet in Qwen3-Next / Qwen3.5, Mamba and Mamba2 in Jamba, Bamba,
+  Falcon-H1, RWKV, Lightning / Kimi delta attention) carries its state across document starts
+  and across ranks;
+- a short causal convolution (LFM2, and inside most recurrent layers) reads the previous
+  document's last tokens;
+- a sparse-attention indexer (DeepSeek-V3.2 and its relatives) picks keys outside the interface.
+Measured on 2026-12-03: such models trained with gradients off by 72-820% while the loss moved by
+1e-5. So they are refused by name here, never run. Config features that the attention function
+would only meet at the first forward (softcapping, attention dropout) and the MoE router's
+auxiliary loss, which CPTrainer's own loss would drop, are refused here too.
+
+Pure inspection of module classes and config values: no forward runs, so the check also runs on
+a model built on the meta device (the dry run).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Iterable, List, Optional, Tuple
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_cp.train.setup_checks import SetupError
+
+# Layer kinds that the attention interface carries (a window is applied there too).
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "global", "local"})
+
+# Class names of token mixers that bypass the attention interface (see the module docstring).
+_MIXER_NAME = re.compile(
+    r"(Mamba|Mixer|GatedDeltaNet|DeltaAttention|DeltaNet|ShortConv|LinearAttention|LightningAttention|Indexer|"
+    r"Rglru|RecurrentBlock|Rwkv|Retention|Hyena|Xlstm|MLSTM|SLSTM)",
+    re.IGNORECASE,
+)
+
+_WHAT_WORKS = (
+    "What works: models whose every token mixer is softmax attention through transformers' attention "
+    "interface (Llama, Qwen2/2.5/3 and their MoEs, Mistral, Mixtral, Gemma 3, GPT-OSS, OLMo 2, Phi-3, GLM-4, "
+    "Cohere 2, DeepSeek-V2/V3 MLA, ...): see docs/attention.md for the family table"
+)
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The text stack a plan's tokens run through (a vision tower's convolutions mix patches, not tokens)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else base
+
+
+def _depthwise_conv(module: torch.nn.Module) -> bool:
+    """A causal convolution along the sequence: depthwise Conv1d with a kernel longer than one token."""
+    return (
+        isinstance(module, torch.nn.Conv1d)
+        and module.groups == module.in_channels
+        and module.kernel_size[0] > 1
+    )
+
+
+def token_mixers_bypassing_attention(model: torch.nn.Module) -> List[Tuple[str, str]]:
+    """(module path, class name) of every module of the language model that mixes tokens outside the
+    attention interface: a recurrent / linear-attention / state-space / indexer class by its name, or
+    the owner of a depthwise causal Conv1d. Outermost match only (a Mamba mixer's conv is not listed twice)."""
+    found: List[Tuple[str, str]] = []
+    names = dict(language_model(model).named_modules())
+    for path, module in names.items():
+        if not path:  # the stack itself (MambaModel): its layers are named below
+            continue
+        if any(path.startswith(p + ".") for p, _ in found):
+            continue
+        cls = type(module).__name__
+        if _MIXER_NAME.search(cls):
+            found.append((path, cls))
+        elif _depthwise_conv(module):
+            owner = path.rsplit(".", 1)[0] if "." in path else path
+            if not any(owner == p for p, _ in found):
+                found.append((owner, type(names.get(owner, module)).__name__))
+    return found
+
+
+def _calls_attention_interface(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source to read (compiled, built-in): cannot tell, do not refuse
+        return True
+    return "ALL_ATTENTION_FUNCTIONS" in source or "attention_interface" in source
+
+
+def attention_bypassing_interface(model: torch.nn.Module) -> List[str]:
+    """Class names of the language model's attention modules whose forward does not dispatch
+    through transformers' attention interface (ALL_ATTENTION_FUNCTIONS): hf_cp_attention is never
+    called there. Read from the classes' source, so it holds for a model on the meta device."""
+    classes = {
+        type(m)
+        for m in language_model(model).modules()
+        if type(m).__name__.endswith("Attention") and any(isinstance(c, torch.nn.Linear) for c in m.children())
+    }
+    return sorted(c.__name__ for c in classes if not _calls_attention_interface(c))
+
+
+def _config_of(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config, text
+
+
+def _nonzero(configs: Iterable, *names: str) -> Optional[Tuple[str, float]]:
+    for cfg in configs:
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value:
+                return name, float(value)
+    return None
+
+
+def model_refusals(model: torch.nn.Module) -> List[str]:
+    """Every reason this model cannot train exactly under hf_cp, in words naming the layer or the
+    setting and the way forward; empty when it can."""
+    config, text = _config_of(model)
+    family = getattr(config, "model_type", type(model).__name__)
+    configs = [c for c in (config, text) if c is not None]
+    reasons: List[str] = []
+    mixers = token_mixers_bypassing_attention(model)
+    if mixers:
+        classes = sorted({cls for _, cls in mixers})
+        reasons.append(
+            f"the {family} model mixes tokens outside the attention interface in {len(mixers)} module(s) of "
+            f"class {', '.join(classes)} (e.g. {mixers[0][0]}): a recurrent, linear-attention, state-space, "
+            f"convolution or sparse-indexer layer that hf_cp does not yet keep exact on packed documents or "
+            f"across a CP group (it would carry state across document starts and ranks, silently). {_WHAT_WORKS}"
+        )
+    layer_types = sorted({t for t in (getattr(text, "layer_types", None) or ()) if t not in ATTENTION_LAYER_TYPES})
+    layer_types = [t for t in layer_types if t != "chunked_attention"]  # refused by the attention function's check
+    if layer_types and not mixers:
+        reasons.append(
+            f"the {family} model's config lists layer_types {layer_types}, which are not softmax attention "
+            f"layers that hf_cp's attention carries. {_WHAT_WORKS}"
+        )
+    bypassing = attention_bypassing_interface(model)
+    if bypassing and not mixers:
+        reasons.append(
+            f"the {family} model's attention class {', '.join(bypassing)} computes attention itself instead of "
+            f"calling transformers' attention interface, so hf_cp's attention never runs and packed documents "
+            f"would attend to each other. {_WHAT_WORKS}"
+        )
+    cap = _nonzero(configs, "attn_logit_softcapping")
+    if cap:
+        reasons.append(
+            f"{family}: attention logit softcapping ({cap[0]}={cap[1]:g}) is not applied by hf_cp's attention "
+            f"kernels (CPU flash, torch varlen, flash-attn); set {cap[0]}=None only if you accept a different "
+            f"model than the checkpoint's"
+        )
+    dropout = _nonzero(configs, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+    if dropout:
+        reasons.append(
+            f"{family}: attention dropout {dropout[0]}={dropout[1]:g} is not applied by hf_cp's attention "
+            f"(each rank would need the same random mask of a spread document); set {dropout[0]}=0"
+        )
+    aux = _nonzero(configs, "router_aux_loss_coef", "router_z_loss_coef")
+    if aux and any(getattr(c, "output_router_logits", False) for c in configs):
+        reasons.append(
+            f"{family}: the MoE router's auxiliary loss is on (output_router_logits=True, {aux[0]}={aux[1]:g}), "
+            f"which hf_cp's planned loss does not yet compute over the global batch (it would be dropped); "
+            f"set output_router_logits=False (the router then trains on the language-model loss alone)"
+        )
+    return reasons
+
+
+def check_model_supported(model: torch.nn.Module, where: str = "the model") -> None:
+    """Raise SetupError naming every feature of `model` that hf_cp does not honour (model_refusals)."""
+    reasons = model_refusals(model)
+    if reasons:
+        lines = "\n".join(f"- {r}" for r in reasons)
+        raise SetupError(f"{where} cannot be trained exactly by hf_cp:\n{lines}")
+
+
+def check_model_config_supported(config, where: str = "the model") -> None:
+    """check_model_supported for a config alone: the model built on the meta device (no memory, no
+    weights), as the dry run needs it before any launch."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    check_model_supported(model, where)

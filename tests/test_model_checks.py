@@ -1,0 +1,137 @@
+"""Model features hf_cp does not keep exact are refused when the trainer (or the dry run) is
+built, by name, never run: token mixers outside the attention interface (Gated DeltaNet, Mamba,
+Mamba2, short convolutions, sparse indexers), attention softcapping, attention dropout and the MoE
+router's auxiliary loss. Each case builds a tiny real transformers model; the same family with
+the feature off (or a plain attention family) is accepted, so a refusal cannot pass by accident.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
+from hf_cp.train.model_checks import (
+    attention_bypassing_interface,
+    check_model_config_supported,
+    check_model_supported,
+    model_refusals,
+    token_mixers_bypassing_attention,
+)
+from hf_cp.train.setup_checks import SetupError
+
+from helpers import REPO
+from helpers.harness.models import synthetic_rows
+
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=64,
+    max_position_embeddings=128,
+    use_cache=False,
+)
+
+
+def _config(model_type: str, **extra):
+    return AutoConfig.for_model(model_type, **{**SMALL, **extra})
+
+
+def _model(model_type: str, **extra):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(model_type, **extra), attn_implementation="hf_cp")
+
+
+HYBRIDS = {
+    # family: (config overrides that keep both layer kinds, the mixer class named in the refusal)
+    "qwen3_next": (
+        dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+             moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        "Qwen3NextGatedDeltaNet",
+    ),
+    "bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "BambaMixer"),
+    "falcon_h1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8), "FalconH1Mixer"),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+                   mamba_d_state=8, mamba_dt_rank=4), "JambaMamba"),
+    "lfm2": (dict(layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_token_mixers_outside_attention_are_refused_by_class(family):
+    extra, mixer = HYBRIDS[family]
+    model = _model(family, **extra)
+    with pytest.raises(SetupError, match=rf"mixes tokens outside the attention interface .*class [^)]*{mixer}"):
+        check_model_supported(model)
+    assert any(mixer in cls for _, cls in token_mixers_bypassing_attention(model))
+
+
+def test_plain_attention_families_pass():
+    for family in ("llama", "qwen2", "qwen3_moe", "mistral", "gemma3_text"):
+        model = _model(family)
+        assert model_refusals(model) == [], family
+    # the vision tower of a VL model is not a token mixer of its language model
+    assert token_mixers_bypassing_attention(_model("llama")) == []
+
+
+def test_an_attention_class_that_computes_attention_itself_is_refused():
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", n_layer=2, hidden_size=32, n_head=4))
+    assert attention_bypassing_interface(model) == ["BloomAttention"]
+    with pytest.raises(SetupError, match="BloomAttention computes attention itself"):
+        check_model_supported(model)
+
+
+def test_softcapping_dropout_and_the_router_aux_loss_are_refused():
+    cap = _model("gemma2", layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
+    with pytest.raises(SetupError, match=r"softcapping \(attn_logit_softcapping=50\)"):
+        check_model_supported(cap)
+    assert model_refusals(_model("gemma2", layer_types=["full_attention"] * 2, attn_logit_softcapping=None)) == []
+    with pytest.raises(SetupError, match=r"attention dropout attention_dropout=0.1 .* set attention_dropout=0"):
+        check_model_supported(_model("llama", attention_dropout=0.1))
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(SetupError, match=r"router's auxiliary loss .*router_aux_loss_coef=0.01"):
+        check_model_supported(_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01, **moe))
+    assert model_refusals(_model("qwen3_moe", output_router_logits=False, router_aux_loss_coef=0.01, **moe)) == []
+
+
+def test_the_trainer_refuses_when_it_is_built(tmp_path):
+    from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        cp_max_tokens_per_rank=256,
+        cp_tokens_per_step=500,
+        cp_compare_balancer=None,
+        cp_profile="cpu",
+    )
+    ds = Dataset.from_list(synthetic_rows([100, 80, 30]))
+    extra, _ = HYBRIDS["qwen3_next"]
+    with pytest.raises(SetupError, match=r"(?s)CPTrainer: the model cannot be trained exactly.*Qwen3NextGatedDeltaNet"):
+        CPTrainer(model=_model("qwen3_next", **extra), args=args, train_dataset=ds)
+    CPTrainer(model=_model("llama"), args=args, train_dataset=ds)  # the same set-up with an attention-only model
+
+
+def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
+    from hf_cp.train.dry_run import dry_run
+
+    config = tmp_path / "bamba.json"
+    extra, _ = HYBRIDS["bamba"]
+    config.write_text(json.dumps(_config("bamba", **extra).to_dict()))
+    tiny = str(REPO / "configs" / "tiny-cpu.yaml")
+    with pytest.raises(SetupError, match=r"(?s)the model cannot be trained exactly.*BambaMixer"):
+        dry_run(tiny, [f"training.output_dir={tmp_path}", f"model.config={config}"], world_size=2, steps=2)
+    with pytest.raises(SetupError, match="BambaMixer"):  # on the meta device: no weights are allocated
+        check_model_config_supported(_config("bamba", **extra))
