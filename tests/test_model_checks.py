@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
+from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.train.model_checks import (
     attention_bypassing_interface,
     check_model_config_supported,
@@ -50,12 +51,6 @@ def _model(model_type: str, **extra):
 
 HYBRIDS = {
     # family: (config overrides that keep both layer kinds, the mixer class named in the refusal)
-    "qwen3_next": (
-        dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-             moe_intermediate_size=32, shared_expert_intermediate_size=32),
-        "Qwen3NextGatedDeltaNet",
-    ),
     "bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "BambaMixer"),
     "falcon_h1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8), "FalconH1Mixer"),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
@@ -71,6 +66,19 @@ def test_token_mixers_outside_attention_are_refused_by_class(family):
     with pytest.raises(SetupError, match=rf"mixes tokens outside the attention interface .*class [^)]*{mixer}"):
         check_model_supported(model)
     assert any(mixer in cls for _, cls in token_mixers_bypassing_attention(model))
+
+
+def test_gated_deltanet_layers_are_accepted_and_run_per_document():
+    # hf_cp/attention/recurrent.py runs them one document at a time (tests/test_recurrent_mixers.py)
+    model = _model(
+        "qwen3_next", layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )
+    with pytest.raises(SetupError, match="Qwen3NextGatedDeltaNet"):  # as transformers runs them: refused
+        check_model_supported(model)
+    assert attach_recurrent_layers(model) == ["Qwen3NextGatedDeltaNet"]
+    assert model_refusals(model) == []
+    assert token_mixers_bypassing_attention(model) == []
 
 
 def test_plain_attention_families_pass():
@@ -118,9 +126,9 @@ def test_the_trainer_refuses_when_it_is_built(tmp_path):
         cp_profile="cpu",
     )
     ds = Dataset.from_list(synthetic_rows([100, 80, 30]))
-    extra, _ = HYBRIDS["qwen3_next"]
-    with pytest.raises(SetupError, match=r"(?s)CPTrainer: the model cannot be trained exactly.*Qwen3NextGatedDeltaNet"):
-        CPTrainer(model=_model("qwen3_next", **extra), args=args, train_dataset=ds)
+    extra, _ = HYBRIDS["bamba"]
+    with pytest.raises(SetupError, match=r"(?s)CPTrainer: the model cannot be trained exactly.*BambaMixer"):
+        CPTrainer(model=_model("bamba", **extra), args=args, train_dataset=ds)
     CPTrainer(model=_model("llama"), args=args, train_dataset=ds)  # the same set-up with an attention-only model
 
 

@@ -22,7 +22,7 @@ from hf_cp.plan.chunks import dependent_chunk_sizes
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
 from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
 from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
-from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, FIXTURE_TIMEOUT, MUTATED_BALANCER, executed_plans
+from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, HYBRID_BALANCERS, FIXTURE_TIMEOUT, MUTATED_BALANCER, executed_plans
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +49,19 @@ def test_balancer_equals_single_process_step_by_step(world2_job, balancer):
         assert local == 0
     else:
         assert local >= 1, f"{balancer} kept no sample local: the local path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", HYBRID_BALANCERS)
+def test_gated_deltanet_hybrid_equals_single_process_step_by_step(world2_job, balancer):
+    """Qwen3-Next (a Gated DeltaNet layer beside a gated attention layer, MoE MLPs) under CPTrainer
+    and DeepSpeed ZeRO-2 on 2 processes: every step equals training each sample alone in one
+    process, spread samples included (their recurrent layers see the whole document)."""
+    spec = world2_job[f"qwen3_next-{balancer}"]
+    spread, _ = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group: the gathered path went untested"
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
 

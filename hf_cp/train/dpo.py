@@ -137,6 +137,8 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
     from each answer's summed log-prob wherever its tokens ran. Takes DPOTrainer's arguments
     plus `balancer`; `args` must be a CPDPOConfig."""
 
+    cp_shared_prompt_samples = True
+
     def __init__(self, model=None, ref_model=None, args: Optional[CPDPOConfig] = None, train_dataset=None, **kwargs):
         if not isinstance(args, CPDPOConfig):
             raise TypeError(

@@ -78,7 +78,7 @@ from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, PlanCollator, RankStep
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.grpo_loss import GRPOSettings, row_weights, token_losses
-from hf_cp.train.model_checks import check_model_supported
+from hf_cp.train.model_checks import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.setup_checks import HF_CP_ATTENTION
 from hf_cp.train.sharding import refuse_sharding
 from hf_cp.train.step import StepExecutor
@@ -209,6 +209,7 @@ class CPGRPOTrainer(GRPOTrainer):
             )
         if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
             check_model_supported(model, "CPGRPOTrainer: the policy")
+            check_recurrent_layers_fit(model, "CPGRPOTrainer", True, "")
         refuse_sharding(
             args,
             "CPGRPOTrainer",
@@ -225,6 +226,7 @@ class CPGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if isinstance(model, str):  # TRL loaded it from the name
             check_model_supported(self.model, "CPGRPOTrainer: the policy")
+            check_recurrent_layers_fit(self.model, "CPGRPOTrainer", True, "")
         if self._is_vlm:
             raise ValueError(
                 "CPGRPOTrainer: vision-language models are not supported (image features cannot be placed in a "

@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_cp.attention.recurrent import ATTACHED, attach_recurrent_layers
 from hf_cp.train.setup_checks import SetupError
 
 # Layer kinds that the attention interface carries (a window is applied there too).
@@ -75,9 +76,11 @@ def token_mixers_bypassing_attention(model: torch.nn.Module) -> List[Tuple[str, 
         if any(path.startswith(p + ".") for p, _ in found):
             continue
         cls = type(module).__name__
+        if getattr(module, ATTACHED, False):  # runs per document (attach_recurrent_layers, attention/recurrent.py)
+            continue
         if _MIXER_NAME.search(cls):
             found.append((path, cls))
-        elif _depthwise_conv(module):
+        elif _depthwise_conv(module) and not getattr(names.get(path.rsplit(".", 1)[0]), ATTACHED, False):
             owner = path.rsplit(".", 1)[0] if "." in path else path
             if not any(owner == p for p, _ in found):
                 found.append((owner, type(names.get(owner, module)).__name__))
@@ -102,6 +105,20 @@ def attention_bypassing_interface(model: torch.nn.Module) -> List[str]:
         if type(m).__name__.endswith("Attention") and any(isinstance(c, torch.nn.Linear) for c in m.children())
     }
     return sorted(c.__name__ for c in classes if not _calls_attention_interface(c))
+
+
+def _unhonoured_layer_types(model: torch.nn.Module, layer_types) -> List[str]:
+    """The config's layer kinds that are neither attention nor a layer holding a recurrent
+    module attached to run per document (chunked attention is left to the attention function's own refusal)."""
+    layers = getattr(language_model(model), "layers", None)
+    bad = set()
+    for i, kind in enumerate(layer_types):
+        if kind in ATTENTION_LAYER_TYPES or kind == "chunked_attention":
+            continue
+        layer = layers[i] if isinstance(layers, torch.nn.ModuleList) and i < len(layers) else None
+        if layer is None or not any(getattr(m, ATTACHED, False) for m in layer.modules()):
+            bad.add(kind)
+    return sorted(bad)
 
 
 def _config_of(model: torch.nn.Module):
@@ -135,8 +152,7 @@ def model_refusals(model: torch.nn.Module) -> List[str]:
             f"convolution or sparse-indexer layer that hf_cp does not yet keep exact on packed documents or "
             f"across a CP group (it would carry state across document starts and ranks, silently). {_WHAT_WORKS}"
         )
-    layer_types = sorted({t for t in (getattr(text, "layer_types", None) or ()) if t not in ATTENTION_LAYER_TYPES})
-    layer_types = [t for t in layer_types if t != "chunked_attention"]  # refused by the attention function's check
+    layer_types = _unhonoured_layer_types(model, getattr(text, "layer_types", None) or ())
     if layer_types and not mixers:
         reasons.append(
             f"the {family} model's config lists layer_types {layer_types}, which are not softmax attention "
@@ -185,4 +201,26 @@ def check_model_config_supported(config, where: str = "the model") -> None:
     weights), as the dry run needs it before any launch."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    attach_recurrent_layers(model)  # as CPTrainer does
     check_model_supported(model, where)
+
+
+def check_recurrent_layers_fit(model: torch.nn.Module, who: str, shared_prompt_samples: bool, balancer: str) -> None:
+    """A model with recurrent layers (run per document, hf_cp/attention/recurrent.py) is refused
+    where a document cannot run whole through them: shared-prompt samples (each answer needs the
+    prompt's state, not the previous answer's) and ChunkFlow's dependent chunks (the state store
+    does not carry a recurrent state yet)."""
+    layers = sorted({type(m).__name__ for m in language_model(model).modules() if getattr(m, ATTACHED, False)})
+    if not layers:
+        return
+    if shared_prompt_samples:
+        raise SetupError(
+            f"{who}: the model has recurrent layers ({', '.join(layers)}), and this trainer's samples share a prompt "
+            f"between answers; a recurrent layer would run each answer on from the previous answer's state instead "
+            f"of the prompt's. Train attention-only models with it, or the hybrid with CPTrainer / CPSFTTrainer"
+        )
+    if balancer == "chunkflow":
+        raise SetupError(
+            f"{who}: the model has recurrent layers ({', '.join(layers)}), which ChunkFlow's dependent chunks would "
+            f"restart from a zero state at every chunk; use another cp_balancer (auto, dynamic_cp, ...)"
+        )

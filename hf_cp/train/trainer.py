@@ -32,6 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.attention.kernels import use_attention_kernel
+from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
@@ -46,7 +47,7 @@ from hf_cp.train.history import StepRecord, append_record
 from hf_cp.train.layer_compile import compile_decoder_layers
 from hf_cp.train.loss import LIGER_LOSS_LINE
 from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
-from hf_cp.train.model_checks import check_model_supported
+from hf_cp.train.model_checks import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
 from hf_cp.train.resume import (
     checkpoint_step,
@@ -130,12 +131,15 @@ class CPTrainer(Trainer):
     `train_dataset` (no length) is read as training goes, with max_steps set (streaming.py).
     """
 
+    cp_shared_prompt_samples = False  # True where every sample shares a prompt between answers (DPO, GRPO)
+
     def __init__(
         self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None, balancer=None, **kwargs
     ):
         if not isinstance(args, CPTrainingArguments):
             raise TypeError(f"CPTrainer needs CPTrainingArguments, got {type(args).__name__}")
         if model is not None:  # token mixers and features hf_cp cannot keep exact, before any other work
+            attach_recurrent_layers(model)  # Gated DeltaNet layers run one document at a time (attention/recurrent.py)
             check_model_supported(model, f"{type(self).__name__}: the model")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
@@ -173,6 +177,9 @@ class CPTrainer(Trainer):
         # the run's PlanningSettings, built once: cp_setup.settings from here on
         setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
         check_zero3_chunk_keep(self.cp_sharding, setup.settings.balancer, setup.settings.balancer_kwargs())
+        check_recurrent_layers_fit(
+            self.model, type(self).__name__, self.cp_shared_prompt_samples or bool(self.cp_data.masks), setup.settings.balancer
+        )
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
         self.cp_stream = attach_stream(self, balancer)  # a streaming train_dataset's StreamColumns, else None
         for warning in start_warnings(setup, args.device.type, getattr(self.model.config, "_name_or_path", "")):

@@ -50,6 +50,9 @@ EMPTY_SHARD_LENGTHS = [1, 40, 2, 1, 30, 3]
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
 BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON]
 
+# the balancers the Gated DeltaNet hybrid trains under in the shared job (chunkflow is refused for it)
+HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp")
+
 # the deliberately broken trainers run this balancer (CP groups and local samples, see above)
 MUTATED_BALANCER = "auto"
 
@@ -166,6 +169,8 @@ def world2_runs() -> Dict[str, dict]:
     runs["chunkflow-mixed-qwen2"] = chunkflow_mixed_spec("qwen2")
     runs["chunkflow-beyond-world"] = chunkflow_beyond_world_spec()
     runs["rank-dependent-plans"] = balance_spec("rank_dependent")
+    # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones gathered (attention/recurrent.py)
+    runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
     # test_train_distributed's fast cases
     runs["static"] = lengths_spec("static")

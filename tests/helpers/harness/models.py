@@ -4,7 +4,7 @@ The tiny Llama is built from hf_cp/configs/models/tiny-llama.json, the tiny Qwen
 TINY_QWEN2 (grouped-query attention with 4 query heads per KV head, and the q/k/v biases Qwen2
 has), each with a fixed seed, so the distributed job and the single-process reference start
 from bit-identical parameters without sharing a file. A job spec picks one with `model`
-("llama", the default, or "qwen2").
+("llama", the default, "qwen2", or "qwen3_next": a Gated DeltaNet hybrid).
 """
 
 from __future__ import annotations
@@ -37,7 +37,35 @@ TINY_QWEN2 = dict(
     use_cache=False,
 )
 QWEN2_BIAS_STD = 0.25
-MODELS = ("llama", "qwen2")
+
+# Qwen3-Next at the same size: a Gated DeltaNet layer, then a gated full-attention layer, MoE
+# MLPs (4 experts, 2 a token, a shared expert; no router auxiliary loss). The recurrent layers'
+# decay starts slow (A_log, dt_bias below) so that their state carries across many tokens: with
+# transformers' random init it forgets within a token or two, and a state leaking across a
+# document start or a rank would hardly show.
+TINY_QWEN3_NEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=65536,
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    output_router_logits=False,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+MODELS = ("llama", "qwen2", "qwen3_next")
 
 # transformers' convention for "no loss at this position"; spelled out here rather than taken
 # from hf_cp's collator, which these tests check
@@ -54,19 +82,29 @@ def tiny_config(family: str = "llama"):
         from transformers import Qwen2Config
 
         return Qwen2Config(**TINY_QWEN2)
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**TINY_QWEN3_NEXT)
     raise ValueError(f"harness model {family!r}: expected one of {list(MODELS)}")
 
 
 def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     """The tiny `family` model (tiny_config), initialised from `seed`, in fp32, without a KV
     cache, with attention implementation `attn` (the reference uses "sdpa")."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3NextForCausalLM
 
     if attn == "hf_cp":
         import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
     cfg = tiny_config(family)
     torch.manual_seed(seed)
-    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[family](cfg)
+    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3_next": Qwen3NextForCausalLM}[family](cfg)
+    if family == "qwen3_next":
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.fill_(-3.0)  # exp(-3) * softplus(-2 + a): about 0.006 of decay a token
+                    module.dt_bias.fill_(-2.0)
     if family == "qwen2":
         # Qwen2's q/k/v biases start from the seed (normal, QWEN2_BIAS_STD), not at zero as
         # transformers initialises them (a pretrained Qwen2's are far from zero). The check

@@ -1,0 +1,182 @@
+"""Token mixers outside softmax attention (Gated DeltaNet, Mamba2) on packed documents and across
+a CP group, exactly: every document runs through the layer alone.
+
+A recurrent layer mixes tokens by its state and its short causal convolution, both of which must
+restart at every document start, and a document spread over a CP group must see its whole
+history. The layer's own forward (transformers' torch path, or the kernels it dispatches to) is
+exact on one whole document, so this module calls it once per document:
+- this rank's local documents: their rows, one call each;
+- the distributed documents: each member's rows are gathered over the group (one differentiable
+  all-to-all: every member sends its shard rows to every other), each document is assembled in
+  token order from the members' segments (any shard mode: Ulysses, ring zigzag and per document,
+  blocks), runs once, and this rank keeps the outputs of its own segments. The gradients of the
+  gathered rows flow back through the all-to-all and add up on their owner; each member's
+  parameter gradients come from its own rows' outputs only, so their sum over the group (the
+  data-parallel reduction) is the single-process gradient.
+The distributed documents' recurrent work is repeated on every member of their group (it is
+linear in tokens); head sharding and state passing, which avoid that, are not built yet.
+
+Refused by name, never run: a dependent chunk (ChunkFlow's state store does not yet carry the
+recurrent state), a masked sample (a shared-prompt sample's answers would each need the
+prompt's state), a padding mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hf_cp.attention.chunk_state import current_chunk_context
+from hf_cp.attention.comm import all_to_all
+from hf_cp.attention.context import ContextSlot, CPContext, current_cp_context
+from hf_cp.modes.segments import Segment
+
+Tensor = torch.Tensor
+
+# Layer classes whose forward is exact on one whole document (checked against a per-document
+# reference in tests/test_recurrent_mixers.py); model_checks refuses every other recurrent class.
+DOCUMENT_EXACT_MIXERS = frozenset(
+    {
+        "Qwen3NextGatedDeltaNet",  # Qwen3-Next
+        "Qwen3_5GatedDeltaNet",  # Qwen3.5
+        "Qwen3_5MoeGatedDeltaNet",  # Qwen3.5-MoE
+    }
+)
+ATTACHED = "_hf_cp_per_document"  # set on a module whose forward runs per document
+
+# The packed row's position_ids of the current forward, for a call outside a CP context (the
+# recurrent layers are not handed position_ids by their decoder layer).
+_POSITIONS: ContextSlot[Tensor] = ContextSlot()
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "position_ids")
+
+
+def _documents_from_positions(position_ids: Tensor, seq: int) -> List[int]:
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if pos.shape[0] != 1 or pos.shape[1] != seq:
+        raise ValueError(
+            f"hf_cp recurrent layer: position_ids of shape {tuple(position_ids.shape)} for one packed row of {seq} "
+            "tokens; pack documents into one row with position_ids restarting at 0"
+        )
+    starts = torch.nonzero(pos[0, 1:] != pos[0, :-1] + 1).flatten().add(1).tolist()
+    bounds = [0] + starts + [seq]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _member_rows(ctx: CPContext) -> List[List[Segment]]:
+    return [ctx.segments(m) for m in range(ctx.group_size)]
+
+
+def _gather_rows(x: Tensor, counts: Sequence[int], ctx: CPContext) -> Tensor:
+    """Every member's rows of the distributed documents, in member order, on every member: an
+    all-to-all in which each member sends its rows to all (the backward sums their gradients)."""
+    me = ctx.member
+    send = torch.cat([x] * ctx.group_size, dim=0)
+    return all_to_all(send, [counts[me]] * ctx.group_size, list(counts), ctx.group, me)
+
+
+def _run(forward: Callable, rows: Tensor, kwargs: Dict) -> Tensor:
+    return forward(hidden_states=rows.unsqueeze(0), **kwargs)[0] if rows.shape[0] else rows
+
+
+def _distributed_outputs(forward: Callable, x: Tensor, ctx: CPContext, kwargs: Dict) -> Tensor:
+    """This rank's output rows of the distributed documents (its segments, in its order)."""
+    segments = _member_rows(ctx)
+    counts = [sum(s.length for s in segs) for segs in segments]
+    if x.shape[0] != counts[ctx.member]:
+        raise ValueError(
+            f"hf_cp recurrent layer: {x.shape[0]} rows of distributed documents on member {ctx.member}, its "
+            f"segments hold {counts[ctx.member]}"
+        )
+    full = _gather_rows(x, counts, ctx) if ctx.group_size > 1 else x
+    # each document's pieces: (start in the document, row offset in `full`, length)
+    pieces: List[List[Tuple[int, int, int]]] = [[] for _ in ctx.distributed_lengths]
+    offset = 0
+    for segs in segments:
+        for s in segs:
+            pieces[s.doc].append((s.start, offset, s.length))
+            offset += s.length
+    outputs: Dict[int, Tensor] = {}
+    for doc, parts in enumerate(pieces):
+        parts.sort()
+        order = torch.cat([torch.arange(o, o + n) for _, o, n in parts]) if parts else torch.zeros(0, dtype=torch.long)
+        outputs[doc] = _run(forward, full.index_select(0, order.to(full.device)), kwargs)
+    mine = [outputs[s.doc][s.start : s.start + s.length] for s in segments[ctx.member]]
+    return torch.cat(mine, dim=0) if mine else x[:0]
+
+
+def _refuse(module, ctx: Optional[CPContext], attention_mask) -> None:
+    name = type(module).__name__
+    if current_chunk_context() is not None:
+        raise ValueError(
+            f"hf_cp recurrent layer ({name}): a dependent chunk (ChunkFlow) would start the layer's recurrent state "
+            f"and convolution from zero at every chunk; plan without chunking (a cp_balancer other than chunkflow, "
+            f"or auto with members that leave chunkflow out, and a cap that holds every sample)"
+        )
+    masked = ctx is not None and any(m is not None for m in tuple(ctx.masks) + tuple(ctx.local_masks))
+    if masked:
+        raise ValueError(
+            f"hf_cp recurrent layer ({name}): a sample with an attention mask (e.g. shared-prompt answers) runs "
+            f"through a recurrent layer as one sequence, so each answer would continue from the previous answer's "
+            f"state instead of the prompt's; train such data with attention-only models"
+        )
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
+        raise ValueError(
+            f"hf_cp recurrent layer ({name}): a padding mask; pack documents into one row instead of padding"
+        )
+
+
+def per_document_forward(module: torch.nn.Module, forward: Callable, *args, **kwargs) -> Tensor:
+    """The layer's `forward` run once per document of the packed row (see the module docstring)."""
+    hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+    if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+        return forward(hidden_states=hidden, **kwargs)  # generation with a cache: one sequence, as written
+    ctx = current_cp_context()
+    attention_mask = kwargs.pop("attention_mask", None)
+    _refuse(module, ctx, attention_mask)
+    rest = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS}
+    b, s = hidden.shape[0], hidden.shape[1]
+    if b != 1:
+        raise ValueError(f"hf_cp recurrent layer ({type(module).__name__}): one packed row per forward, got {b}")
+    if ctx is not None:
+        local = list(ctx.local_lengths)
+    elif kwargs.get("cu_seq_lens_q") is not None:
+        local = torch.diff(kwargs["cu_seq_lens_q"].flatten().to("cpu", torch.long)).tolist()
+    elif _POSITIONS.value is not None:
+        local = _documents_from_positions(_POSITIONS.value, s)
+    else:
+        local = [s]
+    x = hidden[0]
+    outs, off = [], 0
+    for n in local:
+        outs.append(_run(forward, x[off : off + n], rest))
+        off += n
+    if ctx is not None and ctx.distributed_lengths:
+        outs.append(_distributed_outputs(forward, x[off:], ctx, rest))
+    elif off != s:
+        raise ValueError(
+            f"hf_cp recurrent layer ({type(module).__name__}): the row has {s} tokens, its documents {off}"
+        )
+    return torch.cat(outs, dim=0).unsqueeze(0)
+
+
+def _keep_positions(module, args, kwargs):
+    _POSITIONS.value = kwargs.get("position_ids")
+
+
+def attach_recurrent_layers(model: torch.nn.Module) -> List[str]:
+    """Make every DOCUMENT_EXACT_MIXERS layer of `model` run per document (idempotent); returns the
+    class names attached. The language model keeps the row's position_ids for calls made outside a
+    CP context (a forward pre-hook: transformers hands recurrent layers no position_ids)."""
+    attached = []
+    for module in model.modules():
+        if type(module).__name__ in DOCUMENT_EXACT_MIXERS and not getattr(module, ATTACHED, False):
+            bound = type(module).forward.__get__(module)
+            module.forward = functools.partial(per_document_forward, module, bound)
+            setattr(module, ATTACHED, True)
+            attached.append(type(module).__name__)
+    if attached and not getattr(model, ATTACHED, False):
+        model.register_forward_pre_hook(_keep_positions, with_kwargs=True)
+        setattr(model, ATTACHED, True)
+    return sorted(set(attached))
