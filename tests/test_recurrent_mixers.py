@@ -1,4 +1,5 @@
-"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5 text) are exact under hf_cp: on a packed row in one
+"""Recurrent hybrids (Gated DeltaNet: Qwen3-Next, Qwen3.5 and its MoE; Mamba2: Bamba, Falcon-H1;
+Mamba: Jamba; the short convolution of LFM2) are exact under hf_cp: on a packed row in one
 process, and with documents spread over real gloo CP groups of 2 and 4 in every whole-document
 shard mode. The reference runs each document ALONE through the same weights with eager
 attention, so a recurrent state or convolution window that crosses a document start, or a rank
@@ -33,16 +34,26 @@ BASE = dict(
     vocab_size=64,
     max_position_embeddings=128,
     use_cache=False,
+)
+GATED_DELTANET = dict(
     layer_types=["linear_attention", "full_attention"],
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=8,
 )
-FAMILIES = {
-    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
-    "qwen3_5_text": {},
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+FAMILIES = {  # family -> config overrides keeping both kinds of layer
+    "qwen3_next": dict(GATED_DELTANET, **MOE),  # Gated DeltaNet + gated attention, MoE
+    "qwen3_5_text": GATED_DELTANET,
+    "qwen3_5_moe_text": dict(GATED_DELTANET, **MOE),
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8),  # Mamba2
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8),  # Mamba2 beside attention
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8,
+                  mamba_dt_rank=4),  # Mamba
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # short convolution
 }
+WORLD4_FAMILIES = ("qwen3_next", "bamba")
 
 
 def _models(family: str):
@@ -53,6 +64,7 @@ def _models(family: str):
         for module in model.modules():
             if hasattr(module, "A_log"):
                 module.A_log.fill_(math.log(0.05))
+            if hasattr(module, "dt_bias"):
                 module.dt_bias.fill_(-2.0)
     # a config of its own: from_config sets the attention implementation on the config it is given
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").train()
@@ -186,8 +198,9 @@ LAYOUTS = {2: ([29, 6], [[5], [9, 3]]), 4: ([31, 9], [[4], [], [7, 2], [1]])}
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(
+    "world, family", [(2, f) for f in sorted(FAMILIES)] + [(4, f) for f in WORLD4_FAMILIES]
+)
 def test_spread_documents_are_exact_in_every_shard_mode(pools, world, family):
     distributed, locals_per_member = LAYOUTS[world]
     rows = pools(world).run(_worker, family, distributed, locals_per_member, MODES, timeout_s=180)

@@ -1,4 +1,4 @@
-"""Token mixers outside softmax attention (Gated DeltaNet, Mamba2) on packed documents and across
+"""Token mixers outside softmax attention (Gated DeltaNet, Mamba, Mamba2, short convolutions) on packed documents and across
 a CP group, exactly: every document runs through the layer alone.
 
 A recurrent layer mixes tokens by its state and its short causal convolution, both of which must
@@ -39,9 +39,13 @@ Tensor = torch.Tensor
 # reference in tests/test_recurrent_mixers.py); model_checks refuses every other recurrent class.
 DOCUMENT_EXACT_MIXERS = frozenset(
     {
-        "Qwen3NextGatedDeltaNet",  # Qwen3-Next
+        "Qwen3NextGatedDeltaNet",  # Qwen3-Next: Gated DeltaNet
         "Qwen3_5GatedDeltaNet",  # Qwen3.5
         "Qwen3_5MoeGatedDeltaNet",  # Qwen3.5-MoE
+        "BambaMixer",  # Bamba: Mamba2
+        "FalconH1Mixer",  # Falcon-H1: Mamba2 beside attention in every layer
+        "JambaMambaMixer",  # Jamba: Mamba
+        "Lfm2ShortConv",  # LFM2: a gated short convolution
     }
 )
 ATTACHED = "_hf_cp_per_document"  # set on a module whose forward runs per document

@@ -67,22 +67,24 @@ def _depthwise_conv(module: torch.nn.Module) -> bool:
 def token_mixers_bypassing_attention(model: torch.nn.Module) -> List[Tuple[str, str]]:
     """(module path, class name) of every module of the language model that mixes tokens outside the
     attention interface: a recurrent / linear-attention / state-space / indexer class by its name, or
-    the owner of a depthwise causal Conv1d. Outermost match only (a Mamba mixer's conv is not listed twice)."""
-    found: List[Tuple[str, str]] = []
+    the owner of a depthwise causal Conv1d. Outermost match only (a Mamba mixer's conv is not listed
+    twice); a module attached to run per document (attach_recurrent_layers), and the layers around
+    it, are honoured."""
     names = dict(language_model(model).named_modules())
+    attached = [p for p, m in names.items() if getattr(m, ATTACHED, False)]
+
+    def honoured(path: str) -> bool:
+        return any(a == path or a.startswith(path + ".") or path.startswith(a + ".") for a in attached)
+
+    found: List[Tuple[str, str]] = []
     for path, module in names.items():
-        if not path:  # the stack itself (MambaModel): its layers are named below
-            continue
-        if any(path.startswith(p + ".") for p, _ in found):
-            continue
-        cls = type(module).__name__
-        if getattr(module, ATTACHED, False):  # runs per document (attach_recurrent_layers, attention/recurrent.py)
-            continue
-        if _MIXER_NAME.search(cls):
-            found.append((path, cls))
-        elif _depthwise_conv(module) and not getattr(names.get(path.rsplit(".", 1)[0]), ATTACHED, False):
+        if not path or honoured(path) or any(path.startswith(p + ".") for p, _ in found):
+            continue  # the stack itself (MambaModel) is named by its layers
+        if _MIXER_NAME.search(type(module).__name__):
+            found.append((path, type(module).__name__))
+        elif _depthwise_conv(module):
             owner = path.rsplit(".", 1)[0] if "." in path else path
-            if not any(owner == p for p, _ in found):
+            if not honoured(owner) and not any(owner == p for p, _ in found):
                 found.append((owner, type(names.get(owner, module)).__name__))
     return found
 
