@@ -19,6 +19,7 @@ from hf_cp.train.model_checks import (
     attention_bypassing_interface,
     check_model_config_supported,
     check_model_supported,
+    check_recurrent_layers_fit,
     model_refusals,
     token_mixers_bypassing_attention,
 )
@@ -153,3 +154,15 @@ def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
     with pytest.raises(SetupError, match="GraniteMoeHybridMamba"):  # on the meta device: no weights allocated
         check_model_config_supported(_config("granitemoehybrid", **extra))
     check_model_config_supported(_config("bamba", **HYBRIDS["bamba"][0]))  # attached as CPTrainer does
+
+
+def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():
+    model = _model("bamba", **HYBRIDS["bamba"][0])
+    check_recurrent_layers_fit(model, "CPTrainer", False, "auto")  # not attached: nothing runs per document yet
+    attach_recurrent_layers(model)
+    check_recurrent_layers_fit(model, "CPTrainer", False, "auto")
+    with pytest.raises(SetupError, match=r"CPDPOTrainer: the model has recurrent layers \(BambaMixer\).*share a prompt"):
+        check_recurrent_layers_fit(model, "CPDPOTrainer", True, "auto")
+    with pytest.raises(SetupError, match=r"ChunkFlow's dependent chunks"):
+        check_recurrent_layers_fit(model, "CPTrainer", False, "chunkflow")
+    check_recurrent_layers_fit(_model("llama"), "CPDPOTrainer", True, "chunkflow")  # attention only: fine

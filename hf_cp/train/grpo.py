@@ -69,6 +69,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("hf_cp.train.grpo needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')") from e
 from accelerate.utils import gather_object, is_peft_model
 
+from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
 from hf_cp.planning.sampler import GlobalBatchSampler
 from hf_cp.planning.worker import PlannedStep, Planner
@@ -208,8 +209,9 @@ class CPGRPOTrainer(GRPOTrainer):
                 f"CPGRPOTrainer needs CPGRPOConfig (GRPOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
         if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
-            check_model_supported(model, "CPGRPOTrainer: the policy")
+            attach_recurrent_layers(model)  # so that a hybrid is refused for its shared prompts, by that name
             check_recurrent_layers_fit(model, "CPGRPOTrainer", True, "")
+            check_model_supported(model, "CPGRPOTrainer: the policy")
         refuse_sharding(
             args,
             "CPGRPOTrainer",
@@ -225,8 +227,9 @@ class CPGRPOTrainer(GRPOTrainer):
                 )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if isinstance(model, str):  # TRL loaded it from the name
-            check_model_supported(self.model, "CPGRPOTrainer: the policy")
+            attach_recurrent_layers(self.model)
             check_recurrent_layers_fit(self.model, "CPGRPOTrainer", True, "")
+            check_model_supported(self.model, "CPGRPOTrainer: the policy")
         if self._is_vlm:
             raise ValueError(
                 "CPGRPOTrainer: vision-language models are not supported (image features cannot be placed in a "
