@@ -165,7 +165,18 @@ def hf_cp_attention(
     scaling: Optional[float] = None,
     **kwargs,
 ):
-    """transformers attention function: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None)."""
+    """transformers attention function: q [B, H, S, D], k/v [B, H_kv, S, D] -> ([B, S, H, D], None).
+    MLA (DeepSeek-V2/V3: v's head dim differs from q/k's) runs padded to the larger head dim."""
+    d_qk, d_v = query.shape[-1], value.shape[-1]
+    if d_v != d_qk:  # kernels need equal head dims; zero columns (of v, or of q and k) add no output and no gradient
+        pad = lambda t, n: torch.nn.functional.pad(t, (0, n - t.shape[-1]))
+        scaling = scaling if scaling is not None else d_qk**-0.5  # the scale of the unpadded q/k head dim
+        if d_v < d_qk:
+            value = pad(value, d_qk)
+        else:
+            query, key = pad(query, d_v), pad(key, d_v)
+        out, weights = hf_cp_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        return out[..., :d_v].contiguous(), weights
     _refuse_unsupported(module, query, key, dropout, kwargs)
     query, key, value = _one_dtype(module, query, key, value)
     window = _layer_window(module, attention_mask, kwargs)

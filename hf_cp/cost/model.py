@@ -110,12 +110,19 @@ class ModelDims:
                 raise ConfigError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
             if dim("vocab_size", 0) < 0:
                 raise ConfigError(f"{source}: field 'vocab_size' must not be negative, got {cfg['vocab_size']}")
+            if "v_head_dim" in cfg and "qk_nope_head_dim" in cfg:
+                # MLA (DeepSeek-V2/V3): hf_cp pads q/k/v to the larger of the q/k and v head dims
+                # (interface.hf_cp_attention), and the keys and values it exchanges are per head
+                kv_heads = heads
+                head_dim = max(dim("qk_nope_head_dim") + dim("qk_rope_head_dim"), dim("v_head_dim"))
+            else:
+                kv_heads, head_dim = dim("num_key_value_heads", heads), dim("head_dim", hidden // heads)
             return cls(
                 num_layers=dim("num_hidden_layers"),
                 hidden=hidden,
                 num_heads=heads,
-                num_kv_heads=dim("num_key_value_heads", heads),
-                head_dim=dim("head_dim", hidden // heads),
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
                 intermediate=dim("intermediate_size"),
                 vocab_size=dim("vocab_size", 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

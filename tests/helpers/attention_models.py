@@ -1,4 +1,5 @@
-"""The tiny Llama and Qwen2 (GQA) of the CP model tests, and packed batches for them."""
+"""The tiny Llama and Qwen2 (GQA) of the CP model tests, tiny DeepSeek-V3 (MLA: the value head dim
+unlike the query/key one), and packed batches for them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,28 @@ CONFIGS = {
         vocab_size=128,
     ),
 }
+
+# MLA: q/k head dim qk_nope + qk_rope = 24 against v 16 (and 32); both layers dense (first_k_dense_replace=2)
+_MLA = dict(
+    model_type="deepseek_v3",
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=2,
+    vocab_size=64,
+)
+CONFIGS["deepseek_v3"] = dict(_MLA, q_lora_rank=None, v_head_dim=16)
+CONFIGS["deepseek_v3_wide_v"] = dict(_MLA, q_lora_rank=16, v_head_dim=32)
 
 
 def build_model(name: str, attn: str):
