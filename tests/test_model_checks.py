@@ -54,13 +54,28 @@ HYBRIDS = {
     # family: (config overrides that keep both layer kinds, the mixer class named in the refusal)
     "bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "BambaMixer"),
     "falcon_h1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8), "FalconH1Mixer"),
-    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
-                   mamba_d_state=8, mamba_dt_rank=4), "JambaMamba"),
+    "jamba": (
+        dict(
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            num_experts=2,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+        ),
+        "JambaMamba",
+    ),
     "lfm2": (dict(layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
     # a Mamba2 layer whose per-document run does not match yet: refused even after attaching
     "granitemoehybrid": (
-        dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-             num_local_experts=2, num_experts_per_tok=1),
+        dict(
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
         "GraniteMoeHybridMambaLayer",
     ),
 }
@@ -81,8 +96,12 @@ def test_token_mixers_outside_attention_are_refused_by_class(family):
 def test_gated_deltanet_layers_are_accepted_and_run_per_document():
     # hf_cp/attention/recurrent.py runs them one document at a time (tests/test_recurrent_mixers.py)
     model = _model(
-        "qwen3_next", layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        "qwen3_next",
+        layer_types=["linear_attention", "full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     )
     with pytest.raises(SetupError, match="Qwen3NextGatedDeltaNet"):  # as transformers runs them: refused
         check_model_supported(model)
@@ -161,7 +180,9 @@ def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():
     check_recurrent_layers_fit(model, "CPTrainer", False, "auto")  # not attached: nothing runs per document yet
     attach_recurrent_layers(model)
     check_recurrent_layers_fit(model, "CPTrainer", False, "auto")
-    with pytest.raises(SetupError, match=r"CPDPOTrainer: the model has recurrent layers \(BambaMixer\).*share a prompt"):
+    with pytest.raises(
+        SetupError, match=r"CPDPOTrainer: the model has recurrent layers \(BambaMixer\).*share a prompt"
+    ):
         check_recurrent_layers_fit(model, "CPDPOTrainer", True, "auto")
     with pytest.raises(SetupError, match=r"ChunkFlow's dependent chunks"):
         check_recurrent_layers_fit(model, "CPTrainer", False, "chunkflow")

@@ -49,8 +49,9 @@ FAMILIES = {  # family -> config overrides keeping both kinds of layer
     "qwen3_5_moe_text": dict(GATED_DELTANET, **MOE),
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8),  # Mamba2
     "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8),  # Mamba2 beside attention
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8,
-                  mamba_dt_rank=4),  # Mamba
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8, mamba_dt_rank=4
+    ),  # Mamba
     "lfm2": dict(layer_types=["conv", "full_attention"]),  # short convolution
 }
 WORLD4_FAMILIES = ("qwen3_next", "bamba")
@@ -152,7 +153,9 @@ def _worker(rank, world, family, distributed, locals_per_member, modes, drop_gat
     if drop_gather:  # break the exchange on purpose: the other members' rows arrive as zeros
         recurrent._gather_rows = _own_rows_only
     try:
-        return _run_modes(rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes)
+        return _run_modes(
+            rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes
+        )
     finally:
         recurrent._gather_rows = gather
 
@@ -177,9 +180,10 @@ def _run_modes(rank, world, model, ref_loss, ref_grads, ids, pos, labels, group,
         )
         with cp_context(ctx):
             logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
-            loss = torch.nn.functional.cross_entropy(
-                logits.float(), labels[rows], ignore_index=-100, reduction="sum"
-            ) / n_valid
+            loss = (
+                torch.nn.functional.cross_entropy(logits.float(), labels[rows], ignore_index=-100, reduction="sum")
+                / n_valid
+            )
             loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -198,9 +202,7 @@ LAYOUTS = {2: ([29, 6], [[5], [9, 3]]), 4: ([31, 9], [[4], [], [7, 2], [1]])}
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "world, family", [(2, f) for f in sorted(FAMILIES)] + [(4, f) for f in WORLD4_FAMILIES]
-)
+@pytest.mark.parametrize("world, family", [(2, f) for f in sorted(FAMILIES)] + [(4, f) for f in WORLD4_FAMILIES])
 def test_spread_documents_are_exact_in_every_shard_mode(pools, world, family):
     distributed, locals_per_member = LAYOUTS[world]
     rows = pools(world).run(_worker, family, distributed, locals_per_member, MODES, timeout_s=180)

@@ -22,7 +22,14 @@ from hf_cp.plan.chunks import dependent_chunk_sizes
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
 from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
 from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
-from helpers.world2_job import BALANCERS, CHUNKFLOW_RUNS, HYBRID_BALANCERS, FIXTURE_TIMEOUT, MUTATED_BALANCER, executed_plans
+from helpers.world2_job import (
+    BALANCERS,
+    CHUNKFLOW_RUNS,
+    FIXTURE_TIMEOUT,
+    HYBRID_BALANCERS,
+    MUTATED_BALANCER,
+    executed_plans,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -24,6 +24,7 @@ from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_se
 from hf_cp.planning.worker import Planner
 from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+from hf_cp.train.model_checks import check_model_config_supported
 from hf_cp.train.resume import (
     LATEST,
     check_resume,
@@ -34,7 +35,6 @@ from hf_cp.train.resume import (
     scan_checkpoints,
     schedule_record,
 )
-from hf_cp.train.model_checks import check_model_config_supported
 from hf_cp.train.setup_checks import check_attention
 
 

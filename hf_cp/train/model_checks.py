@@ -57,11 +57,7 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _depthwise_conv(module: torch.nn.Module) -> bool:
     """A causal convolution along the sequence: depthwise Conv1d with a kernel longer than one token."""
-    return (
-        isinstance(module, torch.nn.Conv1d)
-        and module.groups == module.in_channels
-        and module.kernel_size[0] > 1
-    )
+    return isinstance(module, torch.nn.Conv1d) and module.groups == module.in_channels and module.kernel_size[0] > 1
 
 
 def token_mixers_bypassing_attention(model: torch.nn.Module) -> List[Tuple[str, str]]:

@@ -178,7 +178,10 @@ class CPTrainer(Trainer):
         setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
         check_zero3_chunk_keep(self.cp_sharding, setup.settings.balancer, setup.settings.balancer_kwargs())
         check_recurrent_layers_fit(
-            self.model, type(self).__name__, self.cp_shared_prompt_samples or bool(self.cp_data.masks), setup.settings.balancer
+            self.model,
+            type(self).__name__,
+            self.cp_shared_prompt_samples or bool(self.cp_data.masks),
+            setup.settings.balancer,
         )
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler
         self.cp_stream = attach_stream(self, balancer)  # a streaming train_dataset's StreamColumns, else None
