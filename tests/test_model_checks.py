@@ -173,6 +173,10 @@ def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
     with pytest.raises(SetupError, match="GraniteMoeHybridMamba"):  # on the meta device: no weights allocated
         check_model_config_supported(_config("granitemoehybrid", **extra))
     check_model_config_supported(_config("bamba", **HYBRIDS["bamba"][0]))  # attached as CPTrainer does
+    bamba = tmp_path / "bamba.json"
+    bamba.write_text(json.dumps(_config("bamba", **HYBRIDS["bamba"][0]).to_dict()))
+    with pytest.raises(SetupError, match=r"recurrent layers \(BambaMixer\).*ChunkFlow"):
+        dry_run(tiny, [f"training.output_dir={tmp_path}", f"model.config={bamba}", "training.cp_balancer=chunkflow"])
 
 
 def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():

@@ -24,7 +24,7 @@ from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_se
 from hf_cp.planning.worker import Planner
 from hf_cp.train.columns import eos_token_ids, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
-from hf_cp.train.model_checks import check_model_config_supported
+from hf_cp.train.model_checks import check_model_config_supported, check_recurrent_layers_fit
 from hf_cp.train.resume import (
     LATEST,
     check_resume,
@@ -55,10 +55,11 @@ def dry_run(
         settings.model_states["half_precision"] = half_precision
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
-    check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when it is built
+    meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config))
+    check_recurrent_layers_fit(meta_model, f"{src}: the model", bool(data.masks), settings.balancer)
     setup = planning_setup(
         settings,
         data.lengths,

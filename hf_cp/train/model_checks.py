@@ -11,7 +11,9 @@ tokens some other way runs on each rank's rows as if they were one sequence:
   document's last tokens;
 - a sparse-attention indexer (DeepSeek-V3.2 and its relatives) picks keys outside the interface.
 Measured on 2026-12-03: such models trained with gradients off by 72-820% while the loss moved by
-1e-5. So they are refused by name here, never run. Config features that the attention function
+1e-5. The layers hf_cp/attention/recurrent.py runs once per document (Gated DeltaNet, Mamba,
+Mamba2, LFM2's convolution: attach_recurrent_layers, which CPTrainer calls) are exact; every other
+one is refused by name here, never run. Config features that the attention function
 would only meet at the first forward (softcapping, attention dropout) and the MoE router's
 auxiliary loss, which CPTrainer's own loss would drop, are refused here too.
 
@@ -44,7 +46,8 @@ _MIXER_NAME = re.compile(
 _WHAT_WORKS = (
     "What works: models whose every token mixer is softmax attention through transformers' attention "
     "interface (Llama, Qwen2/2.5/3 and their MoEs, Mistral, Mixtral, Gemma 3, GPT-OSS, OLMo 2, Phi-3, GLM-4, "
-    "Cohere 2, DeepSeek-V2/V3 MLA, ...): see docs/attention.md for the family table"
+    "Cohere 2, DeepSeek-V2/V3 MLA, ...), and the hybrids whose recurrent layers hf_cp runs per document "
+    "(Qwen3-Next, Qwen3.5, Bamba, Falcon-H1, Jamba, LFM2): see docs/attention.md"
 )
 
 
@@ -194,13 +197,14 @@ def check_model_supported(model: torch.nn.Module, where: str = "the model") -> N
         raise SetupError(f"{where} cannot be trained exactly by hf_cp:\n{lines}")
 
 
-def check_model_config_supported(config, where: str = "the model") -> None:
+def check_model_config_supported(config, where: str = "the model") -> torch.nn.Module:
     """check_model_supported for a config alone: the model built on the meta device (no memory, no
-    weights), as the dry run needs it before any launch."""
+    weights), as the dry run needs it before any launch. Returns that model (recurrent layers attached)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     attach_recurrent_layers(model)  # as CPTrainer does
     check_model_supported(model, where)
+    return model
 
 
 def check_recurrent_layers_fit(model: torch.nn.Module, who: str, shared_prompt_samples: bool, balancer: str) -> None:
