@@ -191,3 +191,18 @@ def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():
     with pytest.raises(SetupError, match=r"ChunkFlow's dependent chunks"):
         check_recurrent_layers_fit(model, "CPTrainer", False, "chunkflow")
     check_recurrent_layers_fit(_model("llama"), "CPDPOTrainer", True, "chunkflow")  # attention only: fine
+
+
+def test_families_measured_not_exact_and_positions_that_ignore_position_ids_are_refused():
+    with torch.device("meta"):
+        gpt = AutoModelForCausalLM.from_config(AutoConfig.for_model("openai-gpt", n_layer=2, n_embd=32, n_head=4))
+        bart = AutoModelForCausalLM.from_config(AutoConfig.for_model("bart", d_model=32, decoder_layers=2))
+        bert = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, is_decoder=False)
+        )
+    with pytest.raises(SetupError, match=r"openai-gpt family was measured not exact .*79% off"):
+        check_model_supported(gpt)
+    with pytest.raises(SetupError, match=r"BartForCausalLM.forward takes no position_ids"):
+        check_model_supported(bart)
+    with pytest.raises(SetupError, match=r"BertSelfAttention\) is not causal"):
+        check_model_supported(bert)
