@@ -41,7 +41,7 @@ import math
 import random
 import shutil
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
@@ -57,10 +57,12 @@ from hf_cp.report.runs import RunLogError
 from hf_cp.report.samples import audit_samples
 from hf_cp.resources import find_named
 from hf_cp.samples.masks import MaskError
+from hf_cp.train.checkpoint_trust import UntrustedCheckpointError
 from hf_cp.train.config_schema import TrainConfigError
 from hf_cp.train.history import HistoryError, latest_records
 from hf_cp.train.resume import (
     COMPLETE_FILE,
+    DIGESTS_FIELD,
     MARKED_FIELD,
     SCHEDULE_FILE,
     CorruptCheckpointError,
@@ -617,6 +619,13 @@ def checkpoint_inputs(rng: random.Random, run: Path, tmp: Path, n: int) -> Itera
             tag = rng.choice(["global_step9", "", "../elsewhere", "global_step2\n"])
             p.write_text(tag)
             case = Case(f"latest = {tag!r}", tag.strip() != "global_step2", names)
+        changed = not p.is_file() or p.read_bytes() != data
+        if i % 2 == 0:  # its mark records SHA-256s: any change is refused, by checksum
+            case = replace(case, what=case.what + " (checksummed)", invalid=case.invalid or changed)
+        else:  # a mark of an hf_cp from before checksums: the format is what is checked
+            record = json.loads((ckpt / COMPLETE_FILE).read_text())
+            record.pop(DIGESTS_FIELD)
+            (ckpt / COMPLETE_FILE).write_text(json.dumps(record))
         yield case, ckpt
 
 
@@ -630,7 +639,7 @@ def _checkpoints(n: int, run: Path, tmp: Path) -> Tally:
         found = resolve_resume(str(ckpt), str(ckpt.parent), notes=[])
         check_resume(found, schedule, 1, None)
 
-    errors = (CorruptCheckpointError, PartialCheckpointError, ScheduleChangedError)
+    errors = (CorruptCheckpointError, PartialCheckpointError, ScheduleChangedError, UntrustedCheckpointError)
     for case, ckpt in checkpoint_inputs(rng, run, tmp, n):
         tally.judge(case, lambda ckpt=ckpt: resume(ckpt), errors)
     return tally

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from hf_cp.cli import main
+from hf_cp.train.checkpoint_trust import UntrustedCheckpointError
 from hf_cp.train.history import HistoryError, read_history
 from hf_cp.train.resume import (
     COMPLETE_FILE,
+    DIGESTS_FIELD,
     MARKED_FIELD,
     SCHEDULE_FILE,
     CorruptCheckpointError,
@@ -78,6 +80,13 @@ def _schedule(ckpt: Path) -> dict:
     return record
 
 
+def _drop_digests(ckpt: Path) -> None:
+    """The completion record as an hf_cp from before checksums wrote it."""
+    record = json.loads((ckpt / COMPLETE_FILE).read_text())
+    record.pop(DIGESTS_FIELD)
+    (ckpt / COMPLETE_FILE).write_text(json.dumps(record))
+
+
 def _cut(path: Path, keep: float = 0.5) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
@@ -126,13 +135,22 @@ def test_the_size_recorded_at_the_save_is_quoted_and_an_older_checkpoint_offered
     text = str(err.value)
     assert f"({size // 2} bytes; {size} when it was saved)" in text, text
     assert f"resume {older}, the complete checkpoint before it, or delete checkpoint-2" in text
-    # a file that reads fine but was rewritten since the save: a note, not an error
+    # a file that reads fine but was rewritten since the save: refused by its checksum
     (ckpt / "optimizer.pt").unlink()
     import torch
 
     torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
-    (note,) = check_checkpoint_files(ckpt)
-    assert f"checkpoint file {ckpt / 'optimizer.pt'} has" in note and "reads fine" in note
+    now = (ckpt / "optimizer.pt").stat().st_size
+    with pytest.raises(UntrustedCheckpointError) as err:
+        check_checkpoint_files(ckpt)
+    text = str(err.value)
+    assert f"checkpoint file {ckpt / 'optimizer.pt'} is not the file its save wrote" in text, text
+    assert f"({now} bytes, {size} when it was saved)" in text, text
+    # a record of an hf_cp from before checksums: the size difference is a note
+    _drop_digests(ckpt)
+    notes = check_checkpoint_files(ckpt)
+    assert any(f"checkpoint file {ckpt / 'optimizer.pt'} has" in n and "reads fine" in n for n in notes), notes
+    assert any("records no sha256 checksums" in n for n in notes), notes
 
 
 def test_a_flipped_byte_in_a_small_torch_archive_fails_its_checksum(run_copy):
@@ -160,10 +178,17 @@ def test_large_archives_have_only_their_pickle_checksummed(run_copy, monkeypatch
     data = bytearray(path.read_bytes())
     data[tensor.header_offset + 30 + len(tensor.filename) + 100] ^= 0x01  # inside the tensor's bytes
     path.write_bytes(bytes(data))
+    # the SHA-256 its save recorded sees the flipped byte whatever the budget
+    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 0)
+    with pytest.raises(UntrustedCheckpointError, match="rng_state.pth is not the file its save wrote"):
+        check_checkpoint_files(ckpt)
+    # a record without checksums (an older hf_cp): the CRC-32s, within the budget
+    _drop_digests(ckpt)
+    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 256 << 20)
     with pytest.raises(CorruptCheckpointError, match=r"rng_state/data/\d+ does not match its checksum"):
         check_checkpoint_files(ckpt)
     monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 0)
-    assert check_checkpoint_files(ckpt) == []
+    assert [n for n in check_checkpoint_files(ckpt) if "records no sha256" not in n] == []
 
 
 def test_trainer_state_fields_the_trainer_would_trip_over_are_named(run_copy):
@@ -184,7 +209,9 @@ def test_trainer_state_fields_the_trainer_would_trip_over_are_named(run_copy):
     with pytest.raises(CorruptCheckpointError, match="must hold a JSON object"):
         check_checkpoint_files(ckpt)
     path.write_text(json.dumps({"global_step": 2}))  # what older tools and the tests write: fine
-    assert check_checkpoint_files(ckpt) == [] and checkpoint_step(str(ckpt)) == 2
+    _drop_digests(ckpt)  # (a checkpoint saved by hf_cp would fail its checksum)
+    assert [n for n in check_checkpoint_files(ckpt) if "records no sha256" not in n] == []
+    assert checkpoint_step(str(ckpt)) == 2
 
 
 def test_a_resume_from_a_damaged_checkpoint_stops_before_training(run_copy):

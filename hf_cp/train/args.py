@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional, Union
+from typing import ClassVar, List, Optional, Union
 
 import torch
 from transformers import TrainingArguments
@@ -131,6 +131,14 @@ class CPTrainingArguments(TrainingArguments):
         metadata={
             "help": "resume a checkpoint even when the sample schedule (data, seed, tokens per step) differs from "
             "the one it was trained on; the interrupted epoch then skips and repeats samples"
+        },
+    )
+    cp_checkpoint_allowed_globals: List[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "globals (module.name) a resumed checkpoint's pickles may import beyond what the Trainer's, "
+            "DeepSpeed's and torch distributed checkpoint's states need; a checkpoint importing anything else is "
+            "refused before loading, since unpickling it would run code. Name only globals of checkpoints you trust"
         },
     )
     cp_stop_on_nonfinite_grad: bool = field(

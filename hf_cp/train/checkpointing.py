@@ -44,7 +44,8 @@ def resume_point(
     for note in notes:
         warn(note)
     if resume is not None:
-        for note in check_resume(resume, schedule, world, deepspeed_config, args.cp_allow_schedule_change):
+        allowed = args.cp_checkpoint_allowed_globals
+        for note in check_resume(resume, schedule, world, deepspeed_config, args.cp_allow_schedule_change, allowed):
             warn(note)
     if args.cp_record_history:
         hist = history_path(args.output_dir, rank)

@@ -158,7 +158,12 @@ def dry_run(
         )
         ds = getattr(args, "hf_deepspeed_config", None)
         notes = check_resume(
-            resume, now, world_size, ds.config if ds is not None else None, args.cp_allow_schedule_change
+            resume,
+            now,
+            world_size,
+            ds.config if ds is not None else None,
+            args.cp_allow_schedule_change,
+            args.cp_checkpoint_allowed_globals,
         )
         status = checkpoint_status(resume)
         setting = args.resume_from_checkpoint
@@ -166,7 +171,8 @@ def dry_run(
         lines.append(
             f"resume: a launch or restart resumes from {resume}"
             + (" (the newest complete checkpoint)" if partial and latest else "")
-            + ": its sample schedule and ZeRO world size fit this run"
+            + ": its files match their checksums, its pickles import no code, and its sample schedule and "
+            "ZeRO world size fit this run"
         )
         lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
     elif args.resume_from_checkpoint:

@@ -42,6 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from hf_cp.train.checkpoint_trust import (
+    DIGEST,
+    UntrustedCheckpointError,
+    digest_mismatches,
+    file_digests,
+    refuse_code_in_pickles,
+)
 from hf_cp.train.history import HistoryError, history_lines
 
 logger = logging.getLogger(__name__)
@@ -336,13 +343,16 @@ def check_resume(
     world_size: int,
     deepspeed_config: Optional[dict],
     allow_schedule_change: bool = False,
+    allowed_globals: Sequence[str] = (),
 ) -> List[str]:
     """Everything that decides whether `checkpoint` may be resumed by this run: its files (each
-    readable: check_checkpoint_files), its sample schedule and its ZeRO world size. Raises
-    CorruptCheckpointError / ScheduleChangedError / ReshardNeededError, the same on every rank
+    readable, as saved, and with no code in its pickles beyond `allowed_globals`:
+    check_checkpoint_files), its sample schedule and its ZeRO world size. Raises
+    CorruptCheckpointError / UntrustedCheckpointError / ScheduleChangedError /
+    ReshardNeededError, the same on every rank
     (each checks every file), before any collective; returns notes worth a warning. Used by
     CPTrainer.train and by the dry run alike."""
-    notes = check_checkpoint_files(checkpoint)
+    notes = check_checkpoint_files(checkpoint, allowed_globals)
     notes += check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
     if check_zero_world_size(checkpoint, world_size, deepspeed_config):
         notes.append(f"resuming {checkpoint} from its universal checkpoint on {world_size} ranks")
@@ -351,6 +361,7 @@ def check_resume(
 
 # ------------------------------------------------------------------ atomic checkpoints
 COMPLETE_FILE = "hf_cp_complete.json"
+DIGESTS_FIELD = DIGEST  # in COMPLETE_FILE: {file: its sha256 at the save}
 # in SCHEDULE_FILE (written first): this checkpoint is complete only with COMPLETE_FILE
 MARKED_FIELD = "completion_marker"
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
@@ -469,14 +480,18 @@ def _fsync(path: Path, directory: bool = False) -> None:
 def mark_complete(checkpoint: Union[str, Path], step: int, world_size: int) -> Path:
     """Mark `checkpoint` complete, once every rank has written its files. They are flushed to
     disk first (a write error that a filesystem reports late, a quota on NFS, surfaces here,
-    before the mark); then COMPLETE_FILE lists them with their sizes, written atomically."""
+    before the mark); then COMPLETE_FILE lists them with their sizes and SHA-256 digests,
+    written atomically."""
     p = Path(checkpoint)
     files = {}
     for f in sorted(p.rglob("*")):
         if f.is_file() and f.name != COMPLETE_FILE and not f.name.endswith(_TMP_SUFFIX):
             _fsync(f)
             files[f.relative_to(p).as_posix()] = f.stat().st_size
-    record = {"step": int(step), "world_size": int(world_size), "files": files}
+    # checksums, checked before a resume loads anything (checkpoint_trust.py); the files were
+    # just written, so they are read back from the page cache
+    digests = file_digests(p, list(files))
+    record = {"step": int(step), "world_size": int(world_size), "files": files, DIGESTS_FIELD: digests}
     tmp = p / (COMPLETE_FILE + _TMP_SUFFIX)
     with open(tmp, "w") as fh:
         fh.write(json.dumps(record, indent=1) + "\n")
@@ -864,18 +879,31 @@ def _bytes(path: Path) -> int:
         return 0
 
 
-def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
+def _completion_record(ckpt: Path) -> Tuple[dict, dict]:
+    """The sizes and digests COMPLETE_FILE recorded at the save ({} for what it lacks)."""
+    try:
+        record = json.loads((ckpt / COMPLETE_FILE).read_text())
+        sizes = dict(record["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}, {}
+    digests = record.get(DIGESTS_FIELD)
+    if not (isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())):
+        digests = {}
+    return sizes, digests
+
+
+def check_checkpoint_files(checkpoint: Union[str, Path], allowed_globals: Sequence[str] = ()) -> List[str]:
     """Raise CorruptCheckpointError naming the first file of `checkpoint` that a resume could not
     load: trainer_state.json (missing, not JSON, a field the Trainer cannot use), any other JSON
     file, a safetensors file (header, coverage), a torch.save archive (.pt, .pth, .bin: optimizer,
     scheduler, RNG state, DeepSpeed model states and ZeRO shards) or DeepSpeed's `latest` folder.
-    Returns notes: files that read fine but whose size differs from the one COMPLETE_FILE
-    recorded at the save (changed since)."""
+    Then UntrustedCheckpointError (checkpoint_trust.py) for a file whose SHA-256 differs from
+    the one COMPLETE_FILE recorded, or a pickle that would import anything beyond what the
+    Trainer's, DeepSpeed's and torch distributed checkpoint's states need (and
+    `allowed_globals`). Returns notes: a record without digests (an older hf_cp), and there
+    files whose size differs from the recorded one."""
     ckpt = Path(checkpoint)
-    try:
-        recorded = dict(json.loads((ckpt / COMPLETE_FILE).read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        recorded = {}
+    recorded, digests = _completion_record(ckpt)
     notes: List[str] = []
 
     def refuse(path: Path, problem: str, size: Optional[int] = None):
@@ -911,7 +939,8 @@ def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
             elif suffix == SAFETENSORS_SUFFIX:
                 problem = _safetensors_problem(f, size)
             else:
-                whole = size <= min(TORCH_CHECKSUM_BYTES, budget)
+                # the recorded SHA-256 reads every byte below: CRC-32s of the pickles suffice
+                whole = not digests and size <= min(TORCH_CHECKSUM_BYTES, budget)
                 budget -= size if whole else 0
                 problem = _torch_problem(f, size, whole)
         except OSError as e:
@@ -919,9 +948,27 @@ def check_checkpoint_files(checkpoint: Union[str, Path]) -> List[str]:
         if problem is not None:
             refuse(f, problem, size)
         saved = recorded.get(f.relative_to(ckpt).as_posix())
-        if isinstance(saved, int) and saved != size and suffix != ".json":
+        if not digests and isinstance(saved, int) and saved != size and suffix != ".json":
             notes.append(f"checkpoint file {f} has {size} bytes, {saved} when it was saved; it reads fine")
     found = _deepspeed_problem(ckpt)
     if found is not None:
         refuse(*found)
+    if digests:
+        changed = digest_mismatches(ckpt, digests, files)
+        if changed is not None:
+            f, now = changed
+            name = f.relative_to(ckpt).as_posix()
+            size, saved = _bytes(f), recorded.get(name)
+            sizes = f"{size} bytes" + (f", {saved} when it was saved" if isinstance(saved, int) else "")
+            raise UntrustedCheckpointError(
+                f"checkpoint file {f} is not the file its save wrote: its {DIGEST} is {now[:16]}..., "
+                f"{COMPLETE_FILE} recorded {digests[name][:16]}... ({sizes}). Nothing of {ckpt} was "
+                f"loaded: copy the checkpoint again, or resume an earlier one"
+            )
+    elif recorded:
+        notes.append(
+            f"{ckpt} records no {DIGEST} checksums (saved by an hf_cp before they were recorded): "
+            f"its files were checked for their format and for code in their pickles only"
+        )
+    refuse_code_in_pickles(ckpt, files, allowed_globals)
     return notes
