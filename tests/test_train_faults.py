@@ -4,6 +4,8 @@ a stalled rank fails the others fast with the step, wave and group. Plus the res
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +29,8 @@ from hf_cp.train.resume import (
     write_schedule,
 )
 
-from helpers.harness.job import run_distributed
+from helpers.harness.job import STALL_STARTED, free_port, run_distributed
+from helpers.harness.models import ROOT
 from helpers.world2_job import (
     FIXTURE_TIMEOUT,
     JOB_TIMEOUT,
@@ -229,6 +232,70 @@ def test_zero_world_size_check_names_the_conversion(tmp_path):
 
 
 # ------------------------------------------------------------------ a stalled rank
+def _stalled_run(tmp_path, tag: str, **kw) -> tuple:
+    """A world-2 job whose rank 1 sleeps 90 s at the first forward of step 2 (ddp_timeout 4 s):
+    its error text and the seconds from the stall's start to the job's end."""
+    spec = spec_for(
+        tmp_path,
+        "static",  # local documents: rank 0 waits in the gradient reduction, not in attention
+        steps=3,
+        tag=tag,
+        ddp_timeout=4,
+        fault=dict(kind="stall", rank=1, step=1, seconds=90),
+        **kw,
+    )
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    ended = time.time()
+    started = float((Path(spec["out"]) / STALL_STARTED).read_text())
+    return str(err.value), ended - started
+
+
+# DeepSpeed makes its data-parallel groups with torch's 30-minute default, not ddp_timeout: a
+# rank stalled while the others waited in the ZeRO-2 gradient reduction held them for the whole
+# stall (before: 90 s of stall, no error, rc 0). ~20 s on 2 cores.
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_a_stall_during_the_zero_gradient_reduction_fails_within_the_timeout(tmp_path):
+    text, waited = _stalled_run(tmp_path, "stall-reduce")
+    assert "CollectiveStallError: step 2, wave 0: the gradient reduction over all ranks" in text, text[-3000:]
+    assert waited < 4 + 10, f"the stall surfaced {waited:.1f} s after it began, ddp_timeout is 4 s"
+
+
+def test_groups_made_before_and_after_hf_cp_are_bounded_by_its_timeout():
+    """bound_every_group, in a process of its own (it sets torch's defaults for the process):
+    a group made before (as DeepSpeed's are when GRPO builds its CP groups at the first step)
+    and one made after (CPTrainer builds its groups before DeepSpeed) get the timeout."""
+    port = free_port()
+    code = (
+        "import torch, torch.distributed as dist; from datetime import timedelta;"
+        "from hf_cp.train.groups import bound_every_group;"
+        f"dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:{port}');"
+        "before = dist.new_group([0]); bound_every_group(timedelta(seconds=3)); after = dist.new_group([0]);"
+        "print([g._get_backend(torch.device('cpu')).options._timeout.total_seconds() for g in (before, after)])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[3.0, 3.0]", out.stdout
+
+
+# slow: a launch each (~20 s on 2 cores): the first step after a checkpoint, after an
+# evaluation, and the gradient reduction of FSDP2
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT)
+@pytest.mark.parametrize(
+    "tag, kw",
+    [
+        ("after-save", dict(save_steps=1)),
+        ("after-eval", dict(eval_steps=1, eval_lengths=[60, 9, 200])),
+        ("fsdp2", dict(engine="fsdp2")),
+    ],
+)
+def test_a_stall_after_a_save_an_evaluation_or_under_fsdp2_fails_within_the_timeout(tmp_path, tag, kw):
+    text, waited = _stalled_run(tmp_path, tag, **kw)
+    assert "CollectiveStallError: step 2" in text, text[-3000:]
+    assert waited < 4 + 10, f"the stall surfaced {waited:.1f} s after it began, ddp_timeout is 4 s"
+
+
 # slow: a torchrun launch of its own whose collective must time out (~30 s on 2 cores); the
 # fast suite checks the error's naming (test_collective_scope_names_step_wave_and_group)
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d  # torch's group defaults live there
 
 from hf_cp.plan.cluster import ClusterSpec
 
@@ -25,6 +26,27 @@ CONTROL_GROUP_DESC = "hf_cp control: plan agreement and metrics"
 
 def cp_group_desc(ranks) -> str:
     return f"hf_cp CP group {list(ranks)}"
+
+
+def bound_every_group(timeout: timedelta) -> int:
+    """Make `timeout` bound every collective of this process: the groups that exist (DeepSpeed's
+    clone of the world group and its data-parallel groups, when DeepSpeed was set up first)
+    and those made later without a timeout of their own. DeepSpeed makes its groups with
+    torch's default (30 min on gloo), not ddp_timeout: a rank stalled while the others waited
+    in the ZeRO gradient reduction held them 30 min instead of failing at ddp_timeout.
+    Returns how many existing groups were bounded."""
+    # groups made from now on without a timeout (torch reads these module defaults)
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout") and c10d.default_pg_nccl_timeout is not None:
+        c10d.default_pg_nccl_timeout = timeout
+    bounded = 0
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(timeout, group)
+            bounded += 1
+        except (ValueError, RuntimeError, AssertionError):  # not a member, or a backend without timeouts
+            continue
+    return bounded
 
 
 class CPGroups:
@@ -44,6 +66,8 @@ class CPGroups:
             raise RuntimeError(
                 f"CPGroups: torch.distributed has {dist.get_world_size()} ranks, the cluster spec {cluster.world_size}"
             )
+        if timeout is not None:
+            bound_every_group(timeout)
         # CPU-side agreement checks and metrics (plan digests, per-rank timings) go over gloo
         # whatever the default backend is: NCCL cannot carry CPU tensors
         # named groups: NCCL's watchdog and flight recorder print the description, so a timeout

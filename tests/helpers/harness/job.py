@@ -274,6 +274,9 @@ def _inject_mutation(trainer, kind: str) -> None:
         raise ValueError(f"mutation {kind!r}: expected one of {sorted(MUTATIONS)}")
 
 
+STALL_STARTED = "stall_started.txt"  # in the run's output folder: time.time() as a stall begins
+
+
 def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int = 0, seconds: float = 0) -> None:
     """At the first forward of step `step` (0-based) on process `rank`, in torchrun restart
     `attempt` only: `kill` SIGKILLs the process (a crashed node, an OOM-killed worker), `stall`
@@ -301,6 +304,8 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
                 os.kill(os.getpid(), signal.SIGTERM)
             if kind == "nan":  # the layer's input turns NaN: loss and gradients follow
                 return (inputs[0] * float("nan"),) + tuple(inputs[1:])
+            # when the stall began: a test bounds the time from here to the job's failure
+            (Path(trainer.args.output_dir) / STALL_STARTED).write_text(repr(time.time()))
             time.sleep(seconds)
 
     trainer.add_callback(_Arm())
