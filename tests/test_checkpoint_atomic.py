@@ -186,6 +186,9 @@ def test_full_disk_errors_name_the_folder_and_say_space_ran_out(tmp_path, monkey
     assert not failure.space
     text = str(save_failure_error(failure, ckpt, None, removed=False))
     assert "No space" not in text and "unexpected pos" in text and "no complete checkpoint yet" in text
+    # the C++ stream's error, what rank 0 of a ZeRO-2 save on a full disk raised
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=0))
+    assert storage_failure(RuntimeError("basic_ios::clear: iostream error"), ckpt).space
     assert storage_failure(PermissionError(errno.EACCES, "Permission denied"), ckpt).space is False
     assert storage_failure(RuntimeError("shape mismatch"), ckpt) is None  # not a write: re-raised as is
 
@@ -235,6 +238,25 @@ def test_a_full_disk_during_a_save_keeps_and_resumes_the_last_complete_checkpoin
     assert trainer._cp_resumed_from == 2
     assert [(c.name, c.complete) for c in scan_checkpoints(out)] == [("checkpoint-4", True)]  # limit 1
     _assert_every_sample_once(out)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_a_full_disk_on_rank_0_names_the_folder_on_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+    """World 2, ZeRO-2: every torch.save of rank 0 into checkpoint-4 fails with ENOSPC (~20 s).
+    Rank 0 says space ran out and removes the partial folder; rank 1, whose files went through,
+    names the folder and says another rank failed (before: rank 0 'basic_ios::clear: iostream
+    error', the partial checkpoint left on the full disk)."""
+    spec = spec_for(tmp_path, "static", steps=4, save_steps=2, tag="full", fault=dict(kind="full_disk", rank=0, step=3))
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    out = Path(spec["out"])
+    text = str(err.value)
+    folder, kept = out / "checkpoint-4", out / "checkpoint-2"
+    assert f"[rank0]: hf_cp.train.resume.CheckpointSaveError: saving checkpoint {folder} failed: No space left" in text
+    assert f"{kept}, the last complete checkpoint, is kept" in text and "The partial checkpoint-4 was removed" in text
+    assert f"[rank1]: hf_cp.train.resume.CheckpointSaveError: saving checkpoint {folder} failed on another rank" in text
+    assert [(c.name, c.complete) for c in scan_checkpoints(out)] == [("checkpoint-2", True)]
+    assert not folder.exists()
 
 
 def test_a_save_stopped_before_the_mark_leaves_a_partial_checkpoint_that_resume_skips(tmp_path, monkeypatch, caplog):

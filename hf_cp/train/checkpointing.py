@@ -9,12 +9,14 @@ import shutil
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from hf_cp.train.consistency import is_collective_failure
 from hf_cp.train.history import history_path
 from hf_cp.train.resume import (
     CheckpointSaveError,
     check_resume,
     checkpoint_step,
     last_complete,
+    peer_save_failure_error,
     resolve_resume,
     restart_problems,
     save_failure_error,
@@ -65,6 +67,10 @@ def save_failure(
     to re-raise `err` itself (with a note saying what a restart resumes from)."""
     kept = last_complete(run_dir, before=global_step)
     failure = storage_failure(err, folder)
+    if failure is None and is_collective_failure(err):
+        # this rank's write went through, another rank's did not (it stopped, or a full disk
+        # made it leave): this rank's wait for it inside the save failed
+        return peer_save_failure_error(err, folder, kept)
     if failure is None:
         if hasattr(err, "add_note"):  # Python 3.11+
             err.add_note(

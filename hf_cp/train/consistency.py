@@ -148,6 +148,15 @@ def assert_data_agrees(digest: str, name: str, group=None) -> None:
         )
 
 
+# what a collective that timed out or lost its peer says (gloo and NCCL alike)
+COLLECTIVE_FAILURE_TEXTS = ("timed out", "timeout", "connection", "gloo", "nccl", "closed")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether `e` is a collective that failed or stalled (a peer died, stopped or was slow)."""
+    return isinstance(e, RuntimeError) and any(k in str(e).lower() for k in COLLECTIVE_FAILURE_TEXTS)
+
+
 @contextlib.contextmanager
 def collective_scope(
     step: int, wave: int, group_ranks: Sequence[int], what: str = "micro-batch", phase: str = "step"
@@ -163,7 +172,7 @@ def collective_scope(
         if isinstance(e, (PlanDisagreementError, CollectiveStallError)):
             raise
         text = str(e)
-        if any(k in text.lower() for k in ("timed out", "timeout", "connection", "gloo", "nccl", "closed")):
+        if is_collective_failure(e):
             ranks = list(group_ranks)
             where = (
                 f"the gradient reduction over all ranks during the local {what} of rank {ranks[0]}"

@@ -371,9 +371,10 @@ _TMP_SUFFIX = ".tmp"
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 SPACE_TEXTS = ("No space left on device", "Disk quota exceeded")
 # torch's zip writer reports a short write without errno ("[enforce fail at inline_container.cc]
-# . unexpected pos 128 vs 0", "PytorchStreamWriter failed writing file ..."); on a filesystem
+# . unexpected pos 128 vs 0", "PytorchStreamWriter failed writing file ..."), or the C++ stream's
+# "basic_ios::clear: iostream error" (rank 0 of a ZeRO-2 save on a full disk); on a filesystem
 # with less than LOW_SPACE_BYTES left, space running out is taken for the cause
-TORCH_WRITE_TEXTS = ("unexpected pos", "failed writing file", "file write failed")
+TORCH_WRITE_TEXTS = ("unexpected pos", "failed writing file", "file write failed", "iostream error")
 LOW_SPACE_BYTES = 64 << 20
 
 
@@ -629,6 +630,25 @@ def save_failure_error(
     error = CheckpointSaveError(what + ". " + partial + after + advice)
     error.errno = errno.ENOSPC if failure.space else None
     return error
+
+
+def peer_save_failure_error(
+    err: BaseException, checkpoint: Union[str, Path], kept: Optional[str]
+) -> CheckpointSaveError:
+    """The error of a rank whose own files were written but whose wait for the other ranks inside
+    the save of `checkpoint` failed: another rank's save failed (its own error says why, a full
+    disk for example) or it stopped."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    resumes = (
+        f"{kept}, the last complete checkpoint, is kept: a restart (resume_from_checkpoint: latest) resumes from it"
+        if kept is not None
+        else "there is no complete checkpoint yet: a restart starts from step 0"
+    )
+    return CheckpointSaveError(
+        f"saving checkpoint {checkpoint} failed on another rank: this rank wrote its files, then its wait "
+        f"for the others failed ({type(err).__name__}: {first}); the failing rank's log says why (a full "
+        f"disk, a crash). {Path(checkpoint).name} is left without {COMPLETE_FILE}, which resume skips; {resumes}"
+    )
 
 
 # ------------------------------------------------------------------ readable checkpoint files

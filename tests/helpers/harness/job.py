@@ -282,12 +282,27 @@ def _inject_fault(trainer, model, kind: str, rank: int, step: int, attempt: int 
     `attempt` only: `kill` SIGKILLs the process (a crashed node, an OOM-killed worker), `stall`
     sleeps `seconds` (a hung rank) while the others wait in a collective, `sigterm` sends the
     process a SIGTERM (a preemption notice reaching one rank), `nan` makes that forward's
-    hidden states NaN (an overflow on one rank)."""
+    hidden states NaN (an overflow on one rank), `full_disk` fails every torch.save into the
+    checkpoint saved after that step with ENOSPC (a full disk seen by one rank)."""
     from transformers import TrainerCallback
 
-    if kind not in ("kill", "stall", "sigterm", "nan"):
-        raise ValueError(f"fault kind {kind!r}: expected kill, stall, sigterm or nan")
+    if kind not in ("kill", "stall", "sigterm", "nan", "full_disk"):
+        raise ValueError(f"fault kind {kind!r}: expected kill, stall, sigterm, nan or full_disk")
     if trainer.cp_rank != rank or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != attempt:
+        return
+    if kind == "full_disk":  # every torch.save into checkpoint-<step> (0-based step + 1) fails: ENOSPC
+        import errno
+
+        import torch
+
+        save, folder = torch.save, f"checkpoint-{step + 1}"
+
+        def full(obj, f, *args, **kwargs):
+            if folder in str(f):
+                raise OSError(errno.ENOSPC, "No space left on device", str(f))
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = full
         return
     armed = {"on": False}
 
