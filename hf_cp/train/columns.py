@@ -31,7 +31,7 @@ from hf_cp.samples.packed_input import (
     row_documents,
 )
 from hf_cp.samples.targets import sample_valid_targets
-from hf_cp.train.collator import valid_targets
+from hf_cp.train.collator import IGNORE_INDEX, valid_targets
 
 
 @dataclass
@@ -85,6 +85,26 @@ class TokenColumns:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+
+def model_vocab_size(model=None, model_config=None) -> Optional[int]:
+    """The number of token ids `model` (or `model_config`) embeds: its input embedding's rows
+    (a resized embedding included; nn.Embedding keeps num_embeddings under ZeRO-3's
+    partitioning), else the config's vocab_size (of its text config for a multimodal one)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    n = getattr(emb, "num_embeddings", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    config = model_config if model_config is not None else getattr(model, "config", None)
+    for c in (config, getattr(config, "text_config", None)):
+        v = getattr(c, "vocab_size", None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
 
 
 def eos_token_ids(tokenizer=None, model_config=None) -> Tuple[int, ...]:
@@ -230,6 +250,43 @@ def _integer_message(name: str, column: str, what: str, row: int, pos: int, valu
     )
 
 
+def token_range_problem(flat: np.ndarray, vocab_size: int, labels: bool) -> Optional[int]:
+    """Index in `flat` (integer tokens) of the first id outside the vocabulary [0, vocab_size)
+    (labels may also be IGNORE_INDEX), or None."""
+    if len(flat) == 0:
+        return None
+    bad = (flat < 0) | (flat >= vocab_size)
+    if labels:
+        bad &= flat != IGNORE_INDEX
+    found = np.flatnonzero(bad)
+    return int(found[0]) if len(found) else None
+
+
+def token_range_message(where: str, column: str, pos: int, value: int, vocab_size: int) -> str:
+    """`where`: the row or sample ("train_dataset row 3")."""
+    allowed = f"0..{vocab_size - 1}" + (f" or {IGNORE_INDEX} for no loss" if column == "labels" else "")
+    return (
+        f"CPTrainer: {where}, column {column!r}: token id {value} at position {pos} is outside the model's "
+        f"vocabulary ({allowed}; vocab_size {vocab_size}); the embedding lookup would fail with 'index out of "
+        f"range'. Tokenise with the model's own tokenizer, or fix the model's vocab_size"
+    )
+
+
+def check_token_range(ds, column: str, rows: Sequence, name: str, vocab_size: Optional[int]) -> None:
+    """Every id of `column` is in the model's vocabulary (labels: or IGNORE_INDEX); a ValueError
+    names the row, the position and the id. Vectorised over batches; None checks nothing."""
+    if not vocab_size:
+        return
+    for start, offsets, flat in _token_batches(ds, column, rows, name):
+        index = token_range_problem(np.asarray(flat, dtype=np.int64), vocab_size, column == "labels")
+        if index is not None:
+            row = int(np.searchsorted(offsets, index, side="right") - 1)
+            pos = index - int(offsets[row])
+            raise ValueError(
+                token_range_message(f"{name} row {start + row}", column, pos, int(flat[index]), vocab_size)
+            )
+
+
 def check_interior_eos(
     ds, rows: Sequence, eos_ids: Sequence[int], name: str, masked: Sequence[int] = ()
 ) -> Optional[str]:
@@ -253,12 +310,15 @@ def check_interior_eos(
     return interior_eos_warning(name, found[keep], counts[keep], len(rows), eos_ids)
 
 
-def read_token_columns(ds, name: str = "train_dataset", eos_token_ids: Sequence[int] | int = ()) -> TokenColumns:
+def read_token_columns(
+    ds, name: str = "train_dataset", eos_token_ids: Sequence[int] | int = (), vocab_size: Optional[int] = None
+) -> TokenColumns:
     """`ds` needs input_ids per row; optional labels (-100 = no loss), length, attn_mask, and
     document boundaries of pre-packed rows (packed_input.py). Errors name `name` and the
     sample (or the row). `eos_token_ids` (eos_token_ids(): the tokenizer's or the model
     config's): rows holding one before their last token, without boundaries, are warned about
-    (TokenColumns.warnings); () checks nothing."""
+    (TokenColumns.warnings); () checks nothing. `vocab_size` (model_vocab_size()): every id
+    must be below it (check_token_range)."""
     cols = getattr(ds, "column_names", None)
     if cols is not None and "input_ids" not in cols:
         raise ValueError(f"CPTrainer: {name} has no 'input_ids' column (columns: {cols}); tokenise it first")
@@ -269,8 +329,10 @@ def read_token_columns(ds, name: str = "train_dataset", eos_token_ids: Sequence[
     ids_col = ds["input_ids"]
     labels_col: Sequence[Optional[Sequence[int]]] = ds["labels"] if has_labels else [None] * n
     check_integer_column(ds, "input_ids", ids_col, name)
+    check_token_range(ds, "input_ids", ids_col, name, vocab_size)
     if has_labels:
         check_integer_column(ds, "labels", labels_col, name)
+        check_token_range(ds, "labels", labels_col, name, vocab_size)
     row_lengths = []
     for i in range(n):
         x, y = ids_col[i], labels_col[i]

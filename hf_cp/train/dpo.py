@@ -63,6 +63,7 @@ from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.collator import IGNORE_INDEX, RankStep
+from hf_cp.train.columns import model_vocab_size
 from hf_cp.train.dpo_loss import DPOSettings, dpo_loss, pair_slots
 from hf_cp.train.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.loss import chunkable_head
@@ -321,7 +322,9 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             )
         self._cp_setup()
         t0 = time.perf_counter()
-        data, plans = evaluation_data(ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings())
+        data, plans = evaluation_data(
+            ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings(), model_vocab_size(self.model)
+        )
         model = self.model
         if next(model.parameters()).device != self.args.device:
             model = model.to(self.args.device)

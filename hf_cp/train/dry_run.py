@@ -22,7 +22,7 @@ from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
 from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_setup
 from hf_cp.planning.worker import Planner
-from hf_cp.train.columns import eos_token_ids, read_token_columns
+from hf_cp.train.columns import eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from hf_cp.train.model_checks import check_model_config_supported, check_recurrent_layers_fit
 from hf_cp.train.resume import (
@@ -58,7 +58,8 @@ def dry_run(
     meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
-    data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config))
+    vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup
+    data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config), vocab)
     check_recurrent_layers_fit(meta_model, f"{src}: the model", bool(data.masks), settings.balancer)
     setup = planning_setup(
         settings,
@@ -134,7 +135,7 @@ def dry_run(
     )
     lines += engine_memory_lines(memory, world_size, cluster.max_tokens_per_rank, half_precision, device_memory)
     if evaluation is not None:
-        eval_data = read_token_columns(evaluation, "eval_dataset")
+        eval_data = read_token_columns(evaluation, "eval_dataset", vocab_size=vocab)
         plans = plan_evaluation(
             eval_data.lengths,
             eval_data.valid_counts,

@@ -30,11 +30,18 @@ def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns,
 
 
 def evaluation_data(
-    ds, name: str, tokens_per_step: int, balancer, cluster: ClusterSpec, cost: CostModel, seed: int
+    ds,
+    name: str,
+    tokens_per_step: int,
+    balancer,
+    cluster: ClusterSpec,
+    cost: CostModel,
+    seed: int,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[TokenColumns, List[Tuple[StepPlan, int]]]:
-    """An eval dataset's token columns and its planned batches (evaluation_plans); `name` names
-    it in errors."""
-    data = read_token_columns(ds, name)
+    """An eval dataset's token columns (ids checked against `vocab_size`) and its planned batches
+    (evaluation_plans); `name` names it in errors."""
+    data = read_token_columns(ds, name, vocab_size=vocab_size)
     return data, evaluation_plans(data, name, tokens_per_step, balancer, cluster, cost, seed)
 
 

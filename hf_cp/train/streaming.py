@@ -56,7 +56,13 @@ from hf_cp.samples.masks import MaskError, SampleMask
 from hf_cp.samples.packed_input import PackedInputError, boundary_columns, row_documents
 from hf_cp.samples.targets import sample_valid_targets
 from hf_cp.train.collator import valid_targets
-from hf_cp.train.columns import INTEGER_FIX, _first_non_integer, read_token_columns
+from hf_cp.train.columns import (
+    INTEGER_FIX,
+    _first_non_integer,
+    read_token_columns,
+    token_range_message,
+    token_range_problem,
+)
 from hf_cp.train.resume import SCHEDULE_FILE, ScheduleChangedError, checkpoint_step
 
 logger = logging.getLogger(__name__)
@@ -104,8 +110,8 @@ class StreamColumns:
     warnings), over the samples the sampler holds. `make_sampler` builds the run's sampler
     (planning_setup calls it); `start` positions the stream for train()."""
 
-    def __init__(self, dataset, name: str = "train_dataset"):
-        self.dataset, self.name = dataset, name
+    def __init__(self, dataset, name: str = "train_dataset", vocab_size: Optional[int] = None):
+        self.dataset, self.name, self.vocab_size = dataset, name, vocab_size
         self.warnings: List[str] = []
         self.sampler: Optional[StreamBatchSampler] = None
         self.valid_counts = _HeldCounts(self)
@@ -140,7 +146,7 @@ class StreamColumns:
 
     def _samples(self, rows: Iterator, first: int) -> Iterator[StreamSample]:
         for sid, row in enumerate(rows, first):
-            yield stream_sample(row, sid, self.name)
+            yield stream_sample(row, sid, self.name, self.vocab_size)
 
     def start(self, checkpoint: Optional[str], allow_change: bool = False) -> Tuple[List[str], bool]:
         """Position the stream for train(): at its start, or (`checkpoint`) where the
@@ -256,16 +262,26 @@ def _row_length(row, sid: int, name: str) -> int:
         ) from None
 
 
-def stream_sample(row: Mapping[str, Any], sid: int, name: str = "train_dataset") -> StreamSample:
+def _in_vocabulary(values: np.ndarray, what: str, column: str, vocab_size: Optional[int]) -> None:
+    index = token_range_problem(values, vocab_size, column == "labels") if vocab_size else None
+    if index is not None:
+        raise ValueError(token_range_message(what, column, index, int(values[index]), vocab_size))
+
+
+def stream_sample(
+    row: Mapping[str, Any], sid: int, name: str = "train_dataset", vocab_size: Optional[int] = None
+) -> StreamSample:
     """One row of a stream as a sample: (length, mask, payload (input_ids, labels or None, valid
     targets)), every check of read_token_columns made on it and named by its stream index."""
     value, what = _row_input_ids(row, sid, name)
     ids = _integers(value, what, "input_ids")
+    _in_vocabulary(ids, what, "input_ids", vocab_size)
     if len(ids) == 0:
         raise ValueError(f"CPTrainer: {what} has no tokens (empty input_ids)")
     labels = row.get("labels")
     if labels is not None:
         labels = _integers(labels, what, "labels")
+        _in_vocabulary(labels, what, "labels", vocab_size)
         if len(labels) != len(ids):
             raise ValueError(f"CPTrainer: {what} has {len(ids)} input_ids but {len(labels)} labels")
     given = row.get("length")
@@ -346,12 +362,12 @@ class StreamEndCallback(TrainerCallback):
         return control
 
 
-def read_training_data(dataset, name: str, eos_token_ids=()):
+def read_training_data(dataset, name: str, eos_token_ids=(), vocab_size: Optional[int] = None):
     """The trainer's training data: TokenColumns (columns.read_token_columns), or StreamColumns
-    for a streaming dataset (read as training goes)."""
+    for a streaming dataset (read as training goes); ids are checked against `vocab_size`."""
     if is_streaming(dataset):
-        return StreamColumns(dataset, name)
-    return read_token_columns(dataset, name, eos_token_ids)
+        return StreamColumns(dataset, name, vocab_size)
+    return read_token_columns(dataset, name, eos_token_ids, vocab_size)
 
 
 def attach_stream(trainer, balancer=None) -> Optional[StreamColumns]:

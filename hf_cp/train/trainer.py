@@ -38,7 +38,7 @@ from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
 from hf_cp.train.checkpointing import resume_point, save_failure
 from hf_cp.train.collator import PlanCollator, RankStep
-from hf_cp.train.columns import eos_token_ids
+from hf_cp.train.columns import eos_token_ids, model_vocab_size
 from hf_cp.train.consistency import assert_data_agrees
 from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
@@ -171,7 +171,10 @@ class CPTrainer(Trainer):
         )
         self._cp_history_start = 0  # index in cp_history of the first step of the current train() call
         eos = eos_token_ids(self.processing_class, getattr(self.model, "config", None))
-        self.cp_data = read_training_data(self.train_dataset, "train_dataset", eos)  # a stream: read as it trains
+        vocab = model_vocab_size(self.model)  # ids outside it fail the embedding with "index out of range"
+        self.cp_data = read_training_data(
+            self.train_dataset, "train_dataset", eos, vocab
+        )  # a stream: read as it trains
         for warning in self.cp_data.warnings:  # rows that look packed but carry no boundaries
             self._cp_warn(warning)
         # the run's PlanningSettings, built once: cp_setup.settings from here on
@@ -406,7 +409,9 @@ class CPTrainer(Trainer):
         self._cp_setup()
         cached = self._cp_eval_data.get(id(ds))
         if cached is None or cached[0] is not ds:
-            data, plans = evaluation_data(ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings())
+            data, plans = evaluation_data(
+                ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings(), model_vocab_size(self.model)
+            )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
         _, data, plans = cached
