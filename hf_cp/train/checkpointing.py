@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from hf_cp.train.checkpoint_fit import check_checkpoint_fits
 from hf_cp.train.consistency import is_collective_failure
 from hf_cp.train.history import history_path
 from hf_cp.train.resume import (
@@ -33,11 +34,13 @@ def resume_point(
     world: int,
     deepspeed_config: Optional[dict],
     warn: Callable[[str], None],
+    engine: Optional[str] = None,
+    model_config=None,
 ) -> Optional[str]:
     """The checkpoint `train(resume_from_checkpoint)` resumes from, or None; `warn` gets each
     warning as it is found (a restart that would lose work, partial checkpoints skipped, notes
     on the checkpoint resumed). Every rank checks the same things before any collective, so all
-    raise or none (a changed schedule, a damaged file). The rank's history file starts afresh,
+    raise or none (a changed schedule, a damaged file, another engine's or model's checkpoint). The rank's history file starts afresh,
     or is cut back to the checkpoint's steps."""
     for problem in restart_problems(args.save_strategy, resume_from_checkpoint):
         warn(problem)
@@ -47,6 +50,8 @@ def resume_point(
         warn(note)
     if resume is not None:
         allowed = args.cp_checkpoint_allowed_globals
+        if engine is not None:  # `engine` (checkpoint_fit.run_engine) loads only its own layout
+            check_checkpoint_fits(resume, engine, model_config)
         for note in check_resume(resume, schedule, world, deepspeed_config, args.cp_allow_schedule_change, allowed):
             warn(note)
     if args.cp_record_history:

@@ -22,8 +22,10 @@ from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
 from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_setup
 from hf_cp.planning.worker import Planner
+from hf_cp.train.checkpoint_fit import check_checkpoint_fits, run_engine
 from hf_cp.train.columns import eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+from hf_cp.train.launch_checks import check_launch_settings
 from hf_cp.train.model_checks import check_model_config_supported, check_recurrent_layers_fit
 from hf_cp.train.resume import (
     LATEST,
@@ -36,6 +38,7 @@ from hf_cp.train.resume import (
     schedule_record,
 )
 from hf_cp.train.setup_checks import check_attention
+from hf_cp.train.sharding import check_sharding, sharding_of
 
 
 def dry_run(
@@ -46,10 +49,14 @@ def dry_run(
     src = cfg["_source"]
     tcfg = dict(cfg.get("training") or {})
     device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
-    half_precision = bool(tcfg.get("bf16") or tcfg.get("fp16"))  # what the run's model states will be
+    precision = {"bf16": bool(tcfg.get("bf16")), "fp16": bool(tcfg.get("fp16"))}  # the launch's
+    half_precision = any(precision.values())  # what the run's model states will be
     # precision and device do not change plans; a login node has no GPU to validate bf16 with
     tcfg.update(bf16=False, fp16=False, use_cpu=True)
     args = training_arguments(tcfg, src)
+    # what CPTrainer checks when it is built: engines, the DeepSpeed JSON, timeout, output_dir, report_to
+    check_sharding(args)
+    launch_warnings = check_launch_settings(args, world_size, src, precision)
     settings = args.planning_settings()
     if settings.model_states is not None:  # the run's precision, not the login node's
         settings.model_states["half_precision"] = half_precision
@@ -106,6 +113,7 @@ def dry_run(
     if warning:
         lines.append(f"warning: {warning}")
     lines += [f"warning: {w}" for w in data.warnings]  # rows that look packed but carry no boundaries
+    lines += [f"warning: {w}" for w in launch_warnings]
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step "
@@ -158,6 +166,7 @@ def dry_run(
             sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size, data.digest()
         )
         ds = getattr(args, "hf_deepspeed_config", None)
+        check_checkpoint_fits(resume, run_engine(sharding_of(args), ds.config if ds is not None else None), hf_config)
         notes = check_resume(
             resume,
             now,
@@ -172,8 +181,8 @@ def dry_run(
         lines.append(
             f"resume: a launch or restart resumes from {resume}"
             + (" (the newest complete checkpoint)" if partial and latest else "")
-            + ": its files match their checksums, its pickles import no code, and its sample schedule and "
-            "ZeRO world size fit this run"
+            + ": its files match their checksums, its pickles import no code, and its engine, model, sample "
+            "schedule and ZeRO world size fit this run"
         )
         lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
     elif args.resume_from_checkpoint:

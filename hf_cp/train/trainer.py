@@ -36,6 +36,7 @@ from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import Planner
 from hf_cp.train.agreement import PlanAgreement
 from hf_cp.train.args import CPTrainingArguments
+from hf_cp.train.checkpoint_fit import run_engine
 from hf_cp.train.checkpointing import resume_point, save_failure
 from hf_cp.train.collator import PlanCollator, RankStep
 from hf_cp.train.columns import eos_token_ids, model_vocab_size
@@ -44,6 +45,7 @@ from hf_cp.train.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.gc_schedule import ScheduledGarbageCollection
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.history import StepRecord, append_record
+from hf_cp.train.launch_checks import check_launch_settings
 from hf_cp.train.layer_compile import compile_decoder_layers
 from hf_cp.train.loss import LIGER_LOSS_LINE
 from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
@@ -144,6 +146,8 @@ class CPTrainer(Trainer):
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
         check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (sharding.py)
+        # the DeepSpeed JSON, ddp_timeout, output_dir, report_to: before the model is wrapped
+        launch_warnings = check_launch_settings(args, int(args.world_size), type(self).__name__)
         # "fsdp2", "zero3" or None: sharded parameters make every pass a world-wide collective
         self.cp_sharding = sharding_of(args)
         check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (streaming.py)
@@ -157,6 +161,8 @@ class CPTrainer(Trainer):
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
         self._cp_warn(use_attention_kernel(args.cp_attention_kernel, args.device))  # the kernel in use, said once
         self._cp_warn(compiled)
+        for warning in launch_warnings:  # DeepSpeed keys it never reads, an unused NVMe path
+            self._cp_warn(warning)
         self._cp_warn(LIGER_LOSS_LINE if args.use_liger_kernel else None)
         self.cp_throughput = StepThroughput.for_model(self.model.config, args.device)  # cp/tflops, cp/mfu
         # A trainer this class is mixed into may prepare the data first (TRL's SFTTrainer tokenises
@@ -553,6 +559,8 @@ class CPTrainer(Trainer):
             self.cp_world,
             ds.config if ds is not None else None,
             self._cp_warn,
+            engine=run_engine(self.cp_sharding, ds.config if ds is not None else None),
+            model_config=getattr(self.model, "config", None),
         )
         self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
         if self.cp_stream is not None:  # from the stream's start, or where the checkpoint's next step starts
