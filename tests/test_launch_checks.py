@@ -5,6 +5,9 @@ these passed the dry run and failed the launch with a traceback on every rank.""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,28 @@ def test_the_dry_run_refuses_a_plain_checkpoint_under_deepspeed(tmp_path):
     train_with_checkpoints(out, steps=2)
     with pytest.raises(SetupError, match="saved under no parameter sharding .* trains under DeepSpeed ZeRO-1/2"):
         _dry(tmp_path, "training.resume_from_checkpoint=latest")
+
+
+# ------------------------------------------------------------------ one message, from one rank
+def _hf_cp_train(tmp_path, *extra):
+    cmd = [sys.executable, "-m", "hf_cp", "train", TINY, "--nproc", "2", *extra]
+    cmd += ["--set", f"training.output_dir={tmp_path / 'out'}", "--set", "training.report_to=wandbb"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+
+
+def test_a_launch_refusal_is_one_message_before_any_process_starts(tmp_path):
+    proc = _hf_cp_train(tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("hf-cp train: error: ") == 1 and "report_to 'wandbb'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "torch.distributed" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_without_the_checks_rank_0_says_it_once_and_no_rank_prints_a_traceback(tmp_path):
+    proc = _hf_cp_train(tmp_path, "--skip-checks")  # torchrun starts both ranks (~10 s)
+    assert proc.returncode != 0
+    assert proc.stderr.count("hf-cp train: error: ") == 1, proc.stderr[-3000:]
+    assert "CPTrainer: report_to 'wandbb'" in proc.stderr
+    # the only traceback is torchrun's own summary (its launcher process), none from a rank
+    assert "hf_cp/train/" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("exitcode  : 2") == 2

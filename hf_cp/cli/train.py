@@ -57,6 +57,12 @@ def add_parser(sub) -> None:
         help="with --dry-run: the number of ranks to plan for (default: --nproc, else 1)",
     )
     p.add_argument("--dry-run-steps", type=int, default=20, metavar="K", help="with --dry-run: steps to plan")
+    p.add_argument(
+        "--skip-checks",
+        action="store_true",
+        help="with --nproc: start the processes without first running the dry run's checks for N ranks "
+        "(one planned step; a refusal is then said by rank 0 of the launch instead)",
+    )
     p.set_defaults(func=run)
 
 
@@ -85,6 +91,10 @@ def run(args) -> int:
         )
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
+        if not args.skip_checks:  # a refusal here is one message, before any process or torchrun output
+            from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
+
+            dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher_args = []
@@ -107,9 +117,9 @@ def run(args) -> int:
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
         return _run_forwarding_sigterm(cmd, env)
-    from hf_cp.train.launch import run as train_run  # torch, transformers, deepspeed
+    from hf_cp.train.launch import run_refusing_once  # torch, transformers, deepspeed
 
-    return train_run(args.config, args.overrides)
+    return run_refusing_once(args.config, args.overrides)
 
 
 def _run_forwarding_sigterm(cmd, env) -> int:

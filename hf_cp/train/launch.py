@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import List, Optional
@@ -24,6 +25,7 @@ from hf_cp.train.config import (
     load_run_tokenizer,
     training_arguments,
 )
+from hf_cp.train.launch_checks import check_ddp_timeout
 
 
 def shutdown_distributed() -> None:
@@ -54,13 +56,16 @@ def start_cpu_processes(deepspeed: bool, ddp_timeout_s: float) -> None:
         PartialState(backend="gloo", timeout=timedelta(seconds=int(ddp_timeout_s)))
 
 
-def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
+def run(config_path: str, overrides: Optional[List[str]] = None, started: Optional[dict] = None) -> int:
+    """`started["trainer"]`: the trainer once built (main tells set-up refusals from failures in training)."""
     from hf_cp.train.trainer import CPTrainer  # torch, transformers, deepspeed
 
     cfg = load_config(config_path, overrides)
     src = cfg["_source"]
     tcfg = cfg.get("training") or {}
-    start_cpu_processes(bool(tcfg.get("deepspeed")), tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S))
+    timeout = tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S)
+    check_ddp_timeout(timeout, src)  # before the process group is made with it
+    start_cpu_processes(bool(tcfg.get("deepspeed")), timeout)
     t0 = time.perf_counter()
     args = training_arguments(tcfg, src)  # first: the cheap checks before the model loads
     tokenizer = load_run_tokenizer(cfg.get("model") or {}, src)
@@ -69,6 +74,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None) -> int:
     trainer = CPTrainer(
         model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer
     )
+    if started is not None:
+        started["trainer"] = trainer
     # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
@@ -126,7 +133,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     config_module.add_config_arguments(p)
     a = p.parse_args(argv)
-    return run(a.config, a.overrides)
+    return run_refusing_once(a.config, a.overrides)
+
+
+def run_refusing_once(config_path: str, overrides: Optional[List[str]] = None) -> int:
+    """run(), with a refusal made before the first step said once (refuse_once)."""
+    started: dict = {"trainer": None}
+    try:
+        return run(config_path, overrides, started)
+    except SETUP_REFUSALS as err:
+        trainer = started["trainer"]
+        if trainer is not None and getattr(trainer, "cp_history", None):
+            raise  # a step ran: a failure in training, each rank's own (a save, a stall)
+        return refuse_once(err)
+
+
+# what hf_cp's set-up checks raise (SetupError, TrainConfigError, CorruptCheckpointError,
+# ScheduleChangedError, UntrustedCheckpointError are ValueErrors; an unknown balancer a KeyError)
+SETUP_REFUSALS = (ValueError, KeyError, TypeError, FileNotFoundError)
+TRACEBACK_ENV = "HF_CP_TRACEBACK"  # set to 1: a refusal prints its traceback too
+
+
+def refuse_once(err: BaseException) -> int:
+    """A refusal before the first step: every rank checks the same config, data and files and
+    raises the same error, so rank 0 says it once, without a traceback (before: a traceback per
+    rank); every rank exits with status 2."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        text = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"hf-cp train: error: {text}", file=sys.stderr)
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exception(err)
+        else:
+            print(f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
