@@ -126,11 +126,10 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     print(f"main job wall time {wall:.0f} s")
 
 
-# slow (~18 s, a launcher job of its own): the launcher's failure summary
+# slow (~18 s, a launcher job of its own): a refusal at a rank's set-up, said once by rank 0
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
-    # torchrun's failure summary shows the root-cause rank's exception, not a pointer to docs
+def test_a_rank_refusal_at_set_up_is_said_once(tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     cmd = [
         sys.executable,
@@ -140,6 +139,7 @@ def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
         "configs/tiny-cpu.yaml",
         "--nproc",
         "2",
+        "--skip-checks",  # past the launcher's own checks: the ranks meet the refusal
         "--set",
         f"training.output_dir={tmp_path / 'out'}",
         "--set",
@@ -154,8 +154,23 @@ def test_a_failing_rank_names_its_error_in_the_launcher_summary(tmp_path):
         env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1"),
     )
     assert proc.returncode != 0
-    root_cause = (proc.stdout + proc.stderr).split("Root Cause")[-1]
-    assert f"resume_from_checkpoint '{missing}' is not a checkpoint folder" in root_cause, root_cause[-3000:]
+    said = f"resume_from_checkpoint '{missing}' is not a checkpoint folder"
+    assert proc.stderr.count(said) == 1 and proc.stderr.count("hf-cp train: error: ") == 1, proc.stderr[-3000:]
+    assert "hf_cp/train/" not in proc.stderr  # no rank's traceback
+
+
+def test_one_process_with_deepspeed_needs_no_launcher_and_no_mpi(tmp_path):
+    """`hf-cp train CONFIG` in one process with the main job's DeepSpeed config (before:
+    ModuleNotFoundError: mpi4py, DeepSpeed's MPI discovery); 2 steps, ~20 s."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "hf_cp", "train", "configs/tiny-cpu.yaml"]
+    for o in ("max_steps=2", f"output_dir={tmp_path / 'out'}", "save_strategy=no", "cp_save_final_model=false"):
+        cmd += ["--set", f"training.{o}"]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(env, PYTHONWARNINGS="ignore")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hf_cp training summary: tiny-cpu.yaml, 1 process(es)" in proc.stdout
 
 
 def _custom_code_model(folder: Path) -> None:

@@ -38,6 +38,22 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def single_process_env(environ) -> bool:
+    """A run started without a launcher (`hf-cp train CONFIG`, python -m hf_cp.train): the
+    environment of a world of one. DeepSpeed otherwise looks for MPI to discover its world
+    (ModuleNotFoundError: mpi4py). True when it was set."""
+    if any(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return False
+    import socket
+
+    with socket.socket() as sock:  # a free port for the one-process group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    environ.setdefault("MASTER_PORT", str(port))
+    return True
+
+
 def start_cpu_processes(deepspeed: bool, ddp_timeout_s: float) -> None:
     """On a machine without CUDA: gloo for every collective (DeepSpeed's CPU default is not
     available here), set before the Trainer's Accelerator exists, the world group with the run's
@@ -65,6 +81,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
     tcfg = cfg.get("training") or {}
     timeout = tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S)
     check_ddp_timeout(timeout, src)  # before the process group is made with it
+    if tcfg.get("deepspeed"):
+        single_process_env(os.environ)  # no launcher: a world of one, not MPI discovery
     start_cpu_processes(bool(tcfg.get("deepspeed")), timeout)
     t0 = time.perf_counter()
     args = training_arguments(tcfg, src)  # first: the cheap checks before the model loads
