@@ -87,3 +87,13 @@ def test_the_dry_run_refuses_it_naming_the_row(tmp_path):
     out = [f"training.output_dir={tmp_path}", "data.bundled=null", f"data.path={data}", "data.eval_split=null"]
     with pytest.raises(ValueError, match=r"train_dataset row 1, column 'labels': token id 4096 at position 5"):
         dry_run(TINY, out, world_size=2, steps=1)
+
+
+def test_data_in_which_no_token_carries_loss_is_refused():
+    rows = synthetic_rows([40, 30, 50])
+    for r in rows:
+        r["labels"] = [-100] * len(r["input_ids"])
+    with pytest.raises(ValueError, match=r"no token of train_dataset carries loss: every label is -100 .* all 3"):
+        read_token_columns(Dataset.from_list(rows), "train_dataset", vocab_size=VOCAB)
+    rows[1]["labels"][-1] = 7  # one target is enough
+    assert read_token_columns(Dataset.from_list(rows), vocab_size=VOCAB).valid_counts.sum() == 1

@@ -310,15 +310,31 @@ def check_interior_eos(
     return interior_eos_warning(name, found[keep], counts[keep], len(rows), eos_ids)
 
 
+def check_some_loss(valid_counts: Sequence[int], name: str) -> None:
+    """Refuse data in which no token carries loss: every label -100 (or masked) trains at loss 0,
+    silently, and an evaluation of it would report nothing."""
+    if len(valid_counts) and int(np.sum(valid_counts)) == 0:
+        raise ValueError(
+            f"CPTrainer: no token of {name} carries loss: every label is {IGNORE_INDEX} (or masked) in all "
+            f"{len(valid_counts)} samples, so training would run at loss 0 and learn nothing. Check the prompt "
+            f"masking of the preprocessing (hf-cp preprocess masks the prompt, not the answer)"
+        )
+
+
 def read_token_columns(
-    ds, name: str = "train_dataset", eos_token_ids: Sequence[int] | int = (), vocab_size: Optional[int] = None
+    ds,
+    name: str = "train_dataset",
+    eos_token_ids: Sequence[int] | int = (),
+    vocab_size: Optional[int] = None,
+    training: bool = True,
 ) -> TokenColumns:
     """`ds` needs input_ids per row; optional labels (-100 = no loss), length, attn_mask, and
     document boundaries of pre-packed rows (packed_input.py). Errors name `name` and the
     sample (or the row). `eos_token_ids` (eos_token_ids(): the tokenizer's or the model
     config's): rows holding one before their last token, without boundaries, are warned about
     (TokenColumns.warnings); () checks nothing. `vocab_size` (model_vocab_size()): every id
-    must be below it (check_token_range)."""
+    must be below it (check_token_range). `training`: some token must carry loss (check_some_loss;
+    evaluation data has its own check, per batch)."""
     cols = getattr(ds, "column_names", None)
     if cols is not None and "input_ids" not in cols:
         raise ValueError(f"CPTrainer: {name} has no 'input_ids' column (columns: {cols}); tokenise it first")
@@ -356,7 +372,7 @@ def read_token_columns(
                 f"CPTrainer: {name} has pre-packed rows (column {packed[0]!r}) and an {MASK_COLUMN!r} column; "
                 f"a mask belongs to one sample, not to a packed row: give masked samples unpacked, one per row"
             )
-        return _unpacked(ds, name, ids_col, labels_col, row_lengths, packed)
+        return _unpacked(ds, name, ids_col, labels_col, row_lengths, packed, training)
     eos = (eos_token_ids,) if isinstance(eos_token_ids, (int, np.integer)) else tuple(eos_token_ids)
     try:
         masks = decode_mask_column(mask_values, row_lengths, name) if mask_values is not None else {}
@@ -369,6 +385,8 @@ def read_token_columns(
         else valid_targets(ids_col[i], labels_col[i])
         for i in range(n)
     ]
+    if training:
+        check_some_loss(valid, name)
     return TokenColumns(
         row_lengths,
         np.asarray(valid, dtype=np.int64),
@@ -379,7 +397,9 @@ def read_token_columns(
     )
 
 
-def _unpacked(ds, name: str, ids_col, labels_col, row_lengths: List[int], packed: List[str]) -> TokenColumns:
+def _unpacked(
+    ds, name: str, ids_col, labels_col, row_lengths: List[int], packed: List[str], training: bool
+) -> TokenColumns:
     """Pre-packed rows -> one sample per document."""
     values = {c: ds[c] for c in packed}
     lengths, doc_rows, doc_starts, valid = [], [], [], []
@@ -396,6 +416,8 @@ def _unpacked(ds, name: str, ids_col, labels_col, row_lengths: List[int], packed
             doc_starts.append(start)
             valid.append(valid_targets(x[start : start + d], None if y is None else y[start : start + d]))
             start += d
+    if training:
+        check_some_loss(valid, name)
     return TokenColumns(
         lengths,
         np.asarray(valid, dtype=np.int64),

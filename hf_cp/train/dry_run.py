@@ -143,7 +143,7 @@ def dry_run(
     )
     lines += engine_memory_lines(memory, world_size, cluster.max_tokens_per_rank, half_precision, device_memory)
     if evaluation is not None:
-        eval_data = read_token_columns(evaluation, "eval_dataset", vocab_size=vocab)
+        eval_data = read_token_columns(evaluation, "eval_dataset", vocab_size=vocab, training=False)
         plans = plan_evaluation(
             eval_data.lengths,
             eval_data.valid_counts,

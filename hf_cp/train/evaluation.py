@@ -41,7 +41,7 @@ def evaluation_data(
 ) -> Tuple[TokenColumns, List[Tuple[StepPlan, int]]]:
     """An eval dataset's token columns (ids checked against `vocab_size`) and its planned batches
     (evaluation_plans); `name` names it in errors."""
-    data = read_token_columns(ds, name, vocab_size=vocab_size)
+    data = read_token_columns(ds, name, vocab_size=vocab_size, training=False)
     return data, evaluation_plans(data, name, tokens_per_step, balancer, cluster, cost, seed)
 
 
