@@ -216,6 +216,22 @@ def test_bad_pairs_are_refused_naming_the_pair(tmp_path):
         pair_sample({"prompt_ids": [], "chosen_ids": [3], "rejected_ids": [4]}, 3)
 
 
+@pytest.mark.parametrize("column", ["chosen", "rejected"])
+def test_an_empty_answer_is_refused_before_tokenisation_turns_it_into_eos(tmp_path, column):
+    # before: TRL tokenised "" to [EOS], and the pair trained with EOS as its answer
+    rows = preference_rows(4)
+    rows[1] = dict(rows[1], **{column: "   "})
+    with pytest.raises(ValueError, match=f"train pair 1: the {column} answer is empty"):
+        _trainer(tmp_path, rows)
+    from datasets import Dataset
+
+    from hf_cp.train.dpo import refuse_empty_answers
+
+    chat = [{"prompt": [{"role": "user", "content": "hi"}], column: [{"role": "assistant", "content": ""}]}]
+    with pytest.raises(ValueError, match=f"eval pair 0: the {column} answer is empty"):
+        refuse_empty_answers(Dataset.from_list(chat), "eval")
+
+
 def test_a_pair_longer_than_every_cp_group_is_refused_by_name(tmp_path):
     rows = preference_rows(4, long_prompt=700)
     trainer = _trainer(tmp_path, rows, cp_max_tokens_per_rank=128)  # world 1: one rank holds 128 tokens

@@ -113,6 +113,38 @@ def pair_sample(example: dict, index: int) -> dict:
     }
 
 
+def _answer_text(value) -> str:
+    """The text of an answer: a string, or a conversation's messages' content (TRL's
+    conversational format: a list of {"role", "content"}, content a string or a list of parts)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        parts = []
+        for m in value:
+            content = m.get("content", "") if isinstance(m, dict) else m
+            if isinstance(content, (list, tuple)):  # multimodal parts: {"type": "text", "text": ...}
+                content = " ".join(str(c.get("text", "x")) if isinstance(c, dict) else str(c) for c in content)
+            parts.append(str(content or ""))
+        return "".join(parts)
+    return "" if value is None else str(value)
+
+
+def refuse_empty_answers(dataset, dataset_name: str) -> None:
+    """Refuse a pair whose prompt, chosen or rejected text is empty, naming it: TRL tokenises
+    an empty answer to the EOS token alone, which would train as if it were an answer."""
+    cols = getattr(dataset, "column_names", None) or []
+    for column in ("prompt", "chosen", "rejected"):
+        if column not in cols:
+            continue
+        for i, value in enumerate(dataset[column]):
+            if not _answer_text(value).strip():
+                raise ValueError(
+                    f"CPDPOTrainer: {dataset_name} pair {i}: the {column} "
+                    f"{'text' if column == 'prompt' else 'answer'} is empty (TRL would tokenise it to the EOS token "
+                    f"alone and train on it); drop or fix the pair"
+                )
+
+
 def refuse_padded_batch_settings(args) -> None:
     """DPOConfig settings of TRL's padded batches and its own training step, which the planned
     steps replace: refused by name when set, rather than silently ignored."""
@@ -181,6 +213,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        refuse_empty_answers(dataset, dataset_name)  # before TRL turns an empty answer into EOS alone
         prepared = DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
         return prepared.map(
             pair_sample, with_indices=True, desc=f"Joining {dataset_name} pairs into shared-prompt samples"
