@@ -98,6 +98,11 @@ DAMAGES = [
     ("trainer_state.json", lambda p: p.write_text('{"global_step": "2"}'), "'global_step' must be a whole number"),
     ("trainer_state.json", lambda p: p.write_text('{"global_step": 2, "epochs": 1}'), "'epochs' is not one of"),
     ("trainer_state.json", lambda p: p.unlink(), "is missing"),
+    (
+        "trainer_state.json",
+        lambda p: p.write_text(json.dumps(dict(json.loads(p.read_text()), global_step=4))),
+        "says global_step 4, but its folder is checkpoint-2",
+    ),
     ("config.json", lambda p: p.write_text("{"), "is not valid JSON"),
     ("model.safetensors", lambda p: _cut(p), "is cut short: its tensors need"),
     ("model.safetensors", lambda p: p.write_bytes(b"\xff" * 64), "is damaged: its first 8 bytes"),

@@ -973,6 +973,15 @@ def check_checkpoint_files(checkpoint: Union[str, Path], allowed_globals: Sequen
     found = _deepspeed_problem(ckpt)
     if found is not None:
         refuse(*found)
+    named = _CHECKPOINT_NAME.match(ckpt.name)
+    if named:  # the Trainer resumes at trainer_state's step; the folder's name is what resume chose it by
+        saved_step = json.loads(state.read_text()).get("global_step")
+        if saved_step != int(named.group(1)):
+            refuse(
+                state,
+                f"says global_step {saved_step}, but its folder is {ckpt.name}: it belongs to another checkpoint "
+                f"(copied or renamed by hand)",
+            )
     if digests:
         changed = digest_mismatches(ckpt, digests, files)
         if changed is not None:
