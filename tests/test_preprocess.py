@@ -336,6 +336,22 @@ def test_chat_template_failure_names_the_sample(smol_tokenizer_dir):
         enc({"messages": [CHATS[1]]}, [7])
 
 
+@pytest.mark.parametrize(
+    "message, error",
+    [
+        ({"role": "assistant", "content": "  "}, r"sample 4: messages\[1\] \(assistant\) has empty content"),
+        ({"role": "user", "content": ""}, r"sample 4: messages\[1\] \(user\) has empty content"),
+        ({"role": "assistent", "content": "Hi"}, r"sample 4: messages\[1\] has role 'assistent'; chat templates know"),
+    ],
+)
+def test_empty_content_and_unknown_roles_are_refused_naming_the_sample(smol_tokenizer, message, error):
+    from hf_cp.data_prep.encode import EncodeError
+
+    enc = SampleEncoder(smol_tokenizer, "chat", "messages")
+    with pytest.raises(EncodeError, match=error):
+        enc({"messages": [[{"role": "user", "content": "Say hi."}, message]]}, [4])
+
+
 def test_num_proc_gives_the_same_dataset(tmp_path, smol_tokenizer):
     one = preprocess(str(CHAT_SAMPLE), smol_tokenizer, None, max_length=512, overlong="truncate")
     two = preprocess(str(CHAT_SAMPLE), smol_tokenizer, None, max_length=512, overlong="truncate", num_proc=2)

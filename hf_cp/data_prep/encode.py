@@ -30,6 +30,10 @@ class EncodeError(ValueError):
     """A sample cannot be encoded; the message names the sample index and field."""
 
 
+# the roles of OpenAI-style chat data that the families' chat templates render
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _messages(value, index: int, field: str) -> List[dict]:
     if isinstance(value, str):  # CSV and some JSON exports store the list as a JSON string
         try:
@@ -44,6 +48,15 @@ def _messages(value, index: int, field: str) -> List[dict]:
             raise EncodeError(f"sample {index}: {field}[{k}] must have 'role' and 'content', got {m!r:.80}")
         if m["content"] is None or m["role"] is None:
             raise EncodeError(f"sample {index}: {field}[{k}] has an empty role or content")
+        if m["role"] not in CHAT_ROLES:
+            raise EncodeError(
+                f"sample {index}: {field}[{k}] has role {m['role']!r}; chat templates know {', '.join(CHAT_ROLES)} "
+                f"(another role is rendered as nothing, or as the template's fallback, silently)"
+            )
+        if isinstance(m["content"], str) and not m["content"].strip():
+            raise EncodeError(
+                f"sample {index}: {field}[{k}] ({m['role']}) has empty content: drop the turn or the sample"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
