@@ -8,6 +8,9 @@ through the loader a user reaches:
     checkpoints       a resume's checks (resolve_resume, check_resume) on a real tiny checkpoint
     history files     read_history / latest_records, the sample audit, hf-cp report
     plan JSON         StepPlan.load_file (hf-cp replay) and hf-cp plan --plan-json
+    DeepSpeed JSON    the launch checks CPTrainer and the dry run call (launch_checks.py), world 2
+    token data        read_token_columns with the model's vocabulary (CPTrainer's set-up)
+    preference records  CPDPOTrainer's check of raw pairs (empty prompts and answers)
 
 Each input ends in one of:
     refused clearly        a project error (or a non-zero exit of the CLI) whose message names
@@ -27,7 +30,11 @@ refused unclearly / refused a valid input):
     checkpoint files         24: 21 /  3 / 0 / 0 / 0 / 0
     history files            24: 15 /  9 / 0 / 0 / 0 / 0
     plan JSON                24: 21 /  3 / 0 / 0 / 0 / 0
-and of the slow sweep: profiles 160: 105 / 55; grouped-answer records 80: 61 / 19; checkpoint
+    DeepSpeed JSON           24: 11 / 13 / 0 / 0 / 0 / 0
+    token data               24: 17 /  7 / 0 / 0 / 0 / 0
+    preference records       24: 12 / 12 / 0 / 0 / 0 / 0
+and of the slow sweep: DeepSpeed JSON 80: 35 / 45; token data 160: 125 / 35; preference
+records 160: 80 / 80; profiles 160: 105 / 55; grouped-answer records 80: 61 / 19; checkpoint
 files 160: 128 / 32; history files 160: 122 / 38; plan JSON 160: 142 / 18; configs 80: 67 / 13
 (every value of CONFIG_FIELDS in turn: 48 refused clearly, 16 accepted valid); none failing.
 """
@@ -879,12 +886,180 @@ def test_fuzz_plan_json(plans_json, tmp_path):
     _plans(FAST, plans_json, tmp_path).check()
 
 
+# ------------------------------------------------------------------ (g) DeepSpeed JSON
+DS_RECIPE = ROOT / "recipes" / "ds-zero2-cpu.json"
+DS_WORLD = 2  # the dry run's --world: train_batch_size = 2 ranks x 1 micro-batch x 1 step
+
+
+def deepspeed_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case, Path]]:
+    """The main job's DeepSpeed JSON, one key changed; valid by the config's own values (the
+    tiny config: micro-batch 1, no accumulation, lr 3e-3, clipping 1.0, fp32)."""
+    base = json.loads(DS_RECIPE.read_text())
+    edits = [
+        ("train_micro_batch_size_per_gpu", lambda: rng.choice([1, 2, 4, "auto"]), lambda v: v in (1, "auto")),
+        ("gradient_accumulation_steps", lambda: rng.choice([1, 3, "auto"]), lambda v: v in (1, "auto")),
+        ("train_batch_size", lambda: rng.choice([1, 2, 4, 7, "auto"]), lambda v: v in (DS_WORLD, "auto")),
+        ("gradient_clipping", lambda: rng.choice([1.0, 0.3, "auto"]), lambda v: v in (1.0, "auto")),
+        ("optimizer.params.lr", lambda: rng.choice([3e-3, 0.5, "auto"]), lambda v: v in (3e-3, "auto")),
+        ("zero_optimization.stage", lambda: rng.choice([0, 1, 2, 3, 4, 7, -1]), lambda v: v in (0, 1, 2, 3)),
+        ("bf16.enabled", lambda: rng.choice([True, False, "auto"]), lambda v: v in (False, "auto")),
+        ("zero_optimization." + rng.choice(["bogus", "stagee", "overlap"]), lambda: 1, lambda v: False),
+        (
+            "zero_optimization.offload_optimizer",
+            lambda: {"device": "nvme", "nvme_path": str(tmp / "none")},
+            lambda v: False,
+        ),
+        (rng.choice(["zero_optimizationx", "steps_per_prnt"]), lambda: {}, lambda v: True),  # ignored: a warning
+    ]
+    for i in range(n):
+        key, value, ok = edits[i % len(edits)]
+        cfg = json.loads(json.dumps(base))
+        v = value()
+        node = cfg
+        *head, last = key.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = v
+        path = tmp / f"ds{i}.json"
+        path.write_text(json.dumps(cfg))
+        yield Case(f"deepspeed {key} = {v!r}", not ok(v), (str(path), last, key.split(".")[0])), path
+
+
+def _deepspeed(n: int, tmp: Path) -> Tally:
+    from hf_cp.train.config import load_config, training_arguments
+    from hf_cp.train.launch_checks import check_launch_settings
+    from hf_cp.train.setup_checks import SetupError
+
+    tally = Tally("DeepSpeed JSON")
+    rng = random.Random(SEED)
+    tcfg = load_config(str(TINY))["training"]
+    for case, path in deepspeed_inputs(rng, tmp, n):
+
+        def check(path=path):  # what CPTrainer and the dry run call, at the dry run's world size
+            args = training_arguments(dict(tcfg, deepspeed=str(path), output_dir=str(tmp / "out")), str(TINY))
+            check_launch_settings(args, DS_WORLD, str(path))
+
+        tally.judge(case, check, (SetupError,))
+    return tally
+
+
+def test_fuzz_deepspeed_json(tmp_path):
+    _deepspeed(FAST, tmp_path).check()
+
+
+# ------------------------------------------------------------------ (h) token data
+VOCAB = 256  # the tiny llama's
+
+
+def token_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, list]]:
+    from helpers.harness.models import synthetic_rows
+
+    ops = ["id", "id", "label", "label", "float", "empty", "length", "no-loss"]
+    for i in range(n):
+        rows = synthetic_rows([40, 30, 50, 20], seed=i)
+        r = rng.randrange(len(rows))
+        op = ops[i % len(ops)]
+        column = "labels" if op in ("label", "no-loss") else "input_ids"
+        if op in ("id", "label"):
+            v = rng.choice([-1, 0, VOCAB - 1, VOCAB, 1000, -100])
+            rows[r][column] = list(rows[r][column])
+            rows[r][column][rng.randrange(len(rows[r][column]))] = v
+            valid = 0 <= v < VOCAB or (column == "labels" and v == -100)
+            case = Case(f"row {r} {column}: an id {v}", not valid, (f"row {r}", column))
+        elif op == "float":
+            rows[r]["input_ids"] = [float(t) + 0.5 for t in rows[r]["input_ids"]]
+            case = Case(f"row {r} input_ids as floats", True, (f"row {r}", "input_ids"))
+        elif op == "empty":
+            rows[r]["input_ids"], rows[r]["labels"] = [], []
+            case = Case(f"row {r} without tokens", True, (f"sample {r}", "input_ids"))
+        elif op == "length":
+            rows[r]["labels"] = rows[r]["labels"][:-1]
+            case = Case(f"row {r} labels one short", True, (f"sample {r}", "labels"))
+        else:
+            for row in rows:
+                row["labels"] = [-100] * len(row["input_ids"])
+            case = Case("every label -100", True, ("train_dataset", "loss"))
+        yield case, rows
+
+
+def _tokens(n: int) -> Tally:
+    from datasets import Dataset
+
+    from hf_cp.train.columns import read_token_columns
+
+    tally = Tally("token data")
+    rng = random.Random(SEED)
+    for case, rows in token_inputs(rng, n):
+        tally.judge(
+            case, lambda rows=rows: read_token_columns(Dataset.from_list(rows), vocab_size=VOCAB), (ValueError,)
+        )
+    return tally
+
+
+def test_fuzz_token_data():
+    _tokens(FAST).check()
+
+
+# ------------------------------------------------------------------ (i) preference records
+def preference_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, list]]:
+    empties = ["", "   ", "\n"]
+    for i in range(n):
+        rows = [{"prompt": f"question {k}", "chosen": f"good {k}", "rejected": f"bad {k}"} for k in range(4)]
+        r, column = rng.randrange(4), rng.choice(["prompt", "chosen", "rejected"])
+        kind = i % 4
+        if kind == 0:
+            rows[r][column] = rng.choice(empties)
+            case = Case(f"pair {r} {column} {rows[r][column]!r}", True, (f"pair {r}", column))
+        elif kind == 1:  # conversational, an empty turn
+            rows = [
+                {
+                    "prompt": [{"role": "user", "content": x["prompt"]}],
+                    "chosen": [{"role": "assistant", "content": x["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": x["rejected"]}],
+                }
+                for x in rows
+            ]
+            rows[r][column][0]["content"] = rng.choice(empties)
+            case = Case(f"pair {r} {column} turn {rows[r][column][0]['content']!r}", True, (f"pair {r}", column))
+        elif kind == 2:
+            rows[r][column] = rows[r][column] + " " + "".join(rng.choice(string.ascii_letters) for _ in range(5))
+            case = Case(f"pair {r} {column} longer", False, ("pair",))
+        else:
+            rows[r][column] = "0"  # text that is falsy only as a number
+            case = Case(f"pair {r} {column} '0'", False, ("pair",))
+        yield case, rows
+
+
+def _preferences(n: int) -> Tally:
+    from datasets import Dataset
+
+    from hf_cp.train.dpo import refuse_empty_answers
+
+    tally = Tally("preference records")
+    rng = random.Random(SEED)
+    for case, rows in preference_inputs(rng, n):
+        tally.judge(case, lambda rows=rows: refuse_empty_answers(Dataset.from_list(rows), "train"), (ValueError,))
+    return tally
+
+
+def test_fuzz_preference_records():
+    _preferences(FAST).check()
+
+
 # ------------------------------------------------------------------ the bigger sweep
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("kind", ["profiles", "groups", "configs", "checkpoints", "histories", "plans"])
+@pytest.mark.parametrize(
+    "kind", ["profiles", "groups", "configs", "checkpoints", "histories", "plans", "deepspeed", "tokens", "preferences"]
+)
 def test_fuzz_sweep(kind, request, tmp_path):
-    if kind == "profiles":
+    if kind == "deepspeed":
+        tally = _deepspeed(SLOW // 2, tmp_path)
+    elif kind == "tokens":
+        tally = _tokens(SLOW)
+    elif kind == "preferences":
+        tally = _preferences(SLOW)
+    elif kind == "profiles":
         tally = _profiles(SLOW, tmp_path)
     elif kind == "groups":
         tally = _groups(SLOW // 2, tmp_path)
