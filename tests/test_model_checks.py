@@ -35,7 +35,7 @@ SMALL = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=8,
-    vocab_size=64,
+    vocab_size=256,  # the byte tokens of synthetic_rows and the bundled data
     max_position_embeddings=128,
     use_cache=False,
 )
@@ -137,6 +137,16 @@ def test_softcapping_dropout_and_the_router_aux_loss_are_refused():
     with pytest.raises(SetupError, match=r"router's auxiliary loss .*router_aux_loss_coef=0.01"):
         check_model_supported(_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01, **moe))
     assert model_refusals(_model("qwen3_moe", output_router_logits=False, router_aux_loss_coef=0.01, **moe)) == []
+
+
+def test_chunked_attention_and_a_models_own_dense_mask_are_refused_at_set_up():
+    # before: both ran until hf_cp's attention refused them at the first forward
+    llama4 = dict(attention_chunk_size=16, layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0])
+    with pytest.raises(SetupError, match=r"chunked attention \(attention_chunk_size 16"):
+        check_model_supported(_model("llama4_text", **llama4))
+    assert model_refusals(_model("llama4_text", **dict(llama4, layer_types=["full_attention"] * 2))) == []
+    with pytest.raises(SetupError, match=r"attention class DogeAttention builds a dense mask of its own"):
+        check_model_supported(_model("doge"))
 
 
 def test_the_trainer_refuses_when_it_is_built(tmp_path):

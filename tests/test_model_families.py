@@ -69,11 +69,7 @@ def test_no_family_of_transformers_mismatches():
 # they run here and must not be exact (so the list cannot go stale silently). Measured 2026-12-03
 # with the model_checks of the working tree: each raises in hf_cp's attention at the first forward
 # instead of at set-up.
-KNOWN_PENDING = {
-    "doge": "a 4D attention mask (Doge's dynamic mask) refused at the forward",
-    "llama4": "chunked attention (attention_chunk_size) refused at the forward",
-    "llama4_text": "chunked attention (attention_chunk_size) refused at the forward",
-}
+KNOWN_PENDING: dict = {}  # doge, llama4, llama4_text: refused at set-up since 2026-12-03
 
 # Without hf_cp.train.model_checks (the module absent) every family it refuses runs: these then
 # mismatch or raise at the forward (measured 2026-12-03 with the set-up checks off).

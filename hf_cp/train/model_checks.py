@@ -48,6 +48,8 @@ _MIXER_NAME = re.compile(
 # reference, one packed row without a CP context) for reasons the checks above do not see. Under a
 # CP context (tests/helpers/model_families.py, world 2) they measured exact, so this may refuse more
 # than it must; it stays until the packed-row path is made exact for them.
+# the method of an attention class that builds its own dense mask (Doge's dynamic mask)
+DYNAMIC_MASK = "prepare_dynamic_mask"
 MEASURED_NOT_EXACT = {
     "ctrl": "gradients 130% off",
     "openai-gpt": "gradients 79% off",
@@ -124,7 +126,7 @@ def attention_bypassing_interface(model: torch.nn.Module) -> List[str]:
 
 def _unhonoured_layer_types(model: torch.nn.Module, layer_types) -> List[str]:
     """The config's layer kinds that are neither attention nor a layer holding a recurrent
-    module attached to run per document (chunked attention is left to the attention function's own refusal)."""
+    module attached to run per document (chunked attention has its own refusal in model_refusals)."""
     layers = getattr(language_model(model), "layers", None)
     bad = set()
     for i, kind in enumerate(layer_types):
@@ -134,6 +136,15 @@ def _unhonoured_layer_types(model: torch.nn.Module, layer_types) -> List[str]:
         if layer is None or not any(getattr(m, ATTACHED, False) for m in layer.modules()):
             bad.add(kind)
     return sorted(bad)
+
+
+def _chunked_attention(config) -> bool:
+    """Llama 4's chunked attention: attention_chunk_size set and a layer of that kind (or no
+    layer_types to say which layers)."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" in layer_types:
+        return True
+    return bool(getattr(config, "attention_chunk_size", None)) and not layer_types
 
 
 def _config_of(model: torch.nn.Module):
@@ -179,6 +190,21 @@ def model_refusals(model: torch.nn.Module) -> List[str]:
             f"the {family} model's attention class {', '.join(bypassing)} computes attention itself instead of "
             f"calling transformers' attention interface, so hf_cp's attention never runs and packed documents "
             f"would attend to each other. {_WHAT_WORKS}"
+        )
+    chunked = next((c for c in configs if _chunked_attention(c)), None)
+    if chunked is not None:
+        size = getattr(chunked, "attention_chunk_size", None)
+        reasons.append(
+            f"the {family} model uses chunked attention (attention_chunk_size {size}, layers "
+            f"'chunked_attention'): a token attends only inside its chunk of {size} tokens, a mask hf_cp's "
+            f"attention does not carry; it would attend across chunk starts. {_WHAT_WORKS}"
+        )
+    dynamic = sorted({type(m).__name__ for m in model.modules() if callable(getattr(type(m), DYNAMIC_MASK, None))})
+    if dynamic:
+        reasons.append(
+            f"the {family} model's attention class {', '.join(dynamic)} builds a dense mask of its own "
+            f"({DYNAMIC_MASK}) and hands it to attention as a 4-D tensor, which hf_cp's attention cannot honour on "
+            f"packed documents or across a CP group. {_WHAT_WORKS}"
         )
     measured = MEASURED_NOT_EXACT.get(family) or MEASURED_NOT_EXACT.get(getattr(text, "model_type", None))
     if measured:
