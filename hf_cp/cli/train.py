@@ -80,8 +80,13 @@ def run(args) -> int:
 
         world = args.world or args.nproc or 1
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
-        for line in dry_run(args.config, overrides, world, args.dry_run_steps, args.max_restarts):
+        lines = dry_run(args.config, overrides, world, args.dry_run_steps, args.max_restarts)
+        for line in lines:
             print(line)
+        errors = [line for line in lines if line.startswith("error: ")]  # found, not raised: another run's lock
+        if errors:
+            print(f"dry run failed: {len(errors)} problem(s) a launch would refuse; nothing was launched")
+            return 2
         print("dry run passed: nothing was launched")
         return 0
     if args.max_restarts and args.max_restarts > 0 and not (args.nproc and args.nproc > 1):
@@ -94,7 +99,11 @@ def run(args) -> int:
         if not args.skip_checks:  # a refusal here is one message, before any process or torchrun output
             from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
-            dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
+            lines = dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
+            errors = [line for line in lines if line.startswith("error: ")]  # another run's lock
+            if errors:
+                print(f"hf-cp train: {errors[0]}", file=sys.stderr)
+                return 2
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher_args = []

@@ -133,6 +133,14 @@ class CPTrainingArguments(TrainingArguments):
             "the one it was trained on; the interrupted epoch then skips and repeats samples"
         },
     )
+    cp_break_lock: bool = field(
+        default=False,
+        metadata={
+            "help": "take output_dir's lock (hf_cp_run.lock) even when another run seems to hold it: for a lock left "
+            "by a run that is gone on another host, whose process this host cannot see (a dead process of this "
+            "host is taken over anyway). Two live runs on one output_dir overwrite each other's checkpoints"
+        },
+    )
     cp_checkpoint_allowed_globals: List[str] = field(
         default_factory=list,
         metadata={

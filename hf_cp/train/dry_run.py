@@ -6,8 +6,8 @@ weights) and the data, builds the same cost model, cluster and sampler as CPTrai
 (planning_setup), plans and validates the first steps and the evaluation set for the target
 world size, and checks what a resume would find in output_dir (which checkpoint it takes,
 partial checkpoints of an interrupted save, the sample schedule, a ZeRO checkpoint of another
-world size) and what a restart would need. It raises the error training would raise, or
-returns a short report.
+world size, another run's lock: an `error:` line) and what a restart would need. It raises
+the error training would raise, or returns a short report.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from hf_cp.train.resume import (
     scan_checkpoints,
     schedule_record,
 )
+from hf_cp.train.run_lock import lock_status
 from hf_cp.train.setup_checks import check_attention
 from hf_cp.train.sharding import check_sharding, sharding_of
 
@@ -156,6 +157,10 @@ def dry_run(
             masks=eval_data.masks,
         )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
+    # another run's lock on output_dir (run_lock.py): read, not taken; a launch would be refused
+    state = lock_status(args.output_dir, args.cp_break_lock)
+    if state is not None:
+        lines.append(f"{state[0]}: {state[1]}")
     # a resume takes the newest complete checkpoint: partial ones (a save that was interrupted) are named
     partial = [c for c in scan_checkpoints(args.output_dir) if not c.complete]
     skipped = "a resume or restart skips it" if args.resume_from_checkpoint else "resume_from_checkpoint is off"

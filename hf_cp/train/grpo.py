@@ -80,6 +80,7 @@ from hf_cp.train.collator import IGNORE_INDEX, MicroBatch, PlanCollator, RankSte
 from hf_cp.train.groups import CPGroups
 from hf_cp.train.grpo_loss import GRPOSettings, row_weights, token_losses
 from hf_cp.train.model_checks import check_model_supported, check_recurrent_layers_fit
+from hf_cp.train.run_lock import hold_run_lock
 from hf_cp.train.setup_checks import HF_CP_ATTENTION
 from hf_cp.train.sharding import refuse_sharding
 from hf_cp.train.step import StepExecutor
@@ -256,6 +257,11 @@ class CPGRPOTrainer(GRPOTrainer):
         self.cp_executor: Optional[StepExecutor] = None
         self._cp_rollout: Optional[GRPORollout] = None
         self.cp_last_step: Optional[_StepTables] = None  # the latest planned step (for tests and debugging)
+
+    def train(self, *args, **kwargs):
+        """GRPOTrainer's train, holding output_dir's lock as CPTrainer.train does (run_lock.py)."""
+        with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
+            return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod

@@ -26,6 +26,7 @@ from hf_cp.train.config import (
     training_arguments,
 )
 from hf_cp.train.launch_checks import check_ddp_timeout
+from hf_cp.train.run_lock import OutputDirLockedError, hold_run_lock
 
 
 def shutdown_distributed() -> None:
@@ -94,14 +95,16 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
     )
     if started is not None:
         started["trainer"] = trainer
-    # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
-    stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
-    final = Path(args.output_dir) / "final"
-    saved = args.cp_save_final_model and not stopped
-    if saved:  # whatever save_strategy says about checkpoints: a run ends with its model
-        trainer.save_model(str(final))  # every rank: DeepSpeed gathers collectively; the tokenizer too
+    # output_dir's lock (run_lock.py) covers the saves after training too; train() takes it no second time
+    with hold_run_lock(args.output_dir, trainer.cp_rank, trainer.cp_world, args.cp_break_lock):
+        # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
+        stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
+        final = Path(args.output_dir) / "final"
+        saved = args.cp_save_final_model and not stopped
+        if saved:  # whatever save_strategy says about checkpoints: a run ends with its model
+            trainer.save_model(str(final))  # every rank: DeepSpeed gathers collectively; the tokenizer too
     if trainer.cp_rank == 0:
         world = trainer.cp_world
         print(
@@ -167,8 +170,9 @@ def run_refusing_once(config_path: str, overrides: Optional[List[str]] = None) -
 
 
 # what hf_cp's set-up checks raise (SetupError, TrainConfigError, CorruptCheckpointError,
-# ScheduleChangedError, UntrustedCheckpointError are ValueErrors; an unknown balancer a KeyError)
-SETUP_REFUSALS = (ValueError, KeyError, TypeError, FileNotFoundError)
+# ScheduleChangedError, UntrustedCheckpointError are ValueErrors; an unknown balancer a KeyError;
+# another run's lock on output_dir, on every rank)
+SETUP_REFUSALS = (ValueError, KeyError, TypeError, FileNotFoundError, OutputDirLockedError)
 TRACEBACK_ENV = "HF_CP_TRACEBACK"  # set to 1: a refusal prints its traceback too
 
 

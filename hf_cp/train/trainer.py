@@ -59,6 +59,7 @@ from hf_cp.train.resume import (
     schedule_record,
     write_schedule,
 )
+from hf_cp.train.run_lock import hold_run_lock
 from hf_cp.train.setup_checks import check_parallelism, check_step_attention
 from hf_cp.train.sharding import (
     FSDP2,
@@ -549,7 +550,13 @@ class CPTrainer(Trainer):
         """`resume_from_checkpoint`: a complete checkpoint folder, True (the newest complete one,
         which must exist) or "latest" (the newest complete one, else a fresh start: what a
         restarted job passes). Partial checkpoints (a save that did not finish) are skipped with
-        a warning naming them (resume.py)."""
+        a warning naming them (resume.py). The run holds output_dir's lock meanwhile (run_lock.py):
+        a second run on the same output_dir is refused on every rank with OutputDirLockedError."""
+        # before resume_point, which cuts back or removes the history files of a run holding it
+        with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
+            return self._cp_train(resume_from_checkpoint, *args, **kwargs)
+
+    def _cp_train(self, resume_from_checkpoint=None, *args, **kwargs):
         ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
         resume = resume_point(
             resume_from_checkpoint,
