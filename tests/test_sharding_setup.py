@@ -17,6 +17,7 @@ from hf_cp.train.sharding import (
     check_sharding,
     check_zero3_chunk_keep,
     chunk_keep_of,
+    clear_leftover_fsdp_env,
     refuse_sharding,
     sharding_of,
 )
@@ -68,6 +69,23 @@ def test_unsupported_fsdp_set_ups_are_refused_by_name(bad, words):
 def test_fsdp1_from_accelerates_environment_is_refused():
     with pytest.raises(SetupError, match="FSDP version 1"):
         check_sharding(args(), environ={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+
+
+def test_the_flag_an_earlier_fsdp2_trainer_left_does_not_make_a_zero3_trainer_fsdp():
+    # accelerate's Accelerator sets ACCELERATE_USE_FSDP in-process (no FSDP_VERSION): a ZeRO-3
+    # trainer built after an FSDP2 one in the same process was refused as "FSDP version 1"
+    zero3 = args(deepspeed={"zero_optimization": {"stage": 3}})
+    env = {"ACCELERATE_USE_FSDP": "true"}
+    with pytest.raises(SetupError, match="FSDP version 1"):
+        check_sharding(zero3, environ=dict(env))
+    assert clear_leftover_fsdp_env(zero3, env) and env == {}
+    check_sharding(zero3, environ=env)
+    assert sharding_of(zero3, environ=env) == ZERO3
+    # what accelerate launch sets is kept: its FSDP1 is still refused
+    launched = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}
+    assert not clear_leftover_fsdp_env(zero3, launched) and "ACCELERATE_USE_FSDP" in launched
+    # and a run that asks for fsdp itself keeps it
+    assert not clear_leftover_fsdp_env(fsdp_args(), {"ACCELERATE_USE_FSDP": "true"})
 
 
 def test_zero3_refuses_chunkflow_keeping_several_chunks():

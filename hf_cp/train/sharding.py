@@ -50,6 +50,21 @@ def _plugin_flag(args, environ: Mapping[str, str], keys, env_key: str) -> bool:
     return str(environ.get(env_key, "false")).lower() in ("1", "true", "yes")
 
 
+def clear_leftover_fsdp_env(args, environ=None) -> bool:
+    """Drop ACCELERATE_USE_FSDP that an earlier trainer of this process left behind: accelerate's
+    Accelerator sets it in-process when given an FSDP plugin, and a later trainer without fsdp
+    (ZeRO-3 after FSDP2, in one notebook) would then be read as FSDP version 1 and get an FSDP
+    plugin too. `accelerate launch` with an FSDP config sets FSDP_VERSION beside it, so a flag
+    without FSDP_VERSION, in a run whose arguments ask for no fsdp, is such a leftover. True when
+    it was dropped."""
+    env = os.environ if environ is None else environ
+    flag = str(env.get("ACCELERATE_USE_FSDP", "")).lower() in ("1", "true", "yes")
+    if flag and "FSDP_VERSION" not in env and not getattr(args, "fsdp", None):
+        env.pop("ACCELERATE_USE_FSDP", None)
+        return True
+    return False
+
+
 def check_sharding(args, environ: Optional[Mapping[str, str]] = None) -> None:
     """Refuse, by name and with the fix, the sharding set-ups CPTrainer cannot honour."""
     env = os.environ if environ is None else environ

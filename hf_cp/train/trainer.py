@@ -67,6 +67,7 @@ from hf_cp.train.sharding import (
     ZERO3_OPEN_GRAPHS,
     check_sharding,
     check_zero3_chunk_keep,
+    clear_leftover_fsdp_env,
     fsdp2_mixed_precision,
     route_fsdp_on_cpu,
     sharding_of,
@@ -146,6 +147,7 @@ class CPTrainer(Trainer):
             check_model_supported(model, f"{type(self).__name__}: the model")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
+        clear_leftover_fsdp_env(args)  # an earlier FSDP2 trainer of this process left accelerate's flag
         check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (sharding.py)
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to: before the model is wrapped
         launch_warnings = check_launch_settings(args, int(args.world_size), type(self).__name__)
