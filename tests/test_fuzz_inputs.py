@@ -947,6 +947,45 @@ def test_fuzz_deepspeed_json(tmp_path):
     _deepspeed(FAST, tmp_path).check()
 
 
+# slow: a 2-process launch each (~15-20 s on 2 cores): what the launch checks accept must train
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fuzz_deepspeed_json_accepted_by_the_dry_run_trains(tmp_path):
+    """A launch sample of the DeepSpeed class: every distinct accepted input (by the key it
+    changes: ZeRO stages 0, 1 and 3, an ignored key, ...) trains one step under `hf-cp train
+    --nproc 2`, whose own pre-launch check is the dry run (before: ZeRO-3 failed at launch with
+    DeepSpeed's 'Check batch related parameters' under torchrun)."""
+    import os
+    import subprocess
+    import sys
+
+    accepted, seen = [], set()
+    for case, path in deepspeed_inputs(random.Random(SEED), tmp_path, 80):
+        kind = (case.what.split(" = ")[0], case.what.split(" = ")[1] if "stage" in case.what else "")
+        if not case.invalid and kind not in seen and "'auto'" not in case.what:
+            seen.add(kind)
+            accepted.append((case, path))
+    assert len(accepted) >= 4, [c.what for c, _ in accepted]
+    failed = []
+    for case, path in accepted:
+        cmd = [sys.executable, "-m", "hf_cp", "train", str(TINY), "--nproc", "2"]
+        for o in (
+            "max_steps=1",
+            f"deepspeed={path}",
+            f"output_dir={tmp_path / path.stem}",
+            "save_strategy=no",
+            "cp_save_final_model=false",
+            "eval_strategy=no",
+        ):
+            cmd += ["--set", f"training.{o}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+        print(f"launch {case.what}: rc {proc.returncode}")
+        if proc.returncode != 0:
+            failed.append(f"{case.what}: {proc.stderr[-1500:]}")
+    assert not failed, "\n".join(failed)
+
+
 # ------------------------------------------------------------------ (h) token data
 VOCAB = 256  # the tiny llama's
 

@@ -70,6 +70,11 @@ def start_cpu_processes(deepspeed: bool, ddp_timeout_s: float) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import PartialState
 
+        if deepspeed:  # as accelerate launch sets it: DeepSpeed's own comm is set up on the same group
+            # (without it, ZeRO-3's zero.Init saw a world of 1 under torchrun: "train_batch_size is not
+            # equal to micro_batch_per_gpu * gradient_acc_step * world_size 2 != 1 * 1 * 1")
+            os.environ.setdefault("ACCELERATE_USE_DEEPSPEED", "true")
+
         PartialState(backend="gloo", timeout=timedelta(seconds=int(ddp_timeout_s)))
 
 
