@@ -212,3 +212,35 @@ def test_remote_code_runs_only_when_the_config_trusts_it(tmp_path):
         {"pretrained": str(folder), "trust_remote_code": True, "attn_implementation": "sdpa"}, "cfg.yaml"
     )
     assert type(model).__name__ == "CustomLlamaForCausalLM"
+
+
+# slow (~40 s, a launch of its own): a scheduler's SIGTERM to `hf-cp train --nproc 2`
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sigterm_to_the_launcher_stops_cleanly_with_a_checkpoint_and_rc_0(tmp_path):
+    """With enable_jit_checkpoint the workers finish the step, save and exit; the launcher
+    then ends with rc 0 (before: rc 1 and torchrun's SignalException traceback after the save)."""
+    import signal
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_cp", "train", "configs/tiny-cpu.yaml", "--nproc", "2"]
+    for o in (
+        "enable_jit_checkpoint=true",
+        "num_train_epochs=30",
+        f"output_dir={out}",
+        "save_strategy=no",
+        "eval_strategy=no",
+    ):
+        cmd += ["--set", f"training.{o}"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    history = out / "cp_history" / "rank0.jsonl"
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and (not history.exists() or len(history.read_text().splitlines()) < 2):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=200)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stopped early by SIGTERM" in stdout, stdout[-2000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert list(out.glob("checkpoint-*")), "the stop saves a checkpoint"

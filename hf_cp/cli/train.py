@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.plan.cluster import MAX_WORLD_SIZE
 from hf_cp.train.config import add_config_arguments
 
 
@@ -74,7 +75,21 @@ def _with_restart_overrides(overrides, max_restarts: int):
     return overrides
 
 
+def check_args(args) -> None:
+    """The numeric options in range, refused by flag (ValueError: `hf-cp train: error: --world -2: ...`)."""
+    for flag, v, lo, hi in (
+        ("--nproc", args.nproc, 0, MAX_WORLD_SIZE),
+        ("--world", args.world, 0, MAX_WORLD_SIZE),
+        ("--dry-run-steps", args.dry_run_steps, 1, 2**31 - 1),
+        ("--max-restarts", args.max_restarts, 0, 2**31 - 1),
+        ("--shutdown-timeout", args.shutdown_timeout, 0, 2**31 - 1),
+    ):
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"{flag} {v}: must be from {lo:,} to {hi:,}")
+
+
 def run(args) -> int:
+    check_args(args)
     if args.dry_run:
         from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
@@ -125,20 +140,53 @@ def run(args) -> int:
             "hf_cp.train",
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
-        return _run_forwarding_sigterm(cmd, env)
+        from hf_cp.train.config import load_config  # yaml only
+
+        jit = bool((load_config(args.config, overrides).get("training") or {}).get("enable_jit_checkpoint"))
+        return _run_forwarding_sigterm(cmd, env, to_workers=jit)
     from hf_cp.train.launch import run_refusing_once  # torch, transformers, deepspeed
 
     return run_refusing_once(args.config, args.overrides)
 
 
-def _run_forwarding_sigterm(cmd, env) -> int:
-    """Run the launcher; a SIGTERM sent to this command (a scheduler stopping the job) goes on to
-    it, which passes it to every worker: without this the launcher and its workers would be
-    orphaned, training on. (Ctrl-C reaches the whole foreground process group by itself.)"""
+def _workers(launcher_pid: int) -> list:
+    """The training processes torchrun started (its children running hf_cp.train)."""
+    import psutil  # an accelerate dependency
+
+    try:
+        children = psutil.Process(launcher_pid).children()
+    except psutil.Error:
+        return []
+    out = []
+    for c in children:
+        try:
+            if "hf_cp.train" in " ".join(c.cmdline()):
+                out.append(c)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _run_forwarding_sigterm(cmd, env, to_workers: bool = False) -> int:
+    """Run the launcher; a SIGTERM sent to this command (a scheduler stopping the job) goes on:
+    without this the launcher and its workers would be orphaned, training on. (Ctrl-C reaches
+    the whole foreground process group by itself.) `to_workers` (enable_jit_checkpoint): the
+    signal goes to the workers themselves, which finish the step, save and exit 0, so the launcher
+    ends cleanly (rc 0); sent to torchrun, it would stop them the same way but then exit 1 with
+    its own SignalException traceback. Without a stop handler in the workers, the launcher gets
+    it (a worker killed by it would count as a failure, and be restarted)."""
     import signal
 
     proc = subprocess.Popen(cmd, env=env)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+
+    def forward(signum, frame):
+        workers = _workers(proc.pid) if to_workers else []
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        if not workers:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         return proc.wait()
     finally:
