@@ -28,7 +28,7 @@ import pickletools
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import BinaryIO, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 DIGEST = "sha256"
 _READ_BYTES = 8 << 20
@@ -127,16 +127,19 @@ _OPAQUE = _Opaque()
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
 
 
-def pickle_globals(data: bytes, pickles: int = 1) -> Tuple[Set[str], int]:
-    """The globals ("module.name") the first `pickles` pickles of `data` import, found by walking
-    their opcodes with a symbolic stack (nothing is executed), and the byte offset after the
-    last one. Raises ValueError when a global cannot be resolved statically (a module or name
+def pickle_globals(data: Union[bytes, BinaryIO], pickles: int = 1) -> Tuple[Set[str], int]:
+    """The globals ("module.name") the first `pickles` pickles of `data` (bytes, or a binary file
+    read from its position: a legacy torch file is not read past its pickles) import, found by
+    walking their opcodes with a symbolic stack (nothing is executed), and the byte offset after
+    the last one. Raises ValueError when a global cannot be resolved statically (a module or name
     computed at load time, the copyreg extension registry) or `data` is not a pickle."""
     found: Set[str] = set()
-    stream = io.BytesIO(data)
+    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     for _ in range(pickles):
-        if stream.tell() >= len(data):
+        at = stream.tell()
+        if not stream.read(1):
             break
+        stream.seek(at)
         stack: List[object] = []
         marks: List[List[object]] = []
         memo: Dict[int, object] = {}
@@ -188,19 +191,26 @@ def pickle_globals(data: bytes, pickles: int = 1) -> Tuple[Set[str], int]:
     return found, stream.tell()
 
 
-def _pickles_of(path: Path) -> List[Tuple[str, bytes, int]]:
-    """(where, bytes, how many pickles) for each pickle `path` holds: every .pkl entry of a
-    torch.save zip archive, the leading pickles of torch's legacy format, or the whole file."""
+def _pickle_imports(path: Path) -> Tuple[Set[str], str]:
+    """The globals every pickle of `path` imports: each .pkl entry of a torch.save zip archive,
+    the leading pickles of torch's legacy format, or the file as one pickle; and the entry being
+    read when a ValueError is raised."""
+    found: Set[str] = set()
     with open(path, "rb") as fh:
-        head = fh.read(4)
-        if head == b"PK\x03\x04":
+        if fh.read(4) == b"PK\x03\x04":
             fh.seek(0)
             with zipfile.ZipFile(fh) as z:
-                return [(e.filename, z.read(e), 1) for e in z.infolist() if e.filename.endswith(".pkl")]
+                for e in z.infolist():
+                    if e.filename.endswith(".pkl"):
+                        try:
+                            found |= pickle_globals(z.read(e))[0]
+                        except ValueError as err:
+                            raise ValueError(f"its entry {e.filename}: {err}") from err
+            return found, ""
         fh.seek(0)
-        data = fh.read()
-    # a legacy torch.save starts with a pickled magic number; a plain pickle is one object
-    return [("", data, _LEGACY_TORCH_PICKLES if path.suffix in (".pt", ".pth", ".bin") else 1)]
+        # a legacy torch.save is a pickled magic number and four more pickles, then raw storage
+        count = _LEGACY_TORCH_PICKLES if path.suffix in (".pt", ".pth", ".bin") else 1
+        return pickle_globals(fh, count)[0], ""
 
 
 def is_pickle_file(path: Path) -> bool:
@@ -211,19 +221,14 @@ def unsafe_globals(path: Path, extra: Iterable[str] = ()) -> List[str]:
     """The globals `path`'s pickles import outside allowed_globals(extra), sorted; raises
     UntrustedCheckpointError when a pickle cannot be read statically."""
     allowed = allowed_globals(extra)
-    bad: Set[str] = set()
-    entry = ""
     try:
-        for part in _pickles_of(path):
-            entry = part[0]  # named in the error below
-            names, _ = pickle_globals(part[1], part[2])
-            bad |= {n for n in names if n not in allowed and not n.startswith(_CHECKPOINT_PREFIXES)}
+        names, _ = _pickle_imports(path)
     except (ValueError, zipfile.BadZipFile, EOFError, IndexError) as e:
-        inside = f" (its entry {entry})" if entry else ""
         raise UntrustedCheckpointError(
-            f"checkpoint file {path}{inside} cannot be checked for code before loading: it is not a "
-            f"pickle whose imports can be read without running it ({e or type(e).__name__})"
+            f"checkpoint file {path} cannot be checked for code before loading: it is not a pickle whose "
+            f"imports can be read without running it ({e or type(e).__name__})"
         ) from e
+    bad = {n for n in names if n not in allowed and not n.startswith(_CHECKPOINT_PREFIXES)}
     return sorted(bad)
 
 
