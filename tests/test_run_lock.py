@@ -50,6 +50,25 @@ def _holder(out: Path, mode: str = "sleep") -> subprocess.Popen:
     return proc
 
 
+# a real training run (world 1) that pauses after saving checkpoint-2 until told to go on
+TRAINING_HOLDER = (
+    "import sys, time\n"
+    "from pathlib import Path\n"
+    "from transformers import TrainerCallback\n"
+    "from helpers.checkpoint_runs import train_with_checkpoints\n"
+    "out, held, go = (Path(a) for a in sys.argv[1:4])\n"
+    "class Pause(TrainerCallback):\n"
+    "    def on_save(self, args, state, control, **kwargs):\n"
+    "        if state.global_step == 2:\n"
+    "            held.write_text('held')\n"
+    "            deadline = time.monotonic() + 300\n"
+    "            while not go.exists() and time.monotonic() < deadline:\n"
+    "                time.sleep(0.1)\n"
+    "trainer = train_with_checkpoints(out, steps=4, callbacks=[Pause()])\n"
+    "print('trained', trainer.state.global_step, flush=True)\n"
+)
+
+
 def _dead_pid() -> int:
     """The pid of a process of this host that has exited and been reaped."""
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -258,3 +277,39 @@ def test_a_second_training_run_on_a_held_output_dir_is_refused_and_touches_nothi
     assert f"stale lock of a run that is gone: pid {proc.pid}" in caplog.text
     assert trainer.state.global_step == 2 and (out / "checkpoint-2").is_dir()
     assert not (out / LOCK_FILE).exists()
+
+
+def test_a_run_held_mid_training_refuses_a_second_run_which_touches_nothing(tmp_path):
+    from helpers.checkpoint_runs import train_with_checkpoints
+
+    out, held, go = tmp_path / "out", tmp_path / "held", tmp_path / "go"  # the signals outside out
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRAINING_HOLDER, str(out), str(held), str(go)],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not held.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held.exists(), proc.communicate(timeout=30)[0][-3000:] if proc.poll() is not None else "no pause"
+        assert read_lock(out / LOCK_FILE)["pid"] == proc.pid
+        before = _files(out)
+        assert "checkpoint-2/model.safetensors" in before and "cp_history/rank0.jsonl" in before
+        with pytest.raises(OutputDirLockedError) as err:
+            train_with_checkpoints(out, steps=4)
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in str(err.value)
+        assert _files(out) == before  # the holder's checkpoint and history byte for byte
+    finally:
+        go.write_text("go")
+        printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 0 and "trained 4" in printed, printed[-3000:]
+    # the holder's run ended cleanly: its lock is gone, its history has each step once
+    assert not (out / LOCK_FILE).exists()
+    assert (out / "checkpoint-4").is_dir()
+    steps = [json.loads(line)["global_step"] for line in (out / "cp_history" / "rank0.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]

@@ -9,10 +9,10 @@ from helpers.harness.models import synthetic_rows, tiny_model
 from helpers.world2_job import LENGTHS
 
 
-def train_with_checkpoints(out: Path, steps: int = 4, resume=None, **overrides):
+def train_with_checkpoints(out: Path, steps: int = 4, resume=None, callbacks=None, **overrides):
     """CPTrainer without DeepSpeed on world2_job.LENGTHS (4 steps an epoch at 500 tokens), a
-    checkpoint every 2 steps (~5 s); `overrides` replace CPTrainingArguments' settings. Returns
-    the trainer."""
+    checkpoint every 2 steps (~5 s); `overrides` replace CPTrainingArguments' settings, `callbacks`
+    go to the trainer. Returns the trainer."""
     from datasets import Dataset
 
     from hf_cp.train import CPTrainer, CPTrainingArguments
@@ -36,6 +36,8 @@ def train_with_checkpoints(out: Path, steps: int = 4, resume=None, **overrides):
         cp_compare_balancer=None,
     )
     args = CPTrainingArguments(**dict(settings, **overrides))
-    trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(synthetic_rows(LENGTHS)))
+    trainer = CPTrainer(
+        model=tiny_model(0), args=args, train_dataset=Dataset.from_list(synthetic_rows(LENGTHS)), callbacks=callbacks
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
