@@ -24,19 +24,22 @@ The last four fail the test; `pytest -s` prints the counts. A bigger sweep is ma
 
 Counts of the fast run (seed 27; refused clearly / accepted valid / accepted silently / traceback /
 refused unclearly / refused a valid input):
-    profiles                 24: 14 / 10 / 0 / 0 / 0 / 0
+    profiles                 35: 24 / 11 / 0 / 0 / 0 / 0
     grouped-answer records   24: 20 /  4 / 0 / 0 / 0 / 0
-    configs                  24: 20 /  4 / 0 / 0 / 0 / 0
+    configs                  35: 30 /  5 / 0 / 0 / 0 / 0
     checkpoint files         24: 21 /  3 / 0 / 0 / 0 / 0
     history files            24: 15 /  9 / 0 / 0 / 0 / 0
-    plan JSON                24: 21 /  3 / 0 / 0 / 0 / 0
+    plan JSON                28: 25 /  3 / 0 / 0 / 0 / 0
     DeepSpeed JSON           24: 11 / 13 / 0 / 0 / 0 / 0
     token data               24: 17 /  7 / 0 / 0 / 0 / 0
     preference records       24: 12 / 12 / 0 / 0 / 0 / 0
 and of the slow sweep: DeepSpeed JSON 80: 35 / 45; token data 160: 125 / 35; preference
-records 160: 80 / 80; profiles 160: 105 / 55; grouped-answer records 80: 61 / 19; checkpoint
-files 160: 128 / 32; history files 160: 122 / 38; plan JSON 160: 142 / 18; configs 80: 67 / 13
+records 160: 80 / 80; profiles 171: 115 / 56; grouped-answer records 80: 61 / 19; checkpoint
+files 160: 128 / 32; history files 160: 122 / 38; plan JSON 164: 146 / 18; configs 91: 77 / 14
 (every value of CONFIG_FIELDS in turn: 48 refused clearly, 16 accepted valid); none failing.
+The profile, config and plan-JSON counts include their EXTREME_* tables (issue 40: numbers
+that overflow, 0 heads, duplicate keys, an alias bomb, 100,000-deep nesting, a directory, a
+world of 1,048,576), the last inputs of every run, fast or slow: 11, 11 and 4 of them.
 """
 
 from __future__ import annotations
@@ -214,6 +217,29 @@ def _number_ok(kind: str, v) -> bool:
 
 BAD_VALUES = [-1, 0, -2.5, 2.5, math.nan, math.inf, -math.inf, "fast", [1, 2], {"x": 1}, None, True]
 
+# issue 40's extreme inputs, the same in every class that reads the format: text past any limit
+DEEP_JSON = "[" * 100_000 + "]" * 100_000  # RecursionError in json.loads (and composing YAML)
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A YAML "billion laughs": 9 levels of 9 aliases, 9^9 strings once expanded, from 1 KB."""
+    anchors = ['&a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    anchors += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(anchors) + "]"
+
+
+def _extreme_file(f: Path, kind: str, payload, d, text: str) -> None:
+    """Write an EXTREME_* case: `set` a field path of the parsed file `d` (dumped as YAML or JSON
+    by the suffix), replace the `text` (payload(text)), or put a directory where the file goes."""
+    if kind == "set":
+        path, value = payload
+        _set(d, path, value)
+        f.write_text(json.dumps(d) if f.suffix == ".json" else yaml.safe_dump(d))
+    elif kind == "text":
+        f.write_text(payload(text))
+    else:
+        f.mkdir()
+
 
 # ------------------------------------------------------------------ (a) profiles
 PROFILE_FIELDS = {
@@ -255,6 +281,20 @@ PROFILE_REQUIRED = [
     "fitted_dims.hidden_size",
 ]
 PROFILE_OPTIONAL = ["chunk_efficiency", "head_split_factor", "description", "calibration", "name"]
+# (what, set / text / dir, payload, invalid, the name a refusal gives): every fast run's last inputs
+EXTREME_PROFILES = [
+    ("c1_ms_per_token = 1e308 (inf, nan in hf-cp plan)", "set", ("c1_ms_per_token", 1e308), True, "c1_ms_per_token"),
+    ("activation_bytes_per_token = 1e300 (a hang)", "set", ("activation_bytes_per_token", 1e300), True, "activation"),
+    ("static_bytes = 1e300", "set", ("static_bytes", 1e300), True, "static_bytes"),
+    ("gpus_per_node = 10**20", "set", ("gpus_per_node", 10**20), True, "gpus_per_node"),
+    ("chunk_efficiency key 10**400", "set", ("chunk_efficiency", {10**400: 1.0}), True, "chunk_efficiency"),
+    ("fitted_dims.num_attention_heads = 0", "set", ("fitted_dims.num_attention_heads", 0), True, "num_attention_heads"),
+    ("c1_ms_per_token = 1000, its maximum", "set", ("c1_ms_per_token", 1000.0), False, ""),
+    ("c0_ms given twice", "text", lambda t: t + "c0_ms: 2.0\n", True, "duplicate key 'c0_ms'"),
+    ("an alias bomb in description", "text", lambda t: t + f"description: {_alias_bomb()}\n", True, "alias bomb"),
+    ("100,000 nested lists", "text", lambda t: DEEP_JSON, True, "nested deeper"),
+    ("a directory", "dir", None, True, "is a directory"),
+]
 
 
 def _profile_value(rng: random.Random, path: str, kind: str, base: dict):
@@ -308,6 +348,11 @@ def profile_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case
             continue
         f.write_text(yaml.safe_dump(d))
         yield case, f
+    text = find_named("cpu", "profiles", (".yaml",)).read_text()
+    for k, (what, kind, payload, invalid, name) in enumerate(EXTREME_PROFILES):
+        f = tmp / f"profile-extreme{k}.yaml"
+        _extreme_file(f, kind, payload, json.loads(json.dumps(base)), text)
+        yield Case(what, invalid, (str(f), name)), f
 
 
 def _profiles(n: int, tmp: Path) -> Tally:
@@ -444,6 +489,40 @@ CONFIG_FIELDS = {
 }
 
 
+# (what, set / text / dir, payload, invalid, the name a refusal gives): every fast run's last inputs
+EXTREME_CONFIGS = [
+    ("training.max_steps = 1e20", "set", ("training.max_steps", 1e20), True, "training.max_steps"),
+    ("training.max_steps = 10**20 (an OverflowError)", "set", ("training.max_steps", 10**20), True, "max_steps"),
+    ("training.num_train_epochs = 1e20 (a hang)", "set", ("training.num_train_epochs", 1e20), True, "num_train_epochs"),
+    ("model.seed = 10**30", "set", ("model.seed", 10**30), True, "model.seed"),
+    (
+        "training.cp_max_tokens_per_rank = 10**15 (a hang)",
+        "set",
+        ("training.cp_max_tokens_per_rank", 10**15),
+        False,
+        "",
+    ),
+    ("model.config with 0 attention heads", "set", ("model.config", "heads0"), True, "num_attention_heads"),
+    ("two training sections", "text", lambda t: t + "training:\n  max_steps: 1\n", True, "duplicate key 'training'"),
+    (
+        "training.seed given twice",
+        "text",
+        lambda t: t.replace("  seed: 0\n  num", "  seed: 0\n  seed: 1\n  num"),
+        True,
+        "'seed'",
+    ),
+    (
+        "an alias bomb in training.output_dir",
+        "text",
+        lambda t: t.replace("output_dir: outputs/tiny-cpu", "output_dir: " + _alias_bomb()),
+        True,
+        "alias bomb",
+    ),
+    ("100,000 nested lists", "text", lambda t: DEEP_JSON, True, "nested deeper"),
+    ("a directory", "dir", None, True, "is a directory"),
+]
+
+
 def config_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case, Path]]:
     base = yaml.safe_load(TINY.read_text())
     ops = ["value", "value", "value", "valid", "unknown", "structure"]
@@ -484,6 +563,15 @@ def config_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case,
         else:
             f.write_text(yaml.safe_dump(d))
         yield case, f
+    heads0 = tmp / "heads0.json"
+    heads0.write_text(
+        json.dumps(dict(json.loads(find_named("tiny-llama", "models", (".json",)).read_text()), num_attention_heads=0))
+    )
+    for k, (what, kind, payload, invalid, name) in enumerate(EXTREME_CONFIGS):
+        f = tmp / f"config-extreme{k}.yaml"
+        payload = (payload[0], str(heads0)) if payload == ("model.config", "heads0") else payload
+        _extreme_file(f, kind, payload, json.loads(json.dumps(base)), TINY.read_text())
+        yield Case(what, invalid, (str(f), name)), f
 
 
 def _configs(n: int, tmp: Path) -> Tally:
@@ -804,6 +892,15 @@ PLAN_TOP_EDITS = [
 ]
 
 
+# (what, world / text / dir, payload, invalid, the name a refusal gives): every fast run's last inputs
+EXTREME_PLANS = [
+    ("world_size = 1048576 in every plan (a hang)", "world", 1048576, True, "1048576"),
+    ("world_size = 10**20 in every plan", "world", 10**20, True, "world_size"),
+    ("100,000 nested lists", "text", lambda t: DEEP_JSON, True, "nested deeper"),
+    ("a directory", "dir", None, True, "is a directory"),
+]
+
+
 def plan_inputs(rng: random.Random, good: Path, tmp: Path, n: int) -> Iterator[Tuple[Case, Path]]:
     base = json.loads(good.read_text())
     ops = ["top", "top", "sample", "group", "delete", "file"]
@@ -867,6 +964,15 @@ def plan_inputs(rng: random.Random, good: Path, tmp: Path, n: int) -> Iterator[T
         else:
             f.write_text(json.dumps(d))
         yield case, f
+    for k, (what, kind, payload, invalid, name) in enumerate(EXTREME_PLANS):
+        f = tmp / f"plans-extreme{k}.json"
+        d = json.loads(json.dumps(base))
+        if kind == "world":  # every plan: one cluster simulates them all
+            for p in d["plans"]:
+                p["world_size"] = payload
+            kind, payload = "text", lambda t, d=d: json.dumps(d)
+        _extreme_file(f, kind, payload, d, good.read_text())
+        yield Case(what, invalid, (str(f), name)), f
 
 
 def _plans(n: int, good: Path, tmp: Path) -> Tally:

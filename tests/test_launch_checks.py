@@ -170,4 +170,5 @@ def test_without_the_checks_rank_0_says_it_once_and_no_rank_prints_a_traceback(t
     assert "CPTrainer: report_to 'wandbb'" in proc.stderr
     # the only traceback is torchrun's own summary (its launcher process), none from a rank
     assert "hf_cp/train/" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stderr.count("exitcode  : 2") == 2
+    # rank 0's status (the other rank may be stopped by torchrun first, under load)
+    assert "exitcode  : 2" in proc.stderr

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_cp"
 # Lowest first. A unit is a top-level module or sub-package of hf_cp; the root utilities import
 # nothing of hf_cp at module level.
 LAYERS: List[Tuple[str, ...]] = [
-    ("resources", "figures", "registration"),
+    ("resources", "figures", "registration", "readers"),
     ("samples",),
     ("modes",),
     ("plan",),

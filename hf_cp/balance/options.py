@@ -19,6 +19,8 @@ from typing import Any, ClassVar, Dict, Iterable, List, Mapping, Type, TypeVar
 
 import yaml
 
+from hf_cp.readers import brief, load_yaml
+
 T = TypeVar("T", bound="BalancerOptions")
 
 
@@ -145,8 +147,8 @@ def _from_text(value: Any, tp) -> Any:
     if not isinstance(value, str) or _accepts_str(tp):
         return value
     try:
-        return yaml.safe_load(value) if value.strip() else value
-    except yaml.YAMLError:
+        return load_yaml(value) if value.strip() else value
+    except yaml.YAMLError:  # not YAML, or a duplicate key or an alias bomb (hf_cp.readers)
         return value  # the type check names the field and the value
 
 
@@ -173,15 +175,15 @@ def _coerce(value: Any, tp, what: str) -> Any:
                 return _coerce(value, a, what)
             except BalancerOptionError as e:
                 errors.append(e)
-        raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {value!r}")
+        raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {brief(value)}")
     if origin in (tuple, list) or tp in (tuple, list):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {value!r}")
+            raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {brief(value)}")
         inner = args[0] if args else Any
         return tuple(_coerce(v, inner, f"{what}[{i}]") for i, v in enumerate(value))
     if origin in (dict, typing.Mapping, Mapping) or tp in (dict, Mapping):
         if not isinstance(value, Mapping):
-            raise BalancerOptionError(f"{what} must be a mapping, got {value!r}")
+            raise BalancerOptionError(f"{what} must be a mapping, got {brief(value)}")
         kt, vt = args if args else (Any, Any)
         return {_coerce(k, kt, what): _coerce(v, vt, f"{what}.{k}") for k, v in value.items()}
     if tp is bool:
@@ -198,7 +200,7 @@ def _coerce(value: Any, tp, what: str) -> Any:
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {value!r}")
+    raise BalancerOptionError(f"{what} must be {_type_name(tp)}, got {brief(value)}")
 
 
 def _plain(value: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import textwrap
@@ -18,12 +19,12 @@ from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.cost.exchange import plan_exchange
 from hf_cp.cost.execution import EXECUTIONS, execution_named
-from hf_cp.cost.model import CostModel, ModelDims
+from hf_cp.cost.model import PROFILE_MAXIMA, CostModel, ModelDims
 from hf_cp.cost.pipeline import bubble_share
 from hf_cp.cost.simulate import SimResult, lower_bound_ms, simulate
 from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
-from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
+from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import PlanError, StepPlan
 from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
@@ -49,7 +50,12 @@ def add_parser(sub) -> None:
         "saved dataset folder (its 'length' and 'attn_mask' columns; pre-packed rows are planned as their documents)",
     )
     src.add_argument("--plan-json", help="simulate the plan(s) in this JSON file (a plan or a list of plans)")
-    p.add_argument("--world", type=int, help="number of ranks (a power of two); taken from the plan with --plan-json")
+    p.add_argument(
+        "--world",
+        type=int,
+        help=f"number of ranks (a power of two, or any number up to one node's GPUs; at most {MAX_WORLD_SIZE:,}); "
+        "taken from the plan with --plan-json",
+    )
     p.add_argument(
         "--max-tokens-per-rank",
         type=int,
@@ -406,7 +412,67 @@ def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     return plans, cluster, cost, f"simulated {len(plans)} plan(s) from {args.plan_json}"
 
 
+# the most tokens a token-count option may give: counts stay exact in the cost model's floats
+MAX_TOKENS = 2**53
+
+
+def check_args(args) -> None:
+    """Every numeric option in its range, refused by its flag before anything is read or planned
+    (ValueError: `hf-cp plan: error: --world 1048576: ...`)."""
+
+    def whole(flag: str, v: Optional[int], lo: int, hi: int, what: str = "") -> None:
+        if v is not None and not lo <= v <= hi:
+            raise ValueError(f"{flag} {v}: must be from {lo:,} to {hi:,}{what}")
+
+    if args.world is not None:
+        whole("--world", args.world, 1, MAX_WORLD_SIZE, " ranks (the most hf_cp plans for)")
+    for flag, key in (
+        ("--max-tokens-per-rank", "max_tokens_per_rank"),
+        ("--tokens-per-step", "tokens_per_step"),
+        ("--tokens-per-rank-per-step", "tokens_per_rank_per_step"),
+        ("--chunk-size", "chunk_size"),
+    ):
+        whole(flag, getattr(args, key), 1, MAX_TOKENS, " tokens")
+    whole("--steps", args.steps, 1, 2**31 - 1)
+    whole("--seed", args.seed, 0, 2**32 - 1, " (numpy's seed range)")
+    whole("--gpus-per-node", args.gpus_per_node, 1, int(PROFILE_MAXIMA["gpus_per_node"][0]), " ranks per node")
+    whole("--max-group-size", args.max_group_size, 1, MAX_WORLD_SIZE, " ranks")
+    whole("--pipeline-stages", args.pipeline_stages, 1, MAX_WORLD_SIZE, " stages")
+    whole("--chunk-keep", args.chunk_keep, 1, MAX_TOKENS, " chunks")
+    whole("--plot-step", args.plot_step, 0, 2**31 - 1)
+    gb = args.device_memory_gb
+    top = PROFILE_MAXIMA["device_memory_gb"][0]
+    if gb is not None and not (math.isfinite(gb) and 0 <= gb <= top):
+        raise ValueError(f"--device-memory-gb {gb:g}: must be a number of GB from 0 (unknown) to {top:g}")
+
+
+FINITE_METRICS = (
+    "predicted_ms",
+    "lower_bound_ms",
+    "ratio_to_bound",
+    "max_over_mean",
+    "idle_share",
+    "peak_memory_gb",
+    "charged_bound_ms",
+    "compare_ms",
+)
+
+
+def check_finite(rows: List[dict], args) -> None:
+    """No report or JSON with inf or nan in it: a metric that is not a finite number means the
+    model's or the profile's numbers are beyond what the cost model computes in (PlanError)."""
+    for r in rows:
+        for key in FINITE_METRICS:
+            v = r.get(key)
+            if v is not None and not math.isfinite(v):
+                raise PlanError(
+                    f"step {r['step']}: the predicted {key} is {v}, not a finite number, for model {args.model} on "
+                    f"profile {args.profile}: their numbers are out of the range the cost model computes in"
+                )
+
+
 def run(args) -> int:
+    check_args(args)
     compare_ms: List[Optional[float]] = []
     if args.plan_json:
         plans, cluster, cost, header = _replan(args)
@@ -467,6 +533,7 @@ def run(args) -> int:
         masks_of = [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
         ring = sum(e.ring_zigzag_bytes for e in plan_exchange(plan, cost))  # the same groups, ring zigzag
         rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms, ring))
+    check_finite(rows, args)
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
     print_memory(cost, cluster, args.device_memory_gb)
@@ -474,7 +541,7 @@ def run(args) -> int:
         print_pipeline(plans, cost, cluster, args.pipeline_stages, settings_from_args(args) if args.lengths else None)
     if args.json:
         out = {"plans": [p.to_dict() for p in plans], "metrics": rows}
-        Path(args.json).write_text(json.dumps(out, sort_keys=True, separators=(",", ":")))
+        Path(args.json).write_text(json.dumps(out, sort_keys=True, separators=(",", ":"), allow_nan=False))
         print(f"wrote {len(plans)} plans and metrics to {args.json}")
     if args.plot:
         from hf_cp.report.timeline import plot_timeline  # matplotlib, only with --plot

@@ -12,7 +12,7 @@ import sys
 
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.plan.cluster import MAX_WORLD_SIZE
-from hf_cp.train.config import add_config_arguments
+from hf_cp.train.config import add_config_arguments, load_config
 
 
 def add_parser(sub) -> None:
@@ -140,8 +140,6 @@ def run(args) -> int:
             "hf_cp.train",
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
-        from hf_cp.train.config import load_config  # yaml only
-
         jit = bool((load_config(args.config, overrides).get("training") or {}).get("enable_jit_checkpoint"))
         return _run_forwarding_sigterm(cmd, env, to_workers=jit)
     from hf_cp.train.launch import run_refusing_once  # torch, transformers, deepspeed

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -26,11 +25,18 @@ import yaml
 from hf_cp.cost.execution import StepExecution
 from hf_cp.modes.registry import mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, doc_pairs, masked_doc_pairs, masked_segment_pairs, segment_tokens
+from hf_cp.readers import brief, load_json, load_yaml
 from hf_cp.resources import available_names, find_named
 
 
 class ConfigError(ValueError):
     """A config, profile or plan file is malformed; the message names the file and field."""
+
+
+# the largest model dimension read from a config (hidden size, heads, layers, vocabulary, ...):
+# far above any real model's (a 1M vocabulary, 128K intermediate), and small enough that the cost
+# model's FLOP and byte counts stay exact integers and finite floats
+MAX_MODEL_DIM = 2**24
 
 
 # --------------------------------------------------------------------------- model dimensions
@@ -99,8 +105,10 @@ class ModelDims:
             v = cfg[key] if default is None else cfg.get(key)
             if v is None and default is not None:
                 return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not float(v).is_integer():
-                raise ConfigError(f"{source}: field {key!r} must be a whole number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (isinstance(v, int) or v.is_integer()):
+                raise ConfigError(f"{source}: field {key!r} must be a whole number, got {brief(v)}")
+            if abs(v) > MAX_MODEL_DIM:
+                raise ConfigError(f"{source}: field {key!r} must be at most {MAX_MODEL_DIM:,}, got {brief(v)}")
             return int(v)
 
         try:
@@ -140,10 +148,12 @@ class ModelDims:
         configs/models/ under the working directory, then the package's built-ins)."""
         p = resolve_config(name_or_path, "models", (".json",))
         if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ConfigError(f"model config {p}: a directory without a config.json; expected a config.json file")
             p = p / "config.json"
         try:
-            cfg = json.loads(p.read_text())
-        except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError
+            cfg = load_json(p.read_text())
+        except (OSError, ValueError) as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
             raise ConfigError(f"model config {p}: {e}") from None
         return cls.from_hf_config(cfg, source=str(p))
 
@@ -151,9 +161,12 @@ class ModelDims:
 def read_yaml_mapping(
     path: Union[str, Path], what: str, expect: str = "a mapping at top level", error: type = ConfigError
 ) -> dict:
-    """A YAML file that must hold a mapping, read with the safe loader (no code from files)."""
+    """A YAML file that must hold a mapping, read with the safe loader (no code from files) that
+    refuses a key given twice and an alias bomb (hf_cp.readers.load_yaml)."""
+    if Path(path).is_dir():
+        raise error(f"{what} {path}: is a directory; expected a YAML file")
     try:
-        d = yaml.safe_load(Path(path).read_text())
+        d = load_yaml(Path(path).read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise error(f"{what} {path}: {e}") from None
     if not isinstance(d, dict):
@@ -173,6 +186,37 @@ def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[st
 
 
 # --------------------------------------------------------------------------- hardware profile
+# The largest value of each number of a profile, with its unit: orders of magnitude above what
+# any device measures (an H200: c1 ~1e-4 ms, alpha ~1e5 B, 141 GB, 450 GB/s), so that a number
+# past it is a typo or a fuzz (1e308 made `hf-cp plan` print inf and nan), refused by name
+# (forward_share and chunk_efficiency have their own ranges, within (0, 1]).
+PROFILE_MAXIMA: Mapping[str, Tuple[float, str]] = {
+    "c1_ms_per_token": (1e3, "ms per token and layer"),
+    "c2_ms_per_pair": (1e3, "ms per causal pair and layer"),
+    "c0_ms": (1e6, "ms per layer and micro-batch"),
+    "activation_bytes_per_token": (1e12, "bytes per token"),
+    "static_bytes": (1e18, "bytes"),
+    "bytes_per_element": (16, "bytes"),
+    "gpus_per_node": (4096, "ranks"),
+    "bandwidth_gbps": (1e6, "GB/s"),
+    "latency_us": (1e9, "microseconds"),
+    "reduction_overhead_ms": (1e6, "ms"),
+    "step_overhead_ms": (1e6, "ms"),
+    "cp_attention_scale": (1e3, "a factor"),
+    "cp_message_ms": (1e6, "ms"),
+    "device_memory_gb": (1e9, "GB"),
+    "head_split_factor": (1e3, "a factor"),
+}
+MAX_PROFILE_TABLE_KEY = 2**40  # a chunk_efficiency chunk length, a head_split_factor way count
+
+
+def _profile_key(field: str) -> str:
+    """The PROFILE_MAXIMA key of a field path: links.intra_node.latency_us -> latency_us,
+    chunk_efficiency.8 -> chunk_efficiency."""
+    parts = field.split(".")
+    return parts[-1] if parts[0] == "links" else parts[0]
+
+
 @dataclass(frozen=True)
 class Link:
     bandwidth_gbps: float  # GB/s per rank, one direction
@@ -226,17 +270,26 @@ class HardwareProfile:
                 hint = f"; did you mean {near[0]!r}?" if near else f"; known fields: {', '.join(sorted(known))}"
                 raise ConfigError(f"{source}: unknown field {k!r}{hint}")
 
-        def number(field: str, v, typ=float) -> float:
+        def number(field: str, v, typ=float, limit: Optional[Tuple[float, str]] = None) -> float:
+            """`v` as a finite `typ` of at most its field's PROFILE_MAXIMA (or `limit`)."""
             if isinstance(v, bool) or v is None:
-                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {v!r}")
+                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {brief(v)}")
             try:
-                x = typ(v)
-            except (TypeError, ValueError, OverflowError):
-                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {v!r}") from None
+                x = float(v)
+            except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond any float
+                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {brief(v)}") from None
             if not math.isfinite(x):
-                raise ConfigError(f"{source}: field {field!r} must be a finite number, got {v!r}")
-            if typ is int and float(v) != x:
-                raise ConfigError(f"{source}: field {field!r} must be a whole number, got {v!r}")
+                raise ConfigError(f"{source}: field {field!r} must be a finite number, got {brief(v)}")
+            hi, unit = limit or PROFILE_MAXIMA.get(_profile_key(field), (None, ""))
+            if hi is not None and x > hi:
+                raise ConfigError(
+                    f"{source}: field {field!r} must be at most {hi:g} ({unit}), got {brief(v)}: beyond what any "
+                    "hardware measures (a number that large overflows the cost model's sums to inf)"
+                )
+            if typ is int:
+                if not x.is_integer() or (isinstance(v, str) and not v.strip().lstrip("+-").isdigit()):
+                    raise ConfigError(f"{source}: field {field!r} must be a whole number, got {brief(v)}")
+                return int(x)
             return x
 
         def need(k, typ=float):
@@ -254,7 +307,12 @@ class HardwareProfile:
                 t = default
             if not isinstance(t, Mapping):
                 raise ConfigError(f"{source}: field {k!r} must be a mapping of integer keys to numbers, got {t!r}")
-            return tuple(sorted((int(number(f"{k}.{q}", q, int)), number(f"{k}.{q}", e)) for q, e in t.items()))
+            return tuple(
+                sorted(
+                    (int(number(f"{k}.{q}", q, int, (MAX_PROFILE_TABLE_KEY, "tokens or ways"))), number(f"{k}.{q}", e))
+                    for q, e in t.items()
+                )
+            )
 
         eff = table("chunk_efficiency", {})
         hs = table("head_split_factor", {1: 1.0})

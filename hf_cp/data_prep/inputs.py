@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from hf_cp.readers import check_json_file
+
 # file suffix -> datasets' packaged builder
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -45,6 +47,13 @@ def load_input(source: str, split: str = "train", subset: Optional[str] = None):
                 f"{p}: unsupported file type {''.join(p.suffixes) or '(none)'}; expected one of "
                 f"{', '.join(sorted(FILE_BUILDERS))} (optionally compressed)"
             )
+        if builder == "json" and p.suffix.lower() != ".zst":
+            try:  # pyarrow's JSON reader crashes the process on deep nesting: refused first
+                check_json_file(p)
+            except ValueError as e:
+                raise InputError(f"{p}: {e}") from None
+            except Exception:  # noqa: BLE001 (a corrupt archive: datasets reports it below)
+                pass
         try:
             return datasets.load_dataset(builder, data_files=str(p), split="train")
         except Exception as e:  # datasets wraps parse errors in several exception types

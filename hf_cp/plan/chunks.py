@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence, Tuple
 
 from hf_cp.modes.segments import causal_pairs, split_sizes
 from hf_cp.plan.bins import first_fit
+from hf_cp.readers import load_json
 
 if TYPE_CHECKING:  # pricing takes a CostModel; the plan itself needs no cost model
     from hf_cp.cost.model import CostModel
@@ -148,7 +149,7 @@ class ChunkPlan:
     @classmethod
     def from_json(cls, text: str, source: str = "chunk plan") -> ChunkPlan:
         try:
-            d = json.loads(text)
+            d = load_json(text)
         except json.JSONDecodeError as e:
             raise ChunkPlanError(f"{source}: not valid JSON: {e}") from None
         return cls.from_dict(d, source)
@@ -344,25 +345,43 @@ def largest_fitting_chunk(cost: CostModel, length: int, keep: int, max_tokens_pe
     memory is cost.memory_bytes(max_tokens_per_rank) (its activations and its state store);
     0 when even one-token chunks do not fit.
 
-    Searched over the chunk count N, from a lower bound up: when the whole sample does not fit
-    the free activation tokens, only N > K can, and then the kept chunks hold at least
-    K * floor(length / N) tokens, so no N below length / (free / K + 1) fits.
+    Searched over the chunk count m: chunks of c = ceil(length / m) tokens, which make
+    n = ceil(length / c) <= m chunks (dependent_chunk_sizes), split as split_sizes does (the
+    first r of q + 1 tokens). The K kept chunks are the last, smallest K of them, and the
+    largest chunk is ceil(length / n); both never grow with n, and n never shrinks with m, so
+    whether m fits is monotone in m: a bisection over [lower bound, length] finds the smallest
+    m that fits (the largest chunk) in at most 64 steps, whatever the numbers (a cap of 1e15
+    tokens, an activation size of 1e300 bytes made a walk over m spin for hours). The lower
+    bound: ceil(length / upper), and when the whole sample does not fit the free activation
+    tokens only n > K can, the kept chunks then holding at least K * floor(length / n)
+    tokens, so no m below length / (free / K + 1) fits.
     """
     if keep <= 0 or upper <= 0:
         raise ValueError(f"keep and upper must be positive, got {keep} and {upper}")
     alpha = cost.profile.activation_bytes_per_token
     free = (cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0) - state_bytes(cost, length)) / alpha
-    if free < 1:
+    if not free >= 1:  # nan (inf - inf) fits nothing either
         return 0
-    n_chunks = max(-(-length // upper), 1)
-    if length > free:
-        n_chunks = max(n_chunks, int(length // (free / keep + 1)))
-    while n_chunks <= length:
-        c = -(-length // n_chunks)
-        n = -(-length // c)  # the chunks dependent_chunk_sizes(length, c) really makes (n <= n_chunks)
+    length = int(length)
+
+    def fits(m: int) -> bool:
+        c = -(-length // m)
+        n = -(-length // c)  # the chunks dependent_chunk_sizes(length, c) really makes (n <= m)
         q, r = divmod(length, n)
         kept = length if keep >= n else keep * q + max(0, r - (n - keep))  # split_sizes: the first r are q + 1
-        if max(kept, q + (r > 0)) <= free:
-            return c
-        n_chunks += 1
-    return 0
+        return max(kept, q + (r > 0)) <= free
+
+    lo = max(-(-length // upper), 1)
+    if length > free:
+        lo = max(lo, int(length // (free / keep + 1)))
+    lo = min(lo, length)
+    if lo < 1 or not fits(length):
+        return 0
+    hi = length  # fits(hi); the smallest m in [lo, hi] that fits is wanted
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return -(-length // lo)

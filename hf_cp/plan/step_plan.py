@@ -31,6 +31,7 @@ from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.passes import MICRO_BATCH_PASSES, chunked_passes, merge_passes
 from hf_cp.plan.sorting import stable_order
+from hf_cp.readers import load_json
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
 
 FORMAT = "hf_cp.step_plan/1"
@@ -398,8 +399,10 @@ class StepPlan:
         or one plan; each read (and, with `validate`, checked) with errors naming the file and
         the plan's index: "plans.json[2]: step 5, wave 1: ..."."""
         path = Path(path)
+        if path.is_dir():
+            raise PlanError(f"{path}: is a directory; expected a plan JSON file (hf-cp plan --json writes one)")
         try:
-            data = json.loads(path.read_bytes())
+            data = load_json(path.read_bytes())
         except OSError as e:
             raise PlanError(f"{path}: {e.strerror or e}") from None
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -426,7 +429,7 @@ class StepPlan:
     @classmethod
     def from_json(cls, text: str, source: str = "plan") -> StepPlan:
         try:
-            d = json.loads(text)
+            d = load_json(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"{source}: not valid JSON: {e}") from None
         return cls.from_dict(d, source)

@@ -28,6 +28,7 @@ from hf_cp.cost.execution import (
 from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
 from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.planning.sampler import GlobalBatchSampler
+from hf_cp.readers import load_json
 
 
 @dataclass
@@ -170,11 +171,9 @@ def deepspeed_config_of(args) -> Optional[dict]:
         return None
     if isinstance(raw, Mapping):
         return dict(raw)
-    import json
-
     try:
         with open(raw) as f:
-            return json.load(f)
+            return load_json(f.read())
     except (OSError, ValueError):
         return {}  # TrainingArguments reports an unreadable DeepSpeed config itself
 

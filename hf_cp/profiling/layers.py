@@ -9,7 +9,6 @@ left out (their keys are random placeholders), which is what replay and profilin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -18,6 +17,7 @@ import torch
 
 from hf_cp.cost.model import ConfigError, resolve_config
 from hf_cp.profiling.shard_attention import SegmentLayout
+from hf_cp.readers import load_json
 
 ATTENTION_NAME = "hf_cp_shard_compute"
 
@@ -60,8 +60,8 @@ def load_hf_config(model: Union[str, Path, dict]):
         if p.is_dir():
             p = p / "config.json"
         try:
-            cfg, source = json.loads(p.read_text()), str(p)
-        except (OSError, json.JSONDecodeError) as e:
+            cfg, source = load_json(p.read_text()), str(p)
+        except (OSError, ValueError) as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
             raise ConfigError(f"model config {p}: {e}") from None
     if "model_type" not in cfg:
         raise ConfigError(f"{source}: missing field 'model_type' (needed to build the decoder layer)")

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 from hf_cp.cost.simulate import max_over_mean
 from hf_cp.figures import pyplot, save_figure
+from hf_cp.readers import load_json
 from hf_cp.train.history import HistoryError, latest_records
 
 SOURCES = ("history", "trainer-state", "tensorboard")
@@ -175,7 +176,7 @@ def _log_history(run_dir: Path):
     if path is None:
         raise RunLogError(f"{run_dir}: no trainer_state.json (nor in checkpoint-*/)")
     try:
-        return path, json.loads(path.read_text())["log_history"]
+        return path, load_json(path.read_text())["log_history"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise RunLogError(f"{path}: no readable log_history ({e})") from None
 

@@ -16,6 +16,24 @@ class LengthsError(ValueError):
     """Bad length data; the message names the file and line or sample."""
 
 
+# the longest sample (and the largest token count of any option) hf_cp reads: token counts stay
+# exact in the cost model's floats and fit numpy's int64 sums (10**20 died in an OverflowError)
+MAX_TOKENS = 2**53
+
+
+def load_saved_dataset(p: Path, what: str = "lengths"):
+    """datasets.load_from_disk(p), a folder that is no saved dataset refused naming it."""
+    from datasets import load_from_disk  # datasets, only for a folder
+
+    try:
+        return load_from_disk(str(p))
+    except FileNotFoundError as e:  # a folder without a dataset's files
+        raise LengthsError(
+            f"{what} {p} is a directory but not a saved `datasets` folder ({e}); expected a file or a folder "
+            "written by Dataset.save_to_disk (hf-cp preprocess)"
+        ) from None
+
+
 def read_lengths(path: Union[str, Path], column: str = "length") -> List[int]:
     """One positive integer per line of a text file, or a saved `datasets` folder's column."""
     p = Path(path)
@@ -38,6 +56,10 @@ def read_lengths(path: Union[str, Path], column: str = "length") -> List[int]:
                 raise LengthsError(f"{p}, line {lineno}: {s[:40]!r} is not an integer token count") from None
             if n <= 0:
                 raise LengthsError(f"{p}, line {lineno}: length {n} must be positive")
+            if n > MAX_TOKENS:
+                raise LengthsError(
+                    f"{p}, line {lineno}: length {s[:40]} is over the most tokens hf_cp reads, {MAX_TOKENS}"
+                )
             out.append(n)
     if not out:
         raise LengthsError(f"{p}: no lengths found (one integer per line expected)")
@@ -62,10 +84,10 @@ def _parse_plain_lengths(text: str):
 
 def _dataset_lengths(p: Path, column: str) -> List[int]:
     try:
-        from datasets import DatasetDict, load_from_disk
+        from datasets import DatasetDict
     except ImportError:  # pragma: no cover - datasets is a core dependency
         raise LengthsError(f"{p} is a folder; reading a saved dataset needs the `datasets` package") from None
-    ds = load_from_disk(str(p))
+    ds = load_saved_dataset(p)
     if isinstance(ds, DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     if column not in ds.column_names:

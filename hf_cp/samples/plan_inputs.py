@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Union
 
-from hf_cp.samples.lengths import LengthsError, read_lengths
+from hf_cp.readers import brief, load_json
+from hf_cp.samples.lengths import MAX_TOKENS, LengthsError, load_saved_dataset, read_lengths
 from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask_column
 from hf_cp.samples.masks import MaskError, SampleMask
 from hf_cp.samples.packed_input import PackedInputError, boundary_columns, row_documents
@@ -68,7 +69,7 @@ def _group_records(p: Path) -> PlanInputs:
                 continue
             where = f"{p}, line {lineno}"
             try:
-                rec = json.loads(s)
+                rec = load_json(s)
             except json.JSONDecodeError as e:
                 raise LengthsError(f'{where}: not JSON ({e}); expected {{"prompt": P, "answers": [...]}}') from None
             if not isinstance(rec, dict) or "prompt" not in rec or "answers" not in rec:
@@ -76,12 +77,12 @@ def _group_records(p: Path) -> PlanInputs:
                     f'{where}: expected a record {{"prompt": P, "answers": [a1, ...]}} of token counts, got {s[:80]!r}'
                 )
             prompt, answers = rec["prompt"], rec["answers"]
-            ok = isinstance(prompt, int) and prompt >= 0 and isinstance(answers, list) and answers
-            ok = ok and all(isinstance(a, int) and a > 0 for a in answers)
+            ok = isinstance(prompt, int) and 0 <= prompt <= MAX_TOKENS and isinstance(answers, list) and answers
+            ok = ok and all(isinstance(a, int) and 0 < a <= MAX_TOKENS for a in answers)
             if not ok:
                 raise LengthsError(
                     f"{where}: prompt must be a token count >= 0 and answers a non-empty list of positive token "
-                    f"counts, got prompt {prompt!r}, answers {answers!r:.80}"
+                    f"counts (each at most {MAX_TOKENS}), got prompt {brief(prompt)}, answers {brief(answers)}"
                 )
             mask = SampleMask.shared_prompt(prompt, answers)
             if not mask.is_causal:
@@ -93,9 +94,9 @@ def _group_records(p: Path) -> PlanInputs:
 
 
 def _dataset_inputs(p: Path) -> PlanInputs:
-    from datasets import DatasetDict, load_from_disk
+    from datasets import DatasetDict  # datasets, only for a folder
 
-    ds = load_from_disk(str(p))
+    ds = load_saved_dataset(p)
     if isinstance(ds, DatasetDict):
         ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
     cols = ds.column_names

@@ -23,6 +23,9 @@ Sections:
               ddp_timeout (s) bounds every collective; resume_from_checkpoint: latest makes
               a job restartable (torchrun --max-restarts, see hf_cp.train.resume); the final
               model (and tokenizer) is saved to output_dir/final (cp_save_final_model: false: not)
+The file is read as yaml.safe_load reads it, except that a key given twice (two `training:`
+sections, a key twice in one) is an error naming the key and both lines, and so are aliases that
+expand past 100,000 nodes and nesting past 100 levels (hf_cp.readers); `--set` values too.
 A key a section does not know is an error naming the nearest valid key, and a value of the wrong
 type one naming the key, the type and the value (config_schema.py); a name that resolves to
 nothing (model.config, training.cp_profile, cp_balancer, cp_compare_balancer) is refused when the
@@ -37,7 +40,6 @@ The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional
@@ -45,7 +47,8 @@ from typing import Iterable, Iterator, List, Optional
 import yaml
 
 from hf_cp.balance.registry import available_balancers
-from hf_cp.cost.model import HardwareProfile, read_yaml_mapping, resolve_config
+from hf_cp.cost.model import MAX_MODEL_DIM, HardwareProfile, read_yaml_mapping, resolve_config
+from hf_cp.readers import brief, load_json, load_yaml
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
 from hf_cp.train.config_schema import (
     DATA_KEYS,
@@ -78,7 +81,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     unknown = set(cfg) - {"model", "data", "training"}
     if unknown:
         raise TrainConfigError(
-            f"training config {path}: unknown section(s) {sorted(unknown)}; expected model, data, training"
+            f"training config {path}: unknown section(s) {sorted(map(str, unknown))}; expected model, data, training"
         )
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
@@ -90,7 +93,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
         if cfg.get(section) is None:  # `data:` with nothing under it
             cfg[section] = {}
         if isinstance(cfg[section], dict):  # otherwise the schema check below names the section
-            cfg[section][field] = yaml.safe_load(value)
+            cfg[section][field] = override_value(item, value)
     # every section against its schema: a typo names the key and the nearest valid one, a value
     # of the wrong type the key, the type and the value; null keys are left out (unset)
     cfg["model"] = check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
@@ -101,6 +104,19 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
     check_names(cfg, str(p))
     cfg["_source"] = str(p)
     return cfg
+
+
+def override_value(item: str, value: str):
+    """The value of a `--set section.key=VALUE` override, read as YAML (hf_cp.readers.load_yaml:
+    5 is a number, [1, 2] a list, text a string); text that is no YAML is refused naming the override."""
+    try:
+        return load_yaml(value)
+    except yaml.YAMLError as e:
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise TrainConfigError(
+            f"override {brief(item)}: the value {brief(value)} is not valid YAML ({problem}); quote a string "
+            f"that starts with [, {{, & or *: --set '{item.split('=', 1)[0]}=\"...\"'"
+        ) from None
 
 
 NO_BALANCER = ("", "none", "null")  # cp_compare_balancer: no comparison (CPTrainingArguments)
@@ -155,13 +171,15 @@ def named_errors(source: str, section: str, keys: Iterable[str], preferred: Iter
     `section` such as "training.cp_profile" names the key itself); the message itself is kept."""
     try:
         yield
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, ArithmeticError) as e:
         text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         if text.startswith(f"{source}: "):  # already named (a TrainConfigError of the schema)
             raise
         key = _key_named(text, keys, preferred)
         where = f"{section}.{key}" if key else section
         message = f"{source}: {where}: {text}"
+        if isinstance(e, ArithmeticError):  # a division by a zero the file gave (a user error, not a crash)
+            raise TrainConfigError(f"{message} ({type(e).__name__}: a count in it is zero or out of range)") from None
         try:
             error = type(e)(message)
         except Exception:  # noqa: BLE001 (an exception type that takes other arguments)
@@ -216,26 +234,70 @@ def model_config(mcfg: dict, source: str):
     mcfg = unset(mcfg)  # `pretrained: null` is no pretrained model, not one named 'None'
     trusted = trust_remote_code(mcfg, source)
     if "pretrained" in mcfg:
-        return _from_pretrained(
-            AutoConfig.from_pretrained, pretrained_path(mcfg, source), source, trust_remote_code=trusted
-        )
+        path = pretrained_path(mcfg, source)
+        own = Path(path) / "config.json"
+        if own.is_file():  # its counts checked first: transformers divides by the head count
+            try:
+                check_model_counts(load_json(own.read_text()), f"{source}: model.pretrained {own}")
+            except (OSError, ValueError) as e:
+                if isinstance(e, TrainConfigError):
+                    raise
+                raise TrainConfigError(f"{source}: model.pretrained {own} is not a readable JSON file: {e}") from None
+        with named_errors(source, "model.pretrained", []):
+            return _from_pretrained(AutoConfig.from_pretrained, path, source, trust_remote_code=trusted)
     if "config" not in mcfg:
         raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
 
     with named_errors(source, "model.config", []):
         cpath = resolve_config(mcfg["config"], "models", (".json",))
+    if Path(cpath).is_dir():
+        raise TrainConfigError(f"{source}: model.config {cpath} is a directory; expected a config.json file")
     try:
-        d = json.loads(Path(cpath).read_text())
+        d = load_json(Path(cpath).read_text())
     except (OSError, ValueError) as e:
         raise TrainConfigError(f"{source}: model.config {cpath} is not a readable JSON file: {e}") from None
     if not isinstance(d, dict):
         raise TrainConfigError(f"{source}: model.config {cpath} must hold a JSON object, got {type(d).__name__}")
+    check_model_counts(d, f"{source}: model.config {cpath}")
     d.pop("architectures", None)
     mtype = d.pop("model_type", None)
     if mtype is None:
         raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
     with named_errors(source, f"model.config {cpath}", []):
         return AutoConfig.for_model(mtype, **d)
+
+
+# the counts of a transformers config the model's shapes divide by or multiply out (a head count of
+# 0: ZeroDivisionError inside transformers' validation; 1e12 layers: a model never built)
+MODEL_COUNT_KEYS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "head_dim",
+    "hidden_size",
+    "num_hidden_layers",
+)
+
+
+def check_model_counts(d: object, where: str) -> None:
+    """Every count of MODEL_COUNT_KEYS a config dict (or its text_config) sets is a whole number
+    from 1 to MAX_MODEL_DIM; null is unset. TrainConfigError naming `where` and the field."""
+    if not isinstance(d, dict):
+        return
+    for part, sub in (("", d), ("text_config.", d.get("text_config"))):
+        if not isinstance(sub, dict):
+            continue
+        for k in MODEL_COUNT_KEYS:
+            v = sub.get(k)
+            if v is None:
+                continue
+            whole = not isinstance(v, bool) and isinstance(v, (int, float)) and (isinstance(v, int) or v.is_integer())
+            if not whole or not 1 <= v <= MAX_MODEL_DIM:
+                raise TrainConfigError(
+                    f"{where}: field {(part + k)!r} must be a whole number from 1 to {MAX_MODEL_DIM:,}, got {brief(v)}"
+                )
 
 
 def build_model(mcfg: dict, source: str):
@@ -295,7 +357,13 @@ def _read_dataset(path: str, field: str, source: str):
     if not p.exists():
         raise TrainConfigError(f"{source}: data.{field} {path} does not exist ({LOOKED})")
     if p.is_dir():
-        ds = load_from_disk(str(p))
+        try:
+            ds = load_from_disk(str(p))
+        except FileNotFoundError as e:  # a folder that is no saved dataset
+            raise TrainConfigError(
+                f"{source}: data.{field} {path} is a directory but not a saved `datasets` folder ({e}); expected "
+                "a folder written by Dataset.save_to_disk (hf-cp preprocess) or a .jsonl[.gz] file"
+            ) from None
         if hasattr(ds, "keys"):
             ds = ds["train"]
         return ds
@@ -303,8 +371,18 @@ def _read_dataset(path: str, field: str, source: str):
         import gzip
 
         opener = gzip.open if p.suffix == ".gz" else open
+        rows = []
         with opener(p, "rt") as f:
-            return Dataset.from_list([json.loads(line) for line in f if line.strip()])
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(load_json(line))
+                except ValueError as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
+                    raise TrainConfigError(
+                        f"{source}: data.{field} {path}, line {lineno}: not a JSON record ({e})"
+                    ) from None
+        return Dataset.from_list(rows)
     raise TrainConfigError(f"{source}: data.{field} {p} is neither a saved dataset folder nor a .jsonl[.gz]")
 
 

@@ -10,6 +10,9 @@ A number key also takes the text PyYAML leaves a number without a dot as (1e-3),
 key takes .nan or .inf. The common numeric training keys transformers does not range-check have
 their ranges here (TRAINING_RANGES: learning_rate >= 0, logging_steps > 0, ...), and a string key
 typed `SomeEnum | str` (lr_scheduler_type, save_strategy, ...) takes only the enum's values.
+An integer key holds a 64-bit integer at most (MAX_INT: max_steps: 10**20 was an OverflowError),
+num_train_epochs at most MAX_EPOCHS, and an error message shows a value cut short (readers.brief),
+never the whole repr of a huge one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+from hf_cp.readers import brief
 from hf_cp.train.setup_checks import check_parallelism
 
 
@@ -61,6 +65,28 @@ def _seed(v) -> Optional[str]:
     return None if 0 <= v < 2**32 else "must be in [0, 2**32 - 1] (numpy's seed range)"
 
 
+# most epochs a run may ask for: the sampler cuts every epoch's batches when the run starts (about
+# 50 us per epoch of 240 samples), so 1e20 epochs never started; max_steps bounds a longer run
+MAX_EPOCHS = 10_000
+
+
+def _epochs(v) -> Optional[str]:
+    if not v > 0:
+        return "must be > 0"
+    return None if v <= MAX_EPOCHS else f"must be at most {MAX_EPOCHS} (set max_steps for a longer run)"
+
+
+# an integer key's range: what a 64-bit integer holds (torch, numpy and the Trainer's counters);
+# Python's own integers are unbounded, and 1e20 steps died in an OverflowError (len() of the sampler)
+MAX_INT = 2**63 - 1
+
+
+def _out_of_int_range(section: str, key: str, value: object) -> Optional[str]:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"{section}.{key}: {brief(value)} is out of range: an integer key holds at most 2**63 - 1 ({MAX_INT})"
+    return None
+
+
 _STR = (str,)
 _INT = (int,)
 _PATH = (str,)
@@ -70,7 +96,7 @@ MODEL_KEYS: Dict[str, Key] = {
     "pretrained": Key(_PATH, "a model folder (or a Hub name when a network is available)"),
     "tokenizer": Key(_PATH, "a tokenizer folder saved with the final model (default: the pretrained folder's)"),
     "attn_implementation": Key(_STR, "attention implementation (hf_cp for CP plans)"),
-    "seed": Key(_INT, "seed of the random weights of `config`"),
+    "seed": Key(_INT, "seed of the random weights of `config`", _seed),
     "trust_remote_code": Key((bool,), "run Python shipped with a pretrained folder"),
 }
 
@@ -80,7 +106,7 @@ DATA_KEYS: Dict[str, Key] = {
     "limit": Key(_INT, "keep the first N training samples (0: all)", _non_negative),
     "eval_path": Key(_PATH, "evaluation data, same formats as path"),
     "eval_split": Key((float,), "a held-out fraction of the training samples", _fraction),
-    "eval_seed": Key(_INT, "seed of the eval_split draw"),
+    "eval_seed": Key(_INT, "seed of the eval_split draw", _seed),
 }
 
 # keys of one section that must not be set together: (a, b, why)
@@ -98,7 +124,7 @@ EXCLUSIVE = {
 TRAINING_RANGES: Dict[str, Callable[[object], Optional[str]]] = {
     "learning_rate": _non_negative,
     "weight_decay": _non_negative,
-    "num_train_epochs": _positive,
+    "num_train_epochs": _epochs,
     "max_steps": _max_steps,
     "warmup_steps": _non_negative,
     "logging_steps": _positive,
@@ -162,7 +188,7 @@ def _as_number(value: object) -> object:
 def _wrong_type(section: str, key: str, expected: str, value: object, help: str = "") -> str:
     if isinstance(value, float) and not math.isfinite(value) and "a number" in expected:
         expected = expected.replace("a number", "a finite number", 1)  # .nan, .inf
-    return f"{section}.{key}: expected {expected}{f' ({help})' if help else ''}, got {value!r:.80}"
+    return f"{section}.{key}: expected {expected}{f' ({help})' if help else ''}, got {brief(value)}"
 
 
 def check_section(section: str, values: object, schema: Mapping[str, Key], source: str) -> dict:
@@ -171,7 +197,7 @@ def check_section(section: str, values: object, schema: Mapping[str, Key], sourc
     if values is None:
         return {}
     if not isinstance(values, Mapping):
-        raise SchemaError(f"{source}: section {section} must be a mapping of keys to values, got {values!r:.60}")
+        raise SchemaError(f"{source}: section {section} must be a mapping of keys to values, got {brief(values, 60)}")
     problems, out = [], {}
     for key, value in unset(values).items():
         spec = schema.get(key)
@@ -183,9 +209,13 @@ def check_section(section: str, values: object, schema: Mapping[str, Key], sourc
         if not expected.accepts(value):
             problems.append(_wrong_type(section, key, expected.describe(), value, spec.help))
             continue
+        huge = _out_of_int_range(section, key, value)
+        if huge:
+            problems.append(huge)
+            continue
         bad = spec.check(value) if spec.check else None
         if bad:
-            problems.append(f"{section}.{key} {bad}, got {value!r}")
+            problems.append(f"{section}.{key} {bad}, got {brief(value)}")
     for a, b, why in EXCLUSIVE.get(section, []):
         if values.get(a) not in (None, False, "") and values.get(b) not in (None, False, ""):
             problems.append(f"{section}.{a} and {section}.{b} both set: {why}")
@@ -234,7 +264,8 @@ class _Type:
         if tp is int:
             return isinstance(value, int) and not isinstance(value, bool)
         if tp is float:  # YAML reads 1 as an int; .nan and .inf are no setting of any number key
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return number and (isinstance(value, int) or math.isfinite(value))  # 10**400: no float, but finite
         if origin in _LISTS or tp in (list, tuple):
             item = self._args()[0] if self._args() else Any
             return isinstance(value, (list, tuple)) and all(_Type(item).accepts(v) for v in value)
@@ -355,12 +386,16 @@ def check_training_keys(values: Mapping, source: str) -> dict:
         choices = expected.enum_of_string()
         if choices is not None and isinstance(value, str) and value not in {m.value for m in choices}:
             valid_values = ", ".join(str(m.value) for m in choices)
-            problems.append(f"training.{key}: expected one of {valid_values} ({choices.__name__}), got {value!r:.80}")
+            problems.append(f"training.{key}: expected one of {valid_values} ({choices.__name__}), got {brief(value)}")
+            continue
+        huge = _out_of_int_range("training", key, value)
+        if huge:
+            problems.append(huge)
             continue
         check = TRAINING_RANGES.get(key)
         bad = check(value) if check and isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if bad:
-            problems.append(f"training.{key} {bad}, got {value!r}")
+            problems.append(f"training.{key} {bad}, got {brief(value)}")
     if problems:
         raise SchemaError(f"{source}: " + "; ".join(problems))
     return out

@@ -15,6 +15,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union, get_args, get_origin, get_type_hints
 
+from hf_cp.readers import load_json
+
 
 class HistoryError(ValueError):
     """A history line is not a step record; the message names the file and line."""
@@ -180,7 +182,7 @@ def history_lines(path: Union[str, Path]) -> Iterator[Tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            d = json.loads(line)
+            d = load_json(line)
         except json.JSONDecodeError as e:
             if torn_tail and lineno == len(lines):
                 warnings.warn(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 from hf_cp.balance.base import PlanRequest, SampleTooLongError
 from hf_cp.balance.registry import get_balancer
 from hf_cp.plan.chunks import largest_fitting_chunk, state_bytes
+from hf_cp.samples.lengths import MAX_TOKENS
 
 if TYPE_CHECKING:
     from hf_cp.cost.model import CostModel
@@ -59,7 +60,9 @@ def longest_chunkable_sample(
     chunk counts N, so it flips from fitting to not fitting near one length)."""
     room = cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0)
     per_token = state_bytes(cost, 1)
-    hi = int(room // per_token) if per_token > 0 else 0
+    # at most the longest sample hf_cp reads (MAX_TOKENS): the bisection takes <= 53 steps, also
+    # for a room of 1e300 bytes or more (inf)
+    hi = int(min(room / per_token, MAX_TOKENS)) if per_token > 0 and room == room else 0
     if hi < 1 or not chunk_fits(cost, 1, keep, max_tokens_per_rank, chunk_size, min_chunk):
         return 0
     lo = 1  # chunk_fits(lo) holds; chunk_fits(hi + 1) does not (the store alone overflows)

@@ -81,7 +81,9 @@ class _Step:
 def _prepare(lengths, world, cap, w, masks, opt, max_group) -> _Step:
     lengths = [int(n) for n in lengths]
     times = sample_times(lengths, masks, w)
-    top = min(world, max_group or world)
+    # the largest aligned power-of-two block: a world that is not a power of two (3, 6 ranks of
+    # one node) has none of its own size, and a sample spreads over at most the largest that fits
+    top = 1 << (min(world, max_group or world).bit_length() - 1)
     rank_share = float(times.sum()) / world  # a rank's share of the step
     base = opt.block_size or max(1, 1 << int(math.log2(max(1, cap // 4))))
     room = cap * opt.fill
@@ -106,6 +108,13 @@ def _blocks_by_load(loads: np.ndarray, p: int) -> np.ndarray:
     of one node that is not a power of two ends before its last block would: blocks that fit)."""
     n = len(loads) // p
     return np.lexsort((np.arange(n), loads[: n * p].reshape(n, p).sum(axis=1)))
+
+
+def _by_block(per_rank: np.ndarray, p: int) -> np.ndarray:
+    """A per-rank array as rows of the aligned blocks of p ranks (the ranks past the last whole
+    block, in a world that is not a power of two, belong to none)."""
+    n = len(per_rank) // p
+    return per_rank[: n * p].reshape(n, p)
 
 
 def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> List[List[LayoutGroup]]:
@@ -170,7 +179,7 @@ def plan_layout(
                 waves.append([])
                 wave_tokens.append(np.zeros(world))
             if waves[wv]:
-                fits = (wave_tokens[wv].reshape(-1, p) + per_rank <= room).all(axis=1)
+                fits = (_by_block(wave_tokens[wv], p) + per_rank <= room).all(axis=1)
                 ok = order[fits[order]]
                 if not len(ok):
                     continue
@@ -299,10 +308,10 @@ def fallback_layout(
                 tokens.append(np.zeros(world, dtype=np.int64))
                 owner.append(np.full(world, -1, dtype=np.int64))
             fresh = not waves[wv] and not locals_[wv]
-            t = tokens[wv].reshape(-1, p)
+            t = _by_block(tokens[wv], p)
             fits = (t + per <= room).all(axis=1) | ((t + per <= cap).all(axis=1) & fresh)
             if p > 1:
-                own = owner[wv].reshape(-1, p)
+                own = _by_block(owner[wv], p)
                 code = np.arange(len(own)) * p * (world + 1) + p
                 fits &= ((own == -1) | (own == code[:, None])).all(axis=1)
             ok = order[fits[order]]
