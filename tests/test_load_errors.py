@@ -104,6 +104,8 @@ DAMAGES = [
         "says global_step 4, but its folder is checkpoint-2",
     ),
     ("config.json", lambda p: p.write_text("{"), "is not valid JSON"),
+    # 100,000-deep: json.loads would end in a RecursionError traceback on every rank
+    ("config.json", lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested deeper than 100 levels"),
     ("model.safetensors", lambda p: _cut(p), "is cut short: its tensors need"),
     ("model.safetensors", lambda p: p.write_bytes(b"\xff" * 64), "is damaged: its first 8 bytes"),
     ("optimizer.pt", lambda p: _cut(p), "is cut short or damaged: its zip directory cannot be read"),

@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 
 from hf_cp.attention.kernels import KERNEL_CHOICES, check_kernel_choice
 from hf_cp.planning.setup import PlanningSettings
+from hf_cp.readers import load_yaml
 from hf_cp.resources import input_path
 from hf_cp.train.layer_compile import compile_problem
 from hf_cp.train.loss import liger_loss_problem
@@ -216,9 +217,7 @@ class CPTrainingArguments(TrainingArguments):
         for name in ("cp_balancer_options", "cp_profile"):
             value = getattr(self, name)
             if isinstance(value, str) and value.lstrip().startswith("{"):  # a mapping given on a command line
-                import yaml
-
-                parsed = yaml.safe_load(value)
+                parsed = load_yaml(value)  # hf_cp's reader: no duplicate keys or alias bombs
                 if not isinstance(parsed, dict):
                     raise ValueError(f"CPTrainingArguments: {name} {value!r} is not a mapping")
                 setattr(self, name, parsed)

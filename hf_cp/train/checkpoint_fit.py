@@ -11,10 +11,10 @@ by the field that differs.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
+from hf_cp.readers import load_json  # nesting bounded (readers.py)
 from hf_cp.train.setup_checks import SetupError
 
 FSDP2_MODEL_FOLDER = "pytorch_model_fsdp_0"  # accelerate's sharded FSDP model state
@@ -80,7 +80,7 @@ def check_checkpoint_fits(checkpoint, engine: str, model_config=None) -> None:
     if model_config is None or not config_file.is_file():
         return
     try:
-        theirs = json.loads(config_file.read_text())
+        theirs = load_json(config_file.read_text())
     except (OSError, ValueError):
         return  # a damaged file is check_checkpoint_files's to name
     ours = model_config.to_dict() if hasattr(model_config, "to_dict") else dict(model_config)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional, Set
 
+from hf_cp.readers import load_json  # nesting bounded (readers.py)
 from hf_cp.train.setup_checks import SetupError
 
 # DeepSpeed keys read outside DeepSpeedConfig's parse (by the engine, the profiler, the aio and
@@ -63,7 +63,7 @@ def _deepspeed_dict(deepspeed: Any, where: str) -> Optional[dict]:
         return copy.deepcopy(dict(deepspeed))
     path = Path(str(deepspeed))
     try:
-        data = json.loads(path.read_text())
+        data = load_json(path.read_text())
     except (OSError, ValueError) as e:
         raise SetupError(f"{where}: deepspeed {str(path)!r} cannot be read as JSON ({e})") from None
     if not isinstance(data, dict):

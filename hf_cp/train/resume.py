@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from hf_cp.readers import load_json  # nesting bounded (readers.py)
 from hf_cp.train.checkpoint_trust import (
     DIGEST,
     UntrustedCheckpointError,
@@ -157,7 +158,7 @@ def checkpoint_step(checkpoint: str) -> int:
     if not state.is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint} has no trainer_state.json; is it a Trainer checkpoint?")
     try:
-        step = json.loads(state.read_text())["global_step"]
+        step = load_json(state.read_text())["global_step"]
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{state}: no readable global_step ({type(e).__name__}: {e})") from None
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -289,7 +290,7 @@ def check_resumed_schedule(checkpoint: str, now: dict, allow_change: bool = Fals
     if not path.is_file():
         return [f"{checkpoint} has no {SCHEDULE_FILE}: cannot check that the resumed run keeps the sample schedule"]
     try:
-        saved = json.loads(path.read_text())
+        saved = load_json(path.read_text())
     except ValueError as err:
         raise ScheduleChangedError(f"{path} is not valid JSON ({err}); delete it to resume without the check") from err
     if not isinstance(saved, dict):
@@ -429,7 +430,7 @@ def checkpoint_status(folder: Union[str, Path]) -> CheckpointStatus:
         marker = p / COMPLETE_FILE
         if marker.is_file():
             try:
-                files = dict(json.loads(marker.read_text())["files"])
+                files = dict(load_json(marker.read_text())["files"])
             except (ValueError, KeyError, TypeError):
                 return partial(f"{COMPLETE_FILE} is not a valid completion record")
             missing = sorted(f for f in files if not (p / f).is_file())
@@ -438,7 +439,7 @@ def checkpoint_status(folder: Union[str, Path]) -> CheckpointStatus:
                 return partial(f"files its {COMPLETE_FILE} lists are missing: {shown}")
             return CheckpointStatus(str(p), step, True)
         try:
-            schedule = json.loads((p / SCHEDULE_FILE).read_text())
+            schedule = load_json((p / SCHEDULE_FILE).read_text())
         except (OSError, ValueError):
             schedule = None
         if isinstance(schedule, dict) and schedule.get(MARKED_FIELD):
@@ -447,7 +448,7 @@ def checkpoint_status(folder: Union[str, Path]) -> CheckpointStatus:
         if not state.is_file():
             return partial(f"no trainer_state.json and no {COMPLETE_FILE}: its save did not finish; {_held(p)}")
         try:
-            int(json.loads(state.read_text())["global_step"])
+            int(load_json(state.read_text())["global_step"])
         except (ValueError, KeyError, TypeError):
             return partial(f"its trainer_state.json is unreadable (cut short?) and it has no {COMPLETE_FILE}")
         return CheckpointStatus(str(p), step, True, legacy=True)
@@ -762,7 +763,7 @@ def _trainer_state_fields() -> set:
 
 def _json_problem(path: Path) -> Optional[str]:
     try:
-        data = json.loads(path.read_bytes())
+        data = load_json(path.read_bytes())
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         return f"is not valid JSON ({e})"
     if path.name != "trainer_state.json":
@@ -793,7 +794,7 @@ def _safetensors_problem(path: Path, size: int) -> Optional[str]:
             return f"is cut short: its header needs {n} bytes after the first 8, the file has {size} bytes in all"
         raw = fh.read(n)
     try:
-        header = json.loads(raw)
+        header = load_json(raw)
     except ValueError as e:
         return f"is damaged: its header is not valid JSON ({e})"
     if not isinstance(header, dict):
@@ -902,7 +903,7 @@ def _bytes(path: Path) -> int:
 def _completion_record(ckpt: Path) -> Tuple[dict, dict]:
     """The sizes and digests COMPLETE_FILE recorded at the save ({} for what it lacks)."""
     try:
-        record = json.loads((ckpt / COMPLETE_FILE).read_text())
+        record = load_json((ckpt / COMPLETE_FILE).read_text())
         sizes = dict(record["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return {}, {}
@@ -975,7 +976,7 @@ def check_checkpoint_files(checkpoint: Union[str, Path], allowed_globals: Sequen
         refuse(*found)
     named = _CHECKPOINT_NAME.match(ckpt.name)
     if named:  # the Trainer resumes at trainer_state's step; the folder's name is what resume chose it by
-        saved_step = json.loads(state.read_text()).get("global_step")
+        saved_step = load_json(state.read_text()).get("global_step")
         if saved_step != int(named.group(1)):
             refuse(
                 state,

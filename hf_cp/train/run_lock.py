@@ -30,6 +30,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
+from hf_cp.readers import load_json  # nesting bounded (readers.py)
+
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = "hf_cp_run.lock"
@@ -86,7 +88,7 @@ def read_lock(path: Path, wait_s: float = _READ_WAIT_S) -> Optional[dict]:
         except OSError as err:
             return {"unreadable": str(err)}
         try:
-            record = json.loads(text)
+            record = load_json(text)
             if isinstance(record, dict):
                 return record
             why = "not a JSON object"

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -51,6 +50,7 @@ from hf_cp.planning.stream_sampler import (
     buffer_bound,
     chain_digest,
 )
+from hf_cp.readers import load_json  # nesting bounded (readers.py)
 from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask
 from hf_cp.samples.masks import MaskError, SampleMask
 from hf_cp.samples.packed_input import PackedInputError, boundary_columns, row_documents
@@ -311,7 +311,7 @@ def read_position(checkpoint: str) -> StreamPosition:
     """The stream position a checkpoint saved (its next step's), checked against its step."""
     path = Path(checkpoint) / SCHEDULE_FILE
     try:
-        saved = json.loads(path.read_text())
+        saved = load_json(path.read_text())
     except (OSError, ValueError) as err:
         raise ScheduleChangedError(
             f"{checkpoint}: a streaming run resumes where its {SCHEDULE_FILE} says the stream stopped, and it "
