@@ -11,6 +11,8 @@ through the loader a user reaches:
     DeepSpeed JSON    the launch checks CPTrainer and the dry run call (launch_checks.py), world 2
     token data        read_token_columns with the model's vocabulary (CPTrainer's set-up)
     preference records  CPDPOTrainer's check of raw pairs (empty prompts and answers)
+    lengths files     hf-cp plan --lengths (one token count a line)
+    CLI flags         hf-cp plan's numeric flags (argparse's refusals count as clear: they name the flag)
 
 Each input ends in one of:
     refused clearly        a project error (or a non-zero exit of the CLI) whose message names
@@ -27,15 +29,17 @@ refused unclearly / refused a valid input):
     profiles                 35: 24 / 11 / 0 / 0 / 0 / 0
     grouped-answer records   24: 20 /  4 / 0 / 0 / 0 / 0
     configs                  35: 30 /  5 / 0 / 0 / 0 / 0
-    checkpoint files         24: 21 /  3 / 0 / 0 / 0 / 0
+    checkpoint files         24: 22 /  2 / 0 / 0 / 0 / 0   (half with the mark's SHA-256s, half without)
     history files            24: 15 /  9 / 0 / 0 / 0 / 0
     plan JSON                28: 25 /  3 / 0 / 0 / 0 / 0
     DeepSpeed JSON           24: 11 / 13 / 0 / 0 / 0 / 0
     token data               24: 17 /  7 / 0 / 0 / 0 / 0
     preference records       24: 12 / 12 / 0 / 0 / 0 / 0
+    lengths files            24: 16 /  8 / 0 / 0 / 0 / 0
+    CLI flags                24: 16 /  8 / 0 / 0 / 0 / 0
 and of the slow sweep: DeepSpeed JSON 80: 35 / 45; token data 160: 125 / 35; preference
-records 160: 80 / 80; profiles 171: 115 / 56; grouped-answer records 80: 61 / 19; checkpoint
-files 160: 128 / 32; history files 160: 122 / 38; plan JSON 164: 146 / 18; configs 91: 77 / 14
+records 160: 80 / 80; lengths files 160: 103 / 57; CLI flags 80: 53 / 27; profiles 171: 115 /
+56; grouped-answer records 80: 61 / 19; checkpoint files 160: 143 / 17; history files 160: 122 / 38; plan JSON 164: 146 / 18; configs 91: 77 / 14
 (every value of CONFIG_FIELDS in turn: 48 refused clearly, 16 accepted valid); none failing.
 The profile, config and plan-JSON counts include their EXTREME_* tables (issue 40: numbers
 that overflow, 0 heads, duplicate keys, an alias bomb, 100,000-deep nesting, a directory, a
@@ -1191,15 +1195,120 @@ def test_fuzz_preference_records():
     _preferences(FAST).check()
 
 
+# ------------------------------------------------------------------ (j) lengths files and (k) CLI flags
+PLAN_LENGTHS = [300, 40, 900, 120, 60, 700, 80, 200]
+PLAN_FLAGS = {  # flag: (valid values, invalid values), around the plan below
+    "--world": ([1, 2, 3, 4, 8], [0, -2, 65537, 1048576, "x", 2.5]),
+    "--max-tokens-per-rank": ([512, 1024, 10**6], [0, -3, "abc", 1.5, 10**17]),
+    "--gpus-per-node": ([1, 2, 8], [0, -1, 5000, "y"]),
+    "--device-memory-gb": ([0, 80, 141], [-5, "nan", "inf", 1e12]),
+    "--steps": ([1, 2], [0, -1, "z"]),
+    "--tokens-per-rank-per-step": ([400, 4096], [0, -400, "q"]),
+}
+
+
+def _plan_cli(args: Sequence[str]) -> None:
+    """hf-cp plan in this process: a non-zero exit, argparse's own included, raises Refused."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse: "argument --world: invalid int value: 'x'"
+            rc = e.code if isinstance(e.code, int) else 2
+    if rc != 0:
+        raise Refused(err.getvalue() or f"exit {rc}")
+
+
+def _plan_args(lengths: Path, **flags) -> List[str]:
+    base = {"--world": 4, "--max-tokens-per-rank": 512, "--tokens-per-rank-per-step": 400, "--steps": 1}
+    base.update(flags)
+    out = ["plan", "--lengths", str(lengths), "--model", "tiny-llama", "--profile", "cpu"]
+    for k, v in base.items():
+        out += [k, str(v)]
+    return out
+
+
+def lengths_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Case, Path]]:
+    """A lengths file (one token count a line), one line changed or the file emptied."""
+    bad = ["0", "-7", "3.5", "abc", "1e3", str(2**60), "", "  ", "nan", "12 13"]
+    for i in range(n):
+        lines = [str(x) for x in PLAN_LENGTHS]
+        k = rng.randrange(len(lines))
+        path = tmp / f"lengths{i}.txt"
+        if i % 4 == 3:  # a valid change: another positive count
+            lines[k] = str(rng.randrange(1, 2000))
+            case = Case(f"line {k + 1} = {lines[k]}", False, (str(path),))
+        elif i % 8 == 6:
+            lines = []
+            case = Case("an empty file", True, (str(path), "lengths"))
+        else:
+            lines[k] = rng.choice(bad)
+            # a blank line is skipped; "1e3" is not a whole number as written
+            case = Case(f"line {k + 1} = {lines[k]!r}", bool(lines[k].strip()), (str(path), f"line {k + 1}"))
+        path.write_text("\n".join(lines) + ("\n" if lines else ""))
+        yield case, path
+
+
+def _lengths(n: int, tmp: Path) -> Tally:
+    tally = Tally("lengths files")
+    for case, path in lengths_inputs(random.Random(SEED), tmp, n):
+        tally.judge(case, lambda path=path: _plan_cli(_plan_args(path)), ())
+    return tally
+
+
+def test_fuzz_lengths_files(tmp_path):
+    _lengths(FAST, tmp_path).check()
+
+
+def flag_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, dict]]:
+    flags = sorted(PLAN_FLAGS)
+    for i in range(n):
+        flag = flags[i % len(flags)]
+        good, bad = PLAN_FLAGS[flag]
+        invalid = i % 3 != 0
+        value = rng.choice(bad if invalid else good)
+        yield Case(f"{flag} {value}", invalid, (flag,)), {flag: value}
+
+
+def _flags(n: int, tmp: Path) -> Tally:
+    tally = Tally("CLI flags")
+    lengths = tmp / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in PLAN_LENGTHS) + "\n")
+    for case, flags in flag_inputs(random.Random(SEED), n):
+        tally.judge(case, lambda flags=flags: _plan_cli(_plan_args(lengths, **flags)), ())
+    return tally
+
+
+def test_fuzz_cli_flags(tmp_path):
+    _flags(FAST, tmp_path).check()
+
+
 # ------------------------------------------------------------------ the bigger sweep
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(
-    "kind", ["profiles", "groups", "configs", "checkpoints", "histories", "plans", "deepspeed", "tokens", "preferences"]
+    "kind",
+    [
+        "profiles",
+        "groups",
+        "configs",
+        "checkpoints",
+        "histories",
+        "plans",
+        "deepspeed",
+        "tokens",
+        "preferences",
+        "lengths",
+        "flags",
+    ],
 )
 def test_fuzz_sweep(kind, request, tmp_path):
     if kind == "deepspeed":
         tally = _deepspeed(SLOW // 2, tmp_path)
+    elif kind == "lengths":
+        tally = _lengths(SLOW, tmp_path)
+    elif kind == "flags":
+        tally = _flags(SLOW // 2, tmp_path)
     elif kind == "tokens":
         tally = _tokens(SLOW)
     elif kind == "preferences":
