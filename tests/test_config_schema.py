@@ -256,3 +256,23 @@ def test_errors_of_building_the_arguments_or_the_model_config_name_the_file_and_
         training_arguments({"lr_scheduler_type": "reduce_lr_on_plateau", "use_cpu": True}, "cfg.yaml")
     with pytest.raises(Exception, match=r"^cfg\.yaml: model\.config: no model named 'nope'"):
         model_config({"config": "nope"}, "cfg.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("training.packing=true", "hf_cp always packs"),
+        ("training.sample_packing=true", "hf_cp always packs"),
+        ("training.max_seq_length=4096", "hf_cp never truncates: cap lengths in the data (hf-cp preprocess"),
+        ("training.sequence_parallel_degree=4", "hf_cp has no fixed CP degree: set cp_max_tokens_per_rank"),
+        ("training.micro_batch_size=2", "a step holds cp_tokens_per_step tokens"),
+    ],
+)
+def test_other_trainers_keys_get_their_hf_cp_equivalent_in_one_line(override, words):
+    # before: "unknown key training.packing: valid keys: " and about 190 names
+    with pytest.raises(TrainConfigError) as err:
+        load_config(TINY, [override])
+    text = str(err.value)
+    key = override.split("=")[0]
+    assert f"{key} is another trainer's setting: {words}" in text, text
+    assert "valid keys" not in text and len(text) < 600

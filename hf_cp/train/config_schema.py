@@ -163,7 +163,47 @@ def nearest(key: str, valid: Iterable[str]) -> Optional[str]:
     return by_folded[got[0]] if got else None
 
 
+_PACKING = (
+    "hf_cp always packs, per rank and wave, balanced by predicted time, and documents never attend to each "
+    "other: remove it and give the data unpacked"
+)
+_DEGREE = (
+    "hf_cp has no fixed CP degree: set cp_max_tokens_per_rank (what one rank holds) and cp_max_group_size "
+    "(the largest group); a sample that fits one rank stays there, a longer one gets the group the planner "
+    "finds fastest"
+)
+_LENGTH = (
+    "hf_cp never truncates: cap lengths in the data (hf-cp preprocess --max-length N --overlong "
+    "error|drop|truncate); a sample longer than the largest group holds is refused by name, unless "
+    "cp_balancer: chunkflow (or auto) trains it as dependent chunks"
+)
+# training keys of TRL, axolotl, LLaMA-Factory, ms-swift, verl and ALST set-ups, with what hf_cp
+# does instead (docs/coming_from.md): one line each, not "unknown key" and the list of ~190 names
+FOREIGN_TRAINING_KEYS = {
+    "packing": _PACKING,
+    "sample_packing": _PACKING,
+    "padding_free": _PACKING,
+    "max_seq_length": _LENGTH,
+    "max_length": _LENGTH,
+    "sequence_len": _LENGTH,
+    "cutoff_len": _LENGTH,
+    "sequence_parallel_degree": _DEGREE,
+    "sequence_parallel_size": _DEGREE,
+    "ulysses_sequence_parallel_size": _DEGREE,
+    "context_parallel_size": _DEGREE,
+    "cp_size": _DEGREE,
+    "sp_size": _DEGREE,
+    "ring_attn_func": "hf_cp picks ring or Ulysses attention per CP group (the balancer's shard modes: cp_balancer)",
+    "micro_batch_size": (
+        "a step holds cp_tokens_per_step tokens (or cp_tokens_per_rank_per_step per rank), planned into waves; "
+        "leave per_device_train_batch_size at 1"
+    ),
+}
+
+
 def unknown_key_message(section: str, key: str, valid: Iterable[str]) -> str:
+    if section == "training" and key in FOREIGN_TRAINING_KEYS:
+        return f"training.{key} is another trainer's setting: {FOREIGN_TRAINING_KEYS[key]} (docs/coming_from.md)"
     guess = nearest(key, valid)
     hint = f"did you mean {section}.{guess}?" if guess else "valid keys: " + ", ".join(sorted(valid))
     return f"unknown key {section}.{key}: {hint}"
