@@ -421,6 +421,7 @@ def test_a_policy_without_a_loadable_path_gets_its_initial_weights_as_the_refere
     def loaded_from_gguf(path, attn):
         m = load(path, attn)
         m.config._name_or_path = str(gguf_like)
+        m.config.architectures = None  # as a GGUF read leaves it
         return m
 
     monkeypatch.setattr(runs, "load_model", loaded_from_gguf)

@@ -62,6 +62,7 @@ from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_model
 
 try:
     from trl import GRPOConfig, GRPOTrainer
@@ -205,7 +206,12 @@ def keep_reference_loadable(model, output_dir: str, rank: int) -> Optional[str]:
     if name and not path.exists() and "/" in name and not name.startswith(("/", ".")):
         return None  # a hub id: TRL loads it (offline from the cache)
     folder = Path(output_dir) / REFERENCE_INIT / f"rank{rank}"
-    model.save_pretrained(str(folder), safe_serialization=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    # not model.save_pretrained: under torch.distributed it writes on global rank 0 only
+    if not getattr(config, "architectures", None):  # TRL picks the reference's class from it
+        config.architectures = [type(model).__name__]
+    config.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
     config._name_or_path = str(folder)
     logger.info("hf_cp: the GRPO reference model is the initial policy, saved to %s (%r does not load)", folder, name)
     return str(folder)
