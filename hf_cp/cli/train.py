@@ -67,6 +67,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _dry_run_errors(lines):
+    """The dry run's report lines of problems it found without raising (another run's lock)."""
+    return [line for line in lines if line.startswith("error: ")]
+
+
 def _with_restart_overrides(overrides, max_restarts: int):
     """--max-restarts resumes a restarted job from its newest checkpoint unless told otherwise."""
     overrides = list(overrides)
@@ -98,7 +103,7 @@ def run(args) -> int:
         lines = dry_run(args.config, overrides, world, args.dry_run_steps, args.max_restarts)
         for line in lines:
             print(line)
-        errors = [line for line in lines if line.startswith("error: ")]  # found, not raised: another run's lock
+        errors = _dry_run_errors(lines)
         if errors:
             print(f"dry run failed: {len(errors)} problem(s) a launch would refuse; nothing was launched")
             return 2
@@ -115,7 +120,7 @@ def run(args) -> int:
             from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
             lines = dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
-            errors = [line for line in lines if line.startswith("error: ")]  # another run's lock
+            errors = _dry_run_errors(lines)
             if errors:
                 print(f"hf-cp train: {errors[0]}", file=sys.stderr)
                 return 2
