@@ -357,6 +357,9 @@ def run_launcher(cmd: list, env: dict, timeout: float, cwd: Path = ROOT) -> subp
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+LOG_KEPT = 200_000  # characters of a failed job's stdout and stderr kept in its error
+
+
 def run_distributed(
     spec: dict, nproc: int, timeout: float = 240, max_restarts: int = 0, module: str = "helpers.harness.job"
 ) -> subprocess.CompletedProcess:
@@ -398,7 +401,9 @@ def run_distributed(
     proc = run_launcher(cmd, env, timeout)
     if proc.returncode != 0:
         raise RuntimeError(
-            f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            # the whole log up to a generous cap: a test asserts on every rank's message, and the
+            # first failing rank's comes before the others' tracebacks and torchrun's summary
+            f"distributed job failed (rc {proc.returncode}):\n{proc.stdout[-LOG_KEPT:]}\n{proc.stderr[-LOG_KEPT:]}"
         )
     return proc
 
