@@ -4,7 +4,9 @@ Importing it loads only the torch-free planning half, and makes `attn_implementa
 available to transformers as soon as transformers is loaded (registration.py).
 """
 
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave

@@ -188,8 +188,9 @@ def main(argv=None) -> int:
     if args.scaling:
         return scaling(args, argv)
     from hf_cp.balance import PlanRequest, available_balancers, balancer_options, get_balancer
+    from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
     from hf_cp.cost.model import CostModel
-    from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+    from hf_cp.cost.simulate import simulate
     from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.samples.lengths import read_lengths, step_batches
 

@@ -72,7 +72,9 @@ def build_model():
 
 
 def cost_model():
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
 
     return CostModel(ModelDims.from_hf_config(MODEL), HardwareProfile.load("cpu"))
 
@@ -112,8 +114,8 @@ def measure(length: int, chunk: int, keep: int, repeats: int = 1) -> dict:
     import torch
 
     from hf_cp.plan.chunks import dependent_chunk_sizes
-    from hf_cp.train.chunkflow import ChunkRunStats, SampleChunk, run_chunked_sample, sample_chunks, token_loss
-    from hf_cp.train.loss import chunkable_head
+    from hf_cp.train.step.chunkflow import ChunkRunStats, SampleChunk, run_chunked_sample, sample_chunks, token_loss
+    from hf_cp.train.step.loss import chunkable_head
 
     torch.set_num_threads(1)
     model = build_model()
@@ -172,8 +174,8 @@ def measure_cp(length: int, mode: str, repeats: int = 1) -> list:
     from hf_cp.attention.context import CPContext, cp_context
     from hf_cp.modes.registry import rank_segments
     from hf_cp.modes.segments import ShardMode
-    from hf_cp.train.chunkflow import SampleChunk, token_loss
-    from hf_cp.train.loss import chunkable_head
+    from hf_cp.train.step.chunkflow import SampleChunk, token_loss
+    from hf_cp.train.step.loss import chunkable_head
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

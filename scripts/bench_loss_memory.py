@@ -24,7 +24,7 @@ def measure(tokens: int, hidden: int, vocab: int, chunk: int, seed: int = 0) -> 
     import torch
     import torch.nn.functional as F
 
-    from hf_cp.train.loss import chunked_lm_head_loss
+    from hf_cp.train.step.loss import chunked_lm_head_loss
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)

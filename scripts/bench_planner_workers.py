@@ -46,7 +46,7 @@ def main() -> None:
     print("|---:|---:|---:|---|")
     base = None
     for w in counts:
-        planner = Planner(sampler, a.balancer, cluster, cost, lookahead=max(counts), in_process=True, workers=w)
+        planner = Planner(sampler, a.balancer, cluster, cost, lookahead=max(counts), in_subprocess=True, workers=w)
         t0 = time.perf_counter()
         digests = [planner.get(k).plan.digest() for k in range(len(sampler))]
         per_step = (time.perf_counter() - t0) / len(sampler)

@@ -454,7 +454,7 @@ def measure_run(rows: List[dict], steps: int, cap: int, out_dir: str) -> dict:
         cp_shuffle=False,
         cp_compare_balancer=None,
         cp_calibrate=False,  # predictions from the profile as given
-        cp_plan_in_process=False,
+        cp_plan_in_subprocess=False,
         max_steps=steps,
         learning_rate=1e-4,
         report_to="none",
@@ -725,7 +725,7 @@ def write_markdown(path: Path, command: str, scenario: str, rows, measured, args
         "## Notes",
         "",
         "- Everything in sections 1 and 2 is predicted by hf_cp's cost model (the H200 profile fitted on "
-        "Qwen2.5-7B layers, see DESIGN.md), not measured on a GPU. Both layouts are priced by the same model: "
+        "Qwen2.5-7B layers, see docs/design.md), not measured on a GPU. Both layouts are priced by the same model: "
         "TRL's assignment as a plan of one-rank groups (every rank's rows local, no CP). Section 3 is measured.",
         "- Traces: benchmarks/traces/shared_prompt_alpaca_eval_n8.jsonl and _n16.jsonl (AlpacaEval instructions "
         "with the outputs of 8 / 16 fine-tuned models, SmolLM2 tokenizer; sources in benchmarks/traces/README.md).",

@@ -222,7 +222,8 @@ def outlier_step(world: int, traces: Path, seed: int = 0):
 def step_table(cost_factory, traces: Path, balancers, steps: int, cap: int, tpr: int, window: int):
     """Table 2: rows of (workload, world, balancer, pred/LB, comm GB, plan CPU ms)."""
     from hf_cp.balance import get_balancer
-    from hf_cp.cost.simulate import lower_bound_ms, simulate
+    from hf_cp.cost.bounds import lower_bound_ms
+    from hf_cp.cost.simulate import simulate
     from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.samples.lengths import read_lengths, step_batches
     from hf_cp.samples.masks import SampleMask

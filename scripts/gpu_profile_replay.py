@@ -62,7 +62,9 @@ def main(argv=None) -> int:
     import torch
 
     from hf_cp.balance import PlanRequest, available_balancers, get_balancer
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
     from hf_cp.plan.cluster import ClusterSpec
     from hf_cp.profiling import run_profile, write_profile
     from hf_cp.profiling.layers import DecoderStack

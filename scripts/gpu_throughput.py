@@ -47,11 +47,11 @@ import torch
 from hf_cp.attention.kernels import ENV_KERNEL, attention_kernel_line, check_kernel_choice, use_attention_kernel
 from hf_cp.cost.flops import DevicePeak, ModelFlops, achieved_tflops, device_peak, mfu
 from hf_cp.resources import find_named
-from hf_cp.train.config import load_config, load_datasets
-from hf_cp.train.history import StepRecord
-from hf_cp.train.layer_compile import COMPILED_LINE
-from hf_cp.train.loss import LIGER_LOSS_LINE, liger_loss_problem
-from hf_cp.train.metrics import device_name
+from hf_cp.train.measure.metrics import device_name
+from hf_cp.train.measure.step_record import StepRecord
+from hf_cp.train.setup.config import load_config, load_datasets
+from hf_cp.train.step.layer_compile import COMPILED_LINE
+from hf_cp.train.step.loss import LIGER_LOSS_LINE, liger_loss_problem
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_CONFIG = "configs/qwen2.5-0.5b-h200.yaml"

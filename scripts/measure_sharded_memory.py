@@ -57,8 +57,9 @@ def worker(engine: str, out: Path) -> None:
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hf_cp.train.args import CPTrainingArguments
-    from hf_cp.train.trainer import CPTrainer, skip_deepspeed_shm_build
+    from hf_cp.train.setup.args import CPTrainingArguments
+    from hf_cp.train.setup.trainer_setup import skip_deepspeed_shm_build
+    from hf_cp.train.trainer import CPTrainer
 
     skip_deepspeed_shm_build()
     PartialState(backend="gloo", timeout=timedelta(seconds=600))

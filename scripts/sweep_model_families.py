@@ -1,5 +1,5 @@
 """Every causal-LM family of the installed transformers, built tiny, classified under hf_cp: refused
-at set-up (hf_cp.train.model_checks, after attaching the recurrent layers as CPTrainer does), or
+at set-up (hf_cp.train.checks.model, after attaching the recurrent layers as CPTrainer does), or
 trained on one packed row of three documents and compared, parameter by parameter, with each
 document run alone through the same weights with eager attention (exact: every gradient within
 2e-5 relative). Prints one tab-separated line per family: family, result, detail, seconds.
@@ -19,7 +19,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
 from hf_cp.attention.recurrent import attach_recurrent_layers
-from hf_cp.train.model_checks import model_refusals
+from hf_cp.train.checks.model import model_refusals
 
 TINY = dict(
     hidden_size=32,

@@ -10,8 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hf_cp.balance import PlanRequest, available_balancers, get_balancer
 from hf_cp.balance.options import BalancerOptionError
 from hf_cp.balance.toolkit.pricing import pricer_for
-from hf_cp.cost.model import CostModel, ModelDims
-from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave

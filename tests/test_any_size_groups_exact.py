@@ -19,14 +19,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
 from hf_cp.attention import COMM_COUNTER
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.block_layout import doc_slices, random_layout
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
-from hf_cp.train.collator import PlanCollator
-from hf_cp.train.groups import CPGroups
-from hf_cp.train.step import StepExecutor
+from hf_cp.train.data.collator import PlanCollator
+from hf_cp.train.step.executor import StepExecutor
+from hf_cp.train.step.groups import CPGroups
 
 from helpers.attention_pool import pools  # noqa: F401  (fixture)
 

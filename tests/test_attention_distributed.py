@@ -28,7 +28,9 @@ TOL = 1e-5
 
 # ----------------------------------------------------------------------------- the worker
 def _cost_model(heads, kv_heads, head_dim):
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
 
     dims = ModelDims(
         num_layers=1, hidden=heads * head_dim, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate=1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_cp.cost.model import ModelDims
+from hf_cp.cost.dims import ModelDims
 from hf_cp.modes.segments import ShardMode
 
 from helpers.attention_models import CONFIGS, build_model, packed_batch
@@ -92,7 +92,7 @@ def test_packed_documents_match_per_document_eager(model_name, rows, one_torch_t
 @pytest.mark.parametrize("chunk, keep", [(8, 1), (8, 5)])
 def test_chunkflow_chunks_match_the_unchunked_sample(model_name, chunk, keep, one_torch_thread):
     from hf_cp.plan.chunks import dependent_chunk_sizes
-    from hf_cp.train.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks
+    from hf_cp.train.step.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks
 
     length, scale = 29, 1 / 23.0
     ids, labels = chunk_sample(length, 3, model_name)
@@ -121,7 +121,8 @@ def _worker(rank, world, model_name):
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
     from hf_cp.cost.blocks import exchange_bytes
-    from hf_cp.cost.model import CostModel, HardwareProfile
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
     from hf_cp.plan.block_layout import contiguous_layout, doc_slices, layer_exchange, random_layout
 
     group = process_group(list(range(world)))

@@ -167,7 +167,7 @@ def test_chunkflow_refuses_windows_and_sinks_by_name(name):
     sliding window or attention sinks would be dropped (measured before the refusal: a
     24-token Mistral sample with window 5 in 3 chunks gave loss 112.379 against the model's
     112.432), so such a layer is refused by name. A model without them still runs chunked."""
-    from hf_cp.train.chunkflow import run_chunked_sample, sample_chunks
+    from hf_cp.train.step.chunkflow import run_chunked_sample, sample_chunks
 
     model_type, cfg, _ = FEATURES[name]
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))

@@ -40,7 +40,9 @@ def _worker(rank, world, model_name, layout, modes, checkpointing=False):
     import torch.distributed as dist
 
     from hf_cp.attention import COMM_COUNTER, CPContext, cp_context
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
 
     groups = layout["groups_ranks"]
     pgs = [process_group(g) for g in groups]

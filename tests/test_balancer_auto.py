@@ -1,7 +1,8 @@
 import pytest
 
 from hf_cp.balance import PlanRequest, auto_member_balancers, get_balancer
-from hf_cp.cost.simulate import charged_lower_bound_ms, simulate
+from hf_cp.cost.bounds import charged_lower_bound_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 
 

@@ -16,7 +16,8 @@ from hf_cp.balance.balancers.dcp.options import DcpError, DcpOptions
 from hf_cp.balance.balancers.dcp.placement import covering_block
 from hf_cp.balance.balancers.dcp.weights import Weights, cut_sample
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, sample_slices
-from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.cost.bounds import lower_bound_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.modes.registry import rank_segments
 from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.block_layout import received_token_equivalent

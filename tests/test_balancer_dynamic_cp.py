@@ -4,7 +4,8 @@ import pytest
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_candidates import balance_sizes, memory_min_sizes
-from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.cost.bounds import lower_bound_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.lengths import read_lengths, step_batches
 
@@ -110,7 +111,8 @@ def test_refinement_closes_lpt_gaps_of_coarse_steps(h200_cost, traces_dir):
 
     lengths = read_lengths(traces_dir / "longdoc_leval_multiturn.txt")[:400]  # ~6 long documents per rank
     req = PlanRequest(range(len(lengths)), lengths, ClusterSpec(64, 32768), h200_cost, dataset_max_length=max(lengths))
-    from hf_cp.cost.simulate import lower_bound_ms, simulate
+    from hf_cp.cost.bounds import lower_bound_ms
+    from hf_cp.cost.simulate import simulate
 
     lb = lower_bound_ms(lengths, req.cluster, h200_cost)
     coarse = simulate(get_balancer("dynamic_cp", refine_candidates=0).plan(req), h200_cost).makespan_ms

@@ -5,7 +5,8 @@ import pytest
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.balancers import flexsp
 from hf_cp.balance.toolkit.costs import cost_memo
-from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.cost.bounds import lower_bound_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 
 

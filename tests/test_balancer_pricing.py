@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit.bounds import BoundCache, blocks_bound_ms, fixed_size_bound_ms
 from hf_cp.balance.toolkit.pricing import PlanPricer
+from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
 from hf_cp.cost.model import CostModel
-from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 
 from helpers.plan_gen import random_valid_plan
@@ -219,7 +220,7 @@ def test_pricer_equals_simulate_on_chunkflow_plans_under_every_execution(
     from dataclasses import replace
 
     from hf_cp.cost.execution import execution_named
-    from hf_cp.cost.model import Link
+    from hf_cp.cost.hardware import Link
     from hf_cp.samples.lengths import read_lengths
 
     links = dict(h200_cost.profile.links)

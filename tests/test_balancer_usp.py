@@ -52,7 +52,8 @@ def test_a_group_spanning_nodes_prices_each_link_level_with_its_own_bytes(h200_c
     link a single link level for the group would charge (block_cost's link levels, which USP's
     placement relies on: its head exchange stays inside a node, its ring crosses nodes)."""
     from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks
-    from hf_cp.cost.blocks import _transfer_ms, block_group_costs, exchange_bytes, exchange_phases
+    from hf_cp.cost.blocks import block_group_costs, exchange_bytes, exchange_phases
+    from hf_cp.cost.hardware import transfer_ms as _transfer_ms
     from hf_cp.plan.block_layout import doc_slices, layer_exchange
 
     lens = [64_000, 64_000]

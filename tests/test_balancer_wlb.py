@@ -79,7 +79,7 @@ def test_a_small_step_at_a_large_world_is_not_shredded_over_one_huge_group(h200_
     mean rank's share, which on a small step at 512 ranks is tiny: every short document went
     over one 512-rank group, balanced (max/mean 1.000) and 19-65x the bound. The size now
     stops where doubling no longer lowers the bound on plans of that size."""
-    from hf_cp.cost.simulate import charged_lower_bound_ms
+    from hf_cp.cost.bounds import charged_lower_bound_ms
     from hf_cp.samples.lengths import read_lengths
 
     lengths = read_lengths(traces_dir / "chat_lmsys_chat1m_191conv.txt")  # 191 samples, one partial step

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hf_cp.cost.blocks import block_group_costs, default_layout, exchange_bytes
+from hf_cp.cost.bounds import lower_bound_ms
 from hf_cp.cost.exchange import plan_exchange, ring_zigzag_group_bytes
-from hf_cp.cost.simulate import lower_bound_ms, simulate
+from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode, masked_doc_pairs
 from hf_cp.plan.block_layout import all_remote_layout, contiguous_layout, doc_slices, layer_exchange, zigzag_layout
 from hf_cp.plan.cluster import ClusterSpec

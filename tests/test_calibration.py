@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.execution import execution_for_run, execution_named
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
@@ -352,7 +354,7 @@ def test_planner_plans_from_the_set_step_with_the_new_model_in_a_forked_worker()
     cl = ClusterSpec(world_size=2, max_tokens_per_rank=4096)
     base = CostModel(TINY, CPU, execution_named("zero2"))
     slow = CostModel(TINY, Coefficients(1e-2, 1e-7, 5.0, 1.0, 20.0, 30.0).apply(CPU), base.execution)
-    forked = Planner(sampler, "auto", cl, base, lookahead=2, in_process=True)
+    forked = Planner(sampler, "auto", cl, base, lookahead=2, in_subprocess=True)
     inline = Planner(sampler, "auto", cl, base, lookahead=0)
     try:
         got = [forked.get(0), forked.get(1)]  # steps 0-3 submitted with the first model
@@ -402,8 +404,8 @@ def test_ranks_that_share_cores_are_warned_about():
 
 
 def test_summary_states_measured_wall_clock_and_errors_before_and_after():
-    from hf_cp.train.history import StepRecord
-    from hf_cp.train.metrics import summary_lines
+    from hf_cp.train.measure.metrics import summary_lines
+    from hf_cp.train.measure.step_record import StepRecord
 
     def rec(i, cal, pred, meas, pred_step, wall):
         return StepRecord(
@@ -445,7 +447,7 @@ def test_summary_states_measured_wall_clock_and_errors_before_and_after():
 
 
 def test_dry_run_warns_about_a_gpu_profile_on_a_cpu_run():
-    from hf_cp.train.dry_run import dry_run
+    from hf_cp.train.launch.dry_run import dry_run
 
     lines = dry_run("configs/tiny-cpu.yaml", ["training.cp_profile=h200-qwen2.5-7b"], world_size=2, steps=2)
     warning = [line for line in lines if line.startswith("warning: the cost profile 'h200-qwen2.5-7b'")]

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 

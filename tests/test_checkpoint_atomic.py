@@ -1,4 +1,4 @@
-"""Atomic checkpoints (hf_cp/train/resume.py, CPTrainer._save_checkpoint): a save killed or
+"""Atomic checkpoints (hf_cp/train/checkpoint/marks.py, CPTrainer._save_checkpoint): a save killed or
 failing halfway leaves a partial checkpoint-N that resume skips, naming it, for the last complete
 one; rotation never deletes that one; a full disk says so, naming the folder and the checkpoint
 kept; the dry run reports partial checkpoints.
@@ -20,24 +20,20 @@ from pathlib import Path
 import pytest
 
 from hf_cp.report.samples import audit_samples
-from hf_cp.train.resume import (
+from hf_cp.train.checkpoint.marks import (
     COMPLETE_FILE,
     MARKED_FIELD,
     SCHEDULE_FILE,
-    CheckpointSaveError,
     PartialCheckpointError,
     checkpoint_status,
     clear_for_save,
     mark_complete,
-    resolve_resume,
-    restart_attempt,
     rotate_checkpoints,
-    save_failure_error,
     scan_checkpoints,
-    schedule_record,
-    storage_failure,
-    write_schedule,
 )
+from hf_cp.train.checkpoint.resolve import resolve_resume, restart_attempt
+from hf_cp.train.checkpoint.save_errors import CheckpointSaveError, save_failure_error, storage_failure
+from hf_cp.train.checkpoint.schedule import schedule_record, write_schedule
 
 from helpers.checkpoint_runs import train_with_checkpoints
 from helpers.harness.job import run_distributed
@@ -89,7 +85,7 @@ def test_latest_skips_partial_checkpoints_naming_them(tmp_path, caplog):
     assert f"{out / 'checkpoint-4'} is a partial checkpoint (no {COMPLETE_FILE}" in notes[0]
     assert "it holds hf_cp_schedule.json" in notes[0] and "resuming from checkpoint-2" in notes[0]
     assert "checkpoint-6 is a partial checkpoint" in notes[1]
-    with caplog.at_level(logging.WARNING, logger="hf_cp.train.resume"):  # no list: logged
+    with caplog.at_level(logging.WARNING, logger="hf_cp.train.checkpoint.resolve"):  # no list: logged
         resolve_resume("latest", str(out))
     assert "checkpoint-4 is a partial checkpoint" in caplog.text
     # only partial ones: latest starts fresh, True fails naming them
@@ -252,15 +248,21 @@ def test_a_full_disk_on_rank_0_names_the_folder_on_every_rank_and_keeps_the_last
     out = Path(spec["out"])
     text = str(err.value)
     folder, kept = out / "checkpoint-4", out / "checkpoint-2"
-    assert f"[rank0]: hf_cp.train.resume.CheckpointSaveError: saving checkpoint {folder} failed: No space left" in text
+    assert (
+        f"[rank0]: hf_cp.train.checkpoint.save_errors.CheckpointSaveError: saving checkpoint {folder} failed: No space left"
+        in text
+    )
     assert f"{kept}, the last complete checkpoint, is kept" in text and "The partial checkpoint-4 was removed" in text
-    assert f"[rank1]: hf_cp.train.resume.CheckpointSaveError: saving checkpoint {folder} failed on another rank" in text
+    assert (
+        f"[rank1]: hf_cp.train.checkpoint.save_errors.CheckpointSaveError: saving checkpoint {folder} failed on another rank"
+        in text
+    )
     assert [(c.name, c.complete) for c in scan_checkpoints(out)] == [("checkpoint-2", True)]
     assert not folder.exists()
 
 
 def test_a_save_stopped_before_the_mark_leaves_a_partial_checkpoint_that_resume_skips(tmp_path, monkeypatch, caplog):
-    import hf_cp.train.trainer as trainer_module
+    import hf_cp.train.runtime.checkpoints as trainer_module
 
     out = tmp_path / "run"
     mark = trainer_module.mark_complete
@@ -290,7 +292,7 @@ def test_a_save_stopped_before_the_mark_leaves_a_partial_checkpoint_that_resume_
 
 # ------------------------------------------------------------------ the dry run
 def test_the_dry_run_reports_partial_checkpoints_and_what_a_restart_resumes(tmp_path):
-    from hf_cp.train.dry_run import dry_run
+    from hf_cp.train.launch.dry_run import dry_run
 
     out = tmp_path / "run"
     two = out / "checkpoint-2"

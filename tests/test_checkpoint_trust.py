@@ -1,4 +1,4 @@
-"""The trust boundary of a checkpoint (hf_cp/train/checkpoint_trust.py, docs/faults.md): a file
+"""The trust boundary of a checkpoint (hf_cp/train/checkpoint/trust.py, docs/faults.md): a file
 that differs from the SHA-256 its save recorded, or a pickle that would import anything beyond
 the data a Trainer, DeepSpeed or torch distributed checkpoint state holds, is refused by name
 before anything of the checkpoint is loaded: a payload in a ZeRO-2 optimizer shard (DeepSpeed
@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from hf_cp.cli import main
-from hf_cp.train.checkpoint_trust import (
+from hf_cp.train.checkpoint.integrity import check_checkpoint_files
+from hf_cp.train.checkpoint.marks import COMPLETE_FILE, DIGESTS_FIELD, mark_complete
+from hf_cp.train.checkpoint.trust import (
     UntrustedCheckpointError,
     allowed_globals,
     pickle_globals,
     unsafe_globals,
 )
-from hf_cp.train.resume import COMPLETE_FILE, DIGESTS_FIELD, check_checkpoint_files, mark_complete
 
 from helpers.harness.job import run_distributed
 from helpers.harness.models import ROOT

@@ -16,10 +16,12 @@ def _dp_worker(rank, world, model_name, lengths, cap, keep):
     import torch.distributed as dist
 
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
     from hf_cp.plan.chunks import dependent_chunk_sizes
     from hf_cp.plan.cluster import ClusterSpec
-    from hf_cp.train.chunkflow import run_chunked_sample, sample_chunks
+    from hf_cp.train.step.chunkflow import run_chunked_sample, sample_chunks
 
     from helpers.attention_models import build_model
 

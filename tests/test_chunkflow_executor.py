@@ -1,4 +1,4 @@
-"""ChunkFlow's executor (hf_cp/train/chunkflow.py) on tiny Llama and Qwen2 (GQA) models.
+"""ChunkFlow's executor (hf_cp/train/step/chunkflow.py) on tiny Llama and Qwen2 (GQA) models.
 
 A long sample cut into N dependent chunks, run by the state-aware schedule keeping K, must give
 the loss and every parameter gradient of one unchunked forward and backward of the same sample
@@ -11,8 +11,8 @@ import torch
 from hf_cp.attention.chunk_state import ChunkStateStore
 from hf_cp.attention.context import CPContext, cp_context
 from hf_cp.plan.chunks import dependent_chunk_sizes
-from hf_cp.train.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks, token_loss
-from hf_cp.train.loss import chunkable_head
+from hf_cp.train.step.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.loss import chunkable_head
 
 from helpers.attention_models import CONFIGS, build_model
 from helpers.chunkflow_reference import grad_errors, reference, sample

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_cp.cost.model import ModelDims
+from hf_cp.cost.dims import ModelDims
 from hf_cp.plan.chunks import (
     ChunkPlan,
     ChunkPlanError,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_cp.train.config import TrainConfigError, load_config, load_datasets, model_config, training_arguments
-from hf_cp.train.config_schema import training_keys
+from hf_cp.train.setup.config import TrainConfigError, load_config, load_datasets, model_config, training_arguments
+from hf_cp.train.setup.schema import training_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
@@ -142,7 +142,7 @@ def test_training_values_are_typed_from_the_dataclass_fields_when_built_directly
 
 def test_every_training_field_type_is_read_from_the_dataclass():
     """No hand-written list: each init field of CPTrainingArguments has a readable expected type."""
-    from hf_cp.train.config_schema import training_types
+    from hf_cp.train.setup.schema import training_types
 
     types = training_types()
     assert set(types) == set(training_keys())
@@ -152,7 +152,7 @@ def test_every_training_field_type_is_read_from_the_dataclass():
     # each field's default passes its own type (the check refuses nothing the dataclass gives itself)
     from dataclasses import MISSING, fields
 
-    from hf_cp.train.args import CPTrainingArguments
+    from hf_cp.train.setup.args import CPTrainingArguments
 
     for f in fields(CPTrainingArguments):
         if f.init and f.default is not MISSING and f.default is not None:
@@ -276,3 +276,12 @@ def test_other_trainers_keys_get_their_hf_cp_equivalent_in_one_line(override, wo
     key = override.split("=")[0]
     assert f"{key} is another trainer's setting: {words}" in text, text
     assert "valid keys" not in text and len(text) < 600
+
+
+def test_a_renamed_key_names_its_new_name():
+    # cp_plan_in_process meant a forked worker *process*: now cp_plan_in_subprocess
+    with pytest.raises(TrainConfigError) as err:
+        load_config(TINY, ["training.cp_plan_in_process=false"])
+    assert "training.cp_plan_in_process was renamed training.cp_plan_in_subprocess (same meaning)" in str(err.value)
+    config = load_config(TINY, ["training.cp_plan_in_subprocess=false"])
+    assert config["training"]["cp_plan_in_subprocess"] is False

@@ -11,7 +11,7 @@ def _agree(rank, world, divergent_rank):
     from hf_cp.balance import PlanRequest, get_balancer
     from hf_cp.cost.model import CostModel
     from hf_cp.plan.cluster import ClusterSpec
-    from hf_cp.train.consistency import assert_plans_agree
+    from hf_cp.train.step.agreement import assert_plans_agree
 
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     lengths = [100, 2000, 40000, 7, 300]
@@ -38,7 +38,7 @@ def test_divergent_plan_on_one_rank_fails_fast_with_agreement_error(pools):
 
 
 def _data(rank, world, odd_rank):
-    from hf_cp.train.consistency import assert_data_agrees
+    from hf_cp.train.step.agreement import assert_data_agrees
 
     assert_data_agrees("ab" * 32 if rank != odd_rank else "cd" * 32, "training data")
 
@@ -54,7 +54,7 @@ def test_ranks_with_other_data_fail_at_start_naming_them(pools):
 
 def _groups(rank, world):
     from hf_cp.plan.cluster import ClusterSpec
-    from hf_cp.train.groups import CPGroups
+    from hf_cp.train.step.groups import CPGroups
 
     groups = CPGroups(ClusterSpec(world_size=world, max_tokens_per_rank=1024))
     pair = (0, 1) if rank < 2 else (2, 3)  # a rank holds handles of its own groups only
@@ -80,7 +80,7 @@ def test_cp_groups_carry_names_that_nccl_timeouts_print(pools):
 
 
 def _payload(rank, world):
-    from hf_cp.train.consistency import agree_on_step
+    from hf_cp.train.step.agreement import agree_on_step
 
     # every rank offers its own numbers (a fit whose last bits differ); all adopt rank 0's
     flagged, adopted = agree_on_step("ab" * 8, 3, flag=rank == 1, payload=[1.0 + rank * 1e-12, 2.5e-7, -3.0])
@@ -98,7 +98,7 @@ def _adopt(rank, world, adopt):
     from hf_cp.balance import PlanRequest, get_balancer
     from hf_cp.cost.model import CostModel
     from hf_cp.plan.cluster import ClusterSpec
-    from hf_cp.train.consistency import agree_on_plan
+    from hf_cp.train.step.agreement import agree_on_plan
 
     cost = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
     cl = ClusterSpec(world_size=world, max_tokens_per_rank=32768)

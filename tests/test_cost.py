@@ -2,7 +2,10 @@ import json
 
 import pytest
 
-from hf_cp.cost.model import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import ShardMode
 from hf_cp.modes.ulysses import ulysses_bytes_per_layer
 

@@ -235,7 +235,7 @@ def test_chunkflow_chunk_attention_on_the_device(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_chunked_lm_head_loss_on_the_device(dtype):
-    from hf_cp.train.loss import chunked_lm_head_loss
+    from hf_cp.train.step.loss import chunked_lm_head_loss
 
     g = torch.Generator().manual_seed(0)
     T, H, V = 3000, 256, 5000

@@ -20,9 +20,9 @@ from transformers import AttentionInterface
 from hf_cp.attention.interface import ATTN_IMPLEMENTATION, hf_cp_attention
 from hf_cp.attention.kernels import FLASH_ATTN_4_MODULE, import_problem, kernel_for
 from hf_cp.cost.flops import device_peak
-from hf_cp.train.layer_compile import compile_decoder_layers
-from hf_cp.train.loss import LIGER_FUNCTIONAL, liger_lm_head_loss
-from hf_cp.train.metrics import device_name
+from hf_cp.train.measure.metrics import device_name
+from hf_cp.train.step.layer_compile import compile_decoder_layers
+from hf_cp.train.step.loss import LIGER_FUNCTIONAL, liger_lm_head_loss
 
 from helpers.harness.models import tiny_model
 from helpers.kernel_checks import check_kernel

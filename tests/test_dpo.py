@@ -1,4 +1,4 @@
-"""CPDPOTrainer (hf_cp.train.dpo) against TRL's own DPOTrainer on the same global batches: per-step
+"""CPDPOTrainer (hf_cp.train.objectives.dpo) against TRL's own DPOTrainer on the same global batches: per-step
 losses and every parameter's gradient within fp32 noise at world 1, for several loss types, a
 combination with loss_weights, precomputed reference log-probs and evaluation; the hf_cp trainer
 at worlds 2 and 4 (gloo processes, a prompt longer than one rank's cap) against world 1; a
@@ -96,7 +96,7 @@ def test_losses_and_gradients_equal_trls_dpo_trainer(tmp_path, loss):
     ids=lambda d: "+".join(d["loss_type"]) + ("-" + d["f_divergence_type"] if "f_divergence_type" in d else ""),
 )
 def test_every_other_supported_loss_equals_trls(tmp_path, loss):
-    """The remaining TRL 1.16 loss types and f-divergences dpo_loss.py reproduces. The first step
+    """The remaining TRL 1.16 loss types and f-divergences objectives/dpo_loss.py reproduces. The first step
     (same parameters) to 1e-6; after one AdamW step, whose update turns fp32 noise in near-zero
     gradient entries into whole steps, the loss to 1e-4 and the gradients to 1e-3 (sppo_hard's
     large gradients measured 1.2e-4 there; 6e-7 at the first step)."""
@@ -121,7 +121,7 @@ def test_precomputed_reference_log_probs_equal_trls_precompute(tmp_path):
 
 def test_a_wrong_rejected_log_prob_is_caught(tmp_path, monkeypatch):
     """The comparison's power: the rejected answers' log-probs x 1.001 before the loss."""
-    import hf_cp.train.dpo as dpo
+    import hf_cp.train.objectives.dpo as dpo
 
     real = dpo.dpo_loss
 
@@ -192,7 +192,7 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, setting, message):
 def test_a_streaming_dataset_is_refused_by_name(tmp_path):
     from datasets import Dataset
 
-    from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer
+    from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
 
     from helpers.dpo_runs import SETTINGS
     from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
@@ -208,7 +208,7 @@ def test_bad_pairs_are_refused_naming_the_pair(tmp_path):
     rows[2] = dict(rows[2], rejected=rows[2]["chosen"])
     with pytest.raises(ValueError, match="DPO pair 2: the chosen and rejected answers are the same"):
         _trainer(tmp_path, rows)
-    from hf_cp.train.dpo import pair_sample
+    from hf_cp.train.objectives.dpo import pair_sample
 
     with pytest.raises(ValueError, match="DPO pair 7: the rejected answer has no tokens"):
         pair_sample({"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": []}, 7)
@@ -225,7 +225,7 @@ def test_an_empty_answer_is_refused_before_tokenisation_turns_it_into_eos(tmp_pa
         _trainer(tmp_path, rows)
     from datasets import Dataset
 
-    from hf_cp.train.dpo import refuse_empty_answers
+    from hf_cp.train.objectives.dpo import refuse_empty_answers
 
     chat = [{"prompt": [{"role": "user", "content": "hi"}], column: [{"role": "assistant", "content": ""}]}]
     with pytest.raises(ValueError, match=f"eval pair 0: the {column} answer is empty"):
@@ -243,7 +243,7 @@ def test_active_dropout_is_refused(tmp_path):
     """The log-prob pass and the gradient pass must compute one function."""
     from datasets import Dataset
 
-    from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer
+    from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
 
     from helpers.dpo_runs import SETTINGS
     from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer

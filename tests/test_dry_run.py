@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from hf_cp.cli import main as cli_main
-from hf_cp.train.dry_run import dry_run
-from hf_cp.train.resume import ScheduleChangedError, schedule_record, write_schedule
+from hf_cp.train.checkpoint.schedule import ScheduleChangedError, schedule_record, write_schedule
+from hf_cp.train.launch.dry_run import dry_run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

@@ -31,12 +31,15 @@ import pytest
 import yaml
 
 from hf_cp.cli import main
-from hf_cp.cost.model import ConfigError, CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec
 from hf_cp.plan.step_plan import StepPlan
 from hf_cp.readers import MAX_JSON_DEPTH, YAMLInputError, brief, load_json, load_yaml
 from hf_cp.resources import find_named
-from hf_cp.train.config_schema import TrainConfigError
+from hf_cp.train.setup.schema import TrainConfigError
 
 from helpers.harness.models import ROOT
 
@@ -78,7 +81,7 @@ def lengths(tmp_path) -> Path:
 def warm():
     """Import what the first call of each entry point would (transformers for the training keys,
     the balancers), so that the timings below are the checks' own."""
-    from hf_cp.train.config_schema import training_types
+    from hf_cp.train.setup.schema import training_types
 
     training_types()
     yield
@@ -95,8 +98,8 @@ def config(tmp_path, edit=None, name="config.yaml") -> Path:
 
 
 def load(path, overrides=()):
-    """hf_cp.train.config.load_config (what `hf-cp train` and the dry run read a config with)."""
-    from hf_cp.train.config import load_config
+    """hf_cp.train.setup.config.load_config (what `hf-cp train` and the dry run read a config with)."""
+    from hf_cp.train.setup.config import load_config
 
     return load_config(str(path), list(overrides))
 
@@ -195,7 +198,7 @@ def test_a_training_config_with_no_heads_is_refused_naming_model_config(tmp_path
 
 
 def test_a_pretrained_folder_with_no_heads_is_refused_naming_model_pretrained(tmp_path):
-    from hf_cp.train.config import model_config
+    from hf_cp.train.setup.config import model_config
 
     folder = tmp_path / "pretrained"
     folder.mkdir()
@@ -299,8 +302,8 @@ def test_deep_json_is_refused_by_every_reader_the_cli_has(tmp_path, lengths):
 
 
 def test_deep_json_in_history_and_training_data_is_refused_naming_the_line(tmp_path):
-    from hf_cp.train.config import load_datasets
-    from hf_cp.train.history import HistoryError, latest_records
+    from hf_cp.train.measure.step_record import HistoryError, latest_records
+    from hf_cp.train.setup.config import load_datasets
 
     history = tmp_path / "rank0.jsonl"
     history.write_text(DEEP + "\n{}\n")
@@ -444,7 +447,7 @@ def test_an_alias_bomb_in_a_profile_an_override_or_a_balancer_option_is_refused(
 
 
 def test_messages_about_a_huge_value_do_not_build_its_whole_repr():
-    from hf_cp.train.config_schema import SchemaError, check_training_keys
+    from hf_cp.train.setup.schema import SchemaError, check_training_keys
 
     value = yaml.safe_load(_bomb())  # what PyYAML itself builds: 9^9 strings, shared
     t0 = time.perf_counter()
@@ -529,7 +532,7 @@ def test_profile_numbers_that_overflow_are_refused_by_name(tmp_path, lengths, fi
 
 
 def test_a_profile_at_every_maximum_plans_finite_numbers(tmp_path, lengths):
-    from hf_cp.cost.model import PROFILE_MAXIMA
+    from hf_cp.cost.hardware import PROFILE_MAXIMA
 
     top = {k: v for k, (v, _) in PROFILE_MAXIMA.items() if k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms")}
     p = profile_file(tmp_path, **top)

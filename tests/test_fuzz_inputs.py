@@ -8,7 +8,7 @@ through the loader a user reaches:
     checkpoints       a resume's checks (resolve_resume, check_resume) on a real tiny checkpoint
     history files     read_history / latest_records, the sample audit, hf-cp report
     plan JSON         StepPlan.load_file (hf-cp replay) and hf-cp plan --plan-json
-    DeepSpeed JSON    the launch checks CPTrainer and the dry run call (launch_checks.py), world 2
+    DeepSpeed JSON    the launch checks CPTrainer and the dry run call (checks/launch.py), world 2
     token data        read_token_columns with the model's vocabulary (CPTrainer's set-up)
     preference records  CPDPOTrainer's check of raw pairs (empty prompts and answers)
     lengths files     hf-cp plan --lengths (one token count a line)
@@ -63,7 +63,8 @@ import pytest
 import yaml
 
 from hf_cp.cli import main
-from hf_cp.cost.model import ConfigError, HardwareProfile
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.data_prep.encode import EncodeError
 from hf_cp.data_prep.inputs import InputError
 from hf_cp.plan.step_plan import PlanError, StepPlan
@@ -71,21 +72,20 @@ from hf_cp.report.runs import RunLogError
 from hf_cp.report.samples import audit_samples
 from hf_cp.resources import find_named
 from hf_cp.samples.masks import MaskError
-from hf_cp.train.checkpoint_trust import UntrustedCheckpointError
-from hf_cp.train.config_schema import TrainConfigError
-from hf_cp.train.history import HistoryError, latest_records
-from hf_cp.train.resume import (
+from hf_cp.train.checkpoint.integrity import CorruptCheckpointError
+from hf_cp.train.checkpoint.marks import (
     COMPLETE_FILE,
     DIGESTS_FIELD,
     MARKED_FIELD,
     SCHEDULE_FILE,
-    CorruptCheckpointError,
     PartialCheckpointError,
-    ScheduleChangedError,
-    check_resume,
     mark_complete,
-    resolve_resume,
 )
+from hf_cp.train.checkpoint.resolve import check_resume, resolve_resume
+from hf_cp.train.checkpoint.schedule import ScheduleChangedError
+from hf_cp.train.checkpoint.trust import UntrustedCheckpointError
+from hf_cp.train.measure.step_record import HistoryError, latest_records
+from hf_cp.train.setup.schema import TrainConfigError
 
 from helpers.checkpoint_runs import train_with_checkpoints
 from helpers.harness.models import ROOT
@@ -1036,9 +1036,9 @@ def deepspeed_inputs(rng: random.Random, tmp: Path, n: int) -> Iterator[Tuple[Ca
 
 
 def _deepspeed(n: int, tmp: Path) -> Tally:
-    from hf_cp.train.config import load_config, training_arguments
-    from hf_cp.train.launch_checks import check_launch_settings
-    from hf_cp.train.setup_checks import SetupError
+    from hf_cp.train.checks.launch import check_launch_settings
+    from hf_cp.train.checks.setup import SetupError
+    from hf_cp.train.setup.config import load_config, training_arguments
 
     tally = Tally("DeepSpeed JSON")
     rng = random.Random(SEED)
@@ -1134,7 +1134,7 @@ def token_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, list]]:
 def _tokens(n: int) -> Tally:
     from datasets import Dataset
 
-    from hf_cp.train.columns import read_token_columns
+    from hf_cp.train.data.columns import read_token_columns
 
     tally = Tally("token data")
     rng = random.Random(SEED)
@@ -1182,7 +1182,7 @@ def preference_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, list]]
 def _preferences(n: int) -> Tally:
     from datasets import Dataset
 
-    from hf_cp.train.dpo import refuse_empty_answers
+    from hf_cp.train.objectives.dpo import refuse_empty_answers
 
     tally = Tally("preference records")
     rng = random.Random(SEED)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hf_cp.cost.flops import ModelFlops, device_peak
-from hf_cp.train.history import StepRecord
+from hf_cp.train.measure.step_record import StepRecord
 
 from helpers import REPO, load_file_module
 

@@ -14,7 +14,7 @@ from hf_cp.data_prep.group_answers import truncate_group
 from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask
 from hf_cp.samples.masks import SampleMask
 from hf_cp.samples.targets import sample_targets
-from hf_cp.train.columns import read_token_columns
+from hf_cp.train.data.columns import read_token_columns
 
 IGNORE = -100
 

@@ -1,4 +1,4 @@
-"""CPGRPOTrainer (hf_cp/train/grpo.py) against TRL's own GRPOTrainer on the same rollouts.
+"""CPGRPOTrainer (hf_cp/train/objectives/grpo.py) against TRL's own GRPOTrainer on the same rollouts.
 
 Both trainers run TRL's code up to the policy step, with generation replaced alike by fixed
 completions (helpers/grpo_runs.py), so rewards, advantages and the log-probs TRL scores at
@@ -117,16 +117,16 @@ def test_the_policy_step_equals_trls_at_world_1(name, model_path, tmp_path):
 
 def test_a_completions_log_probs_scaled_by_1_001_are_caught(model_path, tmp_path, monkeypatch):
     """The exactness check catches a 0.1% error in one completion's log-probs (row 0 of each step)."""
-    from hf_cp.train.grpo import CPGRPOTrainer
+    import hf_cp.train.objectives.grpo_step as grpo_step
 
     ref = trl_results("dapo", model_path, tmp_path)
-    targets = CPGRPOTrainer._cp_targets
+    targets = grpo_step.step_targets
 
-    def scaled(self, mb, own, extra, t):
-        rows, tok, logp = targets(self, mb, own, extra, t)
+    def scaled(mb, own, extra, t):
+        rows, tok, logp = targets(mb, own, extra, t)
         return rows, tok, torch.where(rows == 0, logp * MUTATION_SCALE, logp)
 
-    monkeypatch.setattr(CPGRPOTrainer, "_cp_targets", scaled)
+    monkeypatch.setattr(grpo_step, "step_targets", scaled)
     losses, grads, logs, _ = hf_cp_run(prompt_rows(), str(tmp_path / "cp"), STEPS, model_path)
     rel = max_relative_grad_diff(grads, ref[1])
     print(f"one completion's log-probs x {MUTATION_SCALE}: relative gradient difference {rel:.2e}")
@@ -141,7 +141,7 @@ def test_a_group_of_truncated_completions_is_skipped_by_name(model_path, tmp_pat
     rows = prompt_rows(truncated=2)
     kw = dict(mask_truncated_completions=True)
     ref = trl_run(rows, str(tmp_path / "trl"), STEPS, model_path, **kw)
-    with caplog.at_level(logging.WARNING, logger="hf_cp.train.grpo"):
+    with caplog.at_level(logging.WARNING, logger="hf_cp.train.objectives.grpo"):
         losses, grads, logs, _ = hf_cp_run(rows, str(tmp_path / "cp"), STEPS, model_path, **kw)
     assert_same_steps(losses, grads, logs, ref, "truncated group")
     warned = [r.getMessage() for r in caplog.records if "every completion was truncated" in r.getMessage()]
@@ -163,7 +163,7 @@ def test_a_step_without_signal_is_a_zero_gradient_step(model_path, tmp_path):
 
 
 def test_a_reward_function_that_raises_names_itself_and_the_group(model_path, tmp_path):
-    from hf_cp.train.grpo import RewardFunctionError
+    from hf_cp.train.objectives.grpo import RewardFunctionError
 
     def picky_reward(completions, prompts, **kwargs):
         if any("spell cab" in p for p in prompts):
@@ -224,7 +224,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("settings,match", REFUSED, ids=[str(s) for s, _ in REFUSED])
 def test_settings_the_planned_step_cannot_honour_are_refused_by_name(settings, match, tmp_path):
-    from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
 
     args = CPGRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=G, per_device_train_batch_size=G, **settings
@@ -243,7 +243,7 @@ def test_settings_the_planned_step_cannot_honour_are_refused_by_name(settings, m
     ],
 )
 def test_config_settings_are_refused_with_grpos_reasons(settings, match, tmp_path):
-    from hf_cp.train.grpo import CPGRPOConfig
+    from hf_cp.train.objectives.grpo import CPGRPOConfig
 
     with pytest.raises(ValueError, match=match):
         CPGRPOConfig(
@@ -259,7 +259,7 @@ def test_config_settings_are_refused_with_grpos_reasons(settings, match, tmp_pat
 def test_tools_and_a_model_without_hf_cp_attention_are_refused(model_path, tmp_path):
     from datasets import Dataset
 
-    from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
 
     from helpers.grpo_runs import load_model
     from helpers.tiny_tokenizer import tiny_chat_tokenizer
@@ -280,7 +280,7 @@ def test_tools_and_a_model_without_hf_cp_attention_are_refused(model_path, tmp_p
 
 
 def test_bnpo_weights_rows_by_the_loss_tokens_of_their_process():
-    from hf_cp.train.grpo_loss import GRPOSettings, row_weights
+    from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 
     counts = [3, 5, 0, 4, 4, 2]  # two processes of three rows
     procs = [0, 0, 0, 1, 1, 1]

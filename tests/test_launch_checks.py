@@ -1,5 +1,5 @@
 """What a launch would trip over, refused by `hf-cp train --dry-run` (and by CPTrainer at set-up,
-through the same functions: hf_cp/train/launch_checks.py, checkpoint_fit.py). Before, each of
+through the same functions: hf_cp/train/checks/launch.py, checkpoint/fit.py). Before, each of
 these passed the dry run and failed the launch with a traceback on every rank."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_cp.train.checkpoint_fit import check_checkpoint_fits, checkpoint_engine, run_engine
-from hf_cp.train.dry_run import dry_run
-from hf_cp.train.setup_checks import SetupError
+from hf_cp.train.checkpoint.fit import check_checkpoint_fits, checkpoint_engine, run_engine
+from hf_cp.train.checks.setup import SetupError
+from hf_cp.train.launch.dry_run import dry_run
 
 from helpers.checkpoint_runs import train_with_checkpoints
 from helpers.harness.models import ROOT, tiny_config

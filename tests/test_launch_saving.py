@@ -46,7 +46,7 @@ def write_run(tmp_path: Path, **training) -> Path:
 def test_a_run_saves_its_final_model_and_tokenizer_and_says_where(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_cp.train.launch import run
+    from hf_cp.train.launch.entry import run
 
     assert run(str(write_run(tmp_path))) == 0
     out = capsys.readouterr().out
@@ -61,7 +61,7 @@ def test_a_run_saves_its_final_model_and_tokenizer_and_says_where(tmp_path, caps
 
 
 def test_saving_the_final_model_can_be_turned_off(tmp_path, capsys):
-    from hf_cp.train.launch import run
+    from hf_cp.train.launch.entry import run
 
     assert run(str(write_run(tmp_path, cp_save_final_model=False))) == 0
     assert "final model not saved (cp_save_final_model: false)" in capsys.readouterr().out
@@ -70,7 +70,7 @@ def test_saving_the_final_model_can_be_turned_off(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_configs_save_their_model_and_show_progress(config, tmp_path):
-    from hf_cp.train.config import load_config, training_arguments
+    from hf_cp.train.setup.config import load_config, training_arguments
 
     cfg = load_config(str(ROOT / "configs" / config))
     assert "disable_tqdm" not in cfg["training"], "training for minutes without a progress bar"
@@ -81,7 +81,7 @@ def test_shipped_configs_save_their_model_and_show_progress(config, tmp_path):
 def test_the_shipped_chunkflow_config_trains_chunked_and_its_summary_says_so(tmp_path, capsys):
     # configs/tiny-cpu-chunkflow.yaml, the first steps on one process: long samples run as
     # dependent chunks (issue 17), and the end-of-run summary counts them
-    from hf_cp.train.launch import run
+    from hf_cp.train.launch.entry import run
 
     overrides = [f"training.output_dir={tmp_path / 'out'}", "training.max_steps=4", "training.eval_strategy=no"]
     overrides.append("training.deepspeed=null")  # one process without a launcher

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from hf_cp.attention.interface import ATTN_IMPLEMENTATION, hf_cp_attention
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.layer_compile import compile_decoder_layers, decoder_layers
+from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.step.layer_compile import compile_decoder_layers, decoder_layers
 
 from helpers.harness.models import tiny_model
 

@@ -32,6 +32,20 @@ LAYERS: List[Tuple[str, ...]] = [
     ("cli", "recipes"),  # recipes: the scripts shipped beside the accelerate configs (trl_sft.py)
     ("__init__", "__main__"),
 ]
+# hf_cp/train/'s rooms (and its top-level modules), lowest first: the same rule inside train/
+TRAIN_LAYERS: List[Tuple[str, ...]] = [
+    ("checks",),  # what is refused at set-up
+    ("checkpoint",),
+    ("data",),
+    ("step",),
+    ("measure",),
+    ("setup",),
+    ("runtime",),
+    ("trainer",),
+    ("objectives",),
+    ("launch",),
+    ("__init__", "__main__"),
+]
 PLANNING_HALF = ("samples", "modes", "plan", "cost", "balance", "planning")
 # An import inside a function defers one of these (named in a comment on its line); never a cycle.
 HEAVY = (
@@ -147,24 +161,38 @@ def strongly_connected(edges: Dict[str, Set[str]]) -> List[List[str]]:
     return out
 
 
-def layering_problems(root: Path = PACKAGE) -> List[str]:
-    mods, edges, deferred = import_graph(root)
-    rank = {u: i for i, layer in enumerate(LAYERS) for u in layer}
-    problems = []
-    units = {unit_of(m) for m in mods}
-    problems += [f"unit {u} is in no layer of LAYERS" for u in sorted(units - set(rank))]
-    for comp in strongly_connected(edges):
-        problems.append(f"module cycle: {' -> '.join(comp)}")
+def room_of(module: str) -> str:
+    """The room of a module of hf_cp.train (its sub-package, or its own name at train/'s top)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def _unit_problems(edges, modules, layers, unit, what: str) -> List[str]:
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}
+    problems = [f"unit {u} is in no layer of {what}" for u in sorted({unit(m) for m in modules} - set(rank))]
     unit_edges: Dict[str, Set[str]] = defaultdict(set)
     for a, targets in edges.items():
         for b in targets:
-            ua, ub = unit_of(a), unit_of(b)
+            if a not in modules or b not in modules:
+                continue
+            ua, ub = unit(a), unit(b)
             if ua != ub:
                 unit_edges[ua].add(ub)
                 if ua in rank and ub in rank and rank[ub] > rank[ua]:
                     problems.append(f"upward import: {a} ({ua}) imports {b} ({ub}), a higher layer")
     for comp in strongly_connected(unit_edges):
         problems.append(f"folder cycle: {' -> '.join(comp)}")
+    return problems
+
+
+def layering_problems(root: Path = PACKAGE) -> List[str]:
+    mods, edges, deferred = import_graph(root)
+    problems = []
+    for comp in strongly_connected(edges):
+        problems.append(f"module cycle: {' -> '.join(comp)}")
+    problems += _unit_problems(edges, set(mods), LAYERS, unit_of, "LAYERS")
+    train = {m for m in mods if m.startswith(f"{root.name}.train.")}
+    problems += _unit_problems(edges, train, TRAIN_LAYERS, room_of, "TRAIN_LAYERS")
     for module, line, source in deferred:
         comment = source.partition("#")[2]
         if not any(h in comment for h in HEAVY):
@@ -235,3 +263,22 @@ def test_every_entry_point_registers_the_attention_with_transformers():
     for first, proc in procs.items():
         out, err = proc.communicate(timeout=240)
         assert proc.returncode == 0 and out.strip().endswith("hf_cp"), (first, err[-2000:])
+
+
+def test_the_check_catches_an_upward_import_between_train_rooms(tmp_path):
+    # checks/ is train/'s lowest room: an import of the step executor from it must fail
+    import shutil
+
+    copy = tmp_path / "hf_cp"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    assert layering_problems(copy) == []
+    target = copy / "train" / "checks" / "setup.py"
+    target.write_text(target.read_text() + "\nfrom hf_cp.train.step.executor import StepExecutor  # noqa: E402\n")
+    problems = layering_problems(copy)
+    assert any(
+        "upward import: hf_cp.train.checks.setup (checks) imports hf_cp.train.step.executor (step)" in p
+        for p in problems
+    ), problems
+    # a module in no room of TRAIN_LAYERS is named too
+    (copy / "train" / "stray.py").write_text("")
+    assert "unit stray is in no layer of TRAIN_LAYERS" in layering_problems(copy)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.loss import chunked_lm_head_loss, liger_lm_head_loss, liger_loss_problem
+from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.step.loss import chunked_lm_head_loss, liger_lm_head_loss, liger_loss_problem
 
 IGNORE = -100
 

@@ -15,20 +15,11 @@ from pathlib import Path
 import pytest
 
 from hf_cp.cli import main
-from hf_cp.train.checkpoint_trust import UntrustedCheckpointError
-from hf_cp.train.history import HistoryError, read_history
-from hf_cp.train.resume import (
-    COMPLETE_FILE,
-    DIGESTS_FIELD,
-    MARKED_FIELD,
-    SCHEDULE_FILE,
-    CorruptCheckpointError,
-    check_checkpoint_files,
-    check_resume,
-    checkpoint_step,
-    mark_complete,
-    truncate_history,
-)
+from hf_cp.train.checkpoint.integrity import CorruptCheckpointError, check_checkpoint_files
+from hf_cp.train.checkpoint.marks import COMPLETE_FILE, DIGESTS_FIELD, MARKED_FIELD, SCHEDULE_FILE, mark_complete
+from hf_cp.train.checkpoint.resolve import check_resume, checkpoint_step
+from hf_cp.train.checkpoint.trust import UntrustedCheckpointError
+from hf_cp.train.measure.step_record import HistoryError, read_history, truncate_history
 
 from helpers.checkpoint_runs import train_with_checkpoints
 from helpers.harness.models import ROOT
@@ -176,7 +167,7 @@ def test_large_archives_have_only_their_pickle_checksummed(run_copy, monkeypatch
     thousands of files) the tensors' bytes are left to the load, the pickle is still checked."""
     import zipfile
 
-    import hf_cp.train.resume as resume
+    import hf_cp.train.checkpoint.integrity as integrity
 
     ckpt = run_copy / "checkpoint-2"
     path = ckpt / "rng_state.pth"
@@ -186,15 +177,15 @@ def test_large_archives_have_only_their_pickle_checksummed(run_copy, monkeypatch
     data[tensor.header_offset + 30 + len(tensor.filename) + 100] ^= 0x01  # inside the tensor's bytes
     path.write_bytes(bytes(data))
     # the SHA-256 its save recorded sees the flipped byte whatever the budget
-    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 0)
+    monkeypatch.setattr(integrity, "TORCH_CHECKSUM_TOTAL", 0)
     with pytest.raises(UntrustedCheckpointError, match="rng_state.pth is not the file its save wrote"):
         check_checkpoint_files(ckpt)
     # a record without checksums (an older hf_cp): the CRC-32s, within the budget
     _drop_digests(ckpt)
-    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 256 << 20)
+    monkeypatch.setattr(integrity, "TORCH_CHECKSUM_TOTAL", 256 << 20)
     with pytest.raises(CorruptCheckpointError, match=r"rng_state/data/\d+ does not match its checksum"):
         check_checkpoint_files(ckpt)
-    monkeypatch.setattr(resume, "TORCH_CHECKSUM_TOTAL", 0)
+    monkeypatch.setattr(integrity, "TORCH_CHECKSUM_TOTAL", 0)
     assert [n for n in check_checkpoint_files(ckpt) if "records no sha256" not in n] == []
 
 

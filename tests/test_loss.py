@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_cp.train.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
+from hf_cp.train.step.loss import chunkable_head, chunked_lm_head_loss, head_output_is_logits, lm_head_bypassed
 
 from helpers.harness.models import tiny_model
 
@@ -184,7 +184,7 @@ def test_per_token_log_probs_are_minus_the_token_cross_entropies_chunk_by_chunk(
     their sum is minus the summed loss, and gradients agree."""
     import torch
 
-    from hf_cp.train.loss import chunked_lm_head_loss, chunked_lm_head_token_logps
+    from hf_cp.train.step.loss import chunked_lm_head_loss, chunked_lm_head_token_logps
 
     torch.manual_seed(0)
     hidden = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)

@@ -8,7 +8,7 @@ import pytest
 
 from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask, decode_mask_column, encode_mask
 from hf_cp.samples.masks import AttnSlice, MaskError, SampleMask
-from hf_cp.train.columns import read_token_columns
+from hf_cp.train.data.columns import read_token_columns
 
 MASKS = [
     SampleMask.shared_prompt(3, [2, 4]),

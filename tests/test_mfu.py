@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from hf_cp.cost.config_files import ConfigError
 from hf_cp.cost.flops import ModelFlops, achieved_tflops, device_peak, mfu
-from hf_cp.cost.model import ConfigError
 from hf_cp.plan.step_plan import StepPlan
 from hf_cp.resources import find_named
 from hf_cp.samples.masks import SampleMask
-from hf_cp.train.collator import RankStep
-from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
-from hf_cp.train.step_record import step_model_flops
+from hf_cp.train.data.collator import RankStep
+from hf_cp.train.measure.metrics import StepThroughput, aggregate, summary_lines
+from hf_cp.train.measure.record_builder import step_model_flops
 
 from helpers.step_records import records
 

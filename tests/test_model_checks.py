@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
 from hf_cp.attention.recurrent import attach_recurrent_layers
-from hf_cp.train.model_checks import (
+from hf_cp.train.checks.model import (
     attention_bypassing_interface,
     check_model_config_supported,
     check_model_supported,
@@ -23,7 +23,7 @@ from hf_cp.train.model_checks import (
     model_refusals,
     token_mixers_bypassing_attention,
 )
-from hf_cp.train.setup_checks import SetupError
+from hf_cp.train.checks.setup import SetupError
 
 from helpers import REPO
 from helpers.harness.models import synthetic_rows
@@ -172,7 +172,7 @@ def test_the_trainer_refuses_when_it_is_built(tmp_path):
 
 
 def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
-    from hf_cp.train.dry_run import dry_run
+    from hf_cp.train.launch.dry_run import dry_run
 
     config = tmp_path / "granite.json"
     extra, _ = HYBRIDS["granitemoehybrid"]

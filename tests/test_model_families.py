@@ -6,7 +6,7 @@ test_every_family_is_exact_under_cp_or_refused (helpers/model_families.py): ever
 built tiny, in one spawned gloo world of 2 ranks (about a minute on two cores): one document spread
 over the CP group (ring per document and Ulysses or ring zigzag) and one local document per rank must
 give the loss and every parameter gradient of each document run alone through eager attention, or
-the family must be refused by name at set-up (hf_cp.train.model_checks). A family that runs and
+the family must be refused by name at set-up (hf_cp.train.checks.model). A family that runs and
 mismatches, or raises in its forward, fails the test; docs/model_families.md lists what it measured."""
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ def test_no_family_of_transformers_mismatches():
     assert not mismatched
 
 
-# Families expected to be refused at set-up once hf_cp.train.model_checks covers them; until then
+# Families expected to be refused at set-up once hf_cp.train.checks.model covers them; until then
 # they run here and must not be exact (so the list cannot go stale silently). Measured 2026-12-03
 # with the model_checks of the working tree: each raises in hf_cp's attention at the first forward
 # instead of at set-up.
 KNOWN_PENDING: dict = {}  # doge, llama4, llama4_text: refused at set-up since 2026-12-03
 
-# Without hf_cp.train.model_checks (the module absent) every family it refuses runs: these then
+# Without hf_cp.train.checks.model (the module absent) every family it refuses runs: these then
 # mismatch or raise at the forward (measured 2026-12-03 with the set-up checks off).
 PENDING_WITHOUT_MODEL_CHECKS = frozenset(
     """axk2 bailing_hybrid bart bert bert-generation big_bird bigbird_pegasus blenderbot blenderbot-small
@@ -116,8 +116,8 @@ def test_every_family_is_exact_under_cp_or_refused(tmp_path):
     )
 
     pending = dict(KNOWN_PENDING)
-    if importlib.util.find_spec("hf_cp.train.model_checks") is None:
-        pending.update({f: "refused once hf_cp.train.model_checks lands" for f in PENDING_WITHOUT_MODEL_CHECKS})
+    if importlib.util.find_spec("hf_cp.train.checks.model") is None:
+        pending.update({f: "refused once hf_cp.train.checks.model lands" for f in PENDING_WITHOUT_MODEL_CHECKS})
     failing = [r for r in rows if r["result"] in ("MISMATCH", "crash") and r["family"] not in pending]
     assert not failing, (
         "families that run under hf_cp but are not exact (a refusal must come at set-up):\n"

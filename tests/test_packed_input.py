@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from hf_cp.samples.packed_input import PackedInputError, row_documents
-from hf_cp.train.columns import read_token_columns
+from hf_cp.train.data.columns import read_token_columns
 
 from helpers.packed_docs import docs_dataset
 
@@ -157,7 +157,7 @@ def test_no_eos_warning_with_boundaries_eos_only_at_row_ends_or_no_eos_id():
 def test_eos_ids_come_from_the_tokenizer_else_the_model_config():
     from types import SimpleNamespace
 
-    from hf_cp.train.columns import eos_token_ids
+    from hf_cp.train.data.columns import eos_token_ids
 
     assert eos_token_ids(SimpleNamespace(eos_token_id=7), SimpleNamespace(eos_token_id=[1, 2])) == (7,)
     assert eos_token_ids(None, SimpleNamespace(eos_token_id=[1, 2])) == (1, 2)
@@ -170,7 +170,7 @@ def test_the_dry_run_reports_interior_eos_rows(tmp_path):
     import json
     from pathlib import Path
 
-    from hf_cp.train.dry_run import dry_run
+    from hf_cp.train.launch.dry_run import dry_run
 
     data = tmp_path / "packed.jsonl"
     rows = [{"input_ids": ([5] * 40 + [2]) * 3} for _ in range(8)] + [{"input_ids": [5] * 100 + [2]}] * 8

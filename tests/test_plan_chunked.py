@@ -124,7 +124,7 @@ def test_simulator_prices_chunked_samples_with_the_chunk_cost():
 def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
     from hf_cp.plan.chunks import dependent_chunk_sizes
     from hf_cp.profiling.replay import rank_micro_batches
-    from hf_cp.train.collator import PlanCollator
+    from hf_cp.train.data.collator import PlanCollator
 
     p = chunked_plan().validate(CL)
     lens = p.length_of()
@@ -147,7 +147,7 @@ def test_the_collator_hands_chunked_samples_over_and_replay_refuses_them():
 
 def test_the_collator_counts_chunked_targets_pads_every_rank_and_refuses_masked_chunks():
     from hf_cp.samples.masks import SampleMask
-    from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
+    from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator
 
     p = chunked_plan().validate(CL)
     lens = p.length_of()

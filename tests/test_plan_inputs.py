@@ -139,7 +139,7 @@ def test_planner_hands_masks_to_the_balancer_and_refuses_those_that_cannot(h200_
 
 
 def test_cli_plans_the_shared_prompt_trace(capsys, traces_dir, tmp_path, h200_cost):
-    from hf_cp.cost.simulate import lower_bound_ms
+    from hf_cp.cost.bounds import lower_bound_ms
 
     trace = traces_dir / "shared_prompt_alpaca_eval_n8.jsonl"
     args = ["plan", "--lengths", str(trace), "--world", "8", "--steps", "2", "--balancer", "static"]

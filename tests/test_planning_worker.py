@@ -14,16 +14,16 @@ from hf_cp.planning import GlobalBatchSampler, Planner
 from helpers.world2_job import LENGTHS
 
 
-@pytest.mark.parametrize("in_process", [False, True])
-def test_background_planner_matches_inline_planning_and_validates(in_process):
+@pytest.mark.parametrize("in_subprocess", [False, True])
+def test_background_planner_matches_inline_planning_and_validates(in_subprocess):
     from concurrent.futures import ProcessPoolExecutor
 
     cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
     sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=2)
     cl = ClusterSpec(4, 256)
-    bg = Planner(sampler, "auto", cl, cost, lookahead=3, compare_balancer="static", in_process=in_process)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=3, compare_balancer="static", in_subprocess=in_subprocess)
     inline = Planner(sampler, "auto", cl, cost, lookahead=0, compare_balancer="static")
-    assert bg.in_process == in_process and isinstance(bg._pool, ProcessPoolExecutor) == in_process
+    assert bg.in_subprocess == in_subprocess and isinstance(bg._pool, ProcessPoolExecutor) == in_subprocess
     try:
         order = [0, 1, 2, 5, 6, len(sampler) - 1]  # includes a jump, as after a resume
         for k in order:
@@ -55,14 +55,14 @@ def test_background_planner_matches_inline_planning_and_validates(in_process):
 
             return dataclasses.replace(get_balancer("static").plan(req), balancer=f"pid {os.getpid()}")
 
-    where = Planner(sampler, WhereAmI(), cl, cost, lookahead=1, in_process=in_process)
-    try:  # in_process: planned by another process, off this one's GIL
+    where = Planner(sampler, WhereAmI(), cl, cost, lookahead=1, in_subprocess=in_subprocess)
+    try:  # in_subprocess: planned by another process, off this one's GIL
         import os
 
-        assert (where.get(0).plan.balancer != f"pid {os.getpid()}") == in_process
+        assert (where.get(0).plan.balancer != f"pid {os.getpid()}") == in_subprocess
     finally:
         where.close()
-    broken_bg = Planner(sampler, Broken(), cl, cost, lookahead=1, in_process=in_process)
+    broken_bg = Planner(sampler, Broken(), cl, cost, lookahead=1, in_subprocess=in_subprocess)
     try:  # an invalid plan made in the worker reaches the trainer as the same error
         with pytest.raises(ValueError, match="never scheduled"):
             broken_bg.get(0)
@@ -75,7 +75,7 @@ def test_several_planner_workers_plan_the_same_steps():
     sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
     cl = ClusterSpec(4, 256)
     inline = Planner(sampler, "auto", cl, cost, lookahead=0)
-    bg = Planner(sampler, "auto", cl, cost, lookahead=4, in_process=True, workers=3)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=4, in_subprocess=True, workers=3)
     try:
         for k in [0, 1, 2, 3, 7, 8, 9, len(sampler) - 1]:
             assert bg.get(k).plan.to_json() == inline.get(k).plan.to_json(), k
@@ -125,8 +125,8 @@ def _wait_for_lines(path, n, timeout_s=20.0):
     raise AssertionError(f"{path}: fewer than {n} warm-up lines after {timeout_s} s")
 
 
-@pytest.mark.parametrize("in_process", [True, False])
-def test_planner_start_warms_the_balancer_up_in_the_background_before_any_plan(tmp_path, in_process):
+@pytest.mark.parametrize("in_subprocess", [True, False])
+def test_planner_start_warms_the_balancer_up_in_the_background_before_any_plan(tmp_path, in_subprocess):
     """Planner.start: the worker starts and pays the balancer's one-time start-up (warm_up) at
     once, in the worker that will plan (each process of the pool, or the planner thread), not
     in the step that first needs it; the plans stay those planned inline."""
@@ -135,14 +135,14 @@ def test_planner_start_warms_the_balancer_up_in_the_background_before_any_plan(t
     cl = ClusterSpec(4, 256)
     inline = Planner(sampler, "static", cl, cost, lookahead=0)
     record = tmp_path / "warm.txt"
-    bg = Planner(sampler, _WarmUpRecorder(record), cl, cost, lookahead=3, in_process=in_process, workers=2)
+    bg = Planner(sampler, _WarmUpRecorder(record), cl, cost, lookahead=3, in_subprocess=in_subprocess, workers=2)
     try:
         assert not record.exists()  # nothing runs before start()
         bg.start()
         bg.start()  # once only
-        lines = _wait_for_lines(record, 2 if in_process else 1)  # before any get()
+        lines = _wait_for_lines(record, 2 if in_subprocess else 1)  # before any get()
         pids = {int(line.split()[0]) for line in lines}
-        if in_process:
+        if in_subprocess:
             assert pids == set(bg._pool._processes) and os.getpid() not in pids  # each worker process, once
         else:
             assert pids == {os.getpid()} and lines[0].split()[1].startswith("hf_cp-planner")
@@ -177,7 +177,7 @@ def test_planner_replaces_a_worker_process_that_dies():
     sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
     cl = ClusterSpec(4, 256)
     inline = Planner(sampler, "auto", cl, cost, lookahead=0)
-    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_process=True)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_subprocess=True)
     try:
         assert bg.get(0).plan.to_json() == inline.get(0).plan.to_json()
         for death in range(1, Planner.MAX_WORKER_RESTARTS + 2):
@@ -216,7 +216,7 @@ def test_planner_worker_exits_when_its_training_process_is_killed():
         "from hf_cp.planning import Planner\n"
         "from hf_cp.planning import GlobalBatchSampler\n"
         "p = Planner(GlobalBatchSampler([10] * 40, 100), 'static', ClusterSpec(2, 256),\n"
-        "            CostModel.load('tiny-llama', 'h200-qwen2.5-7b'), lookahead=1, in_process=True)\n"
+        "            CostModel.load('tiny-llama', 'h200-qwen2.5-7b'), lookahead=1, in_subprocess=True)\n"
         "p.get(0)\n"
         "print(*p._pool._processes, flush=True)\n"
         "os.kill(os.getpid(), 9)\n"

@@ -106,8 +106,8 @@ def test_plan_reads_the_preprocessed_folder(capsys, tmp_path, smol_tokenizer_dir
 def test_trainer_reads_the_output_with_the_same_label_convention(tmp_path, smol_tokenizer):
     """The trainer's loader and collator take our columns as they are: its shifted targets are
     our labels moved by one token, inside each document."""
-    from hf_cp.train.collator import shifted_targets, valid_targets
-    from hf_cp.train.config import load_datasets
+    from hf_cp.train.data.collator import shifted_targets, valid_targets
+    from hf_cp.train.setup.config import load_datasets
 
     res = preprocess(str(CHAT_SAMPLE), smol_tokenizer, tmp_path / "chat", limit=5)
     ds, _ = load_datasets({"path": str(tmp_path / "chat")}, "test")

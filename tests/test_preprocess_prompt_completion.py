@@ -81,7 +81,7 @@ def test_prompt_completion_from_the_command_line(tmp_path, capsys):
     assert main(["preprocess", str(bad), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert "need both a 'prompt' and a 'completion' column; 'completion' is missing" in err
-    assert "GRPO data: give them raw to hf_cp.train.grpo.CPGRPOTrainer" in err, "which trainer prompts feed"
+    assert "GRPO data: give them raw to hf_cp.train.objectives.grpo.CPGRPOTrainer" in err, "which trainer prompts feed"
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "c", "rejected": "r"}])
     assert main(["preprocess", str(pairs), "--tokenizer", str(tok_dir), "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err

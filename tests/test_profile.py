@@ -12,7 +12,9 @@ import torch.nn.functional as F
 import yaml
 
 from hf_cp.cli import main
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.profiling import fit_quality, measure, nonnegative_lstsq
 from hf_cp.profiling.layers import DecoderStack, RankWork
 from hf_cp.profiling.shard_attention import SegmentLayout

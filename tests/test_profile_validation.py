@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost.model import ConfigError, HardwareProfile
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.resources import find_named
 
 

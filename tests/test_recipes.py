@@ -18,8 +18,8 @@ import yaml
 
 from hf_cp.cli import main as cli_main
 from hf_cp.resources import PACKAGE_ROOT, RECIPES, find_recipe, input_path, shipped_recipes, training_config_path
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.config import TrainConfigError, load_config
+from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.setup.config import TrainConfigError, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = {

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
 from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.modes.segments import ShardMode
-from hf_cp.train.model_checks import model_refusals
+from hf_cp.train.checks.model import model_refusals
 
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
 from helpers.cp_layout import group_documents, member_rows

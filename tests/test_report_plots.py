@@ -95,7 +95,7 @@ def test_report_reads_the_spread_logged_by_a_new_run(tmp_path):
     """A run whose logs keep only the spread (trainer_state.json): the report still draws it."""
     import json
 
-    from hf_cp.train.metrics import aggregate
+    from hf_cp.train.measure.metrics import aggregate
 
     from helpers.step_records import records
 

@@ -9,8 +9,8 @@ import pytest
 from hf_cp.cli import main
 from hf_cp.cost.simulate import max_over_mean
 from hf_cp.report.runs import read_run
-from hf_cp.train.history import StepRecord
-from hf_cp.train.metrics import aggregate
+from hf_cp.train.measure.metrics import aggregate
+from hf_cp.train.measure.step_record import StepRecord
 
 WORLD = 4
 STEPS = 8

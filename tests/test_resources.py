@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_cp.cost.model import ConfigError, HardwareProfile, ModelDims
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.resources import BUILTIN_CONFIGS, PACKAGE_ROOT, find_named, input_path
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.config import TrainConfigError, load_config, training_arguments
+from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.setup.config import TrainConfigError, load_config, training_arguments
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""output_dir's lock (hf_cp/train/run_lock.py): a second run on one output_dir is refused naming
+"""output_dir's lock (hf_cp/train/checkpoint/run_lock.py): a second run on one output_dir is refused naming
 the first, stale locks of dead processes are taken over, and a run never leaves its lock behind."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_cp.train.run_lock import (
+from hf_cp.train.checkpoint.run_lock import (
     LOCK_FILE,
     OutputDirLockedError,
     RunLock,
@@ -33,7 +33,7 @@ TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 # a process that holds the lock through the public API until it is killed
 HOLDER = (
     "import sys, time\n"
-    "from hf_cp.train.run_lock import RunLock\n"
+    "from hf_cp.train.checkpoint.run_lock import RunLock\n"
     "lock = RunLock(sys.argv[1]).acquire()\n"
     "print('held', lock.run_id, flush=True)\n"
     "if sys.argv[2] == 'sleep':\n"
@@ -244,7 +244,7 @@ def test_the_dry_run_reports_a_live_lock_without_taking_it(tmp_path, capsys):
 
 
 def test_cpgrpotrainer_train_holds_the_lock(tmp_path):
-    from hf_cp.train.grpo import CPGRPOTrainer
+    from hf_cp.train.objectives.grpo import CPGRPOTrainer
 
     _write_lock(tmp_path, host="node-7")
     fake = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path), cp_break_lock=False), cp_rank=0, cp_world=1)
@@ -272,7 +272,7 @@ def test_a_second_training_run_on_a_held_output_dir_is_refused_and_touches_nothi
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     # the holder died without releasing: the next run takes the stale lock over, trains, and leaves none
-    with caplog.at_level(logging.WARNING, logger="hf_cp.train.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="hf_cp.train.checkpoint.run_lock"):
         trainer = train_with_checkpoints(out, steps=2)
     assert f"stale lock of a run that is gone: pid {proc.pid}" in caplog.text
     assert trainer.state.global_step == 2 and (out / "checkpoint-2").is_dir()

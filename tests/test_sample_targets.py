@@ -19,8 +19,8 @@ from hf_cp.plan.block_layout import doc_slices, random_layout
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.samples.masks import SampleMask
 from hf_cp.samples.targets import sample_targets, sample_valid_targets
-from hf_cp.train.collator import IGNORE_INDEX, PlanCollator
-from hf_cp.train.loss import chunked_lm_head_loss, logits_loss
+from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator
+from hf_cp.train.step.loss import chunked_lm_head_loss, logits_loss
 
 
 def reference_pairs(prompt, answers, prompt_labels, answer_labels):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_cp.train.setup_checks import HF_CP_ATTENTION, SetupError, check_attention, check_parallelism
+from hf_cp.train.checks.setup import HF_CP_ATTENTION, SetupError, check_attention, check_parallelism
 
 from helpers import REPO
 from helpers.harness.models import synthetic_rows, tiny_model
@@ -70,7 +70,7 @@ def test_attention_is_checked_when_the_trainer_is_built(tmp_path, monkeypatch):
 def test_arch_suffixes_deepspeed_cannot_parse_are_dropped():
     """DeepSpeed 0.19's FusedAdam build failed on an H200 image's TORCH_CUDA_ARCH_LIST=9.0a
     ("invalid literal for int() with base 10: '0a'"); CPTrainer hands it the plain arch."""
-    from hf_cp.train.setup_checks import deepspeed_arch_list
+    from hf_cp.train.checks.setup import deepspeed_arch_list
 
     assert deepspeed_arch_list("9.0a") == "9.0"
     assert deepspeed_arch_list("8.0;9.0a;10.0f") == "8.0;9.0;10.0"
@@ -80,7 +80,7 @@ def test_arch_suffixes_deepspeed_cannot_parse_are_dropped():
 
 
 def test_a_parallelism_config_mapping_from_yaml_is_refused_with_the_fix(tmp_path):
-    from hf_cp.train.args import CPTrainingArguments
+    from hf_cp.train.setup.args import CPTrainingArguments
 
     with pytest.raises(SetupError, match=r"training.parallelism_config \{'dp_shard_size': 2\}.*remove it"):
         CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, parallelism_config={"dp_shard_size": 2})
@@ -101,7 +101,7 @@ def test_a_parallelism_config_in_a_training_config_fails_the_dry_run(tmp_path, c
 
 
 def test_use_liger_kernel_is_refused_by_name(tmp_path):
-    from hf_cp.train.args import CPTrainingArguments
+    from hf_cp.train.setup.args import CPTrainingArguments
 
     with pytest.raises(ValueError, match="use_liger_kernel is not supported"):
         CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, use_liger_kernel=True)

@@ -12,7 +12,8 @@ import pytest
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit.pricing import PlanPricer
 from hf_cp.cost.execution import execution_named
-from hf_cp.cost.model import CostModel, Link
+from hf_cp.cost.hardware import Link
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.lengths import read_lengths

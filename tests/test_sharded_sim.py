@@ -8,9 +8,12 @@ from dataclasses import replace
 
 import pytest
 
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.execution import execution_named
-from hf_cp.cost.model import CostModel, HardwareProfile, Link, ModelDims
-from hf_cp.cost.simulate import chunked_pass_ms, place_compute_ms, sharded_wave_ms, simulate
+from hf_cp.cost.hardware import HardwareProfile, Link
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.sharded import chunked_pass_ms, place_compute_ms, sharded_wave_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.chunks import chunked_sample_cost
 from hf_cp.plan.passes import chunked_passes, merge_passes
 from hf_cp.plan.step_plan import ChunkedSample, Group, StepPlan, Wave

@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from hf_cp.cli import main
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.execution import (
     EXECUTIONS,
     StepExecution,
@@ -19,7 +21,7 @@ from hf_cp.cost.execution import (
     gathered_working_set_bytes,
     model_state_bytes_per_parameter,
 )
-from hf_cp.cost.model import ConfigError, HardwareProfile, ModelDims
+from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.planning.setup import (
     PlanningSettings,
     engine_memory,
@@ -27,8 +29,8 @@ from hf_cp.planning.setup import (
     planning_setup,
     static_memory,
 )
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.dry_run import dry_run
+from hf_cp.train.launch.dry_run import dry_run
+from hf_cp.train.setup.args import CPTrainingArguments
 
 # a small model whose sizes are easy to count by hand
 DIMS = ModelDims(

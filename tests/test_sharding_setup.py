@@ -1,5 +1,5 @@
 """Parameter-sharding set-ups CPTrainer honours or refuses by name, without processes
-(hf_cp/train/sharding.py): FSDP2 and ZeRO-3 are recognised from the Trainer's arguments and from
+(hf_cp/train/setup/sharding.py): FSDP2 and ZeRO-3 are recognised from the Trainer's arguments and from
 accelerate's environment; FSDP1, FSDP with DeepSpeed, offload, FSDP's own activation
 checkpointing, ZeRO-3 with several open ChunkFlow graphs, and DPO/GRPO under sharding are refused."""
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_cp.train.config_schema import check_training_keys
-from hf_cp.train.setup_checks import SetupError
-from hf_cp.train.sharding import (
+from hf_cp.train.checks.setup import SetupError
+from hf_cp.train.setup.schema import check_training_keys
+from hf_cp.train.setup.sharding import (
     FSDP2,
     ZERO3,
     check_sharding,

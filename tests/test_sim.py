@@ -3,7 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.cost.simulate import charged_lower_bound_ms, lower_bound_ms, simulate
+from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
+from hf_cp.cost.simulate import simulate
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
@@ -108,7 +109,8 @@ def test_max_over_mean_is_the_one_definition():
 
 
 def test_simulate_with_the_cluster_carries_both_bounds_and_flags_a_balanced_plan_far_above_them(h200_cost):
-    from hf_cp.cost.simulate import FAR_ABOVE_BOUND, charged_lower_bound_ms
+    from hf_cp.cost.bounds import charged_lower_bound_ms
+    from hf_cp.cost.simulate import FAR_ABOVE_BOUND
     from hf_cp.modes.segments import ShardMode
 
     # 64 short documents zigzag-split over all 16 ranks: perfectly balanced, mostly ring traffic
@@ -133,7 +135,7 @@ def test_simulate_with_the_cluster_carries_both_bounds_and_flags_a_balanced_plan
 
 
 def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
-    from hf_cp.cost.simulate import charged_lower_bound_ms
+    from hf_cp.cost.bounds import charged_lower_bound_ms
 
     # one 8,818-token sample on 512 ranks: the old bound spreads it over the whole world for
     # free; alone on its best group it cannot run faster than that group allows
@@ -147,7 +149,7 @@ def test_charged_bound_charges_the_critical_sample_its_group(h200_cost):
 
 def test_charged_bound_charges_a_sample_that_fits_only_the_whole_world_the_whole_world(h200_cost):
     from hf_cp.balance import PlanRequest, get_balancer
-    from hf_cp.cost.simulate import charged_lower_bound_ms
+    from hf_cp.cost.bounds import charged_lower_bound_ms
 
     # a sample that fits only the whole world holds all 32 ranks for its time alone there;
     # everything else comes on top of that, not beside it

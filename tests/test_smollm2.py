@@ -26,8 +26,8 @@ def test_bundled_gguf_is_installed():
 @pytest.mark.parametrize("name", ["smollm2-cpu", "smollm2-gpu"])
 def test_recipe_configs_are_valid_trainer_configs(name):
     """Every training field is a CPTrainingArguments field; referenced files exist."""
-    from hf_cp.train.args import CPTrainingArguments
-    from hf_cp.train.config import load_config, training_arguments
+    from hf_cp.train.setup.args import CPTrainingArguments
+    from hf_cp.train.setup.config import load_config, training_arguments
 
     cfg = load_config(str(REPO / "configs" / f"{name}.yaml"))
     assert cfg["model"]["pretrained"] == "outputs/smollm2-135m-instruct"

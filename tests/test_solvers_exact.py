@@ -36,7 +36,9 @@ MODEL_DIMS = dict(num_layers=2, hidden=64, num_heads=4, head_dim=16, intermediat
 
 
 def tiny_cost(kv_heads):
-    from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.hardware import HardwareProfile
+    from hf_cp.cost.model import CostModel
 
     return CostModel(ModelDims(num_kv_heads=kv_heads, **MODEL_DIMS), HardwareProfile.load("h200-qwen2.5-7b"))
 

@@ -1,6 +1,6 @@
 """Streaming training data (issue 27): the stream sampler (planning/stream_sampler.py), the
 planner fed a stream's batches as they are read (forked worker included), and CPTrainer on a
-streaming datasets.IterableDataset (train/streaming.py): the same steps and losses as the rows
+streaming datasets.IterableDataset (train/data/streaming.py): the same steps and losses as the rows
 materialised, a bounded look-ahead buffer, a clean stop at the stream's end, exact resume from a
 checkpoint's stream position, and errors that name the stream sample."""
 
@@ -90,8 +90,8 @@ def test_released_steps_drop_their_samples_and_positions_resume_the_same_steps()
         assert resumed.position(len(batches)) == walk.position(len(batches))  # the same chain at the end
 
 
-@pytest.mark.parametrize("in_process", [False, True], ids=["thread", "forked-worker"])
-def test_planner_plans_stream_steps_read_after_its_worker_started(in_process):
+@pytest.mark.parametrize("in_subprocess", [False, True], ids=["thread", "forked-worker"])
+def test_planner_plans_stream_steps_read_after_its_worker_started(in_subprocess):
     """The forked worker never sees the stream: each step's batch (and its samples' masks) comes
     with the request. Plans equal inline planning; the buffer holds lookahead + 1 steps and one
     sample at most; a sample too long for any group is named by its stream index."""
@@ -100,7 +100,7 @@ def test_planner_plans_stream_steps_read_after_its_worker_started(in_process):
     inline = Planner(_sampler(lengths, steps=12), "usp", cluster, cost, seed=3, lookahead=0)
     expected = [inline.get(k).plan.digest() for k in range(12)]
     sampler = _sampler(lengths, steps=12)
-    ahead = Planner(sampler, "usp", cluster, cost, seed=3, lookahead=2, in_process=in_process)
+    ahead = Planner(sampler, "usp", cluster, cost, seed=3, lookahead=2, in_subprocess=in_subprocess)
     try:
         ahead.start()  # the worker forks now, before any sample is read
         assert sampler.samples_read == 0
@@ -111,7 +111,7 @@ def test_planner_plans_stream_steps_read_after_its_worker_started(in_process):
             bound = buffer_bound(2, 500, ahead.max_sample_tokens)
             assert sampler.held_samples <= sum(len(sampler[j].sample_ids) for j in range(k, min(k + 3, 12))) + 1
             assert sampler.held_samples <= bound.samples and sampler.held_tokens <= bound.tokens
-        assert ahead.in_process == in_process
+        assert ahead.in_subprocess == in_subprocess
     finally:
         ahead.close()
     assert got == expected
@@ -136,7 +136,7 @@ def test_planner_plans_stream_steps_read_after_its_worker_started(in_process):
     ],
 )
 def test_bad_rows_are_named_by_their_stream_index(row, message):
-    from hf_cp.train.streaming import stream_sample
+    from hf_cp.train.data.streaming import stream_sample
 
     with pytest.raises(ValueError, match=message):
         stream_sample(row, 5)
@@ -233,7 +233,7 @@ def test_a_stream_trains_the_steps_and_losses_of_its_rows_materialised_and_stops
 def test_resume_from_a_checkpoint_continues_the_stream_exactly(tmp_path):
     """An uninterrupted run of 6 steps against one resumed from its checkpoint at step 3: the same
     samples per step and the same losses; a stream whose trained part changed is refused."""
-    from hf_cp.train.resume import ScheduleChangedError
+    from hf_cp.train.checkpoint.schedule import ScheduleChangedError
 
     rows = synthetic_rows(LENGTHS + LENGTHS[::-1], seed=3)
     full = _train(rows, tmp_path / "full", 6, save_steps=3)

@@ -1,4 +1,4 @@
-"""CPTrainingArguments (hf_cp/train/args.py)."""
+"""CPTrainingArguments (hf_cp/train/setup/args.py)."""
 
 from __future__ import annotations
 

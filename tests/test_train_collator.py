@@ -1,4 +1,4 @@
-"""PlanCollator (hf_cp/train/collator.py): each rank's micro-batches of a step plan, in context.py's
+"""PlanCollator (hf_cp/train/data/collator.py): each rank's micro-batches of a step plan, in context.py's
 layout, and the next-token targets."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 from hf_cp.planning import GlobalBatchSampler, Planner
-from hf_cp.train.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
+from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, shifted_targets, valid_targets
 
 from helpers.harness.balancers import FixedModeBalancer
 from helpers.harness.models import synthetic_rows

@@ -1,4 +1,4 @@
-"""The token columns CPTrainer reads from a dataset (hf_cp/train/columns.py)."""
+"""The token columns CPTrainer reads from a dataset (hf_cp/train/data/columns.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers.harness.models import synthetic_rows
 def test_data_digest_sees_tokens_targets_and_order():
     from datasets import Dataset
 
-    from hf_cp.train.columns import read_token_columns
+    from hf_cp.train.data.columns import read_token_columns
 
     rows = synthetic_rows([40, 40, 33, 40, 7], seed=1)
     base = read_token_columns(Dataset.from_list(rows)).digest()
@@ -70,7 +70,7 @@ def _datasets(rows):
 )
 def test_non_integer_token_columns_are_refused_naming_the_row_and_column(rows, message):
     """Issue 27: float labels were truncated (1.5 -> 1) or failed inside numpy without a row named."""
-    from hf_cp.train.columns import read_token_columns
+    from hf_cp.train.data.columns import read_token_columns
 
     for ds in _datasets(rows):
         with pytest.raises(ValueError, match=re.escape(message)) as e:
@@ -79,7 +79,7 @@ def test_non_integer_token_columns_are_refused_naming_the_row_and_column(rows, m
 
 
 def test_integer_columns_of_any_width_and_null_labels_are_read():
-    from hf_cp.train.columns import read_token_columns
+    from hf_cp.train.data.columns import read_token_columns
 
     rows = [{"input_ids": [5, 6, 7], "labels": None}, {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}]
     for ds in _datasets(rows):

@@ -1,4 +1,4 @@
-"""The training model built from a run config (hf_cp/train/config.py)."""
+"""The training model built from a run config (hf_cp/train/setup/config.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def test_a_model_built_from_a_config_keeps_fp32_master_weights_whatever_dtype_th
     dtype off the built model). The training model is built in fp32."""
     import transformers
 
-    from hf_cp.train.config import build_model, model_config
+    from hf_cp.train.setup.config import build_model, model_config
 
     mcfg = {"config": "qwen2.5-0.5b"}
     assert model_config(mcfg, "test").dtype == torch.bfloat16  # what the config names
@@ -63,7 +63,13 @@ training:
 def test_a_key_set_to_null_is_read_as_if_it_were_absent_in_every_section(tmp_path):
     """Issue 27: `model.pretrained: null` was read as the string 'None' and looked up on the Hub;
     `null` now means unset everywhere, the same as leaving the key out."""
-    from hf_cp.train.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+    from hf_cp.train.setup.config import (
+        load_config,
+        load_datasets,
+        load_run_tokenizer,
+        model_config,
+        training_arguments,
+    )
 
     cfg = load_config(_config(tmp_path, NULLS))
     bare = load_config(_config(tmp_path, "model: {config: tiny-llama}\ndata: {bundled: longtail_sample}\n"))
@@ -83,7 +89,7 @@ def test_a_key_set_to_null_is_read_as_if_it_were_absent_in_every_section(tmp_pat
 
 def test_null_is_unset_when_the_sections_are_passed_directly_too(tmp_path):
     """The readers take sections built in code (dry run, launch): a None value is no setting there either."""
-    from hf_cp.train.config import load_datasets, load_run_tokenizer, model_config, training_arguments
+    from hf_cp.train.setup.config import load_datasets, load_run_tokenizer, model_config, training_arguments
 
     mcfg = {"config": "tiny-llama", "pretrained": None, "tokenizer": None, "trust_remote_code": None}
     assert model_config(mcfg, "cfg").model_type == "llama"
@@ -97,7 +103,7 @@ def test_null_is_unset_when_the_sections_are_passed_directly_too(tmp_path):
 def test_an_override_to_null_removes_the_key():
     from pathlib import Path
 
-    from hf_cp.train.config import load_config
+    from hf_cp.train.setup.config import load_config
 
     tiny = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
     cfg = load_config(tiny, ["training.deepspeed=null", "data.eval_split=null", "model.seed=~"])

@@ -13,21 +13,23 @@ import pytest
 
 from hf_cp.planning import GlobalBatchSampler
 from hf_cp.report.samples import audit_samples
-from hf_cp.train.consistency import CollectiveStallError, collective_scope
-from hf_cp.train.resume import (
-    SCHEDULE_FILE,
+from hf_cp.train.checkpoint.marks import SCHEDULE_FILE
+from hf_cp.train.checkpoint.resolve import (
     SHARED_STORE_ADVICE,
     ReshardNeededError,
-    ScheduleChangedError,
-    check_resumed_schedule,
     check_zero_world_size,
     checkpoint_step,
     resolve_resume,
     restart_problems,
+)
+from hf_cp.train.checkpoint.schedule import (
+    ScheduleChangedError,
+    check_resumed_schedule,
     schedule_record,
-    truncate_history,
     write_schedule,
 )
+from hf_cp.train.measure.step_record import truncate_history
+from hf_cp.train.step.agreement import CollectiveStallError, collective_scope
 
 from helpers.harness.job import STALL_STARTED, free_port, run_distributed
 from helpers.harness.models import ROOT
@@ -129,7 +131,7 @@ def test_stop_signal_sets_a_flag_and_restores_the_handler():
     import os
     import signal
 
-    from hf_cp.train.stop_signal import StopSignal
+    from hf_cp.train.checkpoint.stop_signal import StopSignal
 
     before = signal.getsignal(signal.SIGTERM)
     stop = StopSignal()
@@ -268,7 +270,7 @@ def test_groups_made_before_and_after_hf_cp_are_bounded_by_its_timeout():
     port = free_port()
     code = (
         "import torch, torch.distributed as dist; from datetime import timedelta;"
-        "from hf_cp.train.groups import bound_every_group;"
+        "from hf_cp.train.step.groups import bound_every_group;"
         f"dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:{port}');"
         "before = dist.new_group([0]); bound_every_group(timedelta(seconds=3)); after = dist.new_group([0]);"
         "print([g._get_backend(torch.device('cpu')).options._timeout.total_seconds() for g in (before, after)])"

@@ -1,4 +1,4 @@
-"""ScheduledGarbageCollection (hf_cp/train/gc_schedule.py)."""
+"""ScheduledGarbageCollection (hf_cp/train/step/gc_schedule.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ def test_scheduled_garbage_collection_collects_only_at_the_interval():
     import gc
     from types import SimpleNamespace
 
-    from hf_cp.train.gc_schedule import ScheduledGarbageCollection
+    from hf_cp.train.step.gc_schedule import ScheduledGarbageCollection
 
     seen = []
 

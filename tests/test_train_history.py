@@ -1,11 +1,11 @@
-"""Per-rank history files (hf_cp/train/history.py): a line torn by a kill is skipped with a
+"""Per-rank history files (hf_cp/train/measure/step_record.py): a line torn by a kill is skipped with a
 warning when it is the last one; a bad line anywhere else is an error naming file and line."""
 
 import json
 
 import pytest
 
-from hf_cp.train.history import HistoryError, append_record, history_path, latest_records, read_history
+from hf_cp.train.measure.step_record import HistoryError, append_record, history_path, latest_records, read_history
 
 from helpers.step_records import records
 
@@ -44,7 +44,7 @@ def test_whole_files_read_back_every_record(tmp_path):
 
 
 def test_a_resume_drops_the_torn_line_so_new_records_start_on_a_line_of_their_own(tmp_path):
-    from hf_cp.train.resume import truncate_history
+    from hf_cp.train.measure.step_record import truncate_history
 
     path = _write_two_steps(tmp_path)
     whole = path.read_text()

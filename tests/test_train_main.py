@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_cp.train.config import TrainConfigError, load_config
+from hf_cp.train.setup.config import TrainConfigError, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def test_config_errors_name_file_and_field(tmp_path):
         ],
     )
     assert cfg["training"]["max_steps"] == 3 and cfg["training"]["cp_balancer"] == "static"
-    from hf_cp.train.config import training_arguments
+    from hf_cp.train.setup.config import training_arguments
 
     args = training_arguments(
         dict(cfg["training"], output_dir=str(tmp_path), use_cpu=True, deepspeed=None), "tiny-cpu.yaml"
@@ -46,7 +46,7 @@ def test_config_errors_name_file_and_field(tmp_path):
 def test_every_shipped_config_builds_its_training_arguments(config, tmp_path):
     # a setting transformers renamed or dropped (warmup_ratio in v5) must fail here, not on a
     # GPU node; GPU configs are built for the CPU (bf16 needs a GPU to validate)
-    from hf_cp.train.config import training_arguments
+    from hf_cp.train.setup.config import training_arguments
 
     cfg = load_config(
         str(ROOT / "configs" / config),
@@ -57,7 +57,7 @@ def test_every_shipped_config_builds_its_training_arguments(config, tmp_path):
 
 
 def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):
-    from hf_cp.train.config import load_datasets
+    from hf_cp.train.setup.config import load_datasets
 
     train, held = load_datasets({"bundled": "longtail_sample", "eval_split": 0.05}, "cfg.yaml")
     assert (len(train), len(held)) == (228, 12)
@@ -200,7 +200,7 @@ def _custom_code_model(folder: Path) -> None:
 
 
 def test_remote_code_runs_only_when_the_config_trusts_it(tmp_path):
-    from hf_cp.train.config import build_model, model_config
+    from hf_cp.train.setup.config import build_model, model_config
 
     folder = tmp_path / "custom"
     _custom_code_model(folder)

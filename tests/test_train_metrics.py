@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from hf_cp.train.metrics import aggregate, summary_lines
+from hf_cp.train.measure.metrics import aggregate, summary_lines
 
 from helpers.step_records import records
 

@@ -148,7 +148,7 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
         trainer.evaluate(Dataset.from_list([{"input_ids": [1, 2, 3], "labels": [5]}]))
     # auto trains samples over the cap of 256 as dependent chunks (chunkflow) up to a limit set by
     # the K/V state store; one token more is refused by name
-    limit = trainer.cp_planner.max_sample_tokens
+    limit = trainer.cp_runtime.planner.max_sample_tokens
     assert limit > 256
     with pytest.raises(ValueError, match=f"eval dataset 'eval': sample 1 has {limit + 1} tokens; balancer 'auto'"):
         trainer.evaluate(Dataset.from_list(synthetic_rows([5, limit + 1])))
@@ -159,7 +159,7 @@ def test_evaluate_on_one_process_matches_reference_and_refuses_what_it_cannot_do
     with pytest.raises(NotImplementedError, match="evaluate\\(\\) gives the planned eval loss"):
         trainer.predict(unlabeled)
     # evaluation starts no background planner; asking for the training data does (Planner.start)
-    assert trainer.cp_planner._started is None
+    assert trainer.cp_runtime.planner._started is None
     trainer.get_train_dataloader()
-    assert trainer.cp_planner._started is not None
-    trainer.cp_planner.close()
+    assert trainer.cp_runtime.planner._started is not None
+    trainer.cp_runtime.planner.close()

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from hf_cp.balance import get_balancer
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.plan.chunks import dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning.evaluation import plan_evaluation

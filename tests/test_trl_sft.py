@@ -1,4 +1,4 @@
-"""CPTrainer as a mixin with TRL's SFTTrainer (hf_cp.train.sft): it trains from raw
+"""CPTrainer as a mixin with TRL's SFTTrainer (hf_cp.train.objectives.sft): it trains from raw
 prompt/completion data that SFTTrainer prepares, with the same losses as the same data
 preprocessed by `hf-cp preprocess` and trained by CPTrainer. TRL is an optional extra: these
 tests run when it is installed."""
@@ -56,7 +56,7 @@ def write_jsonl(path: Path, rows) -> Path:
 def sft_trainer(tmp_path, rows, **kw):
     from datasets import Dataset
 
-    from hf_cp.train.sft import CPSFTConfig, CPSFTTrainer
+    from hf_cp.train.objectives.sft import CPSFTConfig, CPSFTTrainer
 
     args = CPSFTConfig(
         output_dir=str(tmp_path / "sft"),
@@ -96,7 +96,7 @@ def test_the_mixin_needs_its_config_and_prepares_eval_data(tmp_path):
     from datasets import Dataset
 
     from hf_cp.train import CPTrainingArguments
-    from hf_cp.train.sft import CPSFTTrainer
+    from hf_cp.train.objectives.sft import CPSFTTrainer
 
     with pytest.raises(TypeError, match="CPSFTTrainer needs CPSFTConfig"):
         CPSFTTrainer(
@@ -121,7 +121,7 @@ def recipe_flags(**extra):
 def test_the_recipe_reads_trl_and_hf_cp_flags(tmp_path):
     from transformers import HfArgumentParser
 
-    from hf_cp.train.sft import CPSFTConfig
+    from hf_cp.train.objectives.sft import CPSFTConfig
 
     recipe = load_file_module("trl_sft_recipe", "recipes/trl_sft.py")
     flags = ["--model_path", "m", "--dataset_path", "d.jsonl", "--output_dir", str(tmp_path), "--use_cpu"]

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from hf_cp.train.user_collator import UnsupportedCollatorError, check_data_collator
+from hf_cp.train.data.user_collator import UnsupportedCollatorError, check_data_collator
 
 from helpers.harness.models import synthetic_rows, tiny_model
 from helpers.tiny_tokenizer import tiny_chat_tokenizer

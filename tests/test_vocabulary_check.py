@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from hf_cp.train.columns import model_vocab_size, read_token_columns
-from hf_cp.train.dry_run import dry_run
-from hf_cp.train.streaming import stream_sample
+from hf_cp.train.data.columns import model_vocab_size, read_token_columns
+from hf_cp.train.data.streaming import stream_sample
+from hf_cp.train.launch.dry_run import dry_run
 
 from helpers.harness.models import ROOT, synthetic_rows, tiny_model
 

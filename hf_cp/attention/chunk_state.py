@@ -104,7 +104,7 @@ class ChunkStateStore:
         if i != expected:
             raise ChunkOrderError(
                 f"layer {layer}: the backward of chunk {i} ran when chunk {expected}'s was due. Dependent chunks "
-                f"backpropagate one at a time, last chunk first (hf_cp.train.chunkflow.run_chunked_sample); a single "
+                f"backpropagate one at a time, last chunk first (hf_cp.train.step.chunkflow.run_chunked_sample); a single "
                 f"backward over several chunks' losses gives autograd the order and is refused"
             )
         self._next_backward[layer] = i - 1

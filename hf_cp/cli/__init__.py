@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from hf_cp.cost.model import ConfigError
+from hf_cp.cost.config_files import ConfigError
 from hf_cp.plan.step_plan import PlanError
 from hf_cp.samples.lengths import LengthsError
 

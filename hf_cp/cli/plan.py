@@ -17,11 +17,14 @@ from hf_cp.balance.options import parse_assignments
 from hf_cp.balance.registry import available_balancers, describe_options
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
 from hf_cp.cli.formatting import HelpFormatter
+from hf_cp.cost.bounds import lower_bound_ms
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.exchange import plan_exchange
 from hf_cp.cost.execution import EXECUTIONS, execution_named
-from hf_cp.cost.model import PROFILE_MAXIMA, CostModel, ModelDims
+from hf_cp.cost.hardware import PROFILE_MAXIMA
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.pipeline import bubble_share
-from hf_cp.cost.simulate import SimResult, lower_bound_ms, simulate
+from hf_cp.cost.simulate import SimResult, simulate
 from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
 from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec, is_power_of_two

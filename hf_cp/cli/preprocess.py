@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 from hf_cp.cli.formatting import HelpFormatter
-from hf_cp.cost.model import CostModel, HardwareProfile
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.samples.mask_column import MASK_COLUMN, decode_mask_column
 
 

@@ -12,14 +12,14 @@ import sys
 
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.plan.cluster import MAX_WORLD_SIZE
-from hf_cp.train.config import add_config_arguments, load_config
+from hf_cp.train.setup.config import add_config_arguments, load_config
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train a model from a YAML config (CPTrainer on DeepSpeed ZeRO-2)",
-        description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/config.py). "
+        description="Train with CPTrainer from CONFIG (sections model, data, training; see hf_cp/train/setup/config.py). "
         "Under a launcher every process runs this command; with --nproc N it starts N local "
         "processes itself (torch.distributed.run).",
         formatter_class=HelpFormatter,
@@ -96,7 +96,7 @@ def check_args(args) -> None:
 def run(args) -> int:
     check_args(args)
     if args.dry_run:
-        from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
+        from hf_cp.train.launch.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
         world = args.world or args.nproc or 1
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
@@ -117,7 +117,7 @@ def run(args) -> int:
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)
         if not args.skip_checks:  # a refusal here is one message, before any process or torchrun output
-            from hf_cp.train.dry_run import dry_run  # transformers (configs, tokenizer), datasets
+            from hf_cp.train.launch.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
             lines = dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
             errors = _dry_run_errors(lines)
@@ -128,7 +128,7 @@ def run(args) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher_args = []
         if args.max_restarts > 0:
-            # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.resume)
+            # --standalone is c10d rendezvous; a store of its own per attempt (hf_cp.train.checkpoint.resolve)
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
             launcher_args = ["--max-restarts", str(args.max_restarts)]
         if args.shutdown_timeout is not None:
@@ -147,7 +147,7 @@ def run(args) -> int:
         ] + [x for o in overrides for x in ("--set", o)]
         jit = bool((load_config(args.config, overrides).get("training") or {}).get("enable_jit_checkpoint"))
         return _run_forwarding_sigterm(cmd, env, to_workers=jit)
-    from hf_cp.train.launch import run_refusing_once  # torch, transformers, deepspeed
+    from hf_cp.train.launch.entry import run_refusing_once  # torch, transformers, deepspeed
 
     return run_refusing_once(args.config, args.overrides)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from hf_cp.cost.hardware import transfer_ms
 from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.modes.segments import masked_doc_pairs
 from hf_cp.plan.block_layout import (
@@ -41,6 +42,9 @@ from hf_cp.plan.block_layout import (
 from hf_cp.samples.masks import SampleMask
 
 FORWARD_SHARE = 4.0 / 14.0  # of a block's fwd+bwd time (ModelDims.attention_flops_per_pair: 4 fwd, 10 bwd)
+# default_layout keeps the first layout unless another is faster by more than this (ms): two
+# layouts that tie up to rounding keep the order they were tried in, so the choice is stable
+LAYOUT_TIE_MS = 1e-12
 
 
 # --------------------------------------------------------------------------- exchange volumes
@@ -97,10 +101,6 @@ def exchange_phases(ex: LayerExchange) -> Tuple[bool, bool, bool, bool]:
 
 
 # --------------------------------------------------------------------------- costs
-def _transfer_ms(nbytes: int, link, peers: int) -> float:
-    return nbytes / (link.bandwidth_gbps * 1e6) + peers * link.latency_us * 1e-3
-
-
 def block_attention_ms(cost: CostModel, area: int, heads: int, q_len: int) -> float:
     """fwd+bwd time of one block, per layer: its masked area on `heads` of the H query heads."""
     h = cost.dims.num_heads
@@ -158,7 +158,7 @@ def block_group_costs(
             xb = exchange_bytes(layout, ex, m, cost.dims.head_dim, cost.profile.bytes_per_element)
             nbytes = xb.total
             t = [
-                _transfer_ms(x, link, g - 1) if on else 0.0
+                transfer_ms(x, link, g - 1) if on else 0.0
                 for x, on in zip((xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return), phases)
             ]
             if len(nodes) > 1:  # each link level carries its own bytes, both at once
@@ -215,8 +215,8 @@ def _two_level_phase_ms(layout, ex, member, ranks, cost, phases) -> List[float]:
         b = (far.fwd_dispatch, far.fwd_return, far.bwd_dispatch, far.bwd_return)[i]
         out.append(
             max(
-                _transfer_ms(a, links["intra_node"], len(same)) if same else 0.0,
-                _transfer_ms(b, links["inter_node"], len(other)) if other else 0.0,
+                transfer_ms(a, links["intra_node"], len(same)) if same else 0.0,
+                transfer_ms(b, links["inter_node"], len(other)) if other else 0.0,
             )
         )
     return out
@@ -263,7 +263,7 @@ def division_comm_ms(layout, ex, member, div_attn, cost, link, group_size, phase
         if not on:
             continue
         busy = [share * c for c in comp]
-        comm = [_transfer_ms(sent[d], link, group_size - 1) if d in sent else 0.0 for d in range(n)]
+        comm = [transfer_ms(sent[d], link, group_size - 1) if d in sent else 0.0 for d in range(n)]
         # comm[0] first, then division i's computation beside division i+1's transfers
         total = comm[0] + sum(max(busy[i], comm[i + 1]) for i in range(n - 1)) + busy[-1]
         out += total - sum(busy)
@@ -291,6 +291,6 @@ def default_layout(
     for make in (zigzag_layout, per_doc_layout):
         lay = make(doc_lengths, g, h, slices)
         t = max(c.total_ms for c in block_group_costs(lay, doc_lengths, ranks, cost, masks))
-        if t < best_t - 1e-12:
+        if t < best_t - LAYOUT_TIE_MS:
             best, best_t = lay, t
     return best

@@ -34,10 +34,9 @@ unsharded parameters a parameter-sharding engine gathers while it computes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional
 
-if TYPE_CHECKING:  # the memory model reads a ModelDims; cost/model.py imports this module for StepExecution
-    from hf_cp.cost.model import ModelDims
+from hf_cp.cost.dims import ModelDims
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,13 @@ from typing import List, Sequence
 
 import numpy as np
 
+# the smallest magnitude a relative error divides by: a measured time of 0 gives a huge but
+# finite relative error instead of a division by zero
+MIN_RELATIVE_DENOMINATOR = 1e-300
+# a support replaces the best fit so far only when its squared residual is smaller by more than
+# this (on unit-norm columns): a fit equal up to rounding keeps the larger support tried first
+RESIDUAL_IMPROVEMENT = 1e-15
+
 
 @dataclass(frozen=True)
 class FitQuality:
@@ -31,7 +38,7 @@ def fit_quality(measured: Sequence[float], predicted: Sequence[float]) -> FitQua
     ss_res = float(((y - p) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
-    rel = np.abs(p - y) / np.maximum(np.abs(y), 1e-300)
+    rel = np.abs(p - y) / np.maximum(np.abs(y), MIN_RELATIVE_DENOMINATOR)
     return FitQuality(r2=r2, max_rel_err=float(rel.max()), median_rel_err=float(np.median(rel)))
 
 
@@ -62,7 +69,7 @@ def nonnegative_lstsq(X: Sequence[Sequence[float]], y: Sequence[float]) -> List[
             if np.any(sol < 0):
                 continue
             res = float(np.sum((As[:, cols] @ sol - b) ** 2))
-            if res < best_res - 1e-15:
+            if res < best_res - RESIDUAL_IMPROVEMENT:
                 best_res = res
                 best = np.zeros(n)
                 best[cols] = sol

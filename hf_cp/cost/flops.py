@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
-from hf_cp.cost.model import ConfigError, ModelDims
+from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.dims import ModelDims
 from hf_cp.modes.segments import masked_doc_pairs
 from hf_cp.samples.masks import SampleMask
 

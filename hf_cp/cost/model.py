@@ -8,416 +8,25 @@ Per layer and rank (DESIGN.md):
     memory = alpha * tokens + beta
 Times are milliseconds. The profile stores the fit made on one model's dimensions; for other
 dimensions c1 and c2 are scaled by the ratio of FLOPs per token and per causal pair, which
-is what a roofline-limited kernel would do.
+is what a roofline-limited kernel would do. The dimensions are cost/dims.py's, the profile and
+its links cost/hardware.py's.
 """
 
 from __future__ import annotations
 
 import bisect
-import difflib
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Union
 
-import yaml
-
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.execution import StepExecution
+from hf_cp.cost.hardware import HardwareProfile, Link, transfer_ms
 from hf_cp.modes.registry import mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, doc_pairs, masked_doc_pairs, masked_segment_pairs, segment_tokens
-from hf_cp.readers import brief, load_json, load_yaml
-from hf_cp.resources import available_names, find_named
 
 
-class ConfigError(ValueError):
-    """A config, profile or plan file is malformed; the message names the file and field."""
-
-
-# the largest model dimension read from a config (hidden size, heads, layers, vocabulary, ...):
-# far above any real model's (a 1M vocabulary, 128K intermediate), and small enough that the cost
-# model's FLOP and byte counts stay exact integers and finite floats
-MAX_MODEL_DIM = 2**24
-
-
-# --------------------------------------------------------------------------- model dimensions
-@dataclass(frozen=True)
-class ModelDims:
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab_size: int = 0
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self):
-        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
-            if int(getattr(self, f)) <= 0:
-                raise ConfigError(f"model dimension {f} must be positive, got {getattr(self, f)!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-
-    @property
-    def linear_params_per_layer(self) -> int:
-        h, d = self.hidden, self.head_dim
-        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
-        mlp = 3 * h * self.intermediate  # gate, up, down
-        return attn + mlp
-
-    @property
-    def embedding_parameters(self) -> int:
-        """The embedding and the LM head (one matrix when tied): what FSDP2's root group holds."""
-        return self.vocab_size * self.hidden * (1 if self.tie_word_embeddings else 2)
-
-    @property
-    def parameters(self) -> int:
-        """Trained parameters, to the precision the gradient reduction needs: the decoder layers'
-        matrices and the embedding (and the LM head unless tied); norms are negligible."""
-        return self.num_layers * self.linear_params_per_layer + self.embedding_parameters
-
-    @property
-    def linear_flops_per_token(self) -> float:
-        """fwd + bwd matmul FLOPs per token and layer (2 fwd + 4 bwd per parameter)."""
-        return 6.0 * self.linear_params_per_layer
-
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """Bytes of one token's keys and values over all layers (ChunkFlow's state store):
-        2 (K and V) * kv heads * head dim * bytes * layers."""
-        return 2 * self.num_kv_heads * self.head_dim * int(bytes_per_element) * self.num_layers
-
-    @property
-    def attention_flops_per_pair(self) -> float:
-        """fwd + bwd FLOPs per causal query-key pair and layer: fwd 4*H*D, flash bwd 2.5x fwd."""
-        return 14.0 * self.num_heads * self.head_dim
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping, source: str = "config") -> ModelDims:
-        """Read a transformers config dict (config.json) without importing transformers."""
-        if not isinstance(cfg, Mapping):
-            raise ConfigError(f"{source}: expected a transformers config (a JSON object), got {type(cfg).__name__}")
-        cfg = dict(cfg)
-        if isinstance(cfg.get("text_config"), Mapping) and "hidden_size" not in cfg:
-            cfg = dict(cfg["text_config"])
-
-        def dim(key: str, default=None) -> int:
-            """A whole number of the config (null or absent: `default`); never rounded."""
-            v = cfg[key] if default is None else cfg.get(key)
-            if v is None and default is not None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (isinstance(v, int) or v.is_integer()):
-                raise ConfigError(f"{source}: field {key!r} must be a whole number, got {brief(v)}")
-            if abs(v) > MAX_MODEL_DIM:
-                raise ConfigError(f"{source}: field {key!r} must be at most {MAX_MODEL_DIM:,}, got {brief(v)}")
-            return int(v)
-
-        try:
-            hidden = dim("hidden_size")
-            heads = dim("num_attention_heads")
-            if heads <= 0:
-                raise ConfigError(f"{source}: field 'num_attention_heads' must be positive, got {heads}")
-            if dim("vocab_size", 0) < 0:
-                raise ConfigError(f"{source}: field 'vocab_size' must not be negative, got {cfg['vocab_size']}")
-            if "v_head_dim" in cfg and "qk_nope_head_dim" in cfg:
-                # MLA (DeepSeek-V2/V3): hf_cp pads q/k/v to the larger of the q/k and v head dims
-                # (interface.hf_cp_attention), and the keys and values it exchanges are per head
-                kv_heads = heads
-                head_dim = max(dim("qk_nope_head_dim") + dim("qk_rope_head_dim"), dim("v_head_dim"))
-            else:
-                kv_heads, head_dim = dim("num_key_value_heads", heads), dim("head_dim", hidden // heads)
-            return cls(
-                num_layers=dim("num_hidden_layers"),
-                hidden=hidden,
-                num_heads=heads,
-                num_kv_heads=kv_heads,
-                head_dim=head_dim,
-                intermediate=dim("intermediate_size"),
-                vocab_size=dim("vocab_size", 0),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except KeyError as e:
-            raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None
-        except ConfigError as e:
-            raise ConfigError(str(e) if str(e).startswith(f"{source}:") else f"{source}: {e}") from None
-        except (TypeError, ValueError, OverflowError) as e:
-            raise ConfigError(f"{source}: {e}") from None
-
-    @classmethod
-    def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
-        """A config.json path, a folder holding one, or a model name (hf_cp.resources: the user's
-        configs/models/ under the working directory, then the package's built-ins)."""
-        p = resolve_config(name_or_path, "models", (".json",))
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ConfigError(f"model config {p}: a directory without a config.json; expected a config.json file")
-            p = p / "config.json"
-        try:
-            cfg = load_json(p.read_text())
-        except (OSError, ValueError) as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
-            raise ConfigError(f"model config {p}: {e}") from None
-        return cls.from_hf_config(cfg, source=str(p))
-
-
-def read_yaml_mapping(
-    path: Union[str, Path], what: str, expect: str = "a mapping at top level", error: type = ConfigError
-) -> dict:
-    """A YAML file that must hold a mapping, read with the safe loader (no code from files) that
-    refuses a key given twice and an alias bomb (hf_cp.readers.load_yaml)."""
-    if Path(path).is_dir():
-        raise error(f"{what} {path}: is a directory; expected a YAML file")
-    try:
-        d = load_yaml(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise error(f"{what} {path}: {e}") from None
-    if not isinstance(d, dict):
-        raise error(f"{what} {path}: expected {expect}")
-    return d
-
-
-def resolve_config(name_or_path: Union[str, Path], kind: str, suffixes: Tuple[str, ...]) -> Path:
-    """The file a profile or model name stands for (resolution order: hf_cp.resources)."""
-    p = find_named(name_or_path, kind, suffixes)
-    if p is None:
-        raise ConfigError(
-            f"no {kind[:-1]} named {str(name_or_path)!r}: not a file, not in configs/{kind}/ here, and not "
-            f"built in; available: {available_names(kind)}"
-        )
-    return p
-
-
-# --------------------------------------------------------------------------- hardware profile
-# The largest value of each number of a profile, with its unit: orders of magnitude above what
-# any device measures (an H200: c1 ~1e-4 ms, alpha ~1e5 B, 141 GB, 450 GB/s), so that a number
-# past it is a typo or a fuzz (1e308 made `hf-cp plan` print inf and nan), refused by name
-# (forward_share and chunk_efficiency have their own ranges, within (0, 1]).
-PROFILE_MAXIMA: Mapping[str, Tuple[float, str]] = {
-    "c1_ms_per_token": (1e3, "ms per token and layer"),
-    "c2_ms_per_pair": (1e3, "ms per causal pair and layer"),
-    "c0_ms": (1e6, "ms per layer and micro-batch"),
-    "activation_bytes_per_token": (1e12, "bytes per token"),
-    "static_bytes": (1e18, "bytes"),
-    "bytes_per_element": (16, "bytes"),
-    "gpus_per_node": (4096, "ranks"),
-    "bandwidth_gbps": (1e6, "GB/s"),
-    "latency_us": (1e9, "microseconds"),
-    "reduction_overhead_ms": (1e6, "ms"),
-    "step_overhead_ms": (1e6, "ms"),
-    "cp_attention_scale": (1e3, "a factor"),
-    "cp_message_ms": (1e6, "ms"),
-    "device_memory_gb": (1e9, "GB"),
-    "head_split_factor": (1e3, "a factor"),
-}
-MAX_PROFILE_TABLE_KEY = 2**40  # a chunk_efficiency chunk length, a head_split_factor way count
-
-
-def _profile_key(field: str) -> str:
-    """The PROFILE_MAXIMA key of a field path: links.intra_node.latency_us -> latency_us,
-    chunk_efficiency.8 -> chunk_efficiency."""
-    parts = field.split(".")
-    return parts[-1] if parts[0] == "links" else parts[0]
-
-
-@dataclass(frozen=True)
-class Link:
-    bandwidth_gbps: float  # GB/s per rank, one direction
-    latency_us: float
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    c1_ms_per_token: float  # one decoder layer fwd+bwd, per token
-    c2_ms_per_pair: float  # one decoder layer fwd+bwd, per causal query-key pair
-    c0_ms: float  # per layer and micro-batch (kernel launches, fixed overheads)
-    fitted_dims: ModelDims  # the dimensions c1, c2 were measured with
-    chunk_efficiency: Tuple[Tuple[int, float], ...]  # (query-chunk length, efficiency in (0, 1])
-    head_split_factor: Tuple[Tuple[int, float], ...]  # (ways, attention time multiplier)
-    activation_bytes_per_token: float  # alpha, whole model
-    static_bytes: float  # beta
-    bytes_per_element: int
-    gpus_per_node: int
-    links: Mapping[str, Link]
-    description: str = ""
-    # share of fwd+bwd time that is the forward alone (what a recomputed forward costs);
-    # 1/3 (backward twice the forward) unless the profile measured it
-    forward_share: float = 1.0 / 3.0
-    # Wall clock beyond compute (hf_cp/execution.py), used only when the cost model is given an
-    # execution; 0 by default, so that plain compute comparisons keep their numbers. Online
-    # calibration (hf_cp/planning/calibration.py) fits them to a run's measured step times.
-    reduction_overhead_ms: float = 0.0  # per gradient reduction, beyond its bytes over the link
-    step_overhead_ms: float = 0.0  # per optimizer step (optimizer update, plan agreement, bookkeeping)
-    # attention of a micro-batch whose documents are distributed over a CP group, relative to the
-    # same attention run alone (1: as the per-rank kernels predict)
-    cp_attention_scale: float = 1.0
-    # per layer and message of a CP group's attention exchange (the shard mode's comm_messages):
-    # the members' rendezvous and the work around each step (ring merges, per-step buffers), which
-    # compute does not hide; 0 (default): messages cost only their link's latency, hidden behind
-    # attention. Measured on 2 CPU ranks (gloo, tiny Llama): 2.9 ms, 17 ms per ring micro-batch.
-    cp_message_ms: float = 0.0
-    device: str = ""  # the device type it was measured on ("cuda", "cpu"; "" unknown)
-    # memory of one device in GB (1e9 bytes; 0 unknown): what `hf-cp plan` and the dry run fit the
-    # largest model into under each engine
-    device_memory_gb: float = 0.0
-
-    @classmethod
-    def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
-        """Build and check a profile: every key known (else the nearest known key is named), every
-        number finite and in its range; each message names `source` (the file) and the field."""
-        known = {f.name for f in fields(cls)} | {"calibration"}  # calibration: how it was made, free text
-        for k in d:
-            if k not in known:
-                near = difflib.get_close_matches(str(k), sorted(known), n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else f"; known fields: {', '.join(sorted(known))}"
-                raise ConfigError(f"{source}: unknown field {k!r}{hint}")
-
-        def number(field: str, v, typ=float, limit: Optional[Tuple[float, str]] = None) -> float:
-            """`v` as a finite `typ` of at most its field's PROFILE_MAXIMA (or `limit`)."""
-            if isinstance(v, bool) or v is None:
-                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {brief(v)}")
-            try:
-                x = float(v)
-            except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond any float
-                raise ConfigError(f"{source}: field {field!r} must be {typ.__name__}, got {brief(v)}") from None
-            if not math.isfinite(x):
-                raise ConfigError(f"{source}: field {field!r} must be a finite number, got {brief(v)}")
-            hi, unit = limit or PROFILE_MAXIMA.get(_profile_key(field), (None, ""))
-            if hi is not None and x > hi:
-                raise ConfigError(
-                    f"{source}: field {field!r} must be at most {hi:g} ({unit}), got {brief(v)}: beyond what any "
-                    "hardware measures (a number that large overflows the cost model's sums to inf)"
-                )
-            if typ is int:
-                if not x.is_integer() or (isinstance(v, str) and not v.strip().lstrip("+-").isdigit()):
-                    raise ConfigError(f"{source}: field {field!r} must be a whole number, got {brief(v)}")
-                return int(x)
-            return x
-
-        def need(k, typ=float):
-            if k not in d:
-                raise ConfigError(f"{source}: missing field {k!r}")
-            if typ is dict:
-                if not isinstance(d[k], Mapping):
-                    raise ConfigError(f"{source}: field {k!r} must be a mapping, got {d[k]!r}")
-                return dict(d[k])
-            return number(k, d[k], typ)
-
-        def table(k, default) -> Tuple[Tuple[int, float], ...]:
-            t = d.get(k)
-            if t is None:
-                t = default
-            if not isinstance(t, Mapping):
-                raise ConfigError(f"{source}: field {k!r} must be a mapping of integer keys to numbers, got {t!r}")
-            return tuple(
-                sorted(
-                    (int(number(f"{k}.{q}", q, int, (MAX_PROFILE_TABLE_KEY, "tokens or ways"))), number(f"{k}.{q}", e))
-                    for q, e in t.items()
-                )
-            )
-
-        eff = table("chunk_efficiency", {})
-        hs = table("head_split_factor", {1: 1.0})
-        links = {}
-        for name, v in need("links", dict).items():
-            if name not in ("intra_node", "inter_node"):
-                near = difflib.get_close_matches(str(name), ["intra_node", "inter_node"], n=1)
-                raise ConfigError(
-                    f"{source}: unknown link links.{name}"
-                    + (f"; did you mean {near[0]!r}?" if near else "")
-                    + " (links are intra_node and inter_node)"
-                )
-            if not isinstance(v, Mapping) or set(v) != {"bandwidth_gbps", "latency_us"}:
-                raise ConfigError(f"{source}: links.{name} needs exactly bandwidth_gbps and latency_us, got {v!r}")
-            links[name] = Link(
-                number(f"links.{name}.bandwidth_gbps", v["bandwidth_gbps"]),
-                number(f"links.{name}.latency_us", v["latency_us"]),
-            )
-            if not links[name].bandwidth_gbps > 0:
-                raise ConfigError(
-                    f"{source}: links.{name}.bandwidth_gbps must be positive, got {v['bandwidth_gbps']!r}"
-                )
-            if links[name].latency_us < 0:
-                raise ConfigError(f"{source}: links.{name}.latency_us must not be negative, got {v['latency_us']!r}")
-        for q, e in eff:
-            if not (q > 0 and 0 < e <= 1.0):
-                raise ConfigError(f"{source}: chunk_efficiency {q}: {e} must be in (0, 1]")
-        if any(a[1] > b[1] for a, b in zip(eff, eff[1:])):
-            raise ConfigError(f"{source}: chunk_efficiency must not decrease with chunk length: {dict(eff)}")
-        for w, f in hs:
-            if w < 1 or f < 1:
-                raise ConfigError(
-                    f"{source}: head_split_factor {w}: {f}: ways must be >= 1 and the factor (attention time "
-                    "with the heads split that many ways, relative to unsplit) >= 1"
-                )
-        for k in ("intra_node", "inter_node"):
-            if k not in links:
-                raise ConfigError(f"{source}: links.{k} missing")
-        prof = cls(
-            name=str(d.get("name", source)),
-            c1_ms_per_token=need("c1_ms_per_token"),
-            c2_ms_per_pair=need("c2_ms_per_pair"),
-            c0_ms=need("c0_ms"),
-            fitted_dims=ModelDims.from_hf_config(need("fitted_dims", dict), source=f"{source}: fitted_dims"),
-            chunk_efficiency=eff,
-            head_split_factor=hs,
-            activation_bytes_per_token=need("activation_bytes_per_token"),
-            static_bytes=need("static_bytes"),
-            bytes_per_element=need("bytes_per_element", int),
-            gpus_per_node=need("gpus_per_node", int),
-            links=links,
-            description=str(d.get("description", "")),
-            forward_share=need("forward_share") if "forward_share" in d else 1.0 / 3.0,
-            reduction_overhead_ms=need("reduction_overhead_ms") if "reduction_overhead_ms" in d else 0.0,
-            step_overhead_ms=need("step_overhead_ms") if "step_overhead_ms" in d else 0.0,
-            cp_attention_scale=need("cp_attention_scale") if "cp_attention_scale" in d else 1.0,
-            cp_message_ms=need("cp_message_ms") if "cp_message_ms" in d else 0.0,
-            device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
-            device_memory_gb=need("device_memory_gb") if "device_memory_gb" in d else 0.0,
-        )
-        if not 0 < prof.forward_share < 1:
-            raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
-        for k in ("c1_ms_per_token", "c2_ms_per_pair", "activation_bytes_per_token", "cp_attention_scale"):
-            if getattr(prof, k) <= 0:
-                raise ConfigError(f"{source}: {k} must be positive, got {getattr(prof, k)}")
-        for k in (
-            "c0_ms",
-            "static_bytes",
-            "reduction_overhead_ms",
-            "step_overhead_ms",
-            "cp_message_ms",
-            "device_memory_gb",
-        ):
-            if getattr(prof, k) < 0:
-                raise ConfigError(f"{source}: {k} must not be negative, got {getattr(prof, k)}")
-        for k in ("gpus_per_node", "bytes_per_element"):
-            if getattr(prof, k) <= 0:
-                raise ConfigError(f"{source}: {k} must be positive, got {getattr(prof, k)}")
-        return prof
-
-    @classmethod
-    def load(cls, name_or_path: Union[str, Path]) -> HardwareProfile:
-        p = resolve_config(name_or_path, "profiles", (".yaml", ".yml"))
-        return cls.from_dict(read_yaml_mapping(p, "profile"), source=str(p))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        fd = self.fitted_dims
-        d["fitted_dims"] = {
-            "num_hidden_layers": fd.num_layers,
-            "hidden_size": fd.hidden,
-            "num_attention_heads": fd.num_heads,
-            "num_key_value_heads": fd.num_kv_heads,
-            "head_dim": fd.head_dim,
-            "intermediate_size": fd.intermediate,
-            "vocab_size": fd.vocab_size,
-            "tie_word_embeddings": fd.tie_word_embeddings,
-        }
-        d["chunk_efficiency"] = {q: e for q, e in self.chunk_efficiency}
-        d["head_split_factor"] = {w: f for w, f in self.head_split_factor}
-        d["links"] = {k: asdict(v) for k, v in self.links.items()}
-        return d
-
-
-# --------------------------------------------------------------------------- the cost model
 def _segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
     """member -> its query segments (registry.rank_segments), each member's built once: a ring
     member's cost also needs its successor's share."""
@@ -623,7 +232,7 @@ class CostModel:
             local_attn *= cp_scale
             comm_bytes = spec.comm_bytes_per_layer(self, doc_lengths, g, member, segments_of)
             if comm_bytes:
-                comm_ms = comm_bytes / (link.bandwidth_gbps * 1e6) + spec.comm_messages(g) * link.latency_us * 1e-3
+                comm_ms = transfer_ms(comm_bytes, link, spec.comm_messages(g))
                 if spec.overlaps_compute:  # only the exchange that outlasts attention shows
                     comm_ms = max(0.0, comm_ms - dist_attn)
             comm_ms += self.exchange_sync_ms(spec.comm_messages(g))
@@ -658,7 +267,7 @@ class CostModel:
         rounds = 2 if all_reduce else 1
         share = (world_size - 1) / world_size * rounds
         steps = (world_size - 1) * rounds * collectives
-        return share * nbytes / (link.bandwidth_gbps * 1e6) + steps * link.latency_us * 1e-3
+        return transfer_ms(share * nbytes, link, steps)
 
     def gradient_reduction_ms(self, world_size: int, hidden_behind_ms: float = 0.0) -> float:
         """One data-parallel gradient reduction over `world_size` ranks, as the wall clock sees
@@ -682,7 +291,7 @@ class CostModel:
         head), one collective each; a backward all-gathers the layers again (and the root,
         unless the execution keeps it gathered from forward: FSDP2) and reduce-scatters every
         gradient. Bytes at the profile's element size, as the gradient reduction's. Whether
-        compute hides it is the simulator's business (simulate.sharded_wave_ms)."""
+        compute hides it is the simulator's business (sharded.sharded_wave_ms)."""
         ex = self.execution
         if ex is None or not ex.shards_parameters or world_size <= 1:
             return 0.0

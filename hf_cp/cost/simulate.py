@@ -10,39 +10,31 @@ the step's wall time instead: ranks without work in a wave run the dummy micro-b
 ZeRO-2 every wave ends in a world-wide gradient reduction (a barrier: the next wave starts
 when the slowest rank of this one has finished and the reduction is done); under DDP one
 reduction ends the step; and the profile's fixed cost per step is added. Under FSDP2 and ZeRO-3
-(executions that shard the parameters) every rank runs the wave's pass sequence
-(StepPlan.wave_passes), each pass a chain of world-wide collectives: a pass lasts as long as
-the slowest rank's compute in it or its parameter communication, whichever is longer
-(sharded_wave_ms), and dummy passes cost their communication.
+(executions that shard the parameters) every wave runs as cost/sharded.py prices it
+(ShardedPasses).
 
 A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
 chunks.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
 its memory adds the samples' K/V state store to their activations. A blocks group's member
 holds its rows plus the K/V and Q rows it receives (StepPlan.held_tokens, what validate bounds).
+With a cluster, the result carries the plan's lower bounds (cost/bounds.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hf_cp.cost.blocks import block_group_costs, block_group_messages
+from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms, samples_local_ms
 from hf_cp.cost.model import CostModel, RankCost
+from hf_cp.cost.sharded import ShardedPasses
 from hf_cp.modes.registry import mode_spec
-from hf_cp.modes.ring import per_doc_max_member_tokens
-from hf_cp.modes.segments import ShardMode
-from hf_cp.plan.chunks import (
-    chunk_starts,
-    chunked_sample_cost,
-    dependent_chunk_layers_ms,
-    dependent_chunk_sizes,
-    recomputed_chunks,
-)
+from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.plan.passes import BACKWARD, FORWARD, FORWARD_NO_GRAPH
 from hf_cp.plan.step_plan import Group, StepPlan
 
 
@@ -51,6 +43,11 @@ def max_over_mean(values: Sequence[float]) -> float:
     signal on its own: compare a plan's makespan with the lower bound too (SimResult.flags)."""
     m = sum(values) / len(values) if len(values) else 0.0
     return max(values) / m if m > 0 else 1.0
+
+
+# A plan is flagged when its predicted time is at least this many times the charged bound:
+# balanced or not, it leaves most of the hardware's time on the table.
+FAR_ABOVE_BOUND = 1.5
 
 
 @dataclass
@@ -212,120 +209,6 @@ def wave_reductions(calls: int, synchronise: bool, last: bool) -> int:
     return 1 if last else 0
 
 
-def chunked_pass_ms(cost: CostModel, sizes: Sequence[int], keep: int) -> List[float]:
-    """The compute of each pass of one chunked sample, in plan/passes.chunked_passes order (N-K
-    forwards without a graph, K with one, then the chunks last first: a kept chunk's backward,
-    or a recomputed chunk's forward and backward), summing to chunked_sample_cost's compute_ms.
-    A chunk's fwd+bwd and its micro-batch overhead split by profile.forward_share; the first
-    forward of a recomputed chunk runs its decoder layers only (it fills the K/V store)."""
-    fs = cost.profile.forward_share
-    overhead = cost.micro_batch_overhead_ms()
-    layers_ms = [dependent_chunk_layers_ms(cost, s, n) for s, n in zip(chunk_starts(sizes), sizes)]
-    whole = [ms + cost.head_ms_per_token * n + overhead for ms, n in zip(layers_ms, sizes)]
-    n_re = recomputed_chunks(len(sizes), keep)
-    out = [fs * (layers_ms[i] + overhead) for i in range(n_re)]
-    out += [fs * whole[i] for i in range(n_re, len(sizes))]
-    for i in reversed(range(len(sizes))):
-        if i < n_re:
-            out.append(fs * whole[i])
-        out.append((1 - fs) * whole[i])
-    return out
-
-
-def place_compute_ms(
-    passes: str, own_passes: Sequence[str], own_ms: Sequence[Sequence[float]], dummy_ms: Dict[str, float]
-) -> List[float]:
-    """Per place of a wave's pass sequence, the slowest rank's compute there. A rank runs each of
-    its own passes (`own_passes[r]`, taking `own_ms[r]`) at the next place of its kind, as
-    plan/passes.PassCursor does, and a zero-weight dummy pass (`dummy_ms` by kind) elsewhere."""
-    out = [dummy_ms[kind] for kind in passes]
-    for r, (own, ms) in enumerate(zip(own_passes, own_ms)):
-        if len(own) != len(ms):
-            raise ValueError(f"rank {r}: {len(ms)} pass times for its passes {own!r}")
-        place = 0
-        for kind, t in zip(own, ms):
-            place = passes.find(kind, place)
-            if place < 0:
-                raise ValueError(f"rank {r}'s passes {own!r} do not fit the wave's {passes!r}")
-            out[place] = max(out[place], t)
-            place += 1
-    return out
-
-
-def sharded_wave_ms(passes: str, place_ms: Sequence[float], forward_comm_ms: float, backward_comm_ms: float) -> float:
-    """Wall time of a wave's passes when the parameters are sharded (FSDP2, ZeRO-3). Each pass is
-    a chain of world-wide collectives (one per layer), so every rank meets the others in it; on
-    a GPU the engines run them on their own streams, the next layer's all-gather (and the
-    previous layer's reduce-scatter) beside the current layer's compute, so a pass lasts
-    max(its slowest rank's compute `place_ms`, its communication): communication shows only
-    where it outlasts compute, as in a dummy pass. A forward (f or F) costs
-    `forward_comm_ms`, a backward `backward_comm_ms` (CostModel.parameter_pass_comm_ms)."""
-    return sum(max(ms, backward_comm_ms if kind == BACKWARD else forward_comm_ms) for kind, ms in zip(passes, place_ms))
-
-
-@dataclass(frozen=True)
-class ShardedWave:
-    """One wave's wall time when the parameters are sharded (ShardedPasses.wave)."""
-
-    place_ms: List[float]  # per place of the wave's passes, the slowest rank's compute (place_compute_ms)
-    passes_ms: float  # the passes' wall time, communication where it outlasts compute (sharded_wave_ms)
-    reductions: int  # one per backward place: each reduce-scatters the gradients
-    reduction_ms: float  # their fixed cost (profile.reduction_overhead_ms each); their bytes are in passes_ms
-
-    @property
-    def wall_ms(self) -> float:
-        """From the wave's start (every rank at the previous wave's barrier) to its end."""
-        return self.passes_ms + self.reduction_ms
-
-
-class ShardedPasses:
-    """The wave rule of a plan under a parameter-sharding execution (FSDP2, ZeRO-3): every rank
-    runs each wave's pass sequence (StepPlan.wave_passes), its own passes at the places of their
-    kind and a dummy pass (a one-token micro-batch's share of its kind) elsewhere; the wave lasts
-    sharded_wave_ms plus one fixed reduction cost per backward place. `simulate` and the
-    balancers' pricer (balance/toolkit/pricing.PlanPricer) both price waves through this, so
-    what a balancer compares is what the simulator predicts."""
-
-    def __init__(self, plan: StepPlan, cost: CostModel, lens: Optional[Dict[int, int]] = None):
-        W = plan.world_size
-        self.plan, self.cost = plan, cost
-        self.lens = lens if lens is not None else plan.length_of()
-        self.passes_of_wave = plan.wave_passes()
-        self.forward_comm_ms = cost.parameter_pass_comm_ms(W, backward=False)
-        self.backward_comm_ms = cost.parameter_pass_comm_ms(W, backward=True)
-        self.forward_share = fs = cost.profile.forward_share
-        dummy = cost.dummy_micro_batch_ms()
-        self.dummy_pass_ms = {FORWARD_NO_GRAPH: fs * dummy, FORWARD: fs * dummy, BACKWARD: (1 - fs) * dummy}
-
-    def micro_batch_ms(self, duration_ms: float) -> List[float]:
-        """A member's own passes (F, B) in a group's micro-batch of `duration_ms` (overhead
-        included): the members meet at every layer, so each spends the group's time, split
-        by the profile's forward share."""
-        fs = self.forward_share
-        return [fs * duration_ms, (1 - fs) * duration_ms]
-
-    def chunked_ms(self, group: Group, rank: int) -> List[float]:
-        """`rank`'s own passes in a one-rank group of chunked samples, in the order it runs them."""
-        return [
-            t
-            for c in group.chunked.get(rank, [])
-            for t in chunked_pass_ms(self.cost, dependent_chunk_sizes(self.lens[c.sample], c.chunk_size), c.keep)
-        ]
-
-    def wave(self, w: int, own_ms: Sequence[Sequence[float]]) -> ShardedWave:
-        """Wave `w`'s wall time, given every rank's own passes' compute (`own_ms[r]`: [] for a
-        rank without work, micro_batch_ms or chunked_ms otherwise)."""
-        passes = self.passes_of_wave[w]
-        places = place_compute_ms(passes, self.plan.rank_passes(w, self.lens), own_ms, self.dummy_pass_ms)
-        k = passes.count(BACKWARD)
-        return ShardedWave(
-            places,
-            sharded_wave_ms(passes, places, self.forward_comm_ms, self.backward_comm_ms),
-            k,
-            k * self.cost.profile.reduction_overhead_ms,
-        )
-
-
 def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = None) -> SimResult:
     """Per-rank times of the plan by the timing rule of the module docstring. With the
     cluster, the result also carries the plan's lower bounds and flags."""
@@ -470,7 +353,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     bounds = {}
     if cluster is not None:
         masks = [plan.masks.get(sid) for sid in plan.sample_ids] if plan.masks else None
-        local = _local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
+        local = samples_local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
         bounds = {
             "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local),
             "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks),
@@ -497,135 +380,3 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         fixed_ms=fixed,
         **bounds,
     )
-
-
-def lower_bound_ms(
-    lengths: Sequence[int],
-    cluster: ClusterSpec,
-    cost: CostModel,
-    masks=None,
-    local_ms: Optional[Sequence[float]] = None,
-) -> float:
-    """No valid plan of these samples on this cluster can take less time in `simulate`.
-
-    max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
-    group size ). A sample's cheapest rank-ms is its whole-document compute on one rank:
-    sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
-    extra, communication and per-micro-batch overheads are never negative). On a group of g
-    ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
-    that share at the largest registered group size. `masks` (aligned with the lengths, None
-    entries causal) price masked samples by their masked area, as the simulator does;
-    `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
-    """
-    lens = _check_fits(lengths, cluster)
-    gmax = cluster.all_group_sizes[-1]  # any registered size: a run of 6 ranks on a node with them
-    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
-    if not len(areas):
-        return 0.0
-    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
-
-
-# A plan is flagged when its predicted time is at least this many times the charged bound:
-# balanced or not, it leaves most of the hardware's time on the table.
-FAR_ABOVE_BOUND = 1.5
-
-
-def charged_lower_bound_ms(
-    lengths: Sequence[int],
-    cluster: ClusterSpec,
-    cost: CostModel,
-    local_ms: Optional[Sequence[float]] = None,
-    alone_ms: Optional[Callable[[int, int], float]] = None,
-    longest_checked: int = 8,
-    masks=None,
-) -> float:
-    """A tighter bound that charges a group's communication, kernel efficiency and overheads.
-
-    max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
-    longest samples' best time alone on a group: min over the group sizes whose
-    per-document shards fit the cap of the slowest member's time (CostModel, the sample
-    per-document sharded over a registered group: every size the cluster registers, runs of
-    any size included) plus one overhead ). A sample's rank-time is
-    its single-rank compute, or for a sample over the cap the least g x its time alone on g
-    ranks over the sizes it fits.
-
-    A rank holds at most `cap` tokens per micro-batch, each micro-batch costs an overhead,
-    and sharding never lowers compute. The rest holds for plans that run every distributed
-    sample per-document sharded or local (as dynamic_cp, flexsp, skrull and megatron do): a
-    member's tokens, attention and ring bytes only grow when other documents share its
-    micro-batch, so the sample's micro-batch lasts at least as long as the sample alone, on
-    every rank of its group. The longest sample's two charges come from one group size: the
-    bound is at least, at the best size for it, the larger of its time there and the world's
-    work with its rank-time there. lower_bound_ms instead lets the costliest sample
-    spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
-    A zigzag pack splits its documents differently; the argument does not cover it (the
-    benchmark reports plan / charged bound, so a plan under it would show).
-    `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
-    `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
-    masked area and is left out of the group charges (its time alone would be a causal one's).
-    """
-    lens = _check_fits(lengths, cluster)
-    if not len(lens):
-        return 0.0
-    areas = np.asarray(_local_ms(lens, cost, masks) if local_ms is None else local_ms)
-    if masks is not None and any(m is not None for m in masks):
-        causal = np.asarray([m is None for m in masks], dtype=bool)
-        work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
-        if not causal.any():
-            return work / cluster.world_size
-        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
-        return max(inner, work / cluster.world_size)
-    cap = cluster.max_tokens_per_rank
-    overhead = cost.micro_batch_overhead_ms()
-    alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
-
-    def fitting_sizes(n: int) -> List[int]:
-        # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
-        # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
-        return [g for g in cluster.all_group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
-
-    # a sample over the cap holds a whole group for at least its time alone there: charge it
-    # the cheapest such group's rank-time instead of its single-rank compute
-    def held(n: int) -> float:
-        return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
-
-    work = float(areas.sum())
-    over = lens > cap
-    if over.any():
-        uniq, counts = np.unique(lens[over], return_counts=True)
-        work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
-    world = cluster.world_size
-    work += -(-int(lens.sum()) // cap) * overhead
-    bound = work / world
-    for n in np.unique(lens)[::-1][:longest_checked].tolist():
-        bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
-    # the longest sample picks one group size for both: its time there, and its rank-time
-    # there beside everything else's
-    n = int(lens.max())
-    rest = work - held(n)
-    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
-
-
-def _local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
-    """Every sample's single-rank time (masked area where masked)."""
-    if masks is None or all(m is None for m in masks):
-        return [cost.sample_local_ms(n) for n in lens.tolist()]
-    return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
-
-
-def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
-    if group_size == 1:
-        return cost.sample_local_ms(length)
-    ranks = list(range(group_size))
-    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
-
-
-def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
-    """The lengths as an array; ValueError naming the first non-positive one. A sample longer
-    than the largest group holds is valid here: ChunkFlow runs it as dependent chunks on one
-    rank (the plan's validate() checks that its chunks and K/V state store fit the rank)."""
-    lens = np.asarray(lengths, dtype=np.int64)
-    if len(lens) and int(lens.min()) <= 0:
-        i = int(np.argmax(lens <= 0))
-        raise ValueError(f"sample {i} has {int(lens[i])} tokens; lengths must be positive")
-    return lens

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Tuple
 
-from hf_cp.cost.model import ModelDims
+from hf_cp.cost.dims import ModelDims
 
 DEFAULT_MODEL = "qwen2.5-7b"
 

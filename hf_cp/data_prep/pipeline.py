@@ -95,10 +95,10 @@ def grouped_data_feeds(layout) -> str:
     if "rejected" in layout.answers:
         return (
             f"{sft}, not DPO: these are preference pairs; for DPO give the raw prompt/chosen/rejected data to "
-            f"hf_cp.train.dpo.CPDPOTrainer (recipes/trl_dpo.py), which builds the same shared-prompt samples itself"
+            f"hf_cp.train.objectives.dpo.CPDPOTrainer (recipes/trl_dpo.py), which builds the same shared-prompt samples itself"
         )
     return (
-        f"{sft}; for GRPO, give the prompts to hf_cp.train.grpo.CPGRPOTrainer (recipes/trl_grpo.py), which groups "
+        f"{sft}; for GRPO, give the prompts to hf_cp.train.objectives.grpo.CPGRPOTrainer (recipes/trl_grpo.py), which groups "
         f"the completions it generates itself"
     )
 
@@ -121,13 +121,13 @@ def infer_kind(
     if prompt_field in columns and "chosen" in columns and "rejected" in columns:
         raise InputError(
             f"these are preference pairs ({prompt_field!r}, 'chosen', 'rejected'): for DPO give them raw to "
-            f"hf_cp.train.dpo.CPDPOTrainer (recipes/trl_dpo.py); for SFT on the chosen answers, preprocess with "
+            f"hf_cp.train.objectives.dpo.CPDPOTrainer (recipes/trl_dpo.py); for SFT on the chosen answers, preprocess with "
             f"--group-answers"
         )
     if prompt_field in columns or completion_field in columns:
         missing = completion_field if prompt_field in columns else prompt_field
         grpo = (
-            "; prompts without completions are GRPO data: give them raw to hf_cp.train.grpo.CPGRPOTrainer "
+            "; prompts without completions are GRPO data: give them raw to hf_cp.train.objectives.grpo.CPGRPOTrainer "
             "(recipes/trl_grpo.py), which generates and rewards the completions"
             if missing == completion_field
             else ""

@@ -25,6 +25,7 @@ from hf_cp.modes.registry import (
     mode_spec,
     rank_segments,
     register_mode,
+    unregister_mode,
 )
 from hf_cp.modes.segments import Segment, ShardMode
 
@@ -39,4 +40,5 @@ __all__ = [
     "mode_spec",
     "rank_segments",
     "register_mode",
+    "unregister_mode",
 ]

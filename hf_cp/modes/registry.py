@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Seque
 from hf_cp.modes.segments import Segment, segment_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hf_cp.cost.model import CostModel, ModelDims
+    from hf_cp.cost.dims import ModelDims
+    from hf_cp.cost.model import CostModel
 
 # member index -> that member's segments (built once per group and reused: a ring member's
 # exchange depends on its successor's share)
@@ -88,6 +89,15 @@ def register_mode(spec: ShardModeSpec) -> ShardModeSpec:
         raise ValueError(f"a shard mode named {spec.name!r} is already registered ({_REGISTRY[spec.name]!r})")
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def unregister_mode(name) -> ShardModeSpec:
+    """Remove a registered mode (a name or a ShardMode member) and return its spec; for plugins
+    and tests that register a mode for a while. Plans that still name it no longer resolve."""
+    key = getattr(name, "value", name)
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown shard mode {key!r}; registered modes: {', '.join(mode_names())}")
+    return _REGISTRY.pop(key)
 
 
 def mode_names() -> List[str]:

@@ -8,7 +8,7 @@ last K chunks keep their activations; the first N-K are run again (recomputed) i
 
 Pure functions on lengths and plain data: torch-free, like the rest of plan/ and cost/. The same
 geometry (`dependent_chunk_sizes`) is used by the plan, the simulator and the executor
-(hf_cp/train/chunkflow.py), so predicted and executed chunks agree.
+(hf_cp/train/step/chunkflow.py), so predicted and executed chunks agree.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The cluster a plan runs on: world size, memory cap, and the registry of CP groups.
 
-Every group a plan may use is built once at start-up (DESIGN.md "Process groups"): here the
+Every group a plan may use is built once at start-up (docs/design.md "Process groups"): here the
 contiguous, aligned power-of-two blocks of ranks. A block never straddles a node boundary
 unless it is larger than a node. Planners only pick from this registry.
 

@@ -10,7 +10,7 @@ A one-rank group may instead run *chunked* samples (ChunkFlow, hf_cp/plan/chunks
 sample cut into dependent chunks run in order on that rank, one sample after another.
 
 Plans are plain data: JSON in and out (byte-identical for identical plans), validated against
-DESIGN.md's invariants before any collective is issued.
+the invariants of docs/design.md ("StepPlan invariants") before any collective is issued.
 """
 
 from __future__ import annotations

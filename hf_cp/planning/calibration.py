@@ -42,7 +42,8 @@ import numpy as np
 import yaml
 
 from hf_cp.cost.fit import nonnegative_lstsq
-from hf_cp.cost.model import CostModel, HardwareProfile, Link
+from hf_cp.cost.hardware import HardwareProfile, Link
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import SimResult
 
 COMPUTE_TERMS = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "comm_scale", "cp_attention_scale", "cp_message_ms")

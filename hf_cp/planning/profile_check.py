@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from hf_cp.cost.model import HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
 
 # The per-layer dimensions c1 and c2 are measured with; other values are scaled by FLOP ratios
 # (CostModel), which a real kernel follows only roughly. The number of layers scales exactly.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from hf_cp.balance.registry import available_balancers, get_balancer
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.execution import (
     MEMORY_ENGINES,
     engine_model_states,
@@ -25,7 +26,8 @@ from hf_cp.cost.execution import (
     model_states_of_run,
     sharding_of,
 )
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.planning.sampler import GlobalBatchSampler
 from hf_cp.readers import load_json
@@ -183,7 +185,7 @@ class PlanningSetup:
     settings: PlanningSettings
     cost: CostModel
     cluster: ClusterSpec
-    sampler: GlobalBatchSampler
+    sampler: Optional[GlobalBatchSampler]  # None: every step's batch is given (GRPO's rollouts)
 
     def balancer(self):
         """The configured balancer, built with its options."""
@@ -198,7 +200,7 @@ def load_profile(profile: Union[str, Mapping]) -> HardwareProfile:
 
 def planning_setup(
     settings: PlanningSettings,
-    lengths: Sequence[int],
+    lengths: Optional[Sequence[int]],
     world_size: int,
     model_config: Optional[Mapping] = None,
     num_epochs: float = 1.0,
@@ -210,7 +212,9 @@ def planning_setup(
     Model dimensions come from `settings.model_dims` when set, else from `model_config` (the
     model's transformers config as a dict); one of the two is required. `sampler`: builds the
     run's sampler from (tokens per step, seed, max_steps) instead of a GlobalBatchSampler over
-    `lengths` (a streaming dataset's: stream_sampler.StreamBatchSampler).
+    `lengths` (a streaming dataset's: stream_sampler.StreamBatchSampler). `lengths` None: no
+    sampler, every step's batch is given to the planner (a trainer that makes its batches as it
+    trains, GRPO from its rollouts).
     """
     if settings.model_dims:
         dims = ModelDims.load(settings.model_dims)
@@ -245,6 +249,8 @@ def planning_setup(
     steps = max_steps if max_steps and max_steps > 0 else None
     if sampler is not None:
         batches = sampler(settings.step_tokens(world_size), settings.seed, steps)
+    elif lengths is None:
+        batches = None
     else:
         batches = GlobalBatchSampler(
             lengths,

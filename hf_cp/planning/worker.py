@@ -3,7 +3,7 @@
 Balancers are pure Python. On a background *thread* they hold the GIL against the training
 thread, whose job on a GPU is to launch thousands of small kernels per step: measured with
 scripts/bench_planner_gil.py, 30k small torch ops took 10-15x longer while `auto` planned on
-a thread (0.07 s alone, 0.9-1.1 s beside it). So by default (`in_process=True`) the planner
+a thread (0.07 s alone, 0.9-1.1 s beside it). So by default (`in_subprocess=True`) the planner
 runs in a forked worker process with its own GIL, as DataLoader workers do; the thread is the
 fallback where fork is unavailable, and `lookahead=0` plans inline. A worker that dies (the
 kernel's OOM killer picks the process with a large heap) is replaced and its steps planned
@@ -30,7 +30,7 @@ import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from hf_cp.balance.base import PlanRequest, check_mask_support, warm_up_balancer
 from hf_cp.balance.registry import get_balancer
@@ -103,14 +103,14 @@ def _plan_in_worker(index: int, version: int = 0, profile=None, batch=None, mask
 class Planner:
     def __init__(
         self,
-        sampler: GlobalBatchSampler,
+        sampler: Optional[GlobalBatchSampler],
         balancer,
         cluster: ClusterSpec,
         cost: CostModel,
         seed: int = 0,
         lookahead: int = 2,
         compare_balancer: Optional[str] = None,
-        in_process: bool = False,
+        in_subprocess: bool = False,
         workers: int = 1,
         balancer_name: Optional[str] = None,
         masks: Optional[Mapping[int, SampleMask]] = None,
@@ -133,7 +133,11 @@ class Planner:
         self._version_costs: Dict[int, CostModel] = {0: cost}  # in a forked worker: models received
         self.seed = seed
         self.lookahead = lookahead
-        self.streaming = bool(getattr(sampler, "streaming", False))
+        # no sampler: every step's batch comes with plan_now (GRPO's rollouts), checked like a stream's
+        self.given_batches = sampler is None
+        self.streaming = self.given_batches or bool(getattr(sampler, "streaming", False))
+        if self.given_batches and lookahead > 0:
+            raise ValueError("a planner without a sampler plans the batches it is given: lookahead must be 0")
         if self.streaming:
             # a stream's lengths come with its steps: no dataset-wide longest sample, and each
             # step's samples are checked when it is planned
@@ -166,16 +170,16 @@ class Planner:
         self._lock = threading.Lock()
         self._futures: Dict[int, Future] = {}
         self._pool = None
-        self.in_process = False
+        self.in_subprocess = False
         self.worker_restarts = 0
         self._started: Optional[Future] = None  # Planner.start's task
         if workers < 1:
             raise ValueError(f"planner workers must be >= 1, got {workers}")
         # steps are planned independently: up to `workers` of the `lookahead` steps at once
         self.workers = min(workers, max(lookahead, 1))
-        if lookahead > 0 and in_process and "fork" in multiprocessing.get_all_start_methods():
+        if lookahead > 0 and in_subprocess and "fork" in multiprocessing.get_all_start_methods():
             self._pool = self._new_worker_pool()
-            self.in_process = True
+            self.in_subprocess = True
         elif lookahead > 0:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
 
@@ -192,7 +196,7 @@ class Planner:
         if self._pool is None or self._started is not None:
             return
         with self._lock:
-            self._started = self._pool.submit(_worker_pid if self.in_process else self.warm_up_balancers)
+            self._started = self._pool.submit(_worker_pid if self.in_subprocess else self.warm_up_balancers)
 
     def warm_up_balancers(self) -> None:
         """The balancer's and the comparison balancer's one-time start-up, on this process. A
@@ -267,12 +271,17 @@ class Planner:
         version: Optional[int] = None,
         batch: Optional[GlobalBatch] = None,
         masks: Optional[Mapping[int, SampleMask]] = None,
+        label: Optional[Callable[[int], str]] = None,
+        where: str = "",
     ) -> PlannedStep:
         """Plan, validate and simulate global step `index` on the calling thread, with `cost`
         (default: the model set for that step). `batch` (and its `masks`): a stream's step as
-        read on the training process (default: the sampler's)."""
+        read on the training process, or the step of a planner without a sampler (default: the
+        sampler's). `label` names a sample, and `where` prefixes the error, of one too long to train."""
         if cost is None:
             version, cost = self.cost_for(index)
+        if batch is None and self.given_batches:
+            raise ValueError(f"step {index}: this planner has no sampler; pass the step's batch")
         if batch is None:
             batch = self.sampler[index]
             if self.streaming:
@@ -286,7 +295,8 @@ class Planner:
                 cost,
                 self.balancer_name,
                 masks or (),
-                label=lambda s: f"stream sample {s}",
+                where=where,
+                label=label or (lambda s: f"stream sample {s}"),
             )
         req = self.request(batch, cost, masks)
         check_mask_support(self.balancer, req, self.balancer_name)
@@ -303,7 +313,7 @@ class Planner:
     def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
         """A planner for a PlanningSetup: its balancer (with its options) unless `balancer` (an
         object with .plan(PlanRequest)) replaces it, and its comparison balancer. kwargs:
-        lookahead, in_process, workers."""
+        lookahead, in_subprocess, workers."""
         s = setup.settings
         return cls(
             setup.sampler,
@@ -340,7 +350,7 @@ class Planner:
                             read = (batch, self.sampler.batch_masks(batch))
                         self._futures[k] = (
                             self._pool.submit(_plan_in_worker, k, version, cost.profile if version else None, *read)
-                            if self.in_process
+                            if self.in_subprocess
                             else self._pool.submit(self.plan_now, k, cost, version, *read)
                         )
                 fut = self._futures.pop(index)
@@ -358,7 +368,7 @@ class Planner:
         if self.worker_restarts > self.MAX_WORKER_RESTARTS:
             raise RuntimeError(
                 f"step {index}: the planner worker process died {self.worker_restarts} times (last: {err}). "
-                "Check the kernel log for the OOM killer, or set cp_plan_in_process: false to plan on a thread"
+                "Check the kernel log for the OOM killer, or set cp_plan_in_subprocess: false to plan on a thread"
             ) from err
         warnings.warn(
             f"step {index}: the planner worker process died ({err}); starting a new one "

@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from hf_cp.cost.model import ConfigError, resolve_config
+from hf_cp.cost.config_files import ConfigError, resolve_config
 from hf_cp.profiling.shard_attention import SegmentLayout
 from hf_cp.readers import load_json
 

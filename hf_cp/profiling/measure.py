@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from hf_cp.attention.kernels import kernel_for
+from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.fit import FitQuality, fit_quality, nonnegative_lstsq
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import doc_pairs
 from hf_cp.profiling.layers import DecoderStack, RankWork, load_hf_config
 from hf_cp.profiling.shard_attention import SegmentLayout

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
-from hf_cp.cost.model import CostModel, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import max_over_mean, simulate
 from hf_cp.modes.registry import rank_segments
 from hf_cp.modes.segments import ShardMode, segment_tokens

@@ -44,8 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
-    from hf_cp.train.launch import shutdown_distributed, start_cpu_processes  # torch
-    from hf_cp.train.sft import CPSFTConfig, CPSFTTrainer  # trl
+    from hf_cp.train.launch.entry.entry import shutdown_distributed, start_cpu_processes  # torch
+    from hf_cp.train.objectives.sft import CPSFTConfig, CPSFTTrainer  # trl
 
     script, args = HfArgumentParser((ScriptArguments, CPSFTConfig)).parse_args_into_dataclasses(argv)
     start_cpu_processes(bool(args.deepspeed), args.ddp_timeout)  # CPU: gloo, before the Trainer's Accelerator

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple, Union
 from hf_cp.cost.simulate import max_over_mean
 from hf_cp.figures import pyplot, save_figure
 from hf_cp.readers import load_json
-from hf_cp.train.history import HistoryError, latest_records
+from hf_cp.train.measure.step_record import HistoryError, latest_records
 
 SOURCES = ("history", "trainer-state", "tensorboard")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple, Union
 
-from hf_cp.train.history import read_history
+from hf_cp.train.measure.step_record import read_history
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Sample lengths: read them from a text file or a saved dataset, cut them into steps.
 
 The global batch of every step is a pure function of (lengths, tokens per step, seed, epoch),
-so every rank computes the same batches (DESIGN.md) and a resumed run continues exactly.
+so every rank computes the same batches (docs/design.md "Data flow of one optimizer step") and a
+resumed run continues exactly.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ So:
   hidden state (the prompt cannot see the answers, so its hidden states are the same in all n
   sequences). The first valid one is the position's ordinary target; the others are *extra
   targets*, (position, token) pairs whose loss the loss function adds from that position's
-  hidden state (hf_cp/train/loss.py).
+  hidden state (hf_cp/train/step/loss.py).
 With one answer, a shared-prompt sample is exactly a causal sample.
 
 Other mask kinds change only what a token attends to, not what it predicts.

@@ -11,29 +11,33 @@
 `tokenised` has input_ids (and optionally labels with -100 on prompt tokens) per row. From a
 YAML config: `python -m hf_cp.train CONFIG` under a launcher, or `hf-cp train CONFIG`.
 
-Modules, by role: trainer.py (the Trainer's hooks), trainer_setup.py (what it sets up when
-built), step.py (one step's waves, for training and evaluation), agreement.py (the plan
-agreement that opens each step), online_calibration.py (refits of the cost model during the
-run), evaluation.py (planned evaluation), collator.py / columns.py (data), loss.py (chunked
-LM-head loss), history.py / step_record.py (the typed step record), metrics.py (logged
-aggregates), groups.py (CP process groups), config.py and launch.py (YAML config, entry point),
-dry_run.py (`hf-cp train --dry-run`), resume.py (restarts, resumption), stop_signal.py,
-gc_schedule.py. Planning lives in hf_cp.planning.
+Rooms, by role, lowest first (each imports only the rooms before it; tests/test_layering.py):
+checks/ (what is refused at set-up), checkpoint/ (resume, marks, integrity, the run lock),
+data/ (collator, columns, streaming), step/ (one step's waves, agreement, loss, groups),
+measure/ (the step record, metrics, online calibration), setup/ (arguments, config, sharding),
+runtime/ (what every trainer composes), trainer.py (CPTrainer), objectives/ (SFT, DPO, GRPO over
+TRL), launch/ (`python -m hf_cp.train`, the dry run). Planning lives in hf_cp.planning.
 
-Names are imported lazily: `hf_cp.train.history` or `.config` do not load transformers.
+Names are imported lazily: `hf_cp.train.measure.step_record` or `.config` do not load transformers.
 """
 
 from importlib import import_module
 
 _EXPORTS = {
     "CPTrainer": "trainer",
-    "CPTrainingArguments": "args",
-    "CPGroups": "groups",
-    "MicroBatch": "collator",
-    "PlanCollator": "collator",
-    "RankStep": "collator",
-    "StepExecutor": "step",
-    "StepRecord": "history",
+    "CPTrainingArguments": "setup.args",
+    "CPGroups": "step.groups",
+    "MicroBatch": "data.collator",
+    "PlanCollator": "data.collator",
+    "RankStep": "data.collator",
+    "StepExecutor": "step.executor",
+    "StepRecord": "measure.step_record",
+    "CPSFTTrainer": "objectives.sft",
+    "CPDPOTrainer": "objectives.dpo",
+    "CPGRPOTrainer": "objectives.grpo",
+    "CPSFTConfig": "objectives.sft",
+    "CPDPOConfig": "objectives.dpo",
+    "CPGRPOConfig": "objectives.grpo",
 }
 
 __all__ = sorted(_EXPORTS)

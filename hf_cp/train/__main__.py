@@ -1,5 +1,5 @@
 import sys
 
-from hf_cp.train.launch import main
+from hf_cp.train.launch.entry import main
 
 sys.exit(main())

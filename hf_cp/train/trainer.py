@@ -2,69 +2,54 @@
 
 Only the Trainer's hooks live here; they call components that hold the work. One item of the
 training loader is one planned optimizer step (`RankStep`); `training_step` opens it with the
-plan agreement (agreement.py, which also carries the stop decision and the online calibration's
-new coefficients, online_calibration.py), hands it to the step executor (step.py: the waves, the
+plan agreement (step/agreement.py, which also carries the stop decision and the online calibration's
+new coefficients, measure/online_calibration.py), hands it to the step executor (step/executor.py: the waves, the
 loss scaling, the dummy micro-batches that keep ZeRO-2's reduction in step), and leaves a
-`StepRecord` (step_record.py, history.py) for the logs, the per-rank history files and `hf-cp
-report`. `evaluate` runs planned evaluation batches through the same executor (evaluation.py).
+`StepRecord` (measure/record_builder.py, measure/step_record.py) for the logs, the per-rank history files and `hf-cp
+report`. `evaluate` runs planned evaluation batches through the same executor (step/evaluation.py).
 Planning comes from hf_cp.planning (the same setup as the dry run and `hf-cp plan`), set up once
-when the trainer is built (trainer_setup.py).
+when the trainer is built (setup/trainer_setup.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import logging
 import math
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from torch.utils.data import DataLoader, SequentialSampler
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.attention.kernels import use_attention_kernel
 from hf_cp.attention.recurrent import attach_recurrent_layers
-from hf_cp.planning.worker import Planner
-from hf_cp.train.agreement import PlanAgreement
-from hf_cp.train.args import CPTrainingArguments
-from hf_cp.train.checkpoint_fit import run_engine
-from hf_cp.train.checkpointing import resume_point, save_failure
-from hf_cp.train.collator import PlanCollator, RankStep
-from hf_cp.train.columns import eos_token_ids, model_vocab_size
-from hf_cp.train.consistency import assert_data_agrees
-from hf_cp.train.evaluation import evaluation_data, evaluation_totals
-from hf_cp.train.gc_schedule import ScheduledGarbageCollection
-from hf_cp.train.groups import CPGroups
-from hf_cp.train.history import StepRecord, append_record
-from hf_cp.train.launch_checks import check_launch_settings
-from hf_cp.train.layer_compile import compile_decoder_layers
-from hf_cp.train.loss import LIGER_LOSS_LINE
-from hf_cp.train.metrics import StepThroughput, aggregate, summary_lines
-from hf_cp.train.model_checks import check_model_supported, check_recurrent_layers_fit
-from hf_cp.train.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
-from hf_cp.train.resume import (
-    checkpoint_step,
-    clear_for_save,
-    mark_complete,
-    rotate_checkpoints,
-    schedule_record,
-    write_schedule,
-)
-from hf_cp.train.run_lock import hold_run_lock
-from hf_cp.train.setup_checks import check_parallelism, check_step_attention
-from hf_cp.train.sharding import (
+from hf_cp.train.checkpoint.fit import run_engine
+from hf_cp.train.checkpoint.resolve import checkpoint_step
+from hf_cp.train.checkpoint.run_lock import hold_run_lock
+from hf_cp.train.checkpoint.schedule import schedule_record
+from hf_cp.train.checkpoint.stop_signal import StopSignal, replace_jit_checkpoint
+from hf_cp.train.checks.launch import check_launch_settings
+from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
+from hf_cp.train.checks.setup import check_parallelism
+from hf_cp.train.data.collator import PlanCollator, RankStep
+from hf_cp.train.data.columns import eos_token_ids, model_vocab_size
+from hf_cp.train.data.planned_steps import PlannedSteps, first_item
+from hf_cp.train.data.streaming import attach_stream, check_streaming, read_training_data, start_stream
+from hf_cp.train.measure.gradient_norm import nonfinite_gradients
+from hf_cp.train.measure.metrics import StepThroughput, aggregate, summary_lines
+from hf_cp.train.measure.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
+from hf_cp.train.measure.record_builder import gather_measurements, step_record
+from hf_cp.train.measure.step_record import StepRecord, append_record
+from hf_cp.train.measure.trainer_numbers import DataEpochCallback, corrected_speed_metrics
+from hf_cp.train.runtime.checkpoints import atomic_save, resume_point
+from hf_cp.train.runtime.step_runtime import StepRuntime
+from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.setup.sharding import (
     FSDP2,
-    ZERO3,
-    ZERO3_OPEN_GRAPHS,
     check_sharding,
     check_zero3_chunk_keep,
     clear_leftover_fsdp_env,
@@ -72,53 +57,20 @@ from hf_cp.train.sharding import (
     route_fsdp_on_cpu,
     sharding_of,
 )
-from hf_cp.train.step import StepExecutor, WaveTotals
-from hf_cp.train.step_record import gather_measurements, step_record
-from hf_cp.train.stop_signal import StopSignal, replace_jit_checkpoint
-from hf_cp.train.streaming import attach_stream, check_streaming, read_training_data, start_stream
-from hf_cp.train.trainer_numbers import DataEpochCallback, corrected_speed_metrics
-from hf_cp.train.trainer_setup import (
+from hf_cp.train.setup.trainer_setup import (
     check_training_data,
     deepspeed_arch_env,
+    skip_deepspeed_shm_build,
     start_warnings,
     trainer_planning_setup,
 )
+from hf_cp.train.step.evaluation import evaluation_data, evaluation_totals
+from hf_cp.train.step.executor import WaveTotals
+from hf_cp.train.step.gc_schedule import ScheduledGarbageCollection
+from hf_cp.train.step.layer_compile import compile_decoder_layers
+from hf_cp.train.step.loss import LIGER_LOSS_LINE
 
 logger = logging.getLogger(__name__)
-
-
-class NonFiniteGradientError(RuntimeError):
-    """A step's global gradient norm was NaN or infinite."""
-
-
-def skip_deepspeed_shm_build() -> None:
-    """DeepSpeed JIT-compiles a shared-memory comm op (~50 s) on every first init; CPU training
-    over gloo does not use it."""
-    try:
-        # by module name: the package attribute `deepspeed.comm.torch` is torch itself
-        ds_torch = importlib.import_module("deepspeed.comm.torch")
-    except ImportError:  # pragma: no cover - deepspeed is a core dependency
-        return
-    ds_torch.build_shm_op = lambda: None
-
-
-def _first(items):
-    return items[0]
-
-
-class _PlannedSteps(Dataset):
-    """Map-style dataset of planned steps for one rank: item k is global step k."""
-
-    def __init__(self, planner: Planner, collator: PlanCollator, rank: int, valid_counts: np.ndarray):
-        self.planner, self.collator, self.rank, self.valid_counts = planner, collator, rank, valid_counts
-
-    def __len__(self) -> int:
-        return len(self.planner.sampler)
-
-    def __getitem__(self, index: int) -> Dict[str, RankStep]:
-        ps = self.planner.get(int(index))
-        gv = int(self.valid_counts[list(ps.batch.sample_ids)].sum())
-        return {"cp_step": self.collator.rank_step(ps.plan, self.rank, gv, ps.batch.epoch, ps)}
 
 
 class CPTrainer(Trainer):
@@ -128,11 +80,11 @@ class CPTrainer(Trainer):
     (HF convention, -100 = no loss, e.g. prompt tokens), `length` and `attn_mask` (a sample's
     mask, e.g. shared-prompt groups from `hf-cp preprocess --group-answers`). Row index = sample
     id, except for pre-packed rows (TRL's `seq_lengths`, `cu_seqlens`, restarting
-    `position_ids`), which are unpacked into their documents (columns.py).
+    `position_ids`), which are unpacked into their documents (data/columns.py).
     Samples a plan distributes over a CP group need the model loaded with
     `attn_implementation="hf_cp"`. `balancer` (an object with `.plan(PlanRequest)`) replaces
     the registry lookup of `args.cp_balancer`, for balancers built in code. A streaming
-    `train_dataset` (no length) is read as training goes, with max_steps set (streaming.py).
+    `train_dataset` (no length) is read as training goes, with max_steps set (data/streaming.py).
     """
 
     cp_shared_prompt_samples = False  # True where every sample shares a prompt between answers (DPO, GRPO)
@@ -148,12 +100,12 @@ class CPTrainer(Trainer):
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
         clear_leftover_fsdp_env(args)  # an earlier FSDP2 trainer of this process left accelerate's flag
-        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (sharding.py)
+        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (setup/sharding.py)
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to: before the model is wrapped
         launch_warnings = check_launch_settings(args, int(args.world_size), type(self).__name__)
         # "fsdp2", "zero3" or None: sharded parameters make every pass a world-wide collective
         self.cp_sharding = sharding_of(args)
-        check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (streaming.py)
+        check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (data/streaming.py)
         if args.deepspeed:
             skip_deepspeed_shm_build()
             note = deepspeed_arch_env()
@@ -199,17 +151,15 @@ class CPTrainer(Trainer):
         self.cp_stream = attach_stream(self, balancer)  # a streaming train_dataset's StreamColumns, else None
         for warning in start_warnings(setup, args.device.type, getattr(self.model.config, "_name_or_path", "")):
             self._cp_warn(warning)
-        # online calibration (online_calibration.py): a refit rides on the next step's plan agreement
+        # online calibration (measure/online_calibration.py): a refit rides on the next step's plan agreement
         self.cp_calibration = OnlineCalibration.for_run(args, self.cp_cost, len(self.cp_sampler), self.cp_rank)
         # The loader already spans every epoch: one Trainer "epoch" of exactly this many steps.
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
-        self.cp_planner: Optional[Planner] = None
-        self.cp_groups: Optional[CPGroups] = None
-        self.cp_agreement: Optional[PlanAgreement] = None  # opens every step (built with the loader)
+        # groups, planner, executor and plan agreement, built at the first loader or evaluation
+        self.cp_runtime = StepRuntime(self, setup, balancer, self.cp_sharding)
         self.cp_history: List[StepRecord] = []  # one record per step, identical on every rank
         self._cp_pending: List[StepRecord] = []  # records not yet logged
-        self.cp_executor: Optional[StepExecutor] = None
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
         self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
         self._cp_last_step: Optional[RankStep] = None  # the step the next grad-norm check is about
@@ -223,7 +173,7 @@ class CPTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         if self.cp_sharding != FSDP2:
             return
-        if route_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # sharding.py: accelerate's CPU gap
+        if route_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # setup/sharding.py: accelerate's CPU gap
             self.is_fsdp_enabled = True
         # checkpoints hold each rank's shards (torch distributed checkpoint); save_model gathers a full
         # one. The configs of the Trainer's default (FULL_STATE_DICT) would otherwise stay in place.
@@ -231,7 +181,7 @@ class CPTrainer(Trainer):
         plugin.state_dict_config = plugin.optim_state_dict_config = None
         plugin.set_state_dict_type("SHARDED_STATE_DICT")
         policy = fsdp2_mixed_precision(self.accelerator, self.args.fsdp_plugin_args)
-        if policy is not None:  # bf16 compute, fp32 reduction (sharding.py)
+        if policy is not None:  # bf16 compute, fp32 reduction (setup/sharding.py)
             plugin.mixed_precision_policy = policy
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -251,74 +201,30 @@ class CPTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def _cp_setup(self) -> None:
-        """Build the group registry and the planner: once, at the same point on every rank."""
-        if self.cp_groups is None:
-            if self.cp_world > 1 and dist.is_initialized() and dist.get_world_size() != self.cp_world:
-                raise RuntimeError(
-                    f"args.world_size {self.cp_world} != torch.distributed world {dist.get_world_size()}"
-                )
-            self.cp_groups = CPGroups(self.cp_cluster, timeout=timedelta(seconds=self.args.ddp_timeout))
-            assert_data_agrees(self.cp_data.digest(), "training data", group=self.cp_groups.control)
-        if self.cp_planner is None:
-            a = self.args
-            self.cp_planner = Planner.from_setup(
-                self.cp_setup,
-                balancer=self.cp_balancer,
-                lookahead=a.cp_plan_lookahead,
-                in_process=a.cp_plan_in_process,
-                workers=a.cp_plan_workers,
-                masks=self.cp_data.masks,
-            )
-        if self.cp_executor is None:
-            self.cp_executor = StepExecutor(
-                self.model,
-                self.cp_groups,
-                self.cp_world,
-                self.cp_rank,
-                self.args.device,
-                self.args.cp_loss_chunk_tokens,
-                self._cp_backward,
-                self._cp_wave_context,
-                aligned_passes=self.cp_sharding is not None,
-                liger_loss=self.args.use_liger_kernel,
-                max_open_graphs=ZERO3_OPEN_GRAPHS if self.cp_sharding == ZERO3 else None,
-            )
+        """The runtime's groups, planner and executor: once, at the same point on every rank."""
+        self.cp_runtime.start(self.model, self.cp_data.masks, self.cp_data.digest())
 
     def get_train_dataloader(self) -> DataLoader:
         self._cp_setup()
         # Trainer.train asks for the dataloader before DeepSpeed / accelerate set up the model and
         # optimizer: the planner's worker starts and warms up meanwhile (Planner.start)
-        self.cp_planner.start()
+        self.cp_runtime.planner.start()
         collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
-        self.cp_agreement = PlanAgreement(self.cp_groups.control, self.cp_cluster, self.cp_cost, self.cp_rank, collator)
-        steps = _PlannedSteps(self.cp_planner, collator, self.cp_rank, self.cp_data.valid_counts)
+        self.cp_runtime.agreement_for(collator)
+        steps = PlannedSteps(self.cp_runtime.planner, collator, self.cp_rank, self.cp_data.valid_counts)
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
-        return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=_first, num_workers=0)
+        return DataLoader(steps, batch_size=1, sampler=SequentialSampler(steps), collate_fn=first_item, num_workers=0)
 
     # ------------------------------------------------------------------ one step
-    def _cp_backward(self, loss: torch.Tensor, last: bool) -> None:
-        """Backward of one wave's loss; `last` is the gradient-accumulation boundary."""
-        if self.is_deepspeed_enabled:
-            self.accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=last, scale_wrt_gas=False)
-        else:  # under DDP, _cp_wave_context has switched the reduction off for all but the last wave
-            self.accelerator.backward(loss)
-
-    def _cp_wave_context(self, last: bool):
-        """Around a whole wave: DDP's no_sync for all but the last one. It must cover the forward,
-        where DDP prepares the reduction; around the backward alone every wave would reduce."""
-        model = self.model_wrapped
-        if not self.is_deepspeed_enabled and isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
-            return model.no_sync()
-        return contextlib.nullcontext()
-
     def _cp_agree(self, step: RankStep) -> RankStep:
-        """Plan agreement (agreement.py) before any collective of the step. The stop decision (a
+        """Plan agreement (step/agreement.py) before any collective of the step. The stop decision (a
         SIGTERM seen by any rank stops every rank after this step) and the online calibration's
         new coefficients (rank 0's are adopted) ride on the same exchange."""
         sig = self.cp_stop_signal
         flag = bool(sig and sig.requested)
-        got = self.cp_agreement.agree(step, self.cp_planner.balancer, flag, self.cp_calibration.offer())
-        self.cp_calibration.adopt(got.payload, step.index, self.cp_planner)
+        rt = self.cp_runtime
+        got = rt.agreement.agree(step, rt.planner.balancer, flag, self.cp_calibration.offer())
+        self.cp_calibration.adopt(got.payload, step.index, rt.planner)
         if got.flagged and self.cp_stopped_early is None:
             self.cp_stopped_early = sig.stop_after(got.step.index + 1, got.flagged, self.cp_rank)
             self.control.should_save = True
@@ -332,7 +238,7 @@ class CPTrainer(Trainer):
         # before any collective of this step
         # errors count steps as the Trainer does (global_step, checkpoint-N): from 1
         step = self._cp_agree(step)
-        self._cp_check_attention(step)
+        self.cp_runtime.check_attention(self.model, step)
         model.train()
         cuda = self.args.device if self.args.device.type == "cuda" else None
         if cuda is not None:
@@ -346,12 +252,8 @@ class CPTrainer(Trainer):
 
     def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
         """The step's forward and backward passes: (what this rank did, the step's loss when it is
-        not the mean token cross-entropy). Sequence-level trainers (dpo.py) replace it."""
-        return self.cp_executor.train(model, step), None
-
-    def _cp_check_attention(self, step: RankStep, what: str = "step") -> None:
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        check_step_attention(step.plan, step.has_masks, step.index, impl, what)
+        not the mean token cross-entropy). Sequence-level trainers (objectives/dpo.py) replace it."""
+        return self.cp_runtime.executor.train(model, step), None
 
     def _cp_record(
         self,
@@ -365,13 +267,13 @@ class CPTrainer(Trainer):
         """One StepRecord per step, identical on every rank (one all-gather of the measurements).
         `peak_bytes`: the device's peak allocated memory in the step (-1: not measured, off CUDA).
         `loss`: the step's loss when it is not the mean token cross-entropy (DPO, GRPO)."""
-        rows = gather_measurements(totals, wall_ms, peak_bytes, self.cp_world, self.cp_groups.control)
+        rows = gather_measurements(totals, wall_ms, peak_bytes, self.cp_world, self.cp_runtime.groups.control)
         rec = step_record(
             step,
             rows,
             self.cp_sampler,
             self.state.global_step + 1,
-            self.cp_planner.compare_name,
+            self.cp_runtime.planner.compare_name,
             self._cp_resumed_from,  # the checkpoint step this process started from
             len(self.cp_data),
         )
@@ -430,8 +332,10 @@ class CPTrainer(Trainer):
             # evaluate() before train() under DeepSpeed: the engine has not placed the model yet
             model.to(self.args.device)
         impl = getattr(model.config, "_attn_implementation", None)
-        group = self.cp_groups.control
-        totals = evaluation_totals(model, self.cp_executor, plans, data, self.cp_rank, self.cp_world, group, impl)
+        rt = self.cp_runtime
+        totals = evaluation_totals(
+            model, rt.executor, plans, data, self.cp_rank, self.cp_world, rt.groups.control, impl
+        )
         metrics = {
             f"{metric_key_prefix}_loss": float(totals[0] / totals[1]),
             f"{metric_key_prefix}_tokens": int(totals[2]),
@@ -459,24 +363,10 @@ class CPTrainer(Trainer):
     def _cp_nonfinite_gradients(self, norm: float) -> None:
         step = self._cp_last_step
         ids = list(step.plan.sample_ids) if step is not None else []
-        shown = ", ".join(map(str, ids[:20])) + (f", ... ({len(ids)} in all)" if len(ids) > 20 else "")
-        what = (
-            f"step {self.state.global_step}: the gradient norm is {norm} (non-finite gradients on some rank). "
-            + (
-                "DeepSpeed skipped the update, so the step's samples were not learned"
-                if self.is_deepspeed_enabled
-                else "the parameters may no longer be finite"
-            )
-            + f"; its samples: [{shown}]"
-        )
-        if self.args.cp_stop_on_nonfinite_grad:
-            raise NonFiniteGradientError(
-                f"{what}. Stopped before this step's checkpoint: the newest checkpoint holds the last good state. "
-                f"Common causes: a learning rate too high, fp16 overflow, a corrupt sample. "
-                f"cp_stop_on_nonfinite_grad: false skips such steps with a warning instead"
-            )
+        stop = self.args.cp_stop_on_nonfinite_grad
+        warning = nonfinite_gradients(norm, self.state.global_step, ids, self.is_deepspeed_enabled, stop)
         if self.cp_rank == 0:
-            logger.warning("hf_cp: %s; continuing (cp_stop_on_nonfinite_grad is false)", what)
+            logger.warning("hf_cp: %s", warning)
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
@@ -510,49 +400,15 @@ class CPTrainer(Trainer):
         )
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's save, made atomic (resume.py): a checkpoint is complete once every rank
-        has written its files and rank 0 has then marked it; resume skips unmarked ones. The
-        Trainer's rotation (save_total_limit) would count the unmarked checkpoint and could
-        delete the last complete one before the mark: it runs here, after the mark, over
-        complete checkpoints only. A failed write (a full disk) raises CheckpointSaveError
-        naming the folder, whether space ran out, and the complete checkpoint kept."""
-        run_dir = Path(self._get_output_dir(trial=trial))
-        folder = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        save = self.args.should_save
-        if save:
-            self._cp_warn(clear_for_save(folder))  # a partial folder of an earlier attempt
-        self._cp_barrier()  # no rank writes into the folder before it is cleared
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # no rotation inside the Trainer's save (see above)
-        try:
-            if save:  # first, so a checkpoint folder never lacks it; it also says "complete once marked"
-                write_schedule(str(folder), self.cp_schedule(), marked=True)
-                # the calibrated cost model (hf-cp plan --profile FILE reads it)
-                write_calibrated_profile(folder, self.cp_calibrated_profile(), CALIBRATED_PROFILE)
-            super()._save_checkpoint(model, trial)
-            self._cp_barrier()  # every rank has written its files
-            if save:
-                mark_complete(folder, self.state.global_step, self.cp_world)
-        except Exception as err:
-            error = save_failure(err, folder, run_dir, self.state.global_step, save)
-            if error is None:
-                raise
-            raise error from err
-        finally:
-            self.args.save_total_limit = limit
-        if save:
-            for path in rotate_checkpoints(run_dir, limit, keep=(str(folder), self.state.best_model_checkpoint)):
-                logger.info("hf_cp: deleted %s (save_total_limit %s)", path, limit)
-
-    def _cp_barrier(self) -> None:
-        if self.cp_world > 1 and self.cp_groups is not None and self.cp_groups.control is not None:
-            dist.barrier(group=self.cp_groups.control)
+        """The Trainer's save, made atomic (runtime/checkpoints.py atomic_save): complete once every
+        rank has written its files and rank 0 has marked it; rotation over complete ones only."""
+        atomic_save(self, trial, lambda: super(CPTrainer, self)._save_checkpoint(model, trial))
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """`resume_from_checkpoint`: a complete checkpoint folder, True (the newest complete one,
         which must exist) or "latest" (the newest complete one, else a fresh start: what a
         restarted job passes). Partial checkpoints (a save that did not finish) are skipped with
-        a warning naming them (resume.py). The run holds output_dir's lock meanwhile (run_lock.py):
+        a warning naming them (checkpoint/). The run holds output_dir's lock meanwhile (checkpoint/run_lock.py):
         a second run on the same output_dir is refused on every rank with OutputDirLockedError."""
         # before resume_point, which cuts back or removes the history files of a run holding it
         with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
@@ -592,6 +448,4 @@ class CPTrainer(Trainer):
         finally:
             if self.cp_stop_signal is not None:
                 self.cp_stop_signal.uninstall()
-            if self.cp_planner is not None:
-                self.cp_planner.close()
-                self.cp_planner = None
+            self.cp_runtime.close()

@@ -71,7 +71,7 @@ class GradTape(TrainerCallback):
 def hf_cp_trainer(rows, out: str, steps: int, tape: Optional[GradTape] = None, ref: bool = True, **kw):
     from datasets import Dataset
 
-    from hf_cp.train.dpo import CPDPOConfig, CPDPOTrainer
+    from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
 
     settings = dict(
         SETTINGS,

@@ -142,7 +142,7 @@ def hf_cp_trainer(
 ):
     from datasets import Dataset
 
-    from hf_cp.train.grpo import CPGRPOConfig, CPGRPOTrainer
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
 
     class FixedCPGRPOTrainer(FixedCompletions, CPGRPOTrainer):
         pass
@@ -255,7 +255,7 @@ def _job(spec_file: str) -> None:
 
     from accelerate import PartialState
 
-    from hf_cp.train.launch import shutdown_distributed
+    from hf_cp.train.launch.entry import shutdown_distributed
 
     spec = json.loads(Path(spec_file).read_text())
     PartialState(backend="gloo", timeout=timedelta(seconds=600))

@@ -250,7 +250,7 @@ def _scale_wave_losses(trainer) -> None:
 
     def scaled_setup():
         setup()
-        executor = trainer.cp_executor
+        executor = trainer.cp_runtime.executor
         if "wave_loss" not in vars(executor):
             wave_loss = executor.wave_loss
             executor.wave_loss = lambda model, mb: wave_loss(model, mb) * MUTATION_SCALE

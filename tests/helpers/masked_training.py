@@ -107,7 +107,7 @@ def one_step(
         disable_tqdm=True,
         logging_steps=1,
         dataloader_num_workers=0,
-        cp_plan_in_process=False,
+        cp_plan_in_subprocess=False,
         **extra,
     )
     if isinstance(balancer, str) and balancer.startswith("blocks_"):

@@ -5,7 +5,7 @@ A family is
   document per rank, gives the loss and every parameter gradient of each document run alone
   through the same weights (eager attention, position_ids from 0), within REL_TOL relative (or
   within FLOOR_FACTOR x the family's own float32 noise: the eager reference against an sdpa one);
-- "refused": hf_cp.train.model_checks.check_model_supported raised SetupError at set-up (after
+- "refused": hf_cp.train.checks.model.check_model_supported raised SetupError at set-up (after
   the recurrent layers were attached, as CPTrainer does), so it never runs;
 - "MISMATCH": it ran and some gradient (or the loss) differs;
 - "crash": the reference ran but the hf_cp forward/backward raised (a refusal must come at set-up);
@@ -246,11 +246,11 @@ def refusal_line(message: str, limit: int = 240) -> str:
 
 
 def _checker():
-    """check_model_supported and SetupError when hf_cp.train.model_checks exists, else None."""
-    if importlib.util.find_spec("hf_cp.train.model_checks") is None:
+    """check_model_supported and SetupError when hf_cp.train.checks.model exists, else None."""
+    if importlib.util.find_spec("hf_cp.train.checks.model") is None:
         return None
-    checks = importlib.import_module("hf_cp.train.model_checks")
-    from hf_cp.train.setup_checks import SetupError
+    checks = importlib.import_module("hf_cp.train.checks.model")
+    from hf_cp.train.checks.setup import SetupError
 
     return checks.check_model_supported, SetupError
 

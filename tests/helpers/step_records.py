@@ -1,6 +1,6 @@
 """CPTrainer step records of a made-up run, for the metrics and report tests."""
 
-from hf_cp.train.history import StepRecord
+from hf_cp.train.measure.step_record import StepRecord
 
 
 def records(world: int, steps: int = 4, straggler: int = 5):

@@ -1,6 +1,8 @@
 """A cost model of round numbers, to price ChunkFlow plans by hand."""
 
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 
 DIMS = ModelDims(num_layers=2, hidden=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate=16)
 

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Dict
 
 from hf_cp.balance import available_balancers, get_balancer
-from hf_cp.cost.model import CostModel, HardwareProfile, ModelDims
+from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.planning import GlobalBatchSampler, Planner
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.balance.toolkit.placement import masks_of
-from hf_cp.cost.simulate import charged_lower_bound_ms
+from hf_cp.cost.bounds import charged_lower_bound_ms
 
 if TYPE_CHECKING:
     from hf_cp.balance.base import PlanRequest

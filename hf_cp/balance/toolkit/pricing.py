@@ -33,13 +33,8 @@ import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.cost.model import CostModel
-from hf_cp.cost.simulate import (
-    ShardedPasses,
-    chunked_group_calls,
-    chunked_group_cost,
-    group_costs,
-    wave_reductions,
-)
+from hf_cp.cost.sharded import ShardedPasses
+from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
 from hf_cp.modes import ring
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan

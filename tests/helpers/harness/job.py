@@ -105,8 +105,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def run_job(spec: dict) -> None:
     from accelerate import PartialState
 
-    from hf_cp.train.launch import shutdown_distributed
-    from hf_cp.train.trainer import skip_deepspeed_shm_build
+    from hf_cp.train.launch.entry import shutdown_distributed
+    from hf_cp.train.setup.trainer_setup import skip_deepspeed_shm_build
 
     skip_deepspeed_shm_build()
     runs = spec.get("runs") or [spec]
@@ -142,7 +142,7 @@ def train_one(spec: dict) -> None:
     from accelerate.state import AcceleratorState, GradientState
     from datasets import Dataset
 
-    from hf_cp.train.args import CPTrainingArguments
+    from hf_cp.train.setup.args import CPTrainingArguments
     from hf_cp.train.trainer import CPTrainer
 
     timeout_s = spec.get("ddp_timeout", 1800)
@@ -241,15 +241,16 @@ def _inject_mutation(trainer, kind: str) -> None:
 
         def scaled_setup():
             setup()
-            executor = trainer.cp_executor
+            executor = trainer.cp_runtime.executor
             if "wave_loss" not in vars(executor):
                 wave_loss = executor.wave_loss
                 executor.wave_loss = lambda model, mb: wave_loss(model, mb) * MUTATION_SCALE
 
         trainer._cp_setup = scaled_setup
     elif kind == "grad_scale":
-        backward = trainer._cp_backward  # the step executor is built with it at the first step
-        trainer._cp_backward = lambda loss, last: backward(loss * MUTATION_SCALE, last)
+        runtime = trainer.cp_runtime
+        backward = runtime.backward  # the step executor is built with it at the first step
+        runtime.backward = lambda loss, last: backward(loss * MUTATION_SCALE, last)
     elif kind == "drop_target":
         loader = trainer.get_train_dataloader
 
@@ -382,7 +383,7 @@ def run_distributed(
     )
     port = str(spec.get("port") or free_port())
     if max_restarts:
-        # restarts need a fresh store per attempt (see hf_cp.train.resume)
+        # restarts need a fresh store per attempt (see hf_cp.train.checkpoint.resolve)
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", str(max_restarts)]
     else:

@@ -1,0 +1,143 @@
+"""Lower bounds on a plan's simulated step time (cost/simulate.py): no valid plan of the samples on
+the cluster takes less. `lower_bound_ms` charges only the samples' compute; `charged_lower_bound_ms`
+also charges a group's communication, kernel efficiency and micro-batch overheads. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from hf_cp.cost.model import CostModel
+from hf_cp.modes.ring import per_doc_max_member_tokens
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.cluster import ClusterSpec
+
+
+def lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    masks=None,
+    local_ms: Optional[Sequence[float]] = None,
+) -> float:
+    """No valid plan of these samples on this cluster can take less time in `simulate`.
+
+    max( sum over samples of their cheapest rank-ms / world, the costliest sample at its best
+    group size ). A sample's cheapest rank-ms is its whole-document compute on one rank:
+    sharding only adds (shorter query chunks run at lower efficiency, head splitting costs
+    extra, communication and per-micro-batch overheads are never negative). On a group of g
+    ranks its slowest member carries at least 1/g of that, so its best wall time is bounded by
+    that share at the largest registered group size. `masks` (aligned with the lengths, None
+    entries causal) price masked samples by their masked area, as the simulator does;
+    `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
+    """
+    lens = _check_fits(lengths, cluster)
+    gmax = cluster.all_group_sizes[-1]  # any registered size: a run of 6 ranks on a node with them
+    areas = np.asarray(samples_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if not len(areas):
+        return 0.0
+    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
+
+
+def charged_lower_bound_ms(
+    lengths: Sequence[int],
+    cluster: ClusterSpec,
+    cost: CostModel,
+    local_ms: Optional[Sequence[float]] = None,
+    alone_ms: Optional[Callable[[int, int], float]] = None,
+    longest_checked: int = 8,
+    masks=None,
+) -> float:
+    """A tighter bound that charges a group's communication, kernel efficiency and overheads.
+
+    max( (the samples' rank-time + ceil(tokens / cap) micro-batch overheads) / world, the
+    longest samples' best time alone on a group: min over the group sizes whose
+    per-document shards fit the cap of the slowest member's time (CostModel, the sample
+    per-document sharded over a registered group: every size the cluster registers, runs of
+    any size included) plus one overhead ). A sample's rank-time is
+    its single-rank compute, or for a sample over the cap the least g x its time alone on g
+    ranks over the sizes it fits.
+
+    A rank holds at most `cap` tokens per micro-batch, each micro-batch costs an overhead,
+    and sharding never lowers compute. The rest holds for plans that run every distributed
+    sample per-document sharded or local (as dynamic_cp, flexsp, skrull and megatron do): a
+    member's tokens, attention and ring bytes only grow when other documents share its
+    micro-batch, so the sample's micro-batch lasts at least as long as the sample alone, on
+    every rank of its group. The longest sample's two charges come from one group size: the
+    bound is at least, at the best size for it, the larger of its time there and the world's
+    work with its rank-time there. lower_bound_ms instead lets the costliest sample
+    spread over the whole world for free: on an under-filled step that is up to 3.6x looser.
+    A zigzag pack splits its documents differently; the argument does not cover it (the
+    benchmark reports plan / charged bound, so a plan under it would show).
+    `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
+    `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
+    masked area and is left out of the group charges (its time alone would be a causal one's).
+    """
+    lens = _check_fits(lengths, cluster)
+    if not len(lens):
+        return 0.0
+    areas = np.asarray(samples_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    if masks is not None and any(m is not None for m in masks):
+        causal = np.asarray([m is None for m in masks], dtype=bool)
+        work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
+        if not causal.any():
+            return work / cluster.world_size
+        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
+        return max(inner, work / cluster.world_size)
+    cap = cluster.max_tokens_per_rank
+    overhead = cost.micro_batch_overhead_ms()
+    alone = alone_ms or (lambda n, g: _alone_on_group_ms(cost, n, g))
+
+    def fitting_sizes(n: int) -> List[int]:
+        # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
+        # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
+        return [g for g in cluster.all_group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
+
+    # a sample over the cap holds a whole group for at least its time alone there: charge it
+    # the cheapest such group's rank-time instead of its single-rank compute
+    def held(n: int) -> float:
+        return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
+
+    work = float(areas.sum())
+    over = lens > cap
+    if over.any():
+        uniq, counts = np.unique(lens[over], return_counts=True)
+        work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
+    world = cluster.world_size
+    work += -(-int(lens.sum()) // cap) * overhead
+    bound = work / world
+    for n in np.unique(lens)[::-1][:longest_checked].tolist():
+        bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
+    # the longest sample picks one group size for both: its time there, and its rank-time
+    # there beside everything else's
+    n = int(lens.max())
+    rest = work - held(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
+
+
+def samples_local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:
+    """Every sample's single-rank time (masked area where masked): what both bounds start from
+    (simulate computes it once for both)."""
+    if masks is None or all(m is None for m in masks):
+        return [cost.sample_local_ms(n) for n in lens.tolist()]
+    return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
+
+
+def _alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
+    if group_size == 1:
+        return cost.sample_local_ms(length)
+    ranks = list(range(group_size))
+    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
+
+
+def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:
+    """The lengths as an array; ValueError naming the first non-positive one. A sample longer
+    than the largest group holds is valid here: ChunkFlow runs it as dependent chunks on one
+    rank (the plan's validate() checks that its chunks and K/V state store fit the rank)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if len(lens) and int(lens.min()) <= 0:
+        i = int(np.argmax(lens <= 0))
+        raise ValueError(f"sample {i} has {int(lens[i])} tokens; lengths must be positive")
+    return lens

@@ -1,0 +1,192 @@
+"""`hf-cp train CONFIG --dry-run`: every check a training launch would make, without launching.
+
+A bad setting found by N processes after model loading costs a queue wait and N GPU-minutes;
+here it costs seconds on a login node. The dry run reads the config, the model's config (not its
+weights) and the data, builds the same cost model, cluster and sampler as CPTrainer
+(planning_setup), plans and validates the first steps and the evaluation set for the target
+world size, and checks what a resume would find in output_dir (which checkpoint it takes,
+partial checkpoints of an interrupted save, the sample schedule, a ZeRO checkpoint of another
+world size, another run's lock: an `error:` line) and what a restart would need. It raises
+the error training would raise, or returns a short report.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import List, Optional
+
+from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+from hf_cp.planning.evaluation import plan_evaluation
+from hf_cp.planning.profile_check import profile_warning
+from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_setup
+from hf_cp.planning.worker import Planner
+from hf_cp.train.checkpoint.fit import check_checkpoint_fits, run_engine
+from hf_cp.train.checkpoint.marks import checkpoint_status, legacy_note, scan_checkpoints
+from hf_cp.train.checkpoint.resolve import LATEST, check_resume, resolve_resume, restart_problems
+from hf_cp.train.checkpoint.run_lock import lock_status
+from hf_cp.train.checkpoint.schedule import schedule_record
+from hf_cp.train.checks.launch import check_launch_settings
+from hf_cp.train.checks.model import check_model_config_supported, check_recurrent_layers_fit
+from hf_cp.train.checks.setup import check_attention
+from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
+from hf_cp.train.setup.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+from hf_cp.train.setup.sharding import check_sharding, sharding_of
+
+
+def dry_run(
+    config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20, max_restarts: int = 0
+) -> List[str]:
+    """Report lines; raises the error the training launch would raise."""
+    cfg = load_config(config_path, overrides)
+    src = cfg["_source"]
+    tcfg = dict(cfg.get("training") or {})
+    device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
+    precision = {"bf16": bool(tcfg.get("bf16")), "fp16": bool(tcfg.get("fp16"))}  # the launch's
+    half_precision = any(precision.values())  # what the run's model states will be
+    # precision and device do not change plans; a login node has no GPU to validate bf16 with
+    tcfg.update(bf16=False, fp16=False, use_cpu=True)
+    args = training_arguments(tcfg, src)
+    # what CPTrainer checks when it is built: engines, the DeepSpeed JSON, timeout, output_dir, report_to
+    check_sharding(args)
+    launch_warnings = check_launch_settings(args, world_size, src, precision)
+    settings = args.planning_settings()
+    if settings.model_states is not None:  # the run's precision, not the login node's
+        settings.model_states["half_precision"] = half_precision
+    mcfg = cfg.get("model") or {}
+    hf_config = model_config(mcfg, src)
+    meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
+    tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
+    train, evaluation = load_datasets(cfg.get("data") or {}, src)
+    vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup
+    data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config), vocab)
+    check_recurrent_layers_fit(meta_model, f"{src}: the model", bool(data.masks), settings.balancer)
+    setup = planning_setup(
+        settings,
+        data.lengths,
+        world_size,
+        model_config=hf_config.to_dict(),
+        num_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+    )
+    cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
+    # the check CPTrainer makes when it is built
+    check_attention(mcfg.get("attn_implementation", HF_CP_ATTENTION), cluster.group_sizes[-1], f"{src}: the model")
+    planner = Planner.from_setup(setup, lookahead=0, masks=data.masks)
+    attn = mcfg.get("attn_implementation", HF_CP_ATTENTION)
+    if data.masks and attn != HF_CP_ATTENTION:
+        raise ValueError(
+            f"{src}: {len(data.masks)} training samples carry attention masks (e.g. shared-prompt) that only the "
+            f"{HF_CP_ATTENTION} attention reads, which needs model.attn_implementation: {HF_CP_ATTENTION} (the "
+            f"config sets {attn!r})"
+        )
+    n = min(steps, len(sampler))
+    planned = [planner.get(k) for k in range(n)]  # each validated against the cluster and the heads
+    lines = [
+        f"config {Path(src).name}: {world_size} rank(s), balancer {planner.balancer_name}, "
+        f"{len(data)} training samples, {len(sampler)} steps of {sampler.tokens_per_step} tokens",
+        f"longest sample {max(data.lengths)} tokens; a rank holds {cluster.max_tokens_per_rank}, the largest "
+        f"CP group ({cluster.group_sizes[-1]} ranks) {cluster.largest_capacity}"
+        + (
+            f"; {planner.balancer_name} trains samples up to {planner.max_sample_tokens} tokens (dependent chunks "
+            f"on one rank)"
+            if planner.max_sample_tokens > cluster.largest_capacity
+            else ""
+        ),
+    ]
+    chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
+    if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:
+        raise ValueError(
+            f"{src}: the {planner.balancer_name!r} plans run samples {chunked[:10]} as dependent chunks (ChunkFlow), "
+            f"whose K/V state store is reached through model.attn_implementation: {HF_CP_ATTENTION}"
+        )
+    name = settings.profile if isinstance(settings.profile, str) else cost.profile.name
+    model_name = settings.model_dims or mcfg.get("pretrained") or mcfg.get("config") or ""
+    warning = profile_warning(cost.profile, name, cost.dims, device, str(model_name))
+    if warning:
+        lines.append(f"warning: {warning}")
+    lines += [f"warning: {w}" for w in data.warnings]  # rows that look packed but carry no boundaries
+    lines += [f"warning: {w}" for w in launch_warnings]
+    line = (
+        f"first {n} step(s) planned and valid: predicted "
+        f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step "
+        f"({'wall time under ' + settings.execution if settings.execution else 'compute'}, the profile as given"
+        f"{'; training recalibrates it' if args.cp_calibrate and not args.full_determinism else ''}), per-rank max/mean "
+        f"{statistics.mean(ps.predicted.imbalance for ps in planned):.3f}, planner "
+        f"{statistics.median(ps.planner_ms for ps in planned):.1f} ms/step"
+    )
+    compared = [ps.compare.makespan_ms for ps in planned if ps.compare is not None]
+    if compared:  # the comparison balancer skips steps with samples longer than it trains
+        line += f"; {planner.compare_name} would take {statistics.mean(compared):.1f} ms/step" + (
+            f" (on the {len(compared)} steps it can plan)" if len(compared) < len(planned) else ""
+        )
+    lines.append(line)
+    # what each engine would hold per rank at this cap, and the largest model each fits
+    states = settings.model_states or {}
+    device_memory = cost.profile.device_memory_gb
+    memory = engine_memory(
+        cost.dims,
+        cost.profile,
+        world_size,
+        cluster.max_tokens_per_rank,
+        half_precision,
+        settings.loss_chunk_tokens,
+        int(states.get("param_bytes", 4)),
+        device_memory,
+    )
+    lines += engine_memory_lines(memory, world_size, cluster.max_tokens_per_rank, half_precision, device_memory)
+    if evaluation is not None:
+        eval_data = read_token_columns(evaluation, "eval_dataset", vocab_size=vocab, training=False)
+        plans = plan_evaluation(
+            eval_data.lengths,
+            eval_data.valid_counts,
+            sampler.tokens_per_step,
+            setup.balancer(),
+            cluster,
+            cost,
+            args.seed,
+            "eval_dataset",
+            masks=eval_data.masks,
+        )
+        lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
+    # another run's lock on output_dir (checkpoint/run_lock.py): read, not taken; a launch would be refused
+    state = lock_status(args.output_dir, args.cp_break_lock)
+    if state is not None:
+        lines.append(f"{state[0]}: {state[1]}")
+    # a resume takes the newest complete checkpoint: partial ones (a save that was interrupted) are named
+    partial = [c for c in scan_checkpoints(args.output_dir) if not c.complete]
+    skipped = "a resume or restart skips it" if args.resume_from_checkpoint else "resume_from_checkpoint is off"
+    lines += [f"warning: {c.path} is a partial checkpoint ({c.problem}); {skipped}" for c in partial]
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, notes=[])  # reported here
+    if resume is not None:
+        now = schedule_record(
+            sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size, data.digest()
+        )
+        ds = getattr(args, "hf_deepspeed_config", None)
+        check_checkpoint_fits(resume, run_engine(sharding_of(args), ds.config if ds is not None else None), hf_config)
+        notes = check_resume(
+            resume,
+            now,
+            world_size,
+            ds.config if ds is not None else None,
+            args.cp_allow_schedule_change,
+            args.cp_checkpoint_allowed_globals,
+        )
+        status = checkpoint_status(resume)
+        setting = args.resume_from_checkpoint
+        latest = setting is True or (isinstance(setting, str) and setting.lower() in LATEST)
+        lines.append(
+            f"resume: a launch or restart resumes from {resume}"
+            + (" (the newest complete checkpoint)" if partial and latest else "")
+            + ": its files match their checksums, its pickles import no code, and its engine, model, sample "
+            "schedule and ZeRO world size fit this run"
+        )
+        lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
+    elif args.resume_from_checkpoint:
+        what = "no complete checkpoint" if partial else "no checkpoint"
+        lines.append(f"resume: {what} in {args.output_dir} yet, a fresh start")
+    if max_restarts:
+        env = dict(os.environ, TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+        lines += [f"warning: {p}" for p in restart_problems(args.save_strategy, args.resume_from_checkpoint, env)]
+    return lines

@@ -1,0 +1,112 @@
+"""What CPTrainer sets up when it is built, before any process group is used.
+
+The run's planning setup comes from its arguments' `PlanningSettings`, built here once (the
+setup keeps them: `PlanningSetup.settings`, what the trainer reads later) and completed with
+the model's parameter dtype; the checks and warnings that belong to a run's start come with it.
+Each function returns its warnings as sentences: the trainer logs them on rank 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import List, Mapping, MutableMapping, Optional, Sequence, Union
+
+import torch
+
+from hf_cp.planning.profile_check import available_cores, profile_warning, shared_cores_warning
+from hf_cp.planning.setup import PlanningSetup, planning_setup
+from hf_cp.train.checks.setup import check_attention, deepspeed_arch_list
+from hf_cp.train.data.columns import TokenColumns
+from hf_cp.train.data.streaming import StreamColumns
+from hf_cp.train.data.user_collator import check_data_collator
+
+
+def deepspeed_arch_env(environ: Optional[MutableMapping[str, str]] = None) -> Optional[str]:
+    """Rewrite TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can read it (setup_checks.
+    deepspeed_arch_list); a warning saying so, None when it needed no change."""
+    env = os.environ if environ is None else environ
+    arch = deepspeed_arch_list(env.get("TORCH_CUDA_ARCH_LIST"))
+    if arch is None:
+        return None
+    note = (
+        f"TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']} set to {arch} for DeepSpeed, whose op builder cannot "
+        f"parse arch suffixes"
+    )
+    env["TORCH_CUDA_ARCH_LIST"] = arch
+    return note
+
+
+def check_training_data(dataset, data_collator) -> Optional[str]:
+    """The dataset training reads (None is an error) and what the user's data collator means for
+    it (user_collator.check_data_collator): a warning, or None. A streaming dataset's settings
+    were checked before (streaming.check_streaming)."""
+    if dataset is None:
+        raise ValueError("CPTrainer: training needs a train_dataset")
+    columns = getattr(dataset, "column_names", None) or []
+    return check_data_collator(data_collator, has_labels="labels" in columns)
+
+
+def trainer_planning_setup(
+    args, model, lengths: Union[None, Sequence[int], TokenColumns, StreamColumns], world_size: int
+) -> PlanningSetup:
+    """The planning setup of a run of `args` (CPTrainingArguments) training `model` on samples of
+    `lengths` (or a TokenColumns' samples), or on a stream (its StreamColumns, whose sampler reads
+    it), or on batches it makes as it trains (None: no sampler); fails now if its plans need
+    hf_cp's attention and the model does not use it."""
+    stream = lengths if isinstance(lengths, StreamColumns) else None
+    if isinstance(lengths, TokenColumns):
+        lengths = lengths.lengths
+    settings = args.planning_settings()
+    # the memory model's model states: in the dtype the model was built in (without DeepSpeed
+    # they stay in it; DeepSpeed's own dtypes follow its config)
+    param = next((p for p in model.parameters() if p.requires_grad), None)
+    if settings.model_states is not None and param is not None:
+        settings.model_states["param_bytes"] = param.element_size()
+    setup = planning_setup(
+        settings,
+        () if stream is not None else lengths,
+        world_size,
+        model_config=model.config.to_dict(),
+        num_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+        sampler=stream.make_sampler if stream is not None else None,
+    )
+    # now, not at the first step that spreads a sample (after the model is placed and minutes in)
+    check_attention(getattr(model.config, "_attn_implementation", None), setup.cluster.group_sizes[-1])
+    return setup
+
+
+def start_warnings(
+    setup: PlanningSetup, device_type: str, model_name: str, environ: Optional[Mapping[str, str]] = None
+) -> List[str]:
+    """Whether the cost profile describes this run (profile_check), and on CPU whether the node's
+    ranks share its cores."""
+    env = os.environ if environ is None else environ
+    settings, cost = setup.settings, setup.cost
+    out = []
+    warning = profile_warning(
+        cost.profile,
+        settings.profile if isinstance(settings.profile, str) else cost.profile.name,
+        cost.dims,
+        device_type,
+        settings.model_dims or model_name or "",
+    )
+    if warning:
+        out.append(warning)
+    if device_type == "cpu":
+        shared = shared_cores_warning(int(env.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(), available_cores())
+        if shared:
+            out.append(shared)
+    return out
+
+
+def skip_deepspeed_shm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory comm op (~50 s) on every first init; CPU training
+    over gloo does not use it."""
+    try:
+        # by module name: the package attribute `deepspeed.comm.torch` is torch itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:  # pragma: no cover - deepspeed is a core dependency
+        return
+    ds_torch.build_shm_op = lambda: None

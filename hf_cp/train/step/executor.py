@@ -1,0 +1,492 @@
+"""The step executor: one rank's waves of a planned step, for training and for evaluation.
+
+Training runs one forward+backward per wave on *every* rank, so every rank issues the same
+number of backward calls per step: DeepSpeed ZeRO-2 (and DDP) reduce gradients inside
+backward, and a rank that skipped one would deadlock the others. A rank with no work in a wave
+runs a zero-weight dummy micro-batch instead, joining the reduction with zero gradient. The
+gradient-accumulation boundary is set at the last wave only. Evaluation runs forward only:
+no gradient reduction to join, so a rank without work in a wave skips it.
+
+When the parameters are sharded (FSDP2, ZeRO-3) every pass is itself a chain of world-wide
+collectives, so a wave follows RankStep.wave_passes instead: the same sequence of forwards and
+backwards on every rank, each rank's own passes at their places and zero-weight dummy passes
+elsewhere (plan/passes.py); evaluation then runs as many forwards on every rank.
+
+Loss of a step = sum of token losses / valid targets of the whole global batch (known from the
+plan). Data-parallel reduction averages over the world, so each rank scales its summed loss by
+world / global_valid_tokens: the averaged gradient is exactly the single-process gradient of
+the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, ContextManager, List, Optional, Tuple, Union
+
+import torch
+
+from hf_cp.attention.context import cp_context
+from hf_cp.plan.passes import BACKWARD, FORWARD, PassCursor, most_open_graphs
+from hf_cp.train.data.answer_slots import answer_sums
+from hf_cp.train.data.collator import IGNORE_INDEX, MicroBatch, RankStep
+from hf_cp.train.step.agreement import collective_scope
+from hf_cp.train.step.chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.groups import CPGroups
+from hf_cp.train.step.loss import (
+    chunkable_head,
+    chunked_lm_head_loss,
+    chunked_lm_head_token_logps,
+    head_output_is_logits,
+    liger_lm_head_loss,
+    lm_head_computing,
+    logits_loss,
+    logits_token_logps,
+)
+
+logger = logging.getLogger(__name__)
+
+# A sequence-level objective's share of one micro-batch: (micro-batch, per-token log-probs of its
+# rows [T] (0 where no target), of its extra targets [k]) -> this rank's part of the step's loss,
+# already normalised for the whole step (the executor only multiplies by the world size, for the
+# data-parallel average). DPO and GRPO build one per step (train/objectives/dpo.py, train/objectives/grpo.py).
+TokenObjective = Callable[[MicroBatch, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class WaveTotals:
+    """What this rank did in one step (or one evaluation batch)."""
+
+    loss: torch.Tensor  # the scaled loss handed to backward, summed over waves (training)
+    loss_sum: float = 0.0  # unscaled sum of token losses
+    valid: int = 0  # valid targets in this rank's rows
+    tokens: int = 0
+    compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
+    # per wave, wall-clock seconds since the epoch: (start, end of this rank's compute, end of its backward
+    # call, which includes the gradient reduction that follows); dummy waves included (training)
+    wave_timeline: List[Tuple[float, float, float]] = field(default_factory=list)
+
+
+class StepExecutor:
+    """Runs a RankStep's waves on one rank.
+
+    `backward(loss, last)` is the trainer's backward (DeepSpeed, DDP or plain autograd), with
+    `last` marking the gradient-accumulation boundary. `groups` is the CP group registry.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: CPGroups,
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        loss_chunk_tokens: int,
+        backward: Callable[[torch.Tensor, bool], None],
+        wave_context: Optional[Callable[[bool], ContextManager]] = None,
+        logit_temperature: float = 1.0,
+        aligned_passes: bool = False,
+        max_open_graphs: Optional[int] = None,
+        liger_loss: bool = False,
+    ):
+        self.model = model
+        self.groups = groups
+        self.world_size = world_size
+        self.rank = rank
+        self.device = device
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.backward = backward
+        # entered around a whole wave (forward and backward), `last` marking the accumulation
+        # boundary: DDP's no_sync must cover the forward too, where DDP decides to reduce
+        self.wave_context = wave_context or (lambda last: contextlib.nullcontext())
+        # per-token log-probs (wave_token_logps) are those of logits / logit_temperature
+        self.logit_temperature = float(logit_temperature)
+        # parameters sharded (FSDP2, ZeRO-3): every rank runs each wave's passes in one sequence
+        self.aligned_passes = bool(aligned_passes)
+        # ZeRO-3 computes wrong gradients when several forward graphs are open at once (measured:
+        # ChunkFlow keeping 4 chunks, gradients 30-70% off); FSDP2 handles it (None: no limit)
+        self.max_open_graphs = max_open_graphs
+        # use_liger_kernel (CUDA): Liger's fused linear cross-entropy in place of the chunked loss
+        self.liger_loss = bool(liger_loss)
+        self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
+        self._head_checked = False
+        self._backward_end: Optional[float] = None
+        # perf_counter -> seconds since the epoch, so that ranks on one host share a time axis
+        self._epoch_offset = time.time() - time.perf_counter()
+        self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
+
+    # ------------------------------------------------------------------ timing
+    def _embedding_hook(self, module, inputs, output):
+        # the embedding output's gradient is the last big piece of backward: its arrival marks
+        # the end of this rank's compute, before the data-parallel gradient reduction waits
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._mark_backward_end)
+
+    def _mark_backward_end(self, grad):
+        self._backward_end = self.now()
+        return None
+
+    def now(self) -> float:
+        # GPU kernels run asynchronously: wait for them so the clock measures compute
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _mark_wave(self, totals: WaveTotals, t0: float) -> None:
+        end = self.now()
+        off = self._epoch_offset
+        totals.wave_timeline.append((off + t0, off + (self._backward_end or end), off + end))
+
+    # ------------------------------------------------------------------ waves
+    def _context(self, mb: MicroBatch):
+        ctx = mb.context
+        if ctx.group_size > 1:
+            ctx = replace(ctx, group=self.groups.get(ctx.group_ranks))
+        return ctx
+
+    def train(self, model: torch.nn.Module, step: RankStep, objective: Optional[TokenObjective] = None) -> WaveTotals:
+        """Forward+backward of every wave; the loss handed to backward is scaled so that the
+        data-parallel average is the gradient of (sum of token losses / global valid targets),
+        or, with `objective`, of the sum over ranks and waves of what it returns.
+
+        Every rank runs the same number of backward passes in each wave (step.wave_backward_calls:
+        a chunked sample runs one per dependent chunk), padding with zero-weight micro-batches;
+        the accumulation boundary is the last backward of the last wave."""
+        scale = self.world_size / step.global_valid_tokens if step.global_valid_tokens else 0.0
+        totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
+        if self.aligned_passes:
+            return self._train_aligned(model, step, objective, scale, totals)
+        n = len(step.waves)
+        calls = step.wave_backward_calls or [1] * n
+        for w, mb in enumerate(step.waves):
+            last_wave = w == n - 1
+            own = mb.backward_calls if mb is not None else 0
+            pad = calls[w] - own
+            if pad < 0:
+                raise RuntimeError(
+                    f"step {step.index + 1}, wave {w}: {own} backward passes, the plan allows {calls[w]}"
+                )
+            t0 = self.now()
+            self._backward_end = None
+            if mb is not None:
+                ctx = self._context(mb)
+                # chunked samples run on one rank under their chunk contexts, not a CP context
+                with (
+                    self.wave_context(last_wave and pad == 0),
+                    cp_context(None if mb.chunked else ctx),
+                    collective_scope(step.index + 1, w, ctx.group_ranks),
+                ):
+                    if mb.chunked and objective is not None:
+                        raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+                    if mb.chunked:
+                        wave_sum, loss = self._chunked_wave(model, mb, scale, last_wave and pad == 0)
+                    elif objective is not None:
+                        wave_sum = objective(mb, *self.wave_token_logps(model, mb))
+                        loss = wave_sum * self.world_size
+                        self.backward(loss, last_wave and pad == 0)
+                    else:
+                        wave_sum = self.wave_loss(model, mb)
+                        loss = wave_sum * scale
+                        self.backward(loss, last_wave and pad == 0)
+                self._count_wave(totals, mb, wave_sum, loss, t0)
+            for k in range(pad):
+                # no (more) work in this wave: zero-weight micro-batches keep the backward count equal
+                self._dummy_backward(model, step.index + 1, w, last_wave and k == pad - 1)
+            self._mark_wave(totals, t0)
+        return totals
+
+    def _count_wave(
+        self, totals: WaveTotals, mb: MicroBatch, wave_sum: torch.Tensor, loss: torch.Tensor, t0: float
+    ) -> None:
+        """Add a wave's own work to this rank's totals (its compute up to the embedding's gradient)."""
+        totals.compute_ms += ((self._backward_end or self.now()) - t0) * 1e3
+        totals.loss_sum += float(wave_sum.detach())
+        totals.valid += mb.num_valid
+        totals.tokens += mb.num_tokens
+        totals.loss = totals.loss + loss.detach()
+
+    def _train_aligned(
+        self,
+        model: torch.nn.Module,
+        step: RankStep,
+        objective: Optional[TokenObjective],
+        scale: float,
+        totals: WaveTotals,
+    ) -> WaveTotals:
+        """train() with sharded parameters: each wave runs step.wave_passes[w] on every rank. The
+        accumulation boundary is the last backward of the last wave, own or dummy."""
+        n = len(step.waves)
+        if len(step.wave_passes) != n:
+            raise RuntimeError(f"step {step.index + 1}: {len(step.wave_passes)} pass sequences for {n} waves")
+        for w, mb in enumerate(step.waves):
+            t0 = self.now()
+            self._backward_end = None
+            self._aligned_wave(model, step, w, mb, objective, scale, totals)
+            self._mark_wave(totals, t0)
+        return totals
+
+    def _aligned_wave(
+        self,
+        model: torch.nn.Module,
+        step: RankStep,
+        w: int,
+        mb: Optional[MicroBatch],
+        objective: Optional[TokenObjective],
+        scale: float,
+        totals: WaveTotals,
+    ) -> None:
+        """One wave of _train_aligned: this rank's own passes at their places in the wave's pass
+        sequence (PassCursor), zero-weight dummy passes at the others."""
+        passes = step.wave_passes[w]
+        if self.max_open_graphs is not None and most_open_graphs(passes) > self.max_open_graphs:
+            raise ValueError(
+                f"step {step.index + 1}, wave {w}: its passes {passes!r} hold {most_open_graphs(passes)} forward graphs "
+                f"open at once (ChunkFlow keeping several chunks), and DeepSpeed ZeRO-3 computes wrong gradients "
+                f"beyond {self.max_open_graphs}: set cp_chunk_keep: 1 (chunkflow option keep=1), or use FSDP2"
+            )
+        # the step's accumulation boundary: the last backward of its last wave
+        boundary = passes.rindex(BACKWARD) if w == len(step.waves) - 1 else -1
+
+        def dummy_forward(graph: bool):
+            return self._dummy_forward(model, step.index + 1, w, graph)
+
+        def dummy_backward(zero_loss: torch.Tensor):  # cursor.pos: the dummy's own place
+            self._dummy_backward_of(zero_loss, step.index + 1, w, cursor.pos == boundary)
+
+        def own_backward_is_boundary() -> bool:  # cursor.pos - 1: the own pass just placed
+            return cursor.pos - 1 == boundary
+
+        cursor = PassCursor(passes, dummy_forward, dummy_backward, f"step {step.index + 1}, wave {w}")
+        t0 = self.now()
+        if mb is not None:
+            ctx = self._context(mb)
+            scope = (step.index + 1, w, ctx.group_ranks)
+            if mb.chunked:
+                if objective is not None:
+                    raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+                with collective_scope(*scope):
+                    wave_sum, loss = self._chunked_wave(model, mb, scale, own_backward_is_boundary, cursor.before)
+            else:
+                cursor.before(FORWARD)
+                with cp_context(ctx), collective_scope(*scope):
+                    if objective is not None:
+                        wave_sum = objective(mb, *self.wave_token_logps(model, mb))
+                        loss = wave_sum * self.world_size
+                    else:
+                        wave_sum = self.wave_loss(model, mb)
+                        loss = wave_sum * scale
+                cursor.before(BACKWARD)
+                with cp_context(ctx), collective_scope(*scope):
+                    self.backward(loss, own_backward_is_boundary())
+            self._count_wave(totals, mb, wave_sum, loss, t0)
+        cursor.finish()
+
+    def _dummy_forward(self, model: torch.nn.Module, step: int, wave: int, graph: bool):
+        """A zero-weight one-token forward on every layer (its collectives join the others'); with
+        `graph`, its output for a later _dummy_backward_of."""
+        everyone = tuple(range(self.world_size))
+        with (
+            cp_context(None),
+            collective_scope(step, wave, everyone, "dummy pass"),
+            contextlib.nullcontext() if graph else torch.no_grad(),
+        ):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            pos = torch.zeros_like(ids)
+            out = model(input_ids=ids, position_ids=pos, use_cache=False).logits.sum()
+        return out * 0.0 if graph else None
+
+    def _dummy_backward_of(self, zero_loss: torch.Tensor, step: int, wave: int, last: bool) -> None:
+        everyone = tuple(range(self.world_size))
+        with cp_context(None), collective_scope(step, wave, everyone, "dummy pass"):
+            self.backward(zero_loss, last)
+
+    def _dummy_backward(self, model: torch.nn.Module, step: int, wave: int, last: bool) -> None:
+        everyone = tuple(range(self.world_size))
+        with self.wave_context(last), cp_context(None), collective_scope(step, wave, everyone, "dummy micro-batch"):
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+            self.backward(out.logits.sum() * 0.0, last)
+
+    def _chunked_wave(
+        self,
+        model: torch.nn.Module,
+        mb: MicroBatch,
+        scale: float,
+        last: Union[bool, Callable[[], bool]],
+        on_pass: Optional[Callable[[str], None]] = None,
+    ):
+        """ChunkFlow: every chunked sample of the micro-batch by the state-aware schedule, one
+        backward per dependent chunk (train/step/chunkflow.py). `last`: whether the micro-batch's final
+        backward is the accumulation boundary, or (aligned passes) a function telling it of each
+        backward. Returns (summed loss, scaled loss)."""
+        loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
+        total = torch.zeros((), dtype=torch.float64)
+        for k, c in enumerate(mb.chunked):
+            if callable(last):
+                backward = lambda loss, is_last: self.backward(loss, last())  # noqa: E731
+            else:
+                final = last and k == len(mb.chunked) - 1
+                backward = lambda loss, is_last, final=final: self.backward(loss, final and is_last)  # noqa: E731
+            chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
+            total = total + run_chunked_sample(
+                model, chunks, c.keep, scale, loss_fn=loss_fn, backward=backward, on_pass=on_pass
+            )
+        return total, total * scale
+
+    def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
+        """Forward only, every wave with work on this rank (call under torch.no_grad())."""
+        totals = WaveTotals(loss=torch.zeros((), device=self.device))
+        self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
+        for w, mb in enumerate(step.waves):
+            if self.aligned_passes:  # sharded parameters: as many forwards on every rank
+                self._evaluation_dummies(model, step, w, mb)
+            if mb is None:  # forward only: no gradient reduction to join
+                continue
+            if mb.chunked:  # one rank, no collectives: each sample's chunks in order over the K/V store
+                loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
+                for c in mb.chunked:
+                    chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
+                    totals.loss_sum += float(evaluate_chunked_sample(model, chunks, loss_fn))
+                totals.valid += mb.num_valid
+                totals.tokens += mb.num_tokens
+                continue
+            ctx = self._context(mb)
+            with (
+                cp_context(ctx),
+                collective_scope(step.index + 1, w, ctx.group_ranks, "evaluation micro-batch", "evaluation batch"),
+            ):
+                totals.loss_sum += float(self.wave_loss(model, mb))
+            totals.valid += mb.num_valid
+            totals.tokens += mb.num_tokens
+        return totals
+
+    def _evaluation_dummies(self, model: torch.nn.Module, step: RankStep, w: int, mb: Optional[MicroBatch]) -> None:
+        """Forward-only waves with sharded parameters: every rank runs the wave's largest number of
+        forwards (a micro-batch one, a chunked sample one per chunk), this rank's own ones plus
+        dummies (all forwards alike: their order does not matter)."""
+        own_passes = step.plan.rank_passes(w)
+        forwards = [p.count(BACKWARD) for p in own_passes]  # a backward per chunk, one per micro-batch
+        mine = forwards[self.rank]
+        for _ in range(max(forwards) - mine):
+            self._dummy_forward(model, step.index + 1, w, graph=False)
+
+    def answer_logps(
+        self, model: torch.nn.Module, step: RankStep, head: Union[str, Optional[torch.nn.Linear]] = "policy"
+    ) -> torch.Tensor:
+        """This rank's part of every answer's summed log-prob (RankStep.answer_slots), forward only
+        (call under torch.no_grad()); summed over the world they are the answers' log-probs.
+        `head`: the LM head the chunked path bypasses ("policy": the trained model's; pass another
+        model's own head, or None for full logits)."""
+        sums = torch.zeros(len(step.answer_slots), dtype=torch.float64, device=self.device)
+        for w, mb in enumerate(step.waves):
+            if mb is None:  # forward only: no gradient reduction to join
+                continue
+            if mb.chunked:
+                raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+            ctx = self._context(mb)
+            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "log-prob micro-batch"):
+                own, extra = self.wave_token_logps(model, mb, head)
+            sums += answer_sums(mb, own, extra, len(step.answer_slots)).double()
+        return sums
+
+    # ------------------------------------------------------------------ loss
+    def wave_token_logps(
+        self, model: torch.nn.Module, mb: MicroBatch, head: Union[str, Optional[torch.nn.Linear]] = "policy"
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log p(target) of a micro-batch's rows [T] and extra targets [k] (fp32, 0 where
+        the target is ignored), through the chunked LM head when the model allows it."""
+        ids, pos, targets, extra_rows, extra_targets = self._device_rows(mb)
+        if isinstance(head, str):
+            head = self.loss_head()
+        t = self.logit_temperature
+        if head is None:
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            logits = logits if t == 1.0 else logits / t
+            return logits_token_logps(logits, targets, IGNORE_INDEX, extra_rows, extra_targets)
+
+        def token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            hidden = hidden[0]
+            if t != 1.0:  # (h W^T + b) / t = (h / t) W^T + b / t
+                hidden, bias = hidden / t, (None if bias is None else bias / t)
+            own, extra = chunked_lm_head_token_logps(
+                hidden,
+                weight,
+                targets,
+                self.loss_chunk_tokens,
+                bias=bias,
+                ignore_index=IGNORE_INDEX,
+                extra_rows=extra_rows,
+                extra_targets=extra_targets,
+            )
+            return torch.cat([own, extra])  # one output tensor: [T + k]
+
+        with lm_head_computing(head, token_logps):
+            both = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        rows = targets.shape[0]
+        return both[:rows], both[rows:]
+
+    def _device_rows(self, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
+        """A micro-batch's input ids, positions, shifted targets [T] and extra targets on the
+        device (shared-prompt samples: a prompt's last token predicts every answer: extra rows)."""
+        return (
+            mb.input_ids.to(self.device),
+            mb.position_ids.to(self.device),
+            mb.shift_labels[0].to(self.device),
+            mb.extra_rows.to(self.device),
+            mb.extra_targets.to(self.device),
+        )
+
+    def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
+        loss when the model allows it, else from the full logits."""
+        ids, pos, targets, extra_rows, extra_targets = self._device_rows(mb)
+        head = self.loss_head()
+        if head is None:
+            out = model(input_ids=ids, position_ids=pos, use_cache=False)
+            return logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
+
+        def loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+            if self.liger_loss:
+                return liger_lm_head_loss(hidden[0], weight, targets, bias, IGNORE_INDEX, extra_rows, extra_targets)
+            return chunked_lm_head_loss(
+                hidden[0],
+                weight,
+                targets,
+                self.loss_chunk_tokens,
+                bias=bias,
+                ignore_index=IGNORE_INDEX,
+                extra_rows=extra_rows,
+                extra_targets=extra_targets,
+            )
+
+        with lm_head_computing(head, loss):
+            return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    def loss_head(self) -> Optional[torch.nn.Linear]:
+        """The LM head the chunked loss replaces (decided once), or None for full logits."""
+        if self._head_checked:
+            return self._head
+        self._head_checked = True
+        if self.loss_chunk_tokens > 0:
+            head = chunkable_head(self.model)
+            with cp_context(None):
+                plain = head is not None and head_output_is_logits(self.model, head, self.device)
+            if plain:
+                self._head = head
+            elif self.rank == 0:
+                logger.warning(
+                    "hf_cp: %s; the loss uses the full logits (memory grows with tokens x vocabulary)",
+                    "the model has no linear LM head"
+                    if head is None
+                    else "the model post-processes its LM head's output (scaling or soft-capping)",
+                )
+        return self._head
+
+
+_CHUNKED_OBJECTIVE = (
+    "step {step}: samples {samples} run as dependent chunks (ChunkFlow); a sequence-level loss (DPO, GRPO) "
+    "needs shared-prompt samples, which are never chunked: plan this data with another balancer"
+)
