@@ -33,13 +33,11 @@ def all_reduce_sum(t: torch.Tensor, world: int, group=None) -> torch.Tensor:
     return t
 
 
-def answer_logps_everywhere(
-    executor: StepExecutor, model, step: RankStep, world: int, head=None, group=None
-) -> torch.Tensor:
+def answer_logps_everywhere(executor: StepExecutor, model, step: RankStep, world: int, group=None) -> torch.Tensor:
     """Every answer's summed log-prob [answer slots] of the step under `model` (no gradient),
-    the same on every rank. `head`: the LM head of the chunked path (executor.answer_logps)."""
+    the same on every rank."""
     with torch.no_grad():
-        own = executor.answer_logps(model, step) if head is None else executor.answer_logps(model, step, head)
+        own = executor.answer_logps(model, step)
     return all_reduce_sum(own, world, group)
 
 
