@@ -1,4 +1,6 @@
 """Training objectives, each a thin adapter of its Trainer or TRL base over the step runtime
-(runtime/step_runtime.py): SFT (sft.py), DPO (dpo.py, its loss dpo_loss.py, trained through the
-sequence-objective seam step/sequence_objective.py) and GRPO (grpo.py; grpo_generation.py: TRL's
-rollouts gathered, rewards guarded; grpo_step.py: the step's tables and objective; grpo_loss.py)."""
+(runtime/step_runtime.py): SFT (sft.py); the sequence objectives DPO (dpo.py, its loss
+dpo_loss.py) and KTO (kto.py, kto_loss.py), trained through the seam step/sequence_objective.py,
+with what preference trainers share (the reference pass, refused data and settings) in
+preference.py; GRPO (grpo.py; grpo_generation.py: TRL's rollouts gathered, rewards guarded;
+grpo_step.py: the step's tables and objective; grpo_loss.py)."""

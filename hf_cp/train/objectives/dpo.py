@@ -39,7 +39,6 @@ is one planned step; size steps with cp_tokens_per_step).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -52,7 +51,6 @@ import torch
 
 try:
     from trl import DPOConfig, DPOTrainer
-    from trl.trainer.utils import use_adapter
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "hf_cp.train.objectives.dpo needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')"
@@ -65,11 +63,17 @@ from hf_cp.samples.masks import SampleMask
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
-from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.objectives.preference import (
+    policy_and_reference_logps,
+    reference_logps,
+    refuse_active_dropout,
+    refuse_empty_answers,
+    refuse_padded_batch_settings,
+)
+from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.setup.sharding import refuse_sharding
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.step.executor import WaveTotals
-from hf_cp.train.step.loss import chunkable_head
 from hf_cp.train.step.sequence_objective import (
     all_reduce_sum,
     answer_lengths,
@@ -84,6 +88,7 @@ REFERENCE_FILE = "cp_reference_logps.json"
 
 
 @dataclass
+@keep_defaults_of(DPOConfig)
 class CPDPOConfig(CPTrainingArguments, DPOConfig):
     """DPOConfig (the preference loss, the reference model) plus CPTrainingArguments (planning)."""
 
@@ -120,58 +125,6 @@ def pair_sample(example: dict, index: int) -> dict:
     }
 
 
-def _answer_text(value) -> str:
-    """The text of an answer: a string, or a conversation's messages' content (TRL's
-    conversational format: a list of {"role", "content"}, content a string or a list of parts)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)):
-        parts = []
-        for m in value:
-            content = m.get("content", "") if isinstance(m, dict) else m
-            if isinstance(content, (list, tuple)):  # multimodal parts: {"type": "text", "text": ...}
-                content = " ".join(str(c.get("text", "x")) if isinstance(c, dict) else str(c) for c in content)
-            parts.append(str(content or ""))
-        return "".join(parts)
-    return "" if value is None else str(value)
-
-
-def refuse_empty_answers(dataset, dataset_name: str) -> None:
-    """Refuse a pair whose prompt, chosen or rejected text is empty, naming it: TRL tokenises
-    an empty answer to the EOS token alone, which would train as if it were an answer."""
-    cols = getattr(dataset, "column_names", None) or []
-    for column in ("prompt", "chosen", "rejected"):
-        if column not in cols:
-            continue
-        for i, value in enumerate(dataset[column]):
-            if not _answer_text(value).strip():
-                raise ValueError(
-                    f"CPDPOTrainer: {dataset_name} pair {i}: the {column} "
-                    f"{'text' if column == 'prompt' else 'answer'} is empty (TRL would tokenise it to the EOS token "
-                    f"alone and train on it); drop or fix the pair"
-                )
-
-
-def refuse_padded_batch_settings(args) -> None:
-    """DPOConfig settings of TRL's padded batches and its own training step, which the planned
-    steps replace: refused by name when set, rather than silently ignored."""
-    if getattr(args, "activation_offloading", False):
-        raise ValueError(
-            "CPDPOTrainer: activation_offloading=True wraps DPOTrainer's training step, which hf_cp's planned step "
-            "replaces; bound activation memory with cp_max_tokens_per_rank instead"
-        )
-    for name in ("pad_to_multiple_of", "precompute_ref_batch_size"):
-        if getattr(args, name, None) is not None:
-            raise ValueError(
-                f"CPDPOTrainer: {name}={getattr(args, name)!r} shapes TRL's padded batches, which hf_cp does not build "
-                f"(every pair is one unpadded sample of a planned step); leave {name} unset"
-            )
-
-
-def _dropout_modules(model: torch.nn.Module) -> List[str]:
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
-
-
 class CPDPOTrainer(CPTrainer, DPOTrainer):
     """DPOTrainer's data and reference model, CPTrainer's planned steps, the DPO loss computed
     from each answer's summed log-prob wherever its tokens ran. Takes DPOTrainer's arguments
@@ -200,7 +153,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
-        refuse_padded_batch_settings(args)
+        refuse_padded_batch_settings(args, "CPDPOTrainer")
         self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
@@ -209,12 +162,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
-        dropout = _dropout_modules(self.model)
-        if dropout:
-            raise ValueError(
-                f"CPDPOTrainer: {len(dropout)} dropout modules are active (e.g. {dropout[0]!r}); the log-prob pass and "
-                "the gradient pass must see the same network: set disable_dropout=True (DPOConfig's default)"
-            )
+        refuse_active_dropout(self.model, "CPDPOTrainer", "DPOConfig")
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")
 
@@ -231,23 +179,9 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         return dataset
 
     # ------------------------------------------------------------------ reference log-probs
-    def _cp_reference(self):
-        """(model, its LM head for the chunked path, context) of the reference forward."""
-        policy_head = self.cp_runtime.executor.loss_head()
-        if self.ref_model is not None:
-            ref = self.accelerator.unwrap_model(self.ref_model)
-            head = chunkable_head(ref) if policy_head is not None else None
-            return ref, head, contextlib.nullcontext()
-        if is_peft_model(self.model):
-            name = "ref" if "ref" in self.model.peft_config else None
-            return self.model, "policy", use_adapter(self.model, adapter_name=name)
-        return self.model, "policy", contextlib.nullcontext()  # precompute: the policy before its first update
-
     def _cp_reference_pass(self, step: RankStep) -> torch.Tensor:
         """This rank's part of every answer's reference log-prob (forward only)."""
-        model, head, ctx = self._cp_reference()
-        with torch.no_grad(), ctx:
-            return self.cp_runtime.executor.answer_logps(model, step, head)
+        return reference_logps(self.cp_runtime.executor, self.accelerator, self.model, self.ref_model, step)
 
     def _cp_reference_file(self) -> Path:
         return Path(self.args.output_dir) / REFERENCE_FILE
@@ -302,10 +236,9 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             for k, (sid, a) in enumerate(step.answer_slots):
                 ref[k] = self._cp_reference_table[sid][a]
             return own, ref
-        with torch.no_grad():  # policy and reference in one all-reduce
-            own = self.cp_runtime.executor.answer_logps(policy, step)
-        both = self._cp_all_reduce(torch.stack([own, self._cp_reference_pass(step)]))
-        return both[0], both[1]
+        return policy_and_reference_logps(
+            self.cp_runtime.executor, self.accelerator, policy, self.ref_model, step, self.cp_world
+        )
 
     def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
         """DPO's loss of every pair's summed log-probs, trained through the sequence-objective seam."""

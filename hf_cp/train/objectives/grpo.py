@@ -86,7 +86,7 @@ from hf_cp.train.objectives.grpo_generation import (
 from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 from hf_cp.train.objectives.grpo_step import StepTables, step_objective
 from hf_cp.train.runtime.step_runtime import StepRuntime
-from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.setup.sharding import refuse_sharding
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
@@ -94,6 +94,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+@keep_defaults_of(GRPOConfig)
 class CPGRPOConfig(CPTrainingArguments, GRPOConfig):
     """GRPOConfig (generation, rewards, the loss) plus CPTrainingArguments (planning).
 

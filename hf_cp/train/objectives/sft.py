@@ -33,11 +33,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "hf_cp.train.objectives.sft needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')"
     ) from e
 
-from hf_cp.train.setup.args import CPTrainingArguments
+from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.trainer import CPTrainer
 
 
 @dataclass
+@keep_defaults_of(SFTConfig)
 class CPSFTConfig(CPTrainingArguments, SFTConfig):
     """SFTConfig (how TRL prepares the data) plus CPTrainingArguments (how hf_cp plans steps)."""
 

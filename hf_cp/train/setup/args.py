@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional, Union
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Callable, ClassVar, List, Optional, Union
 
 import torch
 from transformers import TrainingArguments
@@ -282,3 +282,34 @@ class CPTrainingArguments(TrainingArguments):
 
     def tokens_per_step(self, world_size: int) -> int:
         return self.planning_settings().step_tokens(world_size)
+
+
+def keep_defaults_of(base) -> Callable[[type], type]:
+    """Class decorator, under @dataclass, of a config mixing CPTrainingArguments with a TRL config
+    (`base`): the TRL config's own defaults (DPOConfig's learning_rate 1e-6, logging_steps 10,
+    gradient_checkpointing True, ...) are kept. Without it, CPTrainingArguments' fields, which are
+    TrainingArguments' with their defaults, come later in the dataclass merge and would silently
+    replace them. Fields CPTrainingArguments or the class itself declares keep their own."""
+
+    def apply(cls: type) -> type:
+        own = set(CPTrainingArguments.__dict__.get("__annotations__", {})) | set(
+            cls.__dict__.get("__annotations__", {})
+        )
+        ours = {f.name: f for f in fields(CPTrainingArguments)}
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for f in fields(base):
+            mine = ours.get(f.name)
+            if f.name in own or mine is None or not f.init:
+                continue
+            if f.default is MISSING and f.default_factory is MISSING:
+                continue
+            same = f.default == mine.default and f.default_factory == mine.default_factory
+            if same:
+                continue
+            annotations[f.name] = f.type
+            kept = dict(default=f.default) if f.default is not MISSING else dict(default_factory=f.default_factory)
+            setattr(cls, f.name, field(metadata=f.metadata, **kept))
+        cls.__annotations__ = annotations
+        return cls
+
+    return apply

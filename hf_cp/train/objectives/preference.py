@@ -1,0 +1,123 @@
+"""What TRL's preference trainers (DPO, KTO) share under hf_cp: the reference model's log-prob
+pass under the step's plan, and the data and settings refused before any work.
+
+The reference is TRL's: a separate `ref_model`, or a PEFT policy with its adapter disabled (or
+its "ref" adapter), or, for a pass before the first update, the policy itself. Its forward runs
+the same plan as the policy's, so each answer's reference log-prob is summed over the ranks
+that hold its tokens like the policy's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, List, Tuple
+
+import torch
+from accelerate.utils import is_peft_model
+from trl.trainer.utils import use_adapter  # trl
+
+from hf_cp.train.data.collator import RankStep
+from hf_cp.train.step.executor import StepExecutor
+from hf_cp.train.step.loss import chunkable_head
+from hf_cp.train.step.sequence_objective import all_reduce_sum
+
+
+def reference_forward(executor: StepExecutor, accelerator, policy, ref_model):
+    """(model, its LM head for the chunked log-prob path, context) of the reference forward."""
+    if ref_model is not None:
+        ref = accelerator.unwrap_model(ref_model)
+        head = chunkable_head(ref) if executor.loss_head() is not None else None
+        return ref, head, contextlib.nullcontext()
+    if is_peft_model(policy):
+        name = "ref" if "ref" in policy.peft_config else None
+        return policy, "policy", use_adapter(policy, adapter_name=name)
+    return policy, "policy", contextlib.nullcontext()  # the policy before its first update
+
+
+def reference_logps(executor: StepExecutor, accelerator, policy, ref_model, step: RankStep) -> torch.Tensor:
+    """This rank's part of every answer's summed reference log-prob (forward only)."""
+    model, head, ctx = reference_forward(executor, accelerator, policy, ref_model)
+    with torch.no_grad(), ctx:
+        return executor.answer_logps(model, step, head)
+
+
+def policy_and_reference_logps(
+    executor: StepExecutor, accelerator, policy, ref_model, step: RankStep, world: int, group=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every answer's summed log-prob under the policy and under the reference (no gradient),
+    the same on every rank: both passes, then one all-reduce."""
+    with torch.no_grad():
+        own = executor.answer_logps(policy, step)
+    both = all_reduce_sum(
+        torch.stack([own, reference_logps(executor, accelerator, policy, ref_model, step)]), world, group
+    )
+    return both[0], both[1]
+
+
+def _answer_text(value) -> str:
+    """The text of an answer: a string, or a conversation's messages' content (TRL's
+    conversational format: a list of {"role", "content"}, content a string or a list of parts)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        parts = []
+        for m in value:
+            content = m.get("content", "") if isinstance(m, dict) else m
+            if isinstance(content, (list, tuple)):  # multimodal parts: {"type": "text", "text": ...}
+                content = " ".join(str(c.get("text", "x")) if isinstance(c, dict) else str(c) for c in content)
+            parts.append(str(content or ""))
+        return "".join(parts)
+    return "" if value is None else str(value)
+
+
+def refuse_empty_answers(
+    dataset,
+    dataset_name: str,
+    trainer: str = "CPDPOTrainer",
+    columns: Iterable[str] = ("prompt", "chosen", "rejected"),
+    item: str = "pair",
+) -> None:
+    """Refuse an example whose prompt or answer text is empty, naming it: TRL tokenises an
+    empty answer to the EOS token alone, which would train as if it were an answer."""
+    cols = getattr(dataset, "column_names", None) or []
+    for column in columns:
+        if column not in cols:
+            continue
+        for i, value in enumerate(dataset[column]):
+            if not _answer_text(value).strip():
+                what = "text" if column == "prompt" else "answer"
+                raise ValueError(
+                    f"{trainer}: {dataset_name} {item} {i}: the {column} {what} is empty (TRL would tokenise it to the "
+                    f"EOS token alone and train on it); drop or fix the {item}"
+                )
+
+
+def refuse_padded_batch_settings(args, trainer: str) -> None:
+    """Settings of TRL's padded batches and its own training step, which the planned steps
+    replace: refused by name when set, rather than silently ignored."""
+    if getattr(args, "activation_offloading", False):
+        raise ValueError(
+            f"{trainer}: activation_offloading=True wraps TRL's training step, which hf_cp's planned step replaces; "
+            "bound activation memory with cp_max_tokens_per_rank instead"
+        )
+    for name in ("pad_to_multiple_of", "precompute_ref_batch_size"):
+        if getattr(args, name, None) is not None:
+            raise ValueError(
+                f"{trainer}: {name}={getattr(args, name)!r} shapes TRL's padded batches, which hf_cp does not build "
+                f"(every example is one unpadded sample of a planned step); leave {name} unset"
+            )
+
+
+def active_dropout(model: torch.nn.Module) -> List[str]:
+    """Names of the model's dropout modules with p > 0."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+
+
+def refuse_active_dropout(model: torch.nn.Module, trainer: str, config: str) -> None:
+    """The log-prob pass and the gradient pass of a sequence objective must see the same network."""
+    dropout = active_dropout(model)
+    if dropout:
+        raise ValueError(
+            f"{trainer}: {len(dropout)} dropout modules are active (e.g. {dropout[0]!r}); the log-prob pass and "
+            f"the gradient pass must see the same network: set disable_dropout=True ({config}'s default)"
+        )
