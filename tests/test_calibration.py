@@ -492,3 +492,39 @@ def test_collinear_features_keep_the_profiles_shape_and_never_price_attention_at
     assert fitted.c2_ms_per_pair >= 0.1 * 2.5 * ref.c2_ms_per_pair  # the floor, at the data's scale (~3x)
     ratio = (fitted.c2_ms_per_pair / fitted.c1_ms_per_token) / (ref.c2_ms_per_pair / ref.c1_ms_per_token)
     assert 0.5 < ratio < 2, ratio
+
+
+def test_a_refit_is_said_only_when_a_coefficient_moved(caplog):
+    """Calibration notes on change only: the first fit is a warning; a refit within 5% of the one
+    said is logged at INFO; one that moves a coefficient by more is a warning again."""
+    import logging
+
+    from hf_cp.train.measure.online_calibration import NOTE_CHANGE, OnlineCalibration, moved
+
+    class Planner:
+        def set_cost(self, first, version, cost):
+            self.last = (first, version)
+
+    online = OnlineCalibration(
+        CostModel(TINY, CPU), CalibrationSettings(min_steps=8, refit_every=8, window=64), 0, 100, 0
+    )
+    cal = online.calibrator
+    obs = synthetic_observations(noise=0.0)
+    for o in obs[:8]:
+        cal.add(o)
+    first = cal.refit()
+    for o in obs[8:16]:
+        cal.add(o)
+    cal.refit()
+    cal.refit()
+    same = first.coefficients
+    bigger = replace(same, c1_ms_per_token=same.c1_ms_per_token * (1 + 2 * NOTE_CHANGE))
+    assert not moved(same, same) and moved(bigger, same)
+    planner = Planner()
+    with caplog.at_level(logging.INFO, logger="hf_cp.train.measure.online_calibration"):
+        for version, coefficients in ((1, same), (2, same), (3, bigger)):
+            online.adopt(coefficients.to_payload(version), version, planner)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO, logging.WARNING], said
+    assert "calibration 1 from 8 steps" in said[0][1] and "no coefficient moved by more than 5%" in said[1][1]
+    assert planner.last == (4, 3)  # every fit still plans the steps not yet planned

@@ -32,6 +32,19 @@ logger = logging.getLogger(__name__)
 # the online calibration's profile, in each checkpoint and in output_dir at the end of training
 CALIBRATED_PROFILE = "cp_profile_calibrated.yaml"
 
+# a refit is said (a warning on rank 0) when a coefficient moved by more than this, relative, since
+# the last fit said; a refit that only confirms it is logged at INFO
+NOTE_CHANGE = 0.05
+
+
+def moved(new: Coefficients, old: Coefficients, tolerance: float = NOTE_CHANGE) -> bool:
+    """Whether any coefficient of `new` differs from `old`'s by more than `tolerance`, relative
+    (an absolute difference for a coefficient that is 0 in `old`)."""
+    for a, b in zip(new.to_list(), old.to_list()):
+        if abs(a - b) > tolerance * (abs(b) if b else 1.0):
+            return True
+    return False
+
 
 class OnlineCalibration:
     """Calibration versions of one run: version -> (coefficients, cost model); 0 is the profile
@@ -50,6 +63,7 @@ class OnlineCalibration:
             None  # a fit made after the last step, offered at the next agreement
         )
         self.lookahead, self.num_steps, self.rank = lookahead, num_steps, rank
+        self.said: Optional[Coefficients] = None  # the coefficients of the last fit the log said
 
     @classmethod
     def for_run(cls, args, cost: CostModel, num_steps: int, rank: int) -> OnlineCalibration:
@@ -103,9 +117,21 @@ class OnlineCalibration:
         planner.set_cost(first, version, cost)
         fit = cal.fits[version - 1]
         fit.applies_from = first
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.said is None or moved(coefficients, self.said):
+            self.said = coefficients
             logger.warning(
                 "hf_cp: %s; steps from %d on are planned with it", fit.describe(cal.base_coefficients), first + 1
+            )
+        else:  # a refit that confirms the last one said: not worth a paragraph
+            logger.info(
+                "hf_cp: calibration %d from %d steps: no coefficient moved by more than %.0f%% since the last one "
+                "logged; steps from %d on are planned with it",
+                version,
+                fit.steps,
+                100 * NOTE_CHANGE,
+                first + 1,
             )
 
     def profile_yaml(self, profile: Union[str, object], run: str = "") -> Optional[str]:

@@ -26,6 +26,7 @@ from hf_cp.planning.worker import PlannedStep, Planner
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.setup import check_step_attention
 from hf_cp.train.data.collator import PlanCollator, RankStep
+from hf_cp.train.measure.console import quiet_console
 from hf_cp.train.setup.sharding import ZERO3, ZERO3_OPEN_GRAPHS
 from hf_cp.train.step.agreement import PlanAgreement, assert_data_agrees
 from hf_cp.train.step.executor import StepExecutor
@@ -47,6 +48,8 @@ class StepRuntime:
         self.planner: Optional[Planner] = None
         self.executor: Optional[StepExecutor] = None
         self.agreement: Optional[PlanAgreement] = None
+        if not args.cp_log_all_metrics:
+            quiet_console(trainer.callback_handler)  # a handful of cp/ keys per console line
 
     # ------------------------------------------------------------------ set-up
     def start(

@@ -180,6 +180,13 @@ class CPTrainingArguments(TrainingArguments):
             "output_dir/final when training ends, whatever save_strategy says about checkpoints"
         },
     )
+    cp_log_all_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "print every cp/ metric in each log line (default: a handful; all of them go to the log history "
+            "in trainer_state.json and to the trackers either way)"
+        },
+    )
     cp_record_history: bool = field(
         default=True, metadata={"help": "append one JSON line per step and rank to output_dir/cp_history/rank<R>.jsonl"}
     )

@@ -1,0 +1,65 @@
+"""What a training run prints per log line: the Trainer's keys and a handful of cp/ ones
+(measure/console.py); every cp/ key still reaches the log history (trainer_state.json), which
+`hf-cp report` reads; `cp_log_all_metrics: true` prints them all."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+from datasets import Dataset
+from transformers.trainer_callback import PrinterCallback
+
+from hf_cp.train import CPTrainer, CPTrainingArguments
+from hf_cp.train.measure.console import CONSOLE_KEYS, QuietPrinterCallback, console_view
+
+from helpers.harness.models import synthetic_rows, tiny_model
+
+LENGTHS = [40, 90, 200, 30, 120, 60]
+
+
+def _train(tmp_path, capsys, **kw):
+    args = CPTrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        cp_balancer="static",
+        cp_max_tokens_per_rank=256,
+        cp_tokens_per_step=300,
+        max_steps=2,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        cp_compare_balancer=None,
+        cp_profile="cpu",
+        **kw,
+    )
+    trainer = CPTrainer(model=tiny_model(0), args=args, train_dataset=Dataset.from_list(synthetic_rows(LENGTHS)))
+    capsys.readouterr()
+    trainer.train()
+    printed = [ast.literal_eval(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{'loss'")]
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, printed, history
+
+
+def test_the_console_shows_a_handful_of_cp_keys_and_the_history_keeps_all(tmp_path, capsys):
+    trainer, printed, history = _train(tmp_path, capsys)
+    assert sum(type(cb) is QuietPrinterCallback for cb in trainer.callback_handler.callbacks) == 1
+    assert not any(type(cb) is PrinterCallback for cb in trainer.callback_handler.callbacks)
+    assert printed and len(printed) == len(history)
+    shown = {k for line in printed for k in line if k.startswith("cp/")}
+    kept = {k for h in history for k in h if k.startswith("cp/")}
+    assert shown and shown <= set(CONSOLE_KEYS), shown
+    assert len(kept) >= len(shown) + 8, kept  # the spread, slowest rank, waves, planner time, ...
+    assert {"cp/measured_max_ms", "cp/slowest_rank", "cp/world_size"} <= kept  # what hf-cp report reads
+    assert "loss" in printed[0] and "grad_norm" in printed[0]
+
+
+def test_cp_log_all_metrics_prints_every_key(tmp_path, capsys):
+    _, printed, history = _train(tmp_path, capsys, cp_log_all_metrics=True)
+    assert printed and {k for k in printed[0] if k.startswith("cp/")} == {k for k in history[0] if k.startswith("cp/")}
+
+
+@pytest.mark.parametrize("key, shown", [("loss", True), ("cp/tokens_per_s", True), ("cp/measured_min_ms", False)])
+def test_console_view(key, shown):
+    assert (key in console_view({key: 1.0})) is shown
