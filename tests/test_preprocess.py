@@ -121,6 +121,25 @@ def test_trainer_reads_the_output_with_the_same_label_convention(tmp_path, smol_
     assert total == res.trained_tokens > 0
 
 
+def test_the_output_says_its_rows_are_documents_so_chat_eos_is_no_packing_alarm(tmp_path, smol_tokenizer):
+    """A chat's turns end with EOS inside its row: before, every row of preprocess's own output
+    was warned about as looking packed. The output now says its rows are documents; the same
+    rows without that word still get the warning."""
+    from datasets import Dataset
+
+    from hf_cp.train.data.columns import check_interior_eos, eos_token_ids
+    from hf_cp.train.setup.config import load_datasets
+
+    preprocess(str(CHAT_SAMPLE), smol_tokenizer, tmp_path / "chat", limit=20)
+    ds, _ = load_datasets({"path": str(tmp_path / "chat")}, "test")
+    eos = eos_token_ids(smol_tokenizer)
+    rows = list(range(len(ds)))
+    assert check_interior_eos(ds, rows, eos, "train_dataset") is None
+    plain = Dataset.from_dict({"input_ids": ds["input_ids"]})  # the same rows, no word about them
+    warning = check_interior_eos(plain, rows, eos, "train_dataset")
+    assert warning and "rows hold the EOS token" in warning
+
+
 # ----------------------------------------------------------------------------- over-long policies
 @pytest.fixture(scope="session")
 def full_lengths(smol_tokenizer, tmp_path_factory):
@@ -458,3 +477,18 @@ def test_length_plot_and_json(capsys, tmp_path, smol_tokenizer_dir):
     assert sum(b["samples"] for b in rep["buckets"]) == len(ds)
     assert sum(b["tokens"] for b in rep["buckets"]) == rep["tokens"]
     assert max(b["high"] for b in rep["buckets"] if b["samples"]) >= max(ds["length"]) > 512
+
+
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("/home/me/models/SmolLM2-135M-Instruct/", "SmolLM2-135M-Instruct"),
+        ("./data/chat.jsonl", "chat.jsonl"),
+        ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"),
+        ("cpu", "cpu"),
+    ],
+)
+def test_the_length_plot_names_a_path_by_its_last_part(name, shown):
+    from hf_cp.data_prep.length_report import display_name
+
+    assert display_name(name) == shown

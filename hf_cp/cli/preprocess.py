@@ -134,7 +134,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from hf_cp.data_prep import length_report, load_tokenizer, preprocess  # transformers, datasets
-    from hf_cp.data_prep.length_report import plot_length_report  # matplotlib
+    from hf_cp.data_prep.length_report import display_name, plot_length_report  # matplotlib
     from hf_cp.data_prep.model_dims import report_model_dims  # transformers (model configs)
 
     dims, model_name = report_model_dims(args.model, args.tokenizer)  # fail on a bad name before the slow part
@@ -190,6 +190,7 @@ def run(args) -> int:
         )
         print(f"wrote the length report to {args.report_json}")
     if args.plot:
-        plot_length_report(rep, args.plot, title=f"{args.input}: {rep.samples} samples, {rep.tokens} tokens")
+        title = f"{display_name(args.input)}: {rep.samples} samples, {rep.tokens} tokens"
+        plot_length_report(rep, args.plot, title=title)
         print(f"wrote the length plot to {args.plot}")
     return 0

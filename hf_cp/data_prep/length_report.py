@@ -167,6 +167,15 @@ def length_report(
     )
 
 
+def display_name(name: str) -> str:
+    """A name short enough for a figure: a path's last part (a tokenizer or data folder given by
+    its full path clipped both panels' titles); a Hub name (org/model) as it is."""
+    text = str(name).rstrip("/\\")
+    if text.count("/") <= 1 and not text.startswith((".", "/", "~")) and "\\" not in text:
+        return text
+    return Path(text).name or text
+
+
 def plot_length_report(report: LengthReport, out: Union[str, Path], title: str = "") -> Path:
 
     plt = pyplot()
@@ -191,5 +200,6 @@ def plot_length_report(report: LengthReport, out: Union[str, Path], title: str =
     ax2.set_ylabel("share (%)")
     ax2.set_xlabel("sample length (tokens)")
     ax2.set_xticks(x, labels, rotation=45, ha="right")
-    ax2.legend(title=f"{report.model} on {report.profile}" if report.model else None, fontsize=8)
+    legend = f"{display_name(report.model)} on {display_name(report.profile)}" if report.model else None
+    ax2.legend(title=legend, fontsize=8)
     return save_figure(fig, out)

@@ -16,6 +16,7 @@ from hf_cp.data_prep.encode import EncodeError, SampleEncoder, truncate
 from hf_cp.data_prep.group_answers import GroupAnswersEncoder, group_layout, truncate_group
 from hf_cp.data_prep.inputs import InputError, load_input
 from hf_cp.samples.mask_column import MASK_COLUMN
+from hf_cp.samples.packed_input import ONE_DOCUMENT_PER_ROW
 
 OVERLONG_POLICIES = ("error", "drop", "truncate")
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
@@ -276,6 +277,8 @@ def preprocess(
     trained = np.asarray(ds["trained_tokens"], dtype=np.int64)
     not_prefix = int(np.sum(ds["prompt_not_prefix"])) if "prompt_not_prefix" in ds.column_names else 0
     ds = ds.remove_columns([c for c in ds.column_names if c not in columns])
+    # one document per row: a chat's turns end with EOS inside it, which is no packing
+    ds.info.description = ONE_DOCUMENT_PER_ROW
     result = PreprocessResult(
         dataset=ds,
         kind=kind,

@@ -135,6 +135,17 @@ def interior_eos(offsets: np.ndarray, flat: np.ndarray, eos_ids: Sequence[int]) 
     return np.unique(rows[inside], return_counts=True)
 
 
+# written into a dataset's info.description by `hf-cp preprocess`: each row is one document (a
+# chat's turns may end with EOS inside it), so an interior EOS is no sign of packing
+ONE_DOCUMENT_PER_ROW = "hf_cp preprocess: one document per row"
+
+
+def rows_are_documents(ds) -> bool:
+    """Whether `ds` says its rows are one document each (ONE_DOCUMENT_PER_ROW in its info)."""
+    info = getattr(ds, "info", None)
+    return ONE_DOCUMENT_PER_ROW in (getattr(info, "description", None) or "")
+
+
 def interior_eos_warning(
     name: str, rows: np.ndarray, counts: np.ndarray, n_rows: int, eos_ids: Sequence[int]
 ) -> Optional[str]:

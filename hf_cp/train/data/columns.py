@@ -29,6 +29,7 @@ from hf_cp.samples.packed_input import (
     interior_eos,
     interior_eos_warning,
     row_documents,
+    rows_are_documents,
 )
 from hf_cp.samples.targets import sample_valid_targets
 from hf_cp.train.data.collator import IGNORE_INDEX, valid_targets
@@ -293,8 +294,8 @@ def check_interior_eos(
     """The warning for rows whose input_ids hold an EOS token before their last token (rows that
     look packed, in a dataset without boundary columns), or None. Rows in `masked` carry their
     own segments (a shared-prompt sample's answers each end with EOS) and are not counted.
-    Vectorised over batches."""
-    if not eos_ids:
+    Vectorised over batches. None for data that says its rows are documents (hf-cp preprocess's)."""
+    if not eos_ids or rows_are_documents(ds):
         return None
     found_rows, found_counts = [], []
     for start, offsets, flat in _token_batches(ds, "input_ids", rows, name):
