@@ -634,9 +634,9 @@ def write_markdown(path: Path, command, scenario, balancers, rows, notes, summar
         f"Scenario: {scenario}.",
         "",
         "Columns: *pred/LB* = predicted step time (hf_cp.cost.simulate.simulate, summed over the steps) / lower bound "
-        "(hf_cp.cost.simulate.lower_bound_ms); *pred/charged* = the same over the bound that charges the costliest samples "
+        "(hf_cp.cost.bounds.lower_bound_ms); *pred/charged* = the same over the bound that charges the costliest samples "
         "their group's communication and efficiency and every micro-batch its overhead "
-        "(hf_cp.cost.simulate.charged_lower_bound_ms); *vs static*, *vs megatron* = their predicted time / this balancer's "
+        "(hf_cp.cost.bounds.charged_lower_bound_ms); *vs static*, *vs megatron* = their predicted time / this balancer's "
         "(higher is better); *max/mean* = slowest rank's busy time over the mean (per step, averaged); *far* = "
         "steps whose plan is at least 1.5x the charged bound (SimResult.flags: balanced or not); *comm GB* = bytes "
         "sent by all ranks per step; *plan CPU ms* = median CPU time of the balancer's plan() per step, "

@@ -661,7 +661,7 @@ def write_markdown(path: Path, command: str, scenario: str, rows, measured, args
         "*hf_cp tokens* = prompt once + every answer; *TRL tokens* = prompt repeated per answer, and for DPO every "
         "row right-padded to the longest row of its per-device batch (padding counted: TRL computes it). *pred ms* = "
         "simulated step time (hf_cp.cost.simulate.simulate, the planner's cost model), averaged over the steps; "
-        "*TRL / hf_cp* = its ratio (higher: hf_cp faster); *LB* = hf_cp.cost.simulate.lower_bound_ms of the "
+        "*TRL / hf_cp* = its ratio (higher: hf_cp faster); *LB* = hf_cp.cost.bounds.lower_bound_ms of the "
         "step's shared-prompt samples (the same bound for both columns); */ charged*: hf_cp's time over "
         "charged_lower_bound_ms, which also charges every micro-batch its overhead. *hf_cp planner CPU* = "
         "median CPU time of the balancer's plan() per step (its solver worker processes included; validation and "

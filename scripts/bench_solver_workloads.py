@@ -13,7 +13,7 @@ Two tables, every number from the cost model the simulator uses (H200 profile, Q
 2. Whole steps. Balancers on: the outlier case (one 1,000,000-token document among chat
    samples at world 64), shared-prompt steps, a sliding-window setting, and the causal
    traces at world 64 on full steps (auto with and without the new solvers), as predicted
-   step time over the lower bound (hf_cp.cost.simulate.lower_bound_ms), bytes and planner CPU time.
+   step time over the lower bound (hf_cp.cost.bounds.lower_bound_ms), bytes and planner CPU time.
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ def write(path: Path, command: str, scenario: str, lrows, lacc, srows, sacc, loa
         "",
         "## Whole steps",
         "",
-        "*pred/LB*: predicted step time (hf_cp.cost.simulate.simulate) over the lower bound (hf_cp.cost.simulate.lower_bound_ms), summed "
+        "*pred/LB*: predicted step time (hf_cp.cost.simulate.simulate) over the lower bound (hf_cp.cost.bounds.lower_bound_ms), summed "
         "over the steps; *GB*: bytes sent per step; *plan CPU ms*: median planner CPU time per step. `auto (today's "
         "members)` is auto without dcp, magi, usp and libra_tap.",
         "",

@@ -1,15 +1,20 @@
 """A shard mode registered at run time, with no ShardMode member (hf_cp/modes/segments.py: plans
-store a mode by its registered name), runs through the collator like the mode it copies."""
+store a mode by its registered name), runs through the collator, the plan pricer and replay like
+the mode it copies: they ask its spec (ring_split, splits_heads, carries_layout), never its name."""
 
 from __future__ import annotations
 
 import pytest
 
+from hf_cp.balance.toolkit.pricing import PlanPricer
+from hf_cp.cost.model import CostModel
+from hf_cp.cost.simulate import simulate
 from hf_cp.modes import mode_names, mode_spec, register_mode, unregister_mode
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.block_layout import per_doc_layout
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
+from hf_cp.profiling.replay import rank_micro_batches
 from hf_cp.train.data.collator import PlanCollator
 
 from helpers.harness.models import synthetic_rows
@@ -65,6 +70,53 @@ def test_registered_mode_collates_like_the_mode_it_copies(copied_mode):
         assert new.context.segments() == ref.context.segments(), f"rank {r}: segments"
         assert (new.context.blocks is None) == (ref.context.blocks is None)
         assert new.local_ids == ref.local_ids and new.distributed_ids == ref.distributed_ids
+
+
+def test_registered_mode_is_priced_like_the_mode_it_copies(copied_mode, h200_cost, monkeypatch):
+    # the pricer's vectorised tables serve a copy of a ring mode (its spec's ring_split), not
+    # only the names of the built-in ones; every other copy goes through the cost model
+    original, copy = copied_mode
+    ref_plan, new_plan = _plan(original), _plan(copy)
+    ref = PlanPricer(CostModel(h200_cost.dims, h200_cost.profile))
+    ref_clock = ref.rank_finish_ms(ref_plan)
+    cost = CostModel(h200_cost.dims, h200_cost.profile)
+    expected = simulate(new_plan, cost).makespan_ms
+    if mode_spec(original).ring_split:
+
+        def through_the_cost_model(*args, **kwargs):
+            raise AssertionError(f"mode {copy!r} was priced through the cost model, not the pricer's ring tables")
+
+        monkeypatch.setattr(cost, "distributed_rank_cost", through_the_cost_model)
+        monkeypatch.setattr(cost, "distributed_rank_costs", through_the_cost_model)
+    new = PlanPricer(cost)
+    assert new.rank_finish_ms(new_plan).tolist() == ref_clock.tolist()
+    assert new.makespan_ms(new_plan) == pytest.approx(expected, rel=1e-12)
+    if mode_spec(original).ring_split:
+        dist = [LENGTHS[0], LENGTHS[2]]
+        for a, b in zip(
+            new.distributed_member_times(dist, copy, range(SIZE)),
+            ref.distributed_member_times(dist, original, range(SIZE)),
+        ):
+            assert a.tolist() == b.tolist()
+
+
+def test_registered_mode_replays_like_the_mode_it_copies_or_is_refused_by_name(copied_mode):
+    original, copy = copied_mode
+    ref_plan, new_plan = _plan(original), _plan(copy)
+    if mode_spec(copy).carries_layout:  # compute blocks run at their executors: not replayed
+        for mode, plan in ((original, ref_plan), (copy, new_plan)):
+            with pytest.raises(
+                PlanError, match=rf"shard mode '{mode}', whose compute blocks are the plan's block layout"
+            ):
+                rank_micro_batches(plan, 0)
+        return
+    for r in range(SIZE):
+        assert rank_micro_batches(new_plan, r) == rank_micro_batches(ref_plan, r), f"rank {r}"
+    if mode_spec(copy).splits_heads:  # the copy of Ulysses runs its documents on a share of the heads
+        assert all(
+            w.head_split_ways == SIZE for r in range(SIZE) for w in rank_micro_batches(new_plan, r) if w.head_split_docs
+        )
+        assert any(w.head_split_docs for w in rank_micro_batches(new_plan, 1))
 
 
 def test_unknown_mode_names_itself_and_the_registered_modes():

@@ -6,7 +6,7 @@ per-length tables shared by every member; no validation or simulation per member
 planning a member, `auto` skips it when it cannot matter:
 
 * the best plan so far is within `stop_within` of the step's charged lower bound
-  (simulate.charged_lower_bound_ms, masked samples by their masked area, as the simulator
+  (cost.bounds.charged_lower_bound_ms, masked samples by their masked area, as the simulator
   prices them: bounds.BoundCache.charged): no member can beat it by more than that fraction
   (the charged bound is proven for per-document and local plans; for zigzag packs it is
   checked on the traces only, see its docstring);

@@ -112,7 +112,7 @@ def run(args) -> int:
     if args.max_restarts and args.max_restarts > 0 and not (args.nproc and args.nproc > 1):
         raise SystemExit(
             "hf-cp train: --max-restarts needs --nproc N (N > 1); under your own launcher pass "
-            "its restart option instead (see README, Faults)"
+            "its restart option instead (see docs/faults.md)"
         )
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         overrides = _with_restart_overrides(args.overrides, args.max_restarts)

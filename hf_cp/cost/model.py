@@ -1,6 +1,6 @@
 """One cost model for every planner, the simulator and the reports.
 
-Per layer and rank (DESIGN.md):
+Per layer and rank (docs/design.md):
     time   = c0 (per micro-batch) + c1 * tokens + sum over query segments of
              c2 * causal_pairs / efficiency(segment length) [* head-split factor]
              + communication (bytes / link bandwidth + latency per message, hidden behind

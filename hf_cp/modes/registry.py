@@ -38,6 +38,13 @@ class ShardModeSpec:
     # its geometry is plan data, the group's block layout (plan.Group.blocks), not a function of
     # the lengths: segments, tokens and transfers come from that layout
     carries_layout: bool = False
+    # the built-in ring split its members hold, with the ring's exchange (ring_bytes_per_layer,
+    # 3(g-1) messages behind attention): "zigzag" (ring_zigzag: the packed sequence in 2g chunks),
+    # "per_doc" (ring_per_doc: every document in 2g parts), "" for any other mode (ulysses,
+    # blocks). The plan pricer (balance/toolkit/pricing.py) prices the two splits from its
+    # vectorised tables and every other mode through the cost model; a subclass of a ring mode
+    # that changes its segments or its exchange sets it back to "".
+    ring_split: str = ""
     attention: str = ""  # "module:function" executing the mode (hf_cp.attention), see dispatch.py
 
     # ---- geometry

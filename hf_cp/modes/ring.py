@@ -182,6 +182,7 @@ class _RingSpec(ShardModeSpec):
 class RingZigzag(_RingSpec):
     name = "ring_zigzag"
     description = "whole packed sequence in 2g chunks, member r holds r and 2g-1-r; K/V round the ring"
+    ring_split = "zigzag"
 
     def segments(self, doc_lengths, group_size, member, params: Optional[Mapping] = None):
         return zigzag_segments(doc_lengths, group_size, member)
@@ -193,6 +194,7 @@ class RingZigzag(_RingSpec):
 class RingPerDoc(_RingSpec):
     name = "ring_per_doc"
     description = "every document in 2g parts, member r holds r and 2g-1-r; K/V round the ring"
+    ring_split = "per_doc"
 
     def segments(self, doc_lengths, group_size, member, params: Optional[Mapping] = None):
         return per_doc_segments(doc_lengths, group_size, member)

@@ -7,8 +7,10 @@ The measured time per rank is set beside the simulator's compute time for the sa
 (hf_cp.cost.simulate.simulate with the cost model restricted to the layers replayed: no LM head).
 
 A rank's distributed shard compute is its query segments (registry.rank_segments) attending
-causally to the keys of their own documents; under Ulysses it is the whole distributed
-documents on heads/group-size heads (hf_cp.profiling.layers.RankWork).
+causally to the keys of their own documents; under a mode whose spec splits the heads (Ulysses)
+it is the whole distributed documents on heads/group-size heads (hf_cp.profiling.layers.RankWork).
+A mode whose geometry is the plan's block layout (its spec's carries_layout: blocks) is refused
+by name: a member runs the compute blocks it executes, not the rows it holds.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import max_over_mean, simulate
-from hf_cp.modes.registry import rank_segments
-from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.modes.registry import mode_spec, rank_segments
+from hf_cp.modes.segments import segment_tokens
 from hf_cp.plan.step_plan import PlanError, StepPlan
 from hf_cp.profiling.layers import DecoderStack, RankWork
 from hf_cp.profiling.timing import time_each
@@ -59,8 +61,14 @@ def rank_micro_batches(plan: StepPlan, rank: int) -> List[RankWork]:
         if group.distributed:
             dist = [lens[s] for s in group.distributed]
             member = group.ranks.index(rank)
+            spec = mode_spec(group.mode)
+            if spec.carries_layout:
+                raise PlanError(
+                    f"step {plan.step}, wave {w}: group {list(group.ranks)} runs shard mode {spec.name!r}, whose "
+                    "compute blocks are the plan's block layout; replay times modes whose shards follow from the lengths"
+                )
             segs = rank_segments(group.mode, dist, group.size, member)
-            if group.mode == ShardMode.ULYSSES and group.size > 1:
+            if spec.splits_heads and group.size > 1:
                 split_docs, split_tokens = tuple(dist), segment_tokens(segs)
             else:
                 segments += [(s.start, s.length) for s in segs]

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer, max_member_tokens
 from hf_cp.cost.model import CostModel
-from hf_cp.modes.registry import rank_segments
-from hf_cp.modes.segments import ShardMode, segment_tokens
+from hf_cp.modes.registry import mode_spec, rank_segments
+from hf_cp.modes.segments import segment_tokens
 from hf_cp.plan.block_layout import received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 
@@ -40,7 +40,7 @@ def member_tokens_of(group, lens, rank, cost=None):
     t = sum(lens[s] for s in group.local.get(rank, []))
     if group.distributed:
         m = group.ranks.index(rank)
-        if group.mode == ShardMode.BLOCKS:
+        if mode_spec(group.mode).carries_layout:
             t += group.blocks.member_tokens(m)
             if cost is not None:
                 t += received_token_equivalent(group.blocks, m, cost)
@@ -63,7 +63,7 @@ def check_balancer_properties(name, world, cap, lengths, cost, **options):
     for w in plan.waves:
         for g in w.groups:
             dist = [lens[s] for s in g.distributed]
-            if dist and not g.local and g.mode != ShardMode.BLOCKS:
+            if dist and not g.local and not mode_spec(g.mode).carries_layout:
                 assert max_member_tokens(g.mode, dist, g.size) <= cap
             for r in g.ranks:
                 assert member_tokens_of(g, lens, r, cost) <= cap

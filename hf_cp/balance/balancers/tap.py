@@ -31,6 +31,7 @@ from hf_cp.balance.base import PlanRequest, SampleTooLongError
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.cost.hardware import transfer_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import group_costs
 from hf_cp.modes import ring
@@ -148,8 +149,10 @@ def place_tiles(
         return new_kv * kv_row + new_q * q_row
 
     # a moved tile also costs its transfers (Q out, the output back, K/V the worker lacks, all
-    # layers), at the pool's intra-node bandwidth: a move must pay for them
-    per_ms = cost.dims.num_layers / (cost.profile.links["intra_node"].bandwidth_gbps * 1e6)
+    # layers), at the pool's intra-node bandwidth: a move must pay for them. Bytes alone: a move
+    # adds bytes to the all-to-all-v phases, whose messages are per phase, not per tile
+    # (cost.blocks.block_exchange_messages). per_ms: ms per byte a layer sends, all layers.
+    per_ms = transfer_ms(cost.dims.num_layers, cost.profile.links["intra_node"], messages=0)
 
     def cost_on(t: Tile, m: int) -> float:
         return t.ms + (extra_bytes(t, m) * per_ms if m != chunks[t.chunk].owner else 0.0)

@@ -40,6 +40,7 @@ import numpy as np
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.balance.toolkit.placement import masks_of
 from hf_cp.cost.bounds import charged_lower_bound_ms
+from hf_cp.cost.hardware import transfer_ms
 
 if TYPE_CHECKING:
     from hf_cp.balance.base import PlanRequest
@@ -86,7 +87,7 @@ class StepTotals:
 
 
 def step_lower_bound_ms(req: PlanRequest, totals: Optional[StepTotals] = None) -> float:
-    """simulate.lower_bound_ms of the request: max(work / world, costliest sample / largest group)."""
+    """cost.bounds.lower_bound_ms of the request: max(work / world, costliest sample / largest group)."""
     t = totals or StepTotals.of(req)
     cl = req.cluster
     return max(t.local_ms_sum / cl.world_size, t.local_ms_max / cl.group_sizes[-1])
@@ -108,7 +109,9 @@ def fixed_size_area_ms(req: PlanRequest, group_size: int, totals: Optional[StepT
     p = cost.profile
     kv_bytes = 2 * cost.dims.num_kv_heads * cost.dims.head_dim * p.bytes_per_element
     link = cost.link_for(range(n))  # an aligned block: one node while it fits in one
-    traffic_ms = (3 * n - 2) * t.tokens * kv_bytes / (link.bandwidth_gbps * 1e6)
+    # the bytes alone: a lower bound may leave out the latency of each member's 3(n-1) messages a
+    # micro-batch, which only adds to the time
+    traffic_ms = transfer_ms((3 * n - 2) * t.tokens * kv_bytes, link, messages=0)
     linear = (L * cost.c1 + cost.head_ms_per_token) * t.tokens
     area = linear + L * max(t.attention_ms_per_layer, traffic_ms) + n * micro_batches * overhead
     return area / cl.world_size
@@ -160,7 +163,7 @@ class BoundCache:
         return step_lower_bound_ms(self.req, self.totals)
 
     def charged(self) -> float:
-        """simulate.charged_lower_bound_ms of the request (its masks included: the bound the
+        """cost.bounds.charged_lower_bound_ms of the request (its masks included: the bound the
         simulator reports for its plans), from the shared per-length caches."""
         if self._charged is None:
             memo = cost_memo(self.req.cost)

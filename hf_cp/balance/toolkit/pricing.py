@@ -12,13 +12,14 @@ sums are taken in another order) from vectorised pieces:
 * per-document sharding: every document's per-member tokens and attention are a table per
   (length, group size), built once with numpy; zigzag: the segments of the packed sequence
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
-  O(documents + g); every other mode (Ulysses, blocks: no built-in balancer plans them)
-  and every plan with masked samples go through the cost model (simulate.group_costs);
+  O(documents + g) (the modes whose spec's ring_split says so: ring_per_doc, ring_zigzag and
+  registered copies of them); every other mode (Ulysses, blocks: no built-in balancer plans
+  them) and every plan with masked samples go through the cost model (simulate.group_costs);
 * the timing loop runs once per group, size-1 groups without arithmetic on arrays;
 * with an execution the wall clock follows simulate's rule (_WallClock): dummies, barriers and
   reductions under ZeRO-2 and DDP; under FSDP2 and ZeRO-3 (parameters sharded) every wave
   runs its pass sequence, each pass at least its parameter communication, through the same
-  simulate.ShardedPasses the simulator uses, so balancers see what an extra wave costs.
+  sharded.ShardedPasses the simulator uses, so balancers see what an extra wave costs.
 
 Nothing here has a cost formula of its own beyond re-arranging CostModel's; the test suite
 checks pricing against `simulate` on random valid plans and every balancer's plans.
@@ -32,11 +33,12 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
+from hf_cp.cost.hardware import transfer_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.sharded import ShardedPasses
 from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
 from hf_cp.modes import ring
-from hf_cp.modes.segments import ShardMode
+from hf_cp.modes.registry import mode_spec
 from hf_cp.plan.step_plan import Group, StepPlan
 
 
@@ -112,19 +114,21 @@ class PlanPricer:
         chunk_attn = np.bincount(chunk, weights=attn, minlength=2 * g)
         return ring.member_sums(sizes), ring.member_sums(chunk_attn)
 
-    def distributed_member_ms(self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int]) -> np.ndarray:
+    def distributed_member_ms(self, doc_lengths: Sequence[int], mode: str, ranks: Sequence[int]) -> np.ndarray:
         """Every member's time (compute + unhidden communication, overhead excluded) for the
         distributed documents of one micro-batch; CostModel.distributed_rank_cost's total_ms."""
         return self.distributed_member_times(doc_lengths, mode, ranks)[0]
 
     def distributed_member_times(
-        self, doc_lengths: Sequence[int], mode: ShardMode, ranks: Sequence[int]
+        self, doc_lengths: Sequence[int], mode: str, ranks: Sequence[int]
     ) -> Tuple[np.ndarray, np.ndarray]:
-        """(total, compute alone) of every member: distributed_member_ms, and its compute part."""
+        """(total, compute alone) of every member: distributed_member_ms, and its compute part.
+        `mode`: a registered mode name (or a ShardMode member)."""
         g = len(ranks)
-        if mode == ShardMode.RING_ZIGZAG:
+        spec = mode_spec(mode)
+        if spec.ring_split == "zigzag":
             tok, attn = self.zigzag_members(doc_lengths, g)
-        elif mode != ShardMode.RING_PER_DOC:  # Ulysses, and any other mode: the cost model itself
+        elif spec.ring_split != "per_doc":  # Ulysses, blocks and any other mode: the cost model itself
             costs = self.cost.distributed_rank_costs(doc_lengths, mode, ranks, range(g))
             return (
                 np.asarray([c.total_ms for c in costs], dtype=np.float64),
@@ -145,11 +149,12 @@ class PlanPricer:
         if g > 1:
             total = int(sum(doc_lengths))
             nxt = np.roll(tok, -1)
-            sent = (2 * (total - nxt) + total) * self.kv_bytes_per_token
+            sent = (2 * (total - nxt) + total) * self.kv_bytes_per_token  # ring.ring_bytes_per_layer, every member
             link = self.cost.link_for(ranks)
-            comm = sent / (link.bandwidth_gbps * 1e6) + 3 * (g - 1) * link.latency_us * 1e-3
+            messages = spec.comm_messages(g)  # a ring's 3(g-1): K/V forward, again in backward, dK/dV home
+            comm = transfer_ms(sent, link, messages)
             # the exchange's per-message cost, which compute does not hide (CostModel._rank_cost)
-            ms = ms + L * (np.maximum(0.0, comm - attn) + self.cost.exchange_sync_ms(3 * (g - 1)))
+            ms = ms + L * (np.maximum(0.0, comm - attn) + self.cost.exchange_sync_ms(messages))
         return ms, compute
 
     # ------------------------------------------------------------------ plans
@@ -219,8 +224,8 @@ class PlanPricer:
                 continue
             if length_of is None:
                 length_of = dict(zip(plan.sample_ids, plan.lengths))
-            ring = g.mode in (ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC)
-            if ring and not (mine and self.cp_attention_scale != 1.0):
+            tabled = bool(mode_spec(g.mode).ring_split)  # a ring split the tables above reproduce
+            if tabled and not (mine and self.cp_attention_scale != 1.0):
                 member, member_compute = self.distributed_member_times(
                     [length_of[s] for s in g.distributed], g.mode, g.ranks
                 )
@@ -288,7 +293,7 @@ class _WallClock:
     and the gradient reductions (one per backward pass when waves synchronise).
 
     Sharded parameters (FSDP2, ZeRO-3): every pass re-gathers the parameters, so a wave's time
-    is not its slowest rank's compute but its pass sequence's (simulate.ShardedPasses, the
+    is not its slowest rank's compute but its pass sequence's (sharded.ShardedPasses, the
     simulator's own rule): each pass lasts at least its communication, dummy passes included,
     and every wave the plan adds pays that again. The loop's clocks only collect each rank's own
     passes; the wave then ends for all at its start plus ShardedPasses.wave's wall time."""
@@ -368,7 +373,7 @@ def pricer_for(cost: CostModel) -> PlanPricer:
 
 
 def lower_bound_from_local_ms(local_ms: np.ndarray, world_size: int, largest_group: int) -> float:
-    """simulate.lower_bound_ms from the samples' single-rank times (CostMemo.local_ms_array)."""
+    """cost.bounds.lower_bound_ms from the samples' single-rank times (CostMemo.local_ms_array)."""
     if not len(local_ms):
         return 0.0
     return max(float(local_ms.sum()) / world_size, float(local_ms.max()) / largest_group)
