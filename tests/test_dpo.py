@@ -182,6 +182,7 @@ def _trainer(tmp_path, rows=None, **kw):
         (dict(activation_offloading=True), "activation_offloading=True"),
         (dict(pad_to_multiple_of=8), "pad_to_multiple_of=8"),
         (dict(precompute_ref_batch_size=4), "precompute_ref_batch_size=4"),
+        (dict(padding_free=True), "padding_free=True asks TRL for padding-free batches"),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(tmp_path, setting, message):

@@ -181,6 +181,35 @@ def test_data_it_cannot_train_is_refused_naming_the_example(tmp_path):
         trainer.train()
 
 
+@pytest.mark.parametrize("trainer", ["dpo", "kto"])
+@pytest.mark.parametrize("which", ["policy", "reference model"])
+def test_a_model_without_hf_cp_attention_is_refused_when_the_trainer_is_built(tmp_path, trainer, which):
+    """Before: refused only at the first step, as 'samples carry attention masks ... that only it reads'."""
+    import copy
+
+    import helpers.dpo_runs as dpo_runs
+    from helpers.tiny_tokenizer import tiny_chat_model
+
+    runs = dpo_runs if trainer == "dpo" else kto_runs
+    rows = dpo_runs.preference_rows(4) if trainer == "dpo" else kto_runs.kto_rows(4)
+    real = copy.deepcopy
+
+    def sdpa(seed=0, attn="hf_cp"):
+        return tiny_chat_model(seed, "sdpa" if which == "policy" else attn)
+
+    def sdpa_copy(m, *a):
+        out = real(m, *a)
+        if which == "reference model" and hasattr(out, "set_attn_implementation"):
+            out.set_attn_implementation("sdpa")
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "tiny_chat_model", sdpa)
+        mp.setattr(runs.copy, "deepcopy", sdpa_copy)
+        with pytest.raises(ValueError, match=f"{which} uses attn_implementation='sdpa'"):
+            runs.hf_cp_trainer(rows, str(tmp_path), 1)
+
+
 def test_active_dropout_is_refused(tmp_path):
     from datasets import Dataset
 

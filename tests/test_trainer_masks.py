@@ -106,7 +106,7 @@ def test_shared_prompt_samples_train_like_separate_sequences_one_process(tmp_pat
 
 def test_masked_samples_need_the_hf_cp_attention(tmp_path):
     rows, _ = shared_prompt_rows()
-    with pytest.raises(ValueError, match=r"step 1: samples carry attention masks .* needs attn_implementation='hf_cp'"):
+    with pytest.raises(ValueError, match=r"step 1: its samples carry attention masks .* needs attn_implementation='hf_cp'"):
         one_step(rows, str(tmp_path / "sdpa"), cap=256, attn="sdpa")
 
 

@@ -194,3 +194,11 @@ def test_trl_recipe_on_two_processes_matches_hf_cp_train_on_preprocessed_data(tm
     print("losses: TRL recipe", [r["loss"] for r in ours], "hf-cp train", [r["loss"] for r in theirs])
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in theirs], rel=1e-6)
     assert (trl_out / "model.safetensors").exists() and (trl_out / "tokenizer_config.json").exists()
+
+
+def test_packing_is_refused_with_what_hf_cp_does_instead(tmp_path):
+    """Before: TRL's 'packing needs max_length' error; hf_cp packs per step itself."""
+    from hf_cp.train.objectives.sft import CPSFTConfig
+
+    with pytest.raises(ValueError, match="packing=True: hf_cp already packs, per step"):
+        CPSFTConfig(output_dir=str(tmp_path), packing=True, use_cpu=True, **SETTINGS)

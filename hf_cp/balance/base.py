@@ -79,7 +79,8 @@ class PlanRequest:
                     f"sample {s} has {n} tokens; the largest group ({self.cluster.group_sizes[-1]} ranks x "
                     f"{self.cluster.max_tokens_per_rank} tokens per rank) holds {cap}"
                     + (f" and the request admits samples up to {limit} tokens" if limit > cap else "")
-                    + ". Raise max_tokens_per_rank or the world size, or truncate/drop it in preprocessing"
+                    + ". Raise max_tokens_per_rank or the world size, or drop or shorten it in the data "
+                    "(hf-cp preprocess --max-length --overlong drop/truncate for token data)"
                     + ("" if limit > cap else "; balancer chunkflow trains longer samples as dependent chunks")
                 )
 

@@ -147,7 +147,7 @@ class ChunkFlowBalancer:
                     f"{format_bytes(state_bytes(cost, n))} is too large beside K={self.keep} chunks' activations; "
                     f"chunkflow trains samples up to {self.max_sample_tokens(cl, cost)} tokens here) nor any CP "
                     f"group of {cl.group_sizes} ranks with {cap} tokens each. Lower keep (cp_chunk_keep) or "
-                    f"min_chunk_size, raise cp_max_tokens_per_rank, or truncate/drop it in preprocessing"
+                    f"min_chunk_size, raise cp_max_tokens_per_rank, or drop or shorten it in the data"
                 )
             units.append(
                 (cost_memo(cost).doc_on_group_ms(n, g) + cost.micro_batch_overhead_ms(), "cp", (dep.sample, g))

@@ -124,7 +124,10 @@ def too_long_message(
     limit = sample_token_limit(balancer, cluster, cost, masked)
     cap, g = cluster.max_tokens_per_rank, cluster.group_sizes[-1]
     head = f"{sample} has {n} tokens"
-    fix = "Raise cp_max_tokens_per_rank (--max-tokens-per-rank) or the world size, or truncate/drop it in preprocessing"
+    fix = (
+        "Raise cp_max_tokens_per_rank (--max-tokens-per-rank) or the world size, or drop or shorten it in the data "
+        "(hf-cp preprocess --max-length --overlong drop/truncate for token data)"
+    )
     if limit <= cluster.largest_capacity:
         hint = "" if masked else _chunkflow_hint(n, cluster, cost)
         return (

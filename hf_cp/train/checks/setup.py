@@ -92,7 +92,8 @@ def check_step_attention(plan, has_masks: bool, index: int, impl: Optional[str],
             if plan.spreads_samples
             else f"the {plan.balancer!r} plan runs samples {chunked[:10]} as dependent chunks (ChunkFlow)"
             if chunked
-            else "samples carry attention masks (e.g. shared-prompt) that only it reads"
+            else "its samples carry attention masks (shared-prompt samples: DPO pairs, KTO examples, grouped answers) "
+            "that only hf_cp's attention reads"
         )
         raise ValueError(
             f"{what} {index + 1}: {why}, which needs attn_implementation='{HF_CP_ATTENTION}' (the "

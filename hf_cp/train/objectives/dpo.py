@@ -68,6 +68,7 @@ from hf_cp.train.objectives.preference import (
     reference_logps,
     refuse_active_dropout,
     refuse_empty_answers,
+    refuse_other_attention,
     refuse_padded_batch_settings,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
@@ -162,6 +163,8 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
+        reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+        refuse_other_attention(self.model, reference, "CPDPOTrainer")
         refuse_active_dropout(self.model, "CPDPOTrainer", "DPOConfig")
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")

@@ -64,6 +64,7 @@ from hf_cp.train.objectives.preference import (
     policy_and_reference_logps,
     refuse_active_dropout,
     refuse_empty_answers,
+    refuse_other_attention,
     refuse_padded_batch_settings,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
@@ -217,6 +218,8 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
                 "CPKTOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
+        reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
+        refuse_other_attention(self.model, reference, "CPKTOTrainer")
         refuse_active_dropout(self.model, "CPKTOTrainer", "KTOConfig")
         self._cp_desirable = np.asarray(self.train_dataset["label"], dtype=bool)
 

@@ -16,6 +16,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import use_adapter  # trl
 
+from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import RankStep
 from hf_cp.train.step.executor import StepExecutor
 from hf_cp.train.step.loss import chunkable_head
@@ -100,11 +101,32 @@ def refuse_padded_batch_settings(args, trainer: str) -> None:
             f"{trainer}: activation_offloading=True wraps TRL's training step, which hf_cp's planned step replaces; "
             "bound activation memory with cp_max_tokens_per_rank instead"
         )
+    if getattr(args, "padding_free", False):
+        raise ValueError(
+            f"{trainer}: padding_free=True asks TRL for padding-free batches, which hf_cp's planned steps already are "
+            "(every example is one unpadded sample, placed by the plan); leave padding_free unset"
+        )
     for name in ("pad_to_multiple_of", "precompute_ref_batch_size"):
         if getattr(args, name, None) is not None:
             raise ValueError(
                 f"{trainer}: {name}={getattr(args, name)!r} shapes TRL's padded batches, which hf_cp does not build "
                 f"(every example is one unpadded sample of a planned step); leave {name} unset"
+            )
+
+
+def refuse_other_attention(model, ref_model, trainer: str) -> None:
+    """Each example is one shared-prompt sample whose mask only hf_cp's attention reads: a policy
+    or reference loaded with another attention is refused when the trainer is built (before: at
+    the first step)."""
+    for who, m in (("the policy", model), ("the reference model", ref_model)):
+        if m is None:
+            continue
+        base = m.get_base_model() if is_peft_model(m) else m
+        impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+        if impl != HF_CP_ATTENTION:
+            raise ValueError(
+                f"{trainer}: {who} uses attn_implementation={impl!r}; each example is one shared-prompt sample "
+                f"whose mask only hf_cp's attention reads: load it with attn_implementation='{HF_CP_ATTENTION}'"
             )
 
 

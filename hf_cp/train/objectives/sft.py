@@ -50,6 +50,15 @@ class CPSFTConfig(CPTrainingArguments, SFTConfig):
         },
     )
 
+    def __post_init__(self):
+        if self.packing:  # before TRL's own check, which asks for a max_length
+            raise ValueError(
+                "CPSFTConfig: packing=True: hf_cp already packs, per step: it plans whole samples into each step "
+                "(cp_tokens_per_step) and places them on ranks, so TRL's packed rows would only be unpacked again "
+                "(and its 'wrapped' strategy would cut documents apart); leave packing=False"
+            )
+        super().__post_init__()
+
 
 class CPSFTTrainer(CPTrainer, SFTTrainer):
     """SFTTrainer's data preparation, CPTrainer's planned steps. Takes SFTTrainer's arguments plus
