@@ -110,7 +110,7 @@ def test_every_shipped_config_passes_the_schema(config):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ('training.cp_max_tokens_per_rank="8k"', "training.cp_max_tokens_per_rank: expected an integer, got '8k'"),
+        ('training.cp_max_tokens_per_rank="8k"', "training.cp_max_tokens_per_rank: expected an integer or 'auto', got '8k'"),
         ("training.learning_rate=fast", "training.learning_rate: expected a number, got 'fast'"),
         ("training.max_steps=5.5", "training.max_steps: expected an integer, got 5.5"),
         ("training.use_cpu=maybe", "training.use_cpu: expected true or false, got 'maybe'"),
@@ -146,7 +146,7 @@ def test_every_training_field_type_is_read_from_the_dataclass():
 
     types = training_types()
     assert set(types) == set(training_keys())
-    assert types["cp_max_tokens_per_rank"].describe() == "an integer"
+    assert types["cp_max_tokens_per_rank"].describe() == "an integer or 'auto'"
     assert types["learning_rate"].describe() == "a number"
     assert types["cp_balancer_options"].describe() == "a mapping or a string"
     # each field's default passes its own type (the check refuses nothing the dataclass gives itself)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from hf_cp.balance.registry import available_balancers, get_balancer
 from hf_cp.cost.dims import ModelDims
@@ -47,8 +47,9 @@ class PlanningSettings:
     """Hardware profile: a built-in name, a YAML path, or a dict of its fields."""
     model_dims: Optional[str] = None
     """Model dimensions for the cost model: a name, config.json or folder (None: the model's own config)."""
-    max_tokens_per_rank: int = 32768
-    """Memory cap per rank per micro-batch, in tokens."""
+    max_tokens_per_rank: Union[int, str] = 32768
+    """Memory cap per rank per micro-batch, in tokens; "auto": the most that fit the device's memory
+    by the memory model (fitting_tokens_per_rank), resolved by planning_setup."""
     tokens_per_step: Optional[int] = None
     """Tokens of one global batch, all ranks together (None: tokens_per_rank_per_step x world)."""
     tokens_per_rank_per_step: int = 65536
@@ -76,10 +77,20 @@ class PlanningSettings:
     loss_chunk_tokens: Optional[int] = None
     """Tokens per chunk of the chunked LM-head loss (0: full logits); with model_states, its working
     set, fp32 logits and their gradient over the vocabulary, joins the static bytes."""
+    device_memory_gb: Optional[float] = None
+    """Memory of one device, for max_tokens_per_rank "auto" (None: the profile's device_memory_gb)."""
 
     def __post_init__(self):
-        if self.max_tokens_per_rank <= 0:
+        if isinstance(self.max_tokens_per_rank, str):
+            if self.max_tokens_per_rank.strip().lower() != AUTO_CAP:
+                raise ValueError(
+                    f"max_tokens_per_rank must be a positive integer or {AUTO_CAP!r}, got {self.max_tokens_per_rank!r}"
+                )
+            self.max_tokens_per_rank = AUTO_CAP
+        elif isinstance(self.max_tokens_per_rank, bool) or self.max_tokens_per_rank <= 0:
             raise ValueError(f"max_tokens_per_rank must be positive, got {self.max_tokens_per_rank}")
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise ValueError(f"device_memory_gb must be positive, got {self.device_memory_gb}")
         if self.tokens_per_step is not None and self.tokens_per_step <= 0:
             raise ValueError(f"tokens_per_step must be positive, got {self.tokens_per_step}")
         if self.tokens_per_rank_per_step <= 0:
@@ -186,6 +197,7 @@ class PlanningSetup:
     cost: CostModel
     cluster: ClusterSpec
     sampler: Optional[GlobalBatchSampler]  # None: every step's batch is given (GRPO's rollouts)
+    cap_note: Optional[str] = None  # what max_tokens_per_rank "auto" chose and why (None: a number was given)
 
     def balancer(self):
         """The configured balancer, built with its options."""
@@ -223,6 +235,10 @@ def planning_setup(
     else:
         raise ValueError("planning needs the model's dimensions: set model_dims (a name, config.json or folder)")
     profile = load_profile(settings.profile)
+    cap_note = None
+    if settings.max_tokens_per_rank == AUTO_CAP:  # every use below sees the resolved cap
+        cap, cap_note = fitting_tokens_per_rank(settings, dims, profile, world_size)
+        settings = replace(settings, max_tokens_per_rank=cap)
     if settings.model_states is not None:
         # the run's own model states, not the profile's nominal ones (memory reports only: the
         # token caps and chunk room subtract them out)
@@ -260,7 +276,58 @@ def planning_setup(
             max_steps=steps,
             shuffle=settings.shuffle,
         )
-    return PlanningSetup(settings, CostModel(dims, profile, execution_named(settings.execution)), cluster, batches)
+    cost = CostModel(dims, profile, execution_named(settings.execution))
+    return PlanningSetup(settings, cost, cluster, batches, cap_note)
+
+
+# --------------------------------------------------------------------------- the cap that fits
+AUTO_CAP = "auto"
+AUTO_CAP_HEADROOM = 0.10  # of the device's memory kept free: the allocator's fragmentation, kernels' workspaces
+AUTO_CAP_MULTIPLE = 256  # the cap is rounded down to a multiple of this (kernels' tiles)
+
+
+def fitting_tokens_per_rank(
+    settings: PlanningSettings, dims: ModelDims, profile: HardwareProfile, world_size: int
+) -> Tuple[int, str]:
+    """(cap, what was chosen and why): the largest cap, a multiple of AUTO_CAP_MULTIPLE, whose
+    peak by the memory model the planner then uses (CostModel.memory_bytes: alpha x cap plus
+    the run's static bytes, static_memory: model states under its engine, gathered parameters,
+    the loss's logits) stays within the device's memory less AUTO_CAP_HEADROOM. The device's
+    memory: settings.device_memory_gb, else the profile's. ValueError naming what to set when it
+    is unknown, or when not even AUTO_CAP_MULTIPLE tokens fit."""
+    device_gb = settings.device_memory_gb or profile.device_memory_gb
+    if not device_gb:
+        raise ValueError(
+            f"max_tokens_per_rank {AUTO_CAP!r} needs the device's memory: the profile {profile.name!r} has no "
+            "device_memory_gb (set it in the profile, or give max_tokens_per_rank as a number)"
+        )
+    budget = device_gb * 1e9 * (1 - AUTO_CAP_HEADROOM)
+
+    def peak(cap: int) -> float:
+        static = profile.static_bytes
+        if settings.model_states is not None:  # the run's own, as planning_setup gives the cost model
+            static = static_memory(dims, settings.model_states, world_size, cap, settings.loss_chunk_tokens).total_bytes
+        return profile.activation_bytes_per_token * cap + static
+
+    step = AUTO_CAP_MULTIPLE
+    if peak(step) > budget:
+        raise ValueError(
+            f"max_tokens_per_rank {AUTO_CAP!r}: not even {step} tokens per rank fit {device_gb:g} GB less "
+            f"{AUTO_CAP_HEADROOM:.0%} headroom (the peak at {step} tokens is {peak(step) / 1e9:.2f} GB by the memory "
+            "model): shard the model states (ZeRO-3, FSDP2), use more ranks, or a device with more memory"
+        )
+    lo, hi = 1, 2
+    while peak(hi * step) <= budget and hi < 1 << 20:  # the peak grows with the cap: bracket, then bisect
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid * step) <= budget else (lo, mid)
+    cap = lo * step
+    note = (
+        f"cp_max_tokens_per_rank auto: {cap} tokens per rank, the most (in steps of {step}) whose peak by the "
+        f"memory model, {peak(cap) / 1e9:.2f} GB, fits {device_gb:g} GB less {AUTO_CAP_HEADROOM:.0%} headroom"
+    )
+    return cap, note
 
 
 # --------------------------------------------------------------------------- memory per engine

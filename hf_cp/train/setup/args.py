@@ -57,8 +57,12 @@ class CPTrainingArguments(TrainingArguments):
     cp_model_dims: Optional[str] = field(
         default=None, metadata={"help": "model dimensions for the cost model (default: the model's own config)"}
     )
-    cp_max_tokens_per_rank: int = field(
-        default=_DEFAULT("max_tokens_per_rank"), metadata={"help": "memory cap per rank per micro-batch"}
+    cp_max_tokens_per_rank: Union[int, str] = field(
+        default=_DEFAULT("max_tokens_per_rank"),
+        metadata={
+            "help": "memory cap per rank per micro-batch, in tokens; auto: the most that fit the device's memory by "
+            "the memory model (said at set-up)"
+        },
     )
     cp_tokens_per_step: Optional[int] = field(
         default=None,

@@ -26,7 +26,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Literal, Mapping, Optional, Tuple, Union
 
 from hf_cp.readers import brief
 from hf_cp.train.checks.setup import check_parallelism
@@ -398,8 +398,13 @@ def training_types() -> Dict[str, _Type]:
 
     from hf_cp.train.setup.args import CPTrainingArguments  # transformers (TrainingArguments)
 
-    hints = typing.get_type_hints(CPTrainingArguments)
+    hints = dict(typing.get_type_hints(CPTrainingArguments), **TRAINING_TYPE_OVERRIDES)
     return {f.name: _Type.of(hints.get(f.name, Any)) for f in fields(CPTrainingArguments) if f.init}
+
+
+# keys whose annotation is wider than what they take, because HfArgumentParser reads no Literal in
+# a Union: cp_max_tokens_per_rank is a number or "auto" (the cap that fits the device's memory)
+TRAINING_TYPE_OVERRIDES = {"cp_max_tokens_per_rank": Union[int, Literal["auto"]]}
 
 
 # keys TrainingArguments annotates as text but documents as a switch too (`fsdp=True` turns FSDP on;

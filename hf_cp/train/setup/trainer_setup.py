@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 from typing import List, Mapping, MutableMapping, Optional, Sequence, Union
 
 import torch
 
 from hf_cp.planning.profile_check import available_cores, profile_warning, shared_cores_warning
-from hf_cp.planning.setup import PlanningSetup, planning_setup
+from hf_cp.planning.setup import AUTO_CAP, PlanningSetup, planning_setup
 from hf_cp.train.checks.setup import check_attention, deepspeed_arch_list
 from hf_cp.train.data.columns import TokenColumns
 from hf_cp.train.data.streaming import StreamColumns
@@ -47,6 +48,15 @@ def check_training_data(dataset, data_collator) -> Optional[str]:
     return check_data_collator(data_collator, has_labels="labels" in columns)
 
 
+def device_memory_gb(device: torch.device) -> float:
+    """The memory one rank trains in, for cp_max_tokens_per_rank auto: a GPU's own; on CPU, the
+    host's physical memory shared by the node's processes (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 1e9
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / 1e9 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def trainer_planning_setup(
     args, model, lengths: Union[None, Sequence[int], TokenColumns, StreamColumns], world_size: int
 ) -> PlanningSetup:
@@ -58,6 +68,8 @@ def trainer_planning_setup(
     if isinstance(lengths, TokenColumns):
         lengths = lengths.lengths
     settings = args.planning_settings()
+    if settings.max_tokens_per_rank == AUTO_CAP and settings.device_memory_gb is None:
+        settings = replace(settings, device_memory_gb=device_memory_gb(args.device))
     # the memory model's model states: in the dtype the model was built in (without DeepSpeed
     # they stay in it; DeepSpeed's own dtypes follow its config)
     param = next((p for p in model.parameters() if p.requires_grad), None)
@@ -94,6 +106,8 @@ def start_warnings(
     )
     if warning:
         out.append(warning)
+    if setup.cap_note:  # what cp_max_tokens_per_rank: auto chose
+        out.append(setup.cap_note)
     if device_type == "cpu":
         shared = shared_cores_warning(int(env.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(), available_cores())
         if shared:
