@@ -324,9 +324,27 @@ def build_model(mcfg: dict, source: str):
         # fp32 whatever dtype the config names (Qwen2.5's says bfloat16): these are the master
         # weights; bf16 compute comes from autocast or DeepSpeed. Built in bf16, a run without
         # DeepSpeed would apply AdamW to bf16 parameters and lose the small updates.
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        with whole_weights_init():
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     return model
+
+
+@contextlib.contextmanager
+def whole_weights_init() -> Iterator[None]:
+    """A model built from its config inside gets the same initial weights under every engine: with
+    a ZeRO-3 DeepSpeed config set, transformers would build it under deepspeed.zero.Init, which
+    initialises each rank's partition with other random draws (the main job's step-1 loss was
+    5.530 under ZeRO-3 against 5.581 under ZeRO-2 and FSDP2). DeepSpeed partitions the whole model
+    when it wraps it. A pretrained model loads its weights either way."""
+    from transformers.integrations import deepspeed as hf_deepspeed  # transformers
+
+    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None  # is_deepspeed_zero3_enabled() is False meanwhile
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
