@@ -163,7 +163,7 @@ def test_a_step_without_signal_is_a_zero_gradient_step(model_path, tmp_path):
 
 
 def test_a_reward_function_that_raises_names_itself_and_the_group(model_path, tmp_path):
-    from hf_cp.train.objectives.grpo import RewardFunctionError
+    from hf_cp.train.objectives.grpo_generation import RewardFunctionError
 
     def picky_reward(completions, prompts, **kwargs):
         if any("spell cab" in p for p in prompts):

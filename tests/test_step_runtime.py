@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from transformers.trainer_callback import CallbackHandler, ProgressCallback
 
 from hf_cp.balance.toolkit.sample_limit import SampleTooLongError
 from hf_cp.planning.worker import Planner
@@ -28,7 +29,9 @@ def _runtime(tmp_path, balancer: str = "static") -> StepRuntime:
     model = tiny_llama()
     setup = trainer_planning_setup(args, model, None, 1)  # no sampler: batches come with each step
     assert setup.sampler is None
-    runtime = StepRuntime(SimpleNamespace(args=args), setup)
+    trainer = SimpleNamespace(args=args, callback_handler=CallbackHandler([ProgressCallback], None, None, None, None))
+    runtime = StepRuntime(trainer, setup)
+    assert [type(cb).__name__ for cb in trainer.callback_handler.callbacks] == ["QuietProgressCallback"]
     runtime.start(model)
     return runtime
 

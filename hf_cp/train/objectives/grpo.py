@@ -50,12 +50,11 @@ clip ratio and the KL (TRL's names; not the entropy); and cp/ keys about the ste
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import ClassVar, List, Optional
 
 import numpy as np
 import torch
@@ -67,28 +66,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "hf_cp.train.objectives.grpo needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')"
     ) from e
-from accelerate.utils import gather_object, is_peft_model
 
-from hf_cp.attention.recurrent import attach_recurrent_layers
-from hf_cp.planning.worker import PlannedStep
-from hf_cp.samples.masks import SampleMask
-from hf_cp.train.checkpoint.run_lock import hold_run_lock
-from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
-from hf_cp.train.checks.setup import HF_CP_ATTENTION
-from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator
 from hf_cp.train.objectives.grpo_generation import (
     GRPORollout,
-    RewardFunctionError,
-    gather_rollout,
-    guarded_reward,
-    keep_reference_loadable,
 )
 from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 from hf_cp.train.objectives.grpo_step import StepTables, step_objective
-from hf_cp.train.runtime.step_runtime import StepRuntime
+from hf_cp.train.objectives.rollout import PlannedRollouts, idle_rows
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
-from hf_cp.train.setup.sharding import refuse_sharding
-from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
 logger = logging.getLogger(__name__)
 
@@ -145,227 +130,32 @@ class CPGRPOConfig(CPTrainingArguments, GRPOConfig):
             )
 
 
-class CPGRPOTrainer(GRPOTrainer):
+class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
     """GRPOTrainer's generation, rewards and advantages; hf_cp's planned policy step. Takes
     GRPOTrainer's arguments plus `balancer` (an object with .plan(PlanRequest), replacing
     args.cp_balancer); `args` must be a CPGRPOConfig."""
 
-    def __init__(
-        self,
-        model=None,
-        reward_funcs=None,
-        args: Optional[CPGRPOConfig] = None,
-        train_dataset=None,
-        balancer=None,
-        **kwargs,
-    ):
-        if not isinstance(args, CPGRPOConfig):
-            raise TypeError(
-                f"CPGRPOTrainer needs CPGRPOConfig (GRPOConfig + CPTrainingArguments), got {type(args).__name__}"
-            )
-        if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
-            attach_recurrent_layers(model)  # so that a hybrid is refused for its shared prompts, by that name
-            check_recurrent_layers_fit(model, "CPGRPOTrainer", True, "")
-            check_model_supported(model, "CPGRPOTrainer: the policy")
-        refuse_sharding(
-            args,
-            "CPGRPOTrainer",
-            "TRL's generation and scoring passes run outside the per-wave pass sequence that sharded parameters need "
-            "on every rank",
-        )
-        self.cp_grpo = GRPOSettings.from_config(args)  # refuses unsupported loss settings before any work
-        for name in ("tools", "environment_factory"):
-            if kwargs.get(name):
-                raise ValueError(
-                    f"CPGRPOTrainer: {name} (multi-turn rollouts with tool or environment turns inside the "
-                    "completion) is not supported yet; pass rollout_func for custom rollouts"
-                )
-        if model is not None and not isinstance(model, str) and args.beta != 0.0 and kwargs.get("peft_config") is None:
-            keep_reference_loadable(model, args.output_dir, int(args.process_index))
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
-        if isinstance(model, str):  # TRL loaded it from the name
-            attach_recurrent_layers(self.model)
-            check_recurrent_layers_fit(self.model, "CPGRPOTrainer", True, "")
-            check_model_supported(self.model, "CPGRPOTrainer: the policy")
-        if self._is_vlm:
-            raise ValueError(
-                "CPGRPOTrainer: vision-language models are not supported (image features cannot be placed in a "
-                "planned token layout); pass a text tokenizer as processing_class"
-            )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "CPGRPOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
-                "planned forward does not collect; set router_aux_loss_coef=0"
-            )
-        impl = getattr(self._cp_base(self.model).config, "_attn_implementation", None)
-        if impl != HF_CP_ATTENTION:
-            raise ValueError(
-                f"CPGRPOTrainer: the policy uses attn_implementation={impl!r}; each group is one shared-prompt sample "
-                f"whose mask only hf_cp's attention reads: load it with attn_implementation='{HF_CP_ATTENTION}' "
-                f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
-            )
-        self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
-        # no sampler: GRPO's batches come from generation, each planned when it is made
-        setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
-        self.cp_runtime = StepRuntime(self, setup, balancer)  # groups, planner, executor, agreement
-        self._cp_rollout: Optional[GRPORollout] = None
+    cp_trainer_name = "CPGRPOTrainer"
+    cp_objective = "GRPO"
+    cp_config_class = CPGRPOConfig
+
+    def __init__(self, model=None, reward_funcs=None, args: Optional[CPGRPOConfig] = None, train_dataset=None, **kw):
         self.cp_last_step: Optional[StepTables] = None  # the latest planned step (for tests and debugging)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kw)
 
-    def train(self, *args, **kwargs):
-        """GRPOTrainer's train, holding output_dir's lock as CPTrainer.train does (checkpoint/run_lock.py)."""
-        with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
-            return super().train(*args, **kwargs)
-
-    # ------------------------------------------------------------------ set-up
-    @staticmethod
-    def _cp_base(model):
-        return model.get_base_model() if is_peft_model(model) else model
-
-    def _cp_setup(self) -> None:
-        """The runtime's groups, planner and executor: once, at the first step, on every rank."""
-        # TRL scores completions under the distribution it sampled from
-        self.cp_runtime.start(self.accelerator.unwrap_model(self.model), logit_temperature=self.temperature)
-
-    @contextlib.contextmanager
-    def _cp_generation_attention(self):
-        """The policy and the reference model on the generation attention meanwhile (TRL generates
-        with a KV cache and scores padded batches; hf_cp's attention refuses both)."""
-        impl = self.args.cp_generation_attn_implementation
-        changed = []
-        for m in (self.model, self.ref_model):
-            if m is None:
-                continue
-            base = self._cp_base(self.accelerator.unwrap_model(m))
-            was = base.config._attn_implementation
-            if was != impl:
-                base.set_attn_implementation(impl)
-                changed.append((base, was))
-        try:
-            yield
-        finally:
-            for base, was in reversed(changed):
-                base.set_attn_implementation(was)
-
-    # ------------------------------------------------------------------ generation (TRL's)
-    def _generate_and_score_completions(self, inputs):
-        with self._cp_generation_attention():
-            return super()._generate_and_score_completions(inputs)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # evaluation is TRL's own (generation and its padded loss), on the generation attention
-        with self._cp_generation_attention():
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        """TRL's rewards, with each reward function guarded: one that raises on some process gives
-        that process NaN rewards so that TRL's gather still completes everywhere, and then every
-        rank raises RewardFunctionError naming the function, the group and the prompt."""
-        failures: List[str] = []
-        funcs = self.reward_funcs
-        self.reward_funcs = [
-            guarded_reward(
-                f,
-                name,
-                failures,
-                len(prompts),
-                self.accelerator.process_index,
-                self.num_generations,
-                self.state.global_step + 1,
-            )
-            for f, name in zip(funcs, self.reward_func_names)
-        ]
-        try:
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        finally:
-            self.reward_funcs = funcs
-        if self.cp_world > 1:
-            failures = list(gather_object(failures))
-        if failures:
-            raise RewardFunctionError("; ".join(failures))
-        return rewards
-
-    def _prepare_inputs(self, generation_batch):
-        if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        # TRL's schedule: generate every num_iterations steps (steps_per_generation is 1), else reuse
-        if self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._cp_rollout is None:
-            out = self._generate_and_score_completions(generation_batch)
-            self._cp_rollout = gather_rollout(out, self.cp_world, self.num_generations)
-        return self._cp_rollout
+    def _cp_settings(self, args) -> None:
+        self.cp_grpo = GRPOSettings.from_config(args)
 
     # ------------------------------------------------------------------ the planned step
-    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        t0 = time.perf_counter()
-        self._cp_setup()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        rollout = self._prepare_inputs(inputs)
-        loss = self._cp_policy_step(model, rollout)
-        self._step += 1
-        self._metrics["train"]["step_time"].append(time.perf_counter() - t0)
-        return loss
-
-    def _cp_describe_group(self, rollout: GRPORollout, g: int) -> str:
-        prompt = rollout.prompts[g * rollout.num_generations]
-        try:
-            text = self.processing_class.decode(prompt[-60:])
-        except Exception:  # noqa: BLE001 - only for a message
-            text = str(prompt[-20:])
-        return f"GRPO group {g} (prompt of {len(prompt)} tokens ending {text!r})"
-
     def _cp_build_step(self, rollout: GRPORollout) -> StepTables:
         """The step's shared-prompt samples, their plan, this rank's micro-batches and the
         per-row tables of the objective; the same on every rank."""
-        G, R = rollout.num_generations, rollout.rows
+        R = rollout.rows
         s = self.cp_grpo
-        counts = rollout.counts()
-        weights = row_weights(s, counts, rollout.processes, self.cp_world)
+        weights = row_weights(s, rollout.counts(), rollout.processes, self.cp_world)
         index = self.state.global_step  # 0-based: the step's errors count from 1
-        trainable = []
-        for r in range(R):
-            idle = counts[r] == 0 or (s.beta == 0.0 and not np.any(rollout.advantages[r]))
-            trainable.append(not idle)
-        samples: List[Tuple[List[int], List[int]]] = []  # (input_ids, labels)
-        masks: Dict[int, SampleMask] = {}
-        rows_of: List[List[int]] = []
-        groups: List[int] = []
-        skipped: List[int] = []
-        truncated: List[int] = []
-        for g in range(R // G):
-            members = list(range(g * G, (g + 1) * G))
-            prompt = rollout.prompts[members[0]]
-            for r in members[1:]:
-                if rollout.prompts[r] != prompt:
-                    raise ValueError(
-                        f"step {index + 1}: rows {members[0]} and {r} of {self._cp_describe_group(rollout, g)} have "
-                        "different prompt tokens; a group must be one prompt and its completions"
-                    )
-            if not prompt:
-                raise ValueError(f"step {index + 1}: {self._cp_describe_group(rollout, g)} has an empty prompt")
-            kept = [r for r in members if trainable[r]]
-            if not kept:
-                skipped.append(g)
-                if self.mask_truncated_completions and all(len(rollout.completions[r]) == 0 for r in members):
-                    truncated.append(g)
-                continue
-            ids, labels = list(prompt), [IGNORE_INDEX] * len(prompt)
-            for r in kept:
-                ids += rollout.completions[r]
-                labels += [t if m > 0 else IGNORE_INDEX for t, m in zip(rollout.completions[r], rollout.loss_masks[r])]
-            masks[len(samples)] = SampleMask.shared_prompt(len(prompt), [len(rollout.completions[r]) for r in kept])
-            samples.append((ids, labels))
-            rows_of.append(kept)
-            groups.append(g)
-        if truncated and self.cp_rank == 0:
-            logger.warning(
-                "hf_cp: step %d: %s: every completion was truncated at max_completion_length=%s without EOS and "
-                "mask_truncated_completions=True masks them all, so the group carries no training signal; skipped "
-                "(TRL would run it with zero loss)",
-                index + 1,
-                ", ".join(self._cp_describe_group(rollout, g) for g in truncated),
-                self.max_completion_length,
-            )
+        groups = self._cp_group_samples(rollout, ~idle_rows(rollout, s.beta), index)
+        self._cp_groups = groups
         device = self.args.device
         cmax = max([len(c) for c in rollout.completions] + [1])
 
@@ -389,22 +179,15 @@ class CPGRPOTrainer(GRPOTrainer):
             advantages=adv,
             old=table(rollout.old),
             ref=table(rollout.ref),
-            groups=groups,
-            skipped=skipped,
+            groups=groups.groups,
+            skipped=groups.skipped,
         )
-        if not samples:
+        if not groups.samples:
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return StepTables(step=None, planned=None, slot_row=empty, slot_prompt=empty, **base)
-        planned = self._cp_plan(samples, masks, groups, rollout, index)
-        collate = PlanCollator(lambda sid: samples[sid], masks)
-        valid = sum(sum(1 for t in lab if t != IGNORE_INDEX) for _, lab in samples)
-        step = collate.rank_step(planned.plan, self.cp_rank, valid, planned=planned)
-        # every rank planned the same samples; a balancer whose plans depend on timing (a solver's
-        # deadline) may still differ, and then every rank runs rank 0's plan (step/agreement.py)
-        runtime = self.cp_runtime
-        step = runtime.agreement_for(collate).agree(step, runtime.planner.balancer, False, ()).step
-        slot_row = [rows_of[sid][a] for sid, a in step.answer_slots]
-        slot_prompt = [masks[sid].prompt for sid, _ in step.answer_slots]
+        step, planned = self._cp_rank_step(groups, rollout, index)
+        slot_row = [groups.rows_of[sid][a] for sid, a in step.answer_slots]
+        slot_prompt = [groups.masks[sid].prompt for sid, _ in step.answer_slots]
         return StepTables(
             step=step,
             planned=planned,
@@ -412,15 +195,6 @@ class CPGRPOTrainer(GRPOTrainer):
             slot_prompt=torch.tensor(slot_prompt, dtype=torch.long, device=device),
             **base,
         )
-
-    def _cp_plan(self, samples, masks, groups, rollout: GRPORollout, index: int) -> PlannedStep:
-        """The balancer's plan of the step's samples (validated and simulated by the runtime's planner)."""
-        lengths = [len(ids) for ids, _ in samples]
-
-        def label(sid: int) -> str:
-            return self._cp_describe_group(rollout, groups[sid])
-
-        return self.cp_runtime.plan_batch(index, lengths, masks, label)
 
     def _cp_policy_step(self, model, rollout: GRPORollout) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -434,10 +208,11 @@ class CPGRPOTrainer(GRPOTrainer):
             self.cp_runtime.check_attention(self.model, step)
             with self.accelerator.autocast():
                 self.cp_runtime.executor.train(model, step, step_objective(self.cp_grpo, tables))
-        loss = self._cp_log(rollout, tables, build_ms)
+        loss = self._cp_log(rollout, tables)
+        self._cp_log_plan(self._cp_groups, tables.step, tables.planned, build_ms)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
 
-    def _cp_log(self, rollout: GRPORollout, t: StepTables, build_ms: float) -> float:
+    def _cp_log(self, rollout: GRPORollout, t: StepTables) -> float:
         """The step's loss (every rank) and TRL's loss metrics from every rank's per-row sums."""
         keys = self._cp_stat_keys()
         R = rollout.rows
@@ -467,17 +242,6 @@ class CPGRPOTrainer(GRPOTrainer):
                     m["clip_ratio/low_min"].append(float(seq.min()) if seq.numel() else math.nan)
                 elif k == "high":
                     m["clip_ratio/high_max"].append(float(seq.max()) if seq.numel() else math.nan)
-        m["cp/groups"].append(float(len(t.groups)))
-        m["cp/skipped_groups"].append(float(len(t.skipped)))
-        m["cp/build_ms"].append(build_ms)
-        if t.step is not None:
-            plan = t.step.plan  # rank 0's, where a timing-dependent balancer planned otherwise here
-            m["cp/tokens"].append(float(sum(plan.lengths)))
-            m["cp/waves"].append(float(len(plan.waves)))
-            m["cp/planner_ms"].append(float(t.planned.planner_ms))
-            m["cp/predicted_step_ms"].append(float(t.planned.predicted.makespan_ms))
-            for size, n in sorted(t.planned.predicted.cp_size_samples.items()):
-                m[f"cp/cp_size{int(size)}_samples"].append(float(n))
         return loss
 
     def _cp_stat_keys(self) -> List[str]:

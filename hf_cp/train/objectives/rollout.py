@@ -1,0 +1,316 @@
+"""What the generation trainers (GRPO, RLOO) share under hf_cp: TRL generates, scores and
+computes the advantages; hf_cp plans the policy step. A trainer is this mixin before its TRL base
+(`class CPGRPOTrainer(PlannedRollouts, GRPOTrainer)`) and states only its settings and its step.
+
+Shared here:
+- set-up checks (the model's token mixers and features, sharding, tools, vision models, MoE
+  auxiliary losses, hf_cp's attention on the policy) and the step runtime, built once;
+- generation and scoring on `cp_generation_attn_implementation` (KV cache, padded batches);
+- reward functions guarded so that one that raises stops every rank, naming the group;
+- the generation batch gathered from every process into one rollout (grpo_generation.py);
+- each group (one prompt, its completions) as one shared-prompt sample, the groups planned by
+  the runtime (`plan_batch`), collated and agreed on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object, is_peft_model
+
+from hf_cp.attention.recurrent import attach_recurrent_layers
+from hf_cp.planning.worker import PlannedStep
+from hf_cp.samples.masks import SampleMask
+from hf_cp.train.checkpoint.run_lock import hold_run_lock
+from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
+from hf_cp.train.checks.setup import HF_CP_ATTENTION
+from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
+from hf_cp.train.objectives.grpo_generation import (
+    GRPORollout,
+    RewardFunctionError,
+    gather_rollout,
+    guarded_reward,
+    keep_reference_loadable,
+)
+from hf_cp.train.runtime.step_runtime import StepRuntime
+from hf_cp.train.setup.sharding import refuse_sharding
+from hf_cp.train.setup.trainer_setup import trainer_planning_setup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupSamples:
+    """The groups of a rollout that run, each one shared-prompt sample (sample id = index)."""
+
+    samples: List[Tuple[List[int], List[int]]]  # (input_ids, labels)
+    masks: Dict[int, SampleMask]
+    rows_of: List[List[int]]  # sample id -> the rollout rows of its answers, in answer order
+    groups: List[int]  # sample id -> group of the generation batch
+    skipped: List[int]  # groups not run (no row that can move the policy)
+
+
+class PlannedRollouts:
+    """The mixin of a TRL generation trainer under planned CP (see the module's docstring).
+    Subclasses set `cp_trainer_name`, `cp_objective` and `cp_config_class`, and define `_cp_settings(args)`
+    (read and refuse the loss's settings, before any work) and `_cp_policy_step(model, rollout)`."""
+
+    cp_trainer_name: ClassVar[str] = ""
+    cp_objective: ClassVar[str] = ""  # how messages name a group: "GRPO group 3"
+    cp_config_class: ClassVar[type] = object
+
+    def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, balancer=None, **kwargs):
+        name = self.cp_trainer_name
+        if not isinstance(args, self.cp_config_class):
+            raise TypeError(
+                f"{name} needs {self.cp_config_class.__name__} (its TRL config + CPTrainingArguments), got "
+                f"{type(args).__name__}"
+            )
+        if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
+            attach_recurrent_layers(model)  # so that a hybrid is refused for its shared prompts, by that name
+            check_recurrent_layers_fit(model, name, True, "")
+            check_model_supported(model, f"{name}: the policy")
+        refuse_sharding(
+            args,
+            name,
+            "TRL's generation and scoring passes run outside the per-wave pass sequence that sharded parameters need "
+            "on every rank",
+        )
+        self._cp_settings(args)  # refuses unsupported loss settings before any work
+        for key in ("tools", "environment_factory"):
+            if kwargs.get(key):
+                raise ValueError(
+                    f"{name}: {key} (multi-turn rollouts with tool or environment turns inside the "
+                    "completion) is not supported yet; pass rollout_func for custom rollouts"
+                )
+        if model is not None and not isinstance(model, str) and args.beta != 0.0 and kwargs.get("peft_config") is None:
+            keep_reference_loadable(model, args.output_dir, int(args.process_index))
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        if isinstance(model, str):  # TRL loaded it from the name
+            attach_recurrent_layers(self.model)
+            check_recurrent_layers_fit(self.model, name, True, "")
+            check_model_supported(self.model, f"{name}: the policy")
+        if self._is_vlm:
+            raise ValueError(
+                f"{name}: vision-language models are not supported (image features cannot be placed in a "
+                "planned token layout); pass a text tokenizer as processing_class"
+            )
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"{name}: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
+                "planned forward does not collect; set router_aux_loss_coef=0"
+            )
+        impl = getattr(self._cp_base(self.model).config, "_attn_implementation", None)
+        if impl != HF_CP_ATTENTION:
+            raise ValueError(
+                f"{name}: the policy uses attn_implementation={impl!r}; each group is one shared-prompt sample "
+                f"whose mask only hf_cp's attention reads: load it with attn_implementation='{HF_CP_ATTENTION}' "
+                f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
+            )
+        self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
+        # no sampler: the batches come from generation, each planned when it is made
+        setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
+        self.cp_runtime = StepRuntime(self, setup, balancer)  # groups, planner, executor, agreement
+        self._cp_rollout: Optional[GRPORollout] = None
+
+    def _cp_settings(self, args) -> None:
+        raise NotImplementedError
+
+    def _cp_policy_step(self, model, rollout: GRPORollout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def train(self, *args, **kwargs):
+        """The TRL trainer's train, holding output_dir's lock as CPTrainer.train does (checkpoint/run_lock.py)."""
+        with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
+            return super().train(*args, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    @staticmethod
+    def _cp_base(model):
+        return model.get_base_model() if is_peft_model(model) else model
+
+    def _cp_setup(self) -> None:
+        """The runtime's groups, planner and executor: once, at the first step, on every rank."""
+        # TRL scores completions under the distribution it sampled from
+        self.cp_runtime.start(self.accelerator.unwrap_model(self.model), logit_temperature=self.temperature)
+
+    @contextlib.contextmanager
+    def _cp_generation_attention(self):
+        """The policy and the reference model on the generation attention meanwhile (TRL generates
+        with a KV cache and scores padded batches; hf_cp's attention refuses both)."""
+        impl = self.args.cp_generation_attn_implementation
+        changed = []
+        for m in (self.model, self.ref_model):
+            if m is None:
+                continue
+            base = self._cp_base(self.accelerator.unwrap_model(m))
+            was = base.config._attn_implementation
+            if was != impl:
+                base.set_attn_implementation(impl)
+                changed.append((base, was))
+        try:
+            yield
+        finally:
+            for base, was in reversed(changed):
+                base.set_attn_implementation(was)
+
+    # ------------------------------------------------------------------ generation (TRL's)
+    def _generate_and_score_completions(self, inputs):
+        with self._cp_generation_attention():
+            return super()._generate_and_score_completions(inputs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # evaluation is TRL's own (generation and its padded loss), on the generation attention
+        with self._cp_generation_attention():
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards, with each reward function guarded: one that raises on some process gives
+        that process NaN rewards so that TRL's gather still completes everywhere, and then every
+        rank raises RewardFunctionError naming the function, the group and the prompt."""
+        failures: List[str] = []
+        funcs = self.reward_funcs
+        self.reward_funcs = [
+            guarded_reward(
+                f,
+                name,
+                failures,
+                len(prompts),
+                self.accelerator.process_index,
+                self.num_generations,
+                self.state.global_step + 1,
+            )
+            for f, name in zip(funcs, self.reward_func_names)
+        ]
+        try:
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        if self.cp_world > 1:
+            failures = list(gather_object(failures))
+        if failures:
+            raise RewardFunctionError("; ".join(failures))
+        return rewards
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        # TRL's schedule: generate every num_iterations steps (steps_per_generation is 1), else reuse
+        if self._step % (self.args.steps_per_generation * self.num_iterations) == 0 or self._cp_rollout is None:
+            out = self._generate_and_score_completions(generation_batch)
+            self._cp_rollout = gather_rollout(out, self.cp_world, self.num_generations)
+        return self._cp_rollout
+
+    # ------------------------------------------------------------------ the planned step
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        self._cp_setup()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        rollout = self._prepare_inputs(inputs)
+        loss = self._cp_policy_step(model, rollout)
+        self._step += 1
+        self._metrics["train"]["step_time"].append(time.perf_counter() - t0)
+        return loss
+
+    def _cp_describe_group(self, rollout: GRPORollout, g: int) -> str:
+        prompt = rollout.prompts[g * rollout.num_generations]
+        try:
+            text = self.processing_class.decode(prompt[-60:])
+        except Exception:  # noqa: BLE001 - only for a message
+            text = str(prompt[-20:])
+        return f"{self.cp_objective} group {g} (prompt of {len(prompt)} tokens ending {text!r})"
+
+    def _cp_group_samples(self, rollout: GRPORollout, trainable: Sequence[bool], index: int) -> GroupSamples:
+        """Each group with a row that can move the policy (`trainable`) as one shared-prompt
+        sample of its prompt and those rows' completions; the same on every rank."""
+        G, R = rollout.num_generations, rollout.rows
+        out = GroupSamples([], {}, [], [], [])
+        truncated: List[int] = []
+        for g in range(R // G):
+            members = list(range(g * G, (g + 1) * G))
+            prompt = rollout.prompts[members[0]]
+            for r in members[1:]:
+                if rollout.prompts[r] != prompt:
+                    raise ValueError(
+                        f"step {index + 1}: rows {members[0]} and {r} of {self._cp_describe_group(rollout, g)} have "
+                        "different prompt tokens; a group must be one prompt and its completions"
+                    )
+            if not prompt:
+                raise ValueError(f"step {index + 1}: {self._cp_describe_group(rollout, g)} has an empty prompt")
+            kept = [r for r in members if trainable[r]]
+            if not kept:
+                out.skipped.append(g)
+                if self.mask_truncated_completions and all(len(rollout.completions[r]) == 0 for r in members):
+                    truncated.append(g)
+                continue
+            ids, labels = list(prompt), [IGNORE_INDEX] * len(prompt)
+            for r in kept:
+                ids += rollout.completions[r]
+                labels += [t if m > 0 else IGNORE_INDEX for t, m in zip(rollout.completions[r], rollout.loss_masks[r])]
+            out.masks[len(out.samples)] = SampleMask.shared_prompt(
+                len(prompt), [len(rollout.completions[r]) for r in kept]
+            )
+            out.samples.append((ids, labels))
+            out.rows_of.append(kept)
+            out.groups.append(g)
+        if truncated and self.cp_rank == 0:
+            logger.warning(
+                "hf_cp: step %d: %s: every completion was truncated at max_completion_length=%s without EOS and "
+                "mask_truncated_completions=True masks them all, so the group carries no training signal; skipped "
+                "(TRL would run it with zero loss)",
+                index + 1,
+                ", ".join(self._cp_describe_group(rollout, g) for g in truncated),
+                self.max_completion_length,
+            )
+        return out
+
+    def _cp_rank_step(self, groups: GroupSamples, rollout: GRPORollout, index: int) -> Tuple[RankStep, PlannedStep]:
+        """The step's plan (the runtime's planner) and this rank's micro-batches of it."""
+        lengths = [len(ids) for ids, _ in groups.samples]
+
+        def label(sid: int) -> str:
+            return self._cp_describe_group(rollout, groups.groups[sid])
+
+        planned = self.cp_runtime.plan_batch(index, lengths, groups.masks, label)
+        collate = PlanCollator(lambda sid: groups.samples[sid], groups.masks)
+        valid = sum(sum(1 for t in lab if t != IGNORE_INDEX) for _, lab in groups.samples)
+        step = collate.rank_step(planned.plan, self.cp_rank, valid, planned=planned)
+        # every rank planned the same samples; a balancer whose plans depend on timing (a solver's
+        # deadline) may still differ, and then every rank runs rank 0's plan (step/agreement.py)
+        runtime = self.cp_runtime
+        step = runtime.agreement_for(collate).agree(step, runtime.planner.balancer, False, ()).step
+        return step, planned
+
+    def _cp_log_plan(
+        self, groups: GroupSamples, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float
+    ) -> None:
+        """The cp/ keys of the step's plan."""
+        m = self._metrics["train"]
+        m["cp/groups"].append(float(len(groups.groups)))
+        m["cp/skipped_groups"].append(float(len(groups.skipped)))
+        m["cp/build_ms"].append(build_ms)
+        if step is not None:
+            plan = step.plan  # rank 0's, where a timing-dependent balancer planned otherwise here
+            m["cp/tokens"].append(float(sum(plan.lengths)))
+            m["cp/waves"].append(float(len(plan.waves)))
+            m["cp/planner_ms"].append(float(planned.planner_ms))
+            m["cp/predicted_step_ms"].append(float(planned.predicted.makespan_ms))
+            for size, n in sorted(planned.predicted.cp_size_samples.items()):
+                m[f"cp/cp_size{int(size)}_samples"].append(float(n))
+
+
+def idle_rows(rollout: GRPORollout, beta: float) -> np.ndarray:
+    """Rows that cannot move the policy: no loss token, or an advantage of exactly 0 with no KL
+    term in the loss (beta == 0). Their gradient in TRL is exactly 0."""
+    counts = rollout.counts()
+    return np.asarray(
+        [counts[r] == 0 or (beta == 0.0 and not np.any(rollout.advantages[r])) for r in range(rollout.rows)]
+    )
