@@ -15,8 +15,8 @@ Rooms, by role, lowest first (each imports only the rooms before it; tests/test_
 checks/ (what is refused at set-up), checkpoint/ (resume, marks, integrity, the run lock),
 data/ (collator, columns, streaming), step/ (one step's waves, agreement, loss, groups),
 measure/ (the step record, metrics, online calibration), setup/ (arguments, config, sharding),
-runtime/ (what every trainer composes), trainer.py (CPTrainer), objectives/ (SFT, DPO, KTO, GRPO
-over TRL), launch/ (`python -m hf_cp.train`, the dry run). Planning lives in hf_cp.planning.
+runtime/ (what every trainer composes), trainer.py (CPTrainer), objectives/ (SFT, DPO, KTO, GRPO,
+RLOO over TRL), launch/ (`python -m hf_cp.train`, the dry run). Planning lives in hf_cp.planning.
 
 Names are imported lazily: `hf_cp.train.measure.step_record` or `.config` do not load transformers.
 """
@@ -36,10 +36,12 @@ _EXPORTS = {
     "CPDPOTrainer": "objectives.dpo",
     "CPGRPOTrainer": "objectives.grpo",
     "CPKTOTrainer": "objectives.kto",
+    "CPRLOOTrainer": "objectives.rloo",
     "CPSFTConfig": "objectives.sft",
     "CPDPOConfig": "objectives.dpo",
     "CPGRPOConfig": "objectives.grpo",
     "CPKTOConfig": "objectives.kto",
+    "CPRLOOConfig": "objectives.rloo",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -72,7 +72,7 @@ from hf_cp.train.objectives.grpo_generation import (
 )
 from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 from hf_cp.train.objectives.grpo_step import StepTables, step_objective
-from hf_cp.train.objectives.rollout import PlannedRollouts, idle_rows
+from hf_cp.train.objectives.rollout import PlannedRollouts, idle_rows, refuse_accumulation, refuse_split_generation
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 
 logger = logging.getLogger(__name__)
@@ -104,25 +104,9 @@ class CPGRPOConfig(CPTrainingArguments, GRPOConfig):
     )
 
     def __post_init__(self):
-        # before TRL and CPTrainingArguments check them, with GRPO's reasons
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"CPGRPOConfig: gradient_accumulation_steps={self.gradient_accumulation_steps}: one optimizer step is "
-                "one planned step over the whole generation batch, whose plan (not accumulation) bounds each rank's "
-                "memory; set gradient_accumulation_steps=1 and size the batch with per_device_train_batch_size"
-            )
-        if self.steps_per_generation not in (None, 1):
-            raise ValueError(
-                f"CPGRPOConfig: steps_per_generation={self.steps_per_generation}: hf_cp trains each generation batch "
-                "in one planned step; set steps_per_generation=1 (num_iterations reuses a batch for several steps)"
-            )
+        refuse_accumulation(self, "CPGRPOConfig")  # before TRL and CPTrainingArguments check them
         super().__post_init__()
-        if self.steps_per_generation != 1:
-            raise ValueError(
-                f"CPGRPOConfig: generation_batch_size={self.generation_batch_size} makes steps_per_generation "
-                f"{self.steps_per_generation}; hf_cp trains each generation batch in one planned step: leave "
-                "generation_batch_size unset (it is per_device_train_batch_size x processes)"
-            )
+        refuse_split_generation(self, "CPGRPOConfig")
         if self.cast_lm_head_to_fp32:
             raise ValueError(
                 "CPGRPOConfig: cast_lm_head_to_fp32=True replaces the LM head's forward, which hf_cp's chunked "

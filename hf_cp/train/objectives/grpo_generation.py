@@ -37,6 +37,7 @@ class GRPORollout:
     processes: List[int]
     num_generations: int
     per_token_advantages: bool = False  # advantages of shape [rows, tokens] (a GRPOTrainer subclass's)
+    old_sums: Optional[np.ndarray] = None  # [rows] RLOO's summed log-probs at generation (TRL's old_logps)
 
     @property
     def rows(self) -> int:
@@ -70,6 +71,9 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
                 None if ref is None else ref[i, :n].numpy(),
             )
         )
+    sums = out.get("old_logps")  # RLOO: each completion's summed log-prob at generation
+    sums = None if sums is None else sums.detach().double().cpu().reshape(-1).tolist()
+    rows = [r + ((None if sums is None else sums[i]),) for i, r in enumerate(rows)]
     per_process = gather_object([rows]) if world > 1 else [rows]
     flat = [(p, r) for p, part in enumerate(per_process) for r in part]
     return GRPORollout(
@@ -82,6 +86,7 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
         processes=[p for p, _ in flat],
         num_generations=num_generations,
         per_token_advantages=adv.dim() == 2,
+        old_sums=None if sums is None else np.asarray([r[6] for _, r in flat], dtype=np.float64),
     )
 
 

@@ -45,6 +45,32 @@ from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 logger = logging.getLogger(__name__)
 
 
+def refuse_accumulation(config, name: str) -> None:
+    """Before the TRL config's own checks: one optimizer step is one planned step over the whole
+    generation batch."""
+    if config.gradient_accumulation_steps != 1:
+        raise ValueError(
+            f"{name}: gradient_accumulation_steps={config.gradient_accumulation_steps}: one optimizer step is "
+            "one planned step over the whole generation batch, whose plan (not accumulation) bounds each rank's "
+            "memory; set gradient_accumulation_steps=1 and size the batch with per_device_train_batch_size"
+        )
+    if config.steps_per_generation not in (None, 1):
+        raise ValueError(
+            f"{name}: steps_per_generation={config.steps_per_generation}: hf_cp trains each generation batch "
+            "in one planned step; set steps_per_generation=1 (num_iterations reuses a batch for several steps)"
+        )
+
+
+def refuse_split_generation(config, name: str) -> None:
+    """After the TRL config's own checks, which derive steps_per_generation."""
+    if config.steps_per_generation != 1:
+        raise ValueError(
+            f"{name}: generation_batch_size={config.generation_batch_size} makes steps_per_generation "
+            f"{config.steps_per_generation}; hf_cp trains each generation batch in one planned step: leave "
+            "generation_batch_size unset (it is per_device_train_batch_size x processes)"
+        )
+
+
 @dataclass
 class GroupSamples:
     """The groups of a rollout that run, each one shared-prompt sample (sample id = index)."""
