@@ -84,3 +84,20 @@ def test_cptrainer_sizes_the_cap_from_this_hosts_memory_and_says_so(tmp_path, ca
     assert trainer.cp_cost.memory_bytes(cap) <= memory * 1e9 * (1 - AUTO_CAP_HEADROOM)
     assert f"cp_max_tokens_per_rank auto: {cap} tokens per rank" in caplog.text
     assert f"fits {memory:g} GB" in caplog.text
+
+
+def test_the_dry_run_sizes_the_cap_as_the_trainer_would(tmp_path):
+    from pathlib import Path
+
+    import torch
+
+    from hf_cp.train.launch.dry_run import dry_run
+    from hf_cp.train.setup.trainer_setup import device_memory_gb
+
+    tiny = str(Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.yaml")
+    overrides = ["training.cp_max_tokens_per_rank=auto", f"training.output_dir={tmp_path}"]
+    lines = dry_run(tiny, overrides, world_size=2, steps=2)
+    note = next(line for line in lines if line.startswith("cp_max_tokens_per_rank auto:"))
+    cap = int(note.split(": ")[1].split()[0])
+    assert f"a rank holds {cap}," in "\n".join(lines)
+    assert f"fits {device_memory_gb(torch.device('cpu'), 2):g} GB" in note

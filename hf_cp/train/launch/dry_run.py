@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
+
+import torch
 
 from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
 from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
-from hf_cp.planning.setup import engine_memory, engine_memory_lines, planning_setup
+from hf_cp.planning.setup import AUTO_CAP, engine_memory, engine_memory_lines, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.train.checkpoint.fit import check_checkpoint_fits, run_engine
 from hf_cp.train.checkpoint.marks import checkpoint_status, legacy_note, scan_checkpoints
@@ -33,6 +36,7 @@ from hf_cp.train.checks.setup import check_attention
 from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.setup.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
+from hf_cp.train.setup.trainer_setup import device_memory_gb
 
 
 def dry_run(
@@ -54,6 +58,8 @@ def dry_run(
     settings = args.planning_settings()
     if settings.model_states is not None:  # the run's precision, not the login node's
         settings.model_states["half_precision"] = half_precision
+    if settings.max_tokens_per_rank == AUTO_CAP and device == "cpu":  # as CPTrainer sizes it on this host
+        settings = replace(settings, device_memory_gb=device_memory_gb(torch.device("cpu"), world_size))
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
     meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
@@ -95,6 +101,8 @@ def dry_run(
             else ""
         ),
     ]
+    if setup.cap_note:  # what cp_max_tokens_per_rank: auto chose
+        lines.append(setup.cap_note)
     chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
     if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:
         raise ValueError(

@@ -48,13 +48,15 @@ def check_training_data(dataset, data_collator) -> Optional[str]:
     return check_data_collator(data_collator, has_labels="labels" in columns)
 
 
-def device_memory_gb(device: torch.device) -> float:
+def device_memory_gb(device: torch.device, processes: Optional[int] = None) -> float:
     """The memory one rank trains in, for cp_max_tokens_per_rank auto: a GPU's own; on CPU, the
-    host's physical memory shared by the node's processes (LOCAL_WORLD_SIZE)."""
+    host's physical memory shared by the node's `processes` (default: LOCAL_WORLD_SIZE)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 1e9
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host / 1e9 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if processes is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return host / 1e9 / max(1, processes)
 
 
 def trainer_planning_setup(
