@@ -37,7 +37,9 @@ class GRPORollout:
     processes: List[int]
     num_generations: int
     per_token_advantages: bool = False  # advantages of shape [rows, tokens] (a GRPOTrainer subclass's)
-    old_sums: Optional[np.ndarray] = None  # [rows] RLOO's summed log-probs at generation (TRL's old_logps)
+    # [rows] RLOO's summed log-probs at the rollout's first planned step, under the policy that
+    # generated it: TRL's old_logps without its generation pass's kernel noise (NaN: not trained)
+    policy_sums: Optional[np.ndarray] = None
 
     @property
     def rows(self) -> int:
@@ -71,9 +73,6 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
                 None if ref is None else ref[i, :n].numpy(),
             )
         )
-    sums = out.get("old_logps")  # RLOO: each completion's summed log-prob at generation
-    sums = None if sums is None else sums.detach().double().cpu().reshape(-1).tolist()
-    rows = [r + ((None if sums is None else sums[i]),) for i, r in enumerate(rows)]
     per_process = gather_object([rows]) if world > 1 else [rows]
     flat = [(p, r) for p, part in enumerate(per_process) for r in part]
     return GRPORollout(
@@ -86,7 +85,6 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
         processes=[p for p, _ in flat],
         num_generations=num_generations,
         per_token_advantages=adv.dim() == 2,
-        old_sums=None if sums is None else np.asarray([r[6] for _, r in flat], dtype=np.float64),
     )
 
 

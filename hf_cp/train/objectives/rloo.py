@@ -8,8 +8,10 @@
                   processing_class=tokenizer).train()
 
 The model must be loaded with attn_implementation="hf_cp". TRL's: generation, rewards, the KL to
-the reference folded into the reward (beta), the leave-one-out advantages, and each completion's
-summed log-prob at generation (`old_logps`), all on `cp_generation_attn_implementation` ("sdpa").
+the reference folded into the reward (beta) and the leave-one-out advantages, on
+`cp_generation_attn_implementation` ("sdpa"). The ratio's old log-probs (TRL's `old_logps`) are
+those of the policy that generated the rollout: hf_cp takes them from the rollout's first planned
+step, which trains that policy, so that no other kernel's fp32 noise enters the ratio.
 hf_cp's: the policy step (objectives/rollout.py, as for GRPO). Each group (one prompt, its G
 completions) is one shared-prompt sample; the step's groups are planned by the configured
 balancer over all ranks; and since RLOO's loss is per sequence, the step runs through the
@@ -110,10 +112,17 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
             self.cp_runtime.check_attention(self.model, step)
             executor = self.cp_runtime.executor
             slot_rows = [groups.rows_of[sid][a] for sid, a in step.answer_slots]
-            old = torch.as_tensor(rollout.old_sums[slot_rows], dtype=torch.float64)
             adv = torch.as_tensor(advantages[slot_rows], dtype=torch.float64)
             with self.accelerator.autocast():
                 now = answer_logps_everywhere(executor, self.accelerator.unwrap_model(model), step, self.cp_world)
+                # a rollout's first step trains the policy that generated it (a generation batch is
+                # never split over steps here): TRL's old log-probs are `now`, exactly, where the
+                # generation pass's carry its kernels' fp32 noise into the ratio; later reuses
+                # (num_iterations) keep the first step's
+                if rollout.policy_sums is None:
+                    rollout.policy_sums = np.full(rows, np.nan)
+                    rollout.policy_sums[slot_rows] = now.detach().cpu().numpy()
+                old = torch.as_tensor(rollout.policy_sums[slot_rows], dtype=torch.float64)
 
                 def loss_of(logps: torch.Tensor):
                     return rloo_loss(self.cp_rloo, logps, old.to(logps.device), adv.to(logps.device), rows, constant)
