@@ -375,8 +375,7 @@ def test_the_recipe_trains_on_two_cpu_processes(model_path, tmp_path):
     assert len(losses) == steps and all(math.isfinite(x) for x in losses), proc.stdout[-3000:]
     assert "==== hf_cp + TRL GRPO: 2 process(es), 16 prompts ====" in proc.stdout
     first, last = (
-        float(x)
-        for x in re.search(r"mean reward: first \d+ steps ([-\d.e]+), last \d+ steps ([-\d.e]+)", proc.stdout).groups()
+        float(x) for x in re.search(r"mean reward: first \d+ ([-\d.e]+) -> last \d+ ([-\d.e]+)", proc.stdout).groups()
     )
     print("mean reward, first and last quarter of the steps:", first, last)
     assert last > first, (first, last)

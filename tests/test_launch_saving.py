@@ -70,12 +70,13 @@ def test_saving_the_final_model_can_be_turned_off(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
 def test_shipped_configs_save_their_model_and_show_progress(config, tmp_path):
+    from hf_cp.train.launch.trainers import TRAINERS
     from hf_cp.train.setup.config import load_config, training_arguments
 
-    cfg = load_config(str(ROOT / "configs" / config))
+    cfg = load_config(str(ROOT / "configs" / config), [], TRAINERS)
     assert "disable_tqdm" not in cfg["training"], "training for minutes without a progress bar"
     t = dict(cfg["training"], bf16=False, use_cpu=True, output_dir=str(tmp_path))
-    assert training_arguments(t, config).cp_save_final_model
+    assert training_arguments(t, config, TRAINERS.config_class(cfg["trainer"])).cp_save_final_model
 
 
 def test_the_shipped_chunkflow_config_trains_chunked_and_its_summary_says_so(tmp_path, capsys):

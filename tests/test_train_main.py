@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_config_errors_name_file_and_field(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: {config: tiny-llama}\ntrainer: {}\n")
-    with pytest.raises(TrainConfigError, match=r"bad.yaml: unknown section\(s\) \['trainer'\]"):
+    bad.write_text("model: {config: tiny-llama}\noptimizer: {}\n")
+    with pytest.raises(TrainConfigError, match=r"bad.yaml: unknown section\(s\) \['optimizer'\]"):
         load_config(str(bad))
     with pytest.raises(TrainConfigError, match="expected section.key=value"):
         load_config(str(ROOT / "configs/tiny-cpu.yaml"), ["max_steps=3"])
@@ -46,14 +46,18 @@ def test_config_errors_name_file_and_field(tmp_path):
 def test_every_shipped_config_builds_its_training_arguments(config, tmp_path):
     # a setting transformers renamed or dropped (warmup_ratio in v5) must fail here, not on a
     # GPU node; GPU configs are built for the CPU (bf16 needs a GPU to validate)
+    from hf_cp.train.launch.trainers import TRAINERS
     from hf_cp.train.setup.config import training_arguments
 
     cfg = load_config(
         str(ROOT / "configs" / config),
         ["training.bf16=false", "training.use_cpu=true", f"training.output_dir={tmp_path}"],
+        TRAINERS,
     )
-    args = training_arguments(dict(cfg["training"]), config)
-    assert args.per_device_train_batch_size == 1 and args.cp_balancer
+    args = training_arguments(dict(cfg["training"]), config, TRAINERS.config_class(cfg["trainer"]))
+    assert args.cp_balancer and type(args).__name__ == TRAINERS.config_class(cfg["trainer"]).__name__
+    if cfg["trainer"] == "cp":
+        assert args.per_device_train_batch_size == 1
 
 
 def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):

@@ -12,6 +12,7 @@ import sys
 
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.plan.cluster import MAX_WORLD_SIZE
+from hf_cp.train.launch.trainers import TRAINERS
 from hf_cp.train.setup.config import add_config_arguments, load_config
 
 
@@ -145,7 +146,7 @@ def run(args) -> int:
             "hf_cp.train",
             args.config,
         ] + [x for o in overrides for x in ("--set", o)]
-        jit = bool((load_config(args.config, overrides).get("training") or {}).get("enable_jit_checkpoint"))
+        jit = bool((load_config(args.config, overrides, TRAINERS).get("training") or {}).get("enable_jit_checkpoint"))
         return _run_forwarding_sigterm(cmd, env, to_workers=jit)
     from hf_cp.train.launch.entry import run_refusing_once  # torch, transformers, deepspeed
 

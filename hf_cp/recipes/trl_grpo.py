@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from hf_cp.data.toy_prompts import share_of, toy_prompts
+
 
 @dataclass
 class ScriptArguments:
@@ -53,29 +55,8 @@ class ScriptArguments:
     toy_prompts: int = field(default=64, metadata={"help": "how many built-in toy prompts"})
 
 
-TOY_WORDS = ["apple", "river", "stone", "cloud", "night", "green", "music", "light"]
-
-
-def toy_prompts(n: int) -> List[dict]:
-    """Plain-text prompts for the toy task."""
-    return [{"prompt": f"Task {i}: write a word like {TOY_WORDS[i % len(TOY_WORDS)]}: "} for i in range(n)]
-
-
-def share_of(char: str):
-    """The toy reward function: the share of `char` among a completion's characters."""
-
-    def reward_target_char(completions, **kwargs) -> List[float]:
-        out = []
-        for c in completions:
-            text = c if isinstance(c, str) else " ".join(m.get("content", "") for m in c)
-            out.append(text.count(char) / max(len(text), 1))
-        return out
-
-    return reward_target_char
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    from transformers import HfArgumentParser, TrainerCallback
+    from transformers import HfArgumentParser
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
@@ -98,29 +79,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         reward = share_of(script.target_char)
 
-    rewards: List[float] = []
-
-    class RewardLog(TrainerCallback):
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "reward" in logs and logs["reward"] is not None:
-                rewards.append(float(logs["reward"]))
-
     trainer = CPGRPOTrainer(
         model=model,
         reward_funcs=reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[RewardLog()],
     )
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)  # every rank (DeepSpeed gathers); the tokenizer too
     if trainer.cp_rank == 0:
         print(f"\n==== hf_cp + TRL GRPO: {trainer.cp_world} process(es), {len(dataset)} prompts ====")
-        if rewards:
-            k = max(1, len(rewards) // 4)
-            first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-            print(f"  mean reward: first {k} steps {first:.4f}, last {k} steps {last:.4f}")
+        for line in trainer.cp_summary():
+            print("  " + line)
         print(f"  final model and tokenizer saved to {args.output_dir}")
     shutdown_distributed()
     return 0

@@ -34,16 +34,47 @@ from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_config_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import check_attention
 from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
+from hf_cp.train.launch.trainers import TRAINERS, check_columns, reward_functions
 from hf_cp.train.setup.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import device_memory_gb
+
+
+def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
+    """What the dry run can check of a TRL trainer's config without building it: the training
+    section as its config class takes it, the model's features, its tokenizer, the data's columns
+    and the reward functions. TRL tokenises the rows when the trainer is built, so the plans are
+    made (and checked) from the first step."""
+    name, src = cfg["trainer"], cfg["_source"]
+    tcfg = dict(cfg.get("training") or {})
+    tcfg.update(bf16=False, fp16=False, use_cpu=True)  # a login node has no GPU to validate bf16 with
+    args = training_arguments(tcfg, src, TRAINERS.config_class(name))
+    check_sharding(args)
+    mcfg = cfg.get("model") or {}
+    check_model_config_supported(model_config(mcfg, src), f"{src}: the model")
+    tokenizer = load_run_tokenizer(mcfg, src)
+    if tokenizer is None:
+        raise ValueError(f"{src}: trainer: {name} tokenises text: give model.tokenizer or a pretrained folder with one")
+    train, evaluation = load_datasets(cfg.get("data") or {}, src)
+    check_columns(name, train, src)
+    if cfg.get("reward"):
+        reward_functions(cfg["reward"]["functions"], src)
+    return [
+        f"config {Path(src).name}: trainer {name}, {world_size} rank(s), balancer {args.cp_balancer}, {len(train)} "
+        f"rows with columns {sorted(train.column_names)}"
+        + (f", {len(evaluation)} for evaluation" if evaluation is not None else ""),
+        f"the training section, model, tokenizer and data fit trainer: {name}; TRL tokenises the rows when the "
+        "trainer is built, so each step's plan is made and checked from the first step",
+    ]
 
 
 def dry_run(
     config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20, max_restarts: int = 0
 ) -> List[str]:
     """Report lines; raises the error the training launch would raise."""
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, TRAINERS)
+    if cfg["trainer"] != "cp":
+        return trl_trainer_dry_run(cfg, world_size)
     src = cfg["_source"]
     tcfg = dict(cfg.get("training") or {})
     device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 from hf_cp.train.checkpoint.run_lock import OutputDirLockedError, hold_run_lock
 from hf_cp.train.checks.launch import check_ddp_timeout
+from hf_cp.train.launch.trainers import TRAINERS, build_trainer
 from hf_cp.train.setup import config as config_module
 from hf_cp.train.setup.config import (
     DEFAULT_DDP_TIMEOUT_S,
@@ -80,9 +81,7 @@ def start_cpu_processes(deepspeed: bool, ddp_timeout_s: float) -> None:
 
 def run(config_path: str, overrides: Optional[List[str]] = None, started: Optional[dict] = None) -> int:
     """`started["trainer"]`: the trainer once built (main tells set-up refusals from failures in training)."""
-    from hf_cp.train.trainer import CPTrainer  # torch, transformers, deepspeed
-
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, overrides, TRAINERS)
     src = cfg["_source"]
     tcfg = cfg.get("training") or {}
     timeout = tcfg.get("ddp_timeout", DEFAULT_DDP_TIMEOUT_S)
@@ -91,13 +90,12 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
         single_process_env(os.environ)  # no launcher: a world of one, not MPI discovery
     start_cpu_processes(bool(tcfg.get("deepspeed")), timeout)
     t0 = time.perf_counter()
-    args = training_arguments(tcfg, src)  # first: the cheap checks before the model loads
+    # first: the cheap checks before the model loads
+    args = training_arguments(tcfg, src, TRAINERS.config_class(cfg["trainer"]))
     tokenizer = load_run_tokenizer(cfg.get("model") or {}, src)
     model = build_model(cfg.get("model") or {}, src)
     dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
-    trainer = CPTrainer(
-        model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer
-    )
+    trainer = build_trainer(cfg, args, model, tokenizer, dataset, eval_dataset)
     if started is not None:
         started["trainer"] = trainer
     # output_dir's lock (checkpoint/run_lock.py) covers the saves after training too; train() takes it no second time
@@ -105,18 +103,21 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
         # `latest` resumes a restarted job (torchrun --max-restarts) from its newest checkpoint
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         trainer.save_state()  # trainer_state.json (log history with eval losses) for `hf-cp report`
-        stopped = trainer.cp_stopped_early  # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
+        # a stop signal (enable_jit_checkpoint): a checkpoint, no final model
+        stopped = getattr(trainer, "cp_stopped_early", None)
         final = Path(args.output_dir) / "final"
         saved = args.cp_save_final_model and not stopped
         if saved:  # whatever save_strategy says about checkpoints: a run ends with its model
             trainer.save_model(str(final))  # every rank: DeepSpeed gathers collectively; the tokenizer too
     if trainer.cp_rank == 0:
         world = trainer.cp_world
+        named = "" if cfg["trainer"] == "cp" else f", trainer {cfg['trainer']}"
         print(
-            f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es), balancer {args.cp_balancer}, "
-            f"{len(dataset)} samples, {time.perf_counter() - t0:.1f} s ===="
+            f"\n==== hf_cp training summary: {Path(src).name}, {world} process(es){named}, "
+            f"balancer {args.cp_balancer}, {len(dataset)} samples, {time.perf_counter() - t0:.1f} s ===="
         )
-        for line in trainer.cp_summary():
+        summary = trainer.cp_summary() if hasattr(trainer, "cp_summary") else []  # GRPO, RLOO: TRL's logs
+        for line in summary:
             print("  " + line)
         evals = [(r["step"], r["eval_loss"]) for r in trainer.state.log_history if "eval_loss" in r]
         if evals:

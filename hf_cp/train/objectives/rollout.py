@@ -156,6 +156,11 @@ class PlannedRollouts:
         with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
             return super().train(*args, **kwargs)
 
+    def cp_summary(self) -> List[str]:
+        """The end-of-run lines `hf-cp train` and the recipes print: the reward's first and last
+        quarter, the completions' length, the planned step and its cp/ keys, from the log history."""
+        return rollout_summary(self.state.log_history)
+
     # ------------------------------------------------------------------ set-up
     @staticmethod
     def _cp_base(model):
@@ -331,6 +336,41 @@ class PlannedRollouts:
             m["cp/predicted_step_ms"].append(float(planned.predicted.makespan_ms))
             for size, n in sorted(planned.predicted.cp_size_samples.items()):
                 m[f"cp/cp_size{int(size)}_samples"].append(float(n))
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def rollout_summary(history: Sequence[dict]) -> List[str]:
+    """Summary lines over a generation trainer's logged steps (TRL's keys and the cp/ ones)."""
+    logged = [r for r in history if "reward" in r and r["reward"] is not None]
+    if not logged:
+        return ["no step logged a reward (logging_steps larger than the run?)"]
+    rewards = [float(r["reward"]) for r in logged]
+    k = max(1, len(rewards) // 4)
+    first, last = _mean(rewards[:k]), _mean(rewards[-k:])
+    trend = "up" if last > first else "down" if last < first else "flat"
+    lines = [
+        f"logged steps {len(logged)}; mean reward: first {k} {first:.4f} -> last {k} {last:.4f} ({trend})",
+    ]
+    lengths = [float(r["completions/mean_length"]) for r in logged if "completions/mean_length" in r]
+    if lengths:
+        lines.append(
+            f"completion length: mean {_mean(lengths):.1f} tokens (first {lengths[0]:.1f}, last {lengths[-1]:.1f})"
+        )
+    groups = sum(float(r.get("cp/groups", 0.0)) for r in logged)
+    skipped = sum(float(r.get("cp/skipped_groups", 0.0)) for r in logged)
+    if skipped:  # a group whose completions all scored alike has no advantage: nothing to train on
+        lines.append(
+            f"groups trained: {groups - skipped:.0f} of {groups:.0f} ({skipped:.0f} with equal rewards skipped)"
+        )
+    predicted = [float(r["cp/predicted_step_ms"]) for r in logged if "cp/predicted_step_ms" in r]
+    walls = [1000.0 * float(r["step_time"]) for r in logged if "step_time" in r]
+    if predicted:
+        wall = f", measured {_mean(walls):.0f} ms a step (TRL's step_time, generation included)" if walls else ""
+        lines.append(f"planned policy step: predicted {_mean(predicted):.0f} ms{wall}")
+    return lines
 
 
 def idle_rows(rollout: GRPORollout, beta: float) -> np.ndarray:

@@ -50,6 +50,8 @@ from hf_cp.balance.registry import available_balancers
 from hf_cp.cost.config_files import read_yaml_mapping, resolve_config
 from hf_cp.cost.dims import MAX_MODEL_DIM
 from hf_cp.cost.hardware import HardwareProfile
+from hf_cp.data.toy_preferences import toy_preference_rows
+from hf_cp.data.toy_prompts import toy_prompts
 from hf_cp.readers import brief, load_json, load_yaml
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
 from hf_cp.train.setup.schema import (
@@ -72,7 +74,14 @@ def _resolve(p: str) -> str:
     return str(input_path(p))
 
 
-def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
+SECTIONS = ("trainer", "model", "data", "training", "reward")
+DEFAULT_TRAINER = "cp"  # CPTrainer on token ids (input_ids, labels)
+
+
+def load_config(path: str, overrides: Optional[List[str]] = None, trainers: Optional[TrainerTable] = None) -> dict:
+    """The config at `path` (or a shipped config's name), with `--set` overrides, every section
+    checked. `trainers` (hf_cp.train.launch.trainers.TRAINERS' view): the trainers a `trainer:`
+    key may name, for the training section's keys; without it only CPTrainer's."""
     p = training_config_path(path)  # a path, or a shipped config's name (tiny-cpu)
     if not p.exists():
         raise TrainConfigError(
@@ -80,32 +89,88 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> dict:
             f"{shipped_training_configs()}, each also by name (tiny-cpu)"
         )
     cfg = read_yaml_mapping(p, "training config", "a mapping with model/data/training sections", TrainConfigError)
-    unknown = set(cfg) - {"model", "data", "training"}
+    unknown = set(cfg) - set(SECTIONS)
     if unknown:
         raise TrainConfigError(
-            f"training config {path}: unknown section(s) {sorted(map(str, unknown))}; expected model, data, training"
+            f"training config {path}: unknown section(s) {sorted(map(str, unknown))}; expected model, data, training "
+            "(and optionally trainer, reward)"
         )
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
         key, value = item.split("=", 1)
         section, field = key.split(".", 1)
-        if section not in ("model", "data", "training"):
-            raise TrainConfigError(f"override {item!r}: unknown section {section!r}; expected model, data or training")
+        if section not in ("model", "data", "training", "reward"):
+            raise TrainConfigError(
+                f"override {item!r}: unknown section {section!r}; expected model, data, training or reward"
+            )
         if cfg.get(section) is None:  # `data:` with nothing under it
             cfg[section] = {}
         if isinstance(cfg[section], dict):  # otherwise the schema check below names the section
             cfg[section][field] = override_value(item, value)
+    name = cfg.get("trainer")
+    name = DEFAULT_TRAINER if name is None else name
+    known = trainers.names if trainers is not None else (DEFAULT_TRAINER,)
+    if not isinstance(name, str) or name not in known:
+        where = "" if trainers is not None else " (trainers other than cp are built by `hf-cp train`)"
+        raise TrainConfigError(f"{p}: trainer: {brief(name)} is not one of {', '.join(known)}{where}")
+    cfg["trainer"] = name
+    config_class = trainers.config_class(name) if trainers is not None else None
+    elsewhere = (lambda key: trainers.having(key, besides=name)) if trainers is not None else None
     # every section against its schema: a typo names the key and the nearest valid one, a value
     # of the wrong type the key, the type and the value; null keys are left out (unset)
     cfg["model"] = check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
     cfg["data"] = check_section("data", cfg.get("data"), DATA_KEYS, str(p))
     if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
         raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
-    cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p))
+    cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p), config_class, elsewhere)
+    cfg["reward"] = check_reward(cfg.get("reward"), name, str(p))
     check_names(cfg, str(p))
     cfg["_source"] = str(p)
     return cfg
+
+
+class TrainerTable:
+    """What load_config needs to know of the trainers a config may name (the launch's table)."""
+
+    names: tuple = ()
+
+    def config_class(self, name: str) -> type:
+        raise NotImplementedError
+
+    def having(self, key: str, besides: str) -> List[str]:
+        raise NotImplementedError
+
+
+REWARD_TRAINERS = ("grpo", "rloo")
+# longtail_sample: token ids (trainer cp); toy_preferences: prompt/chosen/rejected text (dpo, kto);
+# toy_prompts: prompts (grpo, rloo; the reward hf_cp.data.toy_prompts:share_of_a)
+BUNDLED = ("longtail_sample", "toy_preferences", "toy_prompts")
+
+
+def check_reward(section, trainer: str, source: str) -> dict:
+    """The reward section: `functions`, a list of "module:callable" names of TRL reward functions
+    (imported when the trainer is built, never code from the file itself). Only the generation
+    trainers take it, and they need it."""
+    if section is None:
+        if trainer in REWARD_TRAINERS:
+            raise TrainConfigError(
+                f"{source}: trainer: {trainer} needs a reward section: reward: {{functions: [my_module:my_reward]}} "
+                "(a TRL reward function: completions and columns in, one float per completion out)"
+            )
+        return {}
+    if trainer not in REWARD_TRAINERS:
+        raise TrainConfigError(f"{source}: a reward section is for trainer: grpo or rloo, not trainer: {trainer}")
+    if not isinstance(section, dict) or set(section) - {"functions"}:
+        raise TrainConfigError(f"{source}: reward: expected a mapping with `functions` only, got {brief(section)}")
+    functions = section.get("functions")
+    if isinstance(functions, str):
+        functions = [functions]
+    if not functions or not all(isinstance(f, str) and ":" in f for f in functions):
+        raise TrainConfigError(
+            f'{source}: reward.functions: expected a list of "module:callable" names, got {brief(functions)}'
+        )
+    return {"functions": list(functions)}
 
 
 def override_value(item: str, value: str):
@@ -414,11 +479,17 @@ def load_datasets(dcfg: dict, source: str):
     dcfg = check_section("data", dcfg, DATA_KEYS, source)  # typed, null keys left out
     limit = int(dcfg.get("limit", 0) or 0)
     if dcfg.get("bundled"):
-        if dcfg["bundled"] != "longtail_sample":
+        if dcfg["bundled"] not in BUNDLED:
             raise TrainConfigError(
-                f"{source}: data.bundled {dcfg['bundled']!r}: the bundled dataset is longtail_sample"
+                f"{source}: data.bundled {dcfg['bundled']!r}: the bundled datasets are {', '.join(BUNDLED)}"
             )
-        ds = load_sample_dataset(limit=limit)
+        if dcfg["bundled"] in ("toy_preferences", "toy_prompts"):
+            from datasets import Dataset  # datasets, loaded only when data is read
+
+            rows = toy_preference_rows() if dcfg["bundled"] == "toy_preferences" else toy_prompts()
+            ds = Dataset.from_list(rows[:limit] if limit else rows)
+        else:
+            ds = load_sample_dataset(limit=limit)
     elif "path" not in dcfg:
         raise TrainConfigError(f"{source}: data needs `bundled: longtail_sample` or `path:`")
     else:
@@ -437,11 +508,13 @@ def load_datasets(dcfg: dict, source: str):
     return ds, None
 
 
-def training_arguments(tcfg: dict, source: str):
+def training_arguments(tcfg: dict, source: str, config_class=None):
+    """The training section as `config_class` (default CPTrainingArguments; a trainer's config)."""
     from hf_cp.train.setup.args import CPTrainingArguments  # transformers (TrainingArguments)
 
+    config_class = config_class or CPTrainingArguments
     # the dataclass's fields, each of its type; null keys left out (unset); `no` read as "no"
-    t = check_training_keys(tcfg, source)
+    t = check_training_keys(tcfg, source, config_class)
     ds = t.get("deepspeed")
     if isinstance(ds, str) and not input_path(ds).exists():
         raise TrainConfigError(f"{source}: training.deepspeed {ds} does not exist ({LOOKED})")
@@ -453,8 +526,8 @@ def training_arguments(tcfg: dict, source: str):
         except ImportError:
             t["report_to"] = "none"
     try:
-        with named_errors(source, "training", training_keys(), t):
-            return CPTrainingArguments(**t)
+        with named_errors(source, "training", training_keys(config_class), t):
+            return config_class(**t)
     except TypeError as e:
         raise TrainConfigError(str(e)) from None
 

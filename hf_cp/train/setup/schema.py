@@ -101,7 +101,10 @@ MODEL_KEYS: Dict[str, Key] = {
 }
 
 DATA_KEYS: Dict[str, Key] = {
-    "bundled": Key(_STR, "a bundled dataset: longtail_sample"),
+    "bundled": Key(
+        _STR,
+        "a bundled dataset: longtail_sample (token ids), toy_preferences (preference pairs) or toy_prompts (prompts)",
+    ),
     "path": Key(_PATH, "a saved `datasets` folder or a .jsonl[.gz] of input_ids (and labels)"),
     "limit": Key(_INT, "keep the first N training samples (0: all)", _non_negative),
     "eval_path": Key(_PATH, "evaluation data, same formats as path"),
@@ -381,25 +384,29 @@ def _enum_values(e: type) -> str:
     return ", ".join(values[:_ENUM_SHOWN]) + (", ..." if len(values) > _ENUM_SHOWN else "")
 
 
-def training_keys() -> Dict[str, str]:
-    """CPTrainingArguments' init fields -> their help text."""
-    from dataclasses import fields
-
+def _config_class(config_class):
     from hf_cp.train.setup.args import CPTrainingArguments  # transformers (TrainingArguments)
 
-    return {f.name: str(f.metadata.get("help", "")) for f in fields(CPTrainingArguments) if f.init}
+    return config_class or CPTrainingArguments
 
 
-@functools.lru_cache(maxsize=1)
-def training_types() -> Dict[str, _Type]:
-    """CPTrainingArguments' init fields -> their types, from the dataclass's annotations (as
+def training_keys(config_class=None) -> Dict[str, str]:
+    """The init fields of `config_class` (CPTrainingArguments, or a trainer's config: CPDPOConfig,
+    ...) -> their help text."""
+    from dataclasses import fields
+
+    return {f.name: str(f.metadata.get("help", "")) for f in fields(_config_class(config_class)) if f.init}
+
+
+@functools.lru_cache(maxsize=8)
+def training_types(config_class=None) -> Dict[str, _Type]:
+    """The init fields of `config_class` -> their types, from the dataclass's annotations (as
     transformers' HfArgumentParser reads them)."""
     from dataclasses import fields
 
-    from hf_cp.train.setup.args import CPTrainingArguments  # transformers (TrainingArguments)
-
-    hints = dict(typing.get_type_hints(CPTrainingArguments), **TRAINING_TYPE_OVERRIDES)
-    return {f.name: _Type.of(hints.get(f.name, Any)) for f in fields(CPTrainingArguments) if f.init}
+    cls = _config_class(config_class)
+    hints = dict(typing.get_type_hints(cls), **TRAINING_TYPE_OVERRIDES)
+    return {f.name: _Type.of(hints.get(f.name, Any)) for f in fields(cls) if f.init}
 
 
 # keys whose annotation is wider than what they take, because HfArgumentParser reads no Literal in
@@ -412,17 +419,26 @@ TRAINING_TYPE_OVERRIDES = {"cp_max_tokens_per_rank": Union[int, Literal["auto"]]
 BOOL_TRAINING_KEYS = frozenset({"fsdp"})
 
 
-def check_training_keys(values: Mapping, source: str) -> dict:
-    """The training section as CPTrainingArguments will take it: its keys are the dataclass's
-    fields and each value is of its field's type (null keys left out: unset; an unquoted `no`, which
-    YAML 1.1 reads as false, is "no" for the *_strategy keys and report_to; 1e-3 a number)."""
-    valid, typed = training_keys(), training_types()
+def check_training_keys(values: Mapping, source: str, config_class=None, elsewhere=None) -> dict:
+    """The training section as `config_class` (default CPTrainingArguments; a trainer's config
+    for `trainer:`) will take it: its keys are the dataclass's fields and each value is of its
+    field's type (null keys left out: unset; an unquoted `no`, which YAML 1.1 reads as false, is
+    "no" for the *_strategy keys and report_to; 1e-3 a number). `elsewhere(key)`: the trainers
+    whose config has a key this one lacks, named in its refusal."""
+    valid, typed = training_keys(config_class), training_types(config_class)
     problems, out = [], {}
     values = unset(values)
     # a mapping cannot become accelerate's ParallelismConfig; the refusal says why and what to do
     check_parallelism(values.get("parallelism_config"))
     for key, value in values.items():
         if key not in valid:
+            owners = elsewhere(str(key)) if elsewhere is not None else []
+            if owners:
+                problems.append(
+                    f"training.{key} is a setting of trainer: {' / '.join(owners)}, not of this config's trainer; "
+                    f"set `trainer: {owners[0]}` at the top of the file (or drop the key)"
+                )
+                continue
             problems.append(unknown_key_message("training", str(key), valid))
             continue
         # YAML 1.1 reads an unquoted `no` as False: `eval_strategy: no`, `--set training.save_strategy=no`

@@ -1,0 +1,160 @@
+"""One config for every trainer: `trainer: cp | sft | dpo | kto | grpo | rloo` at the top of a
+training config (hf_cp/train/launch/trainers.py). The training section is checked against the
+trainer's own config class; a key of another trainer is refused naming it; the data's columns and
+the reward functions are checked; and a run from YAML equals the same trainer built in Python."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("trl")  # the optional `trl` extra
+
+from hf_cp.train.launch.dry_run import dry_run  # noqa: E402
+from hf_cp.train.launch.entry import run  # noqa: E402
+from hf_cp.train.launch.trainers import TRAINERS  # noqa: E402
+from hf_cp.train.setup.config import TrainConfigError, load_config  # noqa: E402
+
+from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer  # noqa: E402
+
+TRAINING = dict(
+    use_cpu=True,
+    bf16=False,
+    seed=0,
+    learning_rate=2e-3,
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    max_grad_norm=0.0,
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    gradient_checkpointing=False,
+    max_steps=2,
+    cp_max_tokens_per_rank=512,
+    cp_compare_balancer="none",
+    cp_profile="cpu",
+    cp_shuffle=False,
+    cp_plan_lookahead=0,
+    cp_save_final_model=False,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tiny_chat_model(0).save_pretrained(path)
+    tiny_chat_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def write_config(tmp_path: Path, trainer: str, model: str, rows, training: dict, **sections) -> str:
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = dict(
+        trainer=trainer,
+        model={"pretrained": model},
+        data={"path": str(data)},
+        training=dict(TRAINING, output_dir=str(tmp_path / "out"), **training),
+        **sections,
+    )
+    path = tmp_path / f"{trainer}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def yaml_losses(path: str):
+    started: dict = {}
+    run(path, [], started)
+    return [r.loss for r in started["trainer"].cp_history]
+
+
+def test_dpo_from_yaml_equals_the_trainer_built_in_python(model_dir, tmp_path):
+    from helpers.dpo_runs import hf_cp_run, preference_rows
+
+    rows = preference_rows(8)
+    ours = yaml_losses(write_config(tmp_path, "dpo", model_dir, rows, dict(beta=0.1, cp_tokens_per_step=700)))
+    _, python, _, _ = hf_cp_run(rows, str(tmp_path / "python"), 2)
+    assert ours == python and ours[0] != ours[1], (ours, python)
+
+
+def test_kto_from_yaml_equals_the_trainer_built_in_python(model_dir, tmp_path):
+    import helpers.kto_runs as kto_runs
+
+    rows = kto_runs.kto_rows(12)
+    settings = dict(cp_tokens_per_step=kto_runs.TOKENS_PER_STEP, cp_kl_batch_size=kto_runs.KL_BATCH)
+    ours = yaml_losses(write_config(tmp_path, "kto", model_dir, rows, settings))
+    _, python, _, _ = kto_runs.hf_cp_run(rows, str(tmp_path / "python"), 2)
+    assert ours == python and ours[0] != ours[1], (ours, python)
+
+
+def test_a_key_of_another_trainer_is_refused_naming_it(model_dir, tmp_path):
+    path = write_config(tmp_path, "cp", model_dir, [{"input_ids": [1, 2, 3]}], dict(beta=0.1))
+    with pytest.raises(TrainConfigError, match=r"training.beta is a setting of trainer: dpo / kto / grpo / rloo"):
+        load_config(path, [], TRAINERS)
+    path = write_config(tmp_path, "dpo", model_dir, [{"input_ids": [1]}], dict(num_generations=4))
+    with pytest.raises(TrainConfigError, match=r"training.num_generations is a setting of trainer: grpo / rloo"):
+        load_config(path, [], TRAINERS)
+
+
+def test_trainer_names_data_columns_and_rewards_are_checked(model_dir, tmp_path):
+    bad = write_config(tmp_path, "ppo", model_dir, [{"prompt": "x"}], {})
+    with pytest.raises(TrainConfigError, match="trainer: 'ppo' is not one of cp, sft, dpo, kto, grpo, rloo"):
+        load_config(bad, [], TRAINERS)
+    no_reward = write_config(tmp_path, "grpo", model_dir, [{"prompt": "x"}], {})
+    with pytest.raises(TrainConfigError, match="trainer: grpo needs a reward section"):
+        load_config(no_reward, [], TRAINERS)
+    stray = write_config(tmp_path, "dpo", model_dir, [{"prompt": "x"}], {}, reward={"functions": ["m:f"]})
+    with pytest.raises(TrainConfigError, match="a reward section is for trainer: grpo or rloo"):
+        load_config(stray, [], TRAINERS)
+    columns = write_config(tmp_path, "dpo", model_dir, [{"prompt": "x", "answer": "y"}], dict(beta=0.1))
+    with pytest.raises(TrainConfigError, match=r"trainer: dpo trains on rows with chosen/rejected; the data has"):
+        dry_run(columns, [], world_size=2)
+    missing = write_config(
+        tmp_path, "grpo", model_dir, [{"prompt": "x"}], {}, reward={"functions": ["helpers.grpo_runs:no_such"]}
+    )
+    with pytest.raises(TrainConfigError, match="reward.functions: 'helpers.grpo_runs:no_such' does not import"):
+        dry_run(missing, [], world_size=2)
+
+
+def test_the_dry_run_checks_a_trl_trainers_config(model_dir, tmp_path):
+    from helpers.grpo_runs import prompt_rows
+
+    path = write_config(
+        tmp_path,
+        "grpo",
+        model_dir,
+        prompt_rows(),
+        dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8),
+        reward={"functions": ["helpers.grpo_runs:reward_a"]},
+    )
+    lines = dry_run(path, [], world_size=2)
+    assert lines[0].startswith("config grpo.yaml: trainer grpo, 2 rank(s)") and "['prompt']" in lines[0]
+
+
+def test_grpo_from_yaml_on_the_bundled_prompts_and_reward_ends_with_its_summary(model_dir, tmp_path, capsys):
+    cfg = dict(
+        trainer="grpo",
+        model={"pretrained": model_dir},
+        data={"bundled": "toy_prompts", "limit": 16},
+        reward={"functions": ["hf_cp.data.toy_prompts:share_of_a"]},
+        training=dict(
+            TRAINING,
+            output_dir=str(tmp_path / "out"),
+            num_generations=8,
+            per_device_train_batch_size=16,
+            max_completion_length=32,
+        ),
+    )
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    started: dict = {}
+    run(str(path), [], started)
+    assert type(started["trainer"]).__name__ == "CPGRPOTrainer"
+    out = capsys.readouterr().out
+    summary = out[out.index("==== hf_cp training summary: grpo.yaml, 1 process(es), trainer grpo") :]
+    # two logged steps, each with TRL's reward and hf_cp's planned step
+    assert "logged steps 2; mean reward: first 1 " in summary, summary
+    assert "planned policy step: predicted" in summary and "completion length: mean" in summary, summary
