@@ -126,17 +126,37 @@ def test_an_attention_class_that_computes_attention_itself_is_refused():
         check_model_supported(model)
 
 
-def test_softcapping_dropout_and_the_router_aux_loss_are_refused():
+def test_softcapping_and_dropout_are_refused():
     cap = _model("gemma2", layer_types=["full_attention"] * 2, attn_logit_softcapping=50.0)
     with pytest.raises(SetupError, match=r"softcapping \(attn_logit_softcapping=50\)"):
         check_model_supported(cap)
     assert model_refusals(_model("gemma2", layer_types=["full_attention"] * 2, attn_logit_softcapping=None)) == []
     with pytest.raises(SetupError, match=r"attention dropout attention_dropout=0.1 .* set attention_dropout=0"):
         check_model_supported(_model("llama", attention_dropout=0.1))
+
+
+def test_the_moe_router_term_is_honoured_where_exact_and_refused_by_name_elsewhere(monkeypatch):
+    import sys
+
+    from hf_cp.train.step.router_balance import RouterBalance, router_balance_of
+
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(SetupError, match=r"router's auxiliary loss .*router_aux_loss_coef=0.01"):
-        check_model_supported(_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01, **moe))
-    assert model_refusals(_model("qwen3_moe", output_router_logits=False, router_aux_loss_coef=0.01, **moe)) == []
+    on = _model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.01, **moe)
+    assert model_refusals(on) == []  # computed over the step (step/router_balance.py, tests/test_trainer_exactness.py)
+    assert router_balance_of(on) == RouterBalance(0.01, 4, 2, "qwen3_moe")
+    assert router_balance_of(_model("qwen3_moe", output_router_logits=False, router_aux_loss_coef=0.01, **moe)) is None
+    with pytest.raises(SetupError, match=r"router z-loss \(router_z_loss_coef=0.001\)"):
+        router_balance_of(_model("qwen3_moe", output_router_logits=True, router_z_loss_coef=1e-3, **moe))
+    mixtral = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    assert router_balance_of(_model("mixtral", **mixtral)) == RouterBalance(0.01, 4, 2, "mixtral")
+    with pytest.raises(SetupError, match=r"mixtral: router_jitter_noise=0.1 routes each forward at random"):
+        router_balance_of(_model("mixtral", router_jitter_noise=0.1, **mixtral))
+    # a family whose own term is another formula is refused, not computed as Switch Transformer's
+    module = sys.modules[type(on).__module__]
+    real = module.load_balancing_loss_func
+    monkeypatch.setattr(module, "load_balancing_loss_func", lambda *a: real(*a) * 1.01)
+    with pytest.raises(SetupError, match=r"qwen3_moe: the MoE router's auxiliary loss .* is not Switch Transformer's"):
+        router_balance_of(on)
 
 
 def test_chunked_attention_and_a_models_own_dense_mask_are_refused_at_set_up():
@@ -169,6 +189,14 @@ def test_the_trainer_refuses_when_it_is_built(tmp_path):
     with pytest.raises(SetupError, match=r"(?s)CPTrainer: the model cannot be trained exactly.*GraniteMoeHybridMamba"):
         CPTrainer(model=_model("granitemoehybrid", **extra), args=args, train_dataset=ds)
     CPTrainer(model=_model("llama"), args=args, train_dataset=ds)  # the same set-up with an attention-only model
+    # the MoE router term: computed, except where it cannot be (refused when built, not at the first step)
+    mixtral = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    CPTrainer(model=_model("mixtral", **mixtral), args=args, train_dataset=ds)
+    with pytest.raises(SetupError, match="mixtral: router_jitter_noise=0.1"):
+        CPTrainer(model=_model("mixtral", router_jitter_noise=0.1, **mixtral), args=args, train_dataset=ds)
+    args.cp_balancer = "chunkflow"
+    with pytest.raises(SetupError, match="mixtral: the MoE router's load-balancing term .* ChunkFlow"):
+        CPTrainer(model=_model("mixtral", **mixtral), args=args, train_dataset=ds)
 
 
 def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
@@ -187,6 +215,11 @@ def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
     bamba.write_text(json.dumps(_config("bamba", **HYBRIDS["bamba"][0]).to_dict()))
     with pytest.raises(SetupError, match=r"recurrent layers \(BambaMixer\).*ChunkFlow"):
         dry_run(tiny, [f"training.output_dir={tmp_path}", f"model.config={bamba}", "training.cp_balancer=chunkflow"])
+    jitter = tmp_path / "mixtral.json"
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
+    jitter.write_text(json.dumps(_config("mixtral", router_jitter_noise=0.1, **moe).to_dict()))
+    with pytest.raises(SetupError, match="mixtral: router_jitter_noise=0.1"):
+        dry_run(tiny, [f"training.output_dir={tmp_path}", f"model.config={jitter}"], world_size=2, steps=2)
 
 
 def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():

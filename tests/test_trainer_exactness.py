@@ -21,12 +21,19 @@ from hf_cp.plan.chunks import dependent_chunk_sizes
 
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
 from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
-from helpers.harness.reference import reference_batches, reference_steps, sample_loss_sum, sample_valid_targets
+from helpers.harness.reference import (
+    reference_batches,
+    reference_steps,
+    router_term,
+    sample_loss_sum,
+    sample_valid_targets,
+)
 from helpers.world2_job import (
     BALANCERS,
     CHUNKFLOW_RUNS,
     FIXTURE_TIMEOUT,
     HYBRID_BALANCERS,
+    MOE_BALANCERS,
     MUTATED_BALANCER,
     executed_plans,
 )
@@ -108,6 +115,31 @@ def test_ranks_whose_timing_dependent_plans_differ_run_rank_zeros_plan(world2_jo
     assert report.steps == list(range(spec["steps"]))
 
 
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", MOE_BALANCERS)
+def test_moe_router_loss_over_the_step_equals_single_process_step_by_step(world2_job, balancer):
+    """Qwen3-MoE with output_router_logits=True and router_aux_loss_coef=0.5 under CPTrainer at
+    world 2: the load-balancing term is one term over each whole step (every token of every rank
+    and wave), as transformers computes it over one batch of the step's samples, and the loss and
+    every gradient equal the single-process reference (helpers/harness/reference.py)."""
+    spec = world2_job[f"qwen3_moe-{balancer}"]
+    spread, _ = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+def test_the_reference_router_term_is_a_real_share_of_the_loss():
+    # not vacuous: the term moves the loss (the router's weights get most of their gradient from it)
+    model = tiny_model(0, attn="sdpa", family="qwen3_moe")
+    rows = synthetic_rows([40, 25, 60], seed=0)
+    term = float(router_term(model, rows))
+    ce = sum(float(sample_loss_sum(model, r)) for r in rows) / sum(sample_valid_targets(r) for r in rows)
+    assert 0.05 * ce < term < ce, (term, ce)
+    model.config.output_router_logits = False
+    assert router_term(model, rows) is None
+
+
 # ------------------------------------------------------------------ the check can fail
 @pytest.mark.timeout(FIXTURE_TIMEOUT)
 def test_check_fails_on_a_loss_scaled_by_one_part_in_a_thousand(world2_job):
@@ -140,6 +172,15 @@ def test_check_fails_on_a_dropped_target(world2_job):
         check_run(world2_job["mutation-drop_target"])
     assert caught.value.report.worst["loss"] > 100 * LOSS_RTOL
     assert any(f.startswith("step 1 loss") for f in caught.value.failures)
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_check_fails_on_router_counts_of_one_rank_only(world2_job):
+    # each rank's router term weighted by its own expert counts: what a per-rank (or per-wave)
+    # load-balancing loss computes; the step's loss and gradients are off
+    with pytest.raises(ExactnessMismatch) as caught:
+        check_run(world2_job["mutation-router_local_counts"])
+    assert caught.value.report.worst["grads"] > 100 * GRAD_RTOL
 
 
 # ------------------------------------------------------------------ the reference itself

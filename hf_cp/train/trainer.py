@@ -279,6 +279,8 @@ class CPTrainer(Trainer):
         )
         if loss is not None:
             rec = dataclasses.replace(rec, loss=float(loss))
+        elif totals.router_loss:  # the MoE router's term over the step (step/router_balance.py), on every rank
+            rec = dataclasses.replace(rec, loss=rec.loss + totals.router_loss)
         self.cp_throughput.observe(step, self.cp_data.masks)
         self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)

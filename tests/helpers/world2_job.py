@@ -54,6 +54,7 @@ BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON
 
 # the balancers the Gated DeltaNet hybrid trains under in the shared job (chunkflow is refused for it)
 HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp")
+MOE_BALANCERS = ("static", "auto", "magi", "usp")
 
 # the deliberately broken trainers run this balancer (CP groups and local samples, see above)
 MUTATED_BALANCER = "auto"
@@ -173,7 +174,13 @@ def world2_runs() -> Dict[str, dict]:
     runs["rank-dependent-plans"] = balance_spec("rank_dependent")
     # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones gathered (attention/recurrent.py)
     runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
-    runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in MUTATIONS})
+    # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
+    runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})
+    runs["mutation-router_local_counts"] = balance_spec(
+        MUTATED_BALANCER, model="qwen3_moe", mutation="router_local_counts"
+    )
+    llama_mutations = [m for m in MUTATIONS if not m.startswith("router")]
+    runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in llama_mutations})
     # test_train_distributed's fast cases
     runs["static"] = lengths_spec("static")
     runs["fixed_ring_zigzag"] = lengths_spec("fixed_ring_zigzag")

@@ -239,13 +239,6 @@ def model_refusals(model: torch.nn.Module) -> List[str]:
             f"{family}: attention dropout {dropout[0]}={dropout[1]:g} is not applied by hf_cp's attention "
             f"(each rank would need the same random mask of a spread document); set {dropout[0]}=0"
         )
-    aux = _nonzero(configs, "router_aux_loss_coef", "router_z_loss_coef")
-    if aux and any(getattr(c, "output_router_logits", False) for c in configs):
-        reasons.append(
-            f"{family}: the MoE router's auxiliary loss is on (output_router_logits=True, {aux[0]}={aux[1]:g}), "
-            f"which hf_cp's planned loss does not yet compute over the global batch (it would be dropped); "
-            f"set output_router_logits=False (the router then trains on the language-model loss alone)"
-        )
     return reasons
 
 

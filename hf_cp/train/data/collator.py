@@ -77,6 +77,9 @@ class MicroBatch:
 
     # ChunkFlow: samples this rank runs as dependent chunks in this wave (then the rows above are empty)
     chunked: List[ChunkedRows] = field(default_factory=list)
+    # trailing tokens that are no sample's (a member with an empty shard runs one): not counted
+    # where every token counts, as the MoE router's load-balancing term does
+    padding_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -183,6 +186,7 @@ class PlanCollator:
             return None
         member = group.ranks.index(rank)
         ids, tgts, pos, pieces = [], [], [], []
+        padding = 0  # tokens of no sample (below)
         extra_rows, extra_targets = [], []
         slots, extra_slots = [], []
         local_lengths = []
@@ -231,6 +235,7 @@ class PlanCollator:
             slots.append(np.full(1, -1, dtype=np.int64))
             pieces.append(1)
             local_lengths.append(1)
+            padding = 1
         cat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
         cu = torch.tensor(np.concatenate([[0], np.cumsum(pieces)]) if pieces else [0], dtype=torch.int32)
         ctx = CPContext(
@@ -259,6 +264,7 @@ class PlanCollator:
             extra_targets=flat(extra_targets),
             target_slots=cat(slots),
             extra_slots=flat(extra_slots),
+            padding_tokens=padding,
         )
 
     def chunked_micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> MicroBatch:

@@ -32,12 +32,13 @@ from hf_cp.train.checkpoint.run_lock import lock_status
 from hf_cp.train.checkpoint.schedule import schedule_record
 from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_config_supported, check_recurrent_layers_fit
-from hf_cp.train.checks.setup import check_attention
+from hf_cp.train.checks.setup import SetupError, check_attention
 from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.launch.trainers import TRAINERS, check_columns, reward_functions
 from hf_cp.train.setup.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import device_memory_gb
+from hf_cp.train.step.router_balance import router_balance_of
 
 
 def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
@@ -51,7 +52,12 @@ def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
     args = training_arguments(tcfg, src, TRAINERS.config_class(name))
     check_sharding(args)
     mcfg = cfg.get("model") or {}
-    check_model_config_supported(model_config(mcfg, src), f"{src}: the model")
+    meta_model = check_model_config_supported(model_config(mcfg, src), f"{src}: the model")
+    if router_balance_of(meta_model) is not None and name != "sft":  # CPSFTTrainer computes it as CPTrainer does
+        raise SetupError(
+            f"{src}: trainer: {name} does not compute the MoE router's auxiliary loss (output_router_logits=True with "
+            "router_aux_loss_coef != 0); set output_router_logits=False, or train with trainer: cp or sft"
+        )
     tokenizer = load_run_tokenizer(mcfg, src)
     if tokenizer is None:
         raise ValueError(f"{src}: trainer: {name} tokenises text: give model.tokenizer or a pretrained folder with one")
@@ -94,6 +100,7 @@ def dry_run(
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
     meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
+    router_balance_of(meta_model)  # the MoE router term, refused where inexact (StepRuntime, when built)
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup

@@ -24,13 +24,14 @@ from hf_cp.planning.sampler import GlobalBatch
 from hf_cp.planning.setup import PlanningSetup
 from hf_cp.planning.worker import PlannedStep, Planner
 from hf_cp.samples.masks import SampleMask
-from hf_cp.train.checks.setup import check_step_attention
+from hf_cp.train.checks.setup import SetupError, check_step_attention
 from hf_cp.train.data.collator import PlanCollator, RankStep
 from hf_cp.train.measure.console import quiet_console
 from hf_cp.train.setup.sharding import ZERO3, ZERO3_OPEN_GRAPHS
 from hf_cp.train.step.agreement import PlanAgreement, assert_data_agrees
 from hf_cp.train.step.executor import StepExecutor
 from hf_cp.train.step.groups import CPGroups
+from hf_cp.train.step.router_balance import router_balance_of
 
 
 class StepRuntime:
@@ -48,6 +49,13 @@ class StepRuntime:
         self.planner: Optional[Planner] = None
         self.executor: Optional[StepExecutor] = None
         self.agreement: Optional[PlanAgreement] = None
+        # the MoE router's load-balancing term, over each whole step (refused here when inexact)
+        self.router = router_balance_of(trainer.model) if getattr(trainer, "model", None) is not None else None
+        if self.router is not None and setup.settings.balancer == "chunkflow":
+            raise SetupError(
+                f"{self.router.family}: the MoE router's load-balancing term over the step is not computed on "
+                "ChunkFlow's dependent chunks; choose another cp_balancer, or set output_router_logits=False"
+            )
         if not args.cp_log_all_metrics:
             quiet_console(trainer.callback_handler)  # a handful of cp/ keys per console line
 
@@ -97,6 +105,7 @@ class StepRuntime:
                 liger_loss=bool(getattr(args, "use_liger_kernel", False)),
                 max_open_graphs=ZERO3_OPEN_GRAPHS if self.sharding == ZERO3 else None,
                 logit_temperature=logit_temperature,
+                router=self.router,
             )
 
     def agreement_for(self, collator: PlanCollator) -> PlanAgreement:

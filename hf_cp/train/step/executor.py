@@ -45,6 +45,7 @@ from hf_cp.train.step.loss import (
     logits_loss,
     logits_token_logps,
 )
+from hf_cp.train.step.router_balance import RouterBalance, RouterCensus, census_of, router_tallies
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class WaveTotals:
     valid: int = 0  # valid targets in this rank's rows
     tokens: int = 0
     compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
+    router_loss: float = 0.0  # the step's MoE router term (coef x aux), the same on every rank (training)
     # per wave, wall-clock seconds since the epoch: (start, end of this rank's compute, end of its backward
     # call, which includes the gradient reduction that follows); dummy waves included (training)
     wave_timeline: List[Tuple[float, float, float]] = field(default_factory=list)
@@ -90,6 +92,7 @@ class StepExecutor:
         aligned_passes: bool = False,
         max_open_graphs: Optional[int] = None,
         liger_loss: bool = False,
+        router: Optional[RouterBalance] = None,
     ):
         self.model = model
         self.groups = groups
@@ -110,6 +113,8 @@ class StepExecutor:
         self.max_open_graphs = max_open_graphs
         # use_liger_kernel (CUDA): Liger's fused linear cross-entropy in place of the chunked loss
         self.liger_loss = bool(liger_loss)
+        # the MoE router's load-balancing term over the whole step (step/router_balance.py), or None
+        self.router = router
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
         self._backward_end: Optional[float] = None
@@ -157,8 +162,12 @@ class StepExecutor:
         scale = self.world_size / step.global_valid_tokens if step.global_valid_tokens else 0.0
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
         self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
+        if objective is not None and self.router is not None:
+            raise ValueError(_ROUTER_OBJECTIVE)
+        census = self.router_census(model, step)  # None without a router term
+        totals.router_loss = census.value if census is not None else 0.0
         if self.aligned_passes:
-            return self._train_aligned(model, step, objective, scale, totals)
+            return self._train_aligned(model, step, objective, scale, totals, census)
         n = len(step.waves)
         calls = step.wave_backward_calls or [1] * n
         for w, mb in enumerate(step.waves):
@@ -188,8 +197,7 @@ class StepExecutor:
                         loss = wave_sum * self.world_size
                         self.backward(loss, last_wave and pad == 0)
                     else:
-                        wave_sum = self.wave_loss(model, mb)
-                        loss = wave_sum * scale
+                        wave_sum, loss = self._token_wave(model, mb, scale, census, step.index + 1, w)
                         self.backward(loss, last_wave and pad == 0)
                 self._count_wave(totals, mb, wave_sum, loss, t0)
             for k in range(pad):
@@ -215,6 +223,7 @@ class StepExecutor:
         objective: Optional[TokenObjective],
         scale: float,
         totals: WaveTotals,
+        census: Optional[RouterCensus] = None,
     ) -> WaveTotals:
         """train() with sharded parameters: each wave runs step.wave_passes[w] on every rank. The
         accumulation boundary is the last backward of the last wave, own or dummy."""
@@ -224,7 +233,7 @@ class StepExecutor:
         for w, mb in enumerate(step.waves):
             t0 = self.now()
             self._backward_end = None
-            self._aligned_wave(model, step, w, mb, objective, scale, totals)
+            self._aligned_wave(model, step, w, mb, objective, scale, totals, census)
             self._mark_wave(totals, t0)
         return totals
 
@@ -237,6 +246,7 @@ class StepExecutor:
         objective: Optional[TokenObjective],
         scale: float,
         totals: WaveTotals,
+        census: Optional[RouterCensus] = None,
     ) -> None:
         """One wave of _train_aligned: this rank's own passes at their places in the wave's pass
         sequence (PassCursor), zero-weight dummy passes at the others."""
@@ -276,8 +286,7 @@ class StepExecutor:
                         wave_sum = objective(mb, *self.wave_token_logps(model, mb))
                         loss = wave_sum * self.world_size
                     else:
-                        wave_sum = self.wave_loss(model, mb)
-                        loss = wave_sum * scale
+                        wave_sum, loss = self._token_wave(model, mb, scale, census, step.index + 1, w)
                 cursor.before(BACKWARD)
                 with cp_context(ctx), collective_scope(*scope):
                     self.backward(loss, own_backward_is_boundary())
@@ -392,6 +401,65 @@ class StepExecutor:
             sums += answer_sums(mb, own, extra, len(step.answer_slots)).double()
         return sums
 
+    # ------------------------------------------------------------------ the MoE router's term
+    def router_census(self, model: torch.nn.Module, step: RankStep) -> Optional[RouterCensus]:
+        """A forward without gradient (and without the LM head) over this rank's waves, then one
+        all-reduce: the step's expert selections, which each wave's router term weighs by
+        (step/router_balance.py). None without a router term."""
+        if self.router is None:
+            return None
+        per_wave = {}
+        with torch.no_grad():
+            for w, mb in enumerate(step.waves):
+                if self.aligned_passes:  # sharded parameters: as many forwards on every rank
+                    self._evaluation_dummies(model, step, w, mb)
+                if mb is None:
+                    continue
+                if mb.chunked:
+                    raise ValueError(
+                        _CHUNKED_ROUTER.format(step=step.index + 1, samples=[c.sample for c in mb.chunked])
+                    )
+                ctx = self._context(mb)
+                with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "router census micro-batch"):
+                    logits = self._router_logits(model, mb)
+                per_wave[w] = router_tallies(logits, self.router, _sample_rows(mb))
+        everyone = tuple(range(self.world_size))
+        with collective_scope(step.index + 1, len(step.waves), everyone, "router census"):
+            return census_of(self.router, per_wave, self.world_size, device=self.device)
+
+    def _router_logits(self, model: torch.nn.Module, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
+        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
+        head = self.loss_head()
+        if head is None:
+            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+        with lm_head_computing(head, lambda hidden, weight, bias: hidden.new_zeros(())):
+            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+
+    def _token_wave(
+        self,
+        model: torch.nn.Module,
+        mb: MicroBatch,
+        scale: float,
+        census: Optional[RouterCensus],
+        step: int,
+        wave: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A wave's summed token cross-entropy and the loss handed to backward: scaled for the
+        data-parallel average, plus (with a router term) this wave's share of the step's term."""
+        if census is None:
+            wave_sum = self.wave_loss(model, mb)
+            return wave_sum, wave_sum * scale
+        wave_sum, logits = self._wave_forward(model, mb, router=True)
+        counts, sums, _ = router_tallies(logits, self.router, _sample_rows(mb))
+        if not torch.equal(counts.cpu(), census.wave_counts[wave].cpu()):
+            raise RuntimeError(
+                f"step {step}, wave {wave}: the router chose other experts in the training pass than in the census "
+                f"pass before it ({counts.tolist()} against {census.wave_counts[wave].tolist()} selections): the "
+                "model routes at random (dropout, noise) or its kernels are not deterministic, and the router term "
+                "would be inexact; set output_router_logits=False"
+            )
+        return wave_sum, wave_sum * scale + census.share(self.router, sums) * self.world_size
+
     # ------------------------------------------------------------------ loss
     def wave_token_logps(
         self, model: torch.nn.Module, mb: MicroBatch, head: Union[str, Optional[torch.nn.Linear]] = "policy"
@@ -442,11 +510,19 @@ class StepExecutor:
     def wave_loss(self, model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
         """Summed token cross-entropy of one micro-batch (fp32), through the chunked LM-head
         loss when the model allows it, else from the full logits."""
+        return self._wave_forward(model, mb)[0]
+
+    def _wave_forward(
+        self, model: torch.nn.Module, mb: MicroBatch, router: bool = False
+    ) -> Tuple[torch.Tensor, Optional[Tuple[torch.Tensor, ...]]]:
+        """wave_loss, and with `router` the forward's router logits (one [T, E] per MoE layer)."""
         ids, pos, targets, extra_rows, extra_targets = self._device_rows(mb)
         head = self.loss_head()
+        extra = dict(output_router_logits=True) if router else {}
         if head is None:
-            out = model(input_ids=ids, position_ids=pos, use_cache=False)
-            return logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+            loss = logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
+            return loss, (out.router_logits if router else None)
 
         def loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
             if self.liger_loss:
@@ -463,7 +539,8 @@ class StepExecutor:
             )
 
         with lm_head_computing(head, loss):
-            return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            out = model(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+        return out.logits, (out.router_logits if router else None)
 
     def loss_head(self) -> Optional[torch.nn.Linear]:
         """The LM head the chunked loss replaces (decided once), or None for full logits."""
@@ -486,6 +563,19 @@ class StepExecutor:
         return self._head
 
 
+def _sample_rows(mb: MicroBatch) -> int:
+    """The micro-batch's tokens that belong to samples (its row less trailing padding)."""
+    return int(mb.input_ids.shape[1]) - mb.padding_tokens
+
+
+_CHUNKED_ROUTER = (
+    "step {step}: samples {samples} run as dependent chunks (ChunkFlow), and the MoE router's load-balancing term "
+    "over the step is not computed on chunks; plan this data with another balancer, or set output_router_logits=False"
+)
+_ROUTER_OBJECTIVE = (
+    "a sequence-level loss (DPO, GRPO) with the MoE router's load-balancing term: not computed; set "
+    "output_router_logits=False"
+)
 _CHUNKED_OBJECTIVE = (
     "step {step}: samples {samples} run as dependent chunks (ChunkFlow); a sequence-level loss (DPO, GRPO) "
     "needs shared-prompt samples, which are never chunked: plan this data with another balancer"

@@ -47,6 +47,9 @@ MUTATIONS = {
     "loss_scale": "every wave's summed loss x 1.001: the loss the trainer records, logs and backpropagates",
     "grad_scale": "the loss handed to backward x 1.001: gradients only, the recorded loss unchanged",
     "drop_target": "the last valid target of every micro-batch on rank 0 is ignored",
+    # (a MoE model's run only: model qwen3_moe)
+    "router_local_counts": "the MoE router term weighs each rank's probabilities by its own expert counts, "
+    "not the step's (the census's all-reduce dropped)",
 }
 
 
@@ -271,6 +274,25 @@ def _inject_mutation(trainer, kind: str) -> None:
             return dl
 
         trainer.get_train_dataloader = get_train_dataloader
+    elif kind == "router_local_counts":
+        setup = trainer._cp_setup
+
+        def local_census_setup():
+            setup()
+            executor = trainer.cp_runtime.executor
+            if "router_census" not in vars(executor):
+                census = executor.router_census
+
+                def local_census(model, step):
+                    world, executor.world_size = executor.world_size, 1  # no all-reduce: this rank's counts
+                    try:
+                        return census(model, step)
+                    finally:
+                        executor.world_size = world
+
+                executor.router_census = local_census
+
+        trainer._cp_setup = local_census_setup
     else:
         raise ValueError(f"mutation {kind!r}: expected one of {sorted(MUTATIONS)}")
 

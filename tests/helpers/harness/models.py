@@ -4,7 +4,8 @@ The tiny Llama is built from hf_cp/configs/models/tiny-llama.json, the tiny Qwen
 TINY_QWEN2 (grouped-query attention with 4 query heads per KV head, and the q/k/v biases Qwen2
 has), each with a fixed seed, so the distributed job and the single-process reference start
 from bit-identical parameters without sharing a file. A job spec picks one with `model`
-("llama", the default, "qwen2", or "qwen3_next": a Gated DeltaNet hybrid).
+("llama", the default, "qwen2", "qwen3_next": a Gated DeltaNet hybrid, or "qwen3_moe": MoE MLPs
+whose router's load-balancing loss is on).
 """
 
 from __future__ import annotations
@@ -65,7 +66,29 @@ TINY_QWEN3_NEXT = dict(
     tie_word_embeddings=False,
     use_cache=False,
 )
-MODELS = ("llama", "qwen2", "qwen3_next")
+# Qwen3-MoE at the same size with the router's auxiliary loss on (output_router_logits): its
+# load-balancing term couples every token of a step. A large coefficient, so that the term is a
+# visible share of the gradient (the router's weights get most of theirs from it).
+TINY_QWEN3_MOE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=65536,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    output_router_logits=True,
+    router_aux_loss_coef=0.5,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_moe")
 
 # transformers' convention for "no loss at this position"; spelled out here rather than taken
 # from hf_cp's collator, which these tests check
@@ -86,19 +109,29 @@ def tiny_config(family: str = "llama"):
         from transformers import Qwen3NextConfig
 
         return Qwen3NextConfig(**TINY_QWEN3_NEXT)
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**TINY_QWEN3_MOE)
     raise ValueError(f"harness model {family!r}: expected one of {list(MODELS)}")
 
 
 def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     """The tiny `family` model (tiny_config), initialised from `seed`, in fp32, without a KV
     cache, with attention implementation `attn` (the reference uses "sdpa")."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3NextForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM
 
     if attn == "hf_cp":
         import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
     cfg = tiny_config(family)
     torch.manual_seed(seed)
-    model = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3_next": Qwen3NextForCausalLM}[family](cfg)
+    classes = {
+        "llama": LlamaForCausalLM,
+        "qwen2": Qwen2ForCausalLM,
+        "qwen3_next": Qwen3NextForCausalLM,
+        "qwen3_moe": Qwen3MoeForCausalLM,
+    }
+    model = classes[family](cfg)
     if family == "qwen3_next":
         with torch.no_grad():
             for module in model.modules():

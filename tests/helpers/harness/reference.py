@@ -12,6 +12,7 @@ optimizer step.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence
@@ -60,6 +61,25 @@ def sample_loss_sum(model, row: dict) -> torch.Tensor:
     return F.cross_entropy(logits, next_token_targets(row["labels"]), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def router_term(model, rows: Sequence[dict]) -> Optional[torch.Tensor]:
+    """The MoE router's load-balancing term of a global batch, as transformers computes it over
+    one batch holding all of its tokens: coef x the family's own load_balancing_loss_func on every
+    layer's router logits of every sample (each sample run alone: its tokens route as in any
+    batch). None when the model has no such term."""
+    cfg = model.config
+    if not getattr(cfg, "output_router_logits", False) or not getattr(cfg, "router_aux_loss_coef", 0.0):
+        return None
+    func = sys.modules[type(model).__module__].load_balancing_loss_func
+    per_layer: List[List[torch.Tensor]] = []
+    for row in rows:
+        out = model(input_ids=torch.tensor(row["input_ids"])[None], use_cache=False, output_router_logits=True)
+        per_layer = per_layer or [[] for _ in out.router_logits]
+        for layer, x in zip(per_layer, out.router_logits):
+            layer.append(x)
+    logits = tuple(torch.cat(layer) for layer in per_layer)
+    return cfg.router_aux_loss_coef * func(logits, cfg.num_experts, cfg.num_experts_per_tok, None)
+
+
 def sample_valid_targets(row: dict) -> int:
     return int((next_token_targets(row["labels"]) != IGNORE_INDEX).sum())
 
@@ -93,11 +113,15 @@ def _reference_run(key: str, steps: int) -> tuple:
             part = sample_loss_sum(model, rows[s])
             (part * weight).backward()
             total += float(part.detach())
+        router = router_term(model, [rows[s] for s in batch])  # couples the batch's tokens: one backward
+        if router is not None:
+            router.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         opt.step()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        out.append(ReferenceStep(k, tuple(batch), total * weight, valid, norm, grads, params))
+        loss = total * weight + (float(router.detach()) if router is not None else 0.0)
+        out.append(ReferenceStep(k, tuple(batch), loss, valid, norm, grads, params))
     return tuple(out)
 
 
