@@ -1,7 +1,7 @@
 """Parameter-sharding set-ups CPTrainer honours or refuses by name, without processes
 (hf_cp/train/setup/sharding.py): FSDP2 and ZeRO-3 are recognised from the Trainer's arguments and from
 accelerate's environment; FSDP1, FSDP with DeepSpeed, offload, FSDP's own activation
-checkpointing, ZeRO-3 with several open ChunkFlow graphs, and DPO/GRPO under sharding are refused."""
+checkpointing and ZeRO-3 with several open ChunkFlow graphs are refused."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from hf_cp.train.setup.sharding import (
     check_zero3_chunk_keep,
     chunk_keep_of,
     clear_leftover_fsdp_env,
-    refuse_sharding,
     sharding_of,
 )
 
@@ -98,14 +97,6 @@ def test_zero3_refuses_chunkflow_keeping_several_chunks():
     for balancer, opts in (("chunkflow", {"keep": 2}), ("auto", {"member_options": {"chunkflow": {"keep": 4}}})):
         with pytest.raises(SetupError, match="cp_chunk_keep: 1"):
             check_zero3_chunk_keep(ZERO3, balancer, opts)
-
-
-def test_preference_trainers_refuse_sharded_parameters():
-    refuse_sharding(args(), "CPDPOTrainer", "why")  # no sharding: nothing to say
-    with pytest.raises(SetupError, match="CPDPOTrainer under FSDP2"):
-        refuse_sharding(fsdp_args(), "CPDPOTrainer", "why")
-    with pytest.raises(SetupError, match="CPGRPOTrainer under DeepSpeed ZeRO-3"):
-        refuse_sharding(args(deepspeed={"zero_optimization": {"stage": 3}}), "CPGRPOTrainer", "why")
 
 
 def test_a_training_config_turns_fsdp_on_with_true():

@@ -49,12 +49,10 @@ from hf_cp.train.runtime.checkpoints import atomic_save, resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
 from hf_cp.train.setup.args import CPTrainingArguments
 from hf_cp.train.setup.sharding import (
-    FSDP2,
+    FSDP2Trainer,
     check_sharding,
     check_zero3_chunk_keep,
     clear_leftover_fsdp_env,
-    fsdp2_mixed_precision,
-    route_fsdp_on_cpu,
     sharding_of,
 )
 from hf_cp.train.setup.trainer_setup import (
@@ -73,7 +71,7 @@ from hf_cp.train.step.loss import LIGER_LOSS_LINE
 logger = logging.getLogger(__name__)
 
 
-class CPTrainer(Trainer):
+class CPTrainer(FSDP2Trainer, Trainer):
     """Trainer for long-tailed data with per-step load-balanced context parallelism.
 
     `train_dataset` needs `input_ids` (one tokenised sample per row); optional `labels`
@@ -157,7 +155,7 @@ class CPTrainer(Trainer):
         self.args.max_steps = len(self.cp_sampler)
         self.cp_balancer = balancer
         # groups, planner, executor and plan agreement, built at the first loader or evaluation
-        self.cp_runtime = StepRuntime(self, setup, balancer, self.cp_sharding)
+        self.cp_runtime = StepRuntime(self, setup, balancer)
         self.cp_history: List[StepRecord] = []  # one record per step, identical on every rank
         self._cp_pending: List[StepRecord] = []  # records not yet logged
         self._cp_eval_data: Dict[int, tuple] = {}  # id(eval dataset) -> (dataset, TokenColumns, plans)
@@ -168,31 +166,6 @@ class CPTrainer(Trainer):
         self.cp_stopped_early: Optional[dict] = None  # {"step", "signal", "ranks"} once stopped
         if args.enable_jit_checkpoint:
             self.cp_stop_signal = replace_jit_checkpoint(self.callback_handler)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        if self.cp_sharding != FSDP2:
-            return
-        if route_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # setup/sharding.py: accelerate's CPU gap
-            self.is_fsdp_enabled = True
-        # checkpoints hold each rank's shards (torch distributed checkpoint); save_model gathers a full
-        # one. The configs of the Trainer's default (FULL_STATE_DICT) would otherwise stay in place.
-        plugin = self.accelerator.state.fsdp_plugin
-        plugin.state_dict_config = plugin.optim_state_dict_config = None
-        plugin.set_state_dict_type("SHARDED_STATE_DICT")
-        policy = fsdp2_mixed_precision(self.accelerator, self.args.fsdp_plugin_args)
-        if policy is not None:  # bf16 compute, fp32 reduction (setup/sharding.py)
-            plugin.mixed_precision_policy = policy
-
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """Under FSDP2 a checkpoint's model is sharded (the Trainer's _save_checkpoint writes it);
-        the model saved on its own is a full one, gathered to rank 0, loadable with from_pretrained."""
-        if not (self.is_fsdp_enabled and not _internal_call):
-            return super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
-        state_dict = self.accelerator.get_state_dict(self.model)  # collective: every rank takes part
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state_dict)
 
     def _cp_warn(self, warning: Optional[str]) -> None:
         """A set-up warning, logged once (rank 0)."""

@@ -70,9 +70,9 @@ from hf_cp.train.objectives.preference import (
     refuse_empty_answers,
     refuse_other_attention,
     refuse_padded_batch_settings,
+    refuse_reference_without_path,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
-from hf_cp.train.setup.sharding import refuse_sharding
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.step.executor import WaveTotals
 from hf_cp.train.step.sequence_objective import (
@@ -138,12 +138,6 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             raise TypeError(
                 f"CPDPOTrainer needs CPDPOConfig (DPOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
-        refuse_sharding(
-            args,
-            "CPDPOTrainer",
-            "its log-prob and reference passes run forward-only outside the per-wave pass sequence that sharded "
-            "parameters need on every rank",
-        )
         if args.max_length is not None:
             raise ValueError(
                 f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
@@ -157,6 +151,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         refuse_padded_batch_settings(args, "CPDPOTrainer")
         self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
+        refuse_reference_without_path(args, model, ref_model, "CPDPOTrainer")
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(

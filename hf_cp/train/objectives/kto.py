@@ -34,7 +34,8 @@ in another step under cp_shuffle: z0 stays an estimate over mismatched pairs, fi
 Refused by name: precompute_ref_log_probs (pass ref_model, or train a PEFT adapter), max_length
 (hf_cp never truncates; an example longer than the largest CP group holds is refused, named),
 padded-batch and offloading settings, active dropout, a streaming dataset, vision datasets, MoE
-auxiliary losses, sharded parameters (FSDP2, ZeRO-3).
+auxiliary losses. Under FSDP2 and ZeRO-3 every forward-only pass (policy and reference) runs
+the wave's pass count on every rank (the executor's aligned dummies), as training does.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ from hf_cp.train.objectives.preference import (
     refuse_padded_batch_settings,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
-from hf_cp.train.setup.sharding import refuse_sharding
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_rank_steps
 from hf_cp.train.step.executor import WaveTotals
 from hf_cp.train.step.sequence_objective import train_sequence_objective
@@ -184,12 +184,6 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
             raise TypeError(
                 f"CPKTOTrainer needs CPKTOConfig (KTOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
-        refuse_sharding(
-            args,
-            "CPKTOTrainer",
-            "its log-prob and reference passes run forward-only outside the per-wave pass sequence that sharded "
-            "parameters need on every rank",
-        )
         if args.max_length is not None:
             raise ValueError(
                 f"CPKTOTrainer: max_length={args.max_length} would truncate examples; hf_cp places long examples over "

@@ -10,6 +10,7 @@ that hold its tokens like the policy's.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterable, List, Tuple
 
 import torch
@@ -18,6 +19,7 @@ from trl.trainer.utils import use_adapter  # trl
 
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import RankStep
+from hf_cp.train.setup.sharding import FSDP2, sharding_of
 from hf_cp.train.step.executor import StepExecutor
 from hf_cp.train.step.loss import chunkable_head
 from hf_cp.train.step.sequence_objective import all_reduce_sum
@@ -33,6 +35,28 @@ def reference_forward(executor: StepExecutor, accelerator, policy, ref_model):
         name = "ref" if "ref" in policy.peft_config else None
         return policy, "policy", use_adapter(policy, adapter_name=name)
     return policy, "policy", contextlib.nullcontext()  # the policy before its first update
+
+
+def refuse_reference_without_path(args, model, ref_model, trainer: str) -> None:
+    """Under FSDP2 with precompute_ref_log_probs and no ref_model, TRL loads a reference from the
+    policy's path for its own precompute pass (hf_cp's planned pass uses the policy itself and
+    needs none): a policy built in memory, or read from a GGUF file, has no such path, and TRL
+    would fail deep in the hub's loader. Refused by name at set-up instead."""
+    if isinstance(model, str) or ref_model is not None or not getattr(args, "precompute_ref_log_probs", False):
+        return  # a policy given by its path: TRL loads the reference from it
+    if is_peft_model(model):
+        return
+    if sharding_of(args) != FSDP2:
+        return
+    path = str(getattr(model.config, "_name_or_path", "") or "")
+    if path and (not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json"))):
+        return
+    where = f"its path {path!r} holds no config.json" if path else "it was built in memory, without a path"
+    raise ValueError(
+        f"{trainer} under FSDP2 with precompute_ref_log_probs=True and no ref_model: TRL loads a reference model "
+        f"from the policy's path, and {where}. Pass ref_model (a copy of the initial policy), or save the policy "
+        "with save_pretrained and load it from there"
+    )
 
 
 def reference_logps(executor: StepExecutor, accelerator, policy, ref_model, step: RankStep) -> torch.Tensor:

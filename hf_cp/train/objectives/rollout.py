@@ -39,7 +39,7 @@ from hf_cp.train.objectives.grpo_generation import (
     keep_reference_loadable,
 )
 from hf_cp.train.runtime.step_runtime import StepRuntime
-from hf_cp.train.setup.sharding import refuse_sharding
+from hf_cp.train.setup.sharding import FSDP2Trainer, check_sharding, clear_leftover_fsdp_env
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class GroupSamples:
     skipped: List[int]  # groups not run (no row that can move the policy)
 
 
-class PlannedRollouts:
+class PlannedRollouts(FSDP2Trainer):
     """The mixin of a TRL generation trainer under planned CP (see the module's docstring).
     Subclasses set `cp_trainer_name`, `cp_objective` and `cp_config_class`, and define `_cp_settings(args)`
     (read and refuse the loss's settings, before any work) and `_cp_policy_step(model, rollout)`."""
@@ -102,12 +102,8 @@ class PlannedRollouts:
             attach_recurrent_layers(model)  # so that a hybrid is refused for its shared prompts, by that name
             check_recurrent_layers_fit(model, name, True, "")
             check_model_supported(model, f"{name}: the policy")
-        refuse_sharding(
-            args,
-            name,
-            "TRL's generation and scoring passes run outside the per-wave pass sequence that sharded parameters need "
-            "on every rank",
-        )
+        clear_leftover_fsdp_env(args)  # an earlier FSDP2 trainer of this process left accelerate's flag
+        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (setup/sharding.py)
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):

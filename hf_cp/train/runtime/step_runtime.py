@@ -27,7 +27,7 @@ from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.setup import SetupError, check_step_attention
 from hf_cp.train.data.collator import PlanCollator, RankStep
 from hf_cp.train.measure.console import quiet_console
-from hf_cp.train.setup.sharding import ZERO3, ZERO3_OPEN_GRAPHS
+from hf_cp.train.setup.sharding import ZERO3, ZERO3_OPEN_GRAPHS, sharding_of
 from hf_cp.train.step.agreement import PlanAgreement, assert_data_agrees
 from hf_cp.train.step.executor import StepExecutor
 from hf_cp.train.step.groups import CPGroups
@@ -36,15 +36,16 @@ from hf_cp.train.step.router_balance import router_balance_of
 
 class StepRuntime:
     """The CP machinery of one trainer (`trainer`: a transformers Trainer, read for its
-    arguments, accelerator and engine). `setup`: the run's PlanningSetup; `balancer`: an object
-    with .plan(PlanRequest) replacing the configured one; `sharding`: "fsdp2", "zero3" or None."""
+        arguments, accelerator and engine). `setup`: the run's PlanningSetup; `balancer`: an object
+        with .plan(PlanRequest) replacing the configured one. The run's parameter sharding ("fsdp2",
+    "zero3" or None) is read from the trainer's arguments: under it every pass aligns."""
 
-    def __init__(self, trainer, setup: PlanningSetup, balancer=None, sharding: Optional[str] = None):
+    def __init__(self, trainer, setup: PlanningSetup, balancer=None):
         self.trainer = trainer
         args = trainer.args
         self.world, self.rank = int(args.world_size), int(args.process_index)
         self.setup, self.cost, self.cluster = setup, setup.cost, setup.cluster
-        self.balancer, self.sharding = balancer, sharding
+        self.balancer, self.sharding = balancer, sharding_of(args)
         self.groups: Optional[CPGroups] = None
         self.planner: Optional[Planner] = None
         self.executor: Optional[StepExecutor] = None

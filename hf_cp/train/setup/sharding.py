@@ -138,15 +138,36 @@ def check_zero3_chunk_keep(sharding: Optional[str], balancer: str, balancer_opti
         )
 
 
-def refuse_sharding(args, trainer: str, why: str) -> None:
-    """A trainer that cannot run with sharded parameters refuses them by name at set-up."""
-    sharding = sharding_of(args)
-    if sharding is not None:
-        engine = "FSDP2" if sharding == FSDP2 else "DeepSpeed ZeRO-3"
-        raise SetupError(
-            f"{trainer} under {engine}: not supported ({why}). Use DeepSpeed ZeRO-2 (deepspeed: "
-            f"recipes/ds-zero2-cpu.json or ds-zero2-gpu.json) or plain DDP"
-        )
+class FSDP2Trainer:
+    """The Trainer hooks of FSDP2 under hf_cp, mixed into every hf_cp trainer (CPTrainer and the
+    TRL generation trainers) ahead of transformers' Trainer: accelerate's CPU gap routed
+    (route_fsdp_on_cpu; without it a CPU run silently trains plain DDP), checkpoints of sharded
+    state dicts, bf16 compute with fp32 reduction, and a full model from save_model."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if sharding_of(self.args) != FSDP2:
+            return
+        if route_fsdp_on_cpu(self.accelerator, self.args.fsdp_plugin_args):
+            self.is_fsdp_enabled = True
+        # checkpoints hold each rank's shards (torch distributed checkpoint); save_model gathers a full
+        # one. The configs of the Trainer's default (FULL_STATE_DICT) would otherwise stay in place.
+        plugin = self.accelerator.state.fsdp_plugin
+        plugin.state_dict_config = plugin.optim_state_dict_config = None
+        plugin.set_state_dict_type("SHARDED_STATE_DICT")
+        policy = fsdp2_mixed_precision(self.accelerator, self.args.fsdp_plugin_args)
+        if policy is not None:
+            plugin.mixed_precision_policy = policy
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Under FSDP2 a checkpoint's model is sharded (the Trainer's _save_checkpoint writes it);
+        the model saved on its own is a full one, gathered to rank 0, loadable with from_pretrained."""
+        if not (self.is_fsdp_enabled and not _internal_call):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        state_dict = self.accelerator.get_state_dict(self.model)  # collective: every rank takes part
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
 
 
 def fsdp2_mixed_precision(accelerator, plugin_args: Optional[Mapping]) -> Optional[MixedPrecisionPolicy]:

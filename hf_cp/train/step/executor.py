@@ -391,6 +391,8 @@ class StepExecutor:
         model's own head, or None for full logits)."""
         sums = torch.zeros(len(step.answer_slots), dtype=torch.float64, device=self.device)
         for w, mb in enumerate(step.waves):
+            if self.aligned_passes:  # sharded parameters (policy or reference): as many forwards on every rank
+                self._evaluation_dummies(model, step, w, mb)
             if mb is None:  # forward only: no gradient reduction to join
                 continue
             if mb.chunked:
