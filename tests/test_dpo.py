@@ -119,6 +119,29 @@ def test_precomputed_reference_log_probs_equal_trls_precompute(tmp_path):
     assert len(saved["pairs"]) == 8, "every training pair's reference log-probs, for resumed runs"
 
 
+@pytest.mark.parametrize("precompute, passes", [(False, 2), (True, 1)])
+def test_the_predicted_step_counts_the_log_prob_and_reference_passes(tmp_path, precompute, passes):
+    # a DPO step runs the policy's log-prob pass and the reference's (unless precomputed) over the
+    # plan before its training pass: the prediction counts them, the record measures them, and the
+    # calibration fits the training pass alone (its wall less theirs)
+    from helpers.dpo_runs import hf_cp_trainer
+
+    kw = dict(ref=False, precompute_ref_log_probs=True) if precompute else {}
+    trainer = hf_cp_trainer(preference_rows(8), str(tmp_path), 2, **kw)
+    seen = []
+    observe = trainer.cp_calibration.observe
+    trainer.cp_calibration.observe = lambda rec, ps: seen.append((rec, ps)) or observe(rec, ps)
+    trainer.train()
+    share = trainer.cp_cost.profile.forward_share
+    for rec, ps in seen:
+        assert rec.forward_only_passes == passes
+        assert 0 < rec.forward_only_ms < rec.step_wall_ms
+        extra = passes * share * max(ps.predicted.occupied_ms)
+        assert rec.predicted_step_ms == pytest.approx(ps.predicted.makespan_ms + extra)
+    # the training pass's own time is still what the per-rank compute measures
+    assert all(max(rec.measured_ms) < rec.step_wall_ms - rec.forward_only_ms + 1.0 for rec, _ in seen)
+
+
 def test_a_wrong_rejected_log_prob_is_caught(tmp_path, monkeypatch):
     """The comparison's power: the rejected answers' log-probs x 1.001 before the loss."""
     import hf_cp.train.objectives.dpo as dpo

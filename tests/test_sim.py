@@ -166,3 +166,24 @@ def test_charged_bound_charges_a_sample_that_fits_only_the_whole_world_the_whole
     for name in ("dynamic_cp", "flexsp"):
         plan = get_balancer(name).plan(PlanRequest(range(len(lengths)), lengths, cl, h200_cost))
         assert charged <= simulate(plan, h200_cost).makespan_ms
+
+
+def test_forward_only_passes_add_the_busiest_ranks_forward_share(h200_cost):
+    # DPO's log-prob and reference passes run the same plan forward-only: the step's prediction
+    # is the training pass's makespan plus, per pass, the forward's share of the busiest rank's time
+    from hf_cp.train.measure.record_builder import predicted_step_ms
+
+    p = StepPlan(
+        world_size=2,
+        max_tokens_per_rank=32768,
+        sample_ids=[0, 1],
+        lengths=[20000, 1000],
+        waves=[Wave([Group(ranks=(0,), local={0: [0]}), Group(ranks=(1,), local={1: [1]})])],
+    )
+    s = simulate(p, h200_cost)
+    share = h200_cost.profile.forward_share
+    assert s.forward_only_ms(0, share) == 0.0
+    assert s.forward_only_ms(2, share) == pytest.approx(2 * share * max(s.occupied_ms))
+    assert max(s.occupied_ms) > 10 * min(s.occupied_ms)  # the busiest rank, not the mean, sets it
+    assert predicted_step_ms(s, 2, share) == pytest.approx(s.makespan_ms + 2 * share * max(s.occupied_ms))
+    assert predicted_step_ms(s, 0, share) == s.makespan_ms

@@ -110,6 +110,16 @@ class SimResult:
         total = self.makespan_ms * self.world_size
         return sum(self.idle_ms) / total if total > 0 else 0.0
 
+    def forward_only_ms(self, passes: int, forward_share: float) -> float:
+        """Wall time of `passes` more forward-only passes over the same plan (a sequence
+        objective's log-prob and reference passes): the busiest rank's micro-batch time and the
+        parameter gathers again, at the forward's share of a forward+backward, without the
+        gradient reductions. A step's prediction is makespan_ms plus this."""
+        if passes <= 0:
+            return 0.0
+        busiest = max(self.occupied_ms or self.busy_ms or [0.0])
+        return passes * forward_share * (busiest + self.parameter_comm_ms)
+
     @property
     def ratio_to_bound(self) -> float:
         """Predicted time over the charged bound (nan without bounds)."""

@@ -216,12 +216,20 @@ class CPTrainer(FSDP2Trainer, Trainer):
         cuda = self.args.device if self.args.device.type == "cuda" else None
         if cuda is not None:
             torch.cuda.reset_peak_memory_stats(cuda)
+        self.cp_runtime.executor.forward_only_ms = 0.0  # this step's own (not an evaluation's since the last)
         totals, loss = self._cp_train_waves(model, step)
         wall_ms = (time.perf_counter() - t_step) * 1e3
         peak_bytes = float(torch.cuda.max_memory_allocated(cuda)) if cuda is not None else -1.0
         self._cp_record(step, totals, wall_ms, [t_epoch, t_epoch + wall_ms / 1e3], peak_bytes, loss)
         self._cp_last_step = step
         return totals.loss
+
+    @property
+    def cp_forward_only_passes(self) -> int:
+        """Forward-only passes over each step's plan before its training pass, which the step's
+        predicted time counts: the MoE router's census (a forward without the LM head) when the
+        model has a router term. Sequence objectives add their log-prob and reference passes."""
+        return 1 if self.cp_runtime.router is not None else 0
 
     def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
         """The step's forward and backward passes: (what this rank did, the step's loss when it is
@@ -249,6 +257,8 @@ class CPTrainer(FSDP2Trainer, Trainer):
             self.cp_runtime.planner.compare_name,
             self._cp_resumed_from,  # the checkpoint step this process started from
             len(self.cp_data),
+            self.cp_forward_only_passes,
+            self.cp_cost.profile.forward_share,
         )
         if loss is not None:
             rec = dataclasses.replace(rec, loss=float(loss))

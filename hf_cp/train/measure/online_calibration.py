@@ -89,7 +89,9 @@ class OnlineCalibration:
                 cost,
                 coefficients.comm_scale,
                 rec.measured_ms,
-                rec.step_wall_ms,
+                # the fit is of the plan's training pass: the forward-only passes before it are
+                # predicted from the same coefficients (SimResult.forward_only_ms), not fitted
+                rec.step_wall_ms - rec.forward_only_ms,
                 rec.wave_max_ms,
             )
         )

@@ -21,11 +21,19 @@ from hf_cp.train.step.executor import WaveTotals
 def gather_measurements(
     totals: WaveTotals, wall_ms: float, peak_bytes: float, world: int, group=None
 ) -> List[List[float]]:
-    """Per rank: [compute ms, tokens, loss sum, wall ms, peak bytes, then each wave's ms]; one
-    all-gather over `group` when `world` > 1 (every rank has every wave)."""
+    """Per rank: [compute ms, tokens, loss sum, wall ms, peak bytes, forward-only ms, then each
+    wave's ms]; one all-gather over `group` when `world` > 1 (every rank has every wave)."""
     wave_ms = [(c - a) * 1e3 for a, c, _ in totals.wave_timeline]
     mine = torch.tensor(
-        [totals.compute_ms, float(totals.tokens), totals.loss_sum, wall_ms, peak_bytes, *wave_ms],
+        [
+            totals.compute_ms,
+            float(totals.tokens),
+            totals.loss_sum,
+            wall_ms,
+            peak_bytes,
+            totals.forward_only_ms,
+            *wave_ms,
+        ],
         dtype=torch.float64,
     )
     if world > 1:
@@ -36,6 +44,15 @@ def gather_measurements(
     return torch.stack(got).tolist()
 
 
+FIRST_WAVE_COLUMN = 6  # of a gather_measurements row: the waves' ms come after the step's numbers
+
+
+def predicted_step_ms(sim, forward_only_passes: int, forward_share: float) -> float:
+    """A step's predicted wall time: the plan's makespan (its training pass) plus the trainer's
+    forward-only passes over the same plan."""
+    return sim.makespan_ms + sim.forward_only_ms(forward_only_passes, forward_share)
+
+
 def step_record(
     step: RankStep,
     rows: List[List[float]],
@@ -44,13 +61,17 @@ def step_record(
     compare_name: Optional[str],
     resumed_from: Optional[int],
     dataset_samples: int,
+    forward_only_passes: int = 0,
+    forward_share: float = 1.0 / 3.0,
 ) -> StepRecord:
     """The record of `step` from every rank's measurements (`rows`, gather_measurements's).
     `global_step`: the Trainer's step counter after it; `compare_name`: the comparison
-    balancer's name; `resumed_from`: the checkpoint step this process started from."""
+    balancer's name; `resumed_from`: the checkpoint step this process started from;
+    `forward_only_passes`: the trainer's forward-only passes over the plan before its training
+    pass, predicted at `forward_share` of a forward+backward (SimResult.forward_only_ms)."""
     ps = step.planned
     gv = step.global_valid_tokens
-    waves = len(rows[0]) - 5
+    waves = len(rows[0]) - FIRST_WAVE_COLUMN
     # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback);
     # unknown for a stream (no length), as its number of samples is
     stream = bool(getattr(sampler, "streaming", False))
@@ -77,8 +98,14 @@ def step_record(
         # what the rank's measured time is: its micro-batches' durations (a group's members
         # wait for its slowest at every layer), not its own work alone
         predicted_ms=list(ps.predicted.occupied_ms) if ps is not None else [0.0] * len(rows),
-        predicted_step_ms=ps.predicted.makespan_ms if ps is not None else 0.0,
-        compare_step_ms=ps.compare.makespan_ms if ps is not None and ps.compare is not None else None,
+        predicted_step_ms=predicted_step_ms(ps.predicted, forward_only_passes, forward_share)
+        if ps is not None
+        else 0.0,
+        compare_step_ms=(
+            predicted_step_ms(ps.compare, forward_only_passes, forward_share)
+            if ps is not None and ps.compare is not None
+            else None
+        ),
         compare_balancer=compare_name if ps is not None and ps.compare is not None else None,
         planner_ms=ps.planner_ms if ps is not None else 0.0,
         cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
@@ -90,7 +117,9 @@ def step_record(
         attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
         resumed_from=resumed_from,
         dataset_samples=None if stream else dataset_samples,  # for the exactly-once audit of hf-cp report
-        wave_max_ms=[max(r[5 + w] for r in rows) for w in range(waves)],
+        wave_max_ms=[max(r[FIRST_WAVE_COLUMN + w] for r in rows) for w in range(waves)],
+        forward_only_ms=max(r[5] for r in rows),
+        forward_only_passes=int(forward_only_passes),
         calibration=ps.cost_version if ps is not None else 0,
         peak_memory_gb=[r[4] / 1e9 for r in rows] if all(r[4] >= 0 for r in rows) else [],
         predicted_peak_memory_gb=[b / 1e9 for b in ps.predicted.peak_memory_bytes] if ps is not None else [],

@@ -35,7 +35,7 @@ class StepRecord:
     rank_tokens: List[int]  # per rank: tokens it processed
     step_wall_ms: float  # slowest rank's wall time of the whole step
     predicted_ms: List[float]  # per rank: simulated time inside its micro-batches (SimResult.occupied_ms)
-    predicted_step_ms: float  # simulated makespan
+    predicted_step_ms: float  # simulated makespan, plus the trainer's forward-only passes (forward_only_passes)
     waves: int
     plan_digest: str
     step_in_epoch: Optional[int] = None
@@ -52,6 +52,10 @@ class StepRecord:
     resumed_from: Optional[int] = None  # the checkpoint step this process started from
     dataset_samples: Optional[int] = None  # for the exactly-once audit of hf-cp report
     wave_max_ms: List[float] = field(default_factory=list)  # per wave: the slowest rank's time (dummies included)
+    # the slowest rank's wall time in the step's forward-only passes (DPO's log-prob and reference
+    # passes, the MoE router census), and how many the trainer runs over the plan
+    forward_only_ms: float = 0.0
+    forward_only_passes: int = 0
     calibration: int = 0  # the cost model that planned it: 0 the profile as given, k the k-th online calibration
     # per rank, GB: the device's peak allocated memory in the step (CUDA only; empty elsewhere)
     # and the memory model's peak for the rank's plan (static bytes + activation bytes x tokens)

@@ -223,6 +223,11 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         return all_reduce_sum(t, self.cp_world)
 
     # ------------------------------------------------------------------ one step
+    @property
+    def cp_forward_only_passes(self) -> int:
+        """The policy's log-prob pass, and the reference's unless its log-probs are precomputed."""
+        return 1 if self.precompute_ref_logps else 2
+
     def _cp_pair_logps(self, step: RankStep, model) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every answer's summed log-prob of the step, policy and reference, on every rank."""
         policy = self.accelerator.unwrap_model(model)

@@ -226,6 +226,11 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
         return prepared.map(kto_sample, with_indices=True, desc=f"Joining {dataset_name} examples into samples")
 
     # ------------------------------------------------------------------ one step
+    @property
+    def cp_forward_only_passes(self) -> int:
+        """The policy's and the reference's log-prob passes (the KL completions ride in the same samples)."""
+        return 2
+
     def _cp_kto_loss(self, step: RankStep, desirable_of, model):
         """(every answer's summed log-prob under the policy, the step's loss of them) on every rank."""
         samples, completion, mismatched = kto_slots(step.answer_slots, self.cp_kto.uses_kl)

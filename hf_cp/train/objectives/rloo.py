@@ -84,6 +84,8 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
     """RLOOTrainer's generation, rewards and advantages; hf_cp's planned policy step. Takes
     RLOOTrainer's arguments plus `balancer`; `args` must be a CPRLOOConfig."""
 
+    cp_forward_only_passes = 1  # the policy's log-probs of the step (`now`) before its token pass
+
     cp_trainer_name = "CPRLOOTrainer"
     cp_objective = "RLOO"
     cp_config_class = CPRLOOConfig

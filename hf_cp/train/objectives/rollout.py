@@ -31,6 +31,7 @@ from hf_cp.train.checkpoint.run_lock import hold_run_lock
 from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
+from hf_cp.train.measure.record_builder import predicted_step_ms
 from hf_cp.train.objectives.grpo_generation import (
     GRPORollout,
     RewardFunctionError,
@@ -90,6 +91,9 @@ class PlannedRollouts(FSDP2Trainer):
     cp_trainer_name: ClassVar[str] = ""
     cp_objective: ClassVar[str] = ""  # how messages name a group: "GRPO group 3"
     cp_config_class: ClassVar[type] = object
+    # forward-only passes over each step's plan before its training pass (RLOO: the policy's
+    # log-probs), which cp/predicted_step_ms counts; TRL's own scoring passes are not planned
+    cp_forward_only_passes: ClassVar[int] = 0
 
     def __init__(self, model=None, reward_funcs=None, args=None, train_dataset=None, balancer=None, **kwargs):
         name = self.cp_trainer_name
@@ -329,7 +333,8 @@ class PlannedRollouts(FSDP2Trainer):
             m["cp/tokens"].append(float(sum(plan.lengths)))
             m["cp/waves"].append(float(len(plan.waves)))
             m["cp/planner_ms"].append(float(planned.planner_ms))
-            m["cp/predicted_step_ms"].append(float(planned.predicted.makespan_ms))
+            share = self.cp_runtime.cost.profile.forward_share
+            m["cp/predicted_step_ms"].append(predicted_step_ms(planned.predicted, self.cp_forward_only_passes, share))
             for size, n in sorted(planned.predicted.cp_size_samples.items()):
                 m[f"cp/cp_size{int(size)}_samples"].append(float(n))
 

@@ -66,6 +66,9 @@ class WaveTotals:
     tokens: int = 0
     compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
     router_loss: float = 0.0  # the step's MoE router term (coef x aux), the same on every rank (training)
+    # wall time of the step's forward-only passes before its training pass (a sequence objective's
+    # log-prob and reference passes, the router census): StepExecutor.forward_only_ms taken (training)
+    forward_only_ms: float = 0.0
     # per wave, wall-clock seconds since the epoch: (start, end of this rank's compute, end of its backward
     # call, which includes the gradient reduction that follows); dummy waves included (training)
     wave_timeline: List[Tuple[float, float, float]] = field(default_factory=list)
@@ -117,6 +120,9 @@ class StepExecutor:
         self.router = router
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
+        # wall ms of forward-only passes (answer_logps, router_census) since the last train() took them;
+        # a trainer zeroes it where its step starts (an evaluation between steps is not the step's)
+        self.forward_only_ms = 0.0
         self._backward_end: Optional[float] = None
         # perf_counter -> seconds since the epoch, so that ranks on one host share a time axis
         self._epoch_offset = time.time() - time.perf_counter()
@@ -166,6 +172,7 @@ class StepExecutor:
             raise ValueError(_ROUTER_OBJECTIVE)
         census = self.router_census(model, step)  # None without a router term
         totals.router_loss = census.value if census is not None else 0.0
+        totals.forward_only_ms, self.forward_only_ms = self.forward_only_ms, 0.0
         if self.aligned_passes:
             return self._train_aligned(model, step, objective, scale, totals, census)
         n = len(step.waves)
@@ -389,6 +396,7 @@ class StepExecutor:
         (call under torch.no_grad()); summed over the world they are the answers' log-probs.
         `head`: the LM head the chunked path bypasses ("policy": the trained model's; pass another
         model's own head, or None for full logits)."""
+        t0 = self.now()
         sums = torch.zeros(len(step.answer_slots), dtype=torch.float64, device=self.device)
         for w, mb in enumerate(step.waves):
             if self.aligned_passes:  # sharded parameters (policy or reference): as many forwards on every rank
@@ -401,6 +409,7 @@ class StepExecutor:
             with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "log-prob micro-batch"):
                 own, extra = self.wave_token_logps(model, mb, head)
             sums += answer_sums(mb, own, extra, len(step.answer_slots)).double()
+        self.forward_only_ms += (self.now() - t0) * 1e3
         return sums
 
     # ------------------------------------------------------------------ the MoE router's term
@@ -410,6 +419,7 @@ class StepExecutor:
         (step/router_balance.py). None without a router term."""
         if self.router is None:
             return None
+        t0 = self.now()
         per_wave = {}
         with torch.no_grad():
             for w, mb in enumerate(step.waves):
@@ -427,7 +437,9 @@ class StepExecutor:
                 per_wave[w] = router_tallies(logits, self.router, _sample_rows(mb))
         everyone = tuple(range(self.world_size))
         with collective_scope(step.index + 1, len(step.waves), everyone, "router census"):
-            return census_of(self.router, per_wave, self.world_size, device=self.device)
+            census = census_of(self.router, per_wave, self.world_size, device=self.device)
+        self.forward_only_ms += (self.now() - t0) * 1e3
+        return census
 
     def _router_logits(self, model: torch.nn.Module, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
         ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
