@@ -39,21 +39,27 @@ The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.en
 
 from __future__ import annotations
 
-import contextlib
-import re
 from pathlib import Path
-from typing import Iterable, Iterator, List, Optional
+from typing import List, Optional
 
 import yaml
 
 from hf_cp.balance.registry import available_balancers
 from hf_cp.cost.config_files import read_yaml_mapping, resolve_config
-from hf_cp.cost.dims import MAX_MODEL_DIM
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.data.toy_preferences import toy_preference_rows
 from hf_cp.data.toy_prompts import toy_prompts
 from hf_cp.readers import brief, load_json, load_yaml
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
+from hf_cp.train.setup.config_names import LOOKED, named_errors, resolve_input
+from hf_cp.train.setup.model_section import (
+    build_model,
+    load_run_tokenizer,
+    model_config,
+    pretrained_path,
+    trust_remote_code,
+    whole_weights_init,
+)
 from hf_cp.train.setup.schema import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -61,17 +67,22 @@ from hf_cp.train.setup.schema import (
     check_section,
     check_training_keys,
     training_keys,
-    unset,
 )
 
-__all__ = ["TrainConfigError", "load_config", "load_datasets", "model_config", "build_model", "training_arguments"]
+__all__ = [
+    "TrainConfigError",
+    "load_config",
+    "load_datasets",
+    "model_config",
+    "build_model",
+    "load_run_tokenizer",
+    "pretrained_path",
+    "trust_remote_code",
+    "whole_weights_init",
+    "training_arguments",
+]
 
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
-LOOKED = "looked in the working directory, then among the files hf_cp ships"
-
-
-def _resolve(p: str) -> str:
-    return str(input_path(p))
 
 
 SECTIONS = ("trainer", "model", "data", "training", "reward")
@@ -215,230 +226,10 @@ def check_names(cfg: dict, source: str) -> None:
             raise KeyError(f"{source}: training.{key}: unknown balancer {name!r}; available: {', '.join(names)}")
 
 
-def _key_named(message: str, keys: Iterable[str], preferred: Iterable[str] = ()) -> Optional[str]:
-    """The first of `keys` the message names as a word (a key the config set first, the longest
-    at a position: cp_max_tokens_per_rank, not max_tokens_per_rank)."""
-    for candidates in (list(preferred), list(keys)):
-        found = [
-            (m.start(), -len(k), k)
-            for k in candidates
-            for m in [re.search(rf"(?<![A-Za-z0-9_]){re.escape(k)}(?![A-Za-z0-9_])", message)]
-            if m
-        ]
-        if found:
-            return min(found)[2]
-    return None
-
-
-@contextlib.contextmanager
-def named_errors(source: str, section: str, keys: Iterable[str], preferred: Iterable[str] = ()) -> Iterator[None]:
-    """Errors raised inside (building CPTrainingArguments, the model config, a name's file) come
-    out as the same exception type with the config file and `section.key` before the message, the
-    key being the first of `keys` the message names (`section` alone when it names none; a
-    `section` such as "training.cp_profile" names the key itself); the message itself is kept."""
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, ArithmeticError) as e:
-        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-        if text.startswith(f"{source}: "):  # already named (a TrainConfigError of the schema)
-            raise
-        key = _key_named(text, keys, preferred)
-        where = f"{section}.{key}" if key else section
-        message = f"{source}: {where}: {text}"
-        if isinstance(e, ArithmeticError):  # a division by a zero the file gave (a user error, not a crash)
-            raise TrainConfigError(f"{message} ({type(e).__name__}: a count in it is zero or out of range)") from None
-        try:
-            error = type(e)(message)
-        except Exception:  # noqa: BLE001 (an exception type that takes other arguments)
-            error = TrainConfigError(message)
-        raise error from None
-
-
-def trust_remote_code(mcfg: dict, source: str) -> bool:
-    """model.trust_remote_code, off unless the config says `true`: Python shipped with a model
-    folder runs only when the user asks for it."""
-    value = unset(mcfg).get("trust_remote_code", False)
-    if not isinstance(value, bool):
-        raise TrainConfigError(f"{source}: model.trust_remote_code must be true or false, got {value!r}")
-    return value
-
-
-def looks_like_a_path(name: str) -> bool:
-    """A Hub model name is `org/name` or `name`; anything else (./x, /x, ~/x, a/b/c) is a path."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name or name.endswith(".json")
-
-
-def pretrained_path(mcfg: dict, source: str) -> str:
-    """model.pretrained resolved; a path that does not exist is reported as missing (not as a
-    Hub download that failed)."""
-    name = mcfg["pretrained"]
-    if not isinstance(name, str):
-        raise TrainConfigError(f"{source}: model.pretrained: expected a string (a model folder), got {name!r}")
-    path = _resolve(name)
-    if not Path(path).exists() and looks_like_a_path(name):
-        raise TrainConfigError(f"{source}: model.pretrained {name} does not exist ({LOOKED})")
-    return path
-
-
-def _from_pretrained(load, path: str, source: str, **kwargs):
-    """`load(path, **kwargs)`; when `path` is no local folder and the Hub cannot give it either,
-    the error says first that the folder does not exist."""
-    try:
-        return load(path, **kwargs)
-    except OSError as e:
-        if Path(path).exists():
-            raise
-        raise TrainConfigError(
-            f"{source}: model.pretrained {path} does not exist ({LOOKED}), and it "
-            f"could not be loaded as a Hugging Face Hub model either: {str(e).splitlines()[0]}"
-        ) from None
-
-
-def model_config(mcfg: dict, source: str):
-    """The model's transformers config, without building the model or reading weights."""
-    from transformers import AutoConfig
-
-    mcfg = unset(mcfg)  # `pretrained: null` is no pretrained model, not one named 'None'
-    trusted = trust_remote_code(mcfg, source)
-    if "pretrained" in mcfg:
-        path = pretrained_path(mcfg, source)
-        own = Path(path) / "config.json"
-        if own.is_file():  # its counts checked first: transformers divides by the head count
-            try:
-                check_model_counts(load_json(own.read_text()), f"{source}: model.pretrained {own}")
-            except (OSError, ValueError) as e:
-                if isinstance(e, TrainConfigError):
-                    raise
-                raise TrainConfigError(f"{source}: model.pretrained {own} is not a readable JSON file: {e}") from None
-        with named_errors(source, "model.pretrained", []):
-            return _from_pretrained(AutoConfig.from_pretrained, path, source, trust_remote_code=trusted)
-    if "config" not in mcfg:
-        raise TrainConfigError(f"{source}: model needs `config` (a config.json) or `pretrained` (a folder)")
-
-    with named_errors(source, "model.config", []):
-        cpath = resolve_config(mcfg["config"], "models", (".json",))
-    if Path(cpath).is_dir():
-        raise TrainConfigError(f"{source}: model.config {cpath} is a directory; expected a config.json file")
-    try:
-        d = load_json(Path(cpath).read_text())
-    except (OSError, ValueError) as e:
-        raise TrainConfigError(f"{source}: model.config {cpath} is not a readable JSON file: {e}") from None
-    if not isinstance(d, dict):
-        raise TrainConfigError(f"{source}: model.config {cpath} must hold a JSON object, got {type(d).__name__}")
-    check_model_counts(d, f"{source}: model.config {cpath}")
-    d.pop("architectures", None)
-    mtype = d.pop("model_type", None)
-    if mtype is None:
-        raise TrainConfigError(f"{source}: model config {cpath} has no model_type")
-    with named_errors(source, f"model.config {cpath}", []):
-        return AutoConfig.for_model(mtype, **d)
-
-
-# the counts of a transformers config the model's shapes divide by or multiply out (a head count of
-# 0: ZeroDivisionError inside transformers' validation; 1e12 layers: a model never built)
-MODEL_COUNT_KEYS = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "head_dim",
-    "hidden_size",
-    "num_hidden_layers",
-)
-
-
-def check_model_counts(d: object, where: str) -> None:
-    """Every count of MODEL_COUNT_KEYS a config dict (or its text_config) sets is a whole number
-    from 1 to MAX_MODEL_DIM; null is unset. TrainConfigError naming `where` and the field."""
-    if not isinstance(d, dict):
-        return
-    for part, sub in (("", d), ("text_config.", d.get("text_config"))):
-        if not isinstance(sub, dict):
-            continue
-        for k in MODEL_COUNT_KEYS:
-            v = sub.get(k)
-            if v is None:
-                continue
-            whole = not isinstance(v, bool) and isinstance(v, (int, float)) and (isinstance(v, int) or v.is_integer())
-            if not whole or not 1 <= v <= MAX_MODEL_DIM:
-                raise TrainConfigError(
-                    f"{where}: field {(part + k)!r} must be a whole number from 1 to {MAX_MODEL_DIM:,}, got {brief(v)}"
-                )
-
-
-def build_model(mcfg: dict, source: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import hf_cp.attention.interface  # noqa: F401  torch, transformers: registers attn_implementation="hf_cp"
-
-    mcfg = unset(mcfg)
-    attn = mcfg.get("attn_implementation", "hf_cp")
-    if "pretrained" in mcfg:
-        model = _from_pretrained(
-            AutoModelForCausalLM.from_pretrained,
-            pretrained_path(mcfg, source),
-            source,
-            attn_implementation=attn,
-            trust_remote_code=trust_remote_code(mcfg, source),
-        )
-    else:
-        config = model_config(mcfg, source)
-        torch.manual_seed(int(mcfg.get("seed", 0)))
-        # fp32 whatever dtype the config names (Qwen2.5's says bfloat16): these are the master
-        # weights; bf16 compute comes from autocast or DeepSpeed. Built in bf16, a run without
-        # DeepSpeed would apply AdamW to bf16 parameters and lose the small updates.
-        with whole_weights_init():
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    model.config.use_cache = False
-    return model
-
-
-@contextlib.contextmanager
-def whole_weights_init() -> Iterator[None]:
-    """A model built from its config inside gets the same initial weights under every engine: with
-    a ZeRO-3 DeepSpeed config set, transformers would build it under deepspeed.zero.Init, which
-    initialises each rank's partition with other random draws (the main job's step-1 loss was
-    5.530 under ZeRO-3 against 5.581 under ZeRO-2 and FSDP2). DeepSpeed partitions the whole model
-    when it wraps it. A pretrained model loads its weights either way."""
-    from transformers.integrations import deepspeed as hf_deepspeed  # transformers
-
-    kept = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None  # is_deepspeed_zero3_enabled() is False meanwhile
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = kept
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def load_run_tokenizer(mcfg: dict, source: str):
-    """The run's tokenizer, saved with the final model: model.tokenizer (a folder), else the one
-    in the model.pretrained folder; None when the run has none (a model built from a config)."""
-    mcfg = unset(mcfg)
-    name = mcfg.get("tokenizer")
-    if name is None and "pretrained" in mcfg:
-        folder = Path(pretrained_path(mcfg, source))
-        if not any((folder / f).exists() for f in TOKENIZER_FILES):
-            return None
-        name = str(folder)
-    if name is None:
-        return None
-    path = Path(_resolve(str(name)))
-    if not path.exists():
-        raise TrainConfigError(f"{source}: model.tokenizer {name} does not exist ({LOOKED})")
-    from hf_cp.data_prep.tokenizer import load_tokenizer  # transformers, loaded only for a tokenizer
-
-    return load_tokenizer(str(path), trust_remote_code=trust_remote_code(mcfg, source))
-
-
 def _read_dataset(path: str, field: str, source: str):
     from datasets import Dataset, load_from_disk
 
-    p = Path(_resolve(path))
+    p = Path(resolve_input(path))
     if not p.exists():
         raise TrainConfigError(f"{source}: data.{field} {path} does not exist ({LOOKED})")
     if p.is_dir():

@@ -23,17 +23,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, ContextManager, List, Optional, Tuple, Union
+from dataclasses import replace
+from typing import Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
 from hf_cp.attention.context import cp_context
 from hf_cp.plan.passes import BACKWARD, FORWARD, PassCursor, most_open_graphs
-from hf_cp.train.data.answer_slots import answer_sums
 from hf_cp.train.data.collator import IGNORE_INDEX, MicroBatch, RankStep
 from hf_cp.train.step.agreement import collective_scope
-from hf_cp.train.step.chunkflow import evaluate_chunked_sample, run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.chunkflow import run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.forward_passes import CHUNKED_OBJECTIVE, ForwardOnlyPasses, sample_rows
 from hf_cp.train.step.groups import CPGroups
 from hf_cp.train.step.loss import (
     chunkable_head,
@@ -45,7 +45,8 @@ from hf_cp.train.step.loss import (
     logits_loss,
     logits_token_logps,
 )
-from hf_cp.train.step.router_balance import RouterBalance, RouterCensus, census_of, router_tallies
+from hf_cp.train.step.router_balance import RouterBalance, RouterCensus, router_tallies
+from hf_cp.train.step.totals import WaveTotals
 
 logger = logging.getLogger(__name__)
 
@@ -56,25 +57,7 @@ logger = logging.getLogger(__name__)
 TokenObjective = Callable[[MicroBatch, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
-class WaveTotals:
-    """What this rank did in one step (or one evaluation batch)."""
-
-    loss: torch.Tensor  # the scaled loss handed to backward, summed over waves (training)
-    loss_sum: float = 0.0  # unscaled sum of token losses
-    valid: int = 0  # valid targets in this rank's rows
-    tokens: int = 0
-    compute_ms: float = 0.0  # forward+backward time of the waves with work, up to the embedding's gradient
-    router_loss: float = 0.0  # the step's MoE router term (coef x aux), the same on every rank (training)
-    # wall time of the step's forward-only passes before its training pass (a sequence objective's
-    # log-prob and reference passes, the router census): StepExecutor.forward_only_ms taken (training)
-    forward_only_ms: float = 0.0
-    # per wave, wall-clock seconds since the epoch: (start, end of this rank's compute, end of its backward
-    # call, which includes the gradient reduction that follows); dummy waves included (training)
-    wave_timeline: List[Tuple[float, float, float]] = field(default_factory=list)
-
-
-class StepExecutor:
+class StepExecutor(ForwardOnlyPasses):
     """Runs a RankStep's waves on one rank.
 
     `backward(loss, last)` is the trainer's backward (DeepSpeed, DDP or plain autograd), with
@@ -196,7 +179,7 @@ class StepExecutor:
                     collective_scope(step.index + 1, w, ctx.group_ranks),
                 ):
                     if mb.chunked and objective is not None:
-                        raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+                        raise ValueError(CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
                     if mb.chunked:
                         wave_sum, loss = self._chunked_wave(model, mb, scale, last_wave and pad == 0)
                     elif objective is not None:
@@ -283,7 +266,7 @@ class StepExecutor:
             scope = (step.index + 1, w, ctx.group_ranks)
             if mb.chunked:
                 if objective is not None:
-                    raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
+                    raise ValueError(CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
                 with collective_scope(*scope):
                     wave_sum, loss = self._chunked_wave(model, mb, scale, own_backward_is_boundary, cursor.before)
             else:
@@ -352,103 +335,6 @@ class StepExecutor:
             )
         return total, total * scale
 
-    def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
-        """Forward only, every wave with work on this rank (call under torch.no_grad())."""
-        totals = WaveTotals(loss=torch.zeros((), device=self.device))
-        self.loss_head()  # decided now, on every rank: its check runs a forward, a collective when sharded
-        for w, mb in enumerate(step.waves):
-            if self.aligned_passes:  # sharded parameters: as many forwards on every rank
-                self._evaluation_dummies(model, step, w, mb)
-            if mb is None:  # forward only: no gradient reduction to join
-                continue
-            if mb.chunked:  # one rank, no collectives: each sample's chunks in order over the K/V store
-                loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
-                for c in mb.chunked:
-                    chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
-                    totals.loss_sum += float(evaluate_chunked_sample(model, chunks, loss_fn))
-                totals.valid += mb.num_valid
-                totals.tokens += mb.num_tokens
-                continue
-            ctx = self._context(mb)
-            with (
-                cp_context(ctx),
-                collective_scope(step.index + 1, w, ctx.group_ranks, "evaluation micro-batch", "evaluation batch"),
-            ):
-                totals.loss_sum += float(self.wave_loss(model, mb))
-            totals.valid += mb.num_valid
-            totals.tokens += mb.num_tokens
-        return totals
-
-    def _evaluation_dummies(self, model: torch.nn.Module, step: RankStep, w: int, mb: Optional[MicroBatch]) -> None:
-        """Forward-only waves with sharded parameters: every rank runs the wave's largest number of
-        forwards (a micro-batch one, a chunked sample one per chunk), this rank's own ones plus
-        dummies (all forwards alike: their order does not matter)."""
-        own_passes = step.plan.rank_passes(w)
-        forwards = [p.count(BACKWARD) for p in own_passes]  # a backward per chunk, one per micro-batch
-        mine = forwards[self.rank]
-        for _ in range(max(forwards) - mine):
-            self._dummy_forward(model, step.index + 1, w, graph=False)
-
-    def answer_logps(
-        self, model: torch.nn.Module, step: RankStep, head: Union[str, Optional[torch.nn.Linear]] = "policy"
-    ) -> torch.Tensor:
-        """This rank's part of every answer's summed log-prob (RankStep.answer_slots), forward only
-        (call under torch.no_grad()); summed over the world they are the answers' log-probs.
-        `head`: the LM head the chunked path bypasses ("policy": the trained model's; pass another
-        model's own head, or None for full logits)."""
-        t0 = self.now()
-        sums = torch.zeros(len(step.answer_slots), dtype=torch.float64, device=self.device)
-        for w, mb in enumerate(step.waves):
-            if self.aligned_passes:  # sharded parameters (policy or reference): as many forwards on every rank
-                self._evaluation_dummies(model, step, w, mb)
-            if mb is None:  # forward only: no gradient reduction to join
-                continue
-            if mb.chunked:
-                raise ValueError(_CHUNKED_OBJECTIVE.format(step=step.index + 1, samples=mb.local_ids))
-            ctx = self._context(mb)
-            with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "log-prob micro-batch"):
-                own, extra = self.wave_token_logps(model, mb, head)
-            sums += answer_sums(mb, own, extra, len(step.answer_slots)).double()
-        self.forward_only_ms += (self.now() - t0) * 1e3
-        return sums
-
-    # ------------------------------------------------------------------ the MoE router's term
-    def router_census(self, model: torch.nn.Module, step: RankStep) -> Optional[RouterCensus]:
-        """A forward without gradient (and without the LM head) over this rank's waves, then one
-        all-reduce: the step's expert selections, which each wave's router term weighs by
-        (step/router_balance.py). None without a router term."""
-        if self.router is None:
-            return None
-        t0 = self.now()
-        per_wave = {}
-        with torch.no_grad():
-            for w, mb in enumerate(step.waves):
-                if self.aligned_passes:  # sharded parameters: as many forwards on every rank
-                    self._evaluation_dummies(model, step, w, mb)
-                if mb is None:
-                    continue
-                if mb.chunked:
-                    raise ValueError(
-                        _CHUNKED_ROUTER.format(step=step.index + 1, samples=[c.sample for c in mb.chunked])
-                    )
-                ctx = self._context(mb)
-                with cp_context(ctx), collective_scope(step.index + 1, w, ctx.group_ranks, "router census micro-batch"):
-                    logits = self._router_logits(model, mb)
-                per_wave[w] = router_tallies(logits, self.router, _sample_rows(mb))
-        everyone = tuple(range(self.world_size))
-        with collective_scope(step.index + 1, len(step.waves), everyone, "router census"):
-            census = census_of(self.router, per_wave, self.world_size, device=self.device)
-        self.forward_only_ms += (self.now() - t0) * 1e3
-        return census
-
-    def _router_logits(self, model: torch.nn.Module, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
-        ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
-        head = self.loss_head()
-        if head is None:
-            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
-        with lm_head_computing(head, lambda hidden, weight, bias: hidden.new_zeros(())):
-            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
-
     def _token_wave(
         self,
         model: torch.nn.Module,
@@ -464,7 +350,7 @@ class StepExecutor:
             wave_sum = self.wave_loss(model, mb)
             return wave_sum, wave_sum * scale
         wave_sum, logits = self._wave_forward(model, mb, router=True)
-        counts, sums, _ = router_tallies(logits, self.router, _sample_rows(mb))
+        counts, sums, _ = router_tallies(logits, self.router, sample_rows(mb))
         if not torch.equal(counts.cpu(), census.wave_counts[wave].cpu()):
             raise RuntimeError(
                 f"step {step}, wave {wave}: the router chose other experts in the training pass than in the census "
@@ -577,20 +463,7 @@ class StepExecutor:
         return self._head
 
 
-def _sample_rows(mb: MicroBatch) -> int:
-    """The micro-batch's tokens that belong to samples (its row less trailing padding)."""
-    return int(mb.input_ids.shape[1]) - mb.padding_tokens
-
-
-_CHUNKED_ROUTER = (
-    "step {step}: samples {samples} run as dependent chunks (ChunkFlow), and the MoE router's load-balancing term "
-    "over the step is not computed on chunks; plan this data with another balancer, or set output_router_logits=False"
-)
 _ROUTER_OBJECTIVE = (
     "a sequence-level loss (DPO, GRPO) with the MoE router's load-balancing term: not computed; set "
     "output_router_logits=False"
-)
-_CHUNKED_OBJECTIVE = (
-    "step {step}: samples {samples} run as dependent chunks (ChunkFlow); a sequence-level loss (DPO, GRPO) "
-    "needs shared-prompt samples, which are never chunked: plan this data with another balancer"
 )
