@@ -111,8 +111,8 @@ def test_the_policy_step_equals_trls_at_world_1(name, model_path, tmp_path):
         assert ref_logs[1][key] > 0, ref_logs[1]
     if CONFIGS[name].get("beta"):
         assert ref_logs[1]["kl"] > 0, ref_logs[1]
-    planned = [x for x in logs if "cp/groups" in x]
-    assert [x["cp/groups"] for x in planned] == [3.0] * STEPS  # 12 rows: 3 groups of G completions
+    planned = [x for x in logs if "cp/prompt_groups" in x]
+    assert [x["cp/prompt_groups"] for x in planned] == [3.0] * STEPS  # 12 rows: 3 groups of G completions
 
 
 def test_a_completions_log_probs_scaled_by_1_001_are_caught(model_path, tmp_path, monkeypatch):
@@ -147,7 +147,7 @@ def test_a_group_of_truncated_completions_is_skipped_by_name(model_path, tmp_pat
     warned = [r.getMessage() for r in caplog.records if "every completion was truncated" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     assert "GRPO group" in warned[0] and "LONG" in warned[0] and f"max_completion_length={MAX_LEN}" in warned[0]
-    assert sum(x.get("cp/skipped_groups", 0) for x in logs) >= 1
+    assert sum(x.get("cp/skipped_prompt_groups", 0) for x in logs) >= 1
 
 
 def test_a_step_without_signal_is_a_zero_gradient_step(model_path, tmp_path):
@@ -158,8 +158,8 @@ def test_a_step_without_signal_is_a_zero_gradient_step(model_path, tmp_path):
     assert losses == ref[0] == [0.0, 0.0]
     assert all(float(g.abs().max()) == 0.0 for step in grads for g in step.values())
     assert max_relative_grad_diff(grads, ref[1]) == 0.0
-    assert [x["cp/groups"] for x in logs if "cp/groups" in x] == [0.0, 0.0]
-    assert [x["cp/skipped_groups"] for x in logs if "cp/skipped_groups" in x] == [3.0, 3.0]
+    assert [x["cp/prompt_groups"] for x in logs if "cp/prompt_groups" in x] == [0.0, 0.0]
+    assert [x["cp/skipped_prompt_groups"] for x in logs if "cp/skipped_prompt_groups" in x] == [3.0, 3.0]
 
 
 def test_a_reward_function_that_raises_names_itself_and_the_group(model_path, tmp_path):

@@ -20,7 +20,7 @@ batches that hf_cp's attention refuses. Only the policy step changes:
    right padding removed (completion_mask), the prompt computed once, each completion
    attending to the prompt and itself, positions continuing from the prompt's end; so each
    completion's per-token log-probs are exactly those of prompt+completion as its own sequence;
-3. the step's groups are planned across ranks by the configured balancer (Planner: local,
+3. the step's prompt groups are planned across ranks by the configured balancer (Planner: local,
    Ulysses, ring or blocks), collated (PlanCollator) and run by the step executor
    (StepExecutor.train) with a per-token objective: TRL's GRPO loss of each token
    (objectives/grpo_loss.py), weighted by its row's normaliser, which is known before the forward from
@@ -91,7 +91,7 @@ class CPGRPOConfig(CPTrainingArguments, GRPOConfig):
     per_device_train_batch_size: int = field(
         default=8,
         metadata={
-            "help": "rows (completions) of the generation batch per process; the step's groups are then planned "
+            "help": "rows (completions) of the generation batch per process; the step's prompt groups are then planned "
             "over all ranks, so a rank's memory is set by cp_max_tokens_per_rank, not by this"
         },
     )
@@ -138,8 +138,8 @@ class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
         s = self.cp_grpo
         weights = row_weights(s, rollout.counts(), rollout.processes, self.cp_world)
         index = self.state.global_step  # 0-based: the step's errors count from 1
-        groups = self._cp_group_samples(rollout, ~idle_rows(rollout, s.beta), index)
-        self._cp_groups = groups
+        prompt_groups = self._cp_prompt_groups(rollout, ~idle_rows(rollout, s.beta), index)
+        self._cp_prompt_groups_of_step = prompt_groups
         device = self.args.device
         cmax = max([len(c) for c in rollout.completions] + [1])
 
@@ -163,15 +163,15 @@ class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
             advantages=adv,
             old=table(rollout.old),
             ref=table(rollout.ref),
-            groups=groups.groups,
-            skipped=groups.skipped,
+            groups=prompt_groups.prompt_group,
+            skipped=prompt_groups.skipped,
         )
-        if not groups.samples:
+        if not prompt_groups.samples:
             empty = torch.zeros(0, dtype=torch.long, device=device)
             return StepTables(step=None, planned=None, slot_row=empty, slot_prompt=empty, **base)
-        step, planned = self._cp_rank_step(groups, rollout, index)
-        slot_row = [groups.rows_of[sid][a] for sid, a in step.answer_slots]
-        slot_prompt = [groups.masks[sid].prompt for sid, _ in step.answer_slots]
+        step, planned = self._cp_rank_step(prompt_groups, rollout, index)
+        slot_row = [prompt_groups.rows_of[sid][a] for sid, a in step.answer_slots]
+        slot_prompt = [prompt_groups.masks[sid].prompt for sid, _ in step.answer_slots]
         return StepTables(
             step=step,
             planned=planned,
@@ -193,7 +193,7 @@ class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
             with self.accelerator.autocast():
                 self.cp_runtime.executor.train(model, step, step_objective(self.cp_grpo, tables))
         loss = self._cp_log(rollout, tables)
-        self._cp_log_plan(self._cp_groups, tables.step, tables.planned, build_ms)
+        self._cp_log_plan(self._cp_prompt_groups_of_step, tables.step, tables.planned, build_ms)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
 
     def _cp_log(self, rollout: GRPORollout, t: StepTables) -> float:

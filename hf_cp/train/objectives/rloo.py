@@ -12,8 +12,8 @@ the reference folded into the reward (beta) and the leave-one-out advantages, on
 `cp_generation_attn_implementation` ("sdpa"). The ratio's old log-probs (TRL's `old_logps`) are
 those of the policy that generated the rollout: hf_cp takes them from the rollout's first planned
 step, which trains that policy, so that no other kernel's fp32 noise enters the ratio.
-hf_cp's: the policy step (objectives/rollout.py, as for GRPO). Each group (one prompt, its G
-completions) is one shared-prompt sample; the step's groups are planned by the configured
+hf_cp's: the policy step (objectives/rollout.py, as for GRPO). Each prompt group (one prompt, its G
+completions) is one shared-prompt sample; the step's prompt groups are planned by the configured
 balancer over all ranks; and since RLOO's loss is per sequence, the step runs through the
 sequence-objective seam (step/sequence_objective.py): every completion's summed log-prob now,
 without gradient, then TRL's clipped loss on the whole-step vectors (objectives/rloo_loss.py),
@@ -62,7 +62,7 @@ class CPRLOOConfig(CPTrainingArguments, RLOOConfig):
     per_device_train_batch_size: int = field(
         default=8,
         metadata={
-            "help": "rows (completions) of the generation batch per process; the step's groups are then planned "
+            "help": "rows (completions) of the generation batch per process; the step's prompt groups are then planned "
             "over all ranks, so a rank's memory is set by cp_max_tokens_per_rank, not by this"
         },
     )
@@ -102,18 +102,18 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
         counts = rollout.counts()
         # a row without completion tokens: ratio exp(0 - 0) = 1, TRL's loss -A, no gradient
         constant = float(sum(-advantages[r] for r in range(rows) if idle[r] and counts[r] == 0))
-        groups = self._cp_group_samples(rollout, ~idle, index)
+        prompt_groups = self._cp_prompt_groups(rollout, ~idle, index)
         step = planned = None
         build_ms = (time.perf_counter() - t0) * 1e3
-        if not groups.samples:  # nothing can move the policy: a zero gradient, as TRL's step has
+        if not prompt_groups.samples:  # nothing can move the policy: a zero gradient, as TRL's step has
             self.cp_runtime.executor._dummy_backward(model, index + 1, 0, True)
             loss = constant / rows
         else:
-            step, planned = self._cp_rank_step(groups, rollout, index)
+            step, planned = self._cp_rank_step(prompt_groups, rollout, index)
             build_ms = (time.perf_counter() - t0) * 1e3
             self.cp_runtime.check_attention(self.model, step)
             executor = self.cp_runtime.executor
-            slot_rows = [groups.rows_of[sid][a] for sid, a in step.answer_slots]
+            slot_rows = [prompt_groups.rows_of[sid][a] for sid, a in step.answer_slots]
             adv = torch.as_tensor(advantages[slot_rows], dtype=torch.float64)
             with self.accelerator.autocast():
                 now = answer_logps_everywhere(executor, self.accelerator.unwrap_model(model), step, self.cp_world)
@@ -132,5 +132,5 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
                 _, loss, metrics = train_sequence_objective(executor, model, step, now, loss_of)
             for name, value in metrics.items():
                 self._metrics["train"][name].append(value)
-        self._cp_log_plan(groups, step, planned, build_ms)
+        self._cp_log_plan(prompt_groups, step, planned, build_ms)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)

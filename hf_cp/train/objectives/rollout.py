@@ -8,8 +8,8 @@ Shared here:
 - generation and scoring on `cp_generation_attn_implementation` (KV cache, padded batches);
 - reward functions guarded so that one that raises stops every rank, naming the group;
 - the generation batch gathered from every process into one rollout (grpo_generation.py);
-- each group (one prompt, its completions) as one shared-prompt sample, the groups planned by
-  the runtime (`plan_batch`), collated and agreed on every rank.
+- each prompt group (one prompt, its completions: TRL's "group") as one shared-prompt sample,
+  planned by the runtime (`plan_batch`) onto CP groups, collated and agreed on every rank.
 """
 
 from __future__ import annotations
@@ -73,14 +73,16 @@ def refuse_split_generation(config, name: str) -> None:
 
 
 @dataclass
-class GroupSamples:
-    """The groups of a rollout that run, each one shared-prompt sample (sample id = index)."""
+class PromptGroups:
+    """The prompt groups of a rollout that run (TRL's groups: one prompt and its completions),
+    each one shared-prompt sample (sample id = index). "Group" alone in hf_cp means a plan's CP
+    group (plan/step_plan.py) or a process group (step/groups.py); a rollout's are prompt groups."""
 
     samples: List[Tuple[List[int], List[int]]]  # (input_ids, labels)
     masks: Dict[int, SampleMask]
     rows_of: List[List[int]]  # sample id -> the rollout rows of its answers, in answer order
-    groups: List[int]  # sample id -> group of the generation batch
-    skipped: List[int]  # groups not run (no row that can move the policy)
+    prompt_group: List[int]  # sample id -> its prompt group's index in the generation batch
+    skipped: List[int]  # prompt groups not run (no row that can move the policy)
 
 
 class PlannedRollouts(FSDP2Trainer):
@@ -142,7 +144,7 @@ class PlannedRollouts(FSDP2Trainer):
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
         # no sampler: the batches come from generation, each planned when it is made
         setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
-        self.cp_runtime = StepRuntime(self, setup, balancer)  # groups, planner, executor, agreement
+        self.cp_runtime = StepRuntime(self, setup, balancer)  # process groups, planner, executor, agreement
         self._cp_rollout: Optional[GRPORollout] = None
 
     def _cp_settings(self, args) -> None:
@@ -167,7 +169,7 @@ class PlannedRollouts(FSDP2Trainer):
         return model.get_base_model() if is_peft_model(model) else model
 
     def _cp_setup(self) -> None:
-        """The runtime's groups, planner and executor: once, at the first step, on every rank."""
+        """The runtime's process groups, planner and executor: once, at the first step, on every rank."""
         # TRL scores completions under the distribution it sampled from
         self.cp_runtime.start(self.accelerator.unwrap_model(self.model), logit_temperature=self.temperature)
 
@@ -251,7 +253,7 @@ class PlannedRollouts(FSDP2Trainer):
         self._metrics["train"]["step_time"].append(time.perf_counter() - t0)
         return loss
 
-    def _cp_describe_group(self, rollout: GRPORollout, g: int) -> str:
+    def _cp_describe_prompt_group(self, rollout: GRPORollout, g: int) -> str:
         prompt = rollout.prompts[g * rollout.num_generations]
         try:
             text = self.processing_class.decode(prompt[-60:])
@@ -259,11 +261,11 @@ class PlannedRollouts(FSDP2Trainer):
             text = str(prompt[-20:])
         return f"{self.cp_objective} group {g} (prompt of {len(prompt)} tokens ending {text!r})"
 
-    def _cp_group_samples(self, rollout: GRPORollout, trainable: Sequence[bool], index: int) -> GroupSamples:
+    def _cp_prompt_groups(self, rollout: GRPORollout, trainable: Sequence[bool], index: int) -> PromptGroups:
         """Each group with a row that can move the policy (`trainable`) as one shared-prompt
         sample of its prompt and those rows' completions; the same on every rank."""
         G, R = rollout.num_generations, rollout.rows
-        out = GroupSamples([], {}, [], [], [])
+        out = PromptGroups([], {}, [], [], [])
         truncated: List[int] = []
         for g in range(R // G):
             members = list(range(g * G, (g + 1) * G))
@@ -271,11 +273,11 @@ class PlannedRollouts(FSDP2Trainer):
             for r in members[1:]:
                 if rollout.prompts[r] != prompt:
                     raise ValueError(
-                        f"step {index + 1}: rows {members[0]} and {r} of {self._cp_describe_group(rollout, g)} have "
+                        f"step {index + 1}: rows {members[0]} and {r} of {self._cp_describe_prompt_group(rollout, g)} have "
                         "different prompt tokens; a group must be one prompt and its completions"
                     )
             if not prompt:
-                raise ValueError(f"step {index + 1}: {self._cp_describe_group(rollout, g)} has an empty prompt")
+                raise ValueError(f"step {index + 1}: {self._cp_describe_prompt_group(rollout, g)} has an empty prompt")
             kept = [r for r in members if trainable[r]]
             if not kept:
                 out.skipped.append(g)
@@ -291,28 +293,30 @@ class PlannedRollouts(FSDP2Trainer):
             )
             out.samples.append((ids, labels))
             out.rows_of.append(kept)
-            out.groups.append(g)
+            out.prompt_group.append(g)
         if truncated and self.cp_rank == 0:
             logger.warning(
                 "hf_cp: step %d: %s: every completion was truncated at max_completion_length=%s without EOS and "
                 "mask_truncated_completions=True masks them all, so the group carries no training signal; skipped "
                 "(TRL would run it with zero loss)",
                 index + 1,
-                ", ".join(self._cp_describe_group(rollout, g) for g in truncated),
+                ", ".join(self._cp_describe_prompt_group(rollout, g) for g in truncated),
                 self.max_completion_length,
             )
         return out
 
-    def _cp_rank_step(self, groups: GroupSamples, rollout: GRPORollout, index: int) -> Tuple[RankStep, PlannedStep]:
+    def _cp_rank_step(
+        self, prompt_groups: PromptGroups, rollout: GRPORollout, index: int
+    ) -> Tuple[RankStep, PlannedStep]:
         """The step's plan (the runtime's planner) and this rank's micro-batches of it."""
-        lengths = [len(ids) for ids, _ in groups.samples]
+        lengths = [len(ids) for ids, _ in prompt_groups.samples]
 
         def label(sid: int) -> str:
-            return self._cp_describe_group(rollout, groups.groups[sid])
+            return self._cp_describe_prompt_group(rollout, prompt_groups.prompt_group[sid])
 
-        planned = self.cp_runtime.plan_batch(index, lengths, groups.masks, label)
-        collate = PlanCollator(lambda sid: groups.samples[sid], groups.masks)
-        valid = sum(sum(1 for t in lab if t != IGNORE_INDEX) for _, lab in groups.samples)
+        planned = self.cp_runtime.plan_batch(index, lengths, prompt_groups.masks, label)
+        collate = PlanCollator(lambda sid: prompt_groups.samples[sid], prompt_groups.masks)
+        valid = sum(sum(1 for t in lab if t != IGNORE_INDEX) for _, lab in prompt_groups.samples)
         step = collate.rank_step(planned.plan, self.cp_rank, valid, planned=planned)
         # every rank planned the same samples; a balancer whose plans depend on timing (a solver's
         # deadline) may still differ, and then every rank runs rank 0's plan (step/agreement.py)
@@ -321,12 +325,12 @@ class PlannedRollouts(FSDP2Trainer):
         return step, planned
 
     def _cp_log_plan(
-        self, groups: GroupSamples, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float
+        self, prompt_groups: PromptGroups, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float
     ) -> None:
         """The cp/ keys of the step's plan."""
         m = self._metrics["train"]
-        m["cp/groups"].append(float(len(groups.groups)))
-        m["cp/skipped_groups"].append(float(len(groups.skipped)))
+        m["cp/prompt_groups"].append(float(len(prompt_groups.prompt_group)))
+        m["cp/skipped_prompt_groups"].append(float(len(prompt_groups.skipped)))
         m["cp/build_ms"].append(build_ms)
         if step is not None:
             plan = step.plan  # rank 0's, where a timing-dependent balancer planned otherwise here
@@ -360,11 +364,11 @@ def rollout_summary(history: Sequence[dict]) -> List[str]:
         lines.append(
             f"completion length: mean {_mean(lengths):.1f} tokens (first {lengths[0]:.1f}, last {lengths[-1]:.1f})"
         )
-    groups = sum(float(r.get("cp/groups", 0.0)) for r in logged)
-    skipped = sum(float(r.get("cp/skipped_groups", 0.0)) for r in logged)
-    if skipped:  # a group whose completions all scored alike has no advantage: nothing to train on
+    prompts = sum(float(r.get("cp/prompt_groups", 0.0)) for r in logged)
+    skipped = sum(float(r.get("cp/skipped_prompt_groups", 0.0)) for r in logged)
+    if skipped:  # a prompt group whose completions all scored alike has no advantage: nothing to train on
         lines.append(
-            f"groups trained: {groups - skipped:.0f} of {groups:.0f} ({skipped:.0f} with equal rewards skipped)"
+            f"prompt groups trained: {prompts - skipped:.0f} of {prompts:.0f} ({skipped:.0f} with equal rewards skipped)"
         )
     predicted = [float(r["cp/predicted_step_ms"]) for r in logged if "cp/predicted_step_ms" in r]
     walls = [1000.0 * float(r["step_time"]) for r in logged if "step_time" in r]
