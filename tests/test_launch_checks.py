@@ -59,6 +59,18 @@ def test_a_deepspeed_json_that_contradicts_the_config_is_refused(tmp_path, edits
         _dry(tmp_path, _deepspeed(tmp_path, **edits))
 
 
+def test_an_optimizer_that_the_deepspeed_section_would_replace_is_refused(tmp_path):
+    # the recipe's AdamW section would silently replace optim=sgd (what transformers does)
+    with pytest.raises(SetupError, match=r"optim='sgd' is not what would run: .*type 'AdamW'"):
+        _dry(tmp_path, _deepspeed(tmp_path), "training.optim=sgd")
+    # without the section DeepSpeed wraps the Trainer's SGD; an AdamW optim beside an AdamW section agrees
+    plain = {k: v for k, v in RECIPE.items() if k != "optimizer"}
+    path = tmp_path / "no-optimizer.json"
+    path.write_text(json.dumps(plain))
+    assert "planned and valid" in "\n".join(_dry(tmp_path, f"training.deepspeed={path}", "training.optim=sgd"))
+    assert "planned and valid" in "\n".join(_dry(tmp_path, _deepspeed(tmp_path), "training.optim=adamw_torch"))
+
+
 def test_the_shipped_recipe_and_bf16_auto_pass_and_an_ignored_key_is_warned_about(tmp_path):
     text = "\n".join(_dry(tmp_path, _deepspeed(tmp_path, zero_optimizationx={})))
     assert "warning: " in text and "'zero_optimizationx' is not one DeepSpeed reads" in text

@@ -117,6 +117,25 @@ def _deepspeed_validation(filled: dict, where: str) -> Set[str]:
     return read
 
 
+def check_optimizer_choice(args, raw: Mapping, where: str) -> None:
+    """A DeepSpeed config with an `optimizer` section replaces the Trainer's `optim` without a
+    word (transformers builds DeepSpeed's optimizer instead): refused by name when `optim` asks
+    for another kind than the section's (an Adam-family optim beside an Adam/AdamW section is
+    the same choice, and the section's hyper-parameters are checked against the arguments)."""
+    section = raw.get("optimizer")
+    if not isinstance(section, Mapping):
+        return
+    kind = str(section.get("type", "")).lower()
+    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
+    if optim.lower().startswith("adam") and kind.startswith("adam"):
+        return
+    raise SetupError(
+        f"{where}: optim={optim!r} is not what would run: the DeepSpeed config's optimizer section "
+        f"(type {section.get('type')!r}) replaces the Trainer's optimizer. Remove the section to train with "
+        f"optim={optim!r} (DeepSpeed then wraps the Trainer's), or drop optim to keep the section's"
+    )
+
+
 def check_deepspeed_config(
     args, world_size: int, where: str, half_precision: Optional[Dict[str, bool]] = None
 ) -> List[str]:
@@ -146,6 +165,7 @@ def check_deepspeed_config(
             + "\nSet these DeepSpeed values to 'auto' (they then take the training arguments'), or change the "
             "training arguments"
         )
+    check_optimizer_choice(args, raw, where)
     warnings = []
     read = _deepspeed_validation(hf.config, where) | DEEPSPEED_KEYS_READ_LATER
     for key in sorted(set(raw) - read):
