@@ -4,6 +4,7 @@ processes equal those made inline; warm-up, dead workers and an orphaned worker.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -192,6 +193,35 @@ def test_planner_replaces_a_worker_process_that_dies():
             else:  # something kills every worker: an error naming the step, not an endless loop
                 with pytest.raises(RuntimeError, match=f"step {step}: the planner worker process died 4 times"):
                     bg.get(step)
+    finally:
+        bg.close()
+
+
+def test_a_hung_planner_worker_costs_a_warning_and_an_inline_plan_never_a_hang(monkeypatch):
+    """A forked worker that hangs (stopped here with SIGSTOP, as a fork that deadlocked on a lock
+    would sit) gives no plan: after PLAN_TIMEOUT_S the step is planned in this process, the same
+    plan, and the planner goes on on a thread (a later step needs no worker)."""
+    import signal
+
+    monkeypatch.setattr(Planner, "PLAN_TIMEOUT_S", 2.0)
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    cl = ClusterSpec(4, 256)
+    inline = Planner(sampler, "auto", cl, cost, lookahead=0)
+    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_subprocess=True)
+    try:
+        assert bg.get(0).plan.to_json() == inline.get(0).plan.to_json()
+        (pid,) = list(bg._pool._processes)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.warns(RuntimeWarning, match="step 4: the planner worker process gave no plan in 2 s"):
+            got = bg.get(4)  # not planned ahead: the stopped worker would have had to plan it
+        assert got.plan.to_json() == inline.get(4).plan.to_json()
+        assert not bg.in_subprocess
+        assert bg.get(5).plan.to_json() == inline.get(5).plan.to_json()
+        with pytest.raises(ProcessLookupError):  # the hung worker was killed (and reaped), not left behind
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
     finally:
         bg.close()
 

@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
@@ -169,6 +170,7 @@ class Planner:
             )
         self._lock = threading.Lock()
         self._futures: Dict[int, Future] = {}
+        self._reads: Dict[int, tuple] = {}  # a stream's batch and masks, read when its plan was asked for
         self._pool = None
         self.in_subprocess = False
         self.worker_restarts = 0
@@ -184,6 +186,12 @@ class Planner:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
 
     MAX_WORKER_RESTARTS = 3
+    # A plan takes milliseconds to a few seconds (auto at 4096 ranks: ~1 s; the solvers have their
+    # own deadlines). One that has not come after this long is from a worker that hangs (a fork
+    # taken while another thread of the training process held a lock deadlocks the child): the
+    # step is planned here instead, which gives the same plan (a pure function of the step), and
+    # the planner goes on on a thread, never forking again. Below the collectives' timeout.
+    PLAN_TIMEOUT_S = 60.0
 
     def start(self) -> None:
         """Start the background planner now, so that its start-up overlaps what the caller does
@@ -240,6 +248,7 @@ class Planner:
             self._costs.append((first_step, version, cost))
             for k in [k for k in self._futures if k >= first_step]:
                 self._futures.pop(k).cancel()
+                self._reads.pop(k, None)
 
     def _cost_of_version(self, version: int, profile) -> CostModel:
         if version not in self._version_costs:
@@ -353,12 +362,40 @@ class Planner:
                             if self.in_subprocess
                             else self._pool.submit(self.plan_now, k, cost, version, *read)
                         )
+                        self._reads[k] = read
                 fut = self._futures.pop(index)
+                read = self._reads.pop(index, ())
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
                     self._futures.pop(k).cancel()
-            return fut.result()
+                    self._reads.pop(k, None)
+            if not self.in_subprocess:
+                return fut.result()
+            return fut.result(timeout=self.PLAN_TIMEOUT_S)
         except BrokenProcessPool as err:
             return self._replace_dead_worker(index, err)
+        except FutureTimeout:
+            return self._plan_past_a_hung_worker(index, read)
+
+    def _plan_past_a_hung_worker(self, index: int, read: tuple) -> PlannedStep:
+        """The worker process gave no plan within PLAN_TIMEOUT_S: kill it, plan `index` here and
+        plan later steps on a thread (warned once, naming the step)."""
+        warnings.warn(
+            f"step {index}: the planner worker process gave no plan in {self.PLAN_TIMEOUT_S:g} s (a forked worker "
+            "that hangs); planning this step here and the next ones on a thread of this process",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        with self._lock:
+            pool = self._pool
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            self._futures.clear()
+            self._reads.clear()
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
+            self.in_subprocess = False
+        version, cost = self.cost_for(index)
+        return self.plan_now(index, cost, version, *read)
 
     def _replace_dead_worker(self, index: int, err: BaseException) -> PlannedStep:
         """The worker process died (killed, out of memory): its pending plans are lost, not
@@ -379,6 +416,7 @@ class Planner:
         with self._lock:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._futures.clear()
+            self._reads.clear()
             self._pool = self._new_worker_pool()
         return self.get(index)
 
