@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_cp.attention.kernels import CpuFlashKernel, MathKernel, kernel_for
+from hf_cp.attention.kernels import CpuFlashKernel, MathKernel, kernel_for, softcapped_kernel
 
 from helpers.kernel_checks import check_kernel
 
@@ -29,6 +29,20 @@ def test_math_kernel_tiles_give_the_same_result(monkeypatch):
     some_rows = check_kernel(MathKernel(), "cpu", torch.float64, 3, True)
     for errs in (whole, one_row, some_rows):
         assert max(errs.values()) <= 1e-10, errs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_softcapped_math_kernel_caps_each_score_before_the_mask(causal):
+    # Gemma 2's attn_logit_softcapping: forward, lse and gradients through the cap
+    kernel = softcapped_kernel(1.5)
+    assert kernel is softcapped_kernel(1.5) and kernel.softcap == 1.5
+    errors = check_kernel(kernel, "cpu", torch.float64, 2, causal, softcap=1.5)
+    assert max(errors.values()) <= 1e-10, errors
+    # the cap matters at these scores: the plain kernel is far from the capped reference
+    plain = check_kernel(MathKernel(), "cpu", torch.float64, 2, causal, softcap=1.5)
+    assert min(plain["out"], plain["dq"]) > 1e-2, plain
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        MathKernel(-1.0)
 
 
 def test_math_kernel_in_bf16_accumulates_in_float32():

@@ -7,8 +7,8 @@ sliding-window mask but the attention gets no kwarg), and layer_types alternatio
 Qwen2-MoE, GPT-OSS, Gemma 3). GPT-OSS attention sinks go through the log-sum-exp merge. Logits and
 gradients must equal the model's own sdpa/eager attention run on each document separately,
 and each feature must change the logits (so ignoring it would fail the comparison).
-A user's attention mask tensor, logit softcapping, chunked attention and extra mask functions
-are refused by name.
+Gemma 2's logit soft-capping runs the capping kernel. A user's attention mask tensor, chunked
+attention and extra mask functions are refused by name.
 """
 
 from __future__ import annotations
@@ -57,6 +57,18 @@ FEATURES = {
     "gemma3_alternation": (
         "gemma3_text",
         dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+        "eager",
+    ),
+    # Gemma 2's attention logit soft-capping, at a cap its scores reach, beside its window alternation
+    "gemma2_softcap_and_alternation": (
+        "gemma2",
+        dict(
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=0.05,
+            final_logit_softcapping=None,
+        ),
         "eager",
     ),
 }
@@ -119,6 +131,9 @@ def test_model_attention_features_match_the_model_on_separate_documents(name):
     # the features matter here: without the window (or without sinks) the model's logits move
     no_window = build(model_type, ref_attn, **{**cfg, "sliding_window": 1000})
     assert (_separately(no_window, ids) - want).abs().max() > 1e-3
+    if model_type == "gemma2":  # and without the cap they move too
+        no_cap = build(model_type, ref_attn, **{**cfg, "attn_logit_softcapping": None})
+        assert (_separately(no_cap, ids) - want).abs().max() > 1e-3
     if model_type == "gpt_oss":
         with torch.no_grad():
             for layer in ref.model.layers:
@@ -135,15 +150,11 @@ def test_a_user_attention_mask_tensor_is_refused_by_name():
         model(input_ids=ids, attention_mask=mask4d)
 
 
-def test_softcapping_chunked_attention_and_mask_overlays_are_refused_by_name():
+def test_chunked_attention_and_mask_overlays_are_refused_by_name():
     from types import SimpleNamespace
 
     from hf_cp.attention.interface import hf_cp_mask
 
-    gemma2 = build("gemma2", "hf_cp", attn_logit_softcapping=50.0, sliding_window=4, query_pre_attn_scalar=16)
-    ids = torch.randint(0, 128, (1, 6))
-    with pytest.raises(ValueError, match="softcapping is not supported"):
-        gemma2(input_ids=ids, position_ids=torch.arange(6)[None])
     with pytest.raises(ValueError, match="chunked attention"):
         hf_cp_mask(local_size=8, config=SimpleNamespace(attention_chunk_size=8, sliding_window=None))
     with pytest.raises(ValueError, match="adds its own mask function"):

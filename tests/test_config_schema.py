@@ -112,7 +112,10 @@ def test_every_shipped_config_passes_the_schema(config):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ('training.cp_max_tokens_per_rank="8k"', "training.cp_max_tokens_per_rank: expected an integer or 'auto', got '8k'"),
+        (
+            'training.cp_max_tokens_per_rank="8k"',
+            "training.cp_max_tokens_per_rank: expected an integer or 'auto', got '8k'",
+        ),
         ("training.learning_rate=fast", "training.learning_rate: expected a number, got 'fast'"),
         ("training.max_steps=5.5", "training.max_steps: expected an integer, got 5.5"),
         ("training.use_cpu=maybe", "training.use_cpu: expected true or false, got 'maybe'"),

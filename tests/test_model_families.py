@@ -87,7 +87,7 @@ PENDING_WITHOUT_MODEL_CHECKS = frozenset(
 # hf_cp trains exactly (softmax attention of every kind, MoE, MLA, hybrids run per document).
 MUST_BE_EXACT = frozenset(
     """llama qwen2 qwen3 qwen3_moe mistral mixtral gemma3_text gpt_oss olmo2 phi3 deepseek_v3 glm4
-    cohere2 qwen3_next qwen3_5 bamba falcon_h1 jamba lfm2 gpt2""".split()
+    cohere2 qwen3_next qwen3_5 bamba falcon_h1 jamba lfm2 gpt2 gemma2 vaultgemma""".split()
 )
 
 

@@ -20,9 +20,11 @@ for sliding-window layers, which is how a window the model applies only through 
   `max_window_layers`, mask-only windows): converted to a mask on each layer they apply to,
   intersected with the sample's mask in rotary positions;
 - attention sinks (GPT-OSS `s_aux`): supported through the log-sum-exp merge;
+- logit soft-capping (Gemma 2 `softcap`): the layer runs kernels.softcapped_kernel (the math
+  kernel, capping each score before the mask); refused with ChunkFlow's dependent chunks;
 - refused by name: a user-supplied attention mask tensor (4D or otherwise), chunked attention,
-  extra mask functions (or/and overlays, e.g. bidirectional image tokens), logit softcapping,
-  non-causal attention, attention dropout, KV-cache decoding.
+  extra mask functions (or/and overlays, e.g. bidirectional image tokens), non-causal attention,
+  attention dropout, KV-cache decoding.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from hf_cp.attention.chunk_state import chunk_attention, current_chunk_context
 from hf_cp.attention.context import current_cp_context
 from hf_cp.attention.dispatch import cp_attention, layer_slices
+from hf_cp.attention.kernels import softcapped_kernel
 from hf_cp.attention.local import packed_attention
 
 ATTN_IMPLEMENTATION = "hf_cp"
@@ -128,8 +131,6 @@ def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwar
             f"hf_cp attention ({name}): chunked attention (attention_chunk_size / layer_types 'chunked_attention') "
             "is not supported"
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"hf_cp attention ({name}): attention logit softcapping is not supported")
     if kwargs.get("is_causal", getattr(module, "is_causal", True)) is False:
         raise ValueError(f"hf_cp attention ({name}): non-causal attention is not supported")
     if dropout:
@@ -188,6 +189,8 @@ def hf_cp_attention(
             f"expected one per query head ({h},)"
         )
     scale = scaling if scaling is not None else d**-0.5
+    softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping: the math kernel caps each score
+    kernel = softcapped_kernel(float(softcap)) if softcap else None
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # [B, S, heads, D] views
     ctx = current_cp_context()
     chunk = current_chunk_context()
@@ -204,11 +207,12 @@ def hf_cp_attention(
             raise ValueError(
                 f"hf_cp attention ({name}): ChunkFlow's state store needs the module's layer_idx, it has none"
             )
-        if window is not None or sinks is not None:
-            # the store's attention is plain causal over every earlier chunk: a window or sinks would be dropped
+        if window is not None or sinks is not None or kernel is not None:
+            # the store's attention is plain causal over every earlier chunk: a window, sinks or a cap would be dropped
             feature = " and ".join(
                 ([f"a sliding window of {window}"] if window is not None else [])
                 + (["attention sinks (s_aux)"] if sinks is not None else [])
+                + ([f"attention logit soft-capping at {softcap:g}"] if kernel is not None else [])
             )
             raise ValueError(
                 f"hf_cp attention ({name}, layer {layer}): the model's layer has {feature}, which ChunkFlow's "
@@ -219,7 +223,7 @@ def hf_cp_attention(
     if ctx is not None:
         if b != 1:
             raise ValueError(f"hf_cp attention under a CP context needs one packed row per micro-batch, got batch {b}")
-        out = cp_attention(q[0], k[0], v[0], ctx, scale, window=window, sinks=sinks)
+        out = cp_attention(q[0], k[0], v[0], ctx, scale, kernel, window=window, sinks=sinks)
         return out.unsqueeze(0), None
     if kwargs.get("cu_seq_lens_q") is not None:
         docs = _docs_from_cu_seqlens(kwargs["cu_seq_lens_q"], b, s)
@@ -230,7 +234,7 @@ def hf_cp_attention(
     flat = [n for row in docs for n in row]
     slices = layer_slices(tuple(flat), (), window)
     if b == 1:
-        out = packed_attention(q[0], k[0], v[0], docs[0], scale, None, slices, sinks)
+        out = packed_attention(q[0], k[0], v[0], docs[0], scale, kernel, slices, sinks)
     else:
         out = packed_attention(
             q.reshape(b * s, h, d),
@@ -238,7 +242,7 @@ def hf_cp_attention(
             v.reshape(b * s, v.shape[2], v.shape[3]),
             flat,
             scale,
-            None,
+            kernel,
             slices,
             sinks,
         )

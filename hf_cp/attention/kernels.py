@@ -306,6 +306,13 @@ class MathKernel(AttentionKernel):
     name = "math"
     TILE_ELEMENTS = 1 << 26  # scores (query rows x keys x heads) per tile: 256 MiB in float32
 
+    def __init__(self, softcap: float = 0.0):
+        # logit soft-capping (Gemma 2): score -> softcap * tanh(score / softcap), before the mask;
+        # elementwise, so blocks merged by their lse (ring attention) stay exact
+        if softcap < 0:
+            raise ValueError(f"attention softcap must be >= 0, got {softcap}")
+        self.softcap = float(softcap)
+
     @staticmethod
     def _acc(x: Tensor) -> Tensor:
         return x.double() if x.dtype == torch.float64 else x.float()
@@ -320,15 +327,19 @@ class MathKernel(AttentionKernel):
             qo += ql
             ko += kl
 
-    @staticmethod
-    def _scores(q, k, kl, ql, r0, causal, scale):
+    def _scores(self, q, k, kl, ql, r0, causal, scale) -> Tuple[Tensor, Optional[Tensor]]:
         # q [rows, H, D], k [kl, H, D] -> [H, rows, kl]; causal blocks are square, so key j is
-        # visible to query row i when j <= i (bottom-right alignment, as the flash kernels)
+        # visible to query row i when j <= i (bottom-right alignment, as the flash kernels).
+        # Also tanh(score / softcap) when soft-capping (its derivative is 1 - tanh^2), else None.
         s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        t = None
+        if self.softcap:
+            t = torch.tanh(s / self.softcap)
+            s = t * self.softcap
         if causal:
             i = torch.arange(r0, r0 + q.shape[0], device=q.device)[:, None] + (kl - ql)
             s = s.masked_fill(torch.arange(kl, device=q.device)[None, :] > i, float("-inf"))
-        return s
+        return s, t
 
     def forward(self, q, k, v, q_lens, k_lens, causal, scale):
         group = q.shape[1] // k.shape[1]
@@ -337,7 +348,7 @@ class MathKernel(AttentionKernel):
         for qo, ko, ql, kl, r0, n in self._tiles(q_lens, k_lens, q.shape[1]):
             kb = self._acc(k[ko : ko + kl]).repeat_interleave(group, dim=1)
             vb = self._acc(v[ko : ko + kl]).repeat_interleave(group, dim=1)
-            s = self._scores(self._acc(q[qo + r0 : qo + r0 + n]), kb, kl, ql, r0, causal, scale)
+            s, _ = self._scores(self._acc(q[qo + r0 : qo + r0 + n]), kb, kl, ql, r0, causal, scale)
             l = torch.logsumexp(s, dim=-1)  # [H, rows]
             o = torch.einsum("hqk,khd->qhd", torch.exp(s - l[..., None]), vb)
             out[qo + r0 : qo + r0 + n] = o.to(q.dtype)
@@ -354,10 +365,12 @@ class MathKernel(AttentionKernel):
             qb, do, ob = self._acc(q[rows]), self._acc(dout[rows]), self._acc(out[rows])
             kb = self._acc(k[ko : ko + kl]).repeat_interleave(group, dim=1)
             vb = self._acc(v[ko : ko + kl]).repeat_interleave(group, dim=1)
-            s = self._scores(qb, kb, kl, ql, r0, causal, scale)
+            s, t = self._scores(qb, kb, kl, ql, r0, causal, scale)
             p = torch.exp(s - lse[rows].t().to(s.dtype)[..., None])  # [H, rows, kl], from the final lse
             dp = torch.einsum("qhd,khd->hqk", do, vb)
             ds = p * (dp - (do * ob).sum(-1).t()[..., None])  # softmax backward, D = rowsum(dout * out)
+            if t is not None:  # through the cap: d(softcap * tanh(x / softcap)) / dx = 1 - tanh^2
+                ds = ds * (1 - t * t)
             dq[rows] = (torch.einsum("hqk,khd->qhd", ds, kb) * scale).to(q.dtype)
             h_kv = k.shape[1]
             dk[ko : ko + kl] += (torch.einsum("hqk,qhd->khd", ds, qb) * scale).view(kl, h_kv, group, -1).sum(2)
@@ -490,6 +503,19 @@ def kernel_for(
     if name not in _CACHE:
         _CACHE[name] = _KERNELS[name]()
     return _CACHE[name]
+
+
+_SOFTCAPPED: Dict[float, AttentionKernel] = {}
+
+
+def softcapped_kernel(softcap: float) -> AttentionKernel:
+    """The kernel of a layer with attention logit soft-capping (Gemma 2): the math kernel, which
+    caps each score before the mask (exact, on any device; its memory is bounded by its tiles,
+    and it is slower than the flash kernels, none of which hf_cp drives with a cap yet)."""
+    cap = float(softcap)
+    if cap not in _SOFTCAPPED:
+        _SOFTCAPPED[cap] = MathKernel(cap)
+    return _SOFTCAPPED[cap]
 
 
 def use_attention_kernel(name: str, device: torch.device) -> str:

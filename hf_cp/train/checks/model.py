@@ -14,7 +14,7 @@ Measured on 2026-12-03: such models trained with gradients off by 72-820% while 
 1e-5. The layers hf_cp/attention/recurrent.py runs once per document (Gated DeltaNet, Mamba,
 Mamba2, LFM2's convolution: attach_recurrent_layers, which CPTrainer calls) are exact; every other
 one is refused by name here, never run. Config features that the attention function
-would only meet at the first forward (softcapping, attention dropout) and the MoE router's
+would only meet at the first forward (attention dropout) and the MoE router's
 auxiliary loss, which CPTrainer's own loss would drop, are refused here too.
 
 Pure inspection of module classes and config values: no forward runs, so the check also runs on
@@ -225,13 +225,6 @@ def model_refusals(model: torch.nn.Module) -> List[str]:
         reasons.append(
             f"the {family} model's attention ({', '.join(encoders)}) is not causal (is_causal=False: an encoder, or "
             f"a decoder config without is_decoder), which hf_cp's causal shards and masks do not compute. {_WHAT_WORKS}"
-        )
-    cap = _nonzero(configs, "attn_logit_softcapping")
-    if cap:
-        reasons.append(
-            f"{family}: attention logit softcapping ({cap[0]}={cap[1]:g}) is not applied by hf_cp's attention "
-            f"kernels (CPU flash, torch varlen, flash-attn); set {cap[0]}=None only if you accept a different "
-            f"model than the checkpoint's"
         )
     dropout = _nonzero(configs, "attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
     if dropout:
