@@ -16,24 +16,12 @@ import torch
 
 pytest.importorskip("trl")  # the optional `trl` extra
 
-from helpers.dpo_runs import hf_cp_run, preference_rows, trl_run  # noqa: E402
+from helpers.dpo_runs import grad_gap, hf_cp_run, preference_rows, trl_run  # noqa: E402
 from helpers.harness.job import free_port, run_distributed, run_launcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
 GRAD_TOL = 2e-5  # max |difference| / max |gradient| of a parameter: fp32 noise is ~1e-6
-
-
-def grad_gap(ours, theirs) -> float:
-    """The worst relative gradient difference over steps and parameters."""
-    assert len(ours) == len(theirs) and ours, (len(ours), len(theirs))
-    worst = 0.0
-    for a, b in zip(ours, theirs):
-        assert a.keys() == b.keys()
-        for name in b:
-            scale = float(b[name].abs().max()) or 1.0
-            worst = max(worst, float((a[name] - b[name]).abs().max()) / scale)
-    return worst
 
 
 def compare(tmp_path, rows=None, trl_kw=None, **kw):

@@ -17,23 +17,12 @@ import torch
 pytest.importorskip("trl")  # the optional `trl` extra
 
 import helpers.kto_runs as kto_runs  # noqa: E402
+from helpers.dpo_runs import grad_gap  # noqa: E402
 from helpers.harness.job import run_distributed  # noqa: E402
 
 STEPS = 3
 GRAD_TOL = 2e-5  # max |difference| / max |gradient| of a parameter: fp32 noise is ~1e-6
 LR = 5e-4
-
-
-def grad_gap(ours, theirs) -> float:
-    """The worst relative gradient difference over steps and parameters."""
-    assert len(ours) == len(theirs) and ours, (len(ours), len(theirs))
-    worst = 0.0
-    for a, b in zip(ours, theirs):
-        assert a.keys() == b.keys()
-        for name in b:
-            scale = float(b[name].abs().max()) or 1.0
-            worst = max(worst, float((a[name] - b[name]).abs().max()) / scale)
-    return worst
 
 
 def compare(tmp_path, rows=None, **kw):

@@ -7,7 +7,8 @@ a thread (0.07 s alone, 0.9-1.1 s beside it). So by default (`in_subprocess=True
 runs in a forked worker process with its own GIL, as DataLoader workers do; the thread is the
 fallback where fork is unavailable, and `lookahead=0` plans inline. A worker that dies (the
 kernel's OOM killer picks the process with a large heap) is replaced and its steps planned
-again, so a multi-day run neither hangs nor stops for it.
+again, so a multi-day run neither hangs nor stops for it; one that gives no plan within
+Planner.PLAN_TIMEOUT_S (a fork that deadlocked) is killed and the planner goes on on a thread.
 Every plan is a pure function of (global batch, cluster, cost model, seed, step) and is
 validated here, before the trainer issues any collective for it.
 

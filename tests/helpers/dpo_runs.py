@@ -68,6 +68,19 @@ class GradTape(TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
+def grad_gap(ours, theirs) -> float:
+    """The worst relative gradient difference over steps and parameters (each parameter's
+    largest difference over its reference's largest entry)."""
+    assert len(ours) == len(theirs) and ours, (len(ours), len(theirs))
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        assert a.keys() == b.keys()
+        for name in b:
+            scale = float(b[name].abs().max()) or 1.0
+            worst = max(worst, float((a[name] - b[name]).abs().max()) / scale)
+    return worst
+
+
 def hf_cp_trainer(rows, out: str, steps: int, tape: Optional[GradTape] = None, ref: bool = True, **kw):
     from datasets import Dataset
 
