@@ -169,16 +169,24 @@ def test_a_failed_warm_up_is_left_to_the_plan_that_needs_it(tmp_path):
         bg.close()
 
 
+def _inline_and_worker_planners():
+    """(a planner planning on the caller's thread, one planning 2 steps ahead in a forked worker)
+    of the same steps, whose plans must be equal."""
+    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
+    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
+    cl = ClusterSpec(4, 256)
+    return (
+        Planner(sampler, "auto", cl, cost, lookahead=0),
+        Planner(sampler, "auto", cl, cost, lookahead=2, in_subprocess=True),
+    )
+
+
 def test_planner_replaces_a_worker_process_that_dies():
     """An OOM-killed planner worker costs a warning and a re-plan, never a hang or a wrong plan."""
     import os
     import signal
 
-    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
-    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
-    cl = ClusterSpec(4, 256)
-    inline = Planner(sampler, "auto", cl, cost, lookahead=0)
-    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_subprocess=True)
+    inline, bg = _inline_and_worker_planners()
     try:
         assert bg.get(0).plan.to_json() == inline.get(0).plan.to_json()
         for death in range(1, Planner.MAX_WORKER_RESTARTS + 2):
@@ -204,11 +212,7 @@ def test_a_hung_planner_worker_costs_a_warning_and_an_inline_plan_never_a_hang(m
     import signal
 
     monkeypatch.setattr(Planner, "PLAN_TIMEOUT_S", 2.0)
-    cost = CostModel.load("tiny-llama", "h200-qwen2.5-7b")
-    sampler = GlobalBatchSampler(LENGTHS * 3, 900, seed=5, num_epochs=3)
-    cl = ClusterSpec(4, 256)
-    inline = Planner(sampler, "auto", cl, cost, lookahead=0)
-    bg = Planner(sampler, "auto", cl, cost, lookahead=2, in_subprocess=True)
+    inline, bg = _inline_and_worker_planners()
     try:
         assert bg.get(0).plan.to_json() == inline.get(0).plan.to_json()
         (pid,) = list(bg._pool._processes)

@@ -50,9 +50,8 @@ from hf_cp.train.runtime.step_runtime import StepRuntime
 from hf_cp.train.setup.args import CPTrainingArguments
 from hf_cp.train.setup.sharding import (
     FSDP2Trainer,
-    check_sharding,
+    check_trainer_sharding,
     check_zero3_chunk_keep,
-    clear_leftover_fsdp_env,
     sharding_of,
 )
 from hf_cp.train.setup.trainer_setup import (
@@ -97,8 +96,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
             check_model_supported(model, f"{type(self).__name__}: the model")
         # before accelerate or DeepSpeed act on them (DeepSpeed's SP ends in a bare assertion)
         check_parallelism(getattr(args, "parallelism_config", None))
-        clear_leftover_fsdp_env(args)  # an earlier FSDP2 trainer of this process left accelerate's flag
-        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (setup/sharding.py)
+        check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to: before the model is wrapped
         launch_warnings = check_launch_settings(args, int(args.world_size), type(self).__name__)
         # "fsdp2", "zero3" or None: sharded parameters make every pass a world-wide collective
@@ -216,7 +214,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
         cuda = self.args.device if self.args.device.type == "cuda" else None
         if cuda is not None:
             torch.cuda.reset_peak_memory_stats(cuda)
-        self.cp_runtime.executor.forward_only_ms = 0.0  # this step's own (not an evaluation's since the last)
+        self.cp_runtime.executor.start_step()
         totals, loss = self._cp_train_waves(model, step)
         wall_ms = (time.perf_counter() - t_step) * 1e3
         peak_bytes = float(torch.cuda.max_memory_allocated(cuda)) if cuda is not None else -1.0

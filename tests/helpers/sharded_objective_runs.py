@@ -34,11 +34,10 @@ NO_CLIP = 1e6
 def _fresh_accelerate() -> None:
     """The previous run's Accelerator state must not leak into this one: its plugin, and the
     engine it wrote into the process's gloo state (DEEPSPEED or FSDP where MULTI_CPU was)."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
+    grpo_runs._reset_accelerate()  # the plugin and gradient state
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
     for flag in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "FSDP_VERSION"):  # set by the last run's args
         os.environ.pop(flag, None)

@@ -40,7 +40,7 @@ from hf_cp.train.objectives.grpo_generation import (
     keep_reference_loadable,
 )
 from hf_cp.train.runtime.step_runtime import StepRuntime
-from hf_cp.train.setup.sharding import FSDP2Trainer, check_sharding, clear_leftover_fsdp_env
+from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,7 @@ class PlannedRollouts(FSDP2Trainer):
             attach_recurrent_layers(model)  # so that a hybrid is refused for its shared prompts, by that name
             check_recurrent_layers_fit(model, name, True, "")
             check_model_supported(model, f"{name}: the policy")
-        clear_leftover_fsdp_env(args)  # an earlier FSDP2 trainer of this process left accelerate's flag
-        check_sharding(args)  # FSDP1, FSDP with DeepSpeed, offload (setup/sharding.py)
+        check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):

@@ -36,8 +36,8 @@ from hf_cp.train.step.router_balance import router_balance_of
 
 class StepRuntime:
     """The CP machinery of one trainer (`trainer`: a transformers Trainer, read for its
-        arguments, accelerator and engine). `setup`: the run's PlanningSetup; `balancer`: an object
-        with .plan(PlanRequest) replacing the configured one. The run's parameter sharding ("fsdp2",
+    arguments, accelerator and engine). `setup`: the run's PlanningSetup; `balancer`: an object
+    with .plan(PlanRequest) replacing the configured one. The run's parameter sharding ("fsdp2",
     "zero3" or None) is read from the trainer's arguments: under it every pass aligns."""
 
     def __init__(self, trainer, setup: PlanningSetup, balancer=None):

@@ -138,6 +138,14 @@ def check_zero3_chunk_keep(sharding: Optional[str], balancer: str, balancer_opti
         )
 
 
+def check_trainer_sharding(args) -> None:
+    """What every hf_cp trainer checks of its sharding before accelerate acts on it: an FSDP flag
+    an earlier trainer of this process left behind is dropped, then the set-ups hf_cp cannot
+    honour are refused (check_sharding)."""
+    clear_leftover_fsdp_env(args)
+    check_sharding(args)
+
+
 class FSDP2Trainer:
     """The Trainer hooks of FSDP2 under hf_cp, mixed into every hf_cp trainer (CPTrainer and the
     TRL generation trainers) ahead of transformers' Trainer: accelerate's CPU gap routed

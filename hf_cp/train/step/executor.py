@@ -103,8 +103,7 @@ class StepExecutor(ForwardOnlyPasses):
         self.router = router
         self._head: Optional[torch.nn.Linear] = None  # set when the chunked loss applies
         self._head_checked = False
-        # wall ms of forward-only passes (answer_logps, router_census) since the last train() took them;
-        # a trainer zeroes it where its step starts (an evaluation between steps is not the step's)
+        # wall ms of forward-only passes (answer_logps, router_census) since the step began (start_step)
         self.forward_only_ms = 0.0
         self._backward_end: Optional[float] = None
         # perf_counter -> seconds since the epoch, so that ranks on one host share a time axis
@@ -112,6 +111,11 @@ class StepExecutor(ForwardOnlyPasses):
         self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
 
     # ------------------------------------------------------------------ timing
+    def start_step(self) -> None:
+        """A training step begins: forward-only passes from here on are its own (train() hands
+        their time to the step's totals); an evaluation's since the last step is not."""
+        self.forward_only_ms = 0.0
+
     def _embedding_hook(self, module, inputs, output):
         # the embedding output's gradient is the last big piece of backward: its arrival marks
         # the end of this rank's compute, before the data-parallel gradient reduction waits

@@ -20,6 +20,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 TINY_MODEL = ROOT / "hf_cp" / "configs" / "models" / "tiny-llama.json"
 
+# the tiny Llama's size, which the other families share
+TINY_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=65536,
+)
+
 # Qwen2 at the tiny Llama's size, one KV head for four query heads (the Llama has two); a
 # byte-level vocabulary like the Llama's, full attention in every layer (no sliding window)
 TINY_QWEN2 = dict(
@@ -45,14 +57,7 @@ QWEN2_BIAS_STD = 0.25
 # transformers' random init it forgets within a token or two, and a state leaking across a
 # document start or a rank would hardly show.
 TINY_QWEN3_NEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=65536,
+    **TINY_DIMS,
     layer_types=["linear_attention", "full_attention"],
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -70,14 +75,7 @@ TINY_QWEN3_NEXT = dict(
 # load-balancing term couples every token of a step. A large coefficient, so that the term is a
 # visible share of the gradient (the router's weights get most of theirs from it).
 TINY_QWEN3_MOE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=65536,
+    **TINY_DIMS,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=64,
