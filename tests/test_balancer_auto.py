@@ -46,7 +46,7 @@ def test_with_stop_within_zero_never_worse_than_any_member_and_records_the_winne
 
 def test_stops_planning_once_within_stop_within_of_the_charged_bound(h200_cost):
     req = request(LONG_TAIL, 16, h200_cost)
-    auto = get_balancer("auto", stop_within=0.5)
+    auto = get_balancer("auto", stop_within=0.5, exhaustive_below=0)
     plan = auto.plan(req)
     assert list(auto.last_makespans) == ["dynamic_cp"]  # the first member was close enough
     assert all("within 0.5 of the bound" in why for why in auto.last_skipped.values())
@@ -55,6 +55,18 @@ def test_stops_planning_once_within_stop_within_of_the_charged_bound(h200_cost):
     assert t <= 1.5 * bound
     # the contract: no skipped member could have been more than stop_within faster
     assert min(member_makespans(req, h200_cost).values()) * 1.5 >= t
+
+
+def test_a_small_step_is_planned_by_every_member_a_bound_does_not_rule_out(h200_cost):
+    # 253 samples, under exhaustive_below: the early stop is off however loose stop_within is
+    req = request(LONG_TAIL, 16, h200_cost)
+    auto = get_balancer("auto", stop_within=0.5)
+    plan = auto.plan(req)
+    assert all(why.startswith("its bound") for why in auto.last_skipped.values()), auto.last_skipped
+    assert simulate(plan, h200_cost).makespan_ms <= min(member_makespans(req, h200_cost).values()) + 1e-9
+    auto = get_balancer("auto", stop_within=0.5, exhaustive_below=len(LONG_TAIL))  # the step is not below it
+    auto.plan(req)
+    assert list(auto.last_makespans) == ["dynamic_cp"]
 
 
 def test_skips_a_member_whose_bound_cannot_win(h200_cost):

@@ -59,7 +59,8 @@ def check_never_slower_than_a_member_by_more_than_stop_within(req: PlanRequest, 
     makespans = {name: simulate(balancer.plan(req), cost).makespan_ms for name, balancer in members}
     for name, member in makespans.items():
         assert bound <= member * (1 + 1e-9), f"{name}: {member:.1f} ms is under the bound {bound:.1f} ms"
-        assert sim.makespan_ms <= member + auto.options.stop_within * bound, (
+        within = auto.options.stop_within_masked if req.masks else auto.options.stop_within
+        assert sim.makespan_ms <= member + within * bound, (
             f"auto kept {plan.balancer} at {sim.makespan_ms / bound:.4f}x the bound, {name} gives "
             f"{member / bound:.4f}x (skipped: {auto.last_skipped})"
         )

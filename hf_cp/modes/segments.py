@@ -110,6 +110,7 @@ def mask_slices(mask: SampleMask) -> Slices:
     return tuple(mask.slices())
 
 
+@lru_cache(maxsize=65536)  # every bound, member and pricer of a step asks for its samples' areas
 def masked_doc_pairs(length: int, mask: Optional[SampleMask]) -> int:
     """Attended pairs of a whole sample (causal without a mask)."""
     return doc_pairs(length) if mask is None else rect_pairs(mask_slices(mask), 0, length, 0, length)

@@ -1,0 +1,109 @@
+"""`auto`'s promise (issue 39): its plan is within 0.3% of the best plan any of its members
+makes, on plain, grouped (shared-prompt) and GRPO-like steps (long completions), at worlds
+4, 8 and 64 (512 in the slow set).
+
+Each member is planned here on its own and simulated: the reference does not go through
+auto's pricing, bounds or early stop. Before issue 39 auto stopped on masked steps at the
+first member within 1.5% of the charged bound (static, up to 1.2% behind magi and dcp), and on
+steps of ~50 samples at dynamic_cp 0.4% behind flexsp."""
+
+import json
+
+import pytest
+
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.cost.simulate import simulate
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.lengths import epoch_order, read_lengths
+from hf_cp.samples.masks import SampleMask
+
+from helpers import load_file_module
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
+
+CAP = 32768
+TOKENS_PER_RANK = 65536
+PROMISE = 1.003
+
+
+def groups(traces_dir, kind: str):
+    """(prompt, answers) of the shipped shared-prompt traces: DPO pairs (answers 0 and 1 of
+    the n8 trace), 3-answer groups, GRPO groups of 8 and 16, and GRPO groups of 8 with every
+    completion x8 (at most 16K tokens)."""
+    n = 16 if kind == "g16" else 8
+    rows = [json.loads(x) for x in (traces_dir / f"shared_prompt_alpaca_eval_n{n}.jsonl").read_text().splitlines() if x]
+    out = [(r["prompt"], r["answers"]) for r in rows]
+    if kind == "dpo":
+        return [(p, a[:2]) for p, a in out]
+    if kind == "g3":
+        return [(p, a[:3]) for p, a in out]
+    if kind == "g8long":
+        return [(p, [min(8 * x, 16384) for x in a]) for p, a in out]
+    return out
+
+
+def grouped_step(traces_dir, kind: str, world: int, cost) -> PlanRequest:
+    """Step 0 of the shuffled groups, as many as fill TOKENS_PER_RANK x world tokens (at least
+    one per rank), each one masked sample [prompt][answer 1]...[answer n]."""
+    gs = groups(traces_dir, kind)
+    masks = [SampleMask.shared_prompt(p, a) for p, a in gs]
+    cluster = ClusterSpec(world, CAP, 8)
+    mean = sum(m.length for m in masks) / len(masks)
+    per_step = max(world, round(TOKENS_PER_RANK * world / mean))
+    order = [int(i) for e in range(-(-per_step // len(gs))) for i in epoch_order(len(gs), 0, e) + e * len(gs)]
+    ids = order[:per_step]
+    return PlanRequest(ids, [masks[i % len(gs)].length for i in ids], cluster, cost,
+                       masks={i: masks[i % len(gs)] for i in ids})  # fmt: skip
+
+
+def plain_step(traces_dir, trace: str, world: int, cost) -> PlanRequest:
+    bench = load_file_module("bench_balancers", "scripts/bench_balancers.py")
+    cluster = ClusterSpec(world, CAP, 8)
+    lengths = [n for n in read_lengths(traces_dir / f"{trace}.txt") if n <= cluster.largest_capacity]
+    ids = bench.full_step_ids(lengths, TOKENS_PER_RANK * world, 0, [1])[1]
+    return PlanRequest(ids, [lengths[i % len(lengths)] for i in ids], cluster, cost, step=1,
+                       dataset_max_length=max(lengths))  # fmt: skip
+
+
+def check_promise(req: PlanRequest, cost) -> None:
+    auto = get_balancer("auto")
+    mine = simulate(auto.plan(req).validate(req.cluster, cost), cost).makespan_ms
+    members = [(n, b) for n, b in auto.members if not req.masks or getattr(b, "handles_masks", False)]
+    theirs = {n: simulate(b.plan(req), cost).makespan_ms for n, b in members}
+    best = min(theirs, key=theirs.get)
+    assert mine <= PROMISE * theirs[best], (
+        f"auto {mine:.1f} ms is {mine / theirs[best]:.4f}x {best}'s {theirs[best]:.1f} ms "
+        f"(planned {sorted(auto.last_makespans)}, skipped {auto.last_skipped})"
+    )
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+@pytest.mark.parametrize("kind", ["dpo", "g3", "g8", "g16"])
+def test_grouped_steps(h200_cost, traces_dir, kind, world):
+    check_promise(grouped_step(traces_dir, kind, world, h200_cost), h200_cost)
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+def test_grpo_like_steps_with_long_completions(h200_cost, traces_dir, world):
+    check_promise(grouped_step(traces_dir, "g8long", world, h200_cost), h200_cost)
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+@pytest.mark.parametrize("trace", ["chat_lmsys_chat1m_191conv", "longdoc_leval_multiturn", "code_numpy_files"])
+def test_plain_steps(h200_cost, traces_dir, trace, world):
+    check_promise(plain_step(traces_dir, trace, world, h200_cost), h200_cost)
+
+
+# Not met at 512 ranks: on the long-document trace's full step auto stops at dynamic_cp, within
+# 1.5% of the charged bound but 0.60% behind flexsp (planning flexsp on every plain step would
+# multiply auto's CPU); `hierarchical` plans that step 0.22% faster than flat auto.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["plain:chat_lmsys_chat1m_191conv", "plain:code_numpy_files", "grouped:g3"])
+def test_at_512_ranks(h200_cost, traces_dir, case):
+    kind, name = case.split(":")
+    req = (
+        plain_step(traces_dir, name, 512, h200_cost)
+        if kind == "plain"
+        else grouped_step(traces_dir, name, 512, h200_cost)
+    )
+    check_promise(req, h200_cost)
