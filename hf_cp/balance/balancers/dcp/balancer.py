@@ -13,6 +13,7 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.deadline import DeadlinePassed
 from hf_cp.balance.toolkit.placement import request_masks
+from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
@@ -52,7 +53,25 @@ class DcpBalancer:
                 f"dcp: the block placement passed its {limit:g} s deadline; planned with the long samples "
                 f"ring per-document (dcp's fallback)"
             )
+        else:
+            plan = self._better_of(req, plan)
         self.last_planner_s = time.perf_counter() - t0
+        return plan
+
+    def _better_of(self, req: PlanRequest, plan: StepPlan) -> StepPlan:
+        """`plan`, or its fallback when that is predicted faster (the pricer's makespan). The
+        fallback runs the long samples ring per-document on the blocks plan_layout gives them;
+        on the code trace's 64-rank step it was 7.8% faster than the partitioned blocks. A plan
+        without block groups is planned as the fallback would plan it: kept as it is."""
+        if not self.options.keep_fallback or not any(g.blocks is not None for w in plan.waves for g in w.groups):
+            return plan
+        backend = self.last_backend
+        fallback = self.plan_fallback(req)
+        self.last_backend = backend  # the partitioner ran ("none" says a deadline passed)
+        pricer = pricer_for(req.cost)
+        if pricer.makespan_ms(fallback) < pricer.makespan_ms(plan):
+            fallback.notes.append("dcp: its fallback (the long samples ring per-document) was predicted faster")
+            return fallback
         return plan
 
     def plan_fallback(self, req: PlanRequest) -> StepPlan:

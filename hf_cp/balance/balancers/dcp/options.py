@@ -42,6 +42,11 @@ class DcpOptions(BalancerOptions):
     refine_max_vertices: int = option(
         2000, "Mt-KaHyPar refines a block's top level only up to this many vertices (>= 0; the planner-time bound)"
     )
+    keep_fallback: bool = option(
+        True,
+        "also make the fallback plan (the long samples ring per-document on the groups dcp gives them) and keep it "
+        "when the pricer predicts it faster than the block placement (false: the block placement, within the deadline)",
+    )
     deadline_s: Optional[float] = option(
         5.0,
         "wall-clock deadline of the block placement, checked between its bounded steps (each Mt-KaHyPar call is "
