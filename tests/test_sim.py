@@ -3,8 +3,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
-from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
+from hf_cp.balance.toolkit.costs import cost_memo
+from hf_cp.cost.bounds import alone_on_group_ms, charged_lower_bound_ms, lower_bound_ms
 from hf_cp.cost.simulate import simulate
+from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
@@ -187,3 +189,17 @@ def test_forward_only_passes_add_the_busiest_ranks_forward_share(h200_cost):
     assert max(s.occupied_ms) > 10 * min(s.occupied_ms)  # the busiest rank, not the mean, sets it
     assert predicted_step_ms(s, 2, share) == pytest.approx(s.makespan_ms + 2 * share * max(s.occupied_ms))
     assert predicted_step_ms(s, 0, share) == s.makespan_ms
+
+
+@pytest.mark.parametrize("length", [40000, 123457, 1000003])
+@pytest.mark.parametrize("group", [2, 16, 256])
+def test_a_sample_alone_on_a_group_is_priced_once_from_its_end_members(h200_cost, length, group):
+    """Issue 39: the charged bound costs a long sample alone on each group size from the block's
+    two end members (costing every member made a 4096-rank step's bound take 140 s). It is
+    never above the slowest member (the bound stays a bound), within 1e-4 of it, and the
+    balancers' per-length cache gives the same number."""
+    ranks = list(range(group))
+    every = max(c.total_ms for c in h200_cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
+    ends = alone_on_group_ms(h200_cost, length, group)
+    assert every * (1 - 1e-4) <= ends <= every
+    assert cost_memo(h200_cost).doc_on_group_ms(length, group) == ends

@@ -11,6 +11,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hf_cp.cost.bounds import alone_on_group_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.modes.ring import split_member_tokens
 from hf_cp.modes.segments import ShardMode
@@ -74,22 +75,13 @@ class CostMemo:
         return np.fromiter((get(int(n)) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))[inv]
 
     def doc_on_group_ms(self, length: int, group_size: int) -> float:
-        """Slowest member's time of one document alone, per-document sharded over an aligned
-        block of `group_size` ranks (micro-batch overhead excluded)."""
+        """cost.bounds.alone_on_group_ms, kept per (length, group size)."""
         key = (length, group_size)
         v = self._on_group.get(key)
         if v is None:
-            if group_size == 1:
-                v = self.local_ms(length)
-            else:
-                ranks = list(range(group_size))
-                v = max(
-                    c.total_ms
-                    for c in self.cost.distributed_rank_costs(
-                        [length], ShardMode.RING_PER_DOC, ranks, (0, group_size - 1)
-                    )
-                )
-            self._on_group[key] = v
+            v = self._on_group[key] = (
+                self.local_ms(length) if group_size == 1 else alone_on_group_ms(self.cost, length, group_size)
+            )
         return v
 
     def per_doc_member_tokens(self, length: int, group_size: int) -> Tuple[int, ...]:
