@@ -1,6 +1,9 @@
+import random
+
 import pytest
 
 from hf_cp.balance import PlanRequest, SampleTooLongError, available_balancers, get_balancer, register_balancer
+from hf_cp.balance.balancers.static import contiguous_shares, exactly_runs
 from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
@@ -35,6 +38,48 @@ def test_static_gives_every_replica_a_contiguous_share_in_the_same_number_of_pac
         [{0: [1, 2]}, {1: [7, 8]}],
         [{0: [4, 5]}, {1: [10, 11]}],
     ]
+
+
+def outlier_lengths(seed: int):
+    """Chat-like lengths with 1-3 samples of 60-127K tokens among them, shuffled (random)."""
+    rng = random.Random(seed)
+    rng.choice([16, 32, 64])  # (the search that found these steps drew a world first)
+    lens = [rng.randint(500, 12000) for _ in range(rng.randint(40, 400))]
+    for _ in range(rng.randint(1, 3)):
+        lens.insert(rng.randrange(len(lens)), rng.randint(60000, 127000))
+    return lens
+
+
+def pack_counts(plan):
+    per = {}
+    for w in plan.waves:
+        for g in w.groups:
+            per[g.ranks] = per.get(g.ranks, 0) + 1
+    return per
+
+
+def test_a_share_with_one_long_sample_still_gets_every_pack_or_the_plan_says_why(h200_cost):
+    """Issue 39: a share whose long sample sets the largest pack was cut into fewer runs than
+    packs (here 1 replica 2 packs, 7 replicas 3); its runs are split until it has as many (the
+    largest pack no larger), and a share of fewer samples than packs is named in the notes."""
+    lengths = outlier_lengths(13)
+    plan, cl = plan_static(lengths, world=32, cost=h200_cost)
+    plan.validate(cl, h200_cost)
+    assert set(pack_counts(plan).values()) == {3} and not plan.notes
+    shares = contiguous_shares(lengths, 8)
+    assert any(len(contiguous_shares(lengths[a:b], 3)) < 3 for a, b in shares)  # what it was cut into before
+    for a, b in shares:
+        runs = exactly_runs(lengths[a:b], 3)
+        assert len(runs) == 3 and runs[0][0] == 0 and runs[-1][1] == b - a
+        assert max(sum(lengths[a + i : a + j]) for i, j in runs) <= max(
+            sum(lengths[a + i : a + j]) for i, j in contiguous_shares(lengths[a:b], 3)
+        )
+    lengths = outlier_lengths(115)  # replica 5's share is one sample of 108K tokens
+    plan, cl = plan_static(lengths, world=32, cost=h200_cost)
+    plan.validate(cl, h200_cost)
+    assert sorted(set(pack_counts(plan).values())) == [1, 2]
+    (note,) = plan.notes
+    assert "replica 5 (ranks 10-11) runs 1 packs where the others run 2" in note and "[49]" in note
 
 
 def test_static_on_near_uniform_lengths_is_within_2_percent_of_the_bound(h200_cost):

@@ -68,7 +68,8 @@ class StaticBalancer:
             out: List[List[List[int]]] = []
             biggest = 0
             for a, b in shares:
-                packs = [(sum(lens[a + i : a + j]), ids[a + i : a + j]) for i, j in contiguous_shares(lens[a:b], k)]
+                runs = exactly_runs(lens[a:b], k)
+                packs = [(sum(lens[a + i : a + j]), ids[a + i : a + j]) for i, j in runs]
                 biggest = max([biggest] + [t for t, _ in packs])
                 out.append([p for _, p in sorted(packs, key=lambda x: x[0])])
             if biggest <= capacity:
@@ -87,6 +88,14 @@ class StaticBalancer:
         # (each member takes two of 2*cp nearly equal chunks), so capacity is the only check.
         shares = self.pack(req, dp, cp * cap)
         plan = req.empty_plan(self.name)
+        k = max(len(s) for s in shares)
+        for d, share in enumerate(shares):
+            if 0 < len(share) < k:  # its share holds fewer samples than a pack each
+                held = [s for pack in share for s in pack]
+                plan.notes.append(
+                    f"static: replica {d} (ranks {d * cp}-{(d + 1) * cp - 1}) runs {len(share)} packs where the others "
+                    f"run {k}: its share of the step is {len(held)} sample(s), {held[:4]}"
+                )
         for w in range(max(len(s) for s in shares)):
             groups = []
             for d, share in enumerate(shares):
@@ -101,6 +110,23 @@ class StaticBalancer:
             if groups:
                 plan.waves.append(Wave(groups))
         return plan
+
+
+def exactly_runs(lengths: Sequence[int], parts: int) -> List[Tuple[int, int]]:
+    """contiguous_shares cut into `parts` runs where the lengths allow it: that search may take
+    fewer (a share whose one long sample sets the largest run), and a replica with fewer packs
+    than the others is not what a Trainer's packing gives. The run of most samples is split in
+    two, balanced, until there are `parts` or every run holds one sample; splitting never makes
+    the largest run larger."""
+    runs = contiguous_shares(lengths, parts)
+    while len(runs) < parts:
+        i = max(range(len(runs)), key=lambda r: (runs[r][1] - runs[r][0], -r))
+        a, b = runs[i]
+        if b - a < 2:
+            break
+        (x, y), (_, z) = contiguous_shares(lengths[a:b], 2)
+        runs[i : i + 1] = [(a + x, a + y), (a + y, a + z)]
+    return runs
 
 
 def contiguous_shares(lengths: Sequence[int], parts: int) -> List[Tuple[int, int]]:
