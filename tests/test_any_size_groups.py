@@ -255,5 +255,7 @@ def test_the_bounds_count_every_registered_group_size(h200_cost, lengths):
     made = simulate(plan, h200_cost).makespan_ms
     charged = charged_lower_bound_ms(lengths, cl, h200_cost)
     assert lower_bound_ms(lengths, cl, h200_cost) <= charged <= made * (1 + 1e-9)
-    if len(lengths) == 1:  # alone on the whole node: the plan is the bound
-        assert made == pytest.approx(charged, rel=1e-9)
+    if len(lengths) == 1:  # alone on the whole node: the plan is the bound, up to the bound
+        # pricing the group by its two end members (cost.bounds.alone_on_group_ms: 3.8e-5 under
+        # the slowest member on six ranks)
+        assert made == pytest.approx(charged, rel=1e-4)
