@@ -68,6 +68,12 @@ SCALING_MARKERS = ("<!-- scaling: made by bench_balancers.py --scaling -->", "<!
 # trace has one, so chat_alpaca's samples are cut into turn-sized pieces (split_lengths: at most
 # 192 tokens, mean ~152, ~27.7K samples per 64-rank step of 64K tokens per rank)
 SCALING_SHORT = ("chat_alpaca_eval_outputs", 192, 64)
+# --hierarchical (issue 39): worlds, markers and targets of the hierarchical-planning table
+HIERARCHY_WORLDS = "512,1024,4096,16384"
+HIERARCHY_MARKERS = ("<!-- hierarchy: made by bench_balancers.py --hierarchical -->", "<!-- /hierarchy -->")
+HIERARCHY_HOST_CPU_X = 2.0  # slowest host's CPU / flat auto's at 64 ranks, at most (4096 and 16384 ranks)
+HIERARCHY_SHARE = 0.03  # (first pass + slowest host) / predicted step, at most
+HIERARCHY_QUALITY = 1.003  # hierarchical / flat predicted step, at most
 
 
 def parse_args(argv=None):
@@ -105,6 +111,15 @@ def parse_args(argv=None):
         f"{SCALING_WORLDS}) on --traces (default {SCALING_TRACES}): planner CPU (solver workers included), "
         "validation and share of the predicted step; writes its table between the scaling markers of --out",
     )
+    p.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="hierarchical planning instead (issue 39): `hierarchical` (auto on each host of --host-ranks ranks) against "
+        f"flat `auto` at every world of --worlds (default {HIERARCHY_WORLDS}) on --traces (default {SCALING_TRACES}, "
+        "and chat_alpaca cut at 192 tokens: the most samples per step); writes its table between the hierarchy "
+        "markers of --out",
+    )
+    p.add_argument("--host-ranks", type=int, default=8, help="--hierarchical: ranks of one host")
     p.add_argument(
         "--solvers",
         action="store_true",
@@ -187,6 +202,8 @@ def main(argv=None) -> int:
         return solver_workloads(args, out, argv)
     if args.scaling:
         return scaling(args, argv)
+    if args.hierarchical:
+        return hierarchy(args, argv)
     from hf_cp.balance import PlanRequest, available_balancers, balancer_options, get_balancer
     from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms
     from hf_cp.cost.model import CostModel
@@ -543,6 +560,186 @@ def scaling(args, argv) -> int:
         path.write_text(text)
         print(f"wrote the scaling table into {args.out}")
     return 0
+
+
+def full_steps(lengths, world, args) -> Dict[int, list]:
+    """--steps full steps of `lengths` at `world` ranks, spread over the first epoch's worth."""
+    from hf_cp.samples.lengths import step_batches
+
+    tpr = args.tokens_per_rank_per_step
+    epoch0 = step_batches(lengths, tpr * world, seed=args.seed)
+    full_in_epoch = sum(1 for b in epoch0 if sum(lengths[i] for i in b) >= 0.9 * tpr * world)
+    return full_step_ids(lengths, tpr * world, args.seed, sampled(max(full_in_epoch, args.steps), args.steps))
+
+
+def replace_between(path: Path, markers, lines: List[str]) -> None:
+    """Write `lines` between the two markers of `path` (appended with them when absent)."""
+    text = path.read_text() if path.exists() else ""
+    block = "\n".join([markers[0], *lines, markers[1]])
+    if markers[0] in text and markers[1] in text:
+        head, rest = text.split(markers[0], 1)
+        text = head + block + rest.split(markers[1], 1)[1]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    path.write_text(text)
+
+
+def hierarchy(args, argv) -> int:
+    """--hierarchical: per trace and world, `hierarchical` (auto on each host) against flat `auto`
+    on --steps full steps: the first pass's CPU, the slowest host's (the blocks of hosts it
+    belongs to and its own plan), their share of the predicted step, and the predicted step
+    against flat planning; flat auto's CPU at 64 ranks on the same trace is the reference."""
+    from hf_cp.balance import PlanRequest, get_balancer
+    from hf_cp.balance.hierarchical import plan_hierarchically
+    from hf_cp.cost.model import CostModel
+    from hf_cp.cost.simulate import simulate
+    from hf_cp.plan.cluster import ClusterSpec
+    from hf_cp.samples.lengths import read_lengths
+
+    given = argv if argv is not None else sys.argv[1:]
+    worlds = [int(w) for w in (args.worlds if "--worlds" in given else HIERARCHY_WORLDS).split(",")]
+    names = (args.traces or SCALING_TRACES).split(",")
+    short, at_most, _ = SCALING_SHORT
+    runs = [(name, name, None) for name in names] + [(f"{short} cut at {at_most}", short, at_most)]
+    cap = args.max_tokens_per_rank
+    cost = CostModel.load(args.model, args.profile)
+    auto = get_balancer("auto")
+    hosts_member = get_balancer("hierarchical", host_ranks=args.host_ranks).member  # auto as each host runs it
+    gc.collect()
+    gc.freeze()
+
+    def timed(fn):
+        # the collector is off while a plan is timed: a host's planner process collects only
+        # its own objects, not the whole step's (a full collection walks ~10^6 here)
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        try:
+            c0 = cpu_s()
+            out = fn()
+            return out, (cpu_s() - c0) * 1e3
+        finally:
+            gc.enable()
+
+    rows = []
+    for name, stem, split_at in runs:
+        all_lengths = read_lengths(Path(args.traces_dir) / f"{stem}.txt")
+        if split_at is not None:
+            all_lengths = split_lengths(all_lengths, split_at)
+        reference = None
+        for world in [64] + worlds:
+            cluster = ClusterSpec(world, cap, cost.profile.gpus_per_node)
+            lengths = [n for n in all_lengths if n <= cluster.largest_capacity]
+            d = defaultdict(list)
+            n = len(lengths)
+            for step, ids in sorted(full_steps(lengths, world, args).items()):
+                req = PlanRequest(ids, [lengths[i % n] for i in ids], cluster, cost, seed=args.seed, step=step,
+                                  dataset_max_length=max(lengths))  # fmt: skip
+                flat, flat_ms = timed(lambda req=req: auto.plan(req))
+                d["flat_cpu"].append(flat_ms)
+                d["samples"].append(len(ids))
+                if world == 64:
+                    continue
+                # a request of its own: the step's arrays are built in the first pass, as each host builds them
+                req = replace(req)
+                (plan, report, _), _ = timed(
+                    lambda req=req: plan_hierarchically(req, hosts_member.plan, args.host_ranks, clock=cpu_s)
+                )
+                plan.validate(cluster, cost)
+                pred, flat_pred = simulate(plan, cost).makespan_ms, simulate(flat, cost).makespan_ms
+                host, slowest = report.slowest_host()
+                d["first"].append(report.first_pass_ms)
+                d["host"].append(slowest)
+                d["share"].append((report.first_pass_ms + slowest) / pred)
+                d["quality"].append(pred / flat_pred)
+                d["spread"].append(report.spread_samples)
+                d["pred"].append(pred)
+            if world == 64:
+                reference = statistics.median(d["flat_cpu"])
+                continue
+            row = {
+                "trace": name,
+                "world": world,
+                "hosts": world // args.host_ranks,
+                "steps": len(d["first"]),
+                "samples": statistics.mean(d["samples"]),
+                "first_ms": statistics.median(d["first"]),
+                "host_ms": statistics.median(d["host"]),
+                "host_x": statistics.median(d["host"]) / reference,
+                "share": max(d["share"]),
+                "quality": max(d["quality"]),
+                "flat_ms": statistics.median(d["flat_cpu"]),
+                "ref_ms": reference,
+                "spread": statistics.mean(d["spread"]),
+                "pred_ms": statistics.mean(d["pred"]),
+            }
+            rows.append(row)
+            print(
+                f"hierarchy W={world:<6} {name:34s} samples/step {row['samples']:.0f} first pass {row['first_ms']:.1f} "
+                f"ms slowest host {row['host_ms']:.1f} ms ({row['host_x']:.2f}x flat at 64: {reference:.1f} ms) share "
+                f"{100 * row['share']:.2f}% vs flat {row['quality']:.4f} (flat CPU {row['flat_ms']:.1f} ms)",
+                flush=True,
+            )
+    command = "python scripts/bench_balancers.py " + " ".join(shlex.quote(a) for a in given)
+    lines = hierarchy_markdown(rows, command, args, os.getloadavg())
+    print("\n".join(lines))
+    if args.out != "-":
+        replace_between(Path(args.out), HIERARCHY_MARKERS, lines)
+        print(f"wrote the hierarchy table into {args.out}")
+    return 0
+
+
+def hierarchy_markdown(rows, command, args, load) -> List[str]:
+    big = [r for r in rows if r["world"] >= 4096]
+    out = [
+        "## Hierarchical planning: each host plans its own ranks (issue 39)",
+        "",
+        "Made by:",
+        "",
+        f"    {command}",
+        "",
+        f"Profile {args.profile}, model {args.model}, cap {args.max_tokens_per_rank} tokens per rank per micro-batch, "
+        f"{args.tokens_per_rank_per_step} tokens per rank per step, hosts of {args.host_ranks} ranks, {args.steps} full "
+        "steps per trace and world. `hierarchical` splits each step over the hosts (toolkit/host_split.py) and "
+        "plans each host with `auto`; flat is `auto` on the whole world. *first pass*: median CPU ms of the split "
+        "(every host computes it); *slowest host*: median over steps of the largest CPU ms one host spends on its "
+        "own share (the blocks of hosts it belongs to, then its own ranks), and its ratio to flat `auto` at 64 "
+        "ranks on the same trace; *share*: the worst step's (first pass + slowest host) / its predicted step; "
+        "*vs flat*: the worst step's predicted time / flat `auto`'s; *spread*: samples placed on blocks of hosts "
+        "per step. CPU is this process's and the solver workers' (cpu_s), the collector off during each timed "
+        "plan (a host's planner process collects only its own objects). The hosts are planned one after another "
+        "here; on a cluster each runs in its own host's planner.",
+        "",
+    ]
+    if big:
+        out.append(
+            f"- slowest host's CPU at 4096 and 16384 ranks, worst: {max(r['host_x'] for r in big):.2f}x flat `auto` at 64 "
+            f"ranks, target <= {HIERARCHY_HOST_CPU_X:g}x: {'met' if max(r['host_x'] for r in big) <= HIERARCHY_HOST_CPU_X else 'missed'}"
+        )
+    if rows:
+        share = max(r["share"] for r in rows)
+        quality = max(r["quality"] for r in rows)
+        out.append(
+            f"- first pass + slowest host, worst share of the step: {100 * share:.2f}%, target <= "
+            f"{100 * HIERARCHY_SHARE:g}%: {'met' if share <= HIERARCHY_SHARE else 'missed'}"
+        )
+        out.append(
+            f"- hierarchical / flat predicted step, worst: {quality:.4f}, target <= {HIERARCHY_QUALITY}: "
+            f"{'met' if quality <= HIERARCHY_QUALITY else 'missed'} (best {min(r['quality'] for r in rows):.4f})"
+        )
+    out += [
+        f"- machine load average (1/5/15 min) at the end {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} on {os.cpu_count()} CPUs",
+        "",
+        "| trace | world | hosts | samples/step | first pass ms | slowest host ms | vs flat at 64 | share | vs flat | "
+        "spread | flat auto CPU ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['trace']} | {r['world']} | {r['hosts']} | {r['samples']:.0f} | {r['first_ms']:.1f} | {r['host_ms']:.1f} | "
+            f"{r['host_x']:.2f}x | {100 * r['share']:.2f}% | {r['quality']:.4f} | {r['spread']:.0f} | {r['flat_ms']:.1f} |"
+        )
+    return out
 
 
 def scaling_markdown(rows, command, args, load) -> List[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 # Importing the package registers every built-in balancer (balancers/ imports each of its
 # modules) and `auto`, which plans with them.
-from hf_cp.balance import auto, balancers  # noqa: F401
+from hf_cp.balance import auto, balancers, hierarchical  # noqa: F401
 from hf_cp.balance.base import (
     Balancer,
     PlanRequest,

@@ -29,6 +29,7 @@ from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
 from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import PlanError, StepPlan
+from hf_cp.planning.predict import predict
 from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.samples.plan_inputs import read_plan_inputs
@@ -109,6 +110,18 @@ def add_parser(sub) -> None:
         "--compare-balancer",
         default=PlanningSettings.default("compare_balancer"),
         help="also plan every step with this balancer and show its predicted step time ('none': off)",
+    )
+    p.add_argument(
+        "--hierarchical",
+        action="store_true",
+        help="plan host by host (balancer hierarchical, --balancer planning each host's ranks) and report what "
+        "each part costs: the first pass that splits the step over the hosts, the slowest host's planning CPU, "
+        "and the plan against --balancer planning the whole world flat",
+    )
+    p.add_argument(
+        "--host-ranks",
+        type=int,
+        help="with --hierarchical: ranks one host plans (a power of two; default: --gpus-per-node)",
     )
     p.add_argument("--steps", type=int, default=10, help="number of steps to plan (from the start of the epoch)")
     p.add_argument("--seed", type=int, default=PlanningSettings.default("seed"), help="shuffle seed of the epoch order")
@@ -224,7 +237,7 @@ def step_metrics(
     plan: StepPlan,
     sim: SimResult,
     lb: float,
-    planner_ms: float,
+    planner_ms: Tuple[float, float],
     compare_ms: Optional[float] = None,
     ring_zigzag_bytes: Optional[int] = None,
 ) -> dict:
@@ -242,7 +255,8 @@ def step_metrics(
         "peak_tokens": max(sim.peak_tokens),
         "peak_memory_gb": max(sim.peak_memory_bytes) / 1e9,
         "waves": len(plan.waves),
-        "planner_ms": planner_ms,
+        "planner_ms": planner_ms[0],
+        "planner_cpu_ms": planner_ms[1],
         "compare_ms": compare_ms,
         "charged_bound_ms": sim.charged_bound_ms,
         "ring_zigzag_comm_bytes": ring_zigzag_bytes,
@@ -266,7 +280,7 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
     print(header)
     cols = (
         f"{'step':>5} {'samples':>7} {'tokens':>9} {'pred ms':>10} {'bound ms':>10} {'charged':>10} {'ratio':>6} "
-        f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'ring GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan ms':>8}  "
+        f"{'max/mean':>8} {'idle%':>6} {'comm GB':>8} {'ring GB':>8} {'peak tok':>8} {'mem GB':>7} {'plan wall':>9} {'plan CPU':>8}  "
         f"cp-size:samples"
     )
     print(cols)
@@ -276,7 +290,7 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
             f"{r['step']:>5} {r['samples']:>7} {r['tokens']:>9} {r['predicted_ms']:>10.1f} {r['lower_bound_ms']:>10.1f} "
             f"{_ms(r['charged_bound_ms']):>10} {r['ratio_to_bound']:>6.3f} {r['max_over_mean']:>8.3f} "
             f"{100 * r['idle_share']:>6.1f} {r['comm_bytes'] / 1e9:>8.2f} {_gb(r['ring_zigzag_comm_bytes']):>8} "
-            f"{r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>8.1f}  "
+            f"{r['peak_tokens']:>8} {r['peak_memory_gb']:>7.1f} {r['planner_ms']:>9.1f} {r['planner_cpu_ms']:>8.1f}  "
             f"{_hist(r['cp_size_samples'])}"
         )
     print("-" * len(cols))
@@ -295,12 +309,14 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
         f"{statistics.mean(r['max_over_mean'] for r in rows):>8.3f} "
         f"{100 * statistics.mean(r['idle_share'] for r in rows):>6.1f} "
         f"{sum(r['comm_bytes'] for r in rows) / 1e9:>8.2f} {_gb(tot_ring):>8} {max(r['peak_tokens'] for r in rows):>8} "
-        f"{max(r['peak_memory_gb'] for r in rows):>7.1f} {statistics.median(r['planner_ms'] for r in rows):>8.1f}  "
+        f"{max(r['peak_memory_gb'] for r in rows):>7.1f} {statistics.median(r['planner_ms'] for r in rows):>9.1f} "
+        f"{statistics.median(r['planner_cpu_ms'] for r in rows):>8.1f}  "
         f"{_hist(hist)}"
     )
     print(
         f"predicted time / lower bound over {len(rows)} steps: {tot_pred / tot_lb:.3f}; peak tokens per rank "
-        f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} ms"
+        f"{max(r['peak_tokens'] for r in rows)} of cap {cap}; planner median {statistics.median(r['planner_ms'] for r in rows):.1f} "
+        f"ms wall, {statistics.median(r['planner_cpu_ms'] for r in rows):.1f} ms CPU (this process's)"
     )
     if tot_charged:
         print(
@@ -315,6 +331,44 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
         print(
             f"comparison: {compare} would take {theirs:.1f} ms over these steps, {theirs / tot_pred:.3f}x the "
             f"plans above ({theirs / tot_lb if tot_lb else float('nan'):.3f}x the bound)"
+        )
+
+
+def print_hierarchy(planner: Planner, planned: List, reports: List, member: str) -> None:
+    """--hierarchical: per step, what the first pass and the slowest host cost, and the plan
+    against `member` planning the whole world flat (planned here, on the same request)."""
+    print(f"hierarchical planning (each host planned by {member}) against {member} planning the world flat:")
+    cols = (
+        f"{'step':>5} {'hosts':>6} {'first pass CPU':>14} {'slowest host CPU':>16} {'median host CPU':>15} "
+        f"{'spread':>6} {'pred ms':>10} {'flat pred ms':>12} {'vs flat':>8} {'flat CPU':>9}"
+    )
+    print(cols)
+    print("-" * len(cols))
+    totals = [0.0, 0.0]
+    worst = (0.0, 0.0)
+    for ps, rep in zip(planned, reports):
+        if rep is None:  # a world of one host: planned flat
+            print(f"{ps.plan.step:>5} {'1':>6}  (the world is one host: planned flat by {member})")
+            continue
+        req = planner.request(ps.batch)
+        c0 = time.process_time()
+        flat = planner.balancer.member.plan(req)
+        flat_cpu = (time.process_time() - c0) * 1e3
+        flat_ms = predict(flat, req).makespan_ms
+        mine = ps.predicted.makespan_ms
+        totals[0] += mine
+        totals[1] += flat_ms
+        host, slowest = rep.slowest_host()
+        worst = max(worst, (rep.first_pass_ms + slowest, mine))
+        print(
+            f"{ps.plan.step:>5} {rep.hosts:>6} {rep.first_pass_ms:>11.1f} ms {slowest:>9.1f} ms (h{host}) "
+            f"{float(statistics.median(rep.host_total_ms())):>12.1f} ms {rep.spread_samples:>6} {mine:>10.1f} "
+            f"{flat_ms:>12.1f} {mine / flat_ms:>8.4f} {flat_cpu:>6.1f} ms"
+        )
+    if totals[1]:
+        print(
+            f"hierarchical / flat over these steps: {totals[0] / totals[1]:.4f}; first pass + slowest host at worst "
+            f"{worst[0]:.1f} ms CPU, {100 * worst[0] / worst[1]:.2f}% of its step"
         )
 
 
@@ -376,9 +430,17 @@ def balancer_options(items: List[str]) -> dict:
 def settings_from_args(args) -> PlanningSettings:
     """The CLI's options as the planning settings the trainer and the dry run use."""
     compare = args.compare_balancer
+    name, options = args.balancer, balancer_options(args.balancer_opt)
+    if args.hierarchical:
+        if name == "hierarchical":
+            raise ValueError("--hierarchical plans with --balancer on each host: give the hosts' balancer, e.g. auto")
+        hosts = {"host_ranks": args.host_ranks} if args.host_ranks else {}
+        name, options = "hierarchical", {"member": name, "member_options": options, **hosts}
+    elif args.host_ranks:
+        raise ValueError("--host-ranks is an option of --hierarchical")
     return PlanningSettings(
-        balancer=args.balancer,
-        balancer_options=balancer_options(args.balancer_opt),
+        balancer=name,
+        balancer_options=options,
         compare_balancer=None if not compare or str(compare).lower() == "none" else compare,
         profile=args.profile,
         model_dims=args.model,
@@ -440,6 +502,7 @@ def check_args(args) -> None:
     whole("--seed", args.seed, 0, 2**32 - 1, " (numpy's seed range)")
     whole("--gpus-per-node", args.gpus_per_node, 1, int(PROFILE_MAXIMA["gpus_per_node"][0]), " ranks per node")
     whole("--max-group-size", args.max_group_size, 1, MAX_WORLD_SIZE, " ranks")
+    whole("--host-ranks", args.host_ranks, 1, MAX_WORLD_SIZE, " ranks")
     whole("--pipeline-stages", args.pipeline_stages, 1, MAX_WORLD_SIZE, " stages")
     whole("--chunk-keep", args.chunk_keep, 1, MAX_TOKENS, " chunks")
     whole("--plot-step", args.plot_step, 0, 2**31 - 1)
@@ -479,7 +542,7 @@ def run(args) -> int:
     compare_ms: List[Optional[float]] = []
     if args.plan_json:
         plans, cluster, cost, header = _replan(args)
-        planner_ms = [0.0] * len(plans)
+        planner_ms = [(0.0, 0.0)] * len(plans)
         sims = []
         for i, plan in enumerate(plans):
             try:
@@ -517,17 +580,20 @@ def run(args) -> int:
         what = f"planning with {args.balancer}" + (f" (and {planner.compare_name})" if planner.compare_name else "")
         progress.say(f"{len(setup.sampler.epoch_batches(0)):,} steps in the epoch; {what}")
         # the epoch's first steps, as training plans them
-        planned = [planner.get(k) for k in progress.steps(steps, "planning steps")]
+        planned, reports = [], []
+        for k in progress.steps(steps, "planning steps"):
+            planned.append(planner.get(k))
+            reports.append(getattr(planner.balancer, "last_report", None))
         progress.say("simulating and reporting")
         plans = [ps.plan for ps in planned]
         sims = [ps.predicted for ps in planned]
-        planner_ms = [ps.planner_ms for ps in planned]
+        planner_ms = [(ps.planner_ms, ps.planner_cpu_ms) for ps in planned]
         compare_ms = [ps.compare.makespan_ms if ps.compare is not None else None for ps in planned]
         opts = "".join(f" {k}={v}" for k, v in settings.balancer_options.items())
         header = (
             f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}"
             + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
-            + f"), balancer {args.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
+            + f"), balancer {settings.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
         )
     rows = []
@@ -539,6 +605,8 @@ def run(args) -> int:
     check_finite(rows, args)
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
+    if not args.plan_json and args.hierarchical:
+        print_hierarchy(planner, planned, reports, args.balancer)
     print_memory(cost, cluster, args.device_memory_gb)
     if args.pipeline_stages:
         print_pipeline(plans, cost, cluster, args.pipeline_stages, settings_from_args(args) if args.lengths else None)

@@ -16,7 +16,8 @@ from hf_cp.plan.step_plan import PlanError, StepPlan
 class PredictedPlan:
     plan: StepPlan
     predicted: SimResult
-    planner_ms: float  # the balancer's own time (validation and simulation excluded)
+    planner_ms: float  # the balancer's own wall time (validation and simulation excluded)
+    planner_cpu_ms: float = 0.0  # ... and this process's CPU time over it (solver worker processes not counted)
 
 
 def predict(plan: StepPlan, req: PlanRequest) -> SimResult:
@@ -36,7 +37,7 @@ def plan_and_predict(balancer, req: PlanRequest) -> PredictedPlan:
     # a request built for a balancer that trains longer samples (chunkflow) must not reach one
     # that cannot: refused here, naming the sample, rather than by whatever the balancer does
     check_request_lengths(balancer, req)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = balancer.plan(req)
-    planner_ms = (time.perf_counter() - t0) * 1e3
-    return PredictedPlan(plan, predict(plan, req), planner_ms)
+    planner_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+    return PredictedPlan(plan, predict(plan, req), planner_ms, cpu_ms)

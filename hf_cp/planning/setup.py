@@ -113,6 +113,11 @@ class PlanningSettings:
         chunk = {"keep": self.chunk_keep, **({"chunk_size": self.chunk_size} if self.chunk_size else {})}
         if self.balancer == "chunkflow":
             return {**chunk, **opts}
+        if self.balancer == "hierarchical":  # the settings reach the balancer each host plans with
+            member = replace(self, balancer=str(opts.get("member", "auto")),
+                             balancer_options=dict(opts.get("member_options") or {}))  # fmt: skip
+            opts["member_options"] = member.balancer_kwargs()
+            return opts
         if self.balancer == "auto":
             members = opts.get("members")
             if members is None or "chunkflow" in members:

@@ -56,6 +56,7 @@ class PlannedStep:
     planner_ms: float
     compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
     cost_version: int = 0  # the cost model it was planned with: 0 the setup's, k the k-th set_cost
+    planner_cpu_ms: float = 0.0  # the planning process's CPU time over the balancer's plan()
 
 
 _FORKED_PLANNER: Optional[Planner] = None  # in a planner worker process: the Planner it serves
@@ -317,7 +318,9 @@ class Planner:
             if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
                 req = replace(req, dataset_max_length=self.compare_limit)
             compare = predict(self.compare.plan(req), req)
-        return PlannedStep(batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0)
+        return PlannedStep(
+            batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0, planned.planner_cpu_ms
+        )
 
     @classmethod
     def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
