@@ -103,6 +103,22 @@ def _prepare(lengths, world, cap, w, masks, opt, max_group) -> _Step:
     return _Step(lengths, times, base, long_idx, sizes, atoms)
 
 
+def spreads_long_samples(
+    lengths: Sequence[int],
+    world: int,
+    cap: int,
+    cost: CostModel,
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
+    options: Optional[DcpOptions] = None,
+    max_group: Optional[int] = None,
+) -> bool:
+    """Whether plan_layout (and fallback_layout) spread some long sample over several ranks:
+    only then do the two differ in more than the order of their work (one pass over the step)."""
+    masks = list(masks) if masks is not None else [None] * len(lengths)
+    step = _prepare(lengths, world, cap, Weights(cost), masks, options or DcpOptions(), max_group)
+    return any(p > 1 for p in step.sizes)
+
+
 def _blocks_by_load(loads: np.ndarray, p: int) -> np.ndarray:
     """First ranks' block numbers of the aligned blocks of p ranks, least loaded first (a world
     of one node that is not a power of two ends before its last block would: blocks that fit)."""
