@@ -595,6 +595,7 @@ def run(args) -> int:
             + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
             + f"), balancer {settings.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
+            + (f"; layer mix priced: {cost.dims.layer_mix()}" if cost.dims.softmax_share < 1 else "")
         )
     rows = []
     for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):

@@ -94,6 +94,14 @@ def exchange_bytes(
     return ExchangeBytes(fd, fr, bd, br)
 
 
+def softmax_layers_bytes(xb: ExchangeBytes, dims) -> ExchangeBytes:
+    """`xb` averaged over the layers: only a hybrid's softmax layers exchange blocks
+    (ModelDims.exchanged; the same bytes for a plain transformer)."""
+    if dims.attention_layers is None:
+        return xb
+    return ExchangeBytes(*(dims.exchanged(x) for x in (xb.fwd_dispatch, xb.fwd_return, xb.bwd_dispatch, xb.bwd_return)))
+
+
 def exchange_phases(ex: LayerExchange) -> Tuple[bool, bool, bool, bool]:
     """Which of the four all-to-alls run (every member joins a phase in which anyone sends)."""
     moves = bool(ex.kv or ex.q)
@@ -155,7 +163,9 @@ def block_group_costs(
         tokens = layout.member_tokens(m) + sum(lens)
         comm_ms, nbytes = 0.0, 0
         if g > 1:
-            xb = exchange_bytes(layout, ex, m, cost.dims.head_dim, cost.profile.bytes_per_element)
+            xb = softmax_layers_bytes(
+                exchange_bytes(layout, ex, m, cost.dims.head_dim, cost.profile.bytes_per_element), cost.dims
+            )
             nbytes = xb.total
             t = [
                 transfer_ms(x, link, g - 1) if on else 0.0
@@ -203,8 +213,8 @@ def _two_level_phase_ms(layout, ex, member, ranks, cost, phases) -> List[float]:
     same = [x for x in range(len(ranks)) if x != member and node[x] == mine]
     other = [x for x in range(len(ranks)) if node[x] != mine]
     d, e = cost.dims.head_dim, cost.profile.bytes_per_element
-    near = exchange_bytes(layout, ex, member, d, e, lambda x: node[x] == mine)
-    far = exchange_bytes(layout, ex, member, d, e, lambda x: node[x] != mine)
+    near = softmax_layers_bytes(exchange_bytes(layout, ex, member, d, e, lambda x: node[x] == mine), cost.dims)
+    far = softmax_layers_bytes(exchange_bytes(layout, ex, member, d, e, lambda x: node[x] != mine), cost.dims)
     links = cost.profile.links
     out = []
     for i, on in enumerate(phases):
@@ -256,6 +266,7 @@ def division_comm_ms(layout, ex, member, div_attn, cost, link, group_size, phase
     forward and backward (their shares of each block's time); returns follow the last
     division. `t`: the member's four phase times without divisions (their returns are kept)."""
     fwd, bwd = division_dispatch_bytes(layout, ex, member, cost.dims.head_dim, cost.profile.bytes_per_element)
+    fwd, bwd = ({d: cost.dims.exchanged(b) for d, b in x.items()} for x in (fwd, bwd))
     n = max([d for (m, d) in div_attn if m == member] + list(fwd) + list(bwd) + [0]) + 1
     comp = [div_attn.get((member, d), 0.0) for d in range(n)]
     out = t[1] + t[3]

@@ -3,9 +3,9 @@ importing transformers, and the parameter, FLOP and byte counts derived from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 from hf_cp.cost.config_files import ConfigError, resolve_config
 from hf_cp.readers import brief, load_json
@@ -14,6 +14,38 @@ from hf_cp.readers import brief, load_json
 # far above any real model's (a 1M vocabulary, 128K intermediate), and small enough that the cost
 # model's FLOP and byte counts stay exact integers and finite floats
 MAX_MODEL_DIM = 2**24
+
+
+# layer kinds of a config's `layer_types` whose token mixer is softmax attention; the others
+# (linear_attention, mamba, conv, ...) are a hybrid's linear-time mixers
+SOFTMAX_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})
+
+
+def softmax_layers_of(cfg: Mapping, layers: int, source: str = "config") -> Optional[int]:
+    """How many of a config's `layers` decoder layers are softmax attention, from the ways
+    hybrids state it (None: all, a plain transformer): `layer_types` (Qwen3-Next, Qwen3.5,
+    Kimi Linear, LFM2, Granite 4), `layers_block_type` (Zamba2), `attn_layer_indices` (Bamba;
+    null: none), `attn_layer_period` and
+    `attn_layer_offset` (Jamba). Falcon-H1 runs attention and Mamba side by side in every
+    layer: all softmax (its Mamba share is not priced)."""
+    for key, softmax in (("layer_types", SOFTMAX_LAYER_TYPES), ("layers_block_type", SOFTMAX_LAYER_TYPES | {"hybrid"})):
+        types = cfg.get(key)  # (Zamba2's "hybrid" blocks hold an attention layer beside Mamba)
+        if isinstance(types, (list, tuple)) and types:
+            if len(types) != layers or not all(isinstance(t, str) for t in types):
+                raise ConfigError(f"{source}: {key} must name each of the {layers} layers, got {brief(types)}")
+            return sum(t in softmax for t in types)
+    indices = cfg.get("attn_layer_indices", ())
+    if indices is None:  # Bamba without attention layers: every layer Mamba
+        return 0
+    if isinstance(indices, (list, tuple)) and indices:
+        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers]
+        if bad:
+            raise ConfigError(f"{source}: attn_layer_indices must be layer numbers below {layers}, got {brief(bad)}")
+        return len(set(indices))
+    period, offset = cfg.get("attn_layer_period"), cfg.get("attn_layer_offset")
+    if isinstance(period, int) and isinstance(offset, int) and period > 0:
+        return sum(1 for i in range(layers) if i % period == offset)
+    return None
 
 
 @dataclass(frozen=True)
@@ -26,6 +58,10 @@ class ModelDims:
     intermediate: int
     vocab_size: int = 0
     tie_word_embeddings: bool = False
+    # layers whose token mixer is softmax attention (full or sliding); the others of a hybrid
+    # (Gated DeltaNet, Mamba) mix tokens in time linear in them, with no attended pairs and no
+    # K/V to exchange (None: every layer, as in a plain transformer)
+    attention_layers: Optional[int] = None
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
@@ -33,6 +69,45 @@ class ModelDims:
                 raise ConfigError(f"model dimension {f} must be positive, got {getattr(self, f)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        a = self.attention_layers
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= self.num_layers):
+            raise ConfigError(f"attention_layers {a!r} must be a whole number from 0 to num_layers {self.num_layers}")
+
+    @property
+    def softmax_layers(self) -> int:
+        """Layers with softmax attention: all of them but a hybrid's linear-attention and
+        state-space layers."""
+        return self.num_layers if self.attention_layers is None else self.attention_layers
+
+    @property
+    def softmax_share(self) -> float:
+        """softmax_layers / num_layers: the cost model's per-layer attention time and K/V traffic
+        are averages over the layers, so a hybrid's are this share of a transformer's (its linear
+        layers' own state hand-off under CP is not priced: a few MB a layer, not per token)."""
+        return self.softmax_layers / self.num_layers
+
+    def with_layers(self, layers: int, **changes) -> ModelDims:
+        """These dimensions with `layers` decoder layers (and `changes`), a hybrid keeping its
+        softmax share (rounded, at least one softmax layer where it had any)."""
+        a = self.attention_layers
+        if a is not None:
+            a = min(layers, max(1 if a else 0, round(layers * self.softmax_share)))
+        return replace(self, num_layers=layers, attention_layers=a, **changes)
+
+    def exchanged(self, nbytes):
+        """`nbytes` that a softmax layer exchanges under CP (K/V, Q/O), averaged over the layers
+        as the cost model's per-layer numbers are: the same integer for a plain transformer, a
+        fraction of it for a hybrid (not rounded: the vectorised pricer multiplies alike)."""
+        return nbytes if self.attention_layers is None else nbytes * self.softmax_share
+
+    def layer_mix(self) -> str:
+        """The layer mix in words, for reports."""
+        if self.attention_layers is None or self.attention_layers == self.num_layers:
+            return f"{self.num_layers} softmax attention layers"
+        return (
+            f"{self.softmax_layers} softmax attention and {self.num_layers - self.softmax_layers} linear-attention or "
+            f"state-space layers of {self.num_layers} (attention and K/V exchange priced on the softmax ones)"
+        )
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -58,14 +133,15 @@ class ModelDims:
         return 6.0 * self.linear_params_per_layer
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """Bytes of one token's keys and values over all layers (ChunkFlow's state store):
-        2 (K and V) * kv heads * head dim * bytes * layers."""
-        return 2 * self.num_kv_heads * self.head_dim * int(bytes_per_element) * self.num_layers
+        """Bytes of one token's keys and values over the softmax layers (ChunkFlow's state
+        store): 2 (K and V) * kv heads * head dim * bytes * softmax layers."""
+        return 2 * self.num_kv_heads * self.head_dim * int(bytes_per_element) * self.softmax_layers
 
     @property
     def attention_flops_per_pair(self) -> float:
-        """fwd + bwd FLOPs per causal query-key pair and layer: fwd 4*H*D, flash bwd 2.5x fwd."""
-        return 14.0 * self.num_heads * self.head_dim
+        """fwd + bwd FLOPs per causal query-key pair, averaged over the layers: fwd 4*H*D, flash
+        bwd 2.5x fwd, on the softmax share of them (softmax_share)."""
+        return 14.0 * self.num_heads * self.head_dim * self.softmax_share
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping, source: str = "config") -> ModelDims:
@@ -101,8 +177,9 @@ class ModelDims:
                 head_dim = max(dim("qk_nope_head_dim") + dim("qk_rope_head_dim"), dim("v_head_dim"))
             else:
                 kv_heads, head_dim = dim("num_key_value_heads", heads), dim("head_dim", hidden // heads)
+            layers = dim("num_hidden_layers")
             return cls(
-                num_layers=dim("num_hidden_layers"),
+                num_layers=layers,
                 hidden=hidden,
                 num_heads=heads,
                 num_kv_heads=kv_heads,
@@ -110,6 +187,7 @@ class ModelDims:
                 intermediate=dim("intermediate_size"),
                 vocab_size=dim("vocab_size", 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_layers=softmax_layers_of(cfg, layers, source),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None

@@ -162,7 +162,7 @@ def ring_bytes_per_layer(cost, next_rank_tokens: int, total_tokens: int, group_s
     d = cost.dims
     kv_elems_per_token = 2 * d.num_kv_heads * d.head_dim
     tokens_sent = 2 * (total_tokens - next_rank_tokens) + total_tokens
-    return tokens_sent * kv_elems_per_token * cost.profile.bytes_per_element
+    return d.exchanged(tokens_sent * kv_elems_per_token * cost.profile.bytes_per_element)
 
 
 class _RingSpec(ShardModeSpec):

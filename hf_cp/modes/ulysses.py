@@ -44,7 +44,7 @@ def ulysses_bytes_per_layer(cost, rank_tokens: int, total_tokens: int, group_siz
     send_dout = rank_tokens * q_heads * (g - 1)
     send_dqkv = others_tokens * (q_heads + 2 * kv_heads)
     elems = (send_qkv + send_out + send_dout + send_dqkv) * d.head_dim
-    return elems * cost.profile.bytes_per_element
+    return d.exchanged(elems * cost.profile.bytes_per_element)
 
 
 class Ulysses(ShardModeSpec):

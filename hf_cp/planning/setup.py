@@ -402,7 +402,7 @@ def peak_bytes_with_layers(
     """One rank's peak at the cap for `dims` with `num_layers` decoder layers: activations
     (activation_bytes_per_token x cap) plus static_memory."""
     static = static_memory(
-        replace(dims, num_layers=num_layers), model_states, world_size, max_tokens_per_rank, loss_chunk_tokens
+        dims.with_layers(num_layers), model_states, world_size, max_tokens_per_rank, loss_chunk_tokens
     )
     return activation_bytes_per_token(profile, dims, num_layers) * max_tokens_per_rank + static.total_bytes
 
@@ -453,7 +453,7 @@ def engine_memory(
             layers = 0 if one > budget else 1 + int((budget - one) // slope)
             while layers > 0 and peak_bytes_with_layers(dims, layers, *run) > budget:  # rounding at the boundary
                 layers -= 1
-            parameters = replace(dims, num_layers=layers).parameters if layers else 0
+            parameters = dims.with_layers(layers).parameters if layers else 0
         out.append(
             EngineMemory(
                 engine,

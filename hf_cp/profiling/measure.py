@@ -288,7 +288,7 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     # timing runs, in this order (time_each's call order is part of what a run measures)
     chunk_rows, eff_table = _measure_chunk_efficiency(stack, st, log)
     head_split_rows, head_split = _measure_head_split(stack, st, log)
-    one_layer = dataclasses.replace(dims, num_layers=1, vocab_size=0)
+    one_layer = dims.with_layers(1, vocab_size=0)
     attention_units = _attention_units(one_layer, cfg, eff_table, dev)
     comps = {**compositions(st.tokens, st.min_doc), **token_series(st.tokens, st.min_doc)}
     prepared = {k: stack.prepare(RankWork(tuple((0, n) for n in lens))) for k, lens in comps.items()}

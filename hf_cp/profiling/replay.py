@@ -85,7 +85,7 @@ def rank_micro_batches(plan: StepPlan, rank: int) -> List[RankWork]:
 
 def replay_cost_model(dims: ModelDims, cost: CostModel, layers: int) -> CostModel:
     """The cost model of exactly what replay runs: `layers` decoder layers, no embedding or LM head."""
-    return CostModel(dataclasses.replace(dims, num_layers=layers, vocab_size=0), cost.profile)
+    return CostModel(dims.with_layers(layers, vocab_size=0), cost.profile)
 
 
 @dataclass

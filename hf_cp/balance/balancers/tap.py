@@ -152,7 +152,7 @@ def place_tiles(
     # layers), at the pool's intra-node bandwidth: a move must pay for them. Bytes alone: a move
     # adds bytes to the all-to-all-v phases, whose messages are per phase, not per tile
     # (cost.blocks.block_exchange_messages). per_ms: ms per byte a layer sends, all layers.
-    per_ms = transfer_ms(cost.dims.num_layers, cost.profile.links["intra_node"], messages=0)
+    per_ms = transfer_ms(cost.dims.softmax_layers, cost.profile.links["intra_node"], messages=0)
 
     def cost_on(t: Tile, m: int) -> float:
         return t.ms + (extra_bytes(t, m) * per_ms if m != chunks[t.chunk].owner else 0.0)

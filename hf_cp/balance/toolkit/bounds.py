@@ -107,7 +107,7 @@ def fixed_size_area_ms(req: PlanRequest, group_size: int, totals: Optional[StepT
     if n == 1:
         return (t.local_ms_sum + micro_batches * overhead) / cl.world_size
     p = cost.profile
-    kv_bytes = 2 * cost.dims.num_kv_heads * cost.dims.head_dim * p.bytes_per_element
+    kv_bytes = 2 * cost.dims.num_kv_heads * cost.dims.head_dim * p.bytes_per_element * cost.dims.softmax_share
     link = cost.link_for(range(n))  # an aligned block: one node while it fits in one
     # the bytes alone: a lower bound may leave out the latency of each member's 3(n-1) messages a
     # micro-batch, which only adds to the time

@@ -54,7 +54,7 @@ class PlanPricer:
         self.overhead_ms = cost.micro_batch_overhead_ms()
         self.cp_attention_scale = p.cp_attention_scale
         self.execution = getattr(cost, "execution", None)  # wall clock: simulate.simulate's execution rule
-        self.kv_bytes_per_token = 2 * d.num_kv_heads * d.head_dim * p.bytes_per_element
+        self.kv_bytes_per_token = 2 * d.num_kv_heads * d.head_dim * p.bytes_per_element * d.softmax_share
         self.gpus_per_node = p.gpus_per_node
         qs = [q for q, _ in p.chunk_efficiency]
         self._eff_q = np.asarray(qs, dtype=np.float64)

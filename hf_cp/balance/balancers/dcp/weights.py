@@ -26,9 +26,10 @@ class Weights:
         self.L = d.num_layers
         bpe = cost.profile.bytes_per_element
         # a copy of a data block's keys: K and V forward, dK and dV back (per token, all layers)
-        self.kv_bytes_per_token = self.L * 2 * 2 * d.num_kv_heads * d.head_dim * bpe
+        # (on the softmax layers only: a hybrid's others exchange no K/V)
+        self.kv_bytes_per_token = d.softmax_layers * 2 * 2 * d.num_kv_heads * d.head_dim * bpe
         # a copy of its queries: Q out, O back (+ log-sum-exp), dO out, dQ back
-        self.q_bytes_per_token = self.L * 4 * d.num_heads * d.head_dim * bpe
+        self.q_bytes_per_token = d.softmax_layers * 4 * d.num_heads * d.head_dim * bpe
         self._lin = cost.c1 * self.L + cost.head_ms_per_token
         self._per_pair: Dict[int, float] = {}
 
