@@ -487,12 +487,12 @@ def scaling(args, argv) -> int:
     from hf_cp.cost.model import CostModel
     from hf_cp.cost.simulate import simulate
     from hf_cp.plan.cluster import ClusterSpec
-    from hf_cp.samples.lengths import read_lengths, step_batches
+    from hf_cp.samples.lengths import read_lengths
 
     given = argv if argv is not None else sys.argv[1:]
     worlds = [int(w) for w in (args.worlds if "--worlds" in given else SCALING_WORLDS).split(",")]
     names = (args.traces or SCALING_TRACES).split(",")
-    cap, tpr = args.max_tokens_per_rank, args.tokens_per_rank_per_step
+    cap = args.max_tokens_per_rank
     cost = CostModel.load(args.model, args.profile)
     auto = get_balancer("auto")
     gc.collect()
@@ -509,9 +509,7 @@ def scaling(args, argv) -> int:
         for world in run_worlds:
             cluster = ClusterSpec(world, cap, cost.profile.gpus_per_node)
             lengths = [n for n in all_lengths if n <= cluster.largest_capacity]
-            epoch0 = step_batches(lengths, tpr * world, seed=args.seed)
-            full_in_epoch = sum(1 for b in epoch0 if sum(lengths[i] for i in b) >= 0.9 * tpr * world)
-            steps = full_step_ids(lengths, tpr * world, args.seed, sampled(max(full_in_epoch, args.steps), args.steps))
+            steps = full_steps(lengths, world, args)
             d = defaultdict(list)
             n = len(lengths)
             for step, ids in sorted(steps.items()):
@@ -549,15 +547,7 @@ def scaling(args, argv) -> int:
     lines = scaling_markdown(rows, command, args, load)
     print("\n".join(lines))
     if args.out != "-":
-        path = Path(args.out)
-        text = path.read_text() if path.exists() else ""
-        block = "\n".join([SCALING_MARKERS[0], *lines, SCALING_MARKERS[1]])
-        if SCALING_MARKERS[0] in text and SCALING_MARKERS[1] in text:
-            head, rest = text.split(SCALING_MARKERS[0], 1)
-            text = head + block + rest.split(SCALING_MARKERS[1], 1)[1]
-        else:
-            text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
-        path.write_text(text)
+        replace_between(Path(args.out), SCALING_MARKERS, lines)
         print(f"wrote the scaling table into {args.out}")
     return 0
 
