@@ -68,6 +68,18 @@ def test_balancer_equals_single_process_step_by_step(world2_job, balancer):
 
 
 @pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_a_hierarchical_plan_of_two_hosts_equals_single_process_step_by_step(world2_job):
+    spec = world2_job["hierarchical-hosts"]
+    plans = executed_plans(spec)
+    assert all(p.balancer.startswith("hierarchical:") for p in plans)
+    assert all(any("2 hosts of 1 ranks" in n for n in p.notes) for p in plans)
+    spread, local = placements(plans)
+    assert spread >= 1 and local >= 1  # a block of both hosts, and each host's own samples
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
 @pytest.mark.parametrize("balancer", HYBRID_BALANCERS)
 def test_gated_deltanet_hybrid_equals_single_process_step_by_step(world2_job, balancer):
     """Qwen3-Next (a Gated DeltaNet layer beside a gated attention layer, MoE MLPs) under CPTrainer

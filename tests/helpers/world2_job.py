@@ -172,6 +172,11 @@ def world2_runs() -> Dict[str, dict]:
     runs["chunkflow-mixed-qwen2"] = chunkflow_mixed_spec("qwen2")
     runs["chunkflow-beyond-world"] = chunkflow_beyond_world_spec()
     runs["rank-dependent-plans"] = balance_spec("rank_dependent")
+    # hierarchical planning with two hosts of one rank: the 400-token sample spreads over a block
+    # of both hosts, each host plans its own short samples, the merged plan trains (issue 39)
+    runs["hierarchical-hosts"] = balance_spec(
+        "hierarchical", balancer_options=dict(host_ranks=1, min_samples_per_rank=0)
+    )
     # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones gathered (attention/recurrent.py)
     runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
