@@ -185,7 +185,16 @@ def block_group_costs(
         if g > 1:
             local_attn *= cost.profile.cp_attention_scale
         compute = L * (cost.c1 * tokens + local_attn + attn[m]) + cost.head_ms_per_token * tokens
-        out.append(RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * nbytes, tokens=tokens))
+        own = layout.member_tokens(m)
+        mix_ms, mix_comm, mix_bytes = cost.gathered_mixer(sum(doc_lengths), own, g, link)
+        out.append(
+            RankCost(
+                compute_ms=compute + mix_ms,
+                comm_ms=L * comm_ms + mix_comm,
+                comm_bytes=L * nbytes + mix_bytes,
+                tokens=tokens,
+            )
+        )
     return out
 
 

@@ -86,6 +86,19 @@ class ModelDims:
         layers' own state hand-off under CP is not priced: a few MB a layer, not per token)."""
         return self.softmax_layers / self.num_layers
 
+    @property
+    def linear_layers(self) -> int:
+        """A hybrid's layers whose token mixer is linear-time (Gated DeltaNet, Mamba)."""
+        return self.num_layers - self.softmax_layers
+
+    @property
+    def mixer_share(self) -> float:
+        """The token mixer's share of a layer's per-token matmul time: its projections, sized as
+        the attention projections (q, k, v, o) against those and the MLP's."""
+        h, d = self.hidden, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        return attn / self.linear_params_per_layer
+
     def with_layers(self, layers: int, **changes) -> ModelDims:
         """These dimensions with `layers` decoder layers (and `changes`), a hybrid keeping its
         softmax share (rounded, at least one softmax layer where it had any)."""

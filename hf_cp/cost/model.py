@@ -239,7 +239,32 @@ class CostModel:
         elif doc_lengths:
             dist_attn = self.segments_attention_ms(segs, doc_lengths, masks)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
-        return RankCost(compute_ms=compute, comm_ms=L * comm_ms, comm_bytes=L * comm_bytes, tokens=tokens)
+        mix_ms, mix_comm, mix_bytes = (
+            self.gathered_mixer(sum(doc_lengths), dist_tokens, g, link) if doc_lengths else (0, 0, 0)
+        )
+        return RankCost(
+            compute_ms=compute + mix_ms,
+            comm_ms=L * comm_ms + mix_comm,
+            comm_bytes=L * comm_bytes + mix_bytes,
+            tokens=tokens,
+        )
+
+    def gathered_mixer(self, doc_tokens, own_tokens, group_size: int, link: Link):
+        """(compute ms, unhidden comm ms, bytes) a hybrid's linear-time layers add to one member
+        of a CP group whose distributed documents total `doc_tokens`, `own_tokens` of them its
+        rows (numbers or numpy arrays; zeros for a plain transformer). hf_cp runs such a layer on
+        each whole distributed document on every member (attention/recurrent.py): every member
+        sends its rows to the g-1 others (one all-to-all forward, its gradient backward) and runs
+        the mixer over the rows it received too."""
+        layers = self.dims.linear_layers
+        if not layers or group_size <= 1:
+            return 0.0, 0.0, 0.0
+        d = self.dims
+        others = doc_tokens - own_tokens
+        compute = layers * self.c1 * d.mixer_share * others
+        nbytes = 2 * own_tokens * (group_size - 1) * d.hidden * self.profile.bytes_per_element
+        comm = layers * (transfer_ms(nbytes, link, 2 * (group_size - 1)) + self.exchange_sync_ms(2 * (group_size - 1)))
+        return compute, comm, layers * nbytes
 
     def micro_batch_overhead_ms(self) -> float:
         return self.dims.num_layers * self.c0
