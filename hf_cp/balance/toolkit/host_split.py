@@ -105,9 +105,13 @@ def split_over_hosts(req: PlanRequest, host_ranks: int) -> HostSplit:
     # 8 longest, as the bound checks them: group sizes above a host cost O(ranks) each to price)
     costly = np.unique(lens[(lens > cap) | (work > 0.5 * float(work.sum()) / world)]).tolist()
     inner = {n: [g for g in cl.group_sizes if g <= host_ranks and fits(n, g)] for n in costly}
-    for n in costly:
-        if n > cap and inner[n]:
-            work[lens == n] = min(g * alone(n, g) for g in inner[n])
+    over_cap = np.flatnonzero(lens > cap)
+    if len(over_cap):  # each distinct length priced once (a step of Wikipedia holds ~10^3 of them)
+        uniq, inv = np.unique(lens[over_cap], return_inverse=True)
+        held = [min((g * alone(n, g) for g in inner[n]), default=None) for n in uniq.tolist()]
+        keep = np.array([h is not None for h in held])
+        vals = np.array([h if h is not None else 0.0 for h in held])
+        work[over_cap[keep[inv]]] = vals[inv][keep[inv]]
     outer = {n: [g for g in cl.group_sizes if g > host_ranks and fits(n, g)] for n in costly[-LONGEST_CHECKED:]}
     best = [min(alone(n, g) for g in inner.get(n, []) + outer[n]) for n in outer if inner.get(n) or outer[n]]
     step_ms = max([float(work.sum()) / world] + best)
