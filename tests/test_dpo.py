@@ -63,6 +63,16 @@ def test_losses_and_gradients_equal_trls_dpo_trainer(tmp_path, loss):
         assert len(ours) == STEPS and ours == pytest.approx(theirs, rel=1e-4, abs=1e-5), key
 
 
+def test_a_gated_deltanet_hybrid_equals_trls_dpo_trainer(tmp_path):
+    """Qwen3-Next's shared-prompt pairs: each answer runs through the Gated DeltaNet layer after
+    the prompt (attention/recurrent.py), as TRL runs prompt+chosen and prompt+rejected apart."""
+    losses, grads, logs, trl_losses, trl_grads, trl_logs = compare(tmp_path, family="qwen3_next")
+    print("hybrid losses", losses, trl_losses, "gradient gap", grad_gap(grads, trl_grads))
+    assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
+    assert grad_gap(grads, trl_grads) < GRAD_TOL
+    assert losses[0] != pytest.approx(losses[1]), "the steps differ: the policy moved"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "loss",

@@ -279,6 +279,29 @@ def test_tools_and_a_model_without_hf_cp_attention_are_refused(model_path, tmp_p
         )
 
 
+def test_a_recurrent_hybrid_is_refused_by_its_layers_names(tmp_path):
+    """TRL scores GRPO's rollouts in padded batches, which the hybrid's per-document layers refuse
+    (DPO and KTO train hybrids exactly: tests/test_dpo.py, tests/test_kto.py)."""
+    from datasets import Dataset
+
+    from hf_cp.train.checks.setup import SetupError
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
+
+    from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+
+    args = CPGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=G, per_device_train_batch_size=G
+    )
+    with pytest.raises(SetupError, match=r"recurrent layers \(Qwen3NextGatedDeltaNet\); TRL scores rollouts"):
+        CPGRPOTrainer(
+            model=tiny_chat_model(0, family="qwen3_next"),
+            reward_funcs=reward_a,
+            args=args,
+            train_dataset=Dataset.from_list(prompt_rows()),
+            processing_class=tiny_chat_tokenizer(),
+        )
+
+
 def test_bnpo_weights_rows_by_the_loss_tokens_of_their_process():
     from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 

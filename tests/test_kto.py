@@ -60,6 +60,17 @@ def test_losses_metrics_and_gradients_equal_trls_kto_trainer(tmp_path, settings)
         assert max(x["kl"] for x in logs if "kl" in x) > 0.1, "the KL term was exercised"
 
 
+def test_a_gated_deltanet_hybrid_equals_trls_kto_trainer(tmp_path):
+    """Qwen3-Next: each completion (and KL completion) runs through the Gated DeltaNet layer
+    after its prompt, the reference's layers per document too, as TRL runs every row apart."""
+    batches, losses, grads, logs, trl_losses, trl_grads, trl_logs = compare(tmp_path, family="qwen3_next")
+    gap = grad_gap(grads, trl_grads)
+    print("hybrid losses", losses, trl_losses, "gradient gap", gap)
+    assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
+    assert gap < GRAD_TOL
+    assert len(set(round(x, 6) for x in losses)) == STEPS, "the steps differ: the policy moved"
+
+
 def test_paired_data_is_unpaired_as_trl_does(tmp_path):
     from helpers.dpo_runs import preference_rows
 
@@ -183,8 +194,8 @@ def test_a_model_without_hf_cp_attention_is_refused_when_the_trainer_is_built(tm
     rows = dpo_runs.preference_rows(4) if trainer == "dpo" else kto_runs.kto_rows(4)
     real = copy.deepcopy
 
-    def sdpa(seed=0, attn="hf_cp"):
-        return tiny_chat_model(seed, "sdpa" if which == "policy" else attn)
+    def sdpa(seed=0, attn="hf_cp", family="llama"):
+        return tiny_chat_model(seed, "sdpa" if which == "policy" else attn, family)
 
     def sdpa_copy(m, *a):
         out = real(m, *a)

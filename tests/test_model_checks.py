@@ -224,16 +224,21 @@ def test_the_dry_run_refuses_what_the_trainer_would(tmp_path):
 
 def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():
     model = _model("bamba", **HYBRIDS["bamba"][0])
-    check_recurrent_layers_fit(model, "CPTrainer", False, "auto")  # not attached: nothing runs per document yet
+    check_recurrent_layers_fit(
+        model, "CPTrainer", {"sliding_window"}, "auto"
+    )  # not attached: nothing runs per document yet
     attach_recurrent_layers(model)
-    check_recurrent_layers_fit(model, "CPTrainer", False, "auto")
+    check_recurrent_layers_fit(model, "CPTrainer", set(), "auto")
+    # shared prompts run each answer after the prompt (tests/test_recurrent_shared_prompts.py)
+    check_recurrent_layers_fit(model, "CPDPOTrainer", {"shared_prompt"}, "auto")
     with pytest.raises(
-        SetupError, match=r"CPDPOTrainer: the model has recurrent layers \(BambaMixer\).*share a prompt"
+        SetupError,
+        match=r"CPTrainer: the model has recurrent layers \(BambaMixer\), and samples with prefix_lm, sliding_window",
     ):
-        check_recurrent_layers_fit(model, "CPDPOTrainer", True, "auto")
+        check_recurrent_layers_fit(model, "CPTrainer", {"shared_prompt", "sliding_window", "prefix_lm"}, "auto")
     with pytest.raises(SetupError, match=r"ChunkFlow's dependent chunks"):
-        check_recurrent_layers_fit(model, "CPTrainer", False, "chunkflow")
-    check_recurrent_layers_fit(_model("llama"), "CPDPOTrainer", True, "chunkflow")  # attention only: fine
+        check_recurrent_layers_fit(model, "CPTrainer", set(), "chunkflow")
+    check_recurrent_layers_fit(_model("llama"), "CPDPOTrainer", {"sliding_window"}, "chunkflow")  # attention only: fine
 
 
 def test_families_measured_not_exact_and_positions_that_ignore_position_ids_are_refused():

@@ -16,9 +16,14 @@ exact on one whole document, so this module calls it once per document:
 The distributed documents' recurrent work is repeated on every member of their group (it is
 linear in tokens); head sharding and state passing, which avoid that, are not built yet.
 
+A shared-prompt sample [prompt][answer 1]...[answer n] runs as n sequences [prompt][answer i],
+the prompt's rows shared: each answer continues from the prompt's state, as it would trained
+alone after the prompt, the prompt's outputs are the first run's (the same in every run), and
+the prompt rows' gradients sum over the answers that read them.
+
 Refused by name, never run: a dependent chunk (ChunkFlow's state store does not yet carry the
-recurrent state), a masked sample (a shared-prompt sample's answers would each need the
-prompt's state), a padding mask.
+recurrent state), a sample with another mask (a window, a prefix, blocks, explicit slices: an
+attention pattern with no recurrent meaning), a padding mask.
 """
 
 from __future__ import annotations
@@ -84,6 +89,23 @@ def _run(forward: Callable, rows: Tensor, kwargs: Dict) -> Tensor:
     return forward(hidden_states=rows.unsqueeze(0), **kwargs)[0] if rows.shape[0] else rows
 
 
+def _run_document(forward: Callable, rows: Tensor, mask, kwargs: Dict) -> Tensor:
+    """One document's outputs: one run, or for a shared-prompt sample one run per answer after
+    the prompt (module docstring)."""
+    if mask is None or mask.is_causal or not mask.answers:
+        return _run(forward, rows, kwargs)
+    p = mask.prompt
+    pieces: List[Tensor] = []
+    start = p
+    for a in mask.answers:
+        out = _run(forward, torch.cat([rows[:p], rows[start : start + a]], dim=0), kwargs)
+        if not pieces:
+            pieces.append(out[:p])
+        pieces.append(out[p:])
+        start += a
+    return torch.cat(pieces, dim=0)
+
+
 def _distributed_outputs(forward: Callable, x: Tensor, ctx: CPContext, kwargs: Dict) -> Tensor:
     """This rank's output rows of the distributed documents (its segments, in its order)."""
     segments = _member_rows(ctx)
@@ -105,7 +127,8 @@ def _distributed_outputs(forward: Callable, x: Tensor, ctx: CPContext, kwargs: D
     for doc, parts in enumerate(pieces):
         parts.sort()
         order = torch.cat([torch.arange(o, o + n) for _, o, n in parts]) if parts else torch.zeros(0, dtype=torch.long)
-        outputs[doc] = _run(forward, full.index_select(0, order.to(full.device)), kwargs)
+        mask = ctx.masks[doc] if doc < len(ctx.masks) else None
+        outputs[doc] = _run_document(forward, full.index_select(0, order.to(full.device)), mask, kwargs)
     mine = [outputs[s.doc][s.start : s.start + s.length] for s in segments[ctx.member]]
     return torch.cat(mine, dim=0) if mine else x[:0]
 
@@ -118,12 +141,13 @@ def _refuse(module, ctx: Optional[CPContext], attention_mask) -> None:
             f"and convolution from zero at every chunk; plan without chunking (a cp_balancer other than chunkflow, "
             f"or auto with members that leave chunkflow out, and a cap that holds every sample)"
         )
-    masked = ctx is not None and any(m is not None for m in tuple(ctx.masks) + tuple(ctx.local_masks))
-    if masked:
+    masks = tuple(ctx.masks) + tuple(ctx.local_masks) if ctx is not None else ()
+    other = next((m for m in masks if m is not None and not m.is_causal and m.kind != "shared_prompt"), None)
+    if other is not None:
         raise ValueError(
-            f"hf_cp recurrent layer ({name}): a sample with an attention mask (e.g. shared-prompt answers) runs "
-            f"through a recurrent layer as one sequence, so each answer would continue from the previous answer's "
-            f"state instead of the prompt's; train such data with attention-only models"
+            f"hf_cp recurrent layer ({name}): a sample with a {other.kind!r} attention mask: a recurrent layer has "
+            f"no such pattern (it reads every earlier token of its sequence); only shared-prompt samples run through "
+            f"one (each answer after the prompt); train {other.kind} masks with attention-only models"
         )
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).all()):
         raise ValueError(
@@ -153,8 +177,10 @@ def per_document_forward(module: torch.nn.Module, forward: Callable, *args, **kw
         local = [s]
     x = hidden[0]
     outs, off = [], 0
-    for n in local:
-        outs.append(_run(forward, x[off : off + n], rest))
+    local_masks = tuple(ctx.local_masks) if ctx is not None else ()
+    for i, n in enumerate(local):
+        mask = local_masks[i] if i < len(local_masks) else None
+        outs.append(_run_document(forward, x[off : off + n], mask, rest))
         off += n
     if ctx is not None and ctx.distributed_lengths:
         outs.append(_distributed_outputs(forward, x[off:], ctx, rest))

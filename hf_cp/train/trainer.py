@@ -140,7 +140,8 @@ class CPTrainer(FSDP2Trainer, Trainer):
         check_recurrent_layers_fit(
             self.model,
             type(self).__name__,
-            self.cp_shared_prompt_samples or bool(self.cp_data.masks),
+            {m.kind for m in self.cp_data.masks.values()}
+            | ({"shared_prompt"} if self.cp_shared_prompt_samples else set()),
             setup.settings.balancer,
         )
         self.cp_cost, self.cp_cluster, self.cp_sampler = setup.cost, setup.cluster, setup.sampler

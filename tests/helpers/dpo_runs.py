@@ -81,7 +81,9 @@ def grad_gap(ours, theirs) -> float:
     return worst
 
 
-def hf_cp_trainer(rows, out: str, steps: int, tape: Optional[GradTape] = None, ref: bool = True, **kw):
+def hf_cp_trainer(
+    rows, out: str, steps: int, tape: Optional[GradTape] = None, ref: bool = True, family: str = "llama", **kw
+):
     from datasets import Dataset
 
     from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
@@ -97,7 +99,7 @@ def hf_cp_trainer(rows, out: str, steps: int, tape: Optional[GradTape] = None, r
     )
     settings.update(kw)
     args = CPDPOConfig(output_dir=out, max_steps=steps, **settings)
-    model = tiny_chat_model(0)
+    model = tiny_chat_model(0, family=family)
     return CPDPOTrainer(
         model=model,
         ref_model=copy.deepcopy(model) if ref else None,
@@ -117,7 +119,7 @@ def hf_cp_run(rows, out: str, steps: int, **kw):
     return batches, [r.loss for r in trainer.cp_history], tape.grads, tape.logs
 
 
-def trl_run(rows, batches: List[List[int]], out: str, precompute: bool = False, **kw):
+def trl_run(rows, batches: List[List[int]], out: str, precompute: bool = False, family: str = "llama", **kw):
     """(per-step losses, per-step gradients) of TRL's DPOTrainer on the given step batches."""
     from datasets import Dataset
     from torch.utils.data import DataLoader
@@ -134,7 +136,7 @@ def trl_run(rows, batches: List[List[int]], out: str, precompute: bool = False, 
     settings.update(kw)
     settings["precompute_ref_log_probs"] = precompute
     args = DPOConfig(output_dir=out, max_steps=len(batches), **settings)
-    model = tiny_chat_model(0, attn="eager")
+    model = tiny_chat_model(0, attn="eager", family=family)
     tape = GradTape()
     trainer = SteppedDPOTrainer(
         model=model,

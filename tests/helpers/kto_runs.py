@@ -42,7 +42,7 @@ def kto_rows(n: int = 12, long_prompt: int = 0) -> List[dict]:
     return rows
 
 
-def hf_cp_trainer(rows, out: str, steps: int, tape=None, **kw):
+def hf_cp_trainer(rows, out: str, steps: int, tape=None, family: str = "llama", **kw):
     from datasets import Dataset
 
     from hf_cp.train.objectives.kto import CPKTOConfig, CPKTOTrainer
@@ -59,7 +59,7 @@ def hf_cp_trainer(rows, out: str, steps: int, tape=None, **kw):
     )
     settings.update(kw)
     args = CPKTOConfig(output_dir=out, max_steps=steps, **settings)
-    model = tiny_chat_model(0)
+    model = tiny_chat_model(0, family=family)
     return CPKTOTrainer(
         model=model,
         ref_model=copy.deepcopy(model),
@@ -79,7 +79,7 @@ def hf_cp_run(rows, out: str, steps: int, **kw):
     return batches, [r.loss for r in trainer.cp_history], tape.grads, tape.logs
 
 
-def trl_run(rows, batches: List[List[int]], out: str, **kw):
+def trl_run(rows, batches: List[List[int]], out: str, family: str = "llama", **kw):
     """(per-step losses, per-step gradients, logs) of TRL's KTOTrainer on the given step batches."""
     from datasets import Dataset
     from torch.utils.data import DataLoader
@@ -94,7 +94,7 @@ def trl_run(rows, batches: List[List[int]], out: str, **kw):
     settings = dict(SETTINGS, per_device_train_batch_size=KL_BATCH, max_length=None)
     settings.update(kw)
     args = KTOConfig(output_dir=out, max_steps=len(batches), **settings)
-    model = tiny_chat_model(0, attn="eager")
+    model = tiny_chat_model(0, attn="eager", family=family)
     tape = GradTape()
     trainer = SteppedKTOTrainer(
         model=model,

@@ -30,19 +30,42 @@ def tiny_chat_tokenizer():
     return fast
 
 
-def tiny_chat_model(seed: int = 0, attn: str = "hf_cp"):
-    """The tiny Llama of configs/models/tiny-llama.json with room for the special tokens."""
+# a tiny Qwen3-Next (a Gated DeltaNet layer, then a gated attention layer; MoE MLPs), for the
+# preference trainers on a hybrid
+TINY_QWEN3_NEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, max_position_embeddings=512, layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    router_aux_loss_coef=0.0,
+)  # fmt: skip
+
+
+def tiny_chat_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
+    """The tiny Llama of configs/models/tiny-llama.json with room for the special tokens, or
+    (family "qwen3_next") TINY_QWEN3_NEXT, its recurrent state decaying slowly."""
     import json
+    import math
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
 
     from helpers.harness.models import TINY_MODEL
 
-    cfg = LlamaConfig(**dict(json.loads(TINY_MODEL.read_text()), vocab_size=VOCAB_SIZE))
     torch.manual_seed(seed)
+    if family == "qwen3_next":
+        cfg = AutoConfig.for_model("qwen3_next", vocab_size=VOCAB_SIZE, use_cache=False, **TINY_QWEN3_NEXT)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+        with torch.no_grad():  # random init forgets within a token or two: the state must carry far
+            for module in model.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.fill_(math.log(0.05))
+                if hasattr(module, "dt_bias"):
+                    module.dt_bias.fill_(-2.0)
+        return model
+    cfg = LlamaConfig(**dict(json.loads(TINY_MODEL.read_text()), vocab_size=VOCAB_SIZE))
     model = LlamaForCausalLM(cfg)
     model.set_attn_implementation(attn)
     model.config.use_cache = False

@@ -253,19 +253,33 @@ def check_model_config_supported(config, where: str = "the model") -> torch.nn.M
     return model
 
 
-def check_recurrent_layers_fit(model: torch.nn.Module, who: str, shared_prompt_samples: bool, balancer: str) -> None:
+def recurrent_layer_names(model: torch.nn.Module) -> List[str]:
+    """Classes of the model's layers attached to run per document (attach_recurrent_layers)."""
+    return sorted({type(m).__name__ for m in language_model(model).modules() if getattr(m, ATTACHED, False)})
+
+
+def refuse_recurrent_layers(model: torch.nn.Module, who: str, why: str) -> None:
+    """SetupError naming the model's recurrent layers where `who` cannot run them exactly (`why`)."""
+    layers = recurrent_layer_names(model)
+    if layers:
+        raise SetupError(f"{who}: the model has recurrent layers ({', '.join(layers)}); {why}")
+
+
+def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Iterable[str], balancer: str) -> None:
     """A model with recurrent layers (run per document, hf_cp/attention/recurrent.py) is refused
-    where a document cannot run whole through them: shared-prompt samples (each answer needs the
-    prompt's state, not the previous answer's) and ChunkFlow's dependent chunks (the state store
-    does not carry a recurrent state yet)."""
-    layers = sorted({type(m).__name__ for m in language_model(model).modules() if getattr(m, ATTACHED, False)})
+    where a sample cannot run through them as it would alone: samples with a mask other than a
+    shared prompt (`mask_kinds`: the kinds the run's samples carry; a shared prompt's answers
+    each run after the prompt) and ChunkFlow's dependent chunks (the state store does not carry a
+    recurrent state yet)."""
+    layers = recurrent_layer_names(model)
     if not layers:
         return
-    if shared_prompt_samples:
+    other = sorted(set(mask_kinds) - {"causal", "shared_prompt"})
+    if other:
         raise SetupError(
-            f"{who}: the model has recurrent layers ({', '.join(layers)}), and this trainer's samples share a prompt "
-            f"between answers; a recurrent layer would run each answer on from the previous answer's state instead "
-            f"of the prompt's. Train attention-only models with it, or the hybrid with CPTrainer / CPSFTTrainer"
+            f"{who}: the model has recurrent layers ({', '.join(layers)}), and samples with {', '.join(other)} "
+            f"attention masks, a pattern a recurrent layer does not have (it reads every earlier token of its "
+            f"sequence); only shared-prompt samples run through one. Train such masks with attention-only models"
         )
     if balancer == "chunkflow":
         raise SetupError(

@@ -105,7 +105,9 @@ def dry_run(
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config), vocab)
-    check_recurrent_layers_fit(meta_model, f"{src}: the model", bool(data.masks), settings.balancer)
+    check_recurrent_layers_fit(
+        meta_model, f"{src}: the model", {m.kind for m in data.masks.values()}, settings.balancer
+    )
     setup = planning_setup(
         settings,
         data.lengths,

@@ -64,6 +64,7 @@ from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
 from hf_cp.train.objectives.preference import (
+    attach_reference_recurrent_layers,
     policy_and_reference_logps,
     reference_logps,
     refuse_active_dropout,
@@ -160,6 +161,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             )
         reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
         refuse_other_attention(self.model, reference, "CPDPOTrainer")
+        attach_reference_recurrent_layers(self.accelerator, self.ref_model)
         refuse_active_dropout(self.model, "CPDPOTrainer", "DPOConfig")
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")

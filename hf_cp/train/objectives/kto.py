@@ -62,6 +62,7 @@ from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.kto_loss import KL_LOSS_TYPES, KTOSettings, kl_estimate, kto_loss
 from hf_cp.train.objectives.preference import (
+    attach_reference_recurrent_layers,
     policy_and_reference_logps,
     refuse_active_dropout,
     refuse_empty_answers,
@@ -214,6 +215,7 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
             )
         reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
         refuse_other_attention(self.model, reference, "CPKTOTrainer")
+        attach_reference_recurrent_layers(self.accelerator, self.ref_model)
         refuse_active_dropout(self.model, "CPKTOTrainer", "KTOConfig")
         self._cp_desirable = np.asarray(self.train_dataset["label"], dtype=bool)
 

@@ -17,6 +17,7 @@ import torch
 from accelerate.utils import is_peft_model
 from trl.trainer.utils import use_adapter  # trl
 
+from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import RankStep
 from hf_cp.train.setup.sharding import FSDP2, sharding_of
@@ -136,6 +137,15 @@ def refuse_padded_batch_settings(args, trainer: str) -> None:
                 f"{trainer}: {name}={getattr(args, name)!r} shapes TRL's padded batches, which hf_cp does not build "
                 f"(every example is one unpadded sample of a planned step); leave {name} unset"
             )
+
+
+def attach_reference_recurrent_layers(accelerator, ref_model) -> None:
+    """A hybrid reference model's recurrent layers run per document, as the policy's do (CPTrainer
+    attaches the policy's): a reference scoring the packed row as one sequence would carry its
+    state across pairs and answers (attention/recurrent.py)."""
+    if ref_model is not None:
+        ref = accelerator.unwrap_model(ref_model)
+        attach_recurrent_layers(ref.get_base_model() if is_peft_model(ref) else ref)
 
 
 def refuse_other_attention(model, ref_model, trainer: str) -> None:
