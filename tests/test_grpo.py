@@ -68,7 +68,7 @@ def model_path(tmp_path_factory):
 
 
 def trl_results(name: str, model_path: str, tmp: Path, rows_key: str = "plain", **kw):
-    key = (rows_key, name, tuple(sorted(kw.items())))
+    key = (model_path, rows_key, name, tuple(sorted(kw.items())))  # (the hybrid's runs are of another model)
     if key not in _TRL_RUNS:
         rows = prompt_rows(long_prompt=200 if rows_key == "long" else 0)
         _TRL_RUNS[key] = trl_run(rows, str(tmp / f"trl-{rows_key}-{name}"), STEPS, model_path, **CONFIGS[name], **kw)
@@ -279,27 +279,15 @@ def test_tools_and_a_model_without_hf_cp_attention_are_refused(model_path, tmp_p
         )
 
 
-def test_a_recurrent_hybrid_is_refused_by_its_layers_names(tmp_path):
-    """TRL scores GRPO's rollouts in padded batches, which the hybrid's per-document layers refuse
-    (DPO and KTO train hybrids exactly: tests/test_dpo.py, tests/test_kto.py)."""
-    from datasets import Dataset
-
-    from hf_cp.train.checks.setup import SetupError
-    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
-
-    from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
-
-    args = CPGRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=G, per_device_train_batch_size=G
-    )
-    with pytest.raises(SetupError, match=r"recurrent layers \(Qwen3NextGatedDeltaNet\); TRL scores rollouts"):
-        CPGRPOTrainer(
-            model=tiny_chat_model(0, family="qwen3_next"),
-            reward_funcs=reward_a,
-            args=args,
-            train_dataset=Dataset.from_list(prompt_rows()),
-            processing_class=tiny_chat_tokenizer(),
-        )
+def test_a_gated_deltanet_hybrid_equals_trls_at_world_1(tmp_path_factory, tmp_path):
+    """Qwen3-Next's groups: each completion runs through the Gated DeltaNet layer after its prompt
+    (attention/recurrent.py); TRL scores the rollouts row by row in padded batches, through the
+    layer's own padded forward, as hf_cp's scoring passes do."""
+    path = model_dir(tmp_path_factory.mktemp("grpo_hybrid"), family="qwen3_next")
+    for name in ("dapo", "beta", "iterations"):  # the plain loss, the KL to the reference, the old log-probs
+        ref = trl_results(name, path, tmp_path / name)
+        losses, grads, logs, _ = hf_cp_run(prompt_rows(), str(tmp_path / name / "cp"), STEPS, path, **CONFIGS[name])
+        print(f"{name}: hybrid, world 1, {assert_same_steps(losses, grads, logs, ref, name)}")
 
 
 def test_bnpo_weights_rows_by_the_loss_tokens_of_their_process():

@@ -68,6 +68,16 @@ def test_the_policy_step_equals_trls_rloo_at_world_1(name, model_path, tmp_path)
         assert any(abs(x.get("kl", 0.0)) > 1e-3 for x in ours[2]), ours[2]
 
 
+def test_a_gated_deltanet_hybrid_equals_trls_rloo_at_world_1(tmp_path_factory, tmp_path):
+    """Qwen3-Next: each completion through the Gated DeltaNet layer after its prompt, the KL to
+    the reference and reused rollouts' old log-probs included."""
+    path = model_dir(tmp_path_factory.mktemp("rloo_hybrid"), family="qwen3_next")
+    for name, (settings, tol) in CONFIGS.items():
+        ours = hf_cp_run(prompt_rows(), str(tmp_path / name / "hf_cp"), STEPS, path, **settings)
+        theirs = trl_run(prompt_rows(), str(tmp_path / name / "trl"), STEPS, path, **settings)
+        print(f"{name}: hybrid, gradient gap {assert_same(ours, theirs, tol, name):.2e}")
+
+
 def test_a_wrong_advantage_is_caught(model_path, tmp_path, monkeypatch):
     import hf_cp.train.objectives.rloo as rloo
 

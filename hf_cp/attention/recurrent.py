@@ -23,7 +23,9 @@ the prompt rows' gradients sum over the answers that read them.
 
 Refused by name, never run: a dependent chunk (ChunkFlow's state store does not yet carry the
 recurrent state), a sample with another mask (a window, a prefix, blocks, explicit slices: an
-attention pattern with no recurrent meaning), a padding mask.
+attention pattern with no recurrent meaning), a padding mask on a packed row. A padded batch of
+one sequence a row outside a CP context (TRL scoring GRPO and RLOO rollouts) runs the layer's
+own forward, which zeroes the padded positions' inputs so that each row starts from zero state.
 """
 
 from __future__ import annotations
@@ -161,7 +163,12 @@ def per_document_forward(module: torch.nn.Module, forward: Callable, *args, **kw
     if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
         return forward(hidden_states=hidden, **kwargs)  # generation with a cache: one sequence, as written
     ctx = current_cp_context()
-    attention_mask = kwargs.pop("attention_mask", None)
+    attention_mask = kwargs.get("attention_mask")
+    if ctx is None and attention_mask is not None and _POSITIONS.value is None and kwargs.get("cu_seq_lens_q") is None:
+        # a padded batch of one sequence a row (TRL scoring rollouts): the layer's own forward,
+        # which zeroes the padded positions' inputs, so each row's state starts from zero
+        return forward(hidden_states=hidden, **kwargs)
+    kwargs.pop("attention_mask", None)
     _refuse(module, ctx, attention_mask)
     rest = {k: v for k, v in kwargs.items() if k not in _FLASH_KWARGS}
     b, s = hidden.shape[0], hidden.shape[1]

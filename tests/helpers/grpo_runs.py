@@ -102,12 +102,13 @@ class FixedCompletions:
         return out, None
 
 
-def model_dir(root: Path) -> str:
-    """The tiny chat Llama (seed 0) and its tokenizer saved under root/model (once)."""
+def model_dir(root: Path, family: str = "llama") -> str:
+    """The tiny chat Llama (seed 0; or tiny_chat_model's other `family`) and its tokenizer saved
+    under root/model (once)."""
     path = Path(root) / "model"
     if not (path / "config.json").exists():
         path.mkdir(parents=True, exist_ok=True)
-        tiny_chat_model(0, attn="sdpa").save_pretrained(str(path))
+        tiny_chat_model(0, attn="sdpa", family=family).save_pretrained(str(path))
         tiny_chat_tokenizer().save_pretrained(str(path))
     return str(path)
 

@@ -258,13 +258,6 @@ def recurrent_layer_names(model: torch.nn.Module) -> List[str]:
     return sorted({type(m).__name__ for m in language_model(model).modules() if getattr(m, ATTACHED, False)})
 
 
-def refuse_recurrent_layers(model: torch.nn.Module, who: str, why: str) -> None:
-    """SetupError naming the model's recurrent layers where `who` cannot run them exactly (`why`)."""
-    layers = recurrent_layer_names(model)
-    if layers:
-        raise SetupError(f"{who}: the model has recurrent layers ({', '.join(layers)}); {why}")
-
-
 def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Iterable[str], balancer: str) -> None:
     """A model with recurrent layers (run per document, hf_cp/attention/recurrent.py) is refused
     where a sample cannot run through them as it would alone: samples with a mask other than a

@@ -28,7 +28,7 @@ from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
-from hf_cp.train.checks.model import check_model_supported, refuse_recurrent_layers
+from hf_cp.train.checks.model import check_model_supported
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
 from hf_cp.train.measure.record_builder import predicted_step_ms
@@ -42,13 +42,6 @@ from hf_cp.train.objectives.grpo_generation import (
 from hf_cp.train.runtime.step_runtime import StepRuntime
 from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
-
-# why GRPO and RLOO refuse a hybrid: TRL scores its rollouts in padded batches, which the layers'
-# per-document run refuses (attention/recurrent.py), and no test covers a hybrid's rollouts yet
-ROLLOUT_RECURRENT = (
-    "TRL scores rollouts in padded batches, which hf_cp's per-document run of those layers refuses; "
-    "train the hybrid with CPTrainer, CPSFTTrainer or CPDPOTrainer"
-)
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +105,7 @@ class PlannedRollouts(FSDP2Trainer):
                 f"{type(args).__name__}"
             )
         if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
-            attach_recurrent_layers(model)  # so that a hybrid is refused by its layers' names
-            refuse_recurrent_layers(model, name, ROLLOUT_RECURRENT)
+            attach_recurrent_layers(model)  # a hybrid's layers run per document in the planned passes
             check_model_supported(model, f"{name}: the policy")
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         self._cp_settings(args)  # refuses unsupported loss settings before any work
@@ -128,7 +120,6 @@ class PlannedRollouts(FSDP2Trainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if isinstance(model, str):  # TRL loaded it from the name
             attach_recurrent_layers(self.model)
-            refuse_recurrent_layers(self.model, name, ROLLOUT_RECURRENT)
             check_model_supported(self.model, f"{name}: the policy")
         if self._is_vlm:
             raise ValueError(
