@@ -290,6 +290,30 @@ def test_a_gated_deltanet_hybrid_equals_trls_at_world_1(tmp_path_factory, tmp_pa
         print(f"{name}: hybrid, world 1, {assert_same_steps(losses, grads, logs, ref, name)}")
 
 
+def test_a_hybrid_under_chunkflow_is_refused_at_set_up(tmp_path):
+    from datasets import Dataset
+
+    from hf_cp.train.checks.setup import SetupError
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
+
+    from helpers.tiny_tokenizer import tiny_chat_model, tiny_chat_tokenizer
+
+    args = CPGRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=G, per_device_train_batch_size=G,
+        cp_balancer="chunkflow",
+    )  # fmt: skip
+    with pytest.raises(
+        SetupError, match=r"CPGRPOTrainer: the model has recurrent layers.*ChunkFlow's dependent chunks"
+    ):
+        CPGRPOTrainer(
+            model=tiny_chat_model(0, family="qwen3_next"),
+            reward_funcs=reward_a,
+            args=args,
+            train_dataset=Dataset.from_list(prompt_rows()),
+            processing_class=tiny_chat_tokenizer(),
+        )
+
+
 def test_bnpo_weights_rows_by_the_loss_tokens_of_their_process():
     from hf_cp.train.objectives.grpo_loss import GRPOSettings, row_weights
 

@@ -28,7 +28,7 @@ from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
-from hf_cp.train.checks.model import check_model_supported
+from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
 from hf_cp.train.measure.record_builder import predicted_step_ms
@@ -106,6 +106,7 @@ class PlannedRollouts(FSDP2Trainer):
             )
         if model is not None and not isinstance(model, str):  # a model name is checked once TRL has loaded it
             attach_recurrent_layers(model)  # a hybrid's layers run per document in the planned passes
+            check_recurrent_layers_fit(model, name, {"shared_prompt"}, args.cp_balancer)
             check_model_supported(model, f"{name}: the policy")
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         self._cp_settings(args)  # refuses unsupported loss settings before any work
@@ -120,6 +121,7 @@ class PlannedRollouts(FSDP2Trainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         if isinstance(model, str):  # TRL loaded it from the name
             attach_recurrent_layers(self.model)
+            check_recurrent_layers_fit(self.model, name, {"shared_prompt"}, args.cp_balancer)
             check_model_supported(self.model, f"{name}: the policy")
         if self._is_vlm:
             raise ValueError(
