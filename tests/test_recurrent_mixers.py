@@ -160,7 +160,12 @@ def _worker(rank, world, family, distributed, locals_per_member, modes, drop_gat
         recurrent._gather_rows = gather
 
 
-def _run_modes(rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes):
+def _run_modes(
+    rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes,
+    masks=(), local_masks=(),
+):  # fmt: skip
+    """Per mode: the group's summed loss and gradients against the reference (masks: of the
+    distributed documents; local_masks: of this rank's local ones)."""
     import torch.distributed as dist
 
     from hf_cp.attention import CPContext, cp_context
@@ -177,6 +182,8 @@ def _run_modes(rank, world, model, ref_loss, ref_grads, ids, pos, labels, group,
             mode=mode,
             distributed_lengths=tuple(distributed),
             local_lengths=tuple(locals_per_member[rank]),
+            masks=tuple(masks),
+            local_masks=tuple(local_masks),
         )
         with cp_context(ctx):
             logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]

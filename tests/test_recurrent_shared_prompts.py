@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_recurrent_mixers import MODES, TOL, _documents, _models, _worst
+from test_recurrent_mixers import MODES, TOL, _documents, _models, _run_modes
 
 from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.samples.masks import SampleMask
 
 from helpers.attention_pool import pools, process_group  # noqa: F401  (pools: fixture)
-from helpers.cp_layout import member_rows
 
 PROMPT, ANSWERS = 9, (6, 11, 4)  # the local shared-prompt sample
 SPREAD_PROMPT, SPREAD_ANSWERS = 14, (12, 9)  # the one spread over the group
@@ -59,17 +58,14 @@ def reference(ref, samples, plain):
 
 
 def _worker(rank, world, family, modes, sequential_answers=False):
-    import torch.distributed as dist
-
     import hf_cp.attention.recurrent as recurrent
-    from hf_cp.attention import CPContext, cp_context
 
     group = process_group(list(range(world)))
     model, ref = _models(family)
     spread = sample_tokens(5, SPREAD_PROMPT, SPREAD_ANSWERS)
     local = sample_tokens(6, PROMPT, ANSWERS)
     plain = _documents([PLAIN], seed=7)[0]
-    ref_loss, ref_grads, count = reference(ref, [spread, local], plain)
+    ref_loss, ref_grads, _ = reference(ref, [spread, local], plain)  # (_run_modes counts the labels)
     attach_recurrent_layers(model)
     spread_mask = SampleMask.shared_prompt(SPREAD_PROMPT, SPREAD_ANSWERS)
     local_mask = SampleMask.shared_prompt(PROMPT, ANSWERS)
@@ -81,39 +77,16 @@ def _worker(rank, world, family, modes, sequential_answers=False):
     )
     distributed = [spread_mask.length]
     locals_per_member = [[local_mask.length], [PLAIN]]
+    real_run = recurrent._run_document
     if sequential_answers:  # break it on purpose: every answer continues from the previous one's state
         recurrent._run_document = lambda forward, rows, mask, kwargs: recurrent._run(forward, rows, kwargs)
-    out = []
-    for mode in modes:
-        model.zero_grad()
-        rows = member_rows(mode, distributed, locals_per_member, rank)
-        ctx = CPContext(
-            group=group,
-            group_ranks=tuple(range(world)),
-            member=rank,
-            mode=mode,
-            distributed_lengths=tuple(distributed),
-            local_lengths=tuple(locals_per_member[rank]),
-            masks=(spread_mask,),
-            local_masks=(local_mask,) if rank == 0 else (None,),
-        )
-        with cp_context(ctx):
-            logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
-            loss = (
-                torch.nn.functional.cross_entropy(logits.float(), labels[rows], ignore_index=-100, reduction="sum")
-                / count
-            )
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g)
-            grads[n] = g
-        err, name = _worst(grads, ref_grads)
-        out.append(dict(mode=mode.value, rank=rank, loss=total.item(), ref_loss=ref_loss, err=err, worst=name))
-    return out
+    try:
+        return _run_modes(
+            rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes,
+            masks=(spread_mask,), local_masks=(local_mask,) if rank == 0 else (None,),
+        )  # fmt: skip
+    finally:
+        recurrent._run_document = real_run
 
 
 @pytest.mark.timeout(240)
