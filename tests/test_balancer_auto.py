@@ -99,6 +99,12 @@ def test_members_are_configurable(h200_cost):
     assert auto.plan(req).balancer == "auto:dynamic_cp"
 
 
+@pytest.mark.parametrize("key", ["stop_within", "stop_within_masked", "exhaustive_below"])
+def test_negative_stop_settings_are_refused_by_name(key):
+    with pytest.raises(ValueError, match=f"auto: {key} -1.* must be >= 0"):
+        get_balancer("auto", **{key: -1})
+
+
 def test_bad_member_lists_are_named():
     with pytest.raises(ValueError, match="cannot be a member of itself"):
         get_balancer("auto", members=["static", "auto"])

@@ -119,6 +119,7 @@ def test_a_world_of_one_host_is_planned_flat_by_the_member(traces_dir, cost):
         ({"member": "nope"}, "member 'nope' is not a balancer"),
         ({"member_options": {"fill": 2}}, "hierarchical: member_options: auto: unknown option 'fill'"),
         ({"hosts": 8}, "unknown option 'hosts'"),
+        ({"min_samples_per_rank": -1}, "min_samples_per_rank -1.0 must be >= 0"),
     ],
 )
 def test_bad_options_are_refused_by_name(options, message):

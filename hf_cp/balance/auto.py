@@ -121,7 +121,7 @@ class AutoOptions(BalancerOptions):
         unknown = set(self.member_options) - set(names)
         if unknown:
             raise BalancerOptionError(f"auto: options given for {sorted(unknown)}, which are not members {names}")
-        for key in ("stop_within", "stop_within_masked"):
+        for key in ("stop_within", "stop_within_masked", "exhaustive_below"):
             if not getattr(self, key) >= 0:
                 raise BalancerOptionError(f"auto: {key} {getattr(self, key)} must be >= 0")
 
