@@ -562,6 +562,11 @@ def full_steps(lengths, world, args) -> Dict[int, list]:
     return full_step_ids(lengths, tpr * world, args.seed, sampled(max(full_in_epoch, args.steps), args.steps))
 
 
+def made_by(title: str, command: str) -> List[str]:
+    """A markdown section's heading and the command that made it."""
+    return [f"## {title}", "", "Made by:", "", f"    {command}", ""]
+
+
 def replace_between(path: Path, markers, lines: List[str]) -> None:
     """Write `lines` between the two markers of `path` (appended with them when absent)."""
     text = path.read_text() if path.exists() else ""
@@ -681,13 +686,7 @@ def hierarchy(args, argv) -> int:
 
 def hierarchy_markdown(rows, command, args, load) -> List[str]:
     big = [r for r in rows if r["world"] >= 4096]
-    out = [
-        "## Hierarchical planning: each host plans its own ranks (issue 39)",
-        "",
-        "Made by:",
-        "",
-        f"    {command}",
-        "",
+    out = made_by("Hierarchical planning: each host plans its own ranks (issue 39)", command) + [
         f"Profile {args.profile}, model {args.model}, cap {args.max_tokens_per_rank} tokens per rank per micro-batch, "
         f"{args.tokens_per_rank_per_step} tokens per rank per step, hosts of {args.host_ranks} ranks, {args.steps} full "
         "steps per trace and world. `hierarchical` splits each step over the hosts (toolkit/host_split.py) and "
@@ -734,13 +733,7 @@ def hierarchy_markdown(rows, command, args, load) -> List[str]:
 
 def scaling_markdown(rows, command, args, load) -> List[str]:
     """The scaling section: how it was made, the targets met or missed, one row per trace and world."""
-    out = [
-        "## Planner scale: `auto` from 64 to 4096 ranks (full steps)",
-        "",
-        "Made by:",
-        "",
-        f"    {command}",
-        "",
+    out = made_by("Planner scale: `auto` from 64 to 4096 ranks (full steps)", command) + [
         f"Profile {args.profile}, model {args.model}, cap {args.max_tokens_per_rank} tokens per rank per micro-batch, "
         f"{args.tokens_per_rank_per_step} tokens per rank per step, {args.steps} full steps per trace and world. "
         "*plan CPU ms*: median CPU time of `auto`'s plan() per step, its solver worker processes included "

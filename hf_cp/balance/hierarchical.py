@@ -38,7 +38,7 @@ from hf_cp.balance.registry import available_balancers, get_balancer, register_b
 from hf_cp.balance.toolkit.host_split import HostSplit, split_over_hosts
 from hf_cp.balance.toolkit.sample_limit import sample_token_limit, trains_length
 from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.plan.step_plan import Group, StepPlan, Wave
+from hf_cp.plan.step_plan import StepPlan, Wave
 
 
 @dataclass(frozen=True)
@@ -146,23 +146,6 @@ def sub_request(req: PlanRequest, positions: np.ndarray, cluster: ClusterSpec) -
                    dataset_max_length=dml)  # fmt: skip
 
 
-def shifted(plan: StepPlan, offset: int) -> List[Wave]:
-    """`plan`'s waves with every rank moved up by `offset` (block layouts index members, not
-    ranks, and stay as they are)."""
-    out = []
-    for wave in plan.waves:
-        groups = []
-        for g in wave.groups:
-            ng = object.__new__(Group)
-            ng.ranks = tuple(r + offset for r in g.ranks)
-            ng.distributed, ng.mode, ng.blocks = g.distributed, g.mode, g.blocks
-            ng.local = {r + offset: v for r, v in g.local.items()}
-            ng.chunked = {r + offset: v for r, v in g.chunked.items()}
-            groups.append(ng)
-        out.append(Wave(groups))
-    return out
-
-
 def merge_plans(
     req: PlanRequest, parts: Sequence[Tuple[int, int, StepPlan]], host_ranks: int, balancer: str
 ) -> StepPlan:
@@ -175,10 +158,10 @@ def merge_plans(
     next_wave: Dict[int, int] = {}  # host -> first wave free on it
     for first, k, plan in parts:
         start = max((next_wave.get(h, 0) for h in range(first, first + k)), default=0)
-        for w, wave in enumerate(shifted(plan, first * host_ranks)):
+        for w, wave in enumerate(plan.waves):
             while len(waves) <= start + w:
                 waves.append(Wave([]))
-            waves[start + w].groups.extend(wave.groups)
+            waves[start + w].groups.extend(g.shifted(first * host_ranks) for g in wave.groups)
         for h in range(first, first + k):
             next_wave[h] = start + len(plan.waves)
         notes += [f"hosts {first}-{first + k - 1}: {n}" if k > 1 else f"host {first}: {n}" for n in plan.notes]

@@ -95,9 +95,7 @@ class ModelDims:
     def mixer_share(self) -> float:
         """The token mixer's share of a layer's per-token matmul time: its projections, sized as
         the attention projections (q, k, v, o) against those and the MLP's."""
-        h, d = self.hidden, self.head_dim
-        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
-        return attn / self.linear_params_per_layer
+        return self.attention_params_per_layer / self.linear_params_per_layer
 
     def with_layers(self, layers: int, **changes) -> ModelDims:
         """These dimensions with `layers` decoder layers (and `changes`), a hybrid keeping its
@@ -123,11 +121,15 @@ class ModelDims:
         )
 
     @property
-    def linear_params_per_layer(self) -> int:
+    def attention_params_per_layer(self) -> int:
+        """The attention projections' matrices: q, o, k, v."""
         h, d = self.hidden, self.head_dim
-        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o, k, v
-        mlp = 3 * h * self.intermediate  # gate, up, down
-        return attn + mlp
+        return h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        mlp = 3 * self.hidden * self.intermediate  # gate, up, down
+        return self.attention_params_per_layer + mlp
 
     @property
     def embedding_parameters(self) -> int:

@@ -90,6 +90,17 @@ class Group:
             out.append(g)
         return out
 
+    def shifted(self, offset: int) -> Group:
+        """This group on ranks `offset` higher (its samples, mode and block layout shared: a
+        layout indexes members, not ranks); made without __post_init__'s conversions, as
+        one_rank_groups makes groups."""
+        g = object.__new__(type(self))
+        g.ranks = tuple(r + offset for r in self.ranks)
+        g.distributed, g.mode, g.blocks = self.distributed, self.mode, self.blocks
+        g.local = {r + offset: v for r, v in self.local.items()}
+        g.chunked = {r + offset: v for r, v in self.chunked.items()}
+        return g
+
     @property
     def size(self) -> int:
         return len(self.ranks)
