@@ -110,6 +110,12 @@ def _layer_window(module, attention_mask, kwargs) -> Optional[int]:
     return None if w is None else int(w)
 
 
+def _multimodal_rope(module) -> bool:
+    # Qwen2-VL-style models pass the attention only the text positions of [4, B, T] position ids
+    rope = getattr(getattr(module, "config", None), "rope_parameters", None)
+    return isinstance(rope, dict) and rope.get("mrope_section") is not None
+
+
 def _refuse_unsupported(module, query: Tensor, key: Tensor, dropout: float, kwargs) -> None:
     name = type(module).__name__
     if kwargs.get("use_cache") and getattr(module, "training", False):
@@ -230,6 +236,13 @@ def hf_cp_attention(
     elif kwargs.get("position_ids") is not None:
         docs = _docs_from_positions(kwargs["position_ids"], b, s)
     else:
+        if s > 1 and _multimodal_rope(module):
+            raise ValueError(
+                f"hf_cp attention ({type(module).__name__}): no position_ids reached the attention of a model with "
+                "multimodal (M-RoPE) positions: it does so when given 2-D or 3-row position_ids, and a packed row "
+                "would attend across its documents. Pass position_ids of shape [4, batch, seq]: the 1-D positions "
+                "(restarting at 0 per document) first, then the three M-RoPE rows"
+            )
         docs = [[s]] * b
     flat = [n for row in docs for n in row]
     slices = layer_slices(tuple(flat), (), window)

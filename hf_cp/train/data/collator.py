@@ -33,6 +33,7 @@ from hf_cp.plan.chunks import dependent_chunk_sizes
 from hf_cp.plan.step_plan import Group, StepPlan
 from hf_cp.samples.masks import SampleMask
 from hf_cp.samples.targets import sample_targets
+from hf_cp.train.data.vision_rows import VisionFn, WaveVision, wave_vision
 
 IGNORE_INDEX = -100
 
@@ -80,6 +81,9 @@ class MicroBatch:
     # trailing tokens that are no sample's (a member with an empty shard runs one): not counted
     # where every token counts, as the MoE router's load-balancing term does
     padding_tokens: int = 0
+    # vision-language runs: the images and clips this rank encodes, where their embedding rows
+    # go, and the row's M-RoPE positions (data/vision_rows.py); None in a text-only run
+    vision: Optional[WaveVision] = None
 
     @property
     def num_tokens(self) -> int:
@@ -157,12 +161,16 @@ class RankStep:
 
 class PlanCollator:
     """`fetch(sid)` gives a sample's (input_ids, labels); `masks` the non-causal masks by
-    sample id (samples without one are causal)."""
+    sample id (samples without one are causal); `vision(sid)` a vision-language sample's images
+    and clips (None: text only), in a run whose model encodes them (None: a text-only run)."""
 
-    def __init__(self, fetch: FetchFn, masks: Optional[Mapping[int, SampleMask]] = None):
+    def __init__(
+        self, fetch: FetchFn, masks: Optional[Mapping[int, SampleMask]] = None, vision: Optional[VisionFn] = None
+    ):
         self.fetch = fetch
         # a dict is kept, not copied: a stream's masks arrive as it is read (data/streaming.py)
         self.masks = masks if isinstance(masks, dict) else dict(masks or {})
+        self.vision = vision
 
     def answer_slots(self, plan: StepPlan) -> Tuple[Tuple[int, int], ...]:
         """(sample id, answer) of every answer of the step, in the plan's sample order."""
@@ -190,10 +198,12 @@ class PlanCollator:
         extra_rows, extra_targets = [], []
         slots, extra_slots = [], []
         local_lengths = []
+        text_positions = {}  # sample -> its 1-D positions (vision runs: the M-RoPE of a text-only sample)
         row = 0
         for sid in local:
             x, y = self.fetch(sid)
             t = sample_targets(x, y, self.masks.get(sid))
+            text_positions[sid] = t.positions
             ids.append(np.asarray(x, dtype=np.int64))
             tgts.append(t.shifted)
             pos.append(t.positions)
@@ -208,6 +218,7 @@ class PlanCollator:
         dist_lengths = [len(x) for x, _ in dist_docs]
         if group.distributed:
             full = [sample_targets(x, y, self.masks.get(sid)) for sid, (x, y) in zip(group.distributed, dist_docs)]
+            text_positions.update({sid: t.positions for sid, t in zip(group.distributed, full)})
             # whole-document modes cut by lengths; mode "blocks" takes the chunks the member owns
             for seg in group.member_segments(member, dict(zip(group.distributed, dist_lengths))):
                 x = np.asarray(dist_docs[seg.doc][0], dtype=np.int64)
@@ -251,6 +262,9 @@ class PlanCollator:
             masks=_aligned_masks(self.masks, group.distributed, len(dist_lengths)),
         )
         flat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))  # noqa: E731
+        vision = None
+        if self.vision is not None:
+            vision = self._wave_vision(plan, wave, group, member, text_positions, row + padding)
         return MicroBatch(
             wave=wave,
             input_ids=cat(ids),
@@ -265,12 +279,37 @@ class PlanCollator:
             target_slots=cat(slots),
             extra_slots=flat(extra_slots),
             padding_tokens=padding,
+            vision=vision,
         )
+
+    def _wave_vision(
+        self, plan: StepPlan, wave: int, group: Group, member: int, text_positions: Dict[int, np.ndarray], row: int
+    ) -> WaveVision:
+        """The member's vision rows; the group's other members' samples are read too (every member
+        computes the same encoder placement and exchange)."""
+        samples = [s for r in group.ranks for s in group.local.get(r, [])] + list(group.distributed)
+        lengths = {}
+        for sid in samples:
+            if sid not in text_positions:  # another member's local sample: its length and positions
+                x, y = self.fetch(sid)
+                text_positions[sid] = sample_targets(x, y, self.masks.get(sid)).positions
+            lengths[sid] = len(text_positions[sid])
+            if sid in self.masks and self.vision(sid) is not None:
+                raise ValueError(
+                    f"step {plan.step + 1}, wave {wave}: sample {sid} has images or clips and a "
+                    f"{self.masks[sid].kind!r} mask; vision samples train with causal attention only"
+                )
+        return wave_vision(group, member, lengths, self.vision, text_positions, row)
 
     def chunked_micro_batch(self, plan: StepPlan, wave: int, group: Group, rank: int) -> MicroBatch:
         """A one-rank group of chunked samples: each sample's whole rows and its chunk sizes."""
         chunked = []
         for c in group.chunked[rank]:
+            if self.vision is not None and self.vision(c.sample) is not None:
+                raise ValueError(
+                    f"step {plan.step + 1}, wave {wave}: sample {c.sample} has images or clips; ChunkFlow's dependent "
+                    f"chunks do not carry vision embeddings yet: plan vision data with another balancer"
+                )
             if c.sample in self.masks:
                 raise ValueError(
                     f"step {plan.step + 1}, wave {wave}: sample {c.sample} has a {self.masks[c.sample].kind!r} mask; "

@@ -47,6 +47,7 @@ from hf_cp.train.step.loss import (
 )
 from hf_cp.train.step.router_balance import RouterBalance, RouterCensus, router_tallies
 from hf_cp.train.step.totals import WaveTotals
+from hf_cp.train.step.vision_tower import VisionTower
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StepExecutor(ForwardOnlyPasses):
         max_open_graphs: Optional[int] = None,
         liger_loss: bool = False,
         router: Optional[RouterBalance] = None,
+        vision: Optional[VisionTower] = None,
     ):
         self.model = model
         self.groups = groups
@@ -109,6 +111,12 @@ class StepExecutor(ForwardOnlyPasses):
         # perf_counter -> seconds since the epoch, so that ranks on one host share a time axis
         self._epoch_offset = time.time() - time.perf_counter()
         self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
+        # a vision-language run: the tower encodes the micro-batch's images and clips, whose rows
+        # replace its placeholder tokens' embeddings (_vision_rows_hook), inside the model's forward
+        self.vision = vision
+        self._vision_pending: Optional[Union[MicroBatch, str]] = None
+        if vision is not None:
+            self._vision_hook = model.get_input_embeddings().register_forward_hook(self._vision_rows_hook)
 
     # ------------------------------------------------------------------ timing
     def start_step(self) -> None:
@@ -297,8 +305,7 @@ class StepExecutor(ForwardOnlyPasses):
             contextlib.nullcontext() if graph else torch.no_grad(),
         ):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            pos = torch.zeros_like(ids)
-            out = model(input_ids=ids, position_ids=pos, use_cache=False).logits.sum()
+            out = self._forward(model, None, ids, torch.zeros_like(ids)).logits.sum()
         return out * 0.0 if graph else None
 
     def _dummy_backward_of(self, zero_loss: torch.Tensor, step: int, wave: int, last: bool) -> None:
@@ -310,7 +317,7 @@ class StepExecutor(ForwardOnlyPasses):
         everyone = tuple(range(self.world_size))
         with self.wave_context(last), cp_context(None), collective_scope(step, wave, everyone, "dummy micro-batch"):
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            out = model(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
+            out = self._forward(model, None, ids, torch.zeros_like(ids))
             self.backward(out.logits.sum() * 0.0, last)
 
     def _chunked_wave(
@@ -375,7 +382,7 @@ class StepExecutor(ForwardOnlyPasses):
             head = self.loss_head()
         t = self.logit_temperature
         if head is None:
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            logits = self._forward(model, mb, ids, pos).logits[0]
             logits = logits if t == 1.0 else logits / t
             return logits_token_logps(logits, targets, IGNORE_INDEX, extra_rows, extra_targets)
 
@@ -396,9 +403,39 @@ class StepExecutor(ForwardOnlyPasses):
             return torch.cat([own, extra])  # one output tensor: [T + k]
 
         with lm_head_computing(head, token_logps):
-            both = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            both = self._forward(model, mb, ids, pos).logits
         rows = targets.shape[0]
         return both[:rows], both[rows:]
+
+    def _forward(self, model: torch.nn.Module, mb: Optional[MicroBatch], ids: torch.Tensor, pos: torch.Tensor, **kw):
+        """The model's forward on a micro-batch's rows (None: a one-token dummy). A vision run
+        passes position ids [4, 1, T]: the 1-D positions (the attention's), then the M-RoPE
+        ones; its placeholder rows enter at the embedding (_vision_rows_hook)."""
+        if self.vision is None:
+            return model(input_ids=ids, position_ids=pos, use_cache=False, **kw)
+        if mb is not None and mb.vision is None:
+            raise RuntimeError("a vision run's micro-batch carries no vision rows: its collator was built without them")
+        rope = pos.expand(3, *pos.shape) if mb is None else mb.vision.rope_positions.to(self.device)[:, None]
+        self._vision_pending = "dummy" if mb is None else mb
+        try:
+            return model(input_ids=ids, position_ids=torch.cat([pos[None], rope]), use_cache=False, **kw)
+        finally:
+            self._vision_pending = None
+
+    def _vision_rows_hook(self, module, inputs, output):
+        """The embedding's output with the micro-batch's placeholder rows in place (out of place:
+        the placeholder tokens' own embeddings get no gradient, as in the model's own forward). A
+        dummy pass adds the tower's zero-weighted rows: every rank's backward reaches every tower
+        parameter, as a data-parallel reduction expects."""
+        pending, self._vision_pending = self._vision_pending, None
+        if pending is None:
+            return None
+        if isinstance(pending, str):
+            return output + self.vision.dummy_rows(output.device).sum().to(output.dtype)
+        vision = pending.vision
+        rows = self.vision.placeholder_rows(vision, self._context(pending).group, pending.context.member, output.device)
+        at = vision.token_positions.to(output.device)
+        return output.index_put((torch.zeros_like(at), at), rows.to(output.dtype))
 
     def _device_rows(self, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
         """A micro-batch's input ids, positions, shifted targets [T] and extra targets on the
@@ -424,7 +461,7 @@ class StepExecutor(ForwardOnlyPasses):
         head = self.loss_head()
         extra = dict(output_router_logits=True) if router else {}
         if head is None:
-            out = model(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+            out = self._forward(model, mb, ids, pos, **extra)
             loss = logits_loss(out.logits[0], targets, IGNORE_INDEX, extra_rows, extra_targets)
             return loss, (out.router_logits if router else None)
 
@@ -443,7 +480,7 @@ class StepExecutor(ForwardOnlyPasses):
             )
 
         with lm_head_computing(head, loss):
-            out = model(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+            out = self._forward(model, mb, ids, pos, **extra)
         return out.logits, (out.router_logits if router else None)
 
     def loss_head(self) -> Optional[torch.nn.Linear]:

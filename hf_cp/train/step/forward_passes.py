@@ -133,6 +133,6 @@ class ForwardOnlyPasses:
         ids, pos = mb.input_ids.to(self.device), mb.position_ids.to(self.device)
         head = self.loss_head()
         if head is None:
-            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+            return self._forward(model, mb, ids, pos, output_router_logits=True).router_logits
         with lm_head_computing(head, lambda hidden, weight, bias: hidden.new_zeros(())):
-            return model(input_ids=ids, position_ids=pos, use_cache=False, output_router_logits=True).router_logits
+            return self._forward(model, mb, ids, pos, output_router_logits=True).router_logits

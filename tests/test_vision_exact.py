@@ -1,0 +1,199 @@
+"""Vision-language training under planned CP equals the model's own forward on each sample alone
+(issue 38).
+
+A tiny Qwen2.5-VL (random weights) trains on samples with random images and a video clip. The
+hf_cp side runs the training path itself: PlanCollator with the dataset's vision columns
+(vision_columns.vision_reader), StepExecutor with the model's VisionTower, in gloo processes at
+worlds 1, 2 and 4, a sample with an image and a clip spread over a CP group in every shard mode
+(ring zigzag, ring per document, Ulysses, blocks with heads split), beside local samples. The
+reference is independent of all of it: transformers' own Qwen2.5-VL forward (its own M-RoPE from
+mm_token_type_ids, its own vision scatter, sdpa) on each sample alone, in one process. Each item
+is encoded on exactly one rank of its group. The break test detaches one rank's encoder output
+(an image's embedding gradient dropped) and must fail the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
+from hf_cp.attention import COMM_COUNTER
+from hf_cp.modes.segments import ShardMode
+from hf_cp.plan.block_layout import doc_slices, random_layout
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.plan.step_plan import Group, StepPlan, Wave
+from hf_cp.train.data.collator import PlanCollator
+from hf_cp.train.data.vision_columns import vision_reader
+from hf_cp.train.step.executor import StepExecutor
+from hf_cp.train.step.groups import CPGroups
+from hf_cp.train.step.vision_tower import vision_tower_of
+
+from helpers.attention_pool import pools  # noqa: F401  (fixture)
+from helpers.tiny_vlm import build_vlm, make_sample, reference_sample_loss
+
+CAP = 256
+TOL = 2e-5  # relative to the largest reference gradient of each parameter
+HEADS = 4
+LAYOUTS = {
+    # an image and a two-frame clip: spread over the CP group
+    0: [("text", 5), ("image", (1, 4, 4)), ("text", 6), ("video", (2, 4, 8)), ("text", 4)],
+    # two images
+    1: [("text", 3), ("image", (1, 4, 8)), ("text", 2), ("image", (1, 8, 4)), ("text", 7)],
+    2: [("text", 13)],  # text only, in a vision run
+    3: [("image", (1, 8, 8)), ("text", 9)],  # an image first
+}
+ROWS = {s: make_sample(s, layout) for s, layout in LAYOUTS.items()}
+LENGTHS = {s: len(r["input_ids"]) for s, r in ROWS.items()}
+MODES = [ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC, ShardMode.ULYSSES, ShardMode.BLOCKS]
+
+
+def _plan(world: int, waves) -> StepPlan:
+    ids = sorted(LENGTHS)
+    return StepPlan(
+        world_size=world,
+        max_tokens_per_rank=CAP,
+        sample_ids=ids,
+        lengths=[LENGTHS[s] for s in ids],
+        balancer="test:vision",
+        waves=waves,
+    )
+
+
+def _blocks(docs, size: int):
+    lens = [LENGTHS[s] for s in docs]
+    return random_layout(lens, size, HEADS, doc_slices(lens), seed=5, split_heads=True)
+
+
+def plans(world: int):
+    """(name, plan): every sample at least once, the image-and-clip sample spread over a group."""
+    if world == 1:
+        return [("local", _plan(1, [Wave([Group(ranks=(0,), local={0: [0, 1, 2, 3]})])]))]
+    out = []
+    ranks = tuple(range(world))
+    for mode in MODES:
+        dist_docs = [0, 1] if world > 2 else [0]
+        blocks = _blocks(dist_docs, world) if mode == ShardMode.BLOCKS else None
+        first = Group(ranks=ranks, distributed=dist_docs, mode=mode, local={world - 1: [2]}, blocks=blocks)
+        rest = [s for s in (1, 3) if s not in dist_docs]
+        second = [Group(ranks=(r,), local={r: [s]}) for r, s in enumerate(rest)]
+        out.append((mode.value, _plan(world, [Wave([first]), Wave(second)])))
+    return out
+
+
+def _global_valid() -> int:
+    return sum(n - 1 for n in LENGTHS.values())
+
+
+def reference():
+    model = build_vlm("sdpa")
+    total = sum(reference_sample_loss(model, ROWS[s], _global_valid()) for s in sorted(ROWS))
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _train(rank, world, named_plans, break_rank):
+    """Each plan through PlanCollator (vision columns) and StepExecutor (vision tower); per plan,
+    this rank's view of the loss, the worst relative gradient error and its encoder work."""
+    cluster = ClusterSpec(world, CAP)
+    groups = CPGroups(cluster)
+    ref_loss, ref_grads = reference()
+    results = []
+    for name, plan in named_plans:
+        model = build_vlm("hf_cp")
+        tower = vision_tower_of(model, "test")
+        if rank == break_rank:  # the break: the first item this rank encodes loses its rows' gradient
+            encode = tower.encode
+
+            def encode_dropping_first(pixels, grid, encode=encode, merge=tower.merge):
+                rows = encode(pixels, grid)
+                k = int(grid[0].prod()) // merge**2
+                # the graph stays whole (every rank still joins the exchange's backward)
+                return torch.cat([rows[:k].detach() + rows[:k] * 0.0, rows[k:]])
+
+            tower.encode = encode_dropping_first
+        vision = vision_reader(lambda s: ROWS[s], tower.token_ids, tower.merge, tower.rope_positions)
+        collator = PlanCollator(lambda s: (ROWS[s]["input_ids"], None), vision=vision)
+        executor = StepExecutor(
+            model,
+            groups,
+            world,
+            rank,
+            torch.device("cpu"),
+            0,
+            backward=lambda loss, last: loss.backward(),
+            vision=tower,
+        )
+        step = collator.rank_step(plan, rank, _global_valid())
+        encoded = sum(int(mb.vision.encoded_patches) for mb in step.waves if mb is not None)
+        COMM_COUNTER.reset()
+        totals = executor.train(model, step)
+        loss = torch.tensor(totals.loss_sum / _global_valid(), dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(loss)
+        err, worst = 0.0, ""
+        for pname, p in model.named_parameters():
+            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            if world > 1:
+                dist.all_reduce(g)
+            g /= world
+            ref = ref_grads.get(pname, torch.zeros_like(p))
+            e = (g - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            if e > err:
+                err, worst = e, pname
+        visual = [ref_grads[n].abs().max().item() for n in ref_grads if ".visual." in f".{n}"]
+        results.append(
+            dict(
+                plan=name,
+                rank=rank,
+                loss=loss.item(),
+                ref_loss=ref_loss,
+                grad_err=err,
+                worst=worst,
+                encoded=encoded,
+                visual_grad=min(visual) if visual else 0.0,
+                bytes=COMM_COUNTER.snapshot().bytes_sent,
+            )
+        )
+    return results
+
+
+def _check(rows, world):
+    assert rows
+    for r in rows:
+        assert r["visual_grad"] > 1e-6, "the tower's reference gradients vanish: the check would prove nothing"
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
+        assert r["grad_err"] <= TOL, r
+    # each item encoded exactly once across the world
+    every_patch = sum(
+        int(ROWS[s].get("pixel_values", torch.zeros(0)).shape[0])
+        + int(ROWS[s].get("pixel_values_videos", torch.zeros(0)).shape[0])
+        for s in ROWS
+    )
+    for name in {r["plan"] for r in rows}:
+        assert sum(r["encoded"] for r in rows if r["plan"] == name) == every_patch, name
+
+
+@pytest.mark.timeout(300)
+def test_vision_training_on_one_rank_equals_the_models_own_forward(pools):  # noqa: F811
+    _check(pools(1).run(_train, plans(1), -1, timeout_s=240), 1)
+
+
+@pytest.mark.timeout(300)
+def test_vision_training_over_two_ranks_in_every_shard_mode_is_exact(pools):  # noqa: F811
+    rows = pools(2).run(_train, plans(2), -1, timeout_s=240)
+    assert {r["plan"] for r in rows} == {m.value for m in MODES}
+    _check(rows, 2)
+    assert all(r["bytes"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_vision_training_over_four_ranks_in_every_shard_mode_is_exact(pools):  # noqa: F811
+    _check(pools(4).run(_train, plans(4), -1, timeout_s=360), 4)
+
+
+@pytest.mark.timeout(300)
+def test_the_check_fails_when_an_images_embedding_gradient_is_dropped(pools):  # noqa: F811
+    rows = pools(2).run(_train, plans(2)[:1], 0, timeout_s=240)
+    assert rows and all(r["grad_err"] > 1e-2 for r in rows), rows
