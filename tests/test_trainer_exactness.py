@@ -20,7 +20,7 @@ import torch
 from hf_cp.plan.chunks import dependent_chunk_sizes
 
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
-from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model
+from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model, train_rows
 from helpers.harness.reference import (
     reference_batches,
     reference_steps,
@@ -35,6 +35,7 @@ from helpers.world2_job import (
     HYBRID_BALANCERS,
     MOE_BALANCERS,
     MUTATED_BALANCER,
+    VLM_BALANCERS,
     executed_plans,
 )
 
@@ -137,6 +138,22 @@ def test_moe_router_loss_over_the_step_equals_single_process_step_by_step(world2
     spec = world2_job[f"qwen3_moe-{balancer}"]
     spread, _ = placements(executed_plans(spec))
     assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", VLM_BALANCERS)
+def test_vision_language_training_equals_the_models_own_forward_step_by_step(world2_job, balancer):
+    """A tiny Qwen2.5-VL on samples with random images and a two-frame clip, under CPTrainer at
+    world 2 (issue 38): loss, every gradient (the vision tower's too) and every parameter after
+    AdamW equal single-process training on the model's own forward (its pixel columns, its own
+    M-RoPE, helpers/harness/reference.py), with the 400-token sample and its clip over a CP group."""
+    spec = world2_job[f"qwen2_5_vl-{balancer}"]
+    spread, _ = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
+    rows = train_rows(spec)
+    assert "pixel_values_videos" in rows[0] and sum("pixel_values" in r for r in rows) >= 3
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
 

@@ -39,6 +39,7 @@ from hf_cp.train.data.collator import PlanCollator, RankStep
 from hf_cp.train.data.columns import eos_token_ids, model_vocab_size
 from hf_cp.train.data.planned_steps import PlannedSteps, first_item
 from hf_cp.train.data.streaming import attach_stream, check_streaming, read_training_data, start_stream
+from hf_cp.train.data.vision_columns import has_vision_columns
 from hf_cp.train.measure.gradient_norm import nonfinite_gradients
 from hf_cp.train.measure.metrics import StepThroughput, aggregate, summary_lines
 from hf_cp.train.measure.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
@@ -61,6 +62,7 @@ from hf_cp.train.setup.trainer_setup import (
     start_warnings,
     trainer_planning_setup,
 )
+from hf_cp.train.setup.vision_setup import attach_vision
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_totals
 from hf_cp.train.step.executor import WaveTotals
 from hf_cp.train.step.gc_schedule import ScheduledGarbageCollection
@@ -134,6 +136,15 @@ class CPTrainer(FSDP2Trainer, Trainer):
         )  # a stream: read as it trains
         for warning in self.cp_data.warnings:  # rows that look packed but carry no boundaries
             self._cp_warn(warning)
+        # images and clips (setup/vision_setup.py): the model's tower, or None in a text-only run
+        self.cp_vision = attach_vision(
+            self.train_dataset,
+            self.cp_data,
+            self.model,
+            type(self).__name__,
+            sharding=self.cp_sharding,
+            shared_prompts=self.cp_shared_prompt_samples,
+        )
         # the run's PlanningSettings, built once: cp_setup.settings from here on
         setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
         check_zero3_chunk_keep(self.cp_sharding, setup.settings.balancer, setup.settings.balancer_kwargs())
@@ -181,7 +192,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
         # Trainer.train asks for the dataloader before DeepSpeed / accelerate set up the model and
         # optimizer: the planner's worker starts and warms up meanwhile (Planner.start)
         self.cp_runtime.planner.start()
-        collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks)
+        collator = PlanCollator(self.cp_data.fetch, self.cp_data.masks, self.cp_data.vision)
         self.cp_runtime.agreement_for(collator)
         steps = PlannedSteps(self.cp_runtime.planner, collator, self.cp_rank, self.cp_data.valid_counts)
         # Not accelerator.prepare()d: every rank iterates every step; the plan splits the work.
@@ -307,6 +318,17 @@ class CPTrainer(FSDP2Trainer, Trainer):
             data, plans = evaluation_data(
                 ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings(), model_vocab_size(self.model)
             )
+            if self.cp_vision is not None or has_vision_columns(getattr(ds, "column_names", None) or []):
+                attach_vision(
+                    ds,
+                    data,
+                    self.model,
+                    type(self).__name__,
+                    f"eval dataset {metric_key_prefix!r}",
+                    self.cp_sharding,
+                    self.cp_shared_prompt_samples,
+                    self.cp_vision,
+                )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)
         _, data, plans = cached

@@ -55,6 +55,8 @@ BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON
 # the balancers the Gated DeltaNet hybrid trains under in the shared job (chunkflow is refused for it)
 HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp")
 MOE_BALANCERS = ("static", "auto", "magi", "usp")
+# a tiny Qwen2.5-VL with random images and a clip (the 400-token sample's, over a CP group of 2)
+VLM_BALANCERS = ("static", "auto", "magi")
 
 # the deliberately broken trainers run this balancer (CP groups and local samples, see above)
 MUTATED_BALANCER = "auto"
@@ -181,6 +183,8 @@ def world2_runs() -> Dict[str, dict]:
     runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
     runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})
+    # a vision-language model: each image or clip encoded once in its group, rows sent to their holders
+    runs.update({f"qwen2_5_vl-{b}": balance_spec(b, model="qwen2_5_vl") for b in VLM_BALANCERS})
     runs["mutation-router_local_counts"] = balance_spec(
         MUTATED_BALANCER, model="qwen3_moe", mutation="router_local_counts"
     )

@@ -33,6 +33,7 @@ from hf_cp.samples.packed_input import (
 )
 from hf_cp.samples.targets import sample_valid_targets
 from hf_cp.train.data.collator import IGNORE_INDEX, valid_targets
+from hf_cp.train.data.vision_rows import VisionFn
 
 
 @dataclass
@@ -49,6 +50,8 @@ class TokenColumns:
     # set-up warnings about the data (rows that look packed but carry no boundaries), for the
     # caller to log once
     warnings: List[str] = field(default_factory=list)
+    # a vision-language dataset: sample id -> its images and clips (setup/vision_setup.py); None: text only
+    vision: Optional[VisionFn] = None
 
     _digest: Optional[str] = field(default=None, repr=False)
 

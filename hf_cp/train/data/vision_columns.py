@@ -40,6 +40,12 @@ FOREIGN_COLUMNS = (
     "audio_values",
     "video_second_per_grid",
     "use_audio_in_video",
+    # raw media, not yet through the model's processor
+    "images",
+    "image",
+    "videos",
+    "video",
+    "audio",
 )
 
 RopeFn = Callable[[Sequence[int], Dict[str, np.ndarray], Optional[Sequence[float]]], np.ndarray]
@@ -55,8 +61,9 @@ def refuse_foreign_columns(columns: Iterable[str], who: str) -> None:
     if foreign:
         raise ValueError(
             f"{who}: the dataset has the column(s) {foreign}, multimodal inputs hf_cp does not carry to the model "
-            f"(it carries {', '.join(VISION_COLUMNS)} of Qwen2-VL-style processors); drop them, or train that "
-            "model outside hf_cp"
+            f"(it carries {', '.join(VISION_COLUMNS)}, a Qwen2-VL-style processor's outputs); raw images or video "
+            "go through the model's processor first (hf-cp preprocess); drop other columns, or train that model "
+            "outside hf_cp"
         )
 
 
@@ -65,10 +72,12 @@ def vision_reader(
     token_ids: Dict[str, int],
     merge: int,
     rope_positions: RopeFn,
-    cache_size: int = 4096,
+    cache_size: int = 64,
 ) -> VisionFn:
     """sample id -> its SampleVision with its M-RoPE positions (None: a text-only sample).
-    `row_of(sid)`: the sample's dataset row; `token_ids`: kind -> placeholder token id."""
+    `row_of(sid)`: the sample's dataset row; `token_ids`: kind -> placeholder token id. The last
+    `cache_size` samples are kept (their pixels included: a step reads each of its samples on
+    several waves' and members' behalf; pixels are large, so the cache is small)."""
 
     @lru_cache(maxsize=cache_size)
     def vision_of(sid: int) -> Optional[SampleVision]:

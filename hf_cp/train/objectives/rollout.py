@@ -143,6 +143,7 @@ class PlannedRollouts(FSDP2Trainer):
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
         # no sampler: the batches come from generation, each planned when it is made
         setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
+        self.cp_vision = None  # vision-language policies are refused above
         self.cp_runtime = StepRuntime(self, setup, balancer)  # process groups, planner, executor, agreement
         self._cp_rollout: Optional[GRPORollout] = None
 

@@ -107,6 +107,7 @@ class StepRuntime:
                 max_open_graphs=ZERO3_OPEN_GRAPHS if self.sharding == ZERO3 else None,
                 logit_temperature=logit_temperature,
                 router=self.router,
+                vision=self.trainer.cp_vision,
             )
 
     def agreement_for(self, collator: PlanCollator) -> PlanAgreement:

@@ -24,7 +24,7 @@ from hf_cp.train.step.executor import StepExecutor
 
 def evaluation_rank_steps(plans: List[Tuple[StepPlan, int]], data: TokenColumns, rank: int) -> Iterator[RankStep]:
     """This rank's share of every evaluation batch, collated one batch at a time."""
-    collate = PlanCollator(data.fetch, data.masks)
+    collate = PlanCollator(data.fetch, data.masks, data.vision)
     for plan, valid in plans:
         yield collate.rank_step(plan, rank, valid)
 

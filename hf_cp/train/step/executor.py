@@ -28,7 +28,7 @@ from typing import Callable, ContextManager, Optional, Tuple, Union
 
 import torch
 
-from hf_cp.attention.context import cp_context
+from hf_cp.attention.context import CPContext, cp_context
 from hf_cp.plan.passes import BACKWARD, FORWARD, PassCursor, most_open_graphs
 from hf_cp.train.data.collator import IGNORE_INDEX, MicroBatch, RankStep
 from hf_cp.train.step.agreement import collective_scope
@@ -50,6 +50,8 @@ from hf_cp.train.step.totals import WaveTotals
 from hf_cp.train.step.vision_tower import VisionTower
 
 logger = logging.getLogger(__name__)
+
+HEAD_CHECK_TOKENS = 8  # the LM-head check's one short forward (loss.head_output_is_logits)
 
 # A sequence-level objective's share of one micro-batch: (micro-batch, per-token log-probs of its
 # rows [T] (0 where no target), of its extra targets [k]) -> this rank's part of the step's loss,
@@ -490,8 +492,11 @@ class StepExecutor(ForwardOnlyPasses):
         self._head_checked = True
         if self.loss_chunk_tokens > 0:
             head = chunkable_head(self.model)
-            with cp_context(None):
-                plain = head is not None and head_output_is_logits(self.model, head, self.device)
+            # one local document of this rank (the check's 8 tokens): no positions needed to find it
+            with cp_context(
+                CPContext(group=None, group_ranks=(self.rank,), member=0, local_lengths=(HEAD_CHECK_TOKENS,))
+            ):
+                plain = head is not None and head_output_is_logits(self.model, head, self.device, HEAD_CHECK_TOKENS)
             if plain:
                 self._head = head
             elif self.rank == 0:

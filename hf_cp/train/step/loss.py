@@ -302,13 +302,14 @@ def lm_head_computing(
         del head.forward
 
 
-def head_output_is_logits(model: torch.nn.Module, head: torch.nn.Module, device) -> bool:
+def head_output_is_logits(model: torch.nn.Module, head: torch.nn.Module, device, tokens: int = 8) -> bool:
     """True when the model's logits are exactly its LM head's output (no scaling, soft-capping
-    or other post-processing), checked on one short forward."""
+    or other post-processing), checked on one short forward of `tokens` tokens."""
     seen = []
     hook = head.register_forward_hook(lambda mod, inp, out: seen.append(out))
     try:
-        ids = (torch.arange(8, device=device) % max(1, int(getattr(model.config, "vocab_size", 8)))).unsqueeze(0)
+        vocab = max(1, int(getattr(model.config, "vocab_size", tokens)))
+        ids = (torch.arange(tokens, device=device) % vocab).unsqueeze(0)
         with torch.no_grad():
             logits = model(input_ids=ids, use_cache=False).logits
     finally:

@@ -17,6 +17,8 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
+from helpers.tiny_vlm import make_sample, vlm_config
+
 ROOT = Path(__file__).resolve().parents[3]
 TINY_MODEL = ROOT / "hf_cp" / "configs" / "models" / "tiny-llama.json"
 
@@ -86,7 +88,7 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
     use_cache=False,
 )
-MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_moe")
+MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_moe", "qwen2_5_vl")
 
 # transformers' convention for "no loss at this position"; spelled out here rather than taken
 # from hf_cp's collator, which these tests check
@@ -111,13 +113,21 @@ def tiny_config(family: str = "llama"):
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(**TINY_QWEN3_MOE)
+    if family == "qwen2_5_vl":  # a vision-language model: random images and clips (vision_rows)
+        return vlm_config()
     raise ValueError(f"harness model {family!r}: expected one of {list(MODELS)}")
 
 
 def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     """The tiny `family` model (tiny_config), initialised from `seed`, in fp32, without a KV
     cache, with attention implementation `attn` (the reference uses "sdpa")."""
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM
+    from transformers import (
+        LlamaForCausalLM,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2ForCausalLM,
+        Qwen3MoeForCausalLM,
+        Qwen3NextForCausalLM,
+    )
 
     if attn == "hf_cp":
         import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
@@ -128,6 +138,7 @@ def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
         "qwen2": Qwen2ForCausalLM,
         "qwen3_next": Qwen3NextForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     }
     model = classes[family](cfg)
     if family == "qwen3_next":
@@ -167,12 +178,38 @@ def synthetic_rows(lengths: Sequence[int], seed: int = 0, prompt_every: int = 3)
     return rows
 
 
+def vision_rows(lengths: Sequence[int], seed: int = 0) -> List[dict]:
+    """synthetic_rows' samples, every other one with a random image a quarter in, and from 100
+    tokens a random two-frame clip half-way too: the same lengths, placeholders in place of text."""
+    rows = []
+    for i, row in enumerate(synthetic_rows(lengths, seed)):
+        n = len(row["input_ids"])
+        items = []
+        if i % 2 == 0 and n >= 30:
+            items.append((n // 4, "image", (1, 4, 4)))
+        if i % 2 == 0 and n >= 100:
+            items.append((n // 2, "video", (2, 4, 8)))
+        layout, at = [], 0
+        for start, kind, grid in items:
+            layout += [("text", start - at), (kind, grid)]
+            at = start + 2 + int(np.prod(grid)) // 4
+        layout.append(("text", n - at))
+        got = make_sample(seed * 1000 + i, layout)
+        if len(got["input_ids"]) != n:
+            raise AssertionError(f"vision row {i}: {len(got['input_ids'])} tokens for length {n}")
+        labels = [IGNORE_INDEX if y == IGNORE_INDEX else x for x, y in zip(got["input_ids"], row["labels"])]
+        rows.append(dict(got, labels=labels, length=n))
+    return rows
+
+
 def spec_model(spec: dict, attn: str = "hf_cp"):
     """The model a job spec trains (`model`, `model_seed`), with attention `attn`."""
     return tiny_model(spec.get("model_seed") or 0, attn=attn, family=spec.get("model") or "llama")
 
 
 def train_rows(spec: dict) -> List[dict]:
+    if spec.get("model") == "qwen2_5_vl":
+        return vision_rows(spec["lengths"], spec.get("data_seed", 0))
     return synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
 
 

@@ -17,10 +17,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .models import IGNORE_INDEX, eval_rows, spec_model, train_rows
+from helpers.tiny_vlm import IMAGE_TOKEN, VIDEO_TOKEN
+
+# a vision row's processor columns (the model's forward arguments)
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 Tensors = Dict[str, torch.Tensor]
 
@@ -55,10 +60,22 @@ def next_token_targets(labels: Sequence[int]) -> torch.Tensor:
 
 
 def sample_loss_sum(model, row: dict) -> torch.Tensor:
-    """Sum of the sample's next-token cross-entropies (fp32), the sample run alone."""
+    """Sum of the sample's next-token cross-entropies (fp32), the sample run alone (a vision
+    sample through the model's own forward: its processor columns, its own M-RoPE)."""
     ids = torch.tensor(row["input_ids"])[None]
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    logits = model(input_ids=ids, use_cache=False, **vision_inputs(row, ids)).logits[0, :-1].float()
     return F.cross_entropy(logits, next_token_targets(row["labels"]), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def vision_inputs(row: dict, ids: torch.Tensor) -> dict:
+    """A vision row's processor columns as the model's forward takes them (none for text)."""
+    got = {k: torch.as_tensor(np.asarray(row[k])) for k in VISION_KEYS if row.get(k) is not None}
+    if got:
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        types[ids == IMAGE_TOKEN] = 1
+        types[ids == VIDEO_TOKEN] = 2
+        got["mm_token_type_ids"] = types
+    return got
 
 
 def router_term(model, rows: Sequence[dict]) -> Optional[torch.Tensor]:
