@@ -29,7 +29,9 @@ def _runtime(tmp_path, balancer: str = "static") -> StepRuntime:
     model = tiny_llama()
     setup = trainer_planning_setup(args, model, None, 1)  # no sampler: batches come with each step
     assert setup.sampler is None
-    trainer = SimpleNamespace(args=args, callback_handler=CallbackHandler([ProgressCallback], None, None, None, None))
+    trainer = SimpleNamespace(
+        args=args, callback_handler=CallbackHandler([ProgressCallback], None, None, None, None), cp_vision=None
+    )
     runtime = StepRuntime(trainer, setup)
     assert [type(cb).__name__ for cb in trainer.callback_handler.callbacks] == ["QuietProgressCallback"]
     runtime.start(model)

@@ -44,63 +44,70 @@ LAYOUTS = {
     2: [("text", 13)],  # text only, in a vision run
     3: [("image", (1, 8, 8)), ("text", 9)],  # an image first
 }
-ROWS = {s: make_sample(s, layout) for s, layout in LAYOUTS.items()}
-LENGTHS = {s: len(r["input_ids"]) for s, r in ROWS.items()}
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# Qwen3-VL's and Qwen3.5's processors put each frame of a clip between its own start/end tokens
+ROWS = {f: {s: make_sample(s, lay, frames_apart=f != "qwen2_5_vl") for s, lay in LAYOUTS.items()} for f in FAMILIES}
 MODES = [ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC, ShardMode.ULYSSES, ShardMode.BLOCKS]
 
 
-def _plan(world: int, waves) -> StepPlan:
-    ids = sorted(LENGTHS)
+def _lengths(family: str):
+    return {s: len(r["input_ids"]) for s, r in ROWS[family].items()}
+
+
+def _plan(world: int, lengths, waves) -> StepPlan:
+    ids = sorted(lengths)
     return StepPlan(
         world_size=world,
         max_tokens_per_rank=CAP,
         sample_ids=ids,
-        lengths=[LENGTHS[s] for s in ids],
+        lengths=[lengths[s] for s in ids],
         balancer="test:vision",
         waves=waves,
     )
 
 
-def _blocks(docs, size: int):
-    lens = [LENGTHS[s] for s in docs]
-    return random_layout(lens, size, HEADS, doc_slices(lens), seed=5, split_heads=True)
-
-
-def plans(world: int):
+def plans(world: int, family: str):
     """(name, plan): every sample at least once, the image-and-clip sample spread over a group."""
+    lengths = _lengths(family)
     if world == 1:
-        return [("local", _plan(1, [Wave([Group(ranks=(0,), local={0: [0, 1, 2, 3]})])]))]
+        return [("local", _plan(1, lengths, [Wave([Group(ranks=(0,), local={0: [0, 1, 2, 3]})])]))]
     out = []
     ranks = tuple(range(world))
     for mode in MODES:
         dist_docs = [0, 1] if world > 2 else [0]
-        blocks = _blocks(dist_docs, world) if mode == ShardMode.BLOCKS else None
+        blocks = None
+        if mode == ShardMode.BLOCKS:
+            lens = [lengths[s] for s in dist_docs]
+            blocks = random_layout(lens, world, HEADS, doc_slices(lens), seed=5, split_heads=True)
         first = Group(ranks=ranks, distributed=dist_docs, mode=mode, local={world - 1: [2]}, blocks=blocks)
         rest = [s for s in (1, 3) if s not in dist_docs]
         second = [Group(ranks=(r,), local={r: [s]}) for r, s in enumerate(rest)]
-        out.append((mode.value, _plan(world, [Wave([first]), Wave(second)])))
+        out.append((mode.value, _plan(world, lengths, [Wave([first]), Wave(second)])))
     return out
 
 
-def _global_valid() -> int:
-    return sum(n - 1 for n in LENGTHS.values())
+def _global_valid(family: str) -> int:
+    return sum(n - 1 for n in _lengths(family).values())
 
 
-def reference():
-    model = build_vlm("sdpa")
-    total = sum(reference_sample_loss(model, ROWS[s], _global_valid()) for s in sorted(ROWS))
+def reference(family: str):
+    model = build_vlm("sdpa", family=family)
+    rows = ROWS[family]
+    total = sum(reference_sample_loss(model, rows[s], _global_valid(family)) for s in sorted(rows))
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _train(rank, world, named_plans, break_rank):
+def _train(rank, world, family, named_plans, break_rank):
     """Each plan through PlanCollator (vision columns) and StepExecutor (vision tower); per plan,
     this rank's view of the loss, the worst relative gradient error and its encoder work."""
     cluster = ClusterSpec(world, CAP)
     groups = CPGroups(cluster)
-    ref_loss, ref_grads = reference()
+    ref_loss, ref_grads = reference(family)
+    rows_of = ROWS[family]
+    valid = _global_valid(family)
     results = []
     for name, plan in named_plans:
-        model = build_vlm("hf_cp")
+        model = build_vlm("hf_cp", family=family)
         tower = vision_tower_of(model, "test")
         if rank == break_rank:  # the break: the first item this rank encodes loses its rows' gradient
             encode = tower.encode
@@ -112,8 +119,8 @@ def _train(rank, world, named_plans, break_rank):
                 return torch.cat([rows[:k].detach() + rows[:k] * 0.0, rows[k:]])
 
             tower.encode = encode_dropping_first
-        vision = vision_reader(lambda s: ROWS[s], tower.token_ids, tower.merge, tower.rope_positions)
-        collator = PlanCollator(lambda s: (ROWS[s]["input_ids"], None), vision=vision)
+        vision = vision_reader(lambda s: rows_of[s], tower.token_ids, tower.merge, tower.rope_positions)
+        collator = PlanCollator(lambda s: (rows_of[s]["input_ids"], None), vision=vision)
         executor = StepExecutor(
             model,
             groups,
@@ -124,11 +131,11 @@ def _train(rank, world, named_plans, break_rank):
             backward=lambda loss, last: loss.backward(),
             vision=tower,
         )
-        step = collator.rank_step(plan, rank, _global_valid())
+        step = collator.rank_step(plan, rank, valid)
         encoded = sum(int(mb.vision.encoded_patches) for mb in step.waves if mb is not None)
         COMM_COUNTER.reset()
         totals = executor.train(model, step)
-        loss = torch.tensor(totals.loss_sum / _global_valid(), dtype=torch.float64)
+        loss = torch.tensor(totals.loss_sum / valid, dtype=torch.float64)
         if world > 1:
             dist.all_reduce(loss)
         err, worst = 0.0, ""
@@ -144,6 +151,7 @@ def _train(rank, world, named_plans, break_rank):
         visual = [ref_grads[n].abs().max().item() for n in ref_grads if ".visual." in f".{n}"]
         results.append(
             dict(
+                family=family,
                 plan=name,
                 rank=rank,
                 loss=loss.item(),
@@ -152,48 +160,52 @@ def _train(rank, world, named_plans, break_rank):
                 worst=worst,
                 encoded=encoded,
                 visual_grad=min(visual) if visual else 0.0,
+                visual_params=len(visual),
                 bytes=COMM_COUNTER.snapshot().bytes_sent,
             )
         )
     return results
 
 
-def _check(rows, world):
-    assert rows
-    for r in rows:
-        assert r["visual_grad"] > 1e-6, "the tower's reference gradients vanish: the check would prove nothing"
+def _check(results, family: str):
+    assert results
+    n_visual = sum(1 for n, _ in build_vlm("sdpa", family=family).named_parameters() if ".visual." in f".{n}")
+    for r in results:
+        # every tower parameter (DeepStack mergers included) has a reference gradient to compare
+        assert r["visual_params"] == n_visual and r["visual_grad"] > 1e-6, r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
         assert r["grad_err"] <= TOL, r
     # each item encoded exactly once across the world
-    every_patch = sum(
-        int(ROWS[s].get("pixel_values", torch.zeros(0)).shape[0])
-        + int(ROWS[s].get("pixel_values_videos", torch.zeros(0)).shape[0])
-        for s in ROWS
-    )
-    for name in {r["plan"] for r in rows}:
-        assert sum(r["encoded"] for r in rows if r["plan"] == name) == every_patch, name
+    rows = ROWS[family].values()
+    every_patch = sum(len(r.get("pixel_values", ())) + len(r.get("pixel_values_videos", ())) for r in rows)
+    for name in {r["plan"] for r in results}:
+        assert sum(r["encoded"] for r in results if r["plan"] == name) == every_patch, name
 
 
 @pytest.mark.timeout(300)
-def test_vision_training_on_one_rank_equals_the_models_own_forward(pools):  # noqa: F811
-    _check(pools(1).run(_train, plans(1), -1, timeout_s=240), 1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_training_on_one_rank_equals_the_models_own_forward(pools, family):  # noqa: F811
+    _check(pools(1).run(_train, family, plans(1, family), -1, timeout_s=240), family)
 
 
 @pytest.mark.timeout(300)
-def test_vision_training_over_two_ranks_in_every_shard_mode_is_exact(pools):  # noqa: F811
-    rows = pools(2).run(_train, plans(2), -1, timeout_s=240)
-    assert {r["plan"] for r in rows} == {m.value for m in MODES}
-    _check(rows, 2)
-    assert all(r["bytes"] > 0 for r in rows)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_training_over_two_ranks_in_every_shard_mode_is_exact(pools, family):  # noqa: F811
+    results = pools(2).run(_train, family, plans(2, family), -1, timeout_s=240)
+    assert {r["plan"] for r in results} == {m.value for m in MODES}
+    _check(results, family)
+    assert all(r["bytes"] > 0 for r in results)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_vision_training_over_four_ranks_in_every_shard_mode_is_exact(pools):  # noqa: F811
-    _check(pools(4).run(_train, plans(4), -1, timeout_s=360), 4)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_training_over_four_ranks_in_every_shard_mode_is_exact(pools, family):  # noqa: F811
+    _check(pools(4).run(_train, family, plans(4, family), -1, timeout_s=360), family)
 
 
 @pytest.mark.timeout(300)
-def test_the_check_fails_when_an_images_embedding_gradient_is_dropped(pools):  # noqa: F811
-    rows = pools(2).run(_train, plans(2)[:1], 0, timeout_s=240)
-    assert rows and all(r["grad_err"] > 1e-2 for r in rows), rows
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_check_fails_when_an_images_embedding_gradient_is_dropped(pools, family):  # noqa: F811
+    results = pools(2).run(_train, family, plans(2, family)[:1], 0, timeout_s=240)
+    assert results and all(r["grad_err"] > 1e-2 for r in results), results

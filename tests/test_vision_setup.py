@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, Qwen3VLConfig
+from transformers import LlamaConfig
 
 import hf_cp.attention.interface  # noqa: F401  (registers attn_implementation "hf_cp")
+from hf_cp.attention.recurrent import _documents_from_positions
 from hf_cp.plan.step_plan import ChunkedSample, Group, StepPlan, Wave
 from hf_cp.plan.vision_encoders import assign_encoders
 from hf_cp.samples.masks import SampleMask
@@ -19,6 +20,7 @@ from hf_cp.samples.vision import VisionInputError, sample_vision
 from hf_cp.train.checks.setup import SetupError
 from hf_cp.train.data.collator import PlanCollator
 from hf_cp.train.data.columns import read_token_columns
+from hf_cp.train.data.streaming import stream_sample
 from hf_cp.train.setup.vision_setup import attach_vision
 
 from helpers.tiny_vlm import IMAGE_TOKEN, MERGE, VIDEO_TOKEN, build_vlm, make_sample
@@ -92,15 +94,22 @@ def _vision_dataset(**extra):
     return Dataset.from_list(rows)
 
 
-def test_families_whose_vision_inputs_hf_cp_does_not_carry_are_refused_by_name():
+def test_a_model_without_a_tower_hf_cp_runs_is_refused_by_name():
     ds = _vision_dataset()
     data = read_token_columns(ds)
-    with pytest.raises(SetupError, match="qwen3_vl.*DeepStack"):
-        attach_vision(ds, data, _ConfigOnly(Qwen3VLConfig()), "CPTrainer")
     llama = _ConfigOnly(LlamaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(SetupError, match="llama model has no vision tower"):
         attach_vision(ds, data, llama, "CPTrainer")
     assert data.vision is None  # nothing attached by a refused set-up
+
+
+@pytest.mark.parametrize("family, deepstack", [("qwen2_5_vl", 0), ("qwen3_vl", 2), ("qwen3_5", 0)])
+def test_each_honoured_family_sets_up_its_tower(family, deepstack):
+    ds = _vision_dataset()
+    data = read_token_columns(ds)
+    tower = attach_vision(ds, data, build_vlm("hf_cp", family=family), "CPTrainer")
+    assert tower.family == family and tower.deepstack_layers == deepstack
+    assert tower.visual.config._attn_implementation == "sdpa"  # the tower encodes whole items on one rank
 
 
 @pytest.mark.parametrize("column", ["image_sizes", "pixel_attention_mask", "input_features", "images"])
@@ -181,3 +190,16 @@ def test_an_mrope_model_without_text_positions_is_refused_and_with_them_packs_ex
         got = model(input_ids=ids, position_ids=flat[None].expand(4, 1, -1)).logits[0]
         want = torch.cat([ref(input_ids=a[None]).logits[0], ref(input_ids=b[None]).logits[0]])
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_a_stream_with_images_is_refused_at_its_row_by_name():
+    row = dict(make_sample(0, LAYOUT), labels=None)
+    with pytest.raises(ValueError, match=r"stream sample 4 has the multimodal column\(s\) \['pixel_values'"):
+        stream_sample(row, 4)
+
+
+def test_a_hybrids_recurrent_layers_read_the_text_row_of_mrope_positions():
+    # outside a CP context (a dummy pass), a Qwen3.5's layers see position_ids [4, 1, T]
+    text = torch.cat([torch.arange(5), torch.arange(3)])
+    rope = torch.stack([text, text * 0, text + 7])
+    assert _documents_from_positions(torch.cat([text[None], rope])[:, None], 8) == [5, 3]

@@ -64,6 +64,9 @@ _FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 
 
 def _documents_from_positions(position_ids: Tensor, seq: int) -> List[int]:
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        # a multimodal-RoPE model's [4, B, T]: the 1-D positions first, then the three M-RoPE rows
+        position_ids = position_ids[0]
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     if pos.shape[0] != 1 or pos.shape[1] != seq:
         raise ValueError(

@@ -7,7 +7,16 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+
+from hf_cp.attention.recurrent import attach_recurrent_layers
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 290, 291, 292, 293
 VOCAB = 300
@@ -56,20 +65,132 @@ def vlm_config(**text) -> Qwen2_5_VLConfig:
     )
 
 
-def build_vlm(attn: str, seed: int = 1234) -> Qwen2_5_VLForConditionalGeneration:
+def qwen3_vl_config() -> Qwen3VLConfig:
+    """A tiny Qwen3-VL: DeepStack features of both tower layers added after the first two decoder layers."""
+    return Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=VOCAB,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+                "rope_theta": 10000.0,
+            },
+            attention_dropout=0.0,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=4,
+            spatial_merge_size=MERGE,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+            in_channels=3,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=VISION_END + 1,
+        eos_token_id=VISION_END + 2,
+        pad_token_id=0,
+    )
+
+
+def qwen3_5_config() -> Qwen3_5Config:
+    """A tiny Qwen3.5: a Gated DeltaNet layer beside an attention layer, M-RoPE on half of each head."""
+    return Qwen3_5Config(
+        text_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            vocab_size=VOCAB,
+            max_position_embeddings=4096,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+                "partial_rotary_factor": 0.5,
+                "rope_theta": 10000.0,
+            },
+            attention_dropout=0.0,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=4,
+            spatial_merge_size=MERGE,
+            temporal_patch_size=2,
+            num_position_embeddings=16,
+            in_channels=3,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=VIDEO_TOKEN,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=VISION_END + 1,
+        eos_token_id=VISION_END + 2,
+        pad_token_id=0,
+    )
+
+
+FAMILIES = {
+    "qwen2_5_vl": (vlm_config, Qwen2_5_VLForConditionalGeneration),
+    "qwen3_vl": (qwen3_vl_config, Qwen3VLForConditionalGeneration),
+    "qwen3_5": (qwen3_5_config, Qwen3_5ForConditionalGeneration),
+}
+
+
+def build_vlm(attn: str, seed: int = 1234, family: str = "qwen2_5_vl"):
+    config, cls = FAMILIES[family]
     torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration._from_config(
-        vlm_config(), attn_implementation=attn, dtype=torch.float32
-    ).train()
+    model = cls._from_config(config(), attn_implementation=attn, dtype=torch.float32).train()
+    with torch.no_grad():
+        for module in model.modules():
+            # Gated DeltaNet: a decay of about 0.006 a token, as the harness's models; at transformers'
+            # initialisation A_log's gradient nearly vanishes and its rounding is the largest relative error
+            if hasattr(module, "A_log"):
+                module.A_log.fill_(-3.0)
+                module.dt_bias.fill_(-2.0)
+    if attn == "hf_cp":
+        attach_recurrent_layers(model)  # a hybrid's Gated DeltaNet layers run per document, as CPTrainer sets up
+    return model
 
 
 # a sample: text runs and items between them: ("text", n) | ("image", (t, h, w)) | ("video", (t, h, w))
 Layout = List[Tuple[str, object]]
 
 
-def make_sample(sid: int, layout: Layout) -> Dict[str, object]:
+def make_sample(sid: int, layout: Layout, frames_apart: bool = False) -> Dict[str, object]:
     """Token ids with each item's placeholders between vision start/end tokens, and its processor
-    columns (random pixels): the shape a Qwen2.5-VL processor writes."""
+    columns (random pixels): the shape a Qwen2.5-VL processor writes. `frames_apart`: each frame of
+    a clip in its own start/end pair after two timestamp tokens, as Qwen3-VL's processor writes it."""
     gen = np.random.default_rng(500 + sid)
     ids: List[int] = []
     pix = {"image": [], "video": []}
@@ -79,8 +200,12 @@ def make_sample(sid: int, layout: Layout) -> Dict[str, object]:
             ids += gen.integers(0, 280, int(what)).tolist()
             continue
         t, h, w = what
-        ids += [VISION_START] + [IMAGE_TOKEN if kind == "image" else VIDEO_TOKEN] * (t * h * w // MERGE**2)
-        ids += [VISION_END]
+        token = IMAGE_TOKEN if kind == "image" else VIDEO_TOKEN
+        if kind == "video" and frames_apart:
+            for _ in range(t):
+                ids += gen.integers(0, 280, 2).tolist() + [VISION_START] + [token] * (h * w // MERGE**2) + [VISION_END]
+        else:
+            ids += [VISION_START] + [token] * (t * h * w // MERGE**2) + [VISION_END]
         pix[kind].append(gen.standard_normal((t * h * w, PATCH_DIM)).astype(np.float32))
         grids[kind].append([t, h, w])
     row: Dict[str, object] = {"input_ids": ids}
@@ -110,8 +235,9 @@ def reference_sample_loss(model, row: Dict[str, object], global_valid: int) -> f
         kw.update(
             pixel_values_videos=torch.as_tensor(row["pixel_values_videos"]),
             video_grid_thw=torch.as_tensor(row["video_grid_thw"]),
-            second_per_grid_ts=torch.as_tensor(row["second_per_grid_ts"]),
         )
+        if model.config.model_type == "qwen2_5_vl":
+            kw["second_per_grid_ts"] = torch.as_tensor(row["second_per_grid_ts"])
     logits = model(**kw).logits[0]
     labels = ids[0, 1:]
     loss = torch.nn.functional.cross_entropy(logits[:-1].float(), labels, reduction="sum") / global_valid

@@ -66,6 +66,7 @@ from hf_cp.train.data.columns import (
     token_range_message,
     token_range_problem,
 )
+from hf_cp.train.data.vision_columns import FOREIGN_COLUMNS, VISION_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class StreamColumns:
         self.warnings: List[str] = []
         self.sampler: Optional[StreamBatchSampler] = None
         self.valid_counts = _HeldCounts(self)
+        self.vision = None  # a stream is text only (stream_sample refuses images and video by name)
 
     # ------------------------------------------------------------------ TokenColumns' interface
     @property
@@ -276,6 +278,12 @@ def stream_sample(
     """One row of a stream as a sample: (length, mask, payload (input_ids, labels or None, valid
     targets)), every check of read_token_columns made on it and named by its stream index."""
     value, what = _row_input_ids(row, sid, name)
+    media = [c for c in row if c in VISION_COLUMNS or c in FOREIGN_COLUMNS]
+    if media:  # a stream's column names may be unknown until it is read: refused here, by name
+        raise ValueError(
+            f"CPTrainer: {what} has the multimodal column(s) {media}; images and video train from a map-style "
+            "dataset (datasets.Dataset), not a stream"
+        )
     ids = _integers(value, what, "input_ids")
     _in_vocabulary(ids, what, "input_ids", vocab_size)
     if len(ids) == 0:

@@ -114,11 +114,8 @@ class StepExecutor(ForwardOnlyPasses):
         self._epoch_offset = time.time() - time.perf_counter()
         self._hook = model.get_input_embeddings().register_forward_hook(self._embedding_hook)
         # a vision-language run: the tower encodes the micro-batch's images and clips, whose rows
-        # replace its placeholder tokens' embeddings (_vision_rows_hook), inside the model's forward
+        # replace its placeholder tokens' embeddings inside the model's forward (step/vision_tower.py)
         self.vision = vision
-        self._vision_pending: Optional[Union[MicroBatch, str]] = None
-        if vision is not None:
-            self._vision_hook = model.get_input_embeddings().register_forward_hook(self._vision_rows_hook)
 
     # ------------------------------------------------------------------ timing
     def start_step(self) -> None:
@@ -412,32 +409,18 @@ class StepExecutor(ForwardOnlyPasses):
     def _forward(self, model: torch.nn.Module, mb: Optional[MicroBatch], ids: torch.Tensor, pos: torch.Tensor, **kw):
         """The model's forward on a micro-batch's rows (None: a one-token dummy). A vision run
         passes position ids [4, 1, T]: the 1-D positions (the attention's), then the M-RoPE
-        ones; its placeholder rows enter at the embedding (_vision_rows_hook)."""
+        ones; its placeholder rows enter at the embedding (VisionTower.placing)."""
         if self.vision is None:
             return model(input_ids=ids, position_ids=pos, use_cache=False, **kw)
         if mb is not None and mb.vision is None:
             raise RuntimeError("a vision run's micro-batch carries no vision rows: its collator was built without them")
         rope = pos.expand(3, *pos.shape) if mb is None else mb.vision.rope_positions.to(self.device)[:, None]
-        self._vision_pending = "dummy" if mb is None else mb
-        try:
+        if mb is None:
+            placing = self.vision.placing(None)
+        else:
+            placing = self.vision.placing(mb.vision, self._context(mb).group, mb.context.member)
+        with placing:
             return model(input_ids=ids, position_ids=torch.cat([pos[None], rope]), use_cache=False, **kw)
-        finally:
-            self._vision_pending = None
-
-    def _vision_rows_hook(self, module, inputs, output):
-        """The embedding's output with the micro-batch's placeholder rows in place (out of place:
-        the placeholder tokens' own embeddings get no gradient, as in the model's own forward). A
-        dummy pass adds the tower's zero-weighted rows: every rank's backward reaches every tower
-        parameter, as a data-parallel reduction expects."""
-        pending, self._vision_pending = self._vision_pending, None
-        if pending is None:
-            return None
-        if isinstance(pending, str):
-            return output + self.vision.dummy_rows(output.device).sum().to(output.dtype)
-        vision = pending.vision
-        rows = self.vision.placeholder_rows(vision, self._context(pending).group, pending.context.member, output.device)
-        at = vision.token_positions.to(output.device)
-        return output.index_put((torch.zeros_like(at), at), rows.to(output.dtype))
 
     def _device_rows(self, mb: MicroBatch) -> Tuple[torch.Tensor, ...]:
         """A micro-batch's input ids, positions, shifted targets [T] and extra targets on the

@@ -4,18 +4,21 @@ hold its placeholder tokens (an all-to-all-v whose backward brings their gradien
 
 Honoured families encode an item alone: their encoder's attention runs within each image or
 clip (window and full layers alike), so encoding several items in one call, or each on another
-rank, gives the same rows as the model's own forward. Qwen2-VL and Qwen2.5-VL qualify: the
-tower's `pooler_output` is the merged rows the language model scatters into its placeholders.
-A family whose vision inputs reach the language model otherwise (Qwen3-VL's DeepStack features
-enter inside its decoder layers) is refused by name, as are vision inputs with a model without a
-tower. The tower's own attention is not the language model's: it runs in PyTorch's sdpa, over
-whole items on one rank, never under a CP context.
+rank, gives the same rows as the model's own forward. The tower's `pooler_output` rows replace
+the placeholder tokens' embeddings (a forward hook on the input embedding, inside the model's
+forward). Qwen3-VL's DeepStack features (the tower's intermediate layers, merged) travel in the
+same exchange, beside the rows, and enter the language model's first layers through its own
+`visual_pos_masks` / `deepstack_visual_embeds` arguments (a forward pre-hook fills them in), so
+its own code adds them. The tower's own attention is not the language model's: it runs in
+PyTorch's sdpa, over whole items on one rank, never under a CP context.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
-from typing import Dict, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -27,15 +30,13 @@ from hf_cp.train.data.vision_rows import WaveVision
 
 logger = logging.getLogger(__name__)
 
-# families whose tower encodes each item alone and whose language model takes only the merged rows
-HONOURED = ("qwen2_vl", "qwen2_5_vl")
-# families with a vision tower whose outputs reach the language model some other way
-REFUSED = {
-    "qwen3_vl": "its DeepStack features enter the decoder's first layers at the placeholder tokens",
-    "qwen3_vl_moe": "its DeepStack features enter the decoder's first layers at the placeholder tokens",
-    "qwen3_5": "its DeepStack features enter the decoder's first layers at the placeholder tokens",
-    "qwen3_5_moe": "its DeepStack features enter the decoder's first layers at the placeholder tokens",
-}
+DUMMY = "dummy pass"  # placing(None): a zero-weight pass that still runs the tower
+
+# families whose tower encodes each item alone; their language model takes the merged rows at the
+# placeholders (and Qwen3-VL's the DeepStack rows too)
+HONOURED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# families with a vision tower whose inputs hf_cp does not carry (none known in the installed transformers)
+REFUSED: Dict[str, str] = {}
 # the token types of transformers' rope-index functions (mm_token_type_ids)
 _TOKEN_TYPE = {IMAGE: 1, VIDEO: 2}
 
@@ -71,6 +72,17 @@ class VisionTower:
             # tower attends within whole items on one rank, which sdpa computes exactly
             logger.info("hf_cp: the %s vision tower's attention runs in sdpa (it encodes whole items)", self.family)
             vision_config._attn_implementation = "sdpa"
+        self.hidden = int(getattr(vision_config, "out_hidden_size", None) or config.text_config.hidden_size)
+        # Qwen3-VL: merged features of these tower layers are added after the decoder's first layers
+        self.deepstack_layers = len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+        self._accepts_seconds = "second_per_grid_ts" in inspect.signature(self._rope_index).parameters
+        # the micro-batch being placed (placing()): its vision rows, or DUMMY; None outside a forward
+        self._pending: Union[None, str, tuple] = None
+        self._deepstack_rows: Optional[List[torch.Tensor]] = None
+        self._deepstack_at: Optional[torch.Tensor] = None  # [1, T] bool: the placeholders of the pass
+        self._hooks = [top.get_input_embeddings().register_forward_hook(self._place_rows)]
+        if self.deepstack_layers:
+            self._hooks.append(inner.language_model.register_forward_pre_hook(self._pass_deepstack, with_kwargs=True))
 
     # ------------------------------------------------------------------ data side (CPU, numpy)
     def rope_positions(
@@ -82,7 +94,7 @@ class VisionTower:
         for kind, t in _TOKEN_TYPE.items():
             types[ids == self.token_ids[kind]] = t
         kwargs = {}
-        if second_per_grid_ts is not None and self.family == "qwen2_5_vl":
+        if second_per_grid_ts is not None and self._accepts_seconds:
             kwargs["second_per_grid_ts"] = torch.as_tensor(np.asarray(second_per_grid_ts, dtype=np.float64))
         image, video = grids.get(IMAGE), grids.get(VIDEO)
         with torch.no_grad():
@@ -97,9 +109,13 @@ class VisionTower:
 
     # ------------------------------------------------------------------ step side
     def encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Merged embedding rows of the items of `grid_thw`, back to back: [tokens, hidden]."""
+        """Embedding rows of the items of `grid_thw`, back to back: [tokens, hidden x (1 + DeepStack
+        layers)] (the merged rows, then each DeepStack layer's: one exchange carries them all)."""
         dtype = next(self.visual.parameters()).dtype
-        return self.visual(pixels.to(dtype), grid_thw=grid_thw).pooler_output
+        out = self.visual(pixels.to(dtype), grid_thw=grid_thw)
+        if not self.deepstack_layers:
+            return out.pooler_output
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
 
     def dummy_rows(self, device: torch.device) -> torch.Tensor:
         """The rows of one zero image of the smallest grid, times 0: a rank that encodes nothing
@@ -110,21 +126,61 @@ class VisionTower:
         grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
         return self.encode(pixels, grid) * 0.0
 
-    def placeholder_rows(self, vision: WaveVision, group, member: int, device: torch.device) -> torch.Tensor:
-        """This rank's placeholder rows, in its row order: the items it encodes, sent to their
-        holders (send_index, send_rows) and the rows of every other encoder received."""
-        if vision.encodes:
-            rows = self.encode(vision.pixels.to(device), vision.grid_thw.to(device))
-        else:
+    def placeholder_rows(self, vision: WaveVision, group, member: int, device: torch.device):
+        """(this rank's placeholder rows in its row order, a zero scalar on the tower's graph):
+        the items it encodes sent to their holders (send_index, send_rows), the rows of every other
+        encoder received. The scalar keeps every tower parameter in this rank's backward even when
+        it neither encodes nor holds an item (a data-parallel reduction expects each one's gradient)."""
+        rows = self.encode(vision.pixels.to(device), vision.grid_thw.to(device)) if vision.encodes else None
+        if rows is None:
             rows = self.dummy_rows(device)
-        send = rows[vision.send_index.to(device)]
+        send = rows[vision.send_index.to(device)] if vision.encodes else rows[:0]
         if group is not None and len(vision.send_rows) > 1:
             got = all_to_all(send, vision.send_rows, vision.recv_rows, group, member)
         else:
             got = send
-        # the dummy's zero rows stay in the graph (a zero gradient) when none of them is sent
-        anchor = rows.sum() * 0.0 if not vision.encodes else 0.0
-        return got[vision.recv_order.to(device)] + anchor
+        return got[vision.recv_order.to(device)], rows.sum() * 0.0
+
+    # ------------------------------------------------------------------ inside the model's forward
+    @contextlib.contextmanager
+    def placing(self, vision: Optional[WaveVision], group=None, member: int = 0) -> Iterator[None]:
+        """Around one forward of the model: its embedding takes `vision`'s rows at the placeholder
+        tokens (None: a dummy pass, the tower's zero-weighted rows only)."""
+        self._pending = DUMMY if vision is None else (vision, group, member)
+        try:
+            yield
+        finally:
+            self._pending, self._deepstack_rows, self._deepstack_at = None, None, None
+
+    def _place_rows(self, module, inputs, output):
+        pending, self._pending = self._pending, None
+        if pending is None:  # a forward outside placing(): not a planned pass
+            return None
+        if pending is DUMMY:
+            zero = self.dummy_rows(output.device).sum()
+            self._deepstack_rows = [output.new_zeros(0, self.hidden)] * self.deepstack_layers
+            self._deepstack_at = torch.zeros(output.shape[:2], dtype=torch.bool, device=output.device)
+            return output + zero.to(output.dtype)
+        vision, group, member = pending
+        rows, zero = self.placeholder_rows(vision, group, member, output.device)
+        rows = rows.to(output.dtype)
+        at = vision.token_positions.to(output.device)
+        if self.deepstack_layers:
+            h = self.hidden
+            self._deepstack_rows = [rows[:, h * (k + 1) : h * (k + 2)] for k in range(self.deepstack_layers)]
+            mask = torch.zeros(output.shape[:2], dtype=torch.bool, device=output.device)
+            mask[0, at] = True
+            self._deepstack_at = mask
+            rows = rows[:, :h]
+        # out of place: the placeholder tokens' own embeddings get no gradient, as in the model's forward
+        return output.index_put((torch.zeros_like(at), at), rows) + zero.to(output.dtype)
+
+    def _pass_deepstack(self, module, args, kwargs):
+        rows, self._deepstack_rows = self._deepstack_rows, None
+        if rows is None:
+            return None
+        kwargs = dict(kwargs, visual_pos_masks=self._deepstack_at, deepstack_visual_embeds=rows)
+        return args, kwargs
 
 
 def vision_tower_of(model: torch.nn.Module, who: str) -> VisionTower:
