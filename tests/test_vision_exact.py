@@ -1,12 +1,13 @@
 """Vision-language training under planned CP equals the model's own forward on each sample alone
 (issue 38).
 
-A tiny Qwen2.5-VL (random weights) trains on samples with random images and a video clip. The
+Tiny Qwen2.5-VL, Qwen3-VL (DeepStack), Qwen3.5 (Gated DeltaNet beside attention) and the two
+MoE variants (random weights) train on samples with random images and a video clip. The
 hf_cp side runs the training path itself: PlanCollator with the dataset's vision columns
 (vision_columns.vision_reader), StepExecutor with the model's VisionTower, in gloo processes at
 worlds 1, 2 and 4, a sample with an image and a clip spread over a CP group in every shard mode
 (ring zigzag, ring per document, Ulysses, blocks with heads split), beside local samples. The
-reference is independent of all of it: transformers' own Qwen2.5-VL forward (its own M-RoPE from
+reference is independent of all of it: transformers' own forward of the family (its own M-RoPE from
 mm_token_type_ids, its own vision scatter, sdpa) on each sample alone, in one process. Each item
 is encoded on exactly one rank of its group. The break test detaches one rank's encoder output
 (an image's embedding gradient dropped) and must fail the check.
@@ -44,8 +45,8 @@ LAYOUTS = {
     2: [("text", 13)],  # text only, in a vision run
     3: [("image", (1, 8, 8)), ("text", 9)],  # an image first
 }
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
-# Qwen3-VL's and Qwen3.5's processors put each frame of a clip between its own start/end tokens
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+# Qwen3-VL's and Qwen3.5's processors (and their MoE variants') put each frame of a clip between its own start/end tokens
 ROWS = {f: {s: make_sample(s, lay, frames_apart=f != "qwen2_5_vl") for s, lay in LAYOUTS.items()} for f in FAMILIES}
 MODES = [ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC, ShardMode.ULYSSES, ShardMode.BLOCKS]
 

@@ -12,6 +12,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -160,10 +164,42 @@ def qwen3_5_config() -> Qwen3_5Config:
     )
 
 
+def qwen3_vl_moe_config() -> Qwen3VLMoeConfig:
+    """qwen3_vl_config with a mixture-of-experts language model (4 experts, 2 a token)."""
+    base = qwen3_vl_config().to_dict()
+    text = dict(base["text_config"], num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    base.update(text_config=text, vision_config=base["vision_config"])
+    for key in ("model_type", "architectures", "transformers_version"):
+        base.pop(key, None)
+        text.pop(key, None)
+        base["vision_config"].pop(key, None)
+    return Qwen3VLMoeConfig(**base)
+
+
+def qwen3_5_moe_config() -> Qwen3_5MoeConfig:
+    """qwen3_5_config with a mixture-of-experts language model (4 experts, 2 a token, a shared one)."""
+    base = qwen3_5_config().to_dict()
+    text = dict(
+        base["text_config"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )
+    base.update(text_config=text)
+    for key in ("model_type", "architectures", "transformers_version"):
+        base.pop(key, None)
+        text.pop(key, None)
+        base["vision_config"].pop(key, None)
+    return Qwen3_5MoeConfig(**base)
+
+
 FAMILIES = {
     "qwen2_5_vl": (vlm_config, Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (qwen3_vl_config, Qwen3VLForConditionalGeneration),
     "qwen3_5": (qwen3_5_config, Qwen3_5ForConditionalGeneration),
+    "qwen3_vl_moe": (qwen3_vl_moe_config, Qwen3VLMoeForConditionalGeneration),
+    "qwen3_5_moe": (qwen3_5_moe_config, Qwen3_5MoeForConditionalGeneration),
 }
 
 
