@@ -202,3 +202,36 @@ def test_packing_is_refused_with_what_hf_cp_does_instead(tmp_path):
 
     with pytest.raises(ValueError, match="packing=True: hf_cp already packs, per step"):
         CPSFTConfig(output_dir=str(tmp_path), packing=True, use_cpu=True, **SETTINGS)
+
+
+def test_the_mixin_trains_preprocessed_vision_language_data_as_cptrainer_does(tmp_path):
+    """A dataset of a Qwen2-VL processor's columns (images, a clip) through CPSFTTrainer: SFTTrainer
+    leaves it as it is, CPTrainer's vision set-up reads it, and the steps equal CPTrainer's own
+    (issue 38). SFTConfig's bf16 default is turned off: autocast would be the difference."""
+    from datasets import Dataset
+
+    from hf_cp.train import CPTrainer, CPTrainingArguments
+    from hf_cp.train.objectives.sft import CPSFTConfig, CPSFTTrainer
+
+    from helpers.harness.models import vision_rows
+    from helpers.tiny_vlm import build_vlm
+
+    rows = vision_rows([120, 40, 60, 30, 90, 50], seed=0)
+    common = dict(SETTINGS, cp_max_tokens_per_rank=256, cp_tokens_per_step=256, max_steps=2, use_cpu=True)
+    sft = CPSFTTrainer(
+        model=build_vlm("hf_cp"),
+        args=CPSFTConfig(output_dir=str(tmp_path / "sft"), bf16=False, gradient_checkpointing=False, **common),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tiny_chat_tokenizer(),
+    )
+    assert sft.cp_vision is not None and sft.cp_data.vision(0) is not None
+    sft.train()
+    plain = CPTrainer(
+        model=build_vlm("hf_cp"),
+        args=CPTrainingArguments(output_dir=str(tmp_path / "cp"), **common),
+        train_dataset=Dataset.from_list(rows),
+    )
+    plain.train()
+    assert sft.cp_data.digest() == plain.cp_data.digest()
+    assert [r.loss for r in sft.cp_history] == pytest.approx([r.loss for r in plain.cp_history], rel=1e-12)
+    assert len(sft.cp_history) == 2
