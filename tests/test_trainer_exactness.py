@@ -20,9 +20,10 @@ import torch
 from hf_cp.plan.chunks import dependent_chunk_sizes
 
 from helpers.harness.check import GRAD_RTOL, LOSS_RTOL, PARAM_RTOL, ExactnessMismatch, check_run
-from helpers.harness.models import IGNORE_INDEX, synthetic_rows, tiny_model, train_rows
+from helpers.harness.models import IGNORE_INDEX, eval_rows, synthetic_rows, tiny_model, train_rows
 from helpers.harness.reference import (
     reference_batches,
+    reference_eval_loss,
     reference_steps,
     router_term,
     sample_loss_sum,
@@ -156,6 +157,18 @@ def test_vision_language_training_equals_the_models_own_forward_step_by_step(wor
     assert "pixel_values_videos" in rows[0] and sum("pixel_values" in r for r in rows) >= 3
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_planned_evaluation_of_vision_language_data_equals_the_models_own_forward(world2_job):
+    spec = world2_job["qwen2_5_vl-eval"]
+    out = Path(spec["out"])
+    final = [json.loads((out / f"eval_rank{r}.json").read_text()) for r in range(2)]
+    assert "pixel_values_videos" in eval_rows(spec)[0]  # the 400-token eval sample has a clip
+    assert final[0]["eval_loss"] == final[1]["eval_loss"]
+    assert final[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, spec["steps"]), rel=1e-5)
+    logged = [rec for rec in json.loads((out / "log_history.json").read_text()) if "eval_loss" in rec]
+    assert logged[0]["eval_loss"] == pytest.approx(reference_eval_loss(spec, 1), rel=1e-5)
 
 
 def test_the_reference_router_term_is_a_real_share_of_the_loss():

@@ -1,7 +1,7 @@
 """Vision-language training under planned CP equals the model's own forward on each sample alone
 (issue 38).
 
-Tiny Qwen2.5-VL, Qwen3-VL (DeepStack), Qwen3.5 (Gated DeltaNet beside attention) and the two
+Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL (DeepStack), Qwen3.5 (Gated DeltaNet beside attention) and the two
 MoE variants (random weights) train on samples with random images and a video clip. The
 hf_cp side runs the training path itself: PlanCollator with the dataset's vision columns
 (vision_columns.vision_reader), StepExecutor with the model's VisionTower, in gloo processes at
@@ -45,9 +45,12 @@ LAYOUTS = {
     2: [("text", 13)],  # text only, in a vision run
     3: [("image", (1, 8, 8)), ("text", 9)],  # an image first
 }
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
 # Qwen3-VL's and Qwen3.5's processors (and their MoE variants') put each frame of a clip between its own start/end tokens
-ROWS = {f: {s: make_sample(s, lay, frames_apart=f != "qwen2_5_vl") for s, lay in LAYOUTS.items()} for f in FAMILIES}
+ROWS = {f: {s: make_sample(s, lay, frames_apart=f.startswith("qwen3")) for s, lay in LAYOUTS.items()} for f in FAMILIES}
+# the fast suite's families (one per kind of language model: plain, DeepStack, hybrid); the others slow
+FAST = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+CASES = [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 MODES = [ShardMode.RING_ZIGZAG, ShardMode.RING_PER_DOC, ShardMode.ULYSSES, ShardMode.BLOCKS]
 
 
@@ -184,13 +187,13 @@ def _check(results, family: str):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_vision_training_on_one_rank_equals_the_models_own_forward(pools, family):  # noqa: F811
     _check(pools(1).run(_train, family, plans(1, family), -1, timeout_s=240), family)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_vision_training_over_two_ranks_in_every_shard_mode_is_exact(pools, family):  # noqa: F811
     results = pools(2).run(_train, family, plans(2, family), -1, timeout_s=240)
     assert {r["plan"] for r in results} == {m.value for m in MODES}
@@ -206,7 +209,7 @@ def test_vision_training_over_four_ranks_in_every_shard_mode_is_exact(pools, fam
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAST)
 def test_the_check_fails_when_an_images_embedding_gradient_is_dropped(pools, family):  # noqa: F811
     results = pools(2).run(_train, family, plans(2, family)[:1], 0, timeout_s=240)
     assert results and all(r["grad_err"] > 1e-2 for r in results), results

@@ -10,14 +10,16 @@ import torch
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForConditionalGeneration,
-    Qwen3VLMoeConfig,
-    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from hf_cp.attention.recurrent import attach_recurrent_layers
@@ -67,6 +69,26 @@ def vlm_config(**text) -> Qwen2_5_VLConfig:
         eos_token_id=VISION_END + 2,
         pad_token_id=0,
     )
+
+
+def qwen2_vl_config() -> Qwen2VLConfig:
+    """A tiny Qwen2-VL: its tower attends over whole items (no windows); its merger outputs the text width."""
+    base = vlm_config().to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "vision_config"):
+        base.pop(key, None)
+    base["text_config"].pop("model_type", None)
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        mlp_ratio=2,
+        num_heads=2,
+        patch_size=4,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=2,
+        in_channels=3,
+    )
+    return Qwen2VLConfig(**base, vision_config=vision)
 
 
 def qwen3_vl_config() -> Qwen3VLConfig:
@@ -195,6 +217,7 @@ def qwen3_5_moe_config() -> Qwen3_5MoeConfig:
 
 
 FAMILIES = {
+    "qwen2_vl": (qwen2_vl_config, Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (vlm_config, Qwen2_5_VLForConditionalGeneration),
     "qwen3_vl": (qwen3_vl_config, Qwen3VLForConditionalGeneration),
     "qwen3_5": (qwen3_5_config, Qwen3_5ForConditionalGeneration),
@@ -272,7 +295,7 @@ def reference_sample_loss(model, row: Dict[str, object], global_valid: int) -> f
             pixel_values_videos=torch.as_tensor(row["pixel_values_videos"]),
             video_grid_thw=torch.as_tensor(row["video_grid_thw"]),
         )
-        if model.config.model_type == "qwen2_5_vl":
+        if model.config.model_type == "qwen2_5_vl":  # Qwen2-VL's M-RoPE takes no seconds per patch
             kw["second_per_grid_ts"] = torch.as_tensor(row["second_per_grid_ts"])
     logits = model(**kw).logits[0]
     labels = ids[0, 1:]

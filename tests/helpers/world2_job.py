@@ -184,7 +184,11 @@ def world2_runs() -> Dict[str, dict]:
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
     runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})
     # a vision-language model: each image or clip encoded once in its group, rows sent to their holders
-    runs.update({f"qwen2_5_vl-{b}": balance_spec(b, model="qwen2_5_vl") for b in VLM_BALANCERS})
+    # (AdamW eps as lengths_spec's: parameters compared after AdamW stay well inside 1e-5)
+    vlm = dict(model="qwen2_5_vl", adam_epsilon=CHUNKFLOW_ADAM_EPSILON)
+    runs.update({f"qwen2_5_vl-{b}": balance_spec(b, **vlm) for b in VLM_BALANCERS})
+    # its planned evaluation: the 400- and 260-token eval samples (with a clip) over a CP group of 2
+    runs["qwen2_5_vl-eval"] = balance_spec("auto", eval_lengths=EVAL_LENGTHS, eval_steps=1, **vlm)
     runs["mutation-router_local_counts"] = balance_spec(
         MUTATED_BALANCER, model="qwen3_moe", mutation="router_local_counts"
     )

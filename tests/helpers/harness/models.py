@@ -214,4 +214,6 @@ def train_rows(spec: dict) -> List[dict]:
 
 
 def eval_rows(spec: dict) -> List[dict]:
+    if spec.get("model") == "qwen2_5_vl":
+        return vision_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)
     return synthetic_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)
