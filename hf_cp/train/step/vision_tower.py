@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hf_cp.attention.comm import all_to_all
-from hf_cp.samples.vision import IMAGE, KIND_COLUMNS, VIDEO
+from hf_cp.samples.vision import IMAGE, VIDEO
 from hf_cp.train.checks.setup import SetupError
 from hf_cp.train.data.vision_rows import WaveVision
 
@@ -35,8 +35,6 @@ DUMMY = "dummy pass"  # placing(None): a zero-weight pass that still runs the to
 # families whose tower encodes each item alone; their language model takes the merged rows at the
 # placeholders (and Qwen3-VL's the DeepStack rows too)
 HONOURED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
-# families with a vision tower whose inputs hf_cp does not carry (none known in the installed transformers)
-REFUSED: Dict[str, str] = {}
 # the token types of transformers' rope-index functions (mm_token_type_ids)
 _TOKEN_TYPE = {IMAGE: 1, VIDEO: 2}
 
@@ -186,12 +184,6 @@ class VisionTower:
 def vision_tower_of(model: torch.nn.Module, who: str) -> VisionTower:
     """The tower of a model trained on vision inputs, or SetupError naming why not."""
     family = model_family(model)
-    if family in REFUSED:
-        raise SetupError(
-            f"{who}: the dataset has images or video ({', '.join(c for p in KIND_COLUMNS.values() for c in p)}), "
-            f"and the {family} model's vision inputs are not yet carried by hf_cp: {REFUSED[family]}, which hf_cp "
-            f"does not shard. Train it on text, or use a family whose tower hf_cp runs ({', '.join(HONOURED)})"
-        )
     if family not in HONOURED:
         raise SetupError(
             f"{who}: the dataset has vision columns, but the {family} model has no vision tower hf_cp runs "
