@@ -15,6 +15,7 @@ from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import StepPlan
 from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.vision_grids import SampleGrids, parse_grids
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -48,6 +49,10 @@ class PlanRequest:
     # the request for a balancer that trains longer samples (chunkflow, auto with it) sets it to
     # that balancer's limit (balance/sample_limit.py: sample_token_limit)
     max_sample_tokens: Optional[int] = None
+    # sample id -> the patch grids (t, h, w) of its images and clips (samples/vision_grids.py);
+    # samples not in it are text only. Their encoder work is priced with the request's cost
+    # model (CostModel.vision_item_ms), on the rank or group that holds them (cost/vision.py).
+    vision: Optional[Mapping[int, SampleGrids]] = field(default=None, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "sample_ids", tuple(int(s) for s in self.sample_ids))
@@ -67,6 +72,19 @@ class PlanRequest:
             object.__setattr__(self, "masks", {int(s): m for s, m in self.masks.items() if not m.is_causal} or None)
         else:
             object.__setattr__(self, "masks", None)
+        if self.vision:
+            stepped = set(self.sample_ids)
+            stray = sorted(int(s) for s in self.vision if int(s) not in stepped)
+            if stray:
+                raise ValueError(
+                    f"step {self.step}: vision grids are given for sample {stray[0]}, which is not in the step"
+                )
+            grids = {int(s): parse_grids(g, f"step {self.step}: sample {s}") for s, g in self.vision.items()}
+            object.__setattr__(self, "vision", {s: g for s, g in grids.items() if g} or None)
+            if self.vision:
+                self.cost.vision_dims()  # refused by name when the cost model has no vision tower
+        else:
+            object.__setattr__(self, "vision", None)
         if not self.sample_ids:
             raise ValueError(f"step {self.step}: empty global batch, nothing to plan")
         cap = self.cluster.largest_capacity
@@ -105,6 +123,7 @@ class PlanRequest:
             step=self.step,
             balancer=balancer,
             masks=dict(self.masks or {}),  # the plan carries its samples' masks (self-contained JSON)
+            vision=dict(self.vision or {}),  # ... and their vision grids (the simulator prices them)
         )
 
 

@@ -139,11 +139,12 @@ def sub_request(req: PlanRequest, positions: np.ndarray, cluster: ClusterSpec) -
     ids = [req.sample_ids[i] for i in positions.tolist()]
     lens = req.length_array[positions].tolist()
     masks = {s: req.masks[s] for s in ids if s in req.masks} if req.masks else None
+    vision = {s: req.vision[s] for s in ids if s in req.vision} if req.vision else None
     dml = req.dataset_max_length
     if dml is not None and dml > cluster.largest_capacity and (req.max_sample_tokens or 0) <= cluster.largest_capacity:
         dml = max(cluster.largest_capacity, max(lens))
     return replace(req, sample_ids=tuple(ids), lengths=tuple(lens), cluster=cluster, masks=masks,
-                   dataset_max_length=dml)  # fmt: skip
+                   vision=vision, dataset_max_length=dml)  # fmt: skip
 
 
 def merge_plans(

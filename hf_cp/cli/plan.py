@@ -11,20 +11,21 @@ import textwrap
 import time
 from collections import Counter
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hf_cp.balance.options import parse_assignments
 from hf_cp.balance.registry import available_balancers, describe_options
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.cost.bounds import lower_bound_ms
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ModelDims, VisionDims, vision_dims_in
 from hf_cp.cost.exchange import plan_exchange
 from hf_cp.cost.execution import EXECUTIONS, execution_named
 from hf_cp.cost.hardware import PROFILE_MAXIMA
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.pipeline import bubble_share
 from hf_cp.cost.simulate import SimResult, simulate
+from hf_cp.cost.vision import step_vision
 from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
 from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec, is_power_of_two
@@ -32,7 +33,8 @@ from hf_cp.plan.step_plan import PlanError, StepPlan
 from hf_cp.planning.predict import predict
 from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
-from hf_cp.samples.plan_inputs import read_plan_inputs
+from hf_cp.samples.plan_inputs import PlanInputs, read_plan_inputs
+from hf_cp.samples.vision_grids import SampleGrids, check_grids
 
 
 def add_parser(sub) -> None:
@@ -83,6 +85,13 @@ def add_parser(sub) -> None:
         "--model",
         default="qwen2.5-7b",
         help="model dimensions: a model name (configs/models/ here, then built in), a config.json, or a model folder",
+    )
+    p.add_argument(
+        "--vision-model",
+        metavar="CONFIG",
+        help='vision tower dimensions, for samples with images or clips (a lengths record\'s "vision" grids, a '
+        "dataset's image_grid_thw / video_grid_thw): a vision-language model's config.json, folder or name "
+        "(default: the vision_config of --model's config, when it has one)",
     )
     p.add_argument(
         "--balancer",
@@ -459,7 +468,12 @@ def settings_from_args(args) -> PlanningSettings:
 
 def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     """--plan-json: plans made elsewhere, to simulate again."""
-    cost = CostModel(ModelDims.load(args.model), load_profile(args.profile), execution_named(args.execution))
+    cost = CostModel(
+        ModelDims.load(args.model),
+        load_profile(args.profile),
+        execution_named(args.execution),
+        vision_dims_of(args, True),
+    )
     plans = StepPlan.load_file(args.plan_json)  # read and checked, errors naming the file and plan
     world = plans[0].world_size
     if args.world and args.world != world:
@@ -475,6 +489,35 @@ def _replan(args) -> Tuple[List[StepPlan], ClusterSpec, CostModel, str]:
     except ValueError as e:
         raise PlanError(f"{args.plan_json}: {e}") from None
     return plans, cluster, cost, f"simulated {len(plans)} plan(s) from {args.plan_json}"
+
+
+def vision_dims_of(args, needed: bool) -> Optional[VisionDims]:
+    """--vision-model's tower, else, when samples have images or clips (`needed`), --model's
+    vision_config (None: neither gives one)."""
+    if args.vision_model:
+        return VisionDims.load(args.vision_model)
+    return vision_dims_in(args.model) if needed else None
+
+
+def checked_vision(inputs: PlanInputs, cost: CostModel, args) -> Dict[int, SampleGrids]:
+    """The inputs' vision grids, checked against the tower's merge size and the samples'
+    lengths; samples with grids but no tower to price them are refused by name."""
+    if not inputs.vision:
+        return {}
+    first = min(inputs.vision)
+    if cost.vision is None:
+        raise ValueError(
+            f"{args.lengths}: {len(inputs.vision)} samples have vision grids (the first, sample {first}, "
+            f"{[list(g) for g in inputs.vision[first]]}), but model {args.model} has no vision tower to price them: give "
+            "--vision-model CONFIG.json (a vision-language model's config, e.g. Qwen2.5-VL's) or a --model with a "
+            "vision_config"
+        )
+    return check_grids(
+        inputs.vision,
+        dict(enumerate(inputs.lengths)),
+        cost.vision.spatial_merge_size,
+        label=lambda i: f"{args.lengths}: sample {i} (record {i + 1})",
+    )
 
 
 # the most tokens a token-count option may give: counts stay exact in the cost model's floats
@@ -561,8 +604,9 @@ def run(args) -> int:
         lengths, masks = inputs.lengths, inputs.masks
         progress.enabled = args.progress == "on" or (args.progress == "auto" and len(lengths) >= PROGRESS_MIN_SAMPLES)
         progress.say(f"{len(lengths):,} samples; cutting the epoch into steps of the token budget")
-        setup = planning_setup(settings, lengths, args.world)
+        setup = planning_setup(settings, lengths, args.world, vision=vision_dims_of(args, bool(inputs.vision)))
         cluster, cost = setup.cluster, setup.cost
+        vision = checked_vision(inputs, cost, args)
         longest = max(lengths)
         # the longest sample the balancer trains (longer under chunkflow)
         check_sample_lengths(
@@ -575,7 +619,7 @@ def run(args) -> int:
             masks or (),
             label=lambda i: f"sample {i} (line {i + 1} of {args.lengths})",
         )
-        planner = Planner.from_setup(setup, lookahead=0, masks=masks)
+        planner = Planner.from_setup(setup, lookahead=0, masks=masks, vision=vision)
         steps = min(args.steps, len(setup.sampler.epoch_batches(0)))
         what = f"planning with {args.balancer}" + (f" (and {planner.compare_name})" if planner.compare_name else "")
         progress.say(f"{len(setup.sampler.epoch_batches(0)):,} steps in the epoch; {what}")
@@ -592,17 +636,21 @@ def run(args) -> int:
         opts = "".join(f" {k}={v}" for k, v in settings.balancer_options.items())
         header = (
             f"hf-cp plan: {args.lengths} ({len(lengths)} samples, longest {longest}"
-            + (f"; {inputs.describe()}" if masks or inputs.kind not in ("lengths", "dataset") else "")
+            + (f"; {inputs.describe()}" if masks or vision or inputs.kind not in ("lengths", "dataset") else "")
             + f"), balancer {settings.balancer}{opts}, world {args.world}, cap {cluster.max_tokens_per_rank} tokens/rank, "
             f"{setup.sampler.tokens_per_step} tokens/step, model {args.model}, profile {args.profile}"
             + (f"; layer mix priced: {cost.dims.layer_mix()}" if cost.dims.softmax_share < 1 else "")
+            + (f"; vision tower priced: {cost.vision.depth} blocks, hidden {cost.vision.hidden}" if vision else "")
         )
     rows = []
     for plan, sim, pms, cms in zip(plans, sims, planner_ms, compare_ms):
         # masked samples (shared prompts, windows) bound by their masked area, as they are simulated
         masks_of = [plan.masks.get(s) for s in plan.sample_ids] if plan.masks else None
         ring = sum(e.ring_zigzag_bytes for e in plan_exchange(plan, cost))  # the same groups, ring zigzag
-        rows.append(step_metrics(plan, sim, lower_bound_ms(plan.lengths, cluster, cost, masks_of), pms, cms, ring))
+        bound = lower_bound_ms(
+            plan.lengths, cluster, cost, masks_of, vision=step_vision(plan.sample_ids, plan.vision, cost)
+        )
+        rows.append(step_metrics(plan, sim, bound, pms, cms, ring))
     check_finite(rows, args)
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)

@@ -10,6 +10,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from hf_cp.cost.model import CostModel
+from hf_cp.cost.vision import StepVision, distributed_vision_ms
 from hf_cp.modes.ring import per_doc_max_member_tokens
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
@@ -21,6 +22,7 @@ def lower_bound_ms(
     cost: CostModel,
     masks=None,
     local_ms: Optional[Sequence[float]] = None,
+    vision: Optional[StepVision] = None,
 ) -> float:
     """No valid plan of these samples on this cluster can take less time in `simulate`.
 
@@ -32,13 +34,18 @@ def lower_bound_ms(
     that share at the largest registered group size. `masks` (aligned with the lengths, None
     entries causal) price masked samples by their masked area, as the simulator does;
     `local_ms`: the samples' single-rank times (CostModel.local_ms), if already known.
+    `vision`: the step's vision tower work (cost/vision.py), counted as the simulator counts it:
+    each sample's encoder time is rank time somewhere, and no item is encoded faster than alone.
     """
     lens = _check_fits(lengths, cluster)
     gmax = cluster.all_group_sizes[-1]  # any registered size: a run of 6 ranks on a node with them
     areas = np.asarray(samples_local_ms(lens, cost, masks) if local_ms is None else local_ms)
     if not len(areas):
         return 0.0
-    return max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
+    if vision is not None:
+        areas = areas + vision.sample_ms
+    bound = max(float(areas.sum()) / cluster.world_size, float(areas.max()) / gmax)
+    return max(bound, vision.largest_item_ms) if vision is not None else bound
 
 
 def charged_lower_bound_ms(
@@ -49,6 +56,7 @@ def charged_lower_bound_ms(
     alone_ms: Optional[Callable[[int, int], float]] = None,
     longest_checked: int = 8,
     masks=None,
+    vision: Optional[StepVision] = None,
 ) -> float:
     """A tighter bound that charges a group's communication, kernel efficiency and overheads.
 
@@ -74,47 +82,100 @@ def charged_lower_bound_ms(
     `alone_ms(length, g)`: the sample alone on g ranks, if cached (CostMemo.doc_on_group_ms).
     `masks` (aligned with the lengths, None entries causal): a masked sample counts by its
     masked area and is left out of the group charges (its time alone would be a causal one's).
+    `vision` (cost/vision.py): each sample's encoder time joins its rank-time (the world's work),
+    and the costliest item alone bounds the step. A sample over the cap with images or clips
+    holds its g ranks until its busiest encoder is done: at least its least loaded member's
+    text plus cost/vision.distributed_vision_ms (items are encoded whole), so its rank-time
+    there is g x the larger of that and its time alone.
     """
     lens = _check_fits(lengths, cluster)
     if not len(lens):
         return 0.0
-    areas = np.asarray(samples_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    text_areas = np.asarray(samples_local_ms(lens, cost, masks) if local_ms is None else local_ms)
+    areas = text_areas if vision is None else text_areas + vision.sample_ms
+    floor = vision.largest_item_ms if vision is not None else 0.0
     if masks is not None and any(m is not None for m in masks):
         causal = np.asarray([m is None for m in masks], dtype=bool)
         work = float(areas.sum()) + -(-int(lens.sum()) // cluster.max_tokens_per_rank) * cost.micro_batch_overhead_ms()
         if not causal.any():
-            return work / cluster.world_size
-        inner = charged_lower_bound_ms(lens[causal], cluster, cost, areas[causal], alone_ms, longest_checked)
-        return max(inner, work / cluster.world_size)
+            return max(work / cluster.world_size, floor)
+        inner = charged_lower_bound_ms(
+            lens[causal],
+            cluster,
+            cost,
+            text_areas[causal],
+            alone_ms,
+            longest_checked,
+            vision=vision.subset(causal) if vision is not None else None,
+        )
+        return max(inner, work / cluster.world_size, floor)
     cap = cluster.max_tokens_per_rank
     overhead = cost.micro_batch_overhead_ms()
     alone = alone_ms or (lambda n, g: alone_on_group_ms(cost, n, g))
+    grids = vision.sample_grids if vision is not None and vision.sample_grids else None
+    least: dict = {}
 
     def fitting_sizes(n: int) -> List[int]:
         # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
         # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
         return [g for g in cluster.all_group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
 
+    def on_group(i: int, n: int, g: int) -> float:
+        """Sample i's rank-time alone on g ranks: g x its micro-batch's least duration."""
+        t = alone(n, g)
+        if grids is not None and grids[i] and g > 1:
+            if (n, g) not in least:
+                least[(n, g)] = least_member_ms(cost, n, g)
+            t = max(t, least[(n, g)] + distributed_vision_ms(grids[i], g, cost))
+        return g * t
+
     # a sample over the cap holds a whole group for at least its time alone there: charge it
     # the cheapest such group's rank-time instead of its single-rank compute
     def held(n: int) -> float:
         return max(float(cost.sample_local_ms(n)), min(g * alone(n, g) for g in fitting_sizes(n)))
 
+    def held_at(i: int) -> float:
+        """Sample i's charge in the world's work (its rank-time in any plan)."""
+        n = int(lens[i])
+        if n <= cap:
+            return float(areas[i])
+        if grids is not None and grids[i]:
+            # on_group is at least g x alone (cached): sizes where that reaches the best so far
+            # cannot lower it, and are not costed member by member
+            best = float("inf")
+            for g in sorted(fitting_sizes(n), key=lambda g: (g * alone(n, g), g)):
+                if g * alone(n, g) >= best:
+                    break
+                best = min(best, on_group(i, n, g))
+            return max(float(areas[i]), best)
+        return float(areas[i]) + held(n) - float(cost.sample_local_ms(n))
+
     work = float(areas.sum())
     over = lens > cap
     if over.any():
-        uniq, counts = np.unique(lens[over], return_counts=True)
+        seen = over if grids is None else over & np.asarray([not g for g in grids], dtype=bool)
+        uniq, counts = np.unique(lens[seen], return_counts=True)
         work += sum(k * (held(n) - float(cost.sample_local_ms(n))) for n, k in zip(uniq.tolist(), counts.tolist()))
+        if grids is not None:
+            work += sum(held_at(i) - float(areas[i]) for i in np.flatnonzero(over & ~seen).tolist())
     world = cluster.world_size
     work += -(-int(lens.sum()) // cap) * overhead
-    bound = work / world
+    bound = max(work / world, floor)
     for n in np.unique(lens)[::-1][:longest_checked].tolist():
         bound = max(bound, min((alone(n, g) for g in fitting_sizes(n)), default=float("inf")) + overhead)
     # the longest sample picks one group size for both: its time there, and its rank-time
     # there beside everything else's
-    n = int(lens.max())
-    rest = work - held(n)
-    return max(bound, min(max(alone(n, g) + overhead, (rest + g * alone(n, g)) / world) for g in fitting_sizes(n)))
+    i = int(np.argmax(lens))
+    n = int(lens[i])
+    rest = work - held_at(i) if grids is not None else work - held(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + on_group(i, n, g)) / world) for g in fitting_sizes(n)))
+
+
+def least_member_ms(cost: CostModel, length: int, group_size: int) -> float:
+    """The least loaded member's time of one document alone, per-document sharded over
+    `group_size` ranks (every member costed: used only for samples with vision over the cap)."""
+    ranks = list(range(group_size))
+    return min(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ranks))
 
 
 def samples_local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[float]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 from hf_cp.cost.config_files import ConfigError, resolve_config
 from hf_cp.readers import brief, load_json
+from hf_cp.samples.vision_grids import GridTHW
 
 # the largest model dimension read from a config (hidden size, heads, layers, vocabulary, ...):
 # far above any real model's (a 1M vocabulary, 128K intermediate), and small enough that the cost
@@ -215,13 +216,245 @@ class ModelDims:
     def load(cls, name_or_path: Union[str, Path]) -> ModelDims:
         """A config.json path, a folder holding one, or a model name (hf_cp.resources: the user's
         configs/models/ under the working directory, then the package's built-ins)."""
-        p = resolve_config(name_or_path, "models", (".json",))
-        if p.is_dir():
-            if not (p / "config.json").is_file():
-                raise ConfigError(f"model config {p}: a directory without a config.json; expected a config.json file")
-            p = p / "config.json"
+        cfg, source = _config_file(name_or_path)
+        return cls.from_hf_config(cfg, source=source)
+
+
+# a vision encoder's fwd + bwd FLOPs per forward FLOP: a matmul's backward is twice its forward
+# (input and weight gradients), flash attention's 2.5 times (the LLM's own factors, ModelDims)
+MATMUL_FWD_BWD = 3.0
+ATTENTION_FWD_BWD = 3.5
+
+
+# VisionDims' fields that are sizes (positive whole numbers)
+VISION_DIMENSIONS = (
+    "depth",
+    "hidden",
+    "intermediate",
+    "num_heads",
+    "patch_size",
+    "spatial_merge_size",
+    "temporal_patch_size",
+    "window_size",
+    "out_hidden",
+    "in_channels",
+)
+
+
+@dataclass(frozen=True)
+class VisionDims:
+    """A Qwen2.5-VL-style vision tower (transformers' Qwen2_5_VisionTransformerPretrainedModel) as
+    the cost model reads it: `depth` blocks of bidirectional attention (qkv, proj) and a gated
+    MLP, a Conv3d patch embedding, and a merger MLP over spatial_merge_size^2 patches. Blocks
+    in `fullatt_block_indexes` attend within each temporal frame of an item (its h*w patches);
+    the others within windows of window_size // spatial_merge_size // patch_size merged cells a
+    side, cut per frame (transformers' get_vision_window_index)."""
+
+    depth: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    window_size: int
+    out_hidden: int
+    fullatt_block_indexes: Tuple[int, ...] = ()
+    in_channels: int = 3
+    gated_mlp: bool = True  # gate, up, down (Qwen2.5-VL); False: fc1, fc2 (Qwen2-VL, Qwen3-VL)
+
+    def __post_init__(self):
+        for f in VISION_DIMENSIONS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_MODEL_DIM:
+                raise ConfigError(f"vision dimension {f} must be a positive whole number, got {v!r}")
+        bad = [i for i in self.fullatt_block_indexes if isinstance(i, bool) or not isinstance(i, int)]
+        bad += [i for i in self.fullatt_block_indexes if isinstance(i, int) and not 0 <= i < self.depth]
+        if bad:
+            raise ConfigError(f"vision fullatt_block_indexes must be block numbers below depth {self.depth}, got {bad}")
+        if self.window_cells < 1:
+            raise ConfigError(
+                f"vision window_size {self.window_size} is under one merged cell "
+                f"(patch_size {self.patch_size} x spatial_merge_size {self.spatial_merge_size})"
+            )
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged cell (one LLM token): spatial_merge_size^2."""
+        return self.spatial_merge_size**2
+
+    @property
+    def window_cells(self) -> int:
+        """Merged cells per window side (transformers: vit_merger_window_size)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @property
+    def full_attention_layers(self) -> int:
+        return len(set(self.fullatt_block_indexes))
+
+    @property
+    def window_attention_layers(self) -> int:
+        return self.depth - self.full_attention_layers
+
+    @property
+    def block_params(self) -> int:
+        """One block's matmul parameters: qkv (3 h^2), proj (h^2), the MLP's gate, up and down
+        (fc1 and fc2 for a two-matrix MLP)."""
+        return 4 * self.hidden * self.hidden + (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
+    @property
+    def patch_embed_params(self) -> int:
+        """The Conv3d patch embedding: one (channels x temporal x patch x patch) -> hidden matmul per patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2 * self.hidden
+
+    @property
+    def merger_params(self) -> int:
+        """The merger's two linears, run once per merged cell: (h m^2)^2 and h m^2 x out_hidden."""
+        wide = self.hidden * self.merge_unit
+        return wide * wide + wide * self.out_hidden
+
+    @property
+    def forward_flops_per_patch(self) -> float:
+        """Forward matmul FLOPs per patch, the whole tower: 2 per parameter of every block and of
+        the patch embedding, and the merger's share (it runs once per merge_unit patches)."""
+        return 2.0 * (self.depth * self.block_params + self.patch_embed_params + self.merger_params / self.merge_unit)
+
+    @property
+    def forward_flops_per_pair(self) -> float:
+        """Forward attention FLOPs per attended (query, key) pair and layer: Q K^T and P V, 2 each
+        per head dimension, over all heads (heads x head dim = hidden)."""
+        return 4.0 * self.hidden
+
+    def window_lengths(self, grid: GridTHW) -> List[Tuple[int, int]]:
+        """(patches, how many) of the windows a window-attention block attends within, for an
+        item of patch grid `grid`: per frame, the merged grid (h/m, w/m) cut into windows of
+        window_cells a side, the last row and column of windows smaller."""
+        t, h, w = grid
+        m, c = self.spatial_merge_size, self.window_cells
+        rows = _window_sides(h // m, c)
+        cols = _window_sides(w // m, c)
+        out: Dict[int, int] = {}
+        for r, nr in rows:
+            for k, nk in cols:
+                n = r * k * self.merge_unit
+                out[n] = out.get(n, 0) + nr * nk * t
+        return sorted(out.items())
+
+    def frame_lengths(self, grid: GridTHW) -> List[Tuple[int, int]]:
+        """(patches, how many) of the sequences a full-attention block attends within: one per
+        temporal frame of h*w patches (transformers' cu_seqlens)."""
+        t, h, w = grid
+        return [(h * w, t)]
+
+    def attention_runs(self, grid: GridTHW) -> List[Tuple[int, int]]:
+        """(patches, how many) of every sequence one item's attention runs over the whole tower:
+        each window block's windows and each full block's frames (what the cost model prices
+        by kernel efficiency per length)."""
+        runs: Dict[int, int] = {}
+        for lengths, layers in (
+            (self.window_lengths(grid), self.window_attention_layers),
+            (self.frame_lengths(grid), self.full_attention_layers),
+        ):
+            for n, k in lengths:
+                if layers:
+                    runs[n] = runs.get(n, 0) + k * layers
+        return sorted(runs.items())
+
+    def attention_pairs(self, grid: GridTHW) -> int:
+        """Attended pairs of one item over the whole tower: every block attends all pairs of its
+        windows (window blocks) or frames (full blocks), both directions."""
+        return sum(n * n * k for n, k in self.attention_runs(grid))
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping, source: str = "config") -> VisionDims:
+        """A vision-language config's `vision_config` (or a vision config itself: it has `depth`),
+        read without importing transformers. A tower without `window_size` (Qwen2-VL's, Qwen3-VL's,
+        Qwen3.5's) attends each frame in every block and has a two-matrix MLP; Qwen2-VL's gives
+        its width as `embed_dim` and its MLP as `mlp_ratio` (its `hidden_size` is the merger's
+        output). Qwen3-VL's DeepStack mergers are not priced (an estimate)."""
+        if not isinstance(cfg, Mapping):
+            raise ConfigError(f"{source}: expected a transformers config (a JSON object), got {type(cfg).__name__}")
+        vc = cfg.get("vision_config", cfg) if "depth" not in cfg else cfg
+        if not isinstance(vc, Mapping) or "depth" not in vc:
+            raise ConfigError(
+                f"{source}: no vision tower dimensions (a 'vision_config' with 'depth', 'hidden_size', ...); give a "
+                "vision-language model's config.json, e.g. Qwen2.5-VL's"
+            )
+
+        def whole(key: str, default=None) -> int:
+            v = vc.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{source}: vision_config field {key!r} must be a whole number, got {brief(v)}")
+            return v
+
+        windowed = vc.get("window_size") is not None
+        qwen2_vl = "embed_dim" in vc  # width embed_dim, MLP embed_dim x mlp_ratio, hidden_size the output
+        width = whole("embed_dim") if qwen2_vl else whole("hidden_size")
+        ratio = vc.get("mlp_ratio", 4)
+        if qwen2_vl and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0):
+            raise ConfigError(
+                f"{source}: vision_config field 'mlp_ratio' must be a positive number, got {brief(ratio)}"
+            )
+        intermediate = int(width * ratio) if qwen2_vl else whole("intermediate_size")
+        # a tower without windows (Qwen3-VL's, Qwen3.5's) attends each frame in every block
+        full = vc.get("fullatt_block_indexes", []) if windowed else list(range(whole("depth")))
+        if not isinstance(full, (list, tuple)):
+            raise ConfigError(
+                f"{source}: vision_config field 'fullatt_block_indexes' must be a list, got {brief(full)}"
+            )
         try:
-            cfg = load_json(p.read_text())
-        except (OSError, ValueError) as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
-            raise ConfigError(f"model config {p}: {e}") from None
-        return cls.from_hf_config(cfg, source=str(p))
+            return cls(
+                depth=whole("depth"),
+                hidden=width,
+                intermediate=intermediate,
+                num_heads=whole("num_heads"),
+                patch_size=whole("patch_size"),
+                spatial_merge_size=whole("spatial_merge_size", 2),
+                temporal_patch_size=whole("temporal_patch_size", 2),
+                window_size=whole("window_size") if windowed else whole("patch_size") * whole("spatial_merge_size", 2),
+                out_hidden=whole("out_hidden_size", whole("hidden_size")) if not qwen2_vl else whole("hidden_size"),
+                fullatt_block_indexes=tuple(full),
+                in_channels=whole("in_channels", whole("in_chans", 3)),
+                gated_mlp=windowed,
+            )
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(f"{source}:") else f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, name_or_path: Union[str, Path]) -> VisionDims:
+        """From a config.json path, a folder holding one, or a model name (as ModelDims.load)."""
+        return cls.from_hf_config(*_config_file(name_or_path))
+
+
+def vision_dims_in(name_or_path: Union[str, Path]) -> Optional[VisionDims]:
+    """The vision tower of the config at `name_or_path` (as ModelDims.load finds it); None when
+    that config has no vision_config (a text-only model)."""
+    cfg, source = _config_file(name_or_path)
+    return VisionDims.from_hf_config(cfg, source=source) if has_vision_tower(cfg) else None
+
+
+def has_vision_tower(cfg: Mapping) -> bool:
+    """Whether a transformers config describes a vision tower (a `vision_config` with `depth`)."""
+    vc = cfg.get("vision_config") if isinstance(cfg, Mapping) else None
+    return isinstance(vc, Mapping) and "depth" in vc
+
+
+def _window_sides(cells: int, side: int) -> List[Tuple[int, int]]:
+    """(cells, how many) of the window sides cutting `cells` merged cells into runs of `side`."""
+    out = [(side, cells // side)] if cells >= side else []
+    if cells % side:
+        out.append((cells % side, 1))
+    return out
+
+
+def _config_file(name_or_path: Union[str, Path]) -> Tuple[dict, str]:
+    """(the config dict, its path) of a config.json path, a folder holding one, or a model name."""
+    p = resolve_config(name_or_path, "models", (".json",))
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model config {p}: a directory without a config.json; expected a config.json file")
+        p = p / "config.json"
+    try:
+        return load_json(p.read_text()), str(p)
+    except (OSError, ValueError) as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
+        raise ConfigError(f"model config {p}: {e}") from None

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
 from hf_cp.cost.config_files import ConfigError
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ATTENTION_FWD_BWD, MATMUL_FWD_BWD, GridTHW, ModelDims, VisionDims
 from hf_cp.modes.segments import masked_doc_pairs
 from hf_cp.samples.masks import SampleMask
 
@@ -111,6 +111,15 @@ class ModelFlops:
         tokens = sum(lengths)
         pairs = sum(masked_doc_pairs(n, m) for n, m in zip(lengths, masks))
         return tokens * self.matmul_per_token + pairs * self.attention_per_pair
+
+
+def vision_item_flops(vision: VisionDims, grid: GridTHW) -> Tuple[float, float]:
+    """(matmul, attention) FLOPs of one forward and backward pass of the vision tower over one
+    image or clip of patch grid `grid` (t, h, w): its patches through every block, the patch
+    embedding and the merger, and its windows' and frames' attended pairs (VisionDims)."""
+    t, h, w = grid
+    matmul = MATMUL_FWD_BWD * vision.forward_flops_per_patch * (t * h * w)
+    return matmul, ATTENTION_FWD_BWD * vision.forward_flops_per_pair * vision.attention_pairs(grid)
 
 
 def achieved_tflops(flops: float, seconds: float, gpus: int = 1) -> float:

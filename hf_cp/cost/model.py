@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Union
 
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ATTENTION_FWD_BWD, GridTHW, ModelDims, VisionDims
 from hf_cp.cost.execution import StepExecution
+from hf_cp.cost.flops import vision_item_flops
 from hf_cp.cost.hardware import HardwareProfile, Link, transfer_ms
 from hf_cp.modes.registry import mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, doc_pairs, masked_doc_pairs, masked_segment_pairs, segment_tokens
@@ -62,11 +63,23 @@ class CostModel:
     predicts the step's wall time (dummy micro-batches, gradient reductions, the step's fixed
     cost), without it the plan's compute alone."""
 
-    def __init__(self, dims: ModelDims, profile: HardwareProfile, execution: Optional[StepExecution] = None):
+    def __init__(
+        self,
+        dims: ModelDims,
+        profile: HardwareProfile,
+        execution: Optional[StepExecution] = None,
+        vision: Optional[VisionDims] = None,
+    ):
         self.dims = dims
         self.profile = profile
         self.execution = execution
+        self.vision = vision  # the vision tower of a vision-language model (None: text only)
+        self._vision_item_ms: dict = {}  # grid -> vision_item_ms (a step repeats a few resolutions)
         fd = profile.fitted_dims
+        # the profile's rates per FLOP (fitted on its own dimensions): what the vision tower's
+        # matmuls and attention run at, so that a refitted profile moves both alike
+        self.ms_per_matmul_flop = profile.c1_ms_per_token / fd.linear_flops_per_token
+        self.ms_per_attention_flop = profile.c2_ms_per_pair / fd.attention_flops_per_pair
         # Per layer, scaled from the fitted dimensions by FLOP ratios.
         self.c1 = profile.c1_ms_per_token * dims.linear_flops_per_token / fd.linear_flops_per_token
         self.c2 = profile.c2_ms_per_pair * dims.attention_flops_per_pair / fd.attention_flops_per_pair
@@ -81,6 +94,10 @@ class CostModel:
     @classmethod
     def load(cls, model: Union[str, Path], profile: Union[str, Path]) -> CostModel:
         return cls(ModelDims.load(model), HardwareProfile.load(profile))
+
+    def with_profile(self, profile: HardwareProfile) -> CostModel:
+        """The same model and execution (and vision tower) on another profile (a refit)."""
+        return CostModel(self.dims, profile, self.execution, self.vision)
 
     # ---- kernel efficiency terms
     def chunk_efficiency(self, q_len: int) -> float:
@@ -141,9 +158,45 @@ class CostModel:
     def sample_local_ms(self, length: int) -> float:
         return self.local_ms([length])
 
+    # ---- the vision tower: each image or clip encoded once, on one rank (plan/vision_encoders.py)
+    def vision_dims(self) -> VisionDims:
+        if self.vision is None:
+            raise ValueError(
+                "samples with images or clips need the vision tower's dimensions: give a vision-language model's "
+                "config (its vision_config), e.g. --vision-model CONFIG.json for hf-cp plan"
+            )
+        return self.vision
+
+    def vision_item_ms(self, grid: GridTHW) -> float:
+        """Forward and backward time of the vision tower over one image or clip of patch grid
+        `grid` (t, h, w): its matmuls at the profile's matmul rate, its attention window by window
+        and frame by frame at the attention rate and the kernel efficiency of that length."""
+        grid = tuple(int(x) for x in grid)
+        ms = self._vision_item_ms.get(grid)
+        if ms is None:
+            v = self.vision_dims()
+            matmul, _ = vision_item_flops(v, grid)
+            per_pair = ATTENTION_FWD_BWD * v.forward_flops_per_pair * self.ms_per_attention_flop
+            attention = sum(k * n * n * per_pair / self.chunk_efficiency(n) for n, k in v.attention_runs(grid))
+            ms = self._vision_item_ms[grid] = matmul * self.ms_per_matmul_flop + attention
+        return ms
+
+    def vision_ms(self, grids: Sequence[GridTHW]) -> float:
+        """The vision tower's time over items of patch grids `grids`, encoded on one rank."""
+        return sum(self.vision_item_ms(tuple(g)) for g in grids)
+
+    def vision_bytes_per_patch(self) -> float:
+        """Activation bytes the tower keeps per patch for backward: the LLM's per token and layer
+        width (activation_bytes_per_token over layers x hidden), scaled to the tower's depth and
+        width. An estimate: it has not been measured on a tower."""
+        v, d = self.vision_dims(), self.dims
+        return self.profile.activation_bytes_per_token * (v.depth * v.hidden) / (d.num_layers * d.hidden)
+
     # ---- memory
-    def memory_bytes(self, tokens: int) -> float:
-        return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes
+    def memory_bytes(self, tokens: int, patches: int = 0) -> float:
+        """A rank's peak bytes holding `tokens` LLM tokens and encoding `patches` vision patches."""
+        vision = self.vision_bytes_per_patch() * patches if patches else 0.0
+        return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes + vision
 
     def check_ulysses(self, group_size: int) -> None:
         mode_spec(ShardMode.ULYSSES).check_group(self.dims, group_size)

@@ -23,7 +23,7 @@ With a cluster, the result carries the plan's lower bounds (cost/bounds.py).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -32,6 +32,7 @@ from hf_cp.cost.blocks import block_group_costs, block_group_messages
 from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms, samples_local_ms
 from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.cost.sharded import ShardedPasses
+from hf_cp.cost.vision import VisionGrids, group_vision, step_vision
 from hf_cp.modes.registry import mode_spec
 from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
@@ -148,10 +149,27 @@ IDLE_MEMBER = RankCost(compute_ms=0.0, comm_ms=0.0, comm_bytes=0, tokens=0)
 
 
 def group_costs(
-    plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None
+    plan_lens: Dict[int, int],
+    group: Group,
+    cost: CostModel,
+    masks: Optional[Dict] = None,
+    vision: Optional[VisionGrids] = None,
 ) -> List[RankCost]:
     """Per member: the RankCost (compute_ms, comm_ms, comm_bytes, tokens) of one group's
-    micro-batch; `masks` (sample id -> SampleMask) prices masked samples by their masked area."""
+    micro-batch; `masks` (sample id -> SampleMask) prices masked samples by their masked area;
+    `vision` (sample id -> patch grids) adds each member's vision tower work (cost/vision.py)."""
+    costs = _text_group_costs(plan_lens, group, cost, masks)
+    if not vision:
+        return costs
+    return [
+        replace(c, compute_ms=c.compute_ms + v.ms) if v.ms else c
+        for c, v in zip(costs, group_vision(group, vision, cost))
+    ]
+
+
+def _text_group_costs(
+    plan_lens: Dict[int, int], group: Group, cost: CostModel, masks: Optional[Dict] = None
+) -> List[RankCost]:
     masks = masks or {}
     dist = [plan_lens[s] for s in group.distributed]
     dist_masks = [masks.get(s) for s in group.distributed] if masks else None
@@ -189,9 +207,10 @@ def group_messages(plan_lens: Dict[int, int], group: Group, cost: CostModel, mas
     return L * mode_spec(group.mode).comm_messages(group.size)
 
 
-def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel):
+def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel, vision: Optional[VisionGrids] = None):
     """(compute_ms, activation tokens, peak bytes) of a one-rank group of chunked samples: their
-    times add up; memory is the largest sample's (one runs at a time, its store freed after)."""
+    times add up; memory is the largest sample's (one runs at a time, its store freed after).
+    `vision`: its samples' items are encoded on the rank too (their time and activations added)."""
     ms, tokens, peak = 0.0, 0, 0.0
     for cs in group.chunked.values():
         for c in cs:
@@ -199,6 +218,10 @@ def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel)
             ms += cc.compute_ms
             tokens = max(tokens, cc.activation_tokens)
             peak = max(peak, cost.memory_bytes(cc.activation_tokens) + cc.state_bytes)
+    if vision:
+        v = group_vision(group, vision, cost)[0]
+        if v.patches:
+            ms, peak = ms + v.ms, peak + cost.vision_bytes_per_patch() * v.patches
     return ms, tokens, peak
 
 
@@ -258,7 +281,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
         slowest_compute = 0.0
         for g in wave.groups:
             if any(g.chunked.values()):  # plan.validate: one rank running only chunked samples
-                ms, tk, mem = chunked_group_cost(lens, g, cost)
+                ms, tk, mem = chunked_group_cost(lens, g, cost, plan.vision)
                 r = g.ranks[0]
                 if sharded is not None:
                     own_ms[r] = sharded.chunked_ms(g, r)
@@ -276,9 +299,11 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 cp_samples[1] += sum(len(cs) for cs in g.chunked.values())
                 cp_tokens[1] += sum(lens[c.sample] for cs in g.chunked.values() for c in cs)
                 continue
-            costs = group_costs(lens, g, cost, plan.masks)
+            costs = group_costs(lens, g, cost, plan.masks, plan.vision)
             if all(c.tokens == 0 for c in costs):
                 continue  # an empty group issues nothing
+            # the encoding members hold their items' activations beside their tokens'
+            encoded = [v.patches for v in group_vision(g, plan.vision, cost)] if plan.vision else [0] * g.size
             start = max(clock[r] for r in g.ranks)
             # members with no tokens still join the group's collectives when it has distributed work
             active = [bool(c.tokens) or bool(g.distributed) for c in costs]
@@ -295,7 +320,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 comm_bytes += cb
                 mem = held[m] if held is not None else tk
                 peak_tokens[r] = max(peak_tokens[r], mem)
-                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(mem))
+                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(mem, encoded[m]))
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)
@@ -364,9 +389,10 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
     if cluster is not None:
         masks = [plan.masks.get(sid) for sid in plan.sample_ids] if plan.masks else None
         local = samples_local_ms(np.asarray(plan.lengths, dtype=np.int64), cost, masks)
+        vision = step_vision(plan.sample_ids, plan.vision, cost)
         bounds = {
-            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local),
-            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks),
+            "lower_bound_ms": lower_bound_ms(plan.lengths, cluster, cost, masks, local_ms=local, vision=vision),
+            "charged_bound_ms": charged_lower_bound_ms(plan.lengths, cluster, cost, local, masks=masks, vision=vision),
         }
     return SimResult(
         world_size=W,

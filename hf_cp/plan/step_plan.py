@@ -33,6 +33,7 @@ from hf_cp.plan.passes import MICRO_BATCH_PASSES, chunked_passes, merge_passes
 from hf_cp.plan.sorting import stable_order
 from hf_cp.readers import load_json
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
+from hf_cp.samples.vision_grids import SampleGrids, VisionGridError, parse_grids
 
 FORMAT = "hf_cp.step_plan/1"
 
@@ -205,6 +206,8 @@ class StepPlan:
     step: int = 0
     balancer: str = ""
     masks: Dict[int, SampleMask] = field(default_factory=dict)  # sample id -> mask; absent: causal
+    # sample id -> the patch grids (t, h, w) of its images and clips; absent: text only
+    vision: Dict[int, SampleGrids] = field(default_factory=dict)
     # What the step record should carry about how the plan was made, e.g. a solver that passed
     # its deadline and the greedy plan taken instead. Serialised only when not empty.
     notes: List[str] = field(default_factory=list)
@@ -357,6 +360,8 @@ class StepPlan:
         }
         if self.masks:  # absent when every sample is causal: such plans serialise as before
             d["masks"] = {str(s): m.to_dict() for s, m in sorted(self.masks.items())}
+        if self.vision:  # absent for text-only steps: such plans serialise as before
+            d["vision"] = {str(s): [list(g) for g in gs] for s, gs in sorted(self.vision.items())}
         return d
 
     def to_json(self) -> str:
@@ -396,9 +401,13 @@ class StepPlan:
                 notes=list(notes),
             )
             plan.masks = masks_from_json(masks, plan.length_of())
+            vision = d.get("vision", {})
+            if not isinstance(vision, Mapping):
+                raise ValueError(f"vision must map sample ids to patch grids, got {vision!r:.60}")
+            plan.vision = {int(s): parse_grids(g, f"sample {s}") for s, g in vision.items() if g}
         except KeyError as e:
             raise PlanError(f"{source}: missing field {e.args[0]!r}") from None
-        except (MaskError, BlockLayoutError) as e:
+        except (MaskError, BlockLayoutError, VisionGridError) as e:
             raise PlanError(f"{source}: {e}") from None
         except (TypeError, ValueError, IndexError, AttributeError) as e:
             raise PlanError(f"{source}: malformed plan: {e}") from None
@@ -478,6 +487,11 @@ class StepPlan:
         # invariant is named exactly as before.
         each_once = bulk is not None and bulk.each_once
         lens = self.length_of() if not each_once or self.masks else None
+        if self.vision:
+            stepped = set(self.sample_ids)
+            stray = sorted(s for s in self.vision if s not in stepped)
+            if stray:
+                raise PlanError(f"{where}: vision grids are given for sample {stray[0]}, which is not in the step")
         for s, m in sorted(self.masks.items()):
             if s not in lens:
                 raise PlanError(f"{where}: a mask is given for sample {s}, which is not in the step")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from hf_cp.balance.registry import available_balancers, get_balancer
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ModelDims, VisionDims
 from hf_cp.cost.execution import (
     MEMORY_ENGINES,
     engine_model_states,
@@ -31,6 +31,7 @@ from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.planning.sampler import GlobalBatchSampler
 from hf_cp.readers import load_json
+from hf_cp.samples.vision_grids import SampleGrids
 
 
 @dataclass
@@ -203,6 +204,9 @@ class PlanningSetup:
     cluster: ClusterSpec
     sampler: Optional[GlobalBatchSampler]  # None: every step's batch is given (GRPO's rollouts)
     cap_note: Optional[str] = None  # what max_tokens_per_rank "auto" chose and why (None: a number was given)
+    # sample id -> the patch grids of its images and clips (a vision-language dataset); the
+    # planner prices their encoder work (cost/vision.py). Absent: text only
+    vision: Dict[int, SampleGrids] = field(default_factory=dict)
 
     def balancer(self):
         """The configured balancer, built with its options."""
@@ -223,6 +227,7 @@ def planning_setup(
     num_epochs: float = 1.0,
     max_steps: Optional[int] = None,
     sampler: Optional[Callable[[int, int, Optional[int]], Any]] = None,
+    vision: Optional[VisionDims] = None,
 ) -> PlanningSetup:
     """The cost model, cluster and sampler of a run of `world_size` ranks over `lengths`.
 
@@ -231,7 +236,8 @@ def planning_setup(
     run's sampler from (tokens per step, seed, max_steps) instead of a GlobalBatchSampler over
     `lengths` (a streaming dataset's: stream_sampler.StreamBatchSampler). `lengths` None: no
     sampler, every step's batch is given to the planner (a trainer that makes its batches as it
-    trains, GRPO from its rollouts).
+    trains, GRPO from its rollouts). `vision`: the vision tower's dimensions, for samples with
+    images or clips (None: a text-only run).
     """
     if settings.model_dims:
         dims = ModelDims.load(settings.model_dims)
@@ -281,7 +287,7 @@ def planning_setup(
             max_steps=steps,
             shuffle=settings.shuffle,
         )
-    cost = CostModel(dims, profile, execution_named(settings.execution))
+    cost = CostModel(dims, profile, execution_named(settings.execution), vision)
     return PlanningSetup(settings, cost, cluster, batches, cap_note)
 
 

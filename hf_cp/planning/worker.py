@@ -46,6 +46,7 @@ from hf_cp.planning.sampler import GlobalBatch, GlobalBatchSampler
 from hf_cp.planning.setup import PlanningSetup
 from hf_cp.planning.stream_sampler import StreamEnded
 from hf_cp.samples.masks import SampleMask
+from hf_cp.samples.vision_grids import SampleGrids
 
 
 @dataclass
@@ -117,9 +118,11 @@ class Planner:
         workers: int = 1,
         balancer_name: Optional[str] = None,
         masks: Optional[Mapping[int, SampleMask]] = None,
+        vision: Optional[Mapping[int, SampleGrids]] = None,
     ):
         self.sampler = sampler
         self.masks = dict(masks or {})  # sample id -> non-causal mask; the others are causal
+        self.vision = dict(vision or {})  # sample id -> its images' and clips' patch grids; the others text only
         # a registered name, or a balancer object (anything with .plan(PlanRequest) -> StepPlan)
         self.balancer = get_balancer(balancer) if isinstance(balancer, str) else balancer
         self.balancer_name = balancer_name or (
@@ -254,7 +257,7 @@ class Planner:
 
     def _cost_of_version(self, version: int, profile) -> CostModel:
         if version not in self._version_costs:
-            self._version_costs[version] = CostModel(self.cost.dims, profile, self.cost.execution)
+            self._version_costs[version] = self.cost.with_profile(profile)
         return self._version_costs[version]
 
     def request(
@@ -263,6 +266,7 @@ class Planner:
         """`masks`: the batch's masks (a stream's, read with it); default: from the planner's."""
         if masks is None and self.masks:
             masks = {s: self.masks[s] for s in batch.sample_ids if s in self.masks}
+        vision = {s: self.vision[s] for s in batch.sample_ids if s in self.vision} if self.vision else None
         return PlanRequest(
             sample_ids=batch.sample_ids,
             lengths=batch.lengths,
@@ -273,6 +277,7 @@ class Planner:
             dataset_max_length=self.dataset_max_length,
             max_sample_tokens=self.max_sample_tokens,
             masks=masks,
+            vision=vision,
         )
 
     def plan_now(
@@ -326,8 +331,9 @@ class Planner:
     def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
         """A planner for a PlanningSetup: its balancer (with its options) unless `balancer` (an
         object with .plan(PlanRequest)) replaces it, and its comparison balancer. kwargs:
-        lookahead, in_subprocess, workers."""
+        lookahead, in_subprocess, workers, masks, vision (default: the setup's grids)."""
         s = setup.settings
+        kwargs.setdefault("vision", setup.vision)
         return cls(
             setup.sampler,
             balancer if balancer is not None else setup.balancer(),

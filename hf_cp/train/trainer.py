@@ -58,6 +58,7 @@ from hf_cp.train.setup.sharding import (
 from hf_cp.train.setup.trainer_setup import (
     check_training_data,
     deepspeed_arch_env,
+    planning_vision_grids,
     skip_deepspeed_shm_build,
     start_warnings,
     trainer_planning_setup,
@@ -146,7 +147,9 @@ class CPTrainer(FSDP2Trainer, Trainer):
             shared_prompts=self.cp_shared_prompt_samples,
         )
         # the run's PlanningSettings, built once: cp_setup.settings from here on
-        setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world)
+        # the samples' image and clip grids: the planner prices their encoder work (cost/vision.py)
+        vision_grids = planning_vision_grids(self.train_dataset, self.cp_vision)
+        setup = self.cp_setup = trainer_planning_setup(args, self.model, self.cp_data, self.cp_world, vision_grids)
         check_zero3_chunk_keep(self.cp_sharding, setup.settings.balancer, setup.settings.balancer_kwargs())
         check_recurrent_layers_fit(
             self.model,

@@ -46,6 +46,7 @@ import numpy as np
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.options import BalancerOptionError, BalancerOptions, option
 from hf_cp.balance.registry import register_balancer
+from hf_cp.balance.toolkit.bounds import request_distributed_vision_ms, request_sample_ms
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.balance.toolkit.cp_candidates import (
     Candidate,
@@ -138,7 +139,7 @@ class DynamicCPBalancer:
         aligned = is_power_of_two(cl.world_size)
         on_any_size = self.needs_any_size_groups or not aligned
         lengths = req.length_array
-        local_ms = memo.step_local_ms(req.lengths, req.length_array)
+        local_ms = request_sample_ms(req, memo)  # text and vision work, single-rank
         quota = float(local_ms.sum()) / cl.world_size
         candidates: List[Candidate] = []
         if aligned:
@@ -270,6 +271,9 @@ class AnySizeCandidate(Candidate):
         chooser = GroupChooser(req.cluster)
         dist = np.nonzero(sizes > 1)[0]
         times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
+        vision = request_distributed_vision_ms(req, sizes)
+        if vision is not None and len(dist):
+            times = times + vision[dist]
         self.scheduled: List[Tuple[int, int, int]] = []  # (sample index, first rank, size), in run order
         # largest groups first (they need the most ranks free at once), heaviest per rank first
         # within a size; ties keep the sample order

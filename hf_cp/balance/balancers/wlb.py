@@ -47,12 +47,13 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.options import BalancerOptionError, BalancerOptions, option
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.assign import descending_order, group_indices, split_exact_tail, water_fill
-from hf_cp.balance.toolkit.bounds import BoundCache
+from hf_cp.balance.toolkit.bounds import BoundCache, request_sample_ms
 from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
 from hf_cp.balance.toolkit.packing import even_cap
 from hf_cp.balance.toolkit.ring_layout import ring_mode_and_ms
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
+from hf_cp.cost.vision import group_vision
 from hf_cp.plan.step_plan import Group, StepPlan
 
 
@@ -227,7 +228,7 @@ class WlbBalancer:
         # (a document longer than that, possible with an odd cap, is an outlier: alone in its micro-batch)
         memo = cost_memo(req.cost)
         ids, lens = req.id_array, req.length_array
-        work = memo.local_ms_array(lens)
+        work = request_sample_ms(req, memo)  # text and vision work, single-rank
         outliers = np.nonzero(lens >= self.outlier_fraction * window)[0].tolist()  # FIFO: data order
         # as few rounds of micro-batches as memory allows, at `fill` of it: a greedy cannot
         # pack every micro-batch to the last token, and a failed try costs a whole pass
@@ -255,5 +256,7 @@ class WlbBalancer:
                     req.cost, lens[items].tolist(), ranks, cap, memo=memo, estimate=estimate, all_members=every
                 )
                 groups.append(Group(ranks=ranks, distributed=mb_ids, mode=mode))
+                if req.vision:  # the micro-batch waits for its busiest vision encoder
+                    ms += max(v.ms for v in group_vision(groups[-1], req.vision, req.cost))
             replica_ms[b // rounds] += ms + memo.overhead_ms
         return float(replica_ms.max()), groups

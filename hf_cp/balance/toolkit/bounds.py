@@ -41,6 +41,7 @@ from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.balance.toolkit.placement import masks_of
 from hf_cp.cost.bounds import charged_lower_bound_ms
 from hf_cp.cost.hardware import transfer_ms
+from hf_cp.cost.vision import distributed_vision_ms, samples_vision_ms, step_vision
 
 if TYPE_CHECKING:
     from hf_cp.balance.base import PlanRequest
@@ -59,6 +60,31 @@ def request_local_ms(req: PlanRequest, memo: Optional[CostMemo] = None) -> np.nd
         if mask is not None:
             local[i] = req.cost.local_ms([n], [mask])
     return local
+
+
+def request_sample_ms(req: PlanRequest, memo: Optional[CostMemo] = None) -> np.ndarray:
+    """Every sample's single-rank work as a balancer places it: request_local_ms plus its
+    images' and clips' vision tower time (cost/vision.py), which runs where the sample runs
+    (spread over its group's members when it is distributed). The memo's shared array when
+    the step has no vision work (do not modify it)."""
+    local = request_local_ms(req, memo)
+    if not req.vision:
+        return local
+    return local + samples_vision_ms(req.sample_ids, req.vision, req.cost)
+
+
+def request_distributed_vision_ms(req: PlanRequest, sizes: np.ndarray) -> Optional[np.ndarray]:
+    """Per sample of the request, the vision time every member of its group waits for when it
+    runs distributed on `sizes[i]` ranks (cost/vision.distributed_vision_ms; 0 when local or
+    text only). None when the step has no vision work."""
+    if not req.vision:
+        return None
+    out = np.zeros(len(req.sample_ids), dtype=np.float64)
+    for i, s in enumerate(req.sample_ids):
+        g = int(sizes[i])
+        if g > 1 and s in req.vision:
+            out[i] = distributed_vision_ms(req.vision[s], g, req.cost)
+    return out
 
 
 @dataclass(frozen=True)
@@ -174,6 +200,7 @@ class BoundCache:
                 local_ms=self.local_ms,
                 alone_ms=memo.doc_on_group_ms,
                 masks=masks_of(self.req.sample_ids, self.req.masks) if self.req.masks else None,
+                vision=step_vision(self.req.sample_ids, self.req.vision, self.req.cost),
             )
         return self._charged
 

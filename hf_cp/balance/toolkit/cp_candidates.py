@@ -16,6 +16,7 @@ import numpy as np
 
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.toolkit.assign import improve_max_load, lpt_assign
+from hf_cp.balance.toolkit.bounds import request_distributed_vision_ms
 from hf_cp.balance.toolkit.costs import CostMemo
 from hf_cp.balance.toolkit.packing import first_fit_sorted_runs
 from hf_cp.balance.toolkit.pricing import pricer_for
@@ -78,13 +79,22 @@ def balance_sizes(
 
 
 def place_distributed(
-    memo: CostMemo, lengths: np.ndarray, sizes: np.ndarray, world: int, loads: np.ndarray
+    memo: CostMemo,
+    lengths: np.ndarray,
+    sizes: np.ndarray,
+    world: int,
+    loads: np.ndarray,
+    extra_ms: Optional[np.ndarray] = None,
 ) -> Dict[Tuple[int, int], List[int]]:
     """LPT over aligned blocks: heaviest distributed sample first, onto the block of its size
     whose busiest member is least loaded. Returns (block size, block index) -> sample indices
-    and updates `loads` in place."""
+    and updates `loads` in place. `extra_ms` (aligned with the lengths): time a distributed
+    sample adds to every member beyond its text (its vision encoders',
+    bounds.request_distributed_vision_ms)."""
     dist = np.nonzero(sizes > 1)[0]
     times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
+    if extra_ms is not None and len(dist):
+        times = times + extra_ms[dist]
     placed: Dict[Tuple[int, int], List[int]] = {}
     if not len(dist):
         return placed
@@ -286,7 +296,8 @@ class Candidate:
     def __init__(self, req: PlanRequest, memo: CostMemo, lengths: np.ndarray, local_ms: np.ndarray, sizes: np.ndarray):
         world = req.cluster.world_size
         self.loads = np.zeros(world, dtype=np.float64)
-        self.placed = place_distributed(memo, lengths, sizes, world, self.loads)
+        vision = request_distributed_vision_ms(req, sizes)
+        self.placed = place_distributed(memo, lengths, sizes, world, self.loads, vision)
         self.local_idx = np.flatnonzero(sizes == 1)
         self.local_rank_of, self.loads = fill_ranks(
             local_ms[self.local_idx], self.loads, lengths=lengths[self.local_idx]

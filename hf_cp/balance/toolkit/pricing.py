@@ -14,7 +14,8 @@ sums are taken in another order) from vectorised pieces:
   are the cuts of the document bounds by the 2g chunk bounds, found with numpy in
   O(documents + g) (the modes whose spec's ring_split says so: ring_per_doc, ring_zigzag and
   registered copies of them); every other mode (Ulysses, blocks: no built-in balancer plans
-  them) and every plan with masked samples go through the cost model (simulate.group_costs);
+  them) and every plan with masked samples go through the cost model (simulate.group_costs); vision
+  work is added per slot (a local list's items on its rank) and per distributed group (cost/vision.py);
 * the timing loop runs once per group, size-1 groups without arithmetic on arrays;
 * with an execution the wall clock follows simulate's rule (_WallClock): dummies, barriers and
   reductions under ZeRO-2 and DDP; under FSDP2 and ZeRO-3 (parameters sharded) every wave
@@ -37,6 +38,7 @@ from hf_cp.cost.hardware import transfer_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.sharded import ShardedPasses
 from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
+from hf_cp.cost.vision import group_vision, samples_vision_ms
 from hf_cp.modes import ring
 from hf_cp.modes.registry import mode_spec
 from hf_cp.plan.step_plan import Group, StepPlan
@@ -193,7 +195,14 @@ class PlanPricer:
             labels = np.asarray(slot_of, dtype=np.int64)
             slot_ms = np.bincount(labels, weights=local_ms[pos], minlength=len(slots))
             slot_tok = np.bincount(labels, weights=lens[pos], minlength=len(slots)).astype(np.int64)
+        # a local list's images and clips are encoded on its rank (cost/vision.py); in a group with
+        # distributed samples group_vision splits the group's items over its members instead
+        slot_vision = np.zeros(len(slots))
+        if plan.vision and flat:
+            vision_ms = samples_vision_ms(plan.sample_ids, plan.vision, self.cost)
+            slot_vision = np.bincount(labels, weights=vision_ms[pos], minlength=len(slots))
         slot_ms_l, slot_tok_l = slot_ms.tolist(), slot_tok.tolist()
+        slot_local_l = (slot_ms + slot_vision).tolist()  # a local-only group's member: text and vision
         group_slots: Dict[int, List[Tuple[int, int]]] = {}
         for s, (k, m) in enumerate(slots):
             group_slots.setdefault(k, []).append((m, s))
@@ -213,18 +222,18 @@ class PlanPricer:
                     continue  # an empty group issues nothing
                 if g.size == 1:
                     r = g.ranks[0]
-                    clock[r] = clock[r] + slot_ms_l[mine[0][1]] + overhead
+                    clock[r] = clock[r] + slot_local_l[mine[0][1]] + overhead
                     if wall is not None:
-                        wall.worked(r, slot_ms_l[mine[0][1]], slot_ms_l[mine[0][1]] + overhead)
+                        wall.worked(r, slot_local_l[mine[0][1]], slot_local_l[mine[0][1]] + overhead)
                     continue
                 start = max(clock[r] for r in g.ranks)
-                dur = max(slot_ms_l[s] for _, s in mine if slot_tok_l[s]) if mine else 0.0
+                dur = max(slot_local_l[s] for _, s in mine if slot_tok_l[s]) if mine else 0.0
                 end = start + dur + overhead
                 for m, s in mine:
                     if slot_tok_l[s]:
                         clock[g.ranks[m]] = end
                         if wall is not None:
-                            wall.worked(g.ranks[m], slot_ms_l[s], dur + overhead)
+                            wall.worked(g.ranks[m], slot_local_l[s], dur + overhead)
                 continue
             if length_of is None:
                 length_of = dict(zip(plan.sample_ids, plan.lengths))
@@ -236,8 +245,11 @@ class PlanPricer:
                 for m, s in mine:
                     member[m] += slot_ms_l[s]
                     member_compute[m] += slot_ms_l[s]
+                if plan.vision:
+                    encoders = np.asarray([v.ms for v in group_vision(g, plan.vision, self.cost)])
+                    member, member_compute = member + encoders, member_compute + encoders
             else:  # every other mode (Ulysses, blocks), and local documents scaled in a group: the cost model
-                costs = group_costs(length_of, g, self.cost)
+                costs = group_costs(length_of, g, self.cost, vision=plan.vision)
                 member = np.asarray([c.total_ms for c in costs])
                 member_compute = np.asarray([c.compute_ms for c in costs])
             start = max(clock[r] for r in g.ranks)
@@ -252,7 +264,7 @@ class PlanPricer:
         return np.asarray(clock)
 
     def _finish_by_cost_model(self, plan: StepPlan) -> np.ndarray:
-        """rank_finish_ms by simulate.group_costs for every group (plans with masked or chunked samples)."""
+        """rank_finish_ms by simulate.group_costs for every group (plans with masked, chunked or vision samples)."""
         lens = plan.length_of()
         clock = [0.0] * plan.world_size
         overhead = self.overhead_ms
@@ -262,12 +274,12 @@ class PlanPricer:
                 wall.enter_wave(w, clock)
             for g in wave.groups:
                 if any(g.chunked.values()):  # one rank running dependent chunks: as simulate.simulate
-                    ms = chunked_group_cost(lens, g, self.cost)[0]
+                    ms = chunked_group_cost(lens, g, self.cost, plan.vision)[0]
                     clock[g.ranks[0]] += ms
                     if wall is not None:
                         wall.worked_chunked(lens, g, ms)
                     continue
-                costs = group_costs(lens, g, self.cost, plan.masks)
+                costs = group_costs(lens, g, self.cost, plan.masks, plan.vision)
                 if all(c.tokens == 0 for c in costs):
                     continue
                 dur = max(c.total_ms for c in costs) + overhead

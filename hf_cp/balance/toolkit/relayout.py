@@ -190,6 +190,7 @@ def relayout(plan: StepPlan, req: PlanRequest, options: Optional[LayoutOptions] 
         step=plan.step,
         balancer=plan.balancer,
         masks={s: m for s, m in masks.items() if s in lens},
+        vision=dict(plan.vision),
     )
     for wave in plan.waves:
         groups: List[Group] = []

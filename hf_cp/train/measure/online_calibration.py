@@ -111,7 +111,7 @@ class OnlineCalibration:
             return
         cal = self.calibrator
         base = self.cost
-        cost = CostModel(base.dims, cal.profile(coefficients), base.execution)
+        cost = base.with_profile(cal.profile(coefficients))
         first = index + self.lookahead + 1
         if first >= self.num_steps:
             return  # no step left to plan with it

@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import replace
-from typing import List, Mapping, MutableMapping, Optional, Sequence, Union
+from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Union
 
 import torch
 
+from hf_cp.cost.dims import VisionDims, has_vision_tower
 from hf_cp.planning.profile_check import available_cores, profile_warning, shared_cores_warning
 from hf_cp.planning.setup import AUTO_CAP, PlanningSetup, planning_setup
+from hf_cp.samples.plan_inputs import GRID_COLUMNS, grid_columns_vision
+from hf_cp.samples.vision_grids import SampleGrids
 from hf_cp.train.checks.setup import check_attention, deepspeed_arch_list
 from hf_cp.train.data.columns import TokenColumns
 from hf_cp.train.data.streaming import StreamColumns
@@ -59,13 +62,30 @@ def device_memory_gb(device: torch.device, processes: Optional[int] = None) -> f
     return host / 1e9 / max(1, processes)
 
 
+def planning_vision_grids(dataset, tower) -> Dict[int, SampleGrids]:
+    """sample id -> the patch grids of its images and clips, read from a vision dataset's
+    image_grid_thw / video_grid_thw columns (one sample a row: setup/vision_setup.py refuses
+    packed rows and streams), for the planner to price their encoder work. Empty without a
+    tower (`tower` None: a text-only run) or without grid columns."""
+    names = list(getattr(dataset, "column_names", None) or [])
+    present = [c for c in GRID_COLUMNS if c in names]
+    if tower is None or not present:
+        return {}
+    return grid_columns_vision({c: dataset[c] for c in present}, "train dataset")
+
+
 def trainer_planning_setup(
-    args, model, lengths: Union[None, Sequence[int], TokenColumns, StreamColumns], world_size: int
+    args,
+    model,
+    lengths: Union[None, Sequence[int], TokenColumns, StreamColumns],
+    world_size: int,
+    vision: Optional[Mapping[int, SampleGrids]] = None,
 ) -> PlanningSetup:
     """The planning setup of a run of `args` (CPTrainingArguments) training `model` on samples of
     `lengths` (or a TokenColumns' samples), or on a stream (its StreamColumns, whose sampler reads
     it), or on batches it makes as it trains (None: no sampler); fails now if its plans need
-    hf_cp's attention and the model does not use it."""
+    hf_cp's attention and the model does not use it. `vision`: sample id -> its images' and
+    clips' patch grids (planning_vision_grids), priced with the tower of the model's config."""
     stream = lengths if isinstance(lengths, StreamColumns) else None
     if isinstance(lengths, TokenColumns):
         lengths = lengths.lengths
@@ -77,15 +97,23 @@ def trainer_planning_setup(
     param = next((p for p in model.parameters() if p.requires_grad), None)
     if settings.model_states is not None and param is not None:
         settings.model_states["param_bytes"] = param.element_size()
+    config = model.config.to_dict()
+    if vision and not has_vision_tower(config):
+        raise ValueError(
+            f"{len(vision)} training samples have images or clips, but the model's config has no vision_config "
+            "with the tower's dimensions to plan their encoder work"
+        )
     setup = planning_setup(
         settings,
         () if stream is not None else lengths,
         world_size,
-        model_config=model.config.to_dict(),
+        model_config=config,
         num_epochs=args.num_train_epochs,
         max_steps=args.max_steps,
         sampler=stream.make_sampler if stream is not None else None,
+        vision=VisionDims.from_hf_config(config, source="model config") if vision else None,
     )
+    setup.vision = dict(vision or {})
     # now, not at the first step that spreads a sample (after the model is placed and minutes in)
     check_attention(getattr(model.config, "_attn_implementation", None), setup.cluster.group_sizes[-1])
     return setup
