@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         description="Read samples (a local .json/.jsonl/.parquet/.csv file, a folder saved with save_to_disk, or a "
         "Hugging Face Hub dataset name when a network is available), tokenise them - chat samples "
         "(messages) through the tokenizer's chat template, prompt-completion samples (TRL's format) as TRL's "
-        "SFTTrainer does - with SFT labels (-100 on masked prompt tokens, aligned "
+        "SFTTrainer does, chat samples with images and video (--processor) through the model's Qwen2-VL processor - with SFT labels (-100 on masked prompt tokens, aligned "
         "with input_ids, not shifted), apply the over-long policy, save the dataset with save_to_disk "
         "and print a length report: percentiles, a histogram, and the share of tokens and of predicted "
         "attention time per length bucket. The output feeds `hf-cp plan --lengths OUT` and the trainer.",
@@ -30,10 +30,17 @@ def add_parser(sub) -> None:
         "input",
         help="a .json/.jsonl/.parquet/.csv file (optionally .gz), a saved dataset folder, or a Hub dataset name",
     )
-    p.add_argument(
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument(
         "--tokenizer",
-        required=True,
         help="tokenizer: a model folder (e.g. from scripts/convert_smollm2.py), a Hub name, or a .gguf file",
+    )
+    who.add_argument(
+        "--processor",
+        help="chat samples with images and video: a Qwen2-VL-family processor folder (the model's own: "
+        "tokenizer, chat template, image and video processor settings; scripts/make_tiny_vlm_processor.py writes a "
+        "tiny one). Writes pixel_values/image_grid_thw and pixel_values_videos/video_grid_thw/second_per_grid_ts "
+        "per sample; lengths count the placeholder tokens, which are never trained",
     )
     p.add_argument(
         "--trust-remote-code",
@@ -71,6 +78,22 @@ def add_parser(sub) -> None:
         "of a prompt-completion sample (tokenised as TRL's SFTTrainer does), 'none' trains every token; 'auto' is "
         "'assistant' for chat, 'completion' for prompt-completion and 'none' for text; with --group-answers "
         "only the answers are trained ('none' then trains the prompt too, counted once)",
+    )
+    v = p.add_argument_group(
+        "images and video (with --processor)",
+        "message content as a list of parts: {type: text, text}, {type: image, image: PATH|PIL}, {type: video, "
+        "video: [FRAME PATHS], fps}; a part without its media takes the next one of the sample's images/videos "
+        "column (datasets' Image feature). Video files and datasets' Video feature are refused (no decoder is "
+        "installed): give clips as frames",
+    )
+    v.add_argument("--images-field", default="images", help="the column of each sample's images, in part order")
+    v.add_argument("--videos-field", default="videos", help="the column of each sample's clips (lists of frames)")
+    v.add_argument("--video-fps", type=float, default=2.0, help="frame rate of a clip whose part gives no fps")
+    p.add_argument(
+        "--lengths-jsonl",
+        metavar="OUT.jsonl",
+        help='also write one {"length": N} per sample, with "vision": [[t, h, w], ...] for --processor data '
+        "(the patch grids of its images, then clips): what `hf-cp plan --lengths` reads",
     )
     p.add_argument("--no-eos", action="store_true", help="text samples: do not append the tokenizer's EOS token")
     g = p.add_argument_group(
@@ -134,14 +157,20 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from hf_cp.data_prep import length_report, load_tokenizer, preprocess  # transformers, datasets
-    from hf_cp.data_prep.length_report import display_name, plot_length_report  # matplotlib
+    from hf_cp.data_prep.length_report import display_name, plot_length_report, write_lengths_jsonl  # matplotlib
     from hf_cp.data_prep.model_dims import report_model_dims  # transformers (model configs)
+    from hf_cp.data_prep.vision_processor import load_vision_processor  # transformers
 
-    dims, model_name = report_model_dims(args.model, args.tokenizer)  # fail on a bad name before the slow part
+    # fail on a bad name before the slow part
+    dims, model_name = report_model_dims(args.model, args.tokenizer or args.processor)
     cost = CostModel(dims, HardwareProfile.load(args.profile))
     if args.num_proc < 1:
         raise ValueError(f"--num-proc must be at least 1, got {args.num_proc}")
-    tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
+    processor = tokenizer = None
+    if args.processor:
+        processor = load_vision_processor(args.processor, trust_remote_code=args.trust_remote_code)
+    else:
+        tokenizer = load_tokenizer(args.tokenizer, trust_remote_code=args.trust_remote_code)
     res = preprocess(
         args.input,
         tokenizer,
@@ -161,6 +190,10 @@ def run(args) -> int:
         group_answers=args.group_answers,
         answers_field=args.answers_field,
         train_rejected=args.train_rejected,
+        processor=processor,
+        images_field=args.images_field,
+        videos_field=args.videos_field,
+        fps=args.video_fps,
     )
     print(f"hf-cp preprocess: {args.input} -> {args.out}")
     for line in res.summary_lines(args.max_length, args.overlong):
@@ -177,8 +210,14 @@ def run(args) -> int:
         model=model_name,
         profile=str(args.profile),
         masks=masks,
+        vision_tokens=res.vision_tokens,
     )
     print(rep.text())
+    if args.lengths_jsonl:
+        write_lengths_jsonl(args.lengths_jsonl, res.dataset["length"], res.vision_grids)
+        print(
+            f"wrote per-sample lengths{' and vision grids' if res.vision_grids is not None else ''} to {args.lengths_jsonl}"
+        )
     if args.report_json:
         Path(args.report_json).write_text(
             json.dumps(

@@ -8,10 +8,11 @@ A sample with a mask (a shared prompt, say) is priced by the pairs its mask atte
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -55,6 +56,11 @@ class LengthReport:
     buckets: List[Bucket]
     model: str
     profile: str
+    vision_tokens: Optional[Dict[str, int]] = None  # vision data: kind -> placeholder tokens, inside `tokens`
+
+    @property
+    def text_tokens(self) -> int:
+        return self.tokens - sum((self.vision_tokens or {}).values())
 
     @property
     def attention_ms(self) -> float:
@@ -75,6 +81,11 @@ class LengthReport:
             "percentiles": {str(p): v for p, v in self.percentiles},
             "model": self.model,
             "profile": self.profile,
+            **(
+                {"text_tokens": self.text_tokens, "vision_tokens": dict(self.vision_tokens)}
+                if self.vision_tokens is not None
+                else {}
+            ),
             "buckets": [
                 {
                     "low": b.low,
@@ -96,6 +107,15 @@ class LengthReport:
                 f" ({self.trained_tokens} trained, {100 * self.trained_tokens / max(self.tokens, 1):.1f}%)"
                 if self.trained_tokens is not None
                 else ""
+            ),
+            *(
+                [
+                    f"  tokens: {self.text_tokens} text + {sum(self.vision_tokens.values())} vision ("
+                    + ", ".join(f"{n} {kind}" for kind, n in self.vision_tokens.items())
+                    + "); lengths below count both"
+                ]
+                if self.vision_tokens is not None
+                else []
             ),
             f"  min {self.minimum}, mean {self.mean:.1f}, {pct}, max {self.maximum}",
             f"  cost shares predicted for {self.model} on {self.profile} (each sample on one rank):",
@@ -119,9 +139,11 @@ def length_report(
     model: str = "",
     profile: str = "",
     masks: Optional[Mapping[int, SampleMask]] = None,
+    vision_tokens: Optional[Dict[str, int]] = None,
 ) -> LengthReport:
     """`masks`: sample index -> its mask; a masked sample's attention is priced by its exact
-    attended pairs (SampleMask.pairs) instead of a causal document's."""
+    attended pairs (SampleMask.pairs) instead of a causal document's. `vision_tokens`: kind ->
+    the image and video placeholder tokens the lengths include (shown apart from text tokens)."""
     lens = np.asarray(lengths, dtype=np.int64)
     if lens.size == 0:
         raise ValueError("length report: no samples")
@@ -164,7 +186,26 @@ def length_report(
         buckets=buckets,
         model=model,
         profile=profile,
+        vision_tokens=dict(vision_tokens) if vision_tokens is not None else None,
     )
+
+
+def write_lengths_jsonl(
+    path: Union[str, Path], lengths: Sequence[int], vision: Optional[Sequence[Sequence[Sequence[int]]]] = None
+) -> Path:
+    """One JSON record per sample, {"length": N} or, for vision data, {"length": N, "vision": [[t, h, w],
+    ...]}: the sample's LLM tokens (vision placeholders included) and its items' patch grids, images
+    then clips, as `hf-cp plan --lengths` reads them (hf_cp.samples.vision_grids)."""
+    if vision is not None and len(vision) != len(lengths):
+        raise ValueError(f"lengths file: {len(lengths)} lengths but {len(vision)} vision grid lists")
+    out = Path(path)
+    with open(out, "w") as f:
+        for k, n in enumerate(lengths):
+            row = {"length": int(n)}
+            if vision is not None:
+                row["vision"] = [[int(x) for x in g] for g in vision[k]]
+            f.write(json.dumps(row) + "\n")
+    return out
 
 
 def display_name(name: str) -> str:

@@ -15,12 +15,18 @@ import numpy as np
 from hf_cp.data_prep.encode import EncodeError, SampleEncoder, truncate
 from hf_cp.data_prep.group_answers import GroupAnswersEncoder, group_layout, truncate_group
 from hf_cp.data_prep.inputs import InputError, load_input
+from hf_cp.data_prep.vision_encode import VISION_OUTPUT_COLUMNS, VisionChatEncoder, output_features
+from hf_cp.data_prep.vision_processor import DEFAULT_FPS, VisionProcessor
 from hf_cp.samples.mask_column import MASK_COLUMN
 from hf_cp.samples.packed_input import ONE_DOCUMENT_PER_ROW
 
 OVERLONG_POLICIES = ("error", "drop", "truncate")
 OUTPUT_COLUMNS = ("input_ids", "labels", "length")
 GROUPED_COLUMNS = OUTPUT_COLUMNS + (MASK_COLUMN,)  # --group-answers adds the shared-prompt mask
+VISION_COLUMNS = OUTPUT_COLUMNS + VISION_OUTPUT_COLUMNS  # --processor adds a Qwen2-VL processor's columns
+# raw media columns the text path cannot read (they need --processor), and audio, which no path reads
+MEDIA_COLUMNS = ("images", "image", "videos", "video")
+AUDIO_COLUMNS = ("audio", "audios", "input_audio", "input_features")
 
 
 @dataclass
@@ -39,6 +45,8 @@ class PreprocessResult:
     overlong_examples: List[Tuple[int, int]] = field(default_factory=list)  # (input index, length)
     grouped: Optional[dict] = None  # --group-answers: answers, tokens as one sample vs as separate sequences
     prompt_not_prefix: int = 0  # prompt-completion samples whose prompt tokens change when the completion follows
+    vision_tokens: Optional[dict] = None  # --processor: {"image": tokens, "video": tokens} of the kept samples
+    vision_grids: Optional[List[List[List[int]]]] = None  # per kept sample its items' [t, h, w], images then clips
 
     def summary_lines(self, max_length: Optional[int], policy: str) -> List[str]:
         kept = len(self.dataset)
@@ -73,6 +81,13 @@ class PreprocessResult:
                 lines.append(f"note: {g['untrained']}")
             if g.get("feeds"):
                 lines.append(f"trains: {g['feeds']}")
+        if self.vision_tokens is not None:
+            v = self.vision_tokens
+            items = sum(len(g) for g in self.vision_grids or [])
+            lines.append(
+                f"vision: {items} images and clips, {v['image']} image and {v['video']} video placeholder tokens "
+                f"(counted in each sample's length, never trained)"
+            )
         if self.dropped_empty:
             lines.append(f"dropped {self.dropped_empty} samples that encode to no tokens")
         if self.prompt_not_prefix:
@@ -146,6 +161,32 @@ def infer_kind(
     )
 
 
+def refuse_media_columns(raw, source: str, with_processor: bool, images_field: str, videos_field: str) -> None:
+    """InputError naming a column no preprocessing path reads: audio, datasets' `Video` feature (its
+    decoder, torchcodec, is not installed), and raw media without --processor."""
+    from datasets import Audio, Video  # datasets
+
+    columns = raw.column_names
+    audio = [c for c in columns if c in AUDIO_COLUMNS or isinstance(raw.features.get(c), Audio)]
+    if audio:
+        raise InputError(
+            f"{source}: column(s) {audio} hold audio; hf_cp carries text, images and video (a Qwen2-VL processor's "
+            f"columns), not audio: drop the column(s)"
+        )
+    videos = [c for c in columns if isinstance(raw.features.get(c), Video)]
+    if videos:
+        raise InputError(
+            f"{source}: column(s) {videos} are datasets' Video feature, whose decoder (torchcodec) is not installed "
+            f"here; give each clip as a list of frame images (datasets' Image feature in a list, or paths)"
+        )
+    media = [c for c in columns if c in MEDIA_COLUMNS or c in (images_field, videos_field)]
+    if media and not with_processor:
+        raise InputError(
+            f"{source}: column(s) {media} hold images or video; they go through the model's processor: "
+            f"give --processor FOLDER (a Qwen2-VL processor folder) instead of --tokenizer"
+        )
+
+
 def preprocess(
     source: str,
     tokenizer,
@@ -167,11 +208,16 @@ def preprocess(
     group_answers: bool = False,
     answers_field: Optional[str] = None,
     train_rejected: bool = False,
+    processor: Optional[VisionProcessor] = None,
+    images_field: str = "images",
+    videos_field: str = "videos",
+    fps: float = DEFAULT_FPS,
 ) -> PreprocessResult:
     """Tokenise `source` for CPTrainer and save it to `out_dir` (when given).
 
     `group_answers`: records of a prompt and several answers become shared-prompt samples
-    (group_answers.py), with their mask in the `attn_mask` column."""
+    (group_answers.py), with their mask in the `attn_mask` column. `processor`: chat samples with
+    images and video go through it (vision_encode.py); `tokenizer` is then unused."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"over-long policy must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
     if max_length is not None and max_length <= 0:
@@ -181,7 +227,29 @@ def preprocess(
         raw = raw.select(range(min(limit, len(raw))))
     if len(raw) == 0:
         raise InputError(f"{source}: no samples")
-    if group_answers:
+    refuse_media_columns(raw, source, processor is not None, images_field, videos_field)
+    features = None
+    if processor is not None:
+        if group_answers:
+            raise ValueError("--group-answers with --processor: shared-prompt samples do not carry images or video yet")
+        kind, fld = infer_kind(raw.column_names, text_field, messages_field, prompt_field, completion_field)
+        if kind != "chat":
+            raise InputError(
+                f"{source}: --processor encodes chat samples (a {messages_field!r} column of messages with image and "
+                f"video parts); these are {kind} samples"
+            )
+        if overlong == "truncate":
+            raise ValueError(
+                "--overlong truncate with --processor: cutting a sample could cut an image's or a clip's "
+                "placeholder tokens apart from its pixels; use --overlong drop or --overlong error"
+            )
+        kind = "vision chat"
+        base_dir = Path(source).parent if Path(source).is_file() else Path(source)
+        encoder = VisionChatEncoder(
+            processor, fld, mask=mask, base_dir=base_dir, images_field=images_field, videos_field=videos_field, fps=fps
+        )
+        columns, cut, features = VISION_COLUMNS, truncate, output_features()
+    elif group_answers:
         layout = group_layout(raw.column_names, prompt_field, answers_field, train_rejected)
         kind = f"grouped answers ({layout.describe()})"
         encoder = GroupAnswersEncoder(tokenizer, layout, mask=mask, add_eos=add_eos)
@@ -205,6 +273,7 @@ def preprocess(
             with_indices=True,
             num_proc=num_proc,
             remove_columns=raw.column_names,
+            features=features,
             desc=f"tokenising {kind} samples",
         )
     except EncodeError as e:  # "sample 7: ..." of which input
@@ -276,6 +345,14 @@ def preprocess(
         raise ValueError(f"{source}: no samples left after the over-long policy and dropping empty samples")
     trained = np.asarray(ds["trained_tokens"], dtype=np.int64)
     not_prefix = int(np.sum(ds["prompt_not_prefix"])) if "prompt_not_prefix" in ds.column_names else 0
+    vision_tokens = vision_grids = None
+    if processor is not None:
+        vision_tokens = {"image": int(np.sum(ds["image_tokens"])), "video": int(np.sum(ds["video_tokens"]))}
+        vision_grids = [list(i) + list(v) for i, v in zip(ds["image_grid_thw"], ds["video_grid_thw"])]
+        # a kind no sample has: its columns dropped (a dataset of images alone has no video columns)
+        for media, names in (("image", ("pixel_values", "image_grid_thw")), ("video", VISION_OUTPUT_COLUMNS[2:])):
+            if vision_tokens[media] == 0:
+                columns = tuple(c for c in columns if c not in names)
     ds = ds.remove_columns([c for c in ds.column_names if c not in columns])
     # one document per row: a chat's turns end with EOS inside it, which is no packing
     ds.info.description = ONE_DOCUMENT_PER_ROW
@@ -293,6 +370,8 @@ def preprocess(
         overlong_examples=examples,
         grouped=grouped,
         prompt_not_prefix=not_prefix,
+        vision_tokens=vision_tokens,
+        vision_grids=vision_grids,
     )
     if out_dir is not None:
         out_dir = Path(out_dir)

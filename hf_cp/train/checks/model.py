@@ -243,11 +243,13 @@ def check_model_supported(model: torch.nn.Module, where: str = "the model") -> N
         raise SetupError(f"{where} cannot be trained exactly by hf_cp:\n{lines}")
 
 
-def check_model_config_supported(config, where: str = "the model") -> torch.nn.Module:
+def check_model_config_supported(config, where: str = "the model", model_class=None) -> torch.nn.Module:
     """check_model_supported for a config alone: the model built on the meta device (no memory, no
-    weights), as the dry run needs it before any launch. Returns that model (recurrent layers attached)."""
+    weights), as the dry run needs it before any launch. Returns that model (recurrent layers attached).
+    `model_class`: the config's model.model_class (a transformers model class; default AutoModelForCausalLM)."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        cls = model_class or AutoModelForCausalLM
+        model = cls._from_config(config) if hasattr(cls, "config_class") else cls.from_config(config)  # Auto: none
     attach_recurrent_layers(model)  # as CPTrainer does
     check_model_supported(model, where)
     return model

@@ -35,7 +35,14 @@ from hf_cp.train.checks.model import check_model_config_supported, check_recurre
 from hf_cp.train.checks.setup import SetupError, check_attention
 from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.launch.trainers import TRAINERS, check_columns, reward_functions
-from hf_cp.train.setup.config import load_config, load_datasets, load_run_tokenizer, model_config, training_arguments
+from hf_cp.train.setup.config import (
+    load_config,
+    load_datasets,
+    load_run_tokenizer,
+    model_class,
+    model_config,
+    training_arguments,
+)
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import device_memory_gb
 from hf_cp.train.step.router_balance import router_balance_of
@@ -52,7 +59,7 @@ def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
     args = training_arguments(tcfg, src, TRAINERS.config_class(name))
     check_sharding(args)
     mcfg = cfg.get("model") or {}
-    meta_model = check_model_config_supported(model_config(mcfg, src), f"{src}: the model")
+    meta_model = check_model_config_supported(model_config(mcfg, src), f"{src}: the model", model_class(mcfg, src))
     if router_balance_of(meta_model) is not None and name != "sft":  # CPSFTTrainer computes it as CPTrainer does
         raise SetupError(
             f"{src}: trainer: {name} does not compute the MoE router's auxiliary loss (output_router_logits=True with "
@@ -99,7 +106,8 @@ def dry_run(
         settings = replace(settings, device_memory_gb=device_memory_gb(torch.device("cpu"), world_size))
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)
-    meta_model = check_model_config_supported(hf_config, f"{src}: the model")  # what CPTrainer refuses when built
+    # what CPTrainer refuses when built
+    meta_model = check_model_config_supported(hf_config, f"{src}: the model", model_class(mcfg, src))
     router_balance_of(meta_model)  # the MoE router term, refused where inexact (StepRuntime, when built)
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
     train, evaluation = load_datasets(cfg.get("data") or {}, src)

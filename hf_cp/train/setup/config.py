@@ -11,8 +11,9 @@ Sections:
               (default hf_cp), seed (weights are initialised from it), or pretrained: a folder;
               tokenizer: a folder saved with the final model (default: the pretrained folder's);
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
-              a config that needs it is an error)
-    data:     bundled: longtail_sample | path: a saved `datasets` folder or a .jsonl[.gz] with
+              a config that needs it is an error); model_class: the transformers class to build
+              or load when AutoModelForCausalLM builds none (Qwen2_5_VLForConditionalGeneration)
+    data:     bundled: longtail_sample | vlm_sample (images and a clip, configs/tiny-vlm-cpu.yaml) | path: a saved `datasets` folder or a .jsonl[.gz] with
               input_ids (and labels) per line; limit: keep the first N samples;
               eval_path (same formats) or eval_split (a held-out fraction) for evaluation
               with training.eval_strategy / eval_steps
@@ -55,6 +56,7 @@ from hf_cp.train.setup.config_names import LOOKED, named_errors, resolve_input
 from hf_cp.train.setup.model_section import (
     build_model,
     load_run_tokenizer,
+    model_class,
     model_config,
     pretrained_path,
     trust_remote_code,
@@ -76,6 +78,7 @@ __all__ = [
     "model_config",
     "build_model",
     "load_run_tokenizer",
+    "model_class",
     "pretrained_path",
     "trust_remote_code",
     "whole_weights_init",
@@ -155,8 +158,9 @@ class TrainerTable:
 
 REWARD_TRAINERS = ("grpo", "rloo")
 # longtail_sample: token ids (trainer cp); toy_preferences: prompt/chosen/rejected text (dpo, kto);
-# toy_prompts: prompts (grpo, rloo; the reward hf_cp.data.toy_prompts:share_of_a)
-BUNDLED = ("longtail_sample", "toy_preferences", "toy_prompts")
+# toy_prompts: prompts (grpo, rloo; the reward hf_cp.data.toy_prompts:share_of_a); vlm_sample: images and
+# a clip through the tiny Qwen2.5-VL processor (trainer cp, model.model_class Qwen2_5_VLForConditionalGeneration)
+BUNDLED = ("longtail_sample", "toy_preferences", "toy_prompts", "vlm_sample")
 
 
 def check_reward(section, trainer: str, source: str) -> dict:
@@ -206,6 +210,8 @@ def check_names(cfg: dict, source: str) -> None:
     name, read and checked, or a mapping of its fields), training.cp_balancer and cp_compare_balancer (registered balancers). The error is the
     one the launch would raise later (ConfigError, KeyError), prefixed with the file and the key."""
     mcfg, tcfg = cfg.get("model") or {}, cfg.get("training") or {}
+    if isinstance(mcfg.get("model_class"), str):
+        model_class(mcfg, source)  # transformers: only for a config that names a class
     name = mcfg.get("config")
     if isinstance(name, str) and "pretrained" not in mcfg:
         with named_errors(source, "model.config", []):
@@ -279,6 +285,10 @@ def load_datasets(dcfg: dict, source: str):
 
             rows = toy_preference_rows() if dcfg["bundled"] == "toy_preferences" else toy_prompts()
             ds = Dataset.from_list(rows[:limit] if limit else rows)
+        elif dcfg["bundled"] == "vlm_sample":
+            from hf_cp.data.vlm_sample import load_vlm_sample_dataset  # transformers, datasets, the GGUF tokenizer
+
+            ds = load_vlm_sample_dataset(limit=limit)
         else:
             ds = load_sample_dataset(limit=limit)
     elif "path" not in dcfg:

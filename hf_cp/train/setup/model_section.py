@@ -129,17 +129,48 @@ def check_model_counts(d: object, where: str) -> None:
                 )
 
 
+def model_class(mcfg: dict, source: str):
+    """model.model_class as a transformers model class (default AutoModelForCausalLM); a name that
+    is no model class of transformers is refused naming the key."""
+    import transformers  # transformers
+    from transformers import AutoModelForCausalLM, PreTrainedModel  # transformers
+
+    name = unset(mcfg).get("model_class")
+    if name is None:
+        return AutoModelForCausalLM
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise TrainConfigError(
+            f"{source}: model.model_class {brief(name)} is no model class of transformers (e.g. "
+            "Qwen2_5_VLForConditionalGeneration for a Qwen2.5-VL config)"
+        )
+    return cls
+
+
+def _from_config(cls, config, source: str, **kwargs):
+    """`cls` built from `config`: an Auto class by its from_config, a model class by its own
+    (refused naming model.model_class when the config is another model's)."""
+    if not hasattr(cls, "config_class"):  # an Auto class
+        return cls.from_config(config, **kwargs)
+    if not isinstance(config, cls.config_class):
+        raise TrainConfigError(
+            f"{source}: model.model_class {cls.__name__} takes a {cls.config_class.__name__}, but the model config is "
+            f"a {type(config).__name__} (model_type {config.model_type!r})"
+        )
+    return cls._from_config(config, **kwargs)
+
+
 def build_model(mcfg: dict, source: str):
     import torch
-    from transformers import AutoModelForCausalLM
 
     import hf_cp.attention.interface  # noqa: F401  torch, transformers: registers attn_implementation="hf_cp"
 
     mcfg = unset(mcfg)
     attn = mcfg.get("attn_implementation", "hf_cp")
+    cls = model_class(mcfg, source)
     if "pretrained" in mcfg:
         model = _from_pretrained(
-            AutoModelForCausalLM.from_pretrained,
+            cls.from_pretrained,
             pretrained_path(mcfg, source),
             source,
             attn_implementation=attn,
@@ -152,7 +183,7 @@ def build_model(mcfg: dict, source: str):
         # weights; bf16 compute comes from autocast or DeepSpeed. Built in bf16, a run without
         # DeepSpeed would apply AdamW to bf16 parameters and lose the small updates.
         with whole_weights_init():
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+            model = _from_config(cls, config, source, attn_implementation=attn, dtype=torch.float32)
     model.config.use_cache = False
     return model
 

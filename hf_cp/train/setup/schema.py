@@ -98,12 +98,18 @@ MODEL_KEYS: Dict[str, Key] = {
     "attn_implementation": Key(_STR, "attention implementation (hf_cp for CP plans)"),
     "seed": Key(_INT, "seed of the random weights of `config`", _seed),
     "trust_remote_code": Key((bool,), "run Python shipped with a pretrained folder"),
+    "model_class": Key(
+        _STR,
+        "the transformers model class to build or load, for a model no AutoModelForCausalLM builds "
+        "(a vision-language model: Qwen2_5_VLForConditionalGeneration); default AutoModelForCausalLM",
+    ),
 }
 
 DATA_KEYS: Dict[str, Key] = {
     "bundled": Key(
         _STR,
-        "a bundled dataset: longtail_sample (token ids), toy_preferences (preference pairs) or toy_prompts (prompts)",
+        "a bundled dataset: longtail_sample (token ids), toy_preferences (preference pairs), toy_prompts (prompts) "
+        "or vlm_sample (images and a clip, for configs/models/tiny-qwen2.5-vl.json)",
     ),
     "path": Key(_PATH, "a saved `datasets` folder or a .jsonl[.gz] of input_ids (and labels)"),
     "limit": Key(_INT, "keep the first N training samples (0: all)", _non_negative),
