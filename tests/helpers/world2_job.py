@@ -18,16 +18,17 @@ from pathlib import Path
 from typing import Dict
 
 from hf_cp.balance import available_balancers, get_balancer
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ModelDims, VisionDims
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.samples.plan_inputs import GRID_COLUMNS, grid_columns_vision
 from hf_cp.planning import GlobalBatchSampler, Planner
 
 from helpers.harness.balancers import balancer_for
 from helpers.harness.check import check_run
 from helpers.harness.job import MUTATIONS, run_distributed
-from helpers.harness.models import tiny_config
+from helpers.harness.models import tiny_config, train_rows
 from helpers.lora_job import WORLD2_LORA_RUNS
 
 # Unshuffled at 500 tokens per step: [0 1 2] (three packs at a 256 cap: a rank idles in one
@@ -251,6 +252,11 @@ def assert_matches_reference(spec: dict) -> dict:
 def executed_plans(spec: dict):
     """The plans of the run's steps, re-planned here and matched to the digests the run
     recorded (so the placement checks below are about what actually ran)."""
+    config = tiny_config(spec.get("model") or "llama").to_dict()
+    rows = train_rows(spec)
+    present = [c for c in GRID_COLUMNS if any(r.get(c) is not None for r in rows)]
+    # a vision-language run's planner prices its images' and clips' encoder work, as the trainer's does
+    grids = grid_columns_vision({c: [r.get(c) for r in rows] for c in present}, "train") if present else {}
     sampler = GlobalBatchSampler(
         spec["lengths"], spec["tokens_per_step"], seed=42, max_steps=spec["steps"], shuffle=False
     )
@@ -260,11 +266,13 @@ def executed_plans(spec: dict):
         ClusterSpec(2, spec["max_tokens_per_rank"]),
         # the trainer's cost model: the model's own dimensions and the run's profile
         CostModel(
-            ModelDims.from_hf_config(tiny_config(spec.get("model") or "llama").to_dict()),
+            ModelDims.from_hf_config(config),
             HardwareProfile.load(spec.get("profile", "h200-qwen2.5-7b")),
+            vision=VisionDims.from_hf_config(config, source="model config") if grids else None,
         ),
         seed=42,
         lookahead=0,
+        vision=grids or None,
     )
     plans = [planner.get(k).plan for k in range(spec["steps"])]
     recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
