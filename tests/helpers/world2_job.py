@@ -22,8 +22,8 @@ from hf_cp.cost.dims import ModelDims, VisionDims
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.samples.plan_inputs import GRID_COLUMNS, grid_columns_vision
 from hf_cp.planning import GlobalBatchSampler, Planner
+from hf_cp.samples.plan_inputs import GRID_COLUMNS, grid_columns_vision
 
 from helpers.harness.balancers import balancer_for
 from helpers.harness.check import check_run
