@@ -30,6 +30,33 @@ PATCH_DIM = 3 * 2 * 4 * 4  # channels * temporal patch * patch^2
 MERGE = 2
 
 
+# every tiny family's special tokens (the placeholders above) and output settings
+TOKENS = dict(
+    image_token_id=IMAGE_TOKEN,
+    video_token_id=VIDEO_TOKEN,
+    vision_start_token_id=VISION_START,
+    vision_end_token_id=VISION_END,
+    tie_word_embeddings=False,
+    use_cache=False,
+    bos_token_id=VISION_END + 1,
+    eos_token_id=VISION_END + 2,
+    pad_token_id=0,
+)
+# Qwen3-VL's and Qwen3.5's tower (learned position grid of 4x4, no windows)
+QWEN3_TOWER = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=MERGE,
+    temporal_patch_size=2,
+    num_position_embeddings=16,
+    in_channels=3,
+)
+
+
 def vlm_config(**text) -> Qwen2_5_VLConfig:
     text_config = dict(
         hidden_size=64,
@@ -59,15 +86,7 @@ def vlm_config(**text) -> Qwen2_5_VLConfig:
             in_channels=3,
             tokens_per_second=2,
         ),
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=VISION_END + 1,
-        eos_token_id=VISION_END + 2,
-        pad_token_id=0,
+        **TOKENS,
     )
 
 
@@ -111,28 +130,8 @@ def qwen3_vl_config() -> Qwen3VLConfig:
             },
             attention_dropout=0.0,
         ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=4,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0, 1],
-            in_channels=3,
-        ),
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=VISION_END + 1,
-        eos_token_id=VISION_END + 2,
-        pad_token_id=0,
+        vision_config=dict(QWEN3_TOWER, deepstack_visual_indexes=[0, 1]),
+        **TOKENS,
     )
 
 
@@ -162,27 +161,8 @@ def qwen3_5_config() -> Qwen3_5Config:
             },
             attention_dropout=0.0,
         ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=4,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-            num_position_embeddings=16,
-            in_channels=3,
-        ),
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-        tie_word_embeddings=False,
-        use_cache=False,
-        bos_token_id=VISION_END + 1,
-        eos_token_id=VISION_END + 2,
-        pad_token_id=0,
+        vision_config=QWEN3_TOWER,
+        **TOKENS,
     )
 
 
