@@ -67,10 +67,11 @@ def test_attention_and_the_kv_exchange_are_priced_on_the_softmax_layers_only(cos
         mine = hybrid.distributed_rank_costs([n], mode, ranks, ranks)
         theirs = softmax.distributed_rank_costs([n], mode, ranks, ranks)
         for a, b in zip(mine, theirs):
-            # the 36 linear layers gather the document: each member sends its rows to the 3 others
-            # (hidden 2048, 2 bytes), forward and backward (attention/recurrent.py)
-            gathered = 36 * 2 * a.tokens * 3 * 2048 * 2
-            assert a.comm_bytes - gathered == pytest.approx(b.comm_bytes * 12 / 48, rel=1e-12), mode
+            # the 36 linear layers pass state: each member sends its 2 pieces' [B | P] (32 value
+            # heads x 128 x 256 float32) and 3 window rows (hidden 2048, 2 bytes) to the 3 others,
+            # forward and backward (attention/state_passing.py)
+            passed = 36 * 2 * 2 * 3 * (32 * 128 * 256 * 4 + 3 * 2048 * 2)
+            assert a.comm_bytes - passed == pytest.approx(b.comm_bytes * 12 / 48, rel=1e-12), mode
     # ChunkFlow's K/V state store holds the softmax layers' keys and values
     assert hybrid.dims.kv_bytes_per_token(2) * 4 == softmax.dims.kv_bytes_per_token(2)
 
@@ -88,21 +89,48 @@ def test_every_plan_is_priced_alike_by_the_pricer_the_simulator_and_the_bounds(c
     assert lower_bound_ms(lengths, cluster, hybrid) <= charged_lower_bound_ms(lengths, cluster, hybrid) <= made
 
 
-def test_a_spread_document_runs_its_linear_layers_whole_on_every_member(costs):
-    """hf_cp gathers a distributed document for a hybrid's Gated DeltaNet layers and runs them
-    over all of it on every member (attention/recurrent.py), so spreading it saves those layers'
-    mixer nothing: each member pays the mixer's share of c1 for the tokens it did not own."""
-    hybrid, softmax = costs
-    n, ranks = 40000, list(range(4))
+def _linear_layer_extra(hybrid, softmax, n, ranks):
+    """Per member: (tokens, what the hybrid's linear layers add beyond a softmax model's own rows'
+    c1 work, with the hybrid's attention on its 12 softmax layers)."""
     mine = hybrid.distributed_rank_costs([n], ShardMode.RING_PER_DOC, ranks, ranks)
     theirs = softmax.distributed_rank_costs([n], ShardMode.RING_PER_DOC, ranks, ranks)
+    out = []
     for a, b in zip(mine, theirs):
         attention = b.compute_ms - (48 * softmax.c1 + softmax.head_ms_per_token) * b.tokens  # all 48 layers
-        redundant = 36 * hybrid.c1 * hybrid.dims.mixer_share * (n - a.tokens)
-        assert redundant > 0.2 * a.compute_ms
-        assert a.compute_ms - redundant == pytest.approx(b.compute_ms - attention * 36 / 48, rel=1e-12)
+        out.append((a.tokens, a.compute_ms - (b.compute_ms - attention * 36 / 48), a))
+    return out
+
+
+def test_a_spread_gated_deltanet_document_passes_state_each_member_its_own_rows(costs):
+    """Qwen3-Next's Gated DeltaNet layers run a distributed document by state passing
+    (attention/state_passing.py): each member runs its own rows, once more for the transition,
+    and sends a few MB of state per piece, not its rows."""
+    hybrid, softmax = costs
+    n, ranks = 40000, list(range(4))
+    d = hybrid.dims
+    assert d.passed_state_elements == 32 * 128 * (128 + 128) and d.conv_window == 3
+    for tokens, extra, _ in _linear_layer_extra(hybrid, softmax, n, ranks):
+        assert extra == pytest.approx(36 * hybrid.c1 * d.mixer_share * tokens, rel=1e-12)
+    # a quarter of the document's rows a member: about a quarter of its time, with the rerun
+    assert max(
+        c.compute_ms for _, _, c in _linear_layer_extra(hybrid, softmax, n, ranks)
+    ) < 0.4 * hybrid.sample_local_ms(n)
+
+
+def test_a_spread_mamba_document_runs_its_linear_layers_whole_on_every_member(costs):
+    """Mamba-style layers gather a distributed document and run it whole on every member
+    (attention/recurrent.py), so spreading it saves those layers' mixer nothing: each member pays
+    the mixer's share of c1 for the tokens it did not own."""
+    hybrid, softmax = costs
+    gathering = CostModel(dataclasses.replace(hybrid.dims, passed_state_elements=0, conv_window=0), hybrid.profile)
+    n, ranks = 40000, list(range(4))
+    for tokens, extra, _ in _linear_layer_extra(gathering, softmax, n, ranks):
+        redundant = 36 * gathering.c1 * gathering.dims.mixer_share * (n - tokens)
+        assert redundant > 0.2 * gathering.sample_local_ms(n) / 4
+        assert extra == pytest.approx(redundant, rel=1e-12)
     # a quarter of the document's rows a member, but far more than a quarter of its time
-    assert max(c.compute_ms for c in mine) > 1.2 * hybrid.sample_local_ms(n) / 4
+    worst = max(c.compute_ms for _, _, c in _linear_layer_extra(gathering, softmax, n, ranks))
+    assert worst > 1.2 * gathering.sample_local_ms(n) / 4
 
 
 def test_a_hybrids_step_takes_less_and_gains_less_over_static_than_all_softmax_pricing_says(costs):

@@ -221,5 +221,7 @@ def test_spread_documents_are_exact_in_every_shard_mode(pools, world, family):
 
 @pytest.mark.timeout(240)
 def test_a_rank_without_the_others_shards_is_caught(pools):
-    rows = pools(2).run(_worker, "qwen3_next", *LAYOUTS[2], [ShardMode.RING_PER_DOC], True, timeout_s=180)
+    # bamba's Mamba2 layers gather a spread document (Gated DeltaNet passes state instead:
+    # tests/test_state_passing.py breaks that hand-off)
+    rows = pools(2).run(_worker, "bamba", *LAYOUTS[2], [ShardMode.RING_PER_DOC], True, timeout_s=180)
     assert all(r["err"] > 1e-3 for r in rows), rows

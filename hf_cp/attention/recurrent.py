@@ -6,15 +6,17 @@ restart at every document start, and a document spread over a CP group must see 
 history. The layer's own forward (transformers' torch path, or the kernels it dispatches to) is
 exact on one whole document, so this module calls it once per document:
 - this rank's local documents: their rows, one call each;
-- the distributed documents: each member's rows are gathered over the group (one differentiable
+- the distributed documents of a Gated DeltaNet layer: state passing (attention/state_passing.py),
+  each member running its own rows only, from the state the pieces before them leave;
+- the distributed documents of the other layers (Mamba, Mamba2, short convolutions, and shared-
+  prompt samples): each member's rows are gathered over the group (one differentiable
   all-to-all: every member sends its shard rows to every other), each document is assembled in
   token order from the members' segments (any shard mode: Ulysses, ring zigzag and per document,
   blocks), runs once, and this rank keeps the outputs of its own segments. The gradients of the
   gathered rows flow back through the all-to-all and add up on their owner; each member's
   parameter gradients come from its own rows' outputs only, so their sum over the group (the
-  data-parallel reduction) is the single-process gradient.
-The distributed documents' recurrent work is repeated on every member of their group (it is
-linear in tokens); head sharding and state passing, which avoid that, are not built yet.
+  data-parallel reduction) is the single-process gradient. That recurrent work is repeated on
+  every member of the group (it is linear in tokens); head sharding is not built.
 
 A shared-prompt sample [prompt][answer 1]...[answer n] runs as n sequences [prompt][answer i],
 the prompt's rows shared: each answer continues from the prompt's state, as it would trained
@@ -38,6 +40,7 @@ import torch
 from hf_cp.attention.chunk_state import current_chunk_context
 from hf_cp.attention.comm import all_to_all
 from hf_cp.attention.context import ContextSlot, CPContext, current_cp_context
+from hf_cp.attention.state_passing import STATE_PASSING_MIXERS, state_passing_outputs
 from hf_cp.modes.segments import Segment
 
 Tensor = torch.Tensor
@@ -138,6 +141,18 @@ def _distributed_outputs(forward: Callable, x: Tensor, ctx: CPContext, kwargs: D
     return torch.cat(mine, dim=0) if mine else x[:0]
 
 
+def passes_state(module: torch.nn.Module, ctx: CPContext) -> bool:
+    """Whether `module` runs its distributed documents by state passing (each member its own
+    rows: attention/state_passing.py) rather than gathered whole on every member: Gated DeltaNet
+    layers over a group of 2 or more whose distributed documents are plain causal ones (a
+    shared-prompt sample's answers each continue from the prompt: gathered)."""
+    return (
+        type(module).__name__ in STATE_PASSING_MIXERS
+        and ctx.group_size > 1
+        and all(m is None or m.is_causal for m in ctx.masks)
+    )
+
+
 def _refuse(module, ctx: Optional[CPContext], attention_mask) -> None:
     name = type(module).__name__
     if current_chunk_context() is not None:
@@ -192,7 +207,9 @@ def per_document_forward(module: torch.nn.Module, forward: Callable, *args, **kw
         mask = local_masks[i] if i < len(local_masks) else None
         outs.append(_run_document(forward, x[off : off + n], mask, rest))
         off += n
-    if ctx is not None and ctx.distributed_lengths:
+    if ctx is not None and ctx.distributed_lengths and passes_state(module, ctx):
+        outs.append(state_passing_outputs(module, forward, x[off:], ctx, rest))
+    elif ctx is not None and ctx.distributed_lengths:
         outs.append(_distributed_outputs(forward, x[off:], ctx, rest))
     elif off != s:
         raise ValueError(

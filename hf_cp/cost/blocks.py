@@ -186,7 +186,7 @@ def block_group_costs(
             local_attn *= cost.profile.cp_attention_scale
         compute = L * (cost.c1 * tokens + local_attn + attn[m]) + cost.head_ms_per_token * tokens
         own = layout.member_tokens(m)
-        mix_ms, mix_comm, mix_bytes = cost.gathered_mixer(sum(doc_lengths), own, g, link)
+        mix_ms, mix_comm, mix_bytes = cost.spread_linear_layers(sum(doc_lengths), own, g, link)
         out.append(
             RankCost(
                 compute_ms=compute + mix_ms,

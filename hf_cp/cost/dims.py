@@ -22,6 +22,24 @@ MAX_MODEL_DIM = 2**24
 SOFTMAX_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "chunked_attention"})
 
 
+# model types whose linear layers are Gated DeltaNet, which hf_cp runs across a CP group by state
+# passing (attention/state_passing.STATE_PASSING_MIXERS: each member its own rows); the other
+# hybrids' linear layers (Mamba, Mamba2, convolutions) gather a spread document on every member
+STATE_PASSING_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+
+
+def passed_state_of(cfg: Mapping) -> Tuple[int, int]:
+    """(elements of the state one piece of a spread document hands on per linear layer, rows
+    before a piece its convolution reads) for a Gated DeltaNet hybrid's config; (0, 0) otherwise.
+    The state is [B | P] per value head: key dim x (value dim + key dim) (state_passing.py)."""
+    if cfg.get("model_type") not in STATE_PASSING_MODEL_TYPES:
+        return 0, 0
+    heads, dk, dv = (
+        int(cfg.get(k) or 0) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    )
+    return heads * dk * (dv + dk), max(0, int(cfg.get("linear_conv_kernel_dim") or 1) - 1)
+
+
 def softmax_layers_of(cfg: Mapping, layers: int, source: str = "config") -> Optional[int]:
     """How many of a config's `layers` decoder layers are softmax attention, from the ways
     hybrids state it (None: all, a plain transformer): `layer_types` (Qwen3-Next, Qwen3.5,
@@ -63,6 +81,11 @@ class ModelDims:
     # (Gated DeltaNet, Mamba) mix tokens in time linear in them, with no attended pairs and no
     # K/V to exchange (None: every layer, as in a plain transformer)
     attention_layers: Optional[int] = None
+    # how the linear layers run a document spread over a CP group: by state passing, each member
+    # handing `passed_state_elements` per piece and reading `conv_window` rows before it
+    # (Gated DeltaNet, passed_state_of); 0: gathered whole on every member (Mamba, convolutions)
+    passed_state_elements: int = 0
+    conv_window: int = 0
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
@@ -204,6 +227,7 @@ class ModelDims:
                 vocab_size=dim("vocab_size", 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_layers=softmax_layers_of(cfg, layers, source),
+                **dict(zip(("passed_state_elements", "conv_window"), passed_state_of(cfg))),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None

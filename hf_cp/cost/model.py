@@ -27,6 +27,11 @@ from hf_cp.cost.hardware import HardwareProfile, Link, transfer_ms
 from hf_cp.modes.registry import mode_spec, rank_segments
 from hf_cp.modes.segments import Segment, ShardMode, doc_pairs, masked_doc_pairs, masked_segment_pairs, segment_tokens
 
+# state passing (attention/state_passing.py) sends float32 states, and a ring mode gives each
+# member two pieces of a document (zigzag: chunks r and 2g-1-r)
+STATE_BYTES_PER_ELEMENT = 4
+PIECES_PER_MEMBER = 2
+
 
 def _segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
     """member -> its query segments (registry.rank_segments), each member's built once: a ring
@@ -293,7 +298,7 @@ class CostModel:
             dist_attn = self.segments_attention_ms(segs, doc_lengths, masks)
         compute = L * (self.c1 * tokens + local_attn + dist_attn) + self.head_ms_per_token * tokens
         mix_ms, mix_comm, mix_bytes = (
-            self.gathered_mixer(sum(doc_lengths), dist_tokens, g, link) if doc_lengths else (0, 0, 0)
+            self.spread_linear_layers(sum(doc_lengths), dist_tokens, g, link) if doc_lengths else (0, 0, 0)
         )
         return RankCost(
             compute_ms=compute + mix_ms,
@@ -302,21 +307,32 @@ class CostModel:
             tokens=tokens,
         )
 
-    def gathered_mixer(self, doc_tokens, own_tokens, group_size: int, link: Link):
+    def spread_linear_layers(self, doc_tokens, own_tokens, group_size: int, link: Link):
         """(compute ms, unhidden comm ms, bytes) a hybrid's linear-time layers add to one member
         of a CP group whose distributed documents total `doc_tokens`, `own_tokens` of them its
-        rows (numbers or numpy arrays; zeros for a plain transformer). hf_cp runs such a layer on
-        each whole distributed document on every member (attention/recurrent.py): every member
-        sends its rows to the g-1 others (one all-to-all forward, its gradient backward) and runs
-        the mixer over the rows it received too."""
+        rows (numbers or numpy arrays; zeros for a plain transformer), as attention/recurrent.py
+        runs them:
+        - Gated DeltaNet (dims.passed_state_elements): state passing. Each member runs the mixer
+          on its own rows once more (the transition run; the first and last pieces of a document
+          skip one run each, not priced), sends its pieces' states to the g-1 others and the
+          convolution's window rows to the next piece (two all-to-alls forward, two backward);
+          PIECES_PER_MEMBER pieces a member, as the ring modes cut.
+        - the others: every member sends its rows to the g-1 others (one all-to-all forward, its
+          gradient backward) and runs the mixer over the rows it received too."""
         layers = self.dims.linear_layers
         if not layers or group_size <= 1:
             return 0.0, 0.0, 0.0
-        d = self.dims
-        others = doc_tokens - own_tokens
-        compute = layers * self.c1 * d.mixer_share * others
-        nbytes = 2 * own_tokens * (group_size - 1) * d.hidden * self.profile.bytes_per_element
-        comm = layers * (transfer_ms(nbytes, link, 2 * (group_size - 1)) + self.exchange_sync_ms(2 * (group_size - 1)))
+        d, bpe = self.dims, self.profile.bytes_per_element
+        if d.passed_state_elements:
+            compute = layers * self.c1 * d.mixer_share * own_tokens
+            state = d.passed_state_elements * STATE_BYTES_PER_ELEMENT + d.conv_window * d.hidden * bpe
+            nbytes = 2 * PIECES_PER_MEMBER * (group_size - 1) * state
+            messages = 4 * (group_size - 1)
+        else:
+            compute = layers * self.c1 * d.mixer_share * (doc_tokens - own_tokens)
+            nbytes = 2 * own_tokens * (group_size - 1) * d.hidden * bpe
+            messages = 2 * (group_size - 1)
+        comm = layers * (transfer_ms(nbytes, link, messages) + self.exchange_sync_ms(messages))
         return compute, comm, layers * nbytes
 
     def micro_batch_overhead_ms(self) -> float:

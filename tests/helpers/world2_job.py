@@ -180,7 +180,7 @@ def world2_runs() -> Dict[str, dict]:
     runs["hierarchical-hosts"] = balance_spec(
         "hierarchical", balancer_options=dict(host_ranks=1, min_samples_per_rank=0)
     )
-    # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones gathered (attention/recurrent.py)
+    # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones by state passing (attention/state_passing.py)
     runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
     runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})

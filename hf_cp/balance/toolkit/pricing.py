@@ -157,8 +157,8 @@ class PlanPricer:
             comm = transfer_ms(sent, link, messages)
             # the exchange's per-message cost, which compute does not hide (CostModel._rank_cost)
             ms = ms + L * (np.maximum(0.0, comm - attn) + self.cost.exchange_sync_ms(messages))
-            # a hybrid's linear-time layers, each distributed document gathered on every member
-            mix_ms, mix_comm, _ = self.cost.gathered_mixer(total, tok, g, link)
+            # a hybrid's linear-time layers on a distributed document (CostModel.spread_linear_layers)
+            mix_ms, mix_comm, _ = self.cost.spread_linear_layers(total, tok, g, link)
             compute = compute + mix_ms
             ms = ms + mix_ms + mix_comm
         return ms, compute
