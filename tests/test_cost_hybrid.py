@@ -156,6 +156,7 @@ def test_hf_cp_plan_prints_the_layer_mix_it_priced(capsys, traces_dir, tmp_path)
     assert (
         rc == 0 and "layer mix priced: 12 softmax attention and 36 linear-attention or state-space layers of 48" in out
     )
+    assert "the linear ones passing state across a CP group" in out
     plain = tmp_path / "config.json"
     cfg = json.loads(resolve_config(QWEN3_NEXT, "models", (".json",)).read_text())
     cfg.pop("layer_types")

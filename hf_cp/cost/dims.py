@@ -139,9 +139,13 @@ class ModelDims:
         """The layer mix in words, for reports."""
         if self.attention_layers is None or self.attention_layers == self.num_layers:
             return f"{self.num_layers} softmax attention layers"
+        spread = (
+            "passing state across a CP group" if self.passed_state_elements else "gathering a spread document"
+        )
         return (
             f"{self.softmax_layers} softmax attention and {self.num_layers - self.softmax_layers} linear-attention or "
-            f"state-space layers of {self.num_layers} (attention and K/V exchange priced on the softmax ones)"
+            f"state-space layers of {self.num_layers} (attention and K/V exchange priced on the softmax ones; the "
+            f"linear ones {spread})"
         )
 
     @property
