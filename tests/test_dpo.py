@@ -247,7 +247,7 @@ def test_an_empty_answer_is_refused_before_tokenisation_turns_it_into_eos(tmp_pa
         _trainer(tmp_path, rows)
     from datasets import Dataset
 
-    from hf_cp.train.objectives.preference import refuse_empty_answers
+    from hf_cp.train.checks.answers import refuse_empty_answers
 
     chat = [{"prompt": [{"role": "user", "content": "hi"}], column: [{"role": "assistant", "content": ""}]}]
     with pytest.raises(ValueError, match=f"eval pair 0: the {column} answer is empty"):

@@ -1182,7 +1182,7 @@ def preference_inputs(rng: random.Random, n: int) -> Iterator[Tuple[Case, list]]
 def _preferences(n: int) -> Tally:
     from datasets import Dataset
 
-    from hf_cp.train.objectives.preference import refuse_empty_answers
+    from hf_cp.train.checks.answers import refuse_empty_answers
 
     tally = Tally("preference records")
     rng = random.Random(SEED)

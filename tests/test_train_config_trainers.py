@@ -57,7 +57,7 @@ def write_config(tmp_path: Path, trainer: str, model: str, rows, training: dict,
         trainer=trainer,
         model={"pretrained": model},
         data={"path": str(data)},
-        training=dict(TRAINING, output_dir=str(tmp_path / "out"), **training),
+        training={**TRAINING, "output_dir": str(tmp_path / "out"), **training},
         **sections,
     )
     path = tmp_path / f"{trainer}.yaml"
@@ -158,3 +158,108 @@ def test_grpo_from_yaml_on_the_bundled_prompts_and_reward_ends_with_its_summary(
     # two logged steps, each with TRL's reward and hf_cp's planned step
     assert "logged steps 2; mean reward: first 1 " in summary, summary
     assert "planned policy step: predicted" in summary and "completion length: mean" in summary, summary
+
+
+# ------------------------------------------------------------------ the dry run of a TRL trainer checks what its launch would
+RECIPE = json.loads((Path(__file__).resolve().parents[1] / "recipes" / "ds-zero2-cpu.json").read_text())
+
+
+def _deepspeed(tmp_path: Path, **edits) -> dict:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(dict(RECIPE, **edits)))
+    return dict(deepspeed=str(path))
+
+
+def _a_file(tmp_path: Path) -> dict:
+    (tmp_path / "afile").write_text("x")
+    return dict(output_dir=str(tmp_path / "afile"))
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        (lambda p: dict(report_to="wandbx"), "report_to 'wandbx' is not a reporting integration"),
+        (lambda p: dict(ddp_timeout=0), "ddp_timeout 0 must be a positive number of seconds"),
+        (
+            lambda p: _deepspeed(p, train_micro_batch_size_per_gpu=4),
+            "the DeepSpeed config contradicts the training arguments at 2 rank",
+        ),
+        (lambda p: _deepspeed(p, zero_optimization={"stage": 7}), "DeepSpeed refuses its config: .*stage"),
+        (_a_file, "output_dir '.*afile' is a file, not a folder"),
+        (lambda p: dict(fsdp="full_shard", **_deepspeed(p)), "fsdp together with deepspeed"),
+    ],
+    ids=["report_to", "ddp_timeout", "deepspeed-micro-batch", "stage-7", "output_dir-file", "fsdp-and-deepspeed"],
+)
+@pytest.mark.parametrize("trainer", ["dpo", "grpo"])
+def test_the_dry_run_of_a_trl_trainer_refuses_the_launch_settings_its_launch_refuses(
+    model_dir, tmp_path, trainer, training, message
+):
+    """Before, `trainer: dpo` passed each of these with rc 0 (the launch refused them)."""
+    from helpers.dpo_runs import preference_rows
+    from helpers.grpo_runs import prompt_rows
+
+    if trainer == "dpo":
+        path = write_config(tmp_path, "dpo", model_dir, preference_rows(4), dict(beta=0.1, **training(tmp_path)))
+    else:
+        path = write_config(
+            tmp_path,
+            "grpo",
+            model_dir,
+            prompt_rows(),
+            dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8, **training(tmp_path)),
+            reward={"functions": ["helpers.grpo_runs:reward_a"]},
+        )
+    with pytest.raises(ValueError, match=message):
+        dry_run(path, [], world_size=2)
+
+
+@pytest.mark.parametrize("trainer, column", [("dpo", "chosen"), ("dpo", "rejected"), ("kto", "completion")])
+def test_the_dry_run_refuses_an_empty_preference_answer_naming_the_row(model_dir, tmp_path, trainer, column):
+    from helpers.dpo_runs import preference_rows
+
+    rows = preference_rows(4)
+    if trainer == "kto":
+        rows = [dict(prompt=r["prompt"], completion=r["chosen"], label=i % 2 == 0) for i, r in enumerate(rows)]
+    rows[2][column] = "  "
+    path = write_config(tmp_path, trainer, model_dir, rows, dict(beta=0.1))
+    item = "pair" if trainer == "dpo" else "example"
+    with pytest.raises(ValueError, match=f"train_dataset {item} 2: the {column} answer is empty"):
+        dry_run(path, [], world_size=2)
+
+
+def test_the_dry_run_of_sft_on_token_ids_refuses_an_id_outside_the_vocabulary(model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    rows = [{"input_ids": [1, 2, 3, 4]} for _ in range(4)]
+    rows[3]["input_ids"][1] = vocab
+    path = write_config(tmp_path, "sft", model_dir, rows, {})
+    with pytest.raises(ValueError, match=f"train_dataset row 3.*{vocab}"):
+        dry_run(path, [], world_size=2)
+
+
+def test_the_dry_run_of_a_trl_trainer_reads_output_dir_as_a_resume_would(model_dir, tmp_path):
+    """Another run's lock is an error line; a complete checkpoint of another engine (here a plain
+    one, under the ZeRO-2 recipe) is refused; one that fits is named as the resume point."""
+    import torch
+
+    from hf_cp.train.checkpoint.marks import mark_complete
+    from hf_cp.train.checkpoint.run_lock import LOCK_FILE
+
+    from helpers.dpo_runs import preference_rows
+
+    out = tmp_path / "out"
+    ckpt = out / "checkpoint-2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    torch.save({}, ckpt / "optimizer.pt")
+    mark_complete(ckpt, 2, 2)
+    resume = dict(beta=0.1, resume_from_checkpoint="latest")
+    path = write_config(tmp_path, "dpo", model_dir, preference_rows(4), dict(resume, **_deepspeed(tmp_path)))
+    with pytest.raises(ValueError, match=f"checkpoint {ckpt} was saved under no parameter sharding"):
+        dry_run(path, [], world_size=2)
+    lines = dry_run(write_config(tmp_path, "dpo", model_dir, preference_rows(4), resume), [], world_size=2)
+    assert any(line.startswith(f"resume: a launch or restart resumes from {ckpt}") for line in lines), lines
+    (out / LOCK_FILE).write_text(json.dumps(dict(host="node-7", pid=1, started=0, command="train.py", run_id="r0")))
+    lines = dry_run(write_config(tmp_path, "dpo", model_dir, preference_rows(4), resume), [], world_size=2)
+    assert any(line.startswith("error: ") and "node-7" in line for line in lines), lines

@@ -89,6 +89,24 @@ def test_the_dry_run_refuses_it_naming_the_row(tmp_path):
         dry_run(TINY, out, world_size=2, steps=1)
 
 
+def test_after_an_eval_split_the_error_also_names_the_files_row(tmp_path):
+    """data.eval_split shuffles rows out: the row of the split is named with the file's row (before:
+    only the index after the split, which is not the file's row)."""
+    rows = [dict(r, input_ids=list(r["input_ids"])) for r in synthetic_rows([20 + i for i in range(10)])]
+    rows[7]["input_ids"][3] = 4096
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = [f"training.output_dir={tmp_path}", "data.bundled=null", f"data.path={data}", "data.eval_split=0.2"]
+    with pytest.raises(
+        ValueError, match=r"train_dataset row (\d+) \(row 7 of the data it was split from\), column"
+    ) as err:
+        dry_run(TINY, out, world_size=2, steps=1)
+    assert "train_dataset row 7 " not in str(err.value)  # the split moved it (seed 0)
+    # a dataset of its own rows says only its row
+    with pytest.raises(ValueError, match=r"train_dataset row 7, column 'input_ids'"):
+        read_token_columns(Dataset.from_list(rows), "train_dataset", vocab_size=VOCAB)
+
+
 def test_data_in_which_no_token_carries_loss_is_refused():
     rows = synthetic_rows([40, 30, 50])
     for r in rows:

@@ -208,7 +208,7 @@ def check_zero_world_size(checkpoint: str, world_size: int, deepspeed_config: Op
 
 def check_resume(
     checkpoint: str,
-    schedule_now: dict,
+    schedule_now: Optional[dict],
     world_size: int,
     deepspeed_config: Optional[dict],
     allow_schedule_change: bool = False,
@@ -222,7 +222,8 @@ def check_resume(
     (each checks every file), before any collective; returns notes worth a warning. Used by
     CPTrainer.train and by the dry run alike."""
     notes = check_checkpoint_files(checkpoint, allowed_globals)
-    notes += check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
+    if schedule_now is not None:  # None: the dry run of a TRL trainer, whose rows TRL tokenises when built
+        notes += check_resumed_schedule(checkpoint, schedule_now, allow_schedule_change)
     if check_zero_world_size(checkpoint, world_size, deepspeed_config):
         notes.append(f"resuming {checkpoint} from its universal checkpoint on {world_size} ranks")
     return notes

@@ -146,6 +146,15 @@ def _arrow_lists(ds, column: str):
     return col
 
 
+def row_name(ds, name: str, row: int) -> str:
+    """`name row N`, and the row it was read from when `ds` is a split or a selection of other
+    data (data.eval_split): there row N is not the file's row N."""
+    indices = getattr(ds, "_indices", None)  # a datasets.Dataset's map from its rows to its table's
+    if indices is None or row >= indices.num_rows:
+        return f"{name} row {row}"
+    return f"{name} row {row} (row {indices.column(0)[row].as_py()} of the data it was split from)"
+
+
 def _token_batches(ds, column: str, rows: Sequence, name: str) -> Iterator[Tuple[int, np.ndarray, np.ndarray]]:
     """(first row, offsets from 0, the rows' tokens back to back) per batch of BATCH_ROWS rows of
     `column`; read from arrow buffers when the dataset has them, else from `rows` (its values;
@@ -163,7 +172,7 @@ def _token_batches(ds, column: str, rows: Sequence, name: str) -> Iterator[Tuple
         for i, r in enumerate(batch):
             if r is not None and (isinstance(r, (str, bytes)) or not hasattr(r, "__len__")):
                 raise ValueError(
-                    f"CPTrainer: {name} row {start + i}, column {column!r}: expected a list of integers per row, "
+                    f"CPTrainer: {row_name(ds, name, start + i)}, column {column!r}: expected a list of integers per row, "
                     f"got {r!r:.60}"
                 )
         lengths = [0 if r is None else len(r) for r in batch]
@@ -232,15 +241,15 @@ def check_integer_column(ds, column: str, rows: Sequence, name: str) -> None:
             if index is None or (is_float and integral is not None):
                 continue
             row = int(np.searchsorted(offsets, index, side="right") - 1)
-            where = (start + row, index - int(offsets[row]), flat[index])
+            where = (row_name(ds, name, start + row), index - int(offsets[row]), flat[index])
             if not is_float:
-                raise ValueError(_integer_message(name, column, what, *where, integral=False))
+                raise ValueError(_integer_message(column, what, *where, integral=False))
             integral = where
     if integral is not None:
-        raise ValueError(_integer_message(name, column, what, *integral, integral=True))
+        raise ValueError(_integer_message(column, what, *integral, integral=True))
 
 
-def _integer_message(name: str, column: str, what: str, row: int, pos: int, value, integral: bool) -> str:
+def _integer_message(column: str, what: str, row: str, pos: int, value, integral: bool) -> str:
     value = value.item() if isinstance(value, np.generic) else value
     note = (
         " (floats are refused even when integral, as here: a float column means the data went through a "
@@ -249,7 +258,7 @@ def _integer_message(name: str, column: str, what: str, row: int, pos: int, valu
         else ""
     )
     return (
-        f"CPTrainer: {name} row {row}, column {column!r}: expected integers ({what}), got {value!r:.60} at position "
+        f"CPTrainer: {row}, column {column!r}: expected integers ({what}), got {value!r:.60} at position "
         f"{pos}{note}; {INTEGER_FIX.format(column=column)}"
     )
 
@@ -287,7 +296,7 @@ def check_token_range(ds, column: str, rows: Sequence, name: str, vocab_size: Op
             row = int(np.searchsorted(offsets, index, side="right") - 1)
             pos = index - int(offsets[row])
             raise ValueError(
-                token_range_message(f"{name} row {start + row}", column, pos, int(flat[index]), vocab_size)
+                token_range_message(row_name(ds, name, start + row), column, pos, int(flat[index]), vocab_size)
             )
 
 
@@ -325,6 +334,22 @@ def check_some_loss(valid_counts: Sequence[int], name: str) -> None:
         )
 
 
+def check_token_ids(ds, name: str, vocab_size: Optional[int]):
+    """Every value of input_ids (and of labels, where the rows have them) is an integer id in the
+    vocabulary (check_integer_column, check_token_range). Returns (input_ids, labels) as read,
+    labels None per row without the column."""
+    cols = getattr(ds, "column_names", None)
+    has_labels = cols is not None and "labels" in cols
+    ids_col = ds["input_ids"]
+    labels_col: Sequence[Optional[Sequence[int]]] = ds["labels"] if has_labels else [None] * len(ds)
+    check_integer_column(ds, "input_ids", ids_col, name)
+    check_token_range(ds, "input_ids", ids_col, name, vocab_size)
+    if has_labels:
+        check_integer_column(ds, "labels", labels_col, name)
+        check_token_range(ds, "labels", labels_col, name, vocab_size)
+    return ids_col, labels_col
+
+
 def read_token_columns(
     ds,
     name: str = "train_dataset",
@@ -345,14 +370,7 @@ def read_token_columns(
     n = len(ds)
     if n == 0:
         raise ValueError(f"CPTrainer: {name} is empty")
-    has_labels = cols is not None and "labels" in cols
-    ids_col = ds["input_ids"]
-    labels_col: Sequence[Optional[Sequence[int]]] = ds["labels"] if has_labels else [None] * n
-    check_integer_column(ds, "input_ids", ids_col, name)
-    check_token_range(ds, "input_ids", ids_col, name, vocab_size)
-    if has_labels:
-        check_integer_column(ds, "labels", labels_col, name)
-        check_token_range(ds, "labels", labels_col, name, vocab_size)
+    ids_col, labels_col = check_token_ids(ds, name, vocab_size)
     row_lengths = []
     for i in range(n):
         x, y = ids_col[i], labels_col[i]

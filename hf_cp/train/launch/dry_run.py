@@ -16,7 +16,7 @@ import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -30,10 +30,11 @@ from hf_cp.train.checkpoint.marks import checkpoint_status, legacy_note, scan_ch
 from hf_cp.train.checkpoint.resolve import LATEST, check_resume, resolve_resume, restart_problems
 from hf_cp.train.checkpoint.run_lock import lock_status
 from hf_cp.train.checkpoint.schedule import schedule_record
+from hf_cp.train.checks.answers import EMPTY_ANSWER_CHECKS, refuse_empty_answers
 from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_config_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import SetupError, check_attention
-from hf_cp.train.data.columns import eos_token_ids, model_vocab_size, read_token_columns
+from hf_cp.train.data.columns import check_token_ids, eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.launch.trainers import TRAINERS, check_columns, reward_functions
 from hf_cp.train.setup.config import (
     load_config,
@@ -48,18 +49,96 @@ from hf_cp.train.setup.trainer_setup import device_memory_gb
 from hf_cp.train.step.router_balance import router_balance_of
 
 
-def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
-    """What the dry run can check of a TRL trainer's config without building it: the training
-    section as its config class takes it, the model's features, its tokenizer, the data's columns
-    and the reward functions. TRL tokenises the rows when the trainer is built, so the plans are
-    made (and checked) from the first step."""
-    name, src = cfg["trainer"], cfg["_source"]
+def login_node_arguments(cfg: dict, config_class=None):
+    """(the training arguments, the launch's precision {"bf16", "fp16"}, the device it trains on)
+    of a config, built in fp32 on the CPU: precision and device do not change what is checked or
+    planned, and a login node has no GPU to validate bf16 with."""
     tcfg = dict(cfg.get("training") or {})
-    tcfg.update(bf16=False, fp16=False, use_cpu=True)  # a login node has no GPU to validate bf16 with
-    args = training_arguments(tcfg, src, TRAINERS.config_class(name))
+    device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
+    precision = {"bf16": bool(tcfg.get("bf16")), "fp16": bool(tcfg.get("fp16"))}  # the launch's
+    tcfg.update(bf16=False, fp16=False, use_cpu=True)
+    return training_arguments(tcfg, cfg["_source"], config_class), precision, device
+
+
+def launch_settings_warnings(args, world_size: int, src: str, precision: dict) -> List[str]:
+    """What every trainer checks when it is built (CPTrainer, PlannedRollouts): the engines, the
+    DeepSpeed JSON at the launch's world size and precision, ddp_timeout, output_dir, report_to.
+    Raises the launch's refusal; returns its warnings as report lines."""
     check_sharding(args)
+    return [f"warning: {w}" for w in check_launch_settings(args, world_size, src, precision)]
+
+
+def output_dir_lines(
+    args, world_size: int, hf_config, schedule: Optional[Callable[[], dict]] = None, max_restarts: int = 0
+) -> List[str]:
+    """What a launch would find in output_dir: another run's lock (an `error:` line), partial
+    checkpoints, and the checkpoint a resume takes, checked as a resume checks it (its engine
+    and model, its files and pickles, its sample schedule against `schedule()` where the dry
+    run can make one, its ZeRO world size); raises what the resume would raise. Then what a
+    restart would need (`max_restarts`)."""
+    lines = []
+    # another run's lock on output_dir (checkpoint/run_lock.py): read, not taken; a launch would be refused
+    state = lock_status(args.output_dir, args.cp_break_lock)
+    if state is not None:
+        lines.append(f"{state[0]}: {state[1]}")
+    # a resume takes the newest complete checkpoint: partial ones (a save that was interrupted) are named
+    partial = [c for c in scan_checkpoints(args.output_dir) if not c.complete]
+    skipped = "a resume or restart skips it" if args.resume_from_checkpoint else "resume_from_checkpoint is off"
+    lines += [f"warning: {c.path} is a partial checkpoint ({c.problem}); {skipped}" for c in partial]
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, notes=[])  # reported here
+    if resume is not None:
+        ds = getattr(args, "hf_deepspeed_config", None)
+        ds_config = ds.config if ds is not None else None
+        check_checkpoint_fits(resume, run_engine(sharding_of(args), ds_config), hf_config)
+        notes = check_resume(
+            resume,
+            schedule() if schedule is not None else None,
+            world_size,
+            ds_config,
+            args.cp_allow_schedule_change,
+            args.cp_checkpoint_allowed_globals,
+        )
+        status = checkpoint_status(resume)
+        setting = args.resume_from_checkpoint
+        latest = setting is True or (isinstance(setting, str) and setting.lower() in LATEST)
+        fits = (
+            "engine, model and ZeRO world size"
+            if schedule is None
+            else "engine, model, sample schedule and ZeRO world size"
+        )
+        lines.append(
+            f"resume: a launch or restart resumes from {resume}"
+            + (" (the newest complete checkpoint)" if partial and latest else "")
+            + f": its files match their checksums, its pickles import no code, and its {fits} fit this run"
+            + (
+                "; its sample schedule is not checked here (TRL tokenises the rows when the trainer is built)"
+                if schedule is None
+                else ""
+            )
+        )
+        lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
+    elif args.resume_from_checkpoint:
+        what = "no complete checkpoint" if partial else "no checkpoint"
+        lines.append(f"resume: {what} in {args.output_dir} yet, a fresh start")
+    if max_restarts:
+        env = dict(os.environ, TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+        lines += [f"warning: {p}" for p in restart_problems(args.save_strategy, args.resume_from_checkpoint, env)]
+    return lines
+
+
+def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> List[str]:
+    """What the dry run can check of a TRL trainer's config without building it: the training
+    section as its config class takes it, the launch settings every trainer checks, the model's
+    features, its tokenizer, the data's columns (token ids in the vocabulary where the rows carry
+    them, no empty preference answer), the reward functions, and output_dir (lock, checkpoints,
+    resume). TRL tokenises the rows when the trainer is built, so the plans are made (and
+    checked) from the first step."""
+    name, src = cfg["trainer"], cfg["_source"]
+    args, precision, _ = login_node_arguments(cfg, TRAINERS.config_class(name))
+    warnings = launch_settings_warnings(args, world_size, src, precision)
     mcfg = cfg.get("model") or {}
-    meta_model = check_model_config_supported(model_config(mcfg, src), f"{src}: the model", model_class(mcfg, src))
+    hf_config = model_config(mcfg, src)
+    meta_model = check_model_config_supported(hf_config, f"{src}: the model", model_class(mcfg, src))
     if router_balance_of(meta_model) is not None and name != "sft":  # CPSFTTrainer computes it as CPTrainer does
         raise SetupError(
             f"{src}: trainer: {name} does not compute the MoE router's auxiliary loss (output_router_logits=True with "
@@ -70,15 +149,24 @@ def trl_trainer_dry_run(cfg: dict, world_size: int) -> List[str]:
         raise ValueError(f"{src}: trainer: {name} tokenises text: give model.tokenizer or a pretrained folder with one")
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     check_columns(name, train, src)
+    vocab = model_vocab_size(meta_model, hf_config)
+    for data, data_name in ((train, "train_dataset"), (evaluation, "eval_dataset")):
+        if data is None:
+            continue
+        if "input_ids" in data.column_names:  # tokenised rows TRL passes through: ids outside fail the embedding
+            check_token_ids(data, data_name, vocab)
+        if name in EMPTY_ANSWER_CHECKS:  # what CPDPOTrainer / CPKTOTrainer refuse before TRL tokenises
+            refuse_empty_answers(data, data_name, *EMPTY_ANSWER_CHECKS[name])
     if cfg.get("reward"):
         reward_functions(cfg["reward"]["functions"], src)
-    return [
+    lines = [
         f"config {Path(src).name}: trainer {name}, {world_size} rank(s), balancer {args.cp_balancer}, {len(train)} "
         f"rows with columns {sorted(train.column_names)}"
         + (f", {len(evaluation)} for evaluation" if evaluation is not None else ""),
         f"the training section, model, tokenizer and data fit trainer: {name}; TRL tokenises the rows when the "
         "trainer is built, so each step's plan is made and checked from the first step",
     ]
+    return lines + warnings + output_dir_lines(args, world_size, hf_config, None, max_restarts)
 
 
 def dry_run(
@@ -87,18 +175,11 @@ def dry_run(
     """Report lines; raises the error the training launch would raise."""
     cfg = load_config(config_path, overrides, TRAINERS)
     if cfg["trainer"] != "cp":
-        return trl_trainer_dry_run(cfg, world_size)
+        return trl_trainer_dry_run(cfg, world_size, max_restarts)
     src = cfg["_source"]
-    tcfg = dict(cfg.get("training") or {})
-    device = "cpu" if tcfg.get("use_cpu") else "cuda"  # where the run will train
-    precision = {"bf16": bool(tcfg.get("bf16")), "fp16": bool(tcfg.get("fp16"))}  # the launch's
+    args, precision, device = login_node_arguments(cfg)
     half_precision = any(precision.values())  # what the run's model states will be
-    # precision and device do not change plans; a login node has no GPU to validate bf16 with
-    tcfg.update(bf16=False, fp16=False, use_cpu=True)
-    args = training_arguments(tcfg, src)
-    # what CPTrainer checks when it is built: engines, the DeepSpeed JSON, timeout, output_dir, report_to
-    check_sharding(args)
-    launch_warnings = check_launch_settings(args, world_size, src, precision)
+    launch_warnings = launch_settings_warnings(args, world_size, src, precision)
     settings = args.planning_settings()
     if settings.model_states is not None:  # the run's precision, not the login node's
         settings.model_states["half_precision"] = half_precision
@@ -163,7 +244,7 @@ def dry_run(
     if warning:
         lines.append(f"warning: {warning}")
     lines += [f"warning: {w}" for w in data.warnings]  # rows that look packed but carry no boundaries
-    lines += [f"warning: {w}" for w in launch_warnings]
+    lines += launch_warnings
     line = (
         f"first {n} step(s) planned and valid: predicted "
         f"{statistics.mean(ps.predicted.makespan_ms for ps in planned):.1f} ms/step "
@@ -206,43 +287,10 @@ def dry_run(
             masks=eval_data.masks,
         )
         lines.append(f"evaluation: {len(evaluation)} samples in {len(plans)} planned batch(es), valid")
-    # another run's lock on output_dir (checkpoint/run_lock.py): read, not taken; a launch would be refused
-    state = lock_status(args.output_dir, args.cp_break_lock)
-    if state is not None:
-        lines.append(f"{state[0]}: {state[1]}")
-    # a resume takes the newest complete checkpoint: partial ones (a save that was interrupted) are named
-    partial = [c for c in scan_checkpoints(args.output_dir) if not c.complete]
-    skipped = "a resume or restart skips it" if args.resume_from_checkpoint else "resume_from_checkpoint is off"
-    lines += [f"warning: {c.path} is a partial checkpoint ({c.problem}); {skipped}" for c in partial]
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, notes=[])  # reported here
-    if resume is not None:
-        now = schedule_record(
+
+    def schedule() -> dict:  # what a resume compares with the checkpoint's; made only for one
+        return schedule_record(
             sampler.lengths, sampler.tokens_per_step, sampler.seed, sampler.shuffle, world_size, data.digest()
         )
-        ds = getattr(args, "hf_deepspeed_config", None)
-        check_checkpoint_fits(resume, run_engine(sharding_of(args), ds.config if ds is not None else None), hf_config)
-        notes = check_resume(
-            resume,
-            now,
-            world_size,
-            ds.config if ds is not None else None,
-            args.cp_allow_schedule_change,
-            args.cp_checkpoint_allowed_globals,
-        )
-        status = checkpoint_status(resume)
-        setting = args.resume_from_checkpoint
-        latest = setting is True or (isinstance(setting, str) and setting.lower() in LATEST)
-        lines.append(
-            f"resume: a launch or restart resumes from {resume}"
-            + (" (the newest complete checkpoint)" if partial and latest else "")
-            + ": its files match their checksums, its pickles import no code, and its engine, model, sample "
-            "schedule and ZeRO world size fit this run"
-        )
-        lines += [f"note: {note}" for note in ([legacy_note(resume)] if status.legacy else []) + notes]
-    elif args.resume_from_checkpoint:
-        what = "no complete checkpoint" if partial else "no checkpoint"
-        lines.append(f"resume: {what} in {args.output_dir} yet, a fresh start")
-    if max_restarts:
-        env = dict(os.environ, TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
-        lines += [f"warning: {p}" for p in restart_problems(args.save_strategy, args.resume_from_checkpoint, env)]
-    return lines
+
+    return lines + output_dir_lines(args, world_size, hf_config, schedule, max_restarts)

@@ -60,6 +60,7 @@ from datasets import IterableDataset
 
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
+from hf_cp.train.checks.answers import refuse_empty_answers
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
@@ -68,7 +69,6 @@ from hf_cp.train.objectives.preference import (
     policy_and_reference_logps,
     reference_logps,
     refuse_active_dropout,
-    refuse_empty_answers,
     refuse_other_attention,
     refuse_padded_batch_settings,
     refuse_reference_without_path,

@@ -58,6 +58,7 @@ from datasets import IterableDataset
 
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
+from hf_cp.train.checks.answers import EXAMPLE_COLUMNS, refuse_empty_answers
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.kto_loss import KL_LOSS_TYPES, KTOSettings, kl_estimate, kto_loss
@@ -65,7 +66,6 @@ from hf_cp.train.objectives.preference import (
     attach_reference_recurrent_layers,
     policy_and_reference_logps,
     refuse_active_dropout,
-    refuse_empty_answers,
     refuse_other_attention,
     refuse_padded_batch_settings,
 )
@@ -75,7 +75,7 @@ from hf_cp.train.step.executor import WaveTotals
 from hf_cp.train.step.sequence_objective import train_sequence_objective
 from hf_cp.train.trainer import CPTrainer
 
-TEXT_COLUMNS = ("prompt", "completion", "chosen", "rejected")
+TEXT_COLUMNS = EXAMPLE_COLUMNS  # the text TRL tokenises
 
 
 @dataclass
