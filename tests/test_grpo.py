@@ -465,3 +465,33 @@ def test_a_policy_without_a_loadable_path_gets_its_initial_weights_as_the_refere
     ref = dict(trainer.ref_model.named_parameters())
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p.detach().cpu(), ref[name].detach().cpu()), name
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(report_to="wandbx"), "CPGRPOTrainer: report_to 'wandbx' is not a reporting integration"),
+        (dict(ddp_timeout=0), "CPGRPOTrainer: ddp_timeout 0 must be a positive number of seconds"),
+        (
+            dict(deepspeed={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}),
+            "CPGRPOTrainer: the DeepSpeed config contradicts the training arguments",
+        ),
+    ],
+    ids=["report_to", "ddp_timeout", "deepspeed"],
+)
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_the_generation_trainers_check_the_launch_settings_as_cptrainer_does(trainer, settings, match, tmp_path):
+    """PlannedRollouts (GRPO, RLOO) calls check_launch_settings before any work, as CPTrainer does
+    (before: a traceback from the process group, DeepSpeed or transformers' callbacks)."""
+    from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer
+    from hf_cp.train.objectives.rloo import CPRLOOConfig, CPRLOOTrainer
+
+    config, cls = (CPGRPOConfig, CPGRPOTrainer) if trainer == "grpo" else (CPRLOOConfig, CPRLOOTrainer)
+    settings = dict(settings)  # the parameter's dict is shared by both trainers' runs
+    deepspeed = settings.pop("deepspeed", None)
+    args = config(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=G, per_device_train_batch_size=G, **settings
+    )
+    args.deepspeed = deepspeed  # set after construction: transformers would build the engine's config from it
+    with pytest.raises(ValueError, match=match.replace("CPGRPOTrainer", cls.__name__)):
+        cls(model=None, reward_funcs=reward_a, args=args)

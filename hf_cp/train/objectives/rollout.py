@@ -28,6 +28,7 @@ from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
+from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
@@ -109,6 +110,8 @@ class PlannedRollouts(FSDP2Trainer):
             check_recurrent_layers_fit(model, name, {"shared_prompt"}, args.cp_balancer)
             check_model_supported(model, f"{name}: the policy")
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
+        # the DeepSpeed JSON, ddp_timeout, output_dir, report_to, as CPTrainer checks them: before any work
+        launch_warnings = check_launch_settings(args, int(args.world_size), name)
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):
@@ -141,6 +144,8 @@ class PlannedRollouts(FSDP2Trainer):
                 f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
             )
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
+        for warning in launch_warnings if self.cp_rank == 0 else ():  # DeepSpeed keys it never reads, once
+            logger.warning("hf_cp: %s", warning)
         # no sampler: the batches come from generation, each planned when it is made
         setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
         self.cp_vision = None  # vision-language policies are refused above
