@@ -102,7 +102,8 @@ def test_an_output_dir_that_is_a_file_or_under_one_is_refused(tmp_path):
     afile.write_text("x")
     with pytest.raises(SetupError, match=f"output_dir '{afile}' is a file, not a folder"):
         dry_run(TINY, [f"training.output_dir={afile}"], world_size=2, steps=1)
-    with pytest.raises(SetupError, match=f"output_dir '{afile / 'run'}': the folder '{afile}', where it would be"):
+    under = f"output_dir '{afile / 'run'}' cannot be created: '{afile}' on its path is a file, not a folder"
+    with pytest.raises(SetupError, match=under):
         dry_run(TINY, [f"training.output_dir={afile / 'run'}"], world_size=2, steps=1)
     with pytest.raises(SetupError, match="output_dir is empty"):
         dry_run(TINY, ["training.output_dir=' '"], world_size=2, steps=1)

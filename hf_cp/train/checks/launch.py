@@ -210,7 +210,11 @@ def check_output_dir(output_dir, where: str) -> None:
     existing = path
     while not existing.exists():
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():  # a file on the way: the folder cannot be made under it
+        raise SetupError(
+            f"{where}: output_dir {str(path)!r} cannot be created: {str(existing)!r} on its path is a file, not a folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
         what = "folder" if existing == path else f"folder {str(existing)!r}, where it would be created,"
         raise SetupError(f"{where}: output_dir {str(path)!r}: the {what} is not writable by this user")
 
