@@ -151,9 +151,8 @@ def test_vision_language_training_equals_the_models_own_forward_step_by_step(wor
     AdamW equal single-process training on the model's own forward (its pixel columns, its own
     M-RoPE, helpers/harness/reference.py), with the 400-token sample and its clip over a CP group."""
     spec = world2_job[f"qwen2_5_vl-{balancer}"]
-    if balancer != "auto":  # auto's vision-priced plans are not yet re-planned identically here (issue 38 note)
-        spread, _ = placements(executed_plans(spec))
-        assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
+    spread, _ = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
     rows = train_rows(spec)
     assert "pixel_values_videos" in rows[0] and sum("pixel_values" in r for r in rows) >= 3
     report = check_run(spec)

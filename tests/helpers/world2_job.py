@@ -19,6 +19,7 @@ from typing import Dict
 
 from hf_cp.balance import available_balancers, get_balancer
 from hf_cp.cost.dims import ModelDims, VisionDims
+from hf_cp.cost.execution import execution_named
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
@@ -268,6 +269,8 @@ def executed_plans(spec: dict):
         CostModel(
             ModelDims.from_hf_config(config),
             HardwareProfile.load(spec.get("profile", "h200-qwen2.5-7b")),
+            # the engine's step rule: auto prices its members by the wall clock under it
+            execution_named(json.loads((Path(spec["out"]) / "engine.json").read_text()).get("engine") or "ddp"),
             vision=VisionDims.from_hf_config(config, source="model config") if grids else None,
         ),
         seed=42,
