@@ -261,6 +261,34 @@ def test_a_full_disk_on_rank_0_names_the_folder_on_every_rank_and_keeps_the_last
     assert not folder.exists()
 
 
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_a_full_disk_on_rank_1_is_cleaned_up_by_rank_0_and_keeps_the_last_checkpoint(tmp_path):
+    """World 2, ZeRO-2: every torch.save of rank 1 into checkpoint-4 fails with ENOSPC, rank 0's
+    own writes go through (~20 s). Rank 0, whose wait for rank 1 fails, removes the partial
+    folder (before: only a full disk on rank 0 itself removed it, so the partial checkpoint
+    stayed on the disk that was full); both ranks' errors name the folder."""
+    spec = spec_for(
+        tmp_path, "static", steps=4, save_steps=2, tag="full1", fault=dict(kind="full_disk", rank=1, step=3)
+    )
+    with pytest.raises(RuntimeError) as err:
+        run_distributed(spec, 2, timeout=JOB_TIMEOUT)
+    out = Path(spec["out"])
+    text = str(err.value)
+    folder, kept = out / "checkpoint-4", out / "checkpoint-2"
+    assert (
+        f"[rank1]: hf_cp.train.checkpoint.save_errors.CheckpointSaveError: saving checkpoint {folder} failed: No space left"
+        in text
+    ), text[-4000:]
+    assert "rank 0, which saves the checkpoint, removes the partial checkpoint-4" in text
+    assert (
+        f"[rank0]: hf_cp.train.checkpoint.save_errors.CheckpointSaveError: saving checkpoint {folder} failed on another rank"
+        in text
+    ), text[-4000:]
+    assert "The partial checkpoint-4 was removed" in text and f"{kept}, the last complete checkpoint, is kept" in text
+    assert [(c.name, c.complete) for c in scan_checkpoints(out)] == [("checkpoint-2", True)]
+    assert not folder.exists()
+
+
 def test_a_save_stopped_before_the_mark_leaves_a_partial_checkpoint_that_resume_skips(tmp_path, monkeypatch, caplog):
     import hf_cp.train.runtime.checkpoints as trainer_module
 

@@ -85,10 +85,16 @@ def _size(n: Optional[int]) -> str:
 
 
 def save_failure_error(
-    failure: StorageFailure, checkpoint: Union[str, Path], kept: Optional[str], removed: bool
+    failure: StorageFailure,
+    checkpoint: Union[str, Path],
+    kept: Optional[str],
+    removed: bool,
+    saving_rank_removes: bool = False,
 ) -> CheckpointSaveError:
     """The error of a failed checkpoint write: the folder, whether space ran out, and what a
-    restart resumes from (`kept`: the last complete checkpoint, None when there is none)."""
+    restart resumes from (`kept`: the last complete checkpoint, None when there is none).
+    `saving_rank_removes`: this rank does not save the checkpoint's shared files, and rank 0
+    removes the partial folder once its wait for this rank fails."""
     name = Path(checkpoint).name
     free = f"{_size(failure.free_bytes)} free on its filesystem"
     if failure.space:
@@ -97,7 +103,12 @@ def save_failure_error(
         )
     else:
         what = f"saving checkpoint {checkpoint} failed ({failure.cause}; {free})"
-    partial = f"The partial {name} was removed" if removed else f"The partial {name} is left without {COMPLETE_FILE}"
+    if removed:
+        partial = f"The partial {name} was removed"
+    elif saving_rank_removes:
+        partial = f"rank 0, which saves the checkpoint, removes the partial {name} when its wait for this rank fails"
+    else:
+        partial = f"The partial {name} is left without {COMPLETE_FILE}"
     if kept is not None:
         after = f"; {kept}, the last complete checkpoint, is kept: a restart (resume_from_checkpoint: latest) resumes from it"
     else:
@@ -109,11 +120,12 @@ def save_failure_error(
 
 
 def peer_save_failure_error(
-    err: BaseException, checkpoint: Union[str, Path], kept: Optional[str]
+    err: BaseException, checkpoint: Union[str, Path], kept: Optional[str], removed: bool = False, saves: bool = True
 ) -> CheckpointSaveError:
     """The error of a rank whose own files were written but whose wait for the other ranks inside
     the save of `checkpoint` failed: another rank's save failed (its own error says why, a full
-    disk for example) or it stopped."""
+    disk for example) or it stopped. `removed`: this rank removed the partial folder; `saves`:
+    this rank is the one that saves the checkpoint's shared files (rank 0), which removes it."""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     resumes = (
         f"{kept}, the last complete checkpoint, is kept: a restart (resume_from_checkpoint: latest) resumes from it"
@@ -123,5 +135,12 @@ def peer_save_failure_error(
     return CheckpointSaveError(
         f"saving checkpoint {checkpoint} failed on another rank: this rank wrote its files, then its wait "
         f"for the others failed ({type(err).__name__}: {first}); the failing rank's log says why (a full "
-        f"disk, a crash). {Path(checkpoint).name} is left without {COMPLETE_FILE}, which resume skips; {resumes}"
+        f"disk, a crash). "
+        + (
+            f"The partial {Path(checkpoint).name} was removed"
+            if removed
+            else f"{Path(checkpoint).name} is left without {COMPLETE_FILE}, which resume skips"
+            + ("" if saves else " (rank 0, which saves the checkpoint, removes it unless its own write failed)")
+        )
+        + f"; {resumes}"
     )

@@ -75,14 +75,16 @@ def save_failure(
     err: Exception, folder: Path, run_dir: Path, global_step: int, should_save: bool
 ) -> Optional[CheckpointSaveError]:
     """The error to raise for `err`, raised while saving `folder`: a CheckpointSaveError for a
-    failed write (the partial folder is removed when space ran out, to give it back), None
-    to re-raise `err` itself (with a note saying what a restart resumes from)."""
+    failed write, None to re-raise `err` itself (with a note saying what a restart resumes from).
+    The saving rank (`should_save`, rank 0) removes the partial folder when space ran out on it,
+    and when another rank's write failed (its full disk is as likely to be the shared one), to
+    give the space back; the last complete checkpoint is kept."""
     kept = last_complete(run_dir, before=global_step)
     failure = storage_failure(err, folder)
     if failure is None and is_collective_failure(err):
         # this rank's write went through, another rank's did not (it stopped, or a full disk
         # made it leave): this rank's wait for it inside the save failed
-        return peer_save_failure_error(err, folder, kept)
+        return peer_save_failure_error(err, folder, kept, should_save and _remove(folder), should_save)
     if failure is None:
         if hasattr(err, "add_note"):  # Python 3.11+
             err.add_note(
@@ -90,11 +92,15 @@ def save_failure(
                 + (kept if kept is not None else "step 0 (no complete checkpoint yet)")
             )
         return None
-    removed = False
-    if failure.space and should_save:
-        shutil.rmtree(folder, ignore_errors=True)
-        removed = not folder.exists()
-    return save_failure_error(failure, folder, kept, removed)
+    removed = failure.space and should_save and _remove(folder)
+    # another rank's space ran out: rank 0, whose wait for it then fails, removes the folder (above)
+    return save_failure_error(failure, folder, kept, removed, saving_rank_removes=failure.space and not should_save)
+
+
+def _remove(folder: Path) -> bool:
+    """Remove a partial checkpoint folder; whether it is gone."""
+    shutil.rmtree(folder, ignore_errors=True)
+    return not folder.exists()
 
 
 def atomic_save(trainer, trial, trainer_save: Callable[[], None]) -> None:
