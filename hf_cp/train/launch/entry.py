@@ -28,6 +28,7 @@ from hf_cp.train.setup.config import (
     load_run_tokenizer,
     training_arguments,
 )
+from hf_cp.train.setup.model_section import model_class
 
 
 def shutdown_distributed() -> None:
@@ -133,7 +134,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
             )
         if saved:
             what = "model and tokenizer" if tokenizer is not None else "model (no tokenizer in this run)"
-            print(f"  final {what} saved to {final} (AutoModelForCausalLM.from_pretrained({str(final)!r}))")
+            loader = model_class(cfg.get("model") or {}, src).__name__  # a VLM's own class, not a causal LM's
+            print(f"  final {what} saved to {final} ({loader}.from_pretrained({str(final)!r}))")
         elif not stopped:
             print("  final model not saved (cp_save_final_model: false)")
         print(f"  logs and per-step history: {args.output_dir}")
