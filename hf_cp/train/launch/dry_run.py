@@ -8,6 +8,10 @@ world size, and checks what a resume would find in output_dir (which checkpoint 
 partial checkpoints of an interrupted save, the sample schedule, a ZeRO checkpoint of another
 world size, another run's lock: an `error:` line) and what a restart would need. It raises
 the error training would raise, or returns a short report.
+
+A TRL trainer (`trainer: dpo | sft | kto | grpo | rloo`) gets the same launch-setting and
+output_dir checks (one set of helpers for both), and of its data what holds before TRL
+tokenises the rows: token ids in the vocabulary where rows carry them, no empty DPO/KTO answer.
 """
 
 from __future__ import annotations
