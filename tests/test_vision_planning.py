@@ -352,6 +352,7 @@ def test_hf_cp_plan_takes_vision_lengths(capsys, tmp_path):
     )
     out = capsys.readouterr().out
     assert "8 with images or clips (8 items)" in out and "vision tower priced: 32 blocks, hidden 1280" in out
+    assert "vision pricing: dynamic_cp planning these steps with the vision tower unpriced (LLM tokens only)" in out
     plans = json.loads((tmp_path / "o.json").read_text())["plans"]
     assert any(plan.get("vision") for plan in plans)
     # the plans resimulate with their grids (the tower from --vision-model)
@@ -379,6 +380,19 @@ def test_hf_cp_plan_takes_vision_lengths(capsys, tmp_path):
     bad = _jsonl(tmp_path, [{"length": 300}, {"length": 20, "vision": [[1, 28, 28]]}], "bad.jsonl")
     assert main(["plan", "--lengths", str(bad), "--world", "2", "--model", "qwen2.5-vl-7b"]) == 2
     assert "sample 1 (record 2): its vision grids make 196 placeholder tokens" in capsys.readouterr().err
+
+
+def test_hf_cp_plan_shows_what_vision_pricing_gains_on_the_video_trace(capsys, traces_dir):
+    """The bundled Video-MME-shaped trace at world 64 (issue 38's acceptance): auto's first full
+    step planned with the encoder priced against the same balancer pricing LLM tokens only, both
+    simulated with the encoder's work (scripts/bench_vision_planning.py: 1.059x on this step)."""
+    rc = main(["plan", "--lengths", str(traces_dir / "vision_videomme_mix.jsonl"), "--model", "qwen2.5-vl-7b",
+               "--world", "64", "--max-tokens-per-rank", "32768", "--tokens-per-rank-per-step", "65536",
+               "--steps", "1", "--compare-balancer", "none", "--progress", "off"])  # fmt: skip
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("vision pricing: auto"))
+    gain = float(line.rsplit(",", 1)[1].split("x")[0])
+    assert rc == 0 and gain > 1.03, line
 
 
 def test_planning_setup_grids_reach_every_request(vl_cost):

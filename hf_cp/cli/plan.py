@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -343,6 +344,19 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
         )
 
 
+def text_only_ms(planner: Planner, steps: int, balancer) -> float:
+    """The first `steps` steps' predicted time when `balancer` plans them with the vision tower
+    unpriced (each sample's LLM tokens only, as planners did before vision pricing), each plan
+    simulated with its vision work: what pricing the encoder gains."""
+    total = 0.0
+    for k in range(steps):
+        req = planner.request(planner.sampler[k])
+        plan = balancer.plan(dataclasses.replace(req, vision=None))
+        plan.vision = dict(req.vision or {})
+        total += simulate(plan, req.cost, req.cluster).makespan_ms
+    return total
+
+
 def print_hierarchy(planner: Planner, planned: List, reports: List, member: str) -> None:
     """--hierarchical: per step, what the first pass and the slowest host cost, and the plan
     against `member` planning the whole world flat (planned here, on the same request)."""
@@ -654,6 +668,12 @@ def run(args) -> int:
     check_finite(rows, args)
     compare = None if args.plan_json else settings.compare_balancer
     print_report(rows, header, cluster.max_tokens_per_rank, compare)
+    if not args.plan_json and vision:
+        mine, theirs = sum(r["predicted_ms"] for r in rows), text_only_ms(planner, len(rows), setup.balancer())
+        print(
+            f"vision pricing: {settings.balancer} planning these steps with the vision tower unpriced (LLM tokens "
+            f"only) would take {theirs:.1f} ms, {theirs / mine:.3f}x the plans above"
+        )
     if not args.plan_json and args.hierarchical:
         print_hierarchy(planner, planned, reports, args.balancer)
     print_memory(cost, cluster, args.device_memory_gb)
