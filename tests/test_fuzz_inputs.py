@@ -20,24 +20,25 @@ Each input ends in one of:
     accepted (valid)       a valid mutation, loaded
     accepted silently      an invalid mutation, loaded without an error
     traceback              any other exception (TypeError, KeyError, IndexError, numpy's, ...)
+    hang                   still running after HANG_S (5 s; a SIGALRM deadline in the main thread)
     refused unclearly      refused, naming neither the file nor the field
     refused a valid input  a valid mutation refused
-The last four fail the test; `pytest -s` prints the counts. A bigger sweep is marked slow.
+The last five fail the test; `pytest -s` prints the counts. A bigger sweep is marked slow.
 
 Counts of the fast run (seed 27; refused clearly / accepted valid / accepted silently / traceback /
-refused unclearly / refused a valid input):
-    profiles                 35: 24 / 11 / 0 / 0 / 0 / 0
-    grouped-answer records   24: 20 /  4 / 0 / 0 / 0 / 0
-    configs                  35: 30 /  5 / 0 / 0 / 0 / 0
-    checkpoint files         24: 22 /  2 / 0 / 0 / 0 / 0   (half with the mark's SHA-256s, half without)
-    history files            24: 15 /  9 / 0 / 0 / 0 / 0
-    plan JSON                28: 25 /  3 / 0 / 0 / 0 / 0
-    DeepSpeed JSON           24: 11 / 13 / 0 / 0 / 0 / 0
-    token data               24: 17 /  7 / 0 / 0 / 0 / 0
-    preference records       24: 12 / 12 / 0 / 0 / 0 / 0
-    lengths files            24: 16 /  8 / 0 / 0 / 0 / 0
-    CLI flags                24: 16 /  8 / 0 / 0 / 0 / 0
-and of the slow sweep: DeepSpeed JSON 80: 35 / 45; token data 160: 125 / 35; preference
+hang / refused unclearly / refused a valid input):
+    profiles                 35: 24 / 11 / 0 / 0 / 0 / 0 / 0
+    grouped-answer records   24: 20 /  4 / 0 / 0 / 0 / 0 / 0
+    configs                  35: 30 /  5 / 0 / 0 / 0 / 0 / 0
+    checkpoint files         24: 22 /  2 / 0 / 0 / 0 / 0 / 0   (half with the mark's SHA-256s, half without)
+    history files            24: 15 /  9 / 0 / 0 / 0 / 0 / 0
+    plan JSON                28: 25 /  3 / 0 / 0 / 0 / 0 / 0
+    DeepSpeed JSON           24: 11 / 13 / 0 / 0 / 0 / 0 / 0
+    token data               24: 17 /  7 / 0 / 0 / 0 / 0 / 0
+    preference records       24: 12 / 12 / 0 / 0 / 0 / 0 / 0
+    lengths files            24: 16 /  8 / 0 / 0 / 0 / 0 / 0
+    CLI flags                24: 16 /  8 / 0 / 0 / 0 / 0 / 0
+and of the slow sweep (run before the hang outcome was added): DeepSpeed JSON 80: 35 / 45; token data 160: 125 / 35; preference
 records 160: 80 / 80; lengths files 160: 103 / 57; CLI flags 80: 53 / 27; profiles 171: 115 /
 56; grouped-answer records 80: 61 / 19; checkpoint files 160: 143 / 17; history files 160: 122 / 38; plan JSON 164: 146 / 18; configs 91: 77 / 14
 (every value of CONFIG_FIELDS in turn: 48 refused clearly, 16 accepted valid); none failing.
@@ -54,7 +55,10 @@ import json
 import math
 import random
 import shutil
+import signal
 import string
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
@@ -96,13 +100,42 @@ SLOW = 160  # and in the slow sweep
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
 CLEAR, VALID, SILENT, TRACEBACK = "refused clearly", "accepted (valid)", "accepted silently", "traceback"
-UNCLEAR, FALSE_REFUSAL = "refused unclearly", "refused a valid input"
-OUTCOMES = (CLEAR, VALID, SILENT, TRACEBACK, UNCLEAR, FALSE_REFUSAL)
-FAILURES = (SILENT, TRACEBACK, UNCLEAR, FALSE_REFUSAL)
+HANG, UNCLEAR, FALSE_REFUSAL = "hang", "refused unclearly", "refused a valid input"
+OUTCOMES = (CLEAR, VALID, SILENT, TRACEBACK, HANG, UNCLEAR, FALSE_REFUSAL)
+FAILURES = (SILENT, TRACEBACK, HANG, UNCLEAR, FALSE_REFUSAL)
+HANG_S = 5.0  # an input's deadline: the slowest input of the fast run takes well under 1 s
 
 
 class Refused(Exception):
     """A CLI run that exited non-zero; the message is its stderr."""
+
+
+class _Deadline(BaseException):
+    """Raised by SIGALRM in an input past its deadline: a BaseException, so that a loader's own
+    `except Exception` cannot swallow it."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Raise _Deadline in the main thread after `seconds`. pytest-timeout's own SIGALRM timer (its
+    signal method) is set aside meanwhile and given back, less the time spent here."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def ring(signum, frame):
+        raise _Deadline()
+
+    before = signal.signal(signal.SIGALRM, ring)
+    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3), interval)
 
 
 @dataclass
@@ -118,10 +151,14 @@ class Tally:
     counts: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     bad: List[str] = field(default_factory=list)
     files_named: int = 0  # clear refusals whose message names the file itself (Case.names[0])
+    deadline_s: float = HANG_S  # an input still running after it is a hang
 
     def judge(self, case: Case, call: Callable[[], object], errors: tuple) -> str:
         try:
-            call()
+            with _deadline(self.deadline_s):
+                call()
+        except _Deadline:
+            outcome, detail = HANG, f"still running after {self.deadline_s:g} s"
         except (Refused, *errors) as e:
             text = str(e)
             if not case.invalid:
@@ -154,6 +191,31 @@ class Tally:
         failed = {k: v for k, v in self.counts.items() if k in failures and v}
         assert not failed, self.report() + "\n" + "\n".join(self.bad)
         assert self.counts[CLEAR] and self.counts[VALID], f"{self.kind}: the fuzz must make valid and invalid inputs"
+
+
+def test_an_input_past_its_deadline_is_a_hang_and_a_failure():
+    """A loader stuck on an input (a read that never returns, a loop) counts as a hang, which fails
+    the class; the timer is given back to pytest-timeout afterwards."""
+    outer = signal.getitimer(signal.ITIMER_REAL)[0]
+    tally = Tally("hangs", deadline_s=0.2)
+    assert tally.judge(Case("sleeps", True, ("x",)), lambda: time.sleep(30), (ValueError,)) == HANG
+    assert tally.judge(Case("swallows", True, ("x",)), _swallowing_loop, (ValueError,)) == HANG
+    assert tally.judge(Case("quick", False, ("x",)), lambda: None, (ValueError,)) == VALID
+    assert tally.counts[HANG] == 2 and "sleeps: hang (still running after 0.2 s)" in tally.bad[0]
+    assert "hang 2" in tally.report()
+    with pytest.raises(AssertionError, match="hang 2"):
+        tally.check()
+    if outer:  # pytest-timeout's signal method: its timer runs again
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= outer
+
+
+def _swallowing_loop() -> None:
+    """A loop whose own `except Exception` would swallow an ordinary exception."""
+    while True:
+        try:
+            time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - what a loader might do
+            pass
 
 
 def _cli(args: Sequence[str]) -> None:
