@@ -16,13 +16,19 @@ that passes the check is exact, one that would be wrong fails loudly (e.g. one b
 several chunks' losses, whose order autograd does not fix).
 A chunk's K/V are written on its first forward; a recomputed forward reuses them.
 
+The recurrent layers of a Gated DeltaNet hybrid (attention/chunk_recurrence.py) keep, the same
+way, per layer and per chunk but the last: its final recurrent state (float32) and its last
+conv-window input rows (the next chunks' halo), each with a float32 gradient accumulator that
+the later chunks' backward fills and the chunk's own backward reads, in the same strict
+reverse order.
+
 Token-major tensors as everywhere in hf_cp.attention: q [c, H, D], k/v [c, H_kv, D].
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +59,13 @@ class ChunkStateStore:
         self._dv: Dict[int, Tensor] = {}
         self._written: Dict[int, int] = {}  # layer -> chunks whose K/V are stored (always a prefix)
         self._next_backward: Dict[int, int] = {}  # layer -> the only chunk whose backward may run next
+        # recurrent layers: layer -> per chunk, its final state, its tail rows, and their gradients
+        self._state: Dict[int, List[Tensor]] = {}
+        self._tail: Dict[int, List[Tensor]] = {}
+        self._dstate: Dict[int, List[Optional[Tensor]]] = {}
+        self._dtail: Dict[int, List[Optional[Tensor]]] = {}
+        self._recurrent_next: Dict[int, int] = {}  # layer -> the only chunk whose backward may run next
+        self._leaves: Dict[int, Dict[int, List[int]]] = {}  # layer -> chunk -> [leaf gradients due, arrived]
         self.peak_bytes = 0
 
     @property
@@ -65,7 +78,9 @@ class ChunkStateStore:
     @property
     def nbytes(self) -> int:
         """Bytes the store holds now (K/V values and gradient accumulators of every layer)."""
-        return sum(t.numel() * t.element_size() for d in (self._k, self._v, self._dk, self._dv) for t in d.values())
+        kv = sum(t.numel() * t.element_size() for d in (self._k, self._v, self._dk, self._dv) for t in d.values())
+        rec = (self._state, self._tail, self._dstate, self._dtail)
+        return kv + sum(t.numel() * t.element_size() for d in rec for ts in d.values() for t in ts if t is not None)
 
     def _note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
@@ -126,9 +141,96 @@ class ChunkStateStore:
         s, e = self.bounds(i)
         return self._dk[layer][s:e], self._dv[layer][s:e]
 
+    def write_recurrent(self, layer: int, i: int, state: Tensor, tail: Tensor) -> None:
+        """Store chunk i's final recurrent state and last input rows of recurrent `layer` for the
+        chunks after it (no-op when already stored, a recompute, or for the last chunk: none read it)."""
+        done = len(self._state.get(layer, ()))
+        if i < done or i == self.num_chunks - 1:
+            return
+        if i > done:
+            raise ChunkOrderError(
+                f"recurrent layer {layer}: chunk {i} ran before chunk {done}; dependent chunks run in order "
+                f"0..{self.num_chunks - 1}"
+            )
+        for d, t in ((self._state, state), (self._tail, tail)):
+            d.setdefault(layer, []).append(t.detach().clone())
+        self._dstate.setdefault(layer, []).append(None)
+        self._dtail.setdefault(layer, []).append(None)
+        self._note_peak()
+
+    def recurrent_inputs(self, layer: int, i: int, width: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """What chunk i of recurrent `layer` starts from: chunk i-1's final state and the last
+        `width` input rows before the chunk (None, None for the first chunk)."""
+        if i == 0:
+            return None, None
+        if len(self._state.get(layer, ())) < i:
+            raise ChunkOrderError(
+                f"recurrent layer {layer}: chunk {i} needs the states of chunks 0..{i - 1}, which are not stored"
+            )
+        tails = self._tail[layer][:i]
+        halo = torch.cat(tails[-width:], dim=0)[-width:] if width else tails[-1][:0]
+        return self._state[layer][i - 1], halo
+
+    def expect_leaf_grads(self, layer: int, i: int, leaves: int) -> None:
+        """Chunk i's forward with a graph of recurrent `layer` reads `leaves` stored tensors (state,
+        halo), whose gradients its backward hands back before chunk i-1's may start."""
+        self._leaves.setdefault(layer, {})[i] = [leaves, 0]
+
+    def begin_recurrent_backward(self, layer: int, i: int) -> None:
+        """Chunk i's backward of recurrent `layer` starts: only once every later chunk's has run
+        and handed back its gradients."""
+        expected = self._recurrent_next.get(layer, self.num_chunks - 1)
+        leaves, arrived = self._leaves.get(layer, {}).get(i + 1, (0, 0))
+        if i != expected or arrived < leaves:
+            raise ChunkOrderError(
+                f"recurrent layer {layer}: the backward of chunk {i} ran when chunk {expected}'s was due"
+                + (f" (chunk {i + 1} had not handed back its stored state's gradients)" if i == expected else "")
+                + ". Dependent chunks backpropagate one at a time, last chunk first "
+                "(hf_cp.train.step.chunkflow.run_chunked_sample)"
+            )
+        self._recurrent_next[layer] = i - 1
+
+    def _arrived(self, layer: int, i: int) -> None:
+        self._leaves[layer][i][1] += 1
+
+    def add_state_grad(self, layer: int, i: int, grad: Tensor) -> None:
+        """Chunk i's gradient of its incoming state: chunk i-1's final state's."""
+        self._accumulate(self._dstate[layer], i - 1, grad)
+        self._arrived(layer, i)
+
+    def add_halo_grad(self, layer: int, i: int, grad: Tensor) -> None:
+        """Chunk i's gradient of its halo rows, into the tails of the chunks that hold them."""
+        end = grad.shape[0]
+        for j in reversed(range(i)):
+            if end == 0:
+                break
+            n = min(end, self._tail[layer][j].shape[0])
+            tail = self._dtail[layer][j]
+            if tail is None:
+                tail = self._dtail[layer][j] = torch.zeros(
+                    self._tail[layer][j].shape, dtype=torch.float32, device=grad.device
+                )
+                self._note_peak()
+            tail[tail.shape[0] - n :] += grad[end - n : end].float()
+            end -= n
+        self._arrived(layer, i)
+
+    def _accumulate(self, grads: List[Optional[Tensor]], j: int, grad: Tensor) -> None:
+        if grads[j] is None:
+            grads[j] = grad.float().clone()
+            self._note_peak()
+        else:
+            grads[j] += grad.float()
+
+    def own_recurrent_grad(self, layer: int, i: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """The gradient the later chunks gave chunk i's final state and tail rows (float32), or None."""
+        if i >= len(self._dstate.get(layer, ())):
+            return None, None
+        return self._dstate[layer][i], self._dtail[layer][i]
+
     def release(self) -> None:
         """Free every tensor (after the sample's last backward, or on an error)."""
-        for d in (self._k, self._v, self._dk, self._dv):
+        for d in (self._k, self._v, self._dk, self._dv, self._state, self._tail, self._dstate, self._dtail):
             d.clear()
 
 

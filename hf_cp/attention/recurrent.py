@@ -23,8 +23,11 @@ the prompt's rows shared: each answer continues from the prompt's state, as it w
 alone after the prompt, the prompt's outputs are the first run's (the same in every run), and
 the prompt rows' gradients sum over the answers that read them.
 
-Refused by name, never run: a dependent chunk (ChunkFlow's state store does not yet carry the
-recurrent state), a sample with another mask (a window, a prefix, blocks, explicit slices: an
+A ChunkFlow dependent chunk through a Gated DeltaNet layer continues the earlier chunks' state
+and convolution window from ChunkFlow's state store (attention/chunk_recurrence.py).
+
+Refused by name, never run: a dependent chunk through any other recurrent layer (Mamba, Mamba2,
+short convolutions: the store carries no state of theirs), a sample with another mask (a window, a prefix, blocks, explicit slices: an
 attention pattern with no recurrent meaning), a padding mask on a packed row. A padded batch of
 one sequence a row outside a CP context (TRL scoring GRPO and RLOO rollouts) runs the layer's
 own forward, which zeroes the padded positions' inputs so that each row starts from zero state.
@@ -37,6 +40,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hf_cp.attention.chunk_recurrence import chunk_recurrent_forward
 from hf_cp.attention.chunk_state import current_chunk_context
 from hf_cp.attention.comm import all_to_all
 from hf_cp.attention.context import ContextSlot, CPContext, current_cp_context
@@ -155,11 +159,12 @@ def passes_state(module: torch.nn.Module, ctx: CPContext) -> bool:
 
 def _refuse(module, ctx: Optional[CPContext], attention_mask) -> None:
     name = type(module).__name__
-    if current_chunk_context() is not None:
+    if current_chunk_context() is not None and name not in STATE_PASSING_MIXERS:
         raise ValueError(
             f"hf_cp recurrent layer ({name}): a dependent chunk (ChunkFlow) would start the layer's recurrent state "
-            f"and convolution from zero at every chunk; plan without chunking (a cp_balancer other than chunkflow, "
-            f"or auto with members that leave chunkflow out, and a cap that holds every sample)"
+            f"and convolution from zero at every chunk (ChunkFlow carries only Gated DeltaNet layers' state); plan "
+            f"without chunking (a cp_balancer other than chunkflow, or auto with members that leave chunkflow out, "
+            f"and a cap that holds every sample)"
         )
     masks = tuple(ctx.masks) + tuple(ctx.local_masks) if ctx is not None else ()
     other = next((m for m in masks if m is not None and not m.is_causal and m.kind != "shared_prompt"), None)
@@ -192,6 +197,14 @@ def per_document_forward(module: torch.nn.Module, forward: Callable, *args, **kw
     b, s = hidden.shape[0], hidden.shape[1]
     if b != 1:
         raise ValueError(f"hf_cp recurrent layer ({type(module).__name__}): one packed row per forward, got {b}")
+    chunk = current_chunk_context()
+    if chunk is not None:
+        if ctx is not None:
+            raise ValueError(
+                f"hf_cp recurrent layer ({type(module).__name__}): a chunk context and a CP context at once; chunked "
+                f"samples run on one rank"
+            )
+        return chunk_recurrent_forward(module, forward, hidden[0], chunk, rest).unsqueeze(0)
     if ctx is not None:
         local = list(ctx.local_lengths)
     elif kwargs.get("cu_seq_lens_q") is not None:

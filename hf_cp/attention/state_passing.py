@@ -207,7 +207,9 @@ class _PassedStateKernel:
 
 
 @contextlib.contextmanager
-def _kernel_replaced(module: torch.nn.Module, replacement: Callable) -> Iterator[Callable]:
+def kernel_replaced(module: torch.nn.Module, replacement: Callable) -> Iterator[Callable]:
+    """`module`'s layer calls `replacement` for its gated delta rule kernel inside the block (the
+    name is a global of the layer's transformers module, looked up at each call)."""
     namespace = sys.modules[type(module).__module__]
     original = getattr(namespace, KERNEL_NAME)
     setattr(namespace, KERNEL_NAME, replacement)
@@ -238,7 +240,7 @@ def state_passing_outputs(
     kernel.pieces = [(h.shape[0], s.length) for s, h in zip(mine, halos)]
     longest = max(r.shape[0] for r in rows)
     batch = torch.stack([torch.nn.functional.pad(r, (0, 0, 0, longest - r.shape[0])) for r in rows])
-    with _kernel_replaced(module, kernel):
+    with kernel_replaced(module, kernel):
         out = forward(hidden_states=batch, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
     if not kernel.called:

@@ -40,6 +40,16 @@ def passed_state_of(cfg: Mapping) -> Tuple[int, int]:
     return heads * dk * (dv + dk), max(0, int(cfg.get("linear_conv_kernel_dim") or 1) - 1)
 
 
+def recurrent_state_of(cfg: Mapping) -> int:
+    """Elements of one Gated DeltaNet layer's recurrent state (value heads x key dim x value dim),
+    which ChunkFlow carries from chunk to chunk; 0 for a config of another kind."""
+    if cfg.get("model_type") not in STATE_PASSING_MODEL_TYPES:
+        return 0
+    keys = ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    heads, dk, dv = (int(cfg.get(k) or 0) for k in keys)
+    return heads * dk * dv
+
+
 def softmax_layers_of(cfg: Mapping, layers: int, source: str = "config") -> Optional[int]:
     """How many of a config's `layers` decoder layers are softmax attention, from the ways
     hybrids state it (None: all, a plain transformer): `layer_types` (Qwen3-Next, Qwen3.5,
@@ -86,6 +96,8 @@ class ModelDims:
     # (Gated DeltaNet, passed_state_of); 0: gathered whole on every member (Mamba, convolutions)
     passed_state_elements: int = 0
     conv_window: int = 0
+    # the recurrent state of one such layer (recurrent_state_of), kept per chunk by ChunkFlow
+    recurrent_state_elements: int = 0
 
     def __post_init__(self):
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate"):
@@ -139,9 +151,7 @@ class ModelDims:
         """The layer mix in words, for reports."""
         if self.attention_layers is None or self.attention_layers == self.num_layers:
             return f"{self.num_layers} softmax attention layers"
-        spread = (
-            "passing state across a CP group" if self.passed_state_elements else "gathering a spread document"
-        )
+        spread = "passing state across a CP group" if self.passed_state_elements else "gathering a spread document"
         return (
             f"{self.softmax_layers} softmax attention and {self.num_layers - self.softmax_layers} linear-attention or "
             f"state-space layers of {self.num_layers} (attention and K/V exchange priced on the softmax ones; the "
@@ -232,6 +242,7 @@ class ModelDims:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_layers=softmax_layers_of(cfg, layers, source),
                 **dict(zip(("passed_state_elements", "conv_window"), passed_state_of(cfg))),
+                recurrent_state_elements=recurrent_state_of(cfg),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None

@@ -287,6 +287,20 @@ def state_bytes(cost: CostModel, length: int) -> float:
     )
 
 
+def recurrent_state_bytes(cost: CostModel, sizes: Sequence[int]) -> float:
+    """Bytes ChunkFlow's state store keeps for a hybrid's Gated DeltaNet layers over a sample cut
+    into `sizes`: per layer and per chunk but the last, its final recurrent state (float32) and
+    its last conv-window input rows (at most the chunk's, in the model's dtype), each with a
+    gradient accumulator (GRAD_ACCUMULATOR_BYTES); 0 for a model without such layers."""
+    d = cost.dims
+    if not d.recurrent_state_elements:
+        return 0.0
+    rows = sum(min(d.conv_window, n) for n in list(sizes)[:-1])
+    state = d.recurrent_state_elements * (4 + GRAD_ACCUMULATOR_BYTES) * (len(sizes) - 1)
+    halo = rows * d.hidden * (cost.profile.bytes_per_element + GRAD_ACCUMULATOR_BYTES)
+    return float((d.num_layers - d.softmax_layers) * (state + halo))
+
+
 def chunked_sample_cost(cost: CostModel, sizes: Sequence[int], keep: int) -> ChunkedCost:
     """Time and memory of a sample cut into chunks of `sizes` under the state-aware schedule
     with `keep` (K) chunks kept.
@@ -298,7 +312,8 @@ def chunked_sample_cost(cost: CostModel, sizes: Sequence[int], keep: int) -> Chu
     forward, unless the profile measured it). Each chunk run is one micro-batch (its per-micro-
     batch overhead c0 per layer); a recompute pays the forward share of it again.
     Memory: activations of activation_tokens(sizes, keep) tokens (cost.memory_bytes) plus the
-    state store (state_bytes), which holds the K/V of the whole sample.
+    state store (state_bytes), which holds the K/V of the whole sample, and a hybrid's recurrent
+    states between chunks (recurrent_state_bytes).
     """
     sizes = list(sizes)
     if not sizes or any(n <= 0 for n in sizes):
@@ -314,13 +329,14 @@ def chunked_sample_cost(cost: CostModel, sizes: Sequence[int], keep: int) -> Chu
         recompute_ms=share * sum(layers_ms[:n_re]),
         overhead_ms=overhead * (len(sizes) + share * n_re),
         activation_tokens=activation_tokens(sizes, keep),
-        state_bytes=state_bytes(cost, sum(sizes)),
+        state_bytes=state_bytes(cost, sum(sizes)) + recurrent_state_bytes(cost, sizes),
     )
 
 
 def chunked_memory_bytes(cost: CostModel, sizes: Sequence[int], keep: int) -> float:
     """Peak bytes of a chunked sample on its rank: activations plus the state store."""
-    return cost.memory_bytes(activation_tokens(sizes, keep)) + state_bytes(cost, sum(sizes))
+    store = state_bytes(cost, sum(sizes)) + recurrent_state_bytes(cost, sizes)
+    return cost.memory_bytes(activation_tokens(sizes, keep)) + store
 
 
 def chunk_costs_ms(plan: ChunkPlan, cost: CostModel) -> List[float]:
