@@ -236,8 +236,13 @@ def test_recurrent_layers_are_refused_where_a_document_cannot_run_whole():
         match=r"CPTrainer: the model has recurrent layers \(BambaMixer\), and samples with prefix_lm, sliding_window",
     ):
         check_recurrent_layers_fit(model, "CPTrainer", {"shared_prompt", "sliding_window", "prefix_lm"}, "auto")
-    with pytest.raises(SetupError, match=r"ChunkFlow's dependent chunks"):
+    with pytest.raises(SetupError, match=r"\(BambaMixer\), which ChunkFlow's dependent chunks"):
         check_recurrent_layers_fit(model, "CPTrainer", set(), "chunkflow")
+    # Gated DeltaNet layers carry their state across dependent chunks (tests/test_chunkflow_recurrent.py)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    gated = _model("qwen3_5_text", layer_types=["linear_attention", "full_attention"], **linear)
+    attach_recurrent_layers(gated)
+    check_recurrent_layers_fit(gated, "CPTrainer", set(), "chunkflow")
     check_recurrent_layers_fit(_model("llama"), "CPDPOTrainer", {"sliding_window"}, "chunkflow")  # attention only: fine
 
 

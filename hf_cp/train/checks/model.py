@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_cp.attention.recurrent import ATTACHED, attach_recurrent_layers
+from hf_cp.attention.state_passing import STATE_PASSING_MIXERS
 from hf_cp.train.checks.setup import SetupError
 
 # Layer kinds that the attention interface carries (a window is applied there too).
@@ -264,8 +265,8 @@ def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Ite
     """A model with recurrent layers (run per document, hf_cp/attention/recurrent.py) is refused
     where a sample cannot run through them as it would alone: samples with a mask other than a
     shared prompt (`mask_kinds`: the kinds the run's samples carry; a shared prompt's answers
-    each run after the prompt) and ChunkFlow's dependent chunks (the state store does not carry a
-    recurrent state yet)."""
+    each run after the prompt) and ChunkFlow's dependent chunks through any layer but Gated
+    DeltaNet (the state store carries only its state: attention/chunk_recurrence.py)."""
     layers = recurrent_layer_names(model)
     if not layers:
         return
@@ -276,8 +277,10 @@ def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Ite
             f"attention masks, a pattern a recurrent layer does not have (it reads every earlier token of its "
             f"sequence); only shared-prompt samples run through one. Train such masks with attention-only models"
         )
-    if balancer == "chunkflow":
+    stateless = [name for name in layers if name not in STATE_PASSING_MIXERS]
+    if balancer == "chunkflow" and stateless:
         raise SetupError(
-            f"{who}: the model has recurrent layers ({', '.join(layers)}), which ChunkFlow's dependent chunks would "
-            f"restart from a zero state at every chunk; use another cp_balancer (auto, dynamic_cp, ...)"
+            f"{who}: the model has recurrent layers ({', '.join(stateless)}), which ChunkFlow's dependent chunks would "
+            f"restart from a zero state at every chunk (they carry only Gated DeltaNet layers' state); use another "
+            f"cp_balancer (auto, dynamic_cp, ...)"
         )
