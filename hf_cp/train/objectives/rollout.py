@@ -27,6 +27,7 @@ from accelerate.utils import gather_object, is_peft_model
 from hf_cp.attention.recurrent import attach_recurrent_layers
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
+from hf_cp.train.checkpoint.fit import run_engine
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
 from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
@@ -40,8 +41,9 @@ from hf_cp.train.objectives.grpo_generation import (
     guarded_reward,
     keep_reference_loadable,
 )
+from hf_cp.train.runtime.checkpoints import resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
-from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding
+from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
 logger = logging.getLogger(__name__)
@@ -158,10 +160,26 @@ class PlannedRollouts(FSDP2Trainer):
     def _cp_policy_step(self, model, rollout: GRPORollout) -> torch.Tensor:
         raise NotImplementedError
 
-    def train(self, *args, **kwargs):
-        """The TRL trainer's train, holding output_dir's lock as CPTrainer.train does (checkpoint/run_lock.py)."""
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The TRL trainer's train, holding output_dir's lock as CPTrainer.train does (checkpoint/run_lock.py).
+        A resume is checked as CPTrainer checks one before anything loads (runtime/checkpoints.py
+        resume_point): its files against their checksums, no code in its pickles, the engine and
+        model it was saved by; "latest" resumes the newest complete checkpoint, else starts fresh.
+        TRL's sampler has no hf_cp schedule to compare."""
         with hold_run_lock(self.args.output_dir, self.cp_rank, self.cp_world, self.args.cp_break_lock):
-            return super().train(*args, **kwargs)
+            ds = getattr(self.args, "hf_deepspeed_config", None) if self.is_deepspeed_enabled else None
+            resume = resume_point(
+                resume_from_checkpoint,
+                self.args,
+                self.cp_rank,
+                None,
+                self.cp_world,
+                ds.config if ds is not None else None,
+                lambda note: logger.warning("hf_cp: %s", note) if self.cp_rank == 0 else None,
+                engine=run_engine(sharding_of(self.args), ds.config if ds is not None else None),
+                model_config=getattr(self._cp_base(self.model), "config", None),
+            )
+            return super().train(resume, *args, **kwargs)
 
     def cp_summary(self) -> List[str]:
         """The end-of-run lines `hf-cp train` and the recipes print: the reward's first and last
