@@ -160,15 +160,36 @@ def _worker(rank, world, family, distributed, locals_per_member, modes, drop_gat
         recurrent._gather_rows = gather
 
 
+def group_step(model, ctx, ids, pos, labels, rows, n_valid):
+    """One forward and backward of this member's `rows` under `ctx`: the group's summed loss and
+    every parameter's gradient summed over the group (the data-parallel reduction)."""
+    import torch.distributed as dist
+
+    from hf_cp.attention import cp_context
+
+    model.zero_grad()
+    with cp_context(ctx):
+        logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels[rows], ignore_index=-100, reduction="sum")
+        (loss / n_valid).backward()
+    total = (loss / n_valid).detach().clone()
+    dist.all_reduce(total)
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        grads[n] = g
+    return total.item(), grads
+
+
 def _run_modes(
     rank, world, model, ref_loss, ref_grads, ids, pos, labels, group, distributed, locals_per_member, modes,
     masks=(), local_masks=(),
 ):  # fmt: skip
     """Per mode: the group's summed loss and gradients against the reference (masks: of the
     distributed documents; local_masks: of this rank's local ones)."""
-    import torch.distributed as dist
 
-    from hf_cp.attention import CPContext, cp_context
+    from hf_cp.attention import CPContext
 
     n_valid = int((labels != -100).sum())
     out = []
@@ -185,22 +206,9 @@ def _run_modes(
             masks=tuple(masks),
             local_masks=tuple(local_masks),
         )
-        with cp_context(ctx):
-            logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
-            loss = (
-                torch.nn.functional.cross_entropy(logits.float(), labels[rows], ignore_index=-100, reduction="sum")
-                / n_valid
-            )
-            loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        grads = {}
-        for n, p in model.named_parameters():
-            g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(g)
-            grads[n] = g
+        total, grads = group_step(model, ctx, ids, pos, labels, rows, n_valid)
         err, name = _worst(grads, ref_grads)
-        out.append(dict(mode=mode.value, rank=rank, loss=total.item(), ref_loss=ref_loss, err=err, worst=name))
+        out.append(dict(mode=mode.value, rank=rank, loss=total, ref_loss=ref_loss, err=err, worst=name))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_recurrent_mixers import TOL, _documents, _models, _reference_grads, _worst
+from test_recurrent_mixers import TOL, _documents, _models, _reference_grads, _worst, group_step
 
 from hf_cp.attention import state_passing
 from hf_cp.modes.segments import Segment, ShardMode
@@ -53,9 +53,8 @@ def _layout_rows(mode, lay, distributed, locals_, rank, lengths):
 
 
 def _worker(rank, world, family, break_with=None):
-    import torch.distributed as dist
 
-    from hf_cp.attention import CPContext, cp_context
+    from hf_cp.attention import CPContext
     from hf_cp.attention.recurrent import attach_recurrent_layers
     from hf_cp.plan.block_layout import doc_slices, random_layout
 
@@ -98,26 +97,12 @@ def _worker(rank, world, family, break_with=None):
                 local_lengths=tuple(locals_[rank]),
                 blocks=lay,
             )
-            model.zero_grad()
             seen.clear()
-            with cp_context(ctx):
-                logits = model(input_ids=ids[rows][None], position_ids=pos[rows][None]).logits[0]
-                loss = (
-                    torch.nn.functional.cross_entropy(logits.float(), labels[rows], ignore_index=-100, reduction="sum")
-                    / n_valid
-                )
-                loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            grads = {}
-            for n, p in model.named_parameters():
-                g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
-                dist.all_reduce(g)
-                grads[n] = g
+            total, grads = group_step(model, ctx, ids, pos, labels, rows, n_valid)
             err, worst = _worst(grads, ref_grads)
             own = sum(s.length for s in ctx.segments())
             out.append(
-                dict(run=label, rank=rank, loss=total.item(), ref_loss=ref_loss, err=err, worst=worst, own=own,
+                dict(run=label, rank=rank, loss=total, ref_loss=ref_loss, err=err, worst=worst, own=own,
                      seen=list(seen), longest=max(s.length for s in ctx.segments()) if own else 0)
             )  # fmt: skip
     finally:
