@@ -32,6 +32,12 @@ def tiny_chat_tokenizer():
 
 # a tiny Qwen3-Next (a Gated DeltaNet layer, then a gated attention layer; MoE MLPs), for the
 # preference trainers on a hybrid
+TINY_DEEPSEEK_V3 = dict(
+    hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2,
+    max_position_embeddings=512, attention_dropout=0.0, tie_word_embeddings=False,
+)  # fmt: skip
 TINY_QWEN3_NEXT = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=8, max_position_embeddings=512, layer_types=["linear_attention", "full_attention"],
@@ -43,7 +49,8 @@ TINY_QWEN3_NEXT = dict(
 
 def tiny_chat_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     """The tiny Llama of configs/models/tiny-llama.json with room for the special tokens, or
-    (family "qwen3_next") TINY_QWEN3_NEXT, its recurrent state decaying slowly."""
+    (family "qwen3_next") TINY_QWEN3_NEXT, its recurrent state decaying slowly, or (family
+    "deepseek_v3") TINY_DEEPSEEK_V3, MLA with unequal query/key and value head dims."""
     import json
     import math
 
@@ -55,6 +62,9 @@ def tiny_chat_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     from helpers.harness.models import TINY_MODEL
 
     torch.manual_seed(seed)
+    if family == "deepseek_v3":  # MLA: value head dim 16 against query/key 16 + 8
+        cfg = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB_SIZE, use_cache=False, **TINY_DEEPSEEK_V3)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     if family == "qwen3_next":
         cfg = AutoConfig.for_model("qwen3_next", vocab_size=VOCAB_SIZE, use_cache=False, **TINY_QWEN3_NEXT)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
