@@ -52,7 +52,7 @@ def _layout_rows(mode, lay, distributed, locals_, rank, lengths):
     return torch.cat([torch.arange(starts[d] + a, starts[d] + a + n) for d, a, n in pieces])
 
 
-def _worker(rank, world, family, break_with=None):
+def _worker(rank, world, family, break_with=None, checkpointing=False):
 
     from hf_cp.attention import CPContext
     from hf_cp.attention.recurrent import attach_recurrent_layers
@@ -63,6 +63,8 @@ def _worker(rank, world, family, break_with=None):
     lengths = group_documents(distributed, locals_)
     docs = _documents(lengths, seed=5)
     model, ref = _models(family)
+    if checkpointing:  # backward recomputes each layer's forward, its exchanges included
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_loss, ref_grads = _reference_grads(ref, docs)
     attach_recurrent_layers(model)
     ids, pos = torch.cat(docs), torch.cat([torch.arange(n) for n in lengths])
@@ -157,3 +159,12 @@ def test_the_cost_model_prices_state_passing_exactly_where_it_runs(family):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         assert dims.passed_state_elements == cfg.linear_num_value_heads * dk * (dv + dk)
         assert dims.conv_window == cfg.linear_conv_kernel_dim - 1
+
+
+@pytest.mark.timeout(300)
+def test_state_passing_is_exact_under_activation_checkpointing(pools):
+    rows = pools(2).run(_worker, "qwen3_next", None, True, timeout_s=240)
+    for r in rows:
+        assert abs(r["loss"] - r["ref_loss"]) <= TOL * abs(r["ref_loss"]), r
+        assert r["err"] <= TOL, r
+        assert len(r["seen"]) == 2, r  # the forward, and its recomputation in backward
