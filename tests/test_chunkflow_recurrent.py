@@ -25,6 +25,8 @@ from hf_cp.cost.model import CostModel
 from hf_cp.plan.chunks import chunked_sample_cost
 from hf_cp.train.step.chunkflow import ChunkRunStats, run_chunked_sample, sample_chunks, token_loss
 
+from helpers.world2_job import FIXTURE_TIMEOUT, executed_plans
+
 TOL = 1e-5
 BROKEN = 1e-3
 FAMILIES = ("qwen3_next", "qwen3_5_text")
@@ -135,3 +137,12 @@ def test_other_recurrent_layers_are_refused_in_a_chunk():
     with pytest.raises(ValueError, match=r"BambaMixer.*dependent chunk \(ChunkFlow\)"):
         run_chunked_sample(model, sample_chunks(doc, labels, [20, 20]), 1, 1.0)
     assert chunk_recurrence.STATE_PASSING_MIXERS >= {"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet"}
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+def test_cptrainer_runs_dependent_chunks_of_the_hybrid(world2_job):
+    """The shared world-2 job's Qwen3-Next chunkflow run (its exactness: test_trainer_exactness.py's
+    Gated DeltaNet test) ran samples as dependent chunks, not only spread or whole."""
+    plans = executed_plans(world2_job["qwen3_next-chunkflow"])
+    chunked = [c for p in plans for w in p.waves for g in w.groups for cs in g.chunked.values() for c in cs]
+    assert chunked, "no sample of the hybrid ran as dependent chunks"

@@ -54,8 +54,11 @@ EMPTY_SHARD_LENGTHS = [1, 40, 2, 1, 30, 3]
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None
 BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON]
 
-# the balancers the Gated DeltaNet hybrid trains under in the shared job (chunkflow is refused for it)
-HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp")
+# the balancers the Gated DeltaNet hybrid trains under in the shared job; chunkflow with 100-token
+# chunks spreads the 400-token sample (state passing) and runs the 150- and 120-token ones as 2
+# dependent chunks each (the state store carries the recurrent state: attention/chunk_recurrence.py)
+HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp", "chunkflow")
+HYBRID_OPTIONS = {"chunkflow": dict(balancer_options=dict(chunk_size=100, keep=1))}
 MOE_BALANCERS = ("static", "auto", "magi", "usp")
 # a tiny Qwen2.5-VL with random images and a clip (the 400-token sample's, over a CP group of 2)
 VLM_BALANCERS = ("static", "auto", "magi")
@@ -182,7 +185,9 @@ def world2_runs() -> Dict[str, dict]:
         "hierarchical", balancer_options=dict(host_ranks=1, min_samples_per_rank=0)
     )
     # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones by state passing (attention/state_passing.py)
-    runs.update({f"qwen3_next-{b}": balance_spec(b, model="qwen3_next") for b in HYBRID_BALANCERS})
+    runs.update(
+        {f"qwen3_next-{b}": balance_spec(b, model="qwen3_next", **HYBRID_OPTIONS.get(b, {})) for b in HYBRID_BALANCERS}
+    )
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
     runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})
     # a vision-language model: each image or clip encoded once in its group, rows sent to their holders
