@@ -36,6 +36,7 @@ from helpers.world2_job import (
     HYBRID_BALANCERS,
     MOE_BALANCERS,
     MUTATED_BALANCER,
+    QWEN3_5_BALANCERS,
     VLM_BALANCERS,
     executed_plans,
 )
@@ -90,6 +91,19 @@ def test_gated_deltanet_hybrid_equals_single_process_step_by_step(world2_job, ba
     spec = world2_job[f"qwen3_next-{balancer}"]
     spread, _ = placements(executed_plans(spec))
     assert spread >= 1, f"{balancer} distributed no sample over a CP group: the gathered path went untested"
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", QWEN3_5_BALANCERS)
+def test_qwen3_5_text_equals_single_process_step_by_step(world2_job, balancer):
+    """Qwen3.5's text model (Gated DeltaNet beside gated attention, dense MLPs) under CPTrainer and
+    ZeRO-2 on 2 processes: every step equals training each sample alone in one process, the spread
+    sample passing state over its group, chunkflow's samples carrying it from chunk to chunk."""
+    spec = world2_job[f"qwen3_5_text-{balancer}"]
+    spread, _ = placements(executed_plans(spec))
+    assert spread >= 1, f"{balancer} distributed no sample over a CP group"
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
 

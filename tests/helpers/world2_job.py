@@ -58,6 +58,7 @@ BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON
 # chunks spreads the 400-token sample (state passing) and runs the 150- and 120-token ones as 2
 # dependent chunks each (the state store carries the recurrent state: attention/chunk_recurrence.py)
 HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp", "chunkflow")
+QWEN3_5_BALANCERS = ("auto", "dcp", "chunkflow")
 HYBRID_OPTIONS = {"chunkflow": dict(balancer_options=dict(chunk_size=100, keep=1))}
 MOE_BALANCERS = ("static", "auto", "magi", "usp")
 # a tiny Qwen2.5-VL with random images and a clip (the 400-token sample's, over a CP group of 2)
@@ -187,6 +188,13 @@ def world2_runs() -> Dict[str, dict]:
     # a Gated DeltaNet hybrid: its recurrent layers run per document, spread ones by state passing (attention/state_passing.py)
     runs.update(
         {f"qwen3_next-{b}": balance_spec(b, model="qwen3_next", **HYBRID_OPTIONS.get(b, {})) for b in HYBRID_BALANCERS}
+    )
+    # Qwen3.5's text model (the same mechanism, dense MLPs): spread by state passing, and in chunks
+    runs.update(
+        {
+            f"qwen3_5_text-{b}": balance_spec(b, model="qwen3_5_text", **HYBRID_OPTIONS.get(b, {}))
+            for b in QWEN3_5_BALANCERS
+        }
     )
     # a MoE model with the router's load-balancing term on: one term over each whole step (step/router_balance.py)
     runs.update({f"qwen3_moe-{b}": balance_spec(b, model="qwen3_moe") for b in MOE_BALANCERS})

@@ -73,6 +73,12 @@ TINY_QWEN3_NEXT = dict(
     tie_word_embeddings=False,
     use_cache=False,
 )
+# Qwen3.5's text model: Gated DeltaNet beside gated attention, dense MLPs
+TINY_QWEN3_5_TEXT = {
+    k: v for k, v in TINY_QWEN3_NEXT.items()
+    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "output_router_logits")
+}  # fmt: skip
 # Qwen3-MoE at the same size with the router's auxiliary loss on (output_router_logits): its
 # load-balancing term couples every token of a step. A large coefficient, so that the term is a
 # visible share of the gradient (the router's weights get most of theirs from it).
@@ -88,7 +94,7 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
     use_cache=False,
 )
-MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_moe", "qwen2_5_vl")
+MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_5_text", "qwen3_moe", "qwen2_5_vl")
 
 # transformers' convention for "no loss at this position"; spelled out here rather than taken
 # from hf_cp's collator, which these tests check
@@ -109,6 +115,10 @@ def tiny_config(family: str = "llama"):
         from transformers import Qwen3NextConfig
 
         return Qwen3NextConfig(**TINY_QWEN3_NEXT)
+    if family == "qwen3_5_text":
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**TINY_QWEN3_5_TEXT)
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
@@ -125,6 +135,7 @@ def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
         LlamaForCausalLM,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2ForCausalLM,
+        Qwen3_5ForCausalLM,
         Qwen3MoeForCausalLM,
         Qwen3NextForCausalLM,
     )
@@ -137,11 +148,12 @@ def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
         "llama": LlamaForCausalLM,
         "qwen2": Qwen2ForCausalLM,
         "qwen3_next": Qwen3NextForCausalLM,
+        "qwen3_5_text": Qwen3_5ForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     }
     model = classes[family](cfg)
-    if family == "qwen3_next":
+    if family in ("qwen3_next", "qwen3_5_text"):
         with torch.no_grad():
             for module in model.modules():
                 if hasattr(module, "A_log"):
