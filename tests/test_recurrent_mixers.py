@@ -233,3 +233,18 @@ def test_a_rank_without_the_others_shards_is_caught(pools):
     # tests/test_state_passing.py breaks that hand-off)
     rows = pools(2).run(_worker, "bamba", *LAYOUTS[2], [ShardMode.RING_PER_DOC], True, timeout_s=180)
     assert all(r["err"] > 1e-3 for r in rows), rows
+
+
+def test_the_start_up_line_names_each_recurrent_layer_how_it_spreads_and_its_kernel():
+    from hf_cp.attention.recurrent import recurrent_layers_line
+
+    line = recurrent_layers_line(_models("qwen3_next")[0])
+    assert line == (
+        "recurrent layers: 1 x Qwen3NextGatedDeltaNet (per document; spread documents: state passing across a CP "
+        "group; kernel: transformers' torch reference)"
+    )
+    assert "1 x BambaMixer (per document; spread documents: gathered on every member" in recurrent_layers_line(
+        _models("bamba")[0]
+    )
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **BASE))
+    assert recurrent_layers_line(plain) is None

@@ -36,6 +36,8 @@ own forward, which zeroes the padded positions' inputs so that each row starts f
 from __future__ import annotations
 
 import functools
+import importlib.util
+from collections import Counter
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -250,3 +252,27 @@ def attach_recurrent_layers(model: torch.nn.Module) -> List[str]:
         model.register_forward_pre_hook(_keep_positions, with_kwargs=True)
         setattr(model, ATTACHED, True)
     return sorted(set(attached))
+
+
+def _kernel_of(name: str) -> str:
+    """Which kernel a recurrent layer class computes with: transformers dispatches Gated DeltaNet
+    to flash-linear-attention and Mamba to mamba-ssm / causal-conv1d where installed (and on a
+    GPU), else to its torch reference implementation."""
+    if name in STATE_PASSING_MIXERS:
+        return "flash-linear-attention" if importlib.util.find_spec("fla") else "transformers' torch reference"
+    if "Mamba" in name or name in ("BambaMixer", "FalconH1Mixer"):
+        return "mamba-ssm" if importlib.util.find_spec("mamba_ssm") else "transformers' torch reference"
+    return "transformers' torch implementation"
+
+
+def recurrent_layers_line(model: torch.nn.Module) -> Optional[str]:
+    """The start-up line naming each attached recurrent layer class, how a document spread over a
+    CP group runs through it, and its kernel (None: the model has none)."""
+    counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in DOCUMENT_EXACT_MIXERS)
+    if not counts:
+        return None
+    parts = []
+    for name, n in sorted(counts.items()):
+        how = "state passing across a CP group" if name in STATE_PASSING_MIXERS else "gathered on every member"
+        parts.append(f"{n} x {name} (per document; spread documents: {how}; kernel: {_kernel_of(name)})")
+    return "recurrent layers: " + ", ".join(parts)

@@ -26,7 +26,7 @@ from transformers import Trainer
 
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.attention.kernels import use_attention_kernel
-from hf_cp.attention.recurrent import attach_recurrent_layers
+from hf_cp.attention.recurrent import attach_recurrent_layers, recurrent_layers_line
 from hf_cp.train.checkpoint.fit import run_engine
 from hf_cp.train.checkpoint.resolve import checkpoint_step
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
@@ -114,6 +114,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
         self._cp_warn(use_attention_kernel(args.cp_attention_kernel, args.device))  # the kernel in use, said once
+        self._cp_warn(recurrent_layers_line(self.model))  # a hybrid's recurrent layers and their kernel
         self._cp_warn(compiled)
         for warning in launch_warnings:  # DeepSpeed keys it never reads, an unused NVMe path
             self._cp_warn(warning)

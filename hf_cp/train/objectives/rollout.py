@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object, is_peft_model
 
-from hf_cp.attention.recurrent import attach_recurrent_layers
+from hf_cp.attention.recurrent import attach_recurrent_layers, recurrent_layers_line
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checkpoint.fit import run_engine
@@ -146,8 +146,10 @@ class PlannedRollouts(FSDP2Trainer):
                 f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
             )
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
-        for warning in launch_warnings if self.cp_rank == 0 else ():  # DeepSpeed keys it never reads, once
-            logger.warning("hf_cp: %s", warning)
+        # DeepSpeed keys it never reads, a hybrid's recurrent layers and their kernel: once
+        for warning in [*launch_warnings, recurrent_layers_line(self.model)] if self.cp_rank == 0 else ():
+            if warning:
+                logger.warning("hf_cp: %s", warning)
         # no sampler: the batches come from generation, each planned when it is made
         setup = self.cp_setup = trainer_planning_setup(args, self.model, None, self.cp_world)
         self.cp_vision = None  # vision-language policies are refused above
