@@ -23,6 +23,7 @@ PROFILE_MAXIMA: Mapping[str, Tuple[float, str]] = {
     "c1_ms_per_token": (1e3, "ms per token and layer"),
     "c2_ms_per_pair": (1e3, "ms per causal pair and layer"),
     "c0_ms": (1e6, "ms per layer and micro-batch"),
+    "linear_layer_ms_per_token": (1e3, "ms per token and linear-time layer"),
     "activation_bytes_per_token": (1e12, "bytes per token"),
     "static_bytes": (1e18, "bytes"),
     "bytes_per_element": (16, "bytes"),
@@ -100,6 +101,10 @@ class HardwareProfile:
     # memory of one device in GB (1e9 bytes; 0 unknown): what `hf-cp plan` and the dry run fit the
     # largest model into under each engine
     device_memory_gb: float = 0.0
+    # a hybrid's linear-time layer (Gated DeltaNet, Mamba, a short convolution) fwd+bwd per token at
+    # fitted_dims, measured by `hf-cp profile` on a hybrid (0: not measured, priced as c1: a softmax
+    # layer's per-token part)
+    linear_layer_ms_per_token: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Mapping, source: str = "profile") -> HardwareProfile:
@@ -214,6 +219,7 @@ class HardwareProfile:
             cp_message_ms=need("cp_message_ms") if "cp_message_ms" in d else 0.0,
             device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
             device_memory_gb=need("device_memory_gb") if "device_memory_gb" in d else 0.0,
+            linear_layer_ms_per_token=need("linear_layer_ms_per_token") if "linear_layer_ms_per_token" in d else 0.0,
         )
         if not 0 < prof.forward_share < 1:
             raise ConfigError(f"{source}: forward_share must be in (0, 1), got {prof.forward_share}")
@@ -227,6 +233,7 @@ class HardwareProfile:
             "step_overhead_ms",
             "cp_message_ms",
             "device_memory_gb",
+            "linear_layer_ms_per_token",
         ):
             if getattr(prof, k) < 0:
                 raise ConfigError(f"{source}: {k} must not be negative, got {getattr(prof, k)}")

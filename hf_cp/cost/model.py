@@ -86,12 +86,18 @@ class CostModel:
         self.ms_per_matmul_flop = profile.c1_ms_per_token / fd.linear_flops_per_token
         self.ms_per_attention_flop = profile.c2_ms_per_pair / fd.attention_flops_per_pair
         # Per layer, scaled from the fitted dimensions by FLOP ratios.
-        self.c1 = profile.c1_ms_per_token * dims.linear_flops_per_token / fd.linear_flops_per_token
+        ratio = dims.linear_flops_per_token / fd.linear_flops_per_token
+        softmax_c1 = profile.c1_ms_per_token * ratio
+        # a hybrid's linear-time layers at their own measured rate where the profile has one
+        # (scaled alike), else at a softmax layer's; c1 is the per-layer mean, so that every
+        # L x c1 x tokens of the cost model is the sum over the layers as they are
+        self.linear_layer_c1 = profile.linear_layer_ms_per_token * ratio or softmax_c1
+        self.c1 = (dims.softmax_layers * softmax_c1 + dims.linear_layers * self.linear_layer_c1) / dims.num_layers
         self.c2 = profile.c2_ms_per_pair * dims.attention_flops_per_pair / fd.attention_flops_per_pair
         self.c0 = profile.c0_ms
         # LM head + embedding gradient: 6 * hidden * vocab FLOPs per token at the linear rate.
         self.head_ms_per_token = (
-            6.0 * dims.hidden * dims.vocab_size * self.c1 / dims.linear_flops_per_token if dims.vocab_size else 0.0
+            6.0 * dims.hidden * dims.vocab_size * softmax_c1 / dims.linear_flops_per_token if dims.vocab_size else 0.0
         )
         self._eff_q = [q for q, _ in profile.chunk_efficiency]
         self._eff_v = [e for _, e in profile.chunk_efficiency]
@@ -324,12 +330,12 @@ class CostModel:
             return 0.0, 0.0, 0.0
         d, bpe = self.dims, self.profile.bytes_per_element
         if d.passed_state_elements:
-            compute = layers * self.c1 * d.mixer_share * own_tokens
+            compute = layers * self.linear_layer_c1 * d.mixer_share * own_tokens
             state = d.passed_state_elements * STATE_BYTES_PER_ELEMENT + d.conv_window * d.hidden * bpe
             nbytes = 2 * PIECES_PER_MEMBER * (group_size - 1) * state
             messages = 4 * (group_size - 1)
         else:
-            compute = layers * self.c1 * d.mixer_share * (doc_tokens - own_tokens)
+            compute = layers * self.linear_layer_c1 * d.mixer_share * (doc_tokens - own_tokens)
             nbytes = 2 * own_tokens * (group_size - 1) * d.hidden * bpe
             messages = 2 * (group_size - 1)
         comm = layers * (transfer_ms(nbytes, link, messages) + self.exchange_sync_ms(messages))

@@ -128,6 +128,9 @@ class Coefficients:
             name=name or base.name,
             description=base.description if description is None else description,
             c1_ms_per_token=self.c1_ms_per_token,
+            # a hybrid's linear layers' rate moves with c1: the fit scales the per-token time as a
+            # whole (rank_features' first feature is the whole per-token time over the profile's c1)
+            linear_layer_ms_per_token=base.linear_layer_ms_per_token * self.c1_ms_per_token / base.c1_ms_per_token,
             c2_ms_per_pair=self.c2_ms_per_pair,
             c0_ms=self.c0_ms,
             links=links,

@@ -148,7 +148,10 @@ class DecoderStack:
         device: Union[str, torch.device] = "cpu",
         dtype: Optional[torch.dtype] = None,
         seed: int = 0,
+        layer_type: Optional[str] = None,
     ):
+        """`layer_type`: every layer of this kind of the config's `layer_types` (a hybrid's
+        "full_attention" or "linear_attention"; None: the config's first layers as they are)."""
         from transformers import AutoModel
 
         if num_layers < 1:
@@ -160,7 +163,9 @@ class DecoderStack:
         config.num_hidden_layers = num_layers
         config.vocab_size = 8  # the embedding is not measured; keep it small
         config.use_cache = False
-        if hasattr(config, "layer_types") and config.layer_types is not None:
+        if layer_type is not None:
+            config.layer_types = [layer_type] * num_layers
+        elif hasattr(config, "layer_types") and config.layer_types is not None:
             config.layer_types = list(config.layer_types)[:num_layers] or None
         config._attn_implementation = ATTENTION_NAME
         torch.manual_seed(seed)

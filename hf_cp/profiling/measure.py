@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hf_cp.attention.kernels import kernel_for
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import SOFTMAX_LAYER_TYPES, ModelDims
 from hf_cp.cost.fit import FitQuality, fit_quality, nonnegative_lstsq
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
@@ -298,10 +298,17 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
     del prepared
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    _, linear_kind = layer_kinds(cfg, str(model_config))
+    linear_rows = _time_linear_layer(model_config, dev, st, linear_kind, log) if linear_kind else None
     # fits and the profile
     profile, n_params = _assemble_profile(
         name, dev, dims, cfg, stack, eff_table, head_split, layer, layer_bytes_per_token
     )
+    if linear_rows is not None:
+        profile["linear_layer_ms_per_token"] = linear_rows[0]
+        notes_linear = {"linear_layer_class": linear_rows[2]}
+    else:
+        notes_linear = {}
     layer_rows, layer_fit = _layer_report(one_layer, profile, comps, layer, log)
     attention_rows, attention_fit, att_model = _fit_attention_alone(comps, att_ms, attention_units, log)
     c1, c2, c0 = layer.coefficients
@@ -333,6 +340,7 @@ def _run_profile(model_config, device, quick, max_tokens, threads, name, log) ->
             "model_parameters": str(n_params),
             "attention_fit": att_model,
             "layer_class": type(stack.layers[0]).__name__,
+            **notes_linear,
             "retimed": str(layer.retimed),
             "kernel": kernel_for(dev, dtype=stack.dtype).name,
             "clock": cpu_clock_name(),
@@ -360,11 +368,34 @@ def _device_and_threads(device: str, threads: Optional[int]) -> Tuple[torch.devi
     return dev, threads
 
 
+def layer_kinds(cfg, source: str) -> Tuple[Optional[str], Optional[str]]:
+    """(the softmax layer kind, the linear-time layer kind) of a hybrid's `layer_types` (None, None
+    for a model of one kind). A hybrid that states its layers otherwise (Bamba's
+    attn_layer_indices, Jamba's period) is refused: its first layer may be either kind."""
+    dims = ModelDims.from_hf_config(cfg.to_dict(), source=source)
+    if not dims.linear_layers:
+        return None, None
+    # the config's own layer_types: some families (Bamba) derive a read-only one from other fields
+    types = list(cfg.to_dict().get("layer_types") or ())
+    softmax = next((t for t in types if t in SOFTMAX_LAYER_TYPES), None)
+    linear = next((t for t in types if t not in SOFTMAX_LAYER_TYPES), None)
+    if softmax is None or linear is None:
+        raise ProfileError(
+            f"{source}: hf-cp profile measures a hybrid's softmax and linear-time layers apart, by the kinds its "
+            f"config's layer_types names (Qwen3-Next, Qwen3.5, LFM2); this {cfg.model_type} config has "
+            f"{dims.softmax_layers} softmax layers of {dims.num_layers} but layer_types {types or None}: profile a "
+            "model of one kind of layer with its dimensions instead"
+        )
+    return softmax, linear
+
+
 def _load_layer(model_config, dev: torch.device, log: Callable[[str], None]):
-    """(transformers config, ModelDims, a DecoderStack of one layer with random weights on dev)."""
+    """(transformers config, ModelDims, a DecoderStack of one layer with random weights on dev:
+    a softmax attention layer, also for a hybrid)."""
     cfg = load_hf_config(model_config)
     dims = ModelDims.from_hf_config(cfg.to_dict(), source=str(model_config))
-    stack = DecoderStack(model_config, num_layers=1, device=dev)
+    softmax, _ = layer_kinds(cfg, str(model_config))
+    stack = DecoderStack(model_config, num_layers=1, device=dev, layer_type=softmax)
     log(
         f"hf-cp profile: {model_config} (hidden {dims.hidden}, {stack.num_heads} heads / {stack.num_kv_heads} kv, "
         f"head dim {stack.head_dim}, MLP {dims.intermediate}) on {_machine(dev)}, "
@@ -495,6 +526,27 @@ def _time_layer(
             retimed += len(worst)
             c1, c2, c0 = nonnegative_lstsq(X, layer_ms)
     return LayerTimes(names=names, features=X, ms=layer_ms, coefficients=(c1, c2, c0), retimed=retimed)
+
+
+def _time_linear_layer(
+    model_config, dev: torch.device, st: ProfileSettings, kind: str, log: Callable[[str], None]
+) -> Tuple[float, float, str]:
+    """A hybrid's linear-time layer (`kind` of its layer_types) fwd+bwd on one document of 1/8,
+    1/4, 1/2 and all of the run's tokens (its mixer restarts at every document, so one document
+    is its per-token cost), and the non-negative fit t = c*T + c0: (c ms per token, c0 ms, the
+    decoder layer's class)."""
+    stack = DecoderStack(model_config, num_layers=1, device=dev, layer_type=kind)
+    counts = sorted({max(1, st.tokens // k) for k in (8, 4, 2, 1)})
+    prepared = [stack.prepare(RankWork(((0, n),))) for n in counts]
+    ms = time_each([(lambda p=p: stack.forward_backward(p)) for p in prepared], **_timing(st))
+    c, c0 = nonnegative_lstsq([[float(n), 1.0] for n in counts], ms)
+    if c <= 0:
+        raise ProfileError(f"the {kind} layer's fit gave {c:.3g} ms per token over {counts} tokens: rerun")
+    log(
+        f"  {kind} layer ({type(stack.layers[0]).__name__}): {c:.4g} ms/token + {c0:.4g} ms over one document of "
+        + ", ".join(f"{n} ({t:.1f} ms)" for n, t in zip(counts, ms))
+    )
+    return c, c0, type(stack.layers[0]).__name__
 
 
 def _time_attention_alone(stack: DecoderStack, st: ProfileSettings, comps: Dict[str, List[int]]) -> Dict[str, float]:

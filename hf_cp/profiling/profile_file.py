@@ -56,6 +56,16 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         + ".",
         f"# Attention alone over the same compositions: R^2 {af.r2:.4f}, max relative error {af.max_rel_err:.3f}.",
         _dump({k: float(f"{p[k]:.8g}") for k in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms")}).rstrip(),
+        *(
+            [
+                f"# The hybrid's {result.notes.get('linear_layer_class', 'linear-time')} layer fwd+bwd on one document "
+                "(its state restarts at every document), t = linear_layer_ms_per_token*T + c0; the layer above is its",
+                "# softmax attention layer. The cost model prices each kind of layer at its own rate.",
+                _dump({"linear_layer_ms_per_token": float(f"{p['linear_layer_ms_per_token']:.8g}")}).rstrip(),
+            ]
+            if p.get("linear_layer_ms_per_token")
+            else []
+        ),
         "# The model dimensions c1 and c2 were measured with (CostModel scales them by FLOPs for others).",
         _dump({"fitted_dims": p["fitted_dims"]}).rstrip(),
         f"# Attention fwd+bwd, causal pairs per ms of query chunks of length q against {st.chunk_keys} keys, over",
