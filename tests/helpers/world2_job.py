@@ -58,7 +58,7 @@ BALANCERS = [b for b in available_balancers() if b != "megatron" or HAS_MEGATRON
 # chunks spreads the 400-token sample (state passing) and runs the 150- and 120-token ones as 2
 # dependent chunks each (the state store carries the recurrent state: attention/chunk_recurrence.py)
 HYBRID_BALANCERS = ("static", "auto", "magi", "usp", "dcp", "chunkflow")
-QWEN3_5_BALANCERS = ("auto", "dcp", "chunkflow")
+QWEN3_5_BALANCERS = HYBRID_BALANCERS
 HYBRID_OPTIONS = {"chunkflow": dict(balancer_options=dict(chunk_size=100, keep=1))}
 MOE_BALANCERS = ("static", "auto", "magi", "usp")
 # a tiny Qwen2.5-VL with random images and a clip (the 400-token sample's, over a CP group of 2)
