@@ -658,6 +658,43 @@ def test_fuzz_configs(tmp_path):
     _configs(FAST, tmp_path).check()
 
 
+# slow: a launch sample of the config class, as for DeepSpeed JSON below: what the dry run accepts must train
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_fuzz_configs_accepted_by_the_dry_run_train(tmp_path):
+    """Every distinct config input (by the key it changes) that `hf-cp train --dry-run --world 2`
+    accepts trains one step under `hf-cp train --nproc 2`."""
+    import os
+    import subprocess
+    import sys
+
+    accepted, seen = [], set()
+    for case, f in config_inputs(random.Random(SEED), tmp_path, 120):
+        key = case.what.split(" = ")[0]
+        if case.invalid or key in seen or "hang" in case.what:
+            continue
+        try:
+            _cli(["train", f, "--dry-run", "--world", "2", "--dry-run-steps", "1",
+                  "--set", f"training.output_dir={tmp_path / 'dry'}"])  # fmt: skip
+        except Refused:
+            continue
+        seen.add(key)
+        accepted.append((case, f))
+    assert len(accepted) >= 4, [c.what for c, _ in accepted]
+    failed = []
+    for case, f in accepted[:10]:
+        cmd = [sys.executable, "-m", "hf_cp", "train", str(f), "--nproc", "2"]
+        for o in ("max_steps=1", f"output_dir={tmp_path / f.stem}", "save_strategy=no", "cp_save_final_model=false",
+                  "eval_strategy=no"):  # fmt: skip
+            cmd += ["--set", f"training.{o}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+        print(f"launch {case.what}: rc {proc.returncode}")
+        if proc.returncode != 0:
+            failed.append(f"{case.what}: {proc.stderr[-1500:]}")
+    assert not failed, "\n".join(failed)
+
+
 # ------------------------------------------------------------------ (d) checkpoint files
 def _train(out: Path, steps: int) -> None:
     """A world-1 CPTrainer without DeepSpeed on LENGTHS, a checkpoint every 2 steps (~5 s)."""
