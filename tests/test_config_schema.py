@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_cp.cli import main as cli_main
+from hf_cp.train.launch.trainers import TRAINERS
 from hf_cp.train.setup.config import TrainConfigError, load_config, load_datasets, model_config, training_arguments
 from hf_cp.train.setup.schema import training_keys
 
@@ -268,19 +270,26 @@ def test_errors_of_building_the_arguments_or_the_model_config_name_the_file_and_
     [
         ("training.packing=true", "hf_cp always packs"),
         ("training.sample_packing=true", "hf_cp always packs"),
+        ("training.padding_free=true", "hf_cp always packs"),
         ("training.max_seq_length=4096", "hf_cp never truncates: cap lengths in the data (hf-cp preprocess"),
+        ("training.max_length=4096", "hf_cp never truncates: cap lengths in the data (hf-cp preprocess"),
         ("training.sequence_parallel_degree=4", "hf_cp has no fixed CP degree: set cp_max_tokens_per_rank"),
         ("training.micro_batch_size=2", "a step holds cp_tokens_per_step tokens"),
     ],
 )
-def test_other_trainers_keys_get_their_hf_cp_equivalent_in_one_line(override, words):
-    # before: "unknown key training.packing: valid keys: " and about 190 names
-    with pytest.raises(TrainConfigError) as err:
-        load_config(TINY, [override])
-    text = str(err.value)
+def test_other_trainers_keys_get_their_hf_cp_equivalent_in_one_line(override, words, tmp_path, capsys):
+    """Through `hf-cp train --dry-run` (the trainers' table: packing, padding_free and max_length are
+    keys of TRL's configs), the refusal is the hf_cp translation, not "set `trainer: sft`", which
+    would lead into CPSFTConfig's own refusal of packing."""
+    # before: "unknown key training.packing: valid keys: " and about 190 names; then, with the
+    # trainers' table, "training.packing is a setting of trainer: sft ... set `trainer: sft`"
     key = override.split("=")[0]
+    assert cli_main(["train", TINY, "--dry-run", "--set", override, "--set", f"training.output_dir={tmp_path}"]) == 2
+    text = capsys.readouterr().err
     assert f"{key} is another trainer's setting: {words}" in text, text
-    assert "valid keys" not in text and len(text) < 600
+    assert "valid keys" not in text and "trainer: sft" not in text and len(text) < 600
+    with pytest.raises(TrainConfigError, match=re.escape(f"{key} is another trainer's setting: {words}")):
+        load_config(TINY, [override], TRAINERS)  # what `hf-cp train` (entry) reads the config with
 
 
 def test_a_renamed_key_names_its_new_name():

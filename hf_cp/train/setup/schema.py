@@ -173,7 +173,8 @@ def nearest(key: str, valid: Iterable[str]) -> Optional[str]:
 
 
 _PACKING = (
-    "hf_cp always packs, per rank and wave, balanced by predicted time, and documents never attend to each "
+    "hf_cp always packs, per step: a step holds cp_tokens_per_step tokens, packed per rank (at most "
+    "cp_max_tokens_per_rank) and wave, balanced by predicted time, and documents never attend to each "
     "other: remove it and give the data unpacked"
 )
 _DEGREE = (
@@ -438,7 +439,11 @@ def check_training_keys(values: Mapping, source: str, config_class=None, elsewhe
     check_parallelism(values.get("parallelism_config"))
     for key, value in values.items():
         if key not in valid:
-            owners = elsewhere(str(key)) if elsewhere is not None else []
+            # a TRL/axolotl habit gets its hf_cp translation even where a TRL config has the key
+            # (packing, max_length, padding_free): sending the user to `trainer: sft` or `dpo` would
+            # lead into that trainer's own refusal of the same setting
+            translated = key in FOREIGN_TRAINING_KEYS or key in RENAMED_TRAINING_KEYS
+            owners = elsewhere(str(key)) if elsewhere is not None and not translated else []
             if owners:
                 problems.append(
                     f"training.{key} is a setting of trainer: {' / '.join(owners)}, not of this config's trainer; "
