@@ -6,6 +6,7 @@ the reward functions are checked; and a run from YAML equals the same trainer bu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,46 @@ def test_the_dry_run_of_a_trl_trainer_reads_output_dir_as_a_resume_would(model_d
     (out / LOCK_FILE).write_text(json.dumps(dict(host="node-7", pid=1, started=0, command="train.py", run_id="r0")))
     lines = dry_run(write_config(tmp_path, "dpo", model_dir, preference_rows(4), resume), [], world_size=2)
     assert any(line.startswith("error: ") and "node-7" in line for line in lines), lines
+
+
+def trl_config(tmp_path, trainer: str, model_dir: str, training: dict) -> str:
+    """A `trainer:` config of each TRL trainer over its bundled or helper rows."""
+    from helpers.dpo_runs import preference_rows
+    from helpers.grpo_runs import prompt_rows
+
+    if trainer in ("grpo", "rloo"):
+        rollout = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8)
+        reward = {"functions": ["helpers.grpo_runs:reward_a"]}
+        return write_config(tmp_path, trainer, model_dir, prompt_rows(), {**rollout, **training}, reward=reward)
+    rows = preference_rows(4)
+    if trainer == "kto":
+        rows = [dict(prompt=r["prompt"], completion=r["chosen"], label=i % 2 == 0) for i, r in enumerate(rows)]
+    return write_config(tmp_path, trainer, model_dir, rows, dict(beta=0.1, **training))
+
+
+@pytest.mark.parametrize(
+    "trainer, training, message",
+    [
+        ("dpo", dict(padding_free=True), "CPDPOTrainer: padding_free=True asks TRL for padding-free batches"),
+        ("dpo", dict(max_length=1024), "CPDPOTrainer: max_length=1024 would truncate pairs"),
+        ("kto", dict(max_length=512), "CPKTOTrainer: max_length=512 would truncate examples"),
+        ("kto", dict(precompute_ref_log_probs=True), "CPKTOTrainer: precompute_ref_log_probs=True is not supported"),
+        ("grpo", dict(loss_type="vespo"), "CPGRPOTrainer: loss_type='vespo' is not supported"),
+        ("grpo", dict(importance_sampling_level="sequence"), "CPGRPOTrainer: importance_sampling_level='sequence'"),
+    ],
+)
+def test_the_dry_run_makes_the_argument_checks_the_trainer_makes_when_built(
+    model_dir, tmp_path, trainer, training, message
+):
+    """Before, each of these printed "dry run passed" and was refused only when the trainer was built:
+    the dry run now calls the trainer's own cp_check_arguments, and building the trainer from the
+    same arguments raises the same words (one function, no copy)."""
+    from hf_cp.train.launch.dry_run import login_node_arguments
+
+    path = trl_config(tmp_path, trainer, model_dir, training)
+    with pytest.raises(ValueError, match=f"trainer: {trainer}: {re.escape(message)}"):
+        dry_run(path, [], world_size=2)
+    cfg = load_config(path, [], TRAINERS)
+    args, _, _ = login_node_arguments(cfg, TRAINERS.config_class(trainer))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TRAINERS.trainer_class(trainer)(model=None, args=args)

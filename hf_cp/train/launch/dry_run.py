@@ -132,13 +132,18 @@ def output_dir_lines(
 
 def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> List[str]:
     """What the dry run can check of a TRL trainer's config without building it: the training
-    section as its config class takes it, the launch settings every trainer checks, the model's
-    features, its tokenizer, the data's columns (token ids in the vocabulary where the rows carry
-    them, no empty preference answer), the reward functions, and output_dir (lock, checkpoints,
-    resume). TRL tokenises the rows when the trainer is built, so the plans are made (and
+    section as its config class takes it, what the trainer refuses of its arguments alone (its
+    `cp_check_arguments`, the same function its __init__ calls), the launch settings every trainer
+    checks, the model's features, its tokenizer, the data's columns (token ids in the vocabulary
+    where the rows carry them, no empty preference answer), the reward functions, and output_dir
+    (lock, checkpoints, resume). TRL tokenises the rows when the trainer is built, so the plans are made (and
     checked) from the first step."""
     name, src = cfg["trainer"], cfg["_source"]
     args, precision, _ = login_node_arguments(cfg, TRAINERS.config_class(name))
+    try:  # what the trainer refuses of its arguments before it loads anything (max_length, padding_free, ...)
+        TRAINERS.trainer_class(name).cp_check_arguments(args)
+    except ValueError as e:
+        raise ValueError(f"{src}: trainer: {name}: {e}") from None
     warnings = launch_settings_warnings(args, world_size, src, precision)
     mcfg = cfg.get("model") or {}
     hf_config = model_config(mcfg, src)

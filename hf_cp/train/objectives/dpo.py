@@ -139,18 +139,12 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             raise TypeError(
                 f"CPDPOTrainer needs CPDPOConfig (DPOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
-        if args.max_length is not None:
-            raise ValueError(
-                f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
-                "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
-            )
+        self.cp_dpo = self.cp_check_arguments(args)  # before any work
         if isinstance(train_dataset, IterableDataset):
             raise ValueError(
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
-        refuse_padded_batch_settings(args, "CPDPOTrainer")
-        self.cp_dpo = DPOSettings.from_config(args)  # refuses unsupported loss settings before any work
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
         refuse_reference_without_path(args, model, ref_model, "CPDPOTrainer")
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
@@ -163,8 +157,20 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         refuse_other_attention(self.model, reference, "CPDPOTrainer")
         attach_reference_recurrent_layers(self.accelerator, self.ref_model)
         refuse_active_dropout(self.model, "CPDPOTrainer", "DPOConfig")
+
+    @staticmethod
+    def cp_check_arguments(args) -> DPOSettings:
+        """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
+        model built); returns the loss's settings."""
+        if args.max_length is not None:
+            raise ValueError(
+                f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
+                "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
+            )
+        refuse_padded_batch_settings(args, "CPDPOTrainer")
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")
+        return DPOSettings.from_config(args)  # unsupported loss settings
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

@@ -127,8 +127,10 @@ class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
         self.cp_last_step: Optional[StepTables] = None  # the latest planned step (for tests and debugging)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kw)
 
+    _cp_loss_settings = staticmethod(GRPOSettings.from_config)
+
     def _cp_settings(self, args) -> None:
-        self.cp_grpo = GRPOSettings.from_config(args)
+        self.cp_grpo = self.cp_check_arguments(args)
 
     # ------------------------------------------------------------------ the planned step
     def _cp_build_step(self, rollout: GRPORollout) -> StepTables:

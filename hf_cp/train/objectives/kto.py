@@ -185,23 +185,12 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
             raise TypeError(
                 f"CPKTOTrainer needs CPKTOConfig (KTOConfig + CPTrainingArguments), got {type(args).__name__}"
             )
-        if args.max_length is not None:
-            raise ValueError(
-                f"CPKTOTrainer: max_length={args.max_length} would truncate examples; hf_cp places long examples over "
-                "CP groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
-            )
-        if args.precompute_ref_log_probs:
-            raise ValueError(
-                "CPKTOTrainer: precompute_ref_log_probs=True is not supported yet; pass ref_model (a copy of the "
-                "initial policy) or train a PEFT adapter (the reference is the adapter disabled)"
-            )
+        self.cp_kto = self.cp_check_arguments(args)  # before any work
         if isinstance(train_dataset, IterableDataset):
             raise ValueError(
                 "CPKTOTrainer: a streaming train_dataset is not supported (TRL's example pipeline needs the whole "
                 "dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
-        refuse_padded_batch_settings(args, "CPKTOTrainer")
-        self.cp_kto = KTOSettings.from_config(args)  # refuses unsupported loss types before any work
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
         if self._is_vision_dataset:
             raise ValueError(
@@ -218,6 +207,23 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
         attach_reference_recurrent_layers(self.accelerator, self.ref_model)
         refuse_active_dropout(self.model, "CPKTOTrainer", "KTOConfig")
         self._cp_desirable = np.asarray(self.train_dataset["label"], dtype=bool)
+
+    @staticmethod
+    def cp_check_arguments(args) -> KTOSettings:
+        """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
+        model built); returns the loss's settings."""
+        if args.max_length is not None:
+            raise ValueError(
+                f"CPKTOTrainer: max_length={args.max_length} would truncate examples; hf_cp places long examples over "
+                "CP groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
+            )
+        if args.precompute_ref_log_probs:
+            raise ValueError(
+                "CPKTOTrainer: precompute_ref_log_probs=True is not supported yet; pass ref_model (a copy of the "
+                "initial policy) or train a PEFT adapter (the reference is the adapter disabled)"
+            )
+        refuse_padded_batch_settings(args, "CPKTOTrainer")
+        return KTOSettings.from_config(args)  # unsupported loss types
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample each)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

@@ -90,8 +90,10 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
     cp_objective = "RLOO"
     cp_config_class = CPRLOOConfig
 
+    _cp_loss_settings = staticmethod(RLOOSettings.from_config)
+
     def _cp_settings(self, args) -> None:
-        self.cp_rloo = RLOOSettings.from_config(args)
+        self.cp_rloo = self.cp_check_arguments(args)
 
     def _cp_policy_step(self, model, rollout: GRPORollout) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -90,8 +90,9 @@ class PromptGroups:
 
 class PlannedRollouts(FSDP2Trainer):
     """The mixin of a TRL generation trainer under planned CP (see the module's docstring).
-    Subclasses set `cp_trainer_name`, `cp_objective` and `cp_config_class`, and define `_cp_settings(args)`
-    (read and refuse the loss's settings, before any work) and `_cp_policy_step(model, rollout)`."""
+    Subclasses set `cp_trainer_name`, `cp_objective` and `cp_config_class`, and define
+    `_cp_loss_settings(args)` (read and refuse the loss's settings), `_cp_settings(args)` (keep
+    cp_check_arguments' result, before any work) and `_cp_policy_step(model, rollout)`."""
 
     cp_trainer_name: ClassVar[str] = ""
     cp_objective: ClassVar[str] = ""  # how messages name a group: "GRPO group 3"
@@ -155,6 +156,16 @@ class PlannedRollouts(FSDP2Trainer):
         self.cp_vision = None  # vision-language policies are refused above
         self.cp_runtime = StepRuntime(self, setup, balancer)  # process groups, planner, executor, agreement
         self._cp_rollout: Optional[GRPORollout] = None
+
+    @classmethod
+    def cp_check_arguments(cls, args):
+        """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
+        model built); returns the loss's settings (`_cp_loss_settings`)."""
+        return cls._cp_loss_settings(args)
+
+    @staticmethod
+    def _cp_loss_settings(args):
+        raise NotImplementedError
 
     def _cp_settings(self, args) -> None:
         raise NotImplementedError

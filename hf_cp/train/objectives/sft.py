@@ -69,7 +69,13 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
             raise TypeError(
                 f"CPSFTTrainer needs CPSFTConfig (SFTConfig + CPTrainingArguments), got {type(args).__name__}"
             )
+        self.cp_check_arguments(args)
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
+
+    @staticmethod
+    def cp_check_arguments(args) -> None:
+        """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s): none
+        beyond CPSFTConfig's own (packing), made when the config is built."""
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """A dataset passed here is prepared as SFTTrainer prepares its eval dataset, then
