@@ -265,8 +265,9 @@ def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Ite
     """A model with recurrent layers (run per document, hf_cp/attention/recurrent.py) is refused
     where a sample cannot run through them as it would alone: samples with a mask other than a
     shared prompt (`mask_kinds`: the kinds the run's samples carry; a shared prompt's answers
-    each run after the prompt) and ChunkFlow's dependent chunks through any layer but Gated
-    DeltaNet (the state store carries only its state: attention/chunk_recurrence.py)."""
+    each run after the prompt), ChunkFlow's dependent chunks with shared-prompt samples, and
+    ChunkFlow's chunks through any layer but Gated DeltaNet (the state store carries only its
+    state: attention/chunk_recurrence.py)."""
     layers = recurrent_layer_names(model)
     if not layers:
         return
@@ -276,6 +277,12 @@ def check_recurrent_layers_fit(model: torch.nn.Module, who: str, mask_kinds: Ite
             f"{who}: the model has recurrent layers ({', '.join(layers)}), and samples with {', '.join(other)} "
             f"attention masks, a pattern a recurrent layer does not have (it reads every earlier token of its "
             f"sequence); only shared-prompt samples run through one. Train such masks with attention-only models"
+        )
+    if balancer == "chunkflow" and "shared_prompt" in set(mask_kinds):
+        raise SetupError(
+            f"{who}: the model has recurrent layers ({', '.join(layers)}), and shared-prompt samples, which "
+            f"ChunkFlow's dependent chunks cannot carry (each answer continues from the prompt's state, and chunkflow "
+            f"plans causal samples only); use another cp_balancer (auto, magi, dcp, ...)"
         )
     stateless = [name for name in layers if name not in STATE_PASSING_MIXERS]
     if balancer == "chunkflow" and stateless:
