@@ -218,7 +218,9 @@ REFUSED = [
     (dict(entropy_coef=0.01), "the entropy bonus"),
     (dict(use_adaptive_entropy=True), "the entropy bonus"),
     (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
-    (dict(use_vllm=True), "vllm_importance_sampling_correction=True"),
+    # before: "set vllm_importance_sampling_correction=False", then TRL's "vLLM is not available"
+    (dict(use_vllm=True), "CPGRPOTrainer: use_vllm=True is not supported: .* generated through transformers"),
+    (dict(use_vllm=True, vllm_importance_sampling_correction=False), "CPGRPOTrainer: use_vllm=True is not supported"),
 ]
 
 

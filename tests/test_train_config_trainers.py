@@ -307,3 +307,20 @@ def test_the_dry_run_makes_the_argument_checks_the_trainer_makes_when_built(
     args, _, _ = login_node_arguments(cfg, TRAINERS.config_class(trainer))
     with pytest.raises(ValueError, match=re.escape(message)):
         TRAINERS.trainer_class(trainer)(model=None, args=args)
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_use_vllm_is_refused_in_one_message_in_the_dry_run_and_at_set_up(model_dir, tmp_path, trainer):
+    """Before: GRPO asked to turn off TRL's importance-sampling correction, then TRL failed with
+    "vLLM is not available"; now one refusal naming what works (generation through transformers)."""
+    from hf_cp.train.launch.dry_run import login_node_arguments
+
+    path = trl_config(tmp_path, trainer, model_dir, dict(use_vllm=True))
+    message = f"CP{trainer.upper()}Trainer: use_vllm=True is not supported"
+    with pytest.raises(
+        ValueError, match=f"trainer: {trainer}: {message}.*generated through transformers on the policy"
+    ):
+        dry_run(path, [], world_size=2)
+    args, _, _ = login_node_arguments(load_config(path, [], TRAINERS), TRAINERS.config_class(trainer))
+    with pytest.raises(ValueError, match=message):
+        TRAINERS.trainer_class(trainer)(model=None, args=args)

@@ -38,7 +38,7 @@ Refused by name (grpo_loss.check_supported, and below): gradient_accumulation_st
 steps_per_generation other than 1 (one optimizer step is one planned step over the whole
 generation batch: size it with per_device_train_batch_size; the plan, not accumulation, bounds
 a rank's memory), sequence-level importance sampling, an entropy quantile or bonus, the
-off-policy mask, vLLM importance-sampling correction, loss_type vespo, cast_lm_head_to_fp32,
+off-policy mask, use_vllm (generation is through transformers on the policy), loss_type vespo, cast_lm_head_to_fp32,
 Liger kernels, MoE auxiliary losses, vision-language models, tools and environments.
 
 A reward function that raises stops the step on every rank (no rank waits in a collective),

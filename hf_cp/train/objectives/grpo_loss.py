@@ -105,12 +105,6 @@ def check_supported(args) -> None:
             f"{who}: off_policy_mask_threshold={args.off_policy_mask_threshold} drops whole completions by their mean "
             "KL under the current policy, known only after every token of the completion has run; set it to None"
         )
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        raise ValueError(
-            f"{who}: use_vllm with vllm_importance_sampling_correction=True is not supported (the vLLM "
-            "importance-sampling ratios are not carried into the planned step); set "
-            "vllm_importance_sampling_correction=False"
-        )
     if kind == "dr_grpo" and not args.max_completion_length:
         raise ValueError(f"{who}: loss_type='dr_grpo' normalises by max_completion_length, which is not set")
 

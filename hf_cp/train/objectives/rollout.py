@@ -75,6 +75,17 @@ def refuse_split_generation(config, name: str) -> None:
         )
 
 
+def refuse_vllm(args, name: str) -> None:
+    """One refusal, before TRL's own ("vLLM is not available") or the importance-sampling one."""
+    if getattr(args, "use_vllm", False):
+        raise ValueError(
+            f"{name}: use_vllm=True is not supported: the planned step does not carry vLLM's sampling log-probs "
+            "(TRL's importance-sampling correction) and hf_cp does not sync the policy's weights to a vLLM engine; "
+            "completions are generated through transformers on the policy itself (its attention switched to "
+            "cp_generation_attn_implementation, default 'sdpa'): set use_vllm=False"
+        )
+
+
 @dataclass
 class PromptGroups:
     """The prompt groups of a rollout that run (TRL's groups: one prompt and its completions),
@@ -161,6 +172,7 @@ class PlannedRollouts(FSDP2Trainer):
     def cp_check_arguments(cls, args):
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
         model built); returns the loss's settings (`_cp_loss_settings`)."""
+        refuse_vllm(args, cls.cp_trainer_name)
         return cls._cp_loss_settings(args)
 
     @staticmethod
