@@ -497,3 +497,16 @@ def test_the_generation_trainers_check_the_launch_settings_as_cptrainer_does(tra
     args.deepspeed = deepspeed  # set after construction: transformers would build the engine's config from it
     with pytest.raises(ValueError, match=match.replace("CPGRPOTrainer", cls.__name__)):
         cls(model=None, reward_funcs=reward_a, args=args)
+
+
+def test_the_default_cp_calibrate_is_said_once_at_set_up_since_grpo_does_not_calibrate(model_path, tmp_path, caplog):
+    """cp_calibrate is on by default and CPGRPOTrainer runs no calibration: one warning at set-up,
+    which cp_calibrate=False silences (a non-default schedule is refused: test_train_config_trainers)."""
+    said = "CPGRPOTrainer does not calibrate the cost model during training"
+    with caplog.at_level(logging.WARNING, logger="hf_cp.train.objectives.rollout"):
+        hf_cp_trainer(prompt_rows(), str(tmp_path / "on"), 1, model_path)
+    assert sum(said in r.getMessage() for r in caplog.records) == 1, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_cp.train.objectives.rollout"):
+        hf_cp_trainer(prompt_rows(), str(tmp_path / "off"), 1, model_path, cp_calibrate=False)
+    assert not any(said in r.getMessage() for r in caplog.records), caplog.text

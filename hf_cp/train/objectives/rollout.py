@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,6 +43,7 @@ from hf_cp.train.objectives.grpo_generation import (
 )
 from hf_cp.train.runtime.checkpoints import resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
+from hf_cp.train.setup.args import CPTrainingArguments
 from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
 
@@ -86,6 +87,36 @@ def refuse_vllm(args, name: str) -> None:
         )
 
 
+# the rollout trainers run no OnlineCalibration (CPTrainer's): a step is planned once, from TRL's
+# generation batch, with the cost model as given
+CALIBRATION_STEPS = ("cp_calibrate_min_steps", "cp_calibrate_every")
+CALIBRATION_DEFAULTS = {f.name: f.default for f in fields(CPTrainingArguments) if f.name in CALIBRATION_STEPS}
+
+
+def refuse_calibration_settings(args, name: str) -> None:
+    """A calibration schedule set away from its default asks for what the trainer never does."""
+    for key in CALIBRATION_STEPS:
+        value = getattr(args, key)
+        if value != CALIBRATION_DEFAULTS[key]:
+            raise ValueError(
+                f"{name}: {key}={value} schedules online calibration, which {name} does not run (its steps are "
+                "planned with the cost model as given, cp_profile); remove it, set cp_calibrate=False, and measure "
+                "the device's profile with `hf-cp profile` instead"
+            )
+
+
+def calibration_warning(args, name: str) -> Optional[str]:
+    """cp_calibrate at its default (on): said once at set-up, since it does nothing here."""
+    if not args.cp_calibrate or args.full_determinism:
+        return None
+    profile = args.cp_profile if isinstance(args.cp_profile, str) else "the cp_profile given"
+    return (
+        f"{name} does not calibrate the cost model during training (cp_calibrate applies to trainer cp, sft, dpo "
+        f"and kto): its steps are planned with the profile as given ({profile}; `hf-cp profile` measures one for "
+        "this device); cp_calibrate=False silences this"
+    )
+
+
 @dataclass
 class PromptGroups:
     """The prompt groups of a rollout that run (TRL's groups: one prompt and its completions),
@@ -125,7 +156,7 @@ class PlannedRollouts(FSDP2Trainer):
             check_model_supported(model, f"{name}: the policy")
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to, as CPTrainer checks them: before any work
-        launch_warnings = check_launch_settings(args, int(args.world_size), name)
+        launch_warnings = check_launch_settings(args, int(args.world_size), name) + [calibration_warning(args, name)]
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):
@@ -158,7 +189,7 @@ class PlannedRollouts(FSDP2Trainer):
                 f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
             )
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
-        # DeepSpeed keys it never reads, a hybrid's recurrent layers and their kernel: once
+        # DeepSpeed keys it never reads, calibration it does not run, a hybrid's recurrent layers and their kernel: once
         for warning in [*launch_warnings, recurrent_layers_line(self.model)] if self.cp_rank == 0 else ():
             if warning:
                 logger.warning("hf_cp: %s", warning)
@@ -173,6 +204,7 @@ class PlannedRollouts(FSDP2Trainer):
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
         model built); returns the loss's settings (`_cp_loss_settings`)."""
         refuse_vllm(args, cls.cp_trainer_name)
+        refuse_calibration_settings(args, cls.cp_trainer_name)
         return cls._cp_loss_settings(args)
 
     @staticmethod

@@ -167,7 +167,7 @@ class CPTrainingArguments(TrainingArguments):
             "help": "fit the cost model to the measured per-rank compute and step wall time during training and plan "
             "later steps with it (the same coefficients on every rank, from rank 0 through the plan agreement); "
             "a plan's exactness does not depend on them, only its speed. Off under full_determinism (plans would "
-            "depend on timings)"
+            "depend on timings). CPTrainer and its SFT/DPO/KTO trainers; the GRPO/RLOO trainers do not calibrate"
         },
     )
     cp_calibrate_min_steps: int = field(default=8, metadata={"help": "steps observed before the first calibration"})
