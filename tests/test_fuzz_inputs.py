@@ -61,7 +61,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 import yaml
@@ -664,9 +664,6 @@ def test_fuzz_configs(tmp_path):
 def test_fuzz_configs_accepted_by_the_dry_run_train(tmp_path):
     """Every distinct config input (by the key it changes) that `hf-cp train --dry-run --world 2`
     accepts trains one step under `hf-cp train --nproc 2`."""
-    import os
-    import subprocess
-    import sys
 
     accepted, seen = [], set()
     for case, f in config_inputs(random.Random(SEED), tmp_path, 120):
@@ -681,18 +678,25 @@ def test_fuzz_configs_accepted_by_the_dry_run_train(tmp_path):
         seen.add(key)
         accepted.append((case, f))
     assert len(accepted) >= 4, [c.what for c, _ in accepted]
-    failed = []
-    for case, f in accepted[:10]:
-        cmd = [sys.executable, "-m", "hf_cp", "train", str(f), "--nproc", "2"]
-        for o in ("max_steps=1", f"output_dir={tmp_path / f.stem}", "save_strategy=no", "cp_save_final_model=false",
-                  "eval_strategy=no"):  # fmt: skip
-            cmd += ["--set", f"training.{o}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
-        print(f"launch {case.what}: rc {proc.returncode}")
-        if proc.returncode != 0:
-            failed.append(f"{case.what}: {proc.stderr[-1500:]}")
+    failed = [e for case, f in accepted[:10] if (e := _launch_one_step(case, f, tmp_path / f.stem))]
     assert not failed, "\n".join(failed)
+
+
+def _launch_one_step(case: Case, config: Path, out: Path, *sets: str) -> Optional[str]:
+    """One step of `config` under `hf-cp train --nproc 2` (training.`sets` too, no saving or
+    evaluation): None when it trained, else the case and the end of its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hf_cp", "train", str(config), "--nproc", "2"]
+    for o in ("max_steps=1", *sets, f"output_dir={out}", "save_strategy=no", "cp_save_final_model=false",
+              "eval_strategy=no"):  # fmt: skip
+        cmd += ["--set", f"training.{o}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
+    print(f"launch {case.what}: rc {proc.returncode}")
+    return None if proc.returncode == 0 else f"{case.what}: {proc.stderr[-1500:]}"
 
 
 # ------------------------------------------------------------------ (d) checkpoint files
@@ -1164,9 +1168,6 @@ def test_fuzz_deepspeed_json_accepted_by_the_dry_run_trains(tmp_path):
     changes: ZeRO stages 0, 1 and 3, an ignored key, ...) trains one step under `hf-cp train
     --nproc 2`, whose own pre-launch check is the dry run (before: ZeRO-3 failed at launch with
     DeepSpeed's 'Check batch related parameters' under torchrun)."""
-    import os
-    import subprocess
-    import sys
 
     accepted, seen = [], set()
     for case, path in deepspeed_inputs(random.Random(SEED), tmp_path, 80):
@@ -1175,23 +1176,9 @@ def test_fuzz_deepspeed_json_accepted_by_the_dry_run_trains(tmp_path):
             seen.add(kind)
             accepted.append((case, path))
     assert len(accepted) >= 4, [c.what for c, _ in accepted]
-    failed = []
-    for case, path in accepted:
-        cmd = [sys.executable, "-m", "hf_cp", "train", str(TINY), "--nproc", "2"]
-        for o in (
-            "max_steps=1",
-            f"deepspeed={path}",
-            f"output_dir={tmp_path / path.stem}",
-            "save_strategy=no",
-            "cp_save_final_model=false",
-            "eval_strategy=no",
-        ):
-            cmd += ["--set", f"training.{o}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT), env=env)
-        print(f"launch {case.what}: rc {proc.returncode}")
-        if proc.returncode != 0:
-            failed.append(f"{case.what}: {proc.stderr[-1500:]}")
+    failed = [
+        e for case, path in accepted if (e := _launch_one_step(case, TINY, tmp_path / path.stem, f"deepspeed={path}"))
+    ]
     assert not failed, "\n".join(failed)
 
 
