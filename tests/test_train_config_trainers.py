@@ -342,3 +342,52 @@ def test_a_calibration_schedule_is_refused_for_the_rollout_trainers_which_never_
     args, _, _ = login_node_arguments(load_config(path, [], TRAINERS), TRAINERS.config_class(trainer))
     with pytest.raises(ValueError, match=message):
         TRAINERS.trainer_class(trainer)(model=None, args=args)
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+
+
+def lora_only(model) -> list:
+    """The names of the trainable parameters that are not LoRA's (empty: only the adapter trains)."""
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable, "nothing trains"
+    return [n for n in trainable if "lora_" not in n]
+
+
+@pytest.mark.parametrize("trainer", ["cp", "dpo"])
+def test_a_peft_section_dry_runs_and_trains_only_the_lora_adapter(model_dir, tmp_path, trainer):
+    """`peft:` in the YAML: the dry run wraps its meta model and names what the adapter trains; the
+    launch trains only LoRA's parameters (trainer cp: the entry wraps the model; dpo: TRL's
+    peft_config, with no copied reference: the disabled adapter is the reference)."""
+    from helpers.dpo_runs import preference_rows
+
+    if trainer == "cp":
+        rows = [{"input_ids": list(range(1 + i, 40 + 3 * i))} for i in range(8)]
+        path = write_config(tmp_path, "cp", model_dir, rows, dict(max_steps=1), peft=LORA)
+    else:
+        path = write_config(tmp_path, "dpo", model_dir, preference_rows(4), dict(beta=0.1, max_steps=1), peft=LORA)
+    lines = dry_run(path, [], world_size=2)
+    assert any(line.startswith("peft: LoRA r=4 on q_proj, v_proj: ") for line in lines), lines
+    started: dict = {}
+    assert run(path, [], started) == 0
+    built = started["trainer"]
+    assert lora_only(built.model) == []
+    assert built.cp_history and all(r.loss == r.loss for r in built.cp_history)  # a step ran, finite
+    if trainer == "dpo":
+        assert built.ref_model is None  # the policy with its adapter disabled
+
+
+def test_a_peft_key_loraconfig_lacks_and_target_modules_that_match_nothing_are_refused(model_dir, tmp_path):
+    rows = [{"input_ids": [1, 2, 3]}]
+    path = write_config(tmp_path, "cp", model_dir, rows, {}, peft={"rank": 4, "target_modules": ["q_proj"]})
+    with pytest.raises(TrainConfigError, match=r"unknown key peft\.rank: .*LoraConfig's fields: .*lora_alpha.*\br\b"):
+        load_config(path, [], TRAINERS)
+    path = write_config(tmp_path, "cp", model_dir, rows, {}, peft={"layers_pattern": "layers"})
+    with pytest.raises(TrainConfigError, match=r"peft: LoraConfig refused the section: .*layers_to_transform"):
+        load_config(path, [], TRAINERS)
+    path = write_config(tmp_path, "cp", model_dir, rows, {}, peft={"r": 0, "target_modules": ["q_proj"]})
+    with pytest.raises(TrainConfigError, match=r"peft: .*`r` should be a positive integer"):
+        dry_run(path, [], world_size=1)
+    path = write_config(tmp_path, "cp", model_dir, rows, {}, peft={"r": 4, "target_modules": ["qkv"]})
+    with pytest.raises(TrainConfigError, match=r"peft: Target modules \{'qkv'\} not found in the base model"):
+        dry_run(path, [], world_size=1)

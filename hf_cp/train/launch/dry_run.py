@@ -48,6 +48,7 @@ from hf_cp.train.setup.config import (
     model_config,
     training_arguments,
 )
+from hf_cp.train.setup.peft_section import adapter_line, wrap_model
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import device_memory_gb
 from hf_cp.train.step.router_balance import router_balance_of
@@ -159,6 +160,8 @@ def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> Li
     train, evaluation = load_datasets(cfg.get("data") or {}, src)
     check_columns(name, train, src)
     vocab = model_vocab_size(meta_model, hf_config)
+    # the adapter TRL wraps the policy with (peft_config): target_modules must name modules of the model
+    adapter = [adapter_line(wrap_model(meta_model, cfg), cfg)] if cfg.get("peft") else []
     for data, data_name in ((train, "train_dataset"), (evaluation, "eval_dataset")):
         if data is None:
             continue
@@ -175,7 +178,7 @@ def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> Li
         f"the training section, model, tokenizer and data fit trainer: {name}; TRL tokenises the rows when the "
         "trainer is built, so each step's plan is made and checked from the first step",
     ]
-    return lines + warnings + output_dir_lines(args, world_size, hf_config, None, max_restarts)
+    return lines + adapter + warnings + output_dir_lines(args, world_size, hf_config, None, max_restarts)
 
 
 def dry_run(
@@ -206,6 +209,8 @@ def dry_run(
     check_recurrent_layers_fit(
         meta_model, f"{src}: the model", {m.kind for m in data.masks.values()}, settings.balancer
     )
+    # as the launch wraps the model (entry.py): target_modules must name modules of the model
+    adapter = [adapter_line(wrap_model(meta_model, cfg), cfg)] if cfg.get("peft") else []
     setup = planning_setup(
         settings,
         data.lengths,
@@ -241,6 +246,7 @@ def dry_run(
     ]
     if setup.cap_note:  # what cp_max_tokens_per_rank: auto chose
         lines.append(setup.cap_note)
+    lines += adapter
     chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
     if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:
         raise ValueError(

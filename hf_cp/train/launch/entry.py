@@ -29,6 +29,7 @@ from hf_cp.train.setup.config import (
     training_arguments,
 )
 from hf_cp.train.setup.model_section import model_class
+from hf_cp.train.setup.peft_section import wrap_model
 
 
 def shutdown_distributed() -> None:
@@ -95,6 +96,8 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
     args = training_arguments(tcfg, src, TRAINERS.config_class(cfg["trainer"]))
     tokenizer = load_run_tokenizer(cfg.get("model") or {}, src)
     model = build_model(cfg.get("model") or {}, src)
+    if cfg["trainer"] == "cp":  # a TRL trainer wraps it itself, from peft_config (build_trainer)
+        model = wrap_model(model, cfg)
     dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
     trainer = build_trainer(cfg, args, model, tokenizer, dataset, eval_dataset)
     if started is not None:
@@ -132,7 +135,9 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
                 f"  stopped early by {stopped['signal']} (seen by rank(s) {stopped['ranks']}) after step "
                 f"{stopped['step']}: {checkpoint} saved; run again with resume_from_checkpoint: latest"
             )
-        if saved:
+        if saved and cfg.get("peft"):  # save_model writes the adapter only
+            print(f"  final LoRA adapter saved to {final} (peft.PeftModel.from_pretrained(base_model, {str(final)!r}))")
+        elif saved:
             what = "model and tokenizer" if tokenizer is not None else "model (no tokenizer in this run)"
             loader = model_class(cfg.get("model") or {}, src).__name__  # a VLM's own class, not a causal LM's
             print(f"  final {what} saved to {final} ({loader}.from_pretrained({str(final)!r}))")

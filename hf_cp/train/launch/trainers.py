@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from hf_cp.train.setup.config import TrainConfigError, TrainerTable
+from hf_cp.train.setup.peft_section import peft_config_of
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,12 @@ def build_trainer(cfg: dict, args, model, tokenizer, dataset, eval_dataset):
             "that holds its tokenizer"
         )
     kwargs = dict(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tokenizer)
-    if SPECS[name].reference:  # the initial policy: TRL would load it again from a path the model may not have
+    lora = peft_config_of(cfg)
+    if lora is not None and name != "cp":  # trainer: cp gets a model already wrapped (entry.py)
+        kwargs["peft_config"] = lora
+    # the initial policy: TRL would load it again from a path the model may not have; under PEFT
+    # the policy with its adapter disabled is the reference, and a copy would only cost memory
+    if SPECS[name].reference and lora is None:
         kwargs["ref_model"] = copy.deepcopy(model)
     if cfg.get("reward"):
         kwargs["reward_funcs"] = reward_functions(cfg["reward"]["functions"], src)

@@ -17,6 +17,9 @@ Sections:
               input_ids (and labels) per line; limit: keep the first N samples;
               eval_path (same formats) or eval_split (a held-out fraction) for evaluation
               with training.eval_strategy / eval_steps
+    peft:     a LoRA adapter: peft.LoraConfig's keys (r, lora_alpha, target_modules, ...;
+              setup/peft_section.py); trainer cp wraps the model, the TRL trainers take it
+              as peft_config
     training: CPTrainingArguments fields (TrainingArguments + cp_*); the config file and the
               inputs it names (deepspeed, data paths, pretrained) resolve against the working
               directory, then the package's shipped configs/ and recipes/ (hf_cp.resources);
@@ -62,6 +65,7 @@ from hf_cp.train.setup.model_section import (
     trust_remote_code,
     whole_weights_init,
 )
+from hf_cp.train.setup.peft_section import check_peft
 from hf_cp.train.setup.schema import (
     DATA_KEYS,
     MODEL_KEYS,
@@ -88,7 +92,7 @@ __all__ = [
 DEFAULT_DDP_TIMEOUT_S = 1800  # TrainingArguments.ddp_timeout's default
 
 
-SECTIONS = ("trainer", "model", "data", "training", "reward")
+SECTIONS = ("trainer", "model", "data", "training", "reward", "peft")
 DEFAULT_TRAINER = "cp"  # CPTrainer on token ids (input_ids, labels)
 
 
@@ -107,16 +111,16 @@ def load_config(path: str, overrides: Optional[List[str]] = None, trainers: Opti
     if unknown:
         raise TrainConfigError(
             f"training config {path}: unknown section(s) {sorted(map(str, unknown))}; expected model, data, training "
-            "(and optionally trainer, reward)"
+            "(and optionally trainer, reward, peft)"
         )
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise TrainConfigError(f"override {item!r}: expected section.key=value, e.g. training.max_steps=5")
         key, value = item.split("=", 1)
         section, field = key.split(".", 1)
-        if section not in ("model", "data", "training", "reward"):
+        if section not in ("model", "data", "training", "reward", "peft"):
             raise TrainConfigError(
-                f"override {item!r}: unknown section {section!r}; expected model, data, training or reward"
+                f"override {item!r}: unknown section {section!r}; expected model, data, training, reward or peft"
             )
         if cfg.get(section) is None:  # `data:` with nothing under it
             cfg[section] = {}
@@ -139,6 +143,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None, trainers: Opti
         raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
     cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p), config_class, elsewhere)
     cfg["reward"] = check_reward(cfg.get("reward"), name, str(p))
+    cfg["peft"] = check_peft(cfg.get("peft"), str(p))
     check_names(cfg, str(p))
     cfg["_source"] = str(p)
     return cfg
