@@ -219,3 +219,46 @@ def test_largest_fitting_chunk_matches_a_search_over_every_chunk_size(length, ke
     else:
         assert 1 <= got <= upper
         assert dependent_chunk_sizes(length, got) == dependent_chunk_sizes(length, max(fits))
+
+
+def _toy_hybrid_cost():
+    """toy_cost's model as a hybrid: 1 softmax and 3 linear layers, each linear layer handing on a
+    state of 6 float32 elements (and 2 window rows) at every chunk boundary: 48 B + 16 B of rows
+    plus their accumulators per boundary and layer, so the states' bytes grow with the chunk count."""
+    import dataclasses
+
+    cost = toy_cost()
+    dims = dataclasses.replace(DIMS, num_layers=4, attention_layers=1, recurrent_state_elements=6, conv_window=2)
+    return type(cost)(dims, cost.profile)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 400), st.integers(1, 5), st.integers(1, 400), st.integers(1, 400))
+def test_largest_fitting_chunk_counts_a_hybrids_states_between_chunks(length, keep, cap, upper):
+    cost = _toy_hybrid_cost()
+    budget = cost.memory_bytes(cap)
+    fits = [
+        c for c in range(1, upper + 1) if chunked_memory_bytes(cost, dependent_chunk_sizes(length, c), keep) <= budget
+    ]
+    got = largest_fitting_chunk(cost, length, keep, cap, upper)
+    if not fits:
+        assert got == 0
+    else:
+        assert 1 <= got <= upper
+        assert dependent_chunk_sizes(length, got) == dependent_chunk_sizes(length, max(fits))
+
+
+def test_a_hybrids_states_make_the_fitting_chunk_smaller():
+    import dataclasses
+
+    hybrid = _toy_hybrid_cost()
+    stateless = type(hybrid)(dataclasses.replace(hybrid.dims, recurrent_state_elements=0), hybrid.profile)
+    # a 400-token sample at a 300-token cap: without the states chunks of 100 fit, with them 80
+    assert largest_fitting_chunk(stateless, 400, keep=1, max_tokens_per_rank=300, upper=400) == 100
+    with_states = largest_fitting_chunk(hybrid, 400, keep=1, max_tokens_per_rank=300, upper=400)
+    assert with_states == 80
+    budget = hybrid.memory_bytes(300)
+    assert chunked_memory_bytes(hybrid, dependent_chunk_sizes(400, 80), 1) <= budget
+    assert chunked_memory_bytes(hybrid, dependent_chunk_sizes(400, 100), 1) > budget
+    # where states leave nothing for activations the sample does not fit
+    assert largest_fitting_chunk(hybrid, 400, keep=1, max_tokens_per_rank=250, upper=400) == 0

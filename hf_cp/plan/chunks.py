@@ -358,27 +358,47 @@ def standalone_chunk_ms(cost: CostModel, lengths: Sequence[int]) -> float:
 
 def largest_fitting_chunk(cost: CostModel, length: int, keep: int, max_tokens_per_rank: int, upper: int) -> int:
     """The largest chunk size <= `upper` with which a sample of `length` tokens fits a rank whose
-    memory is cost.memory_bytes(max_tokens_per_rank) (its activations and its state store);
-    0 when even one-token chunks do not fit.
+    memory is cost.memory_bytes(max_tokens_per_rank) (its activations and its state store: the
+    K/V, and a hybrid's recurrent states between chunks, recurrent_state_bytes); 0 when even
+    one-token chunks do not fit.
 
-    Searched over the chunk count m: chunks of c = ceil(length / m) tokens, which make
-    n = ceil(length / c) <= m chunks (dependent_chunk_sizes), split as split_sizes does (the
-    first r of q + 1 tokens). The K kept chunks are the last, smallest K of them, and the
-    largest chunk is ceil(length / n); both never grow with n, and n never shrinks with m, so
-    whether m fits is monotone in m: a bisection over [lower bound, length] finds the smallest
-    m that fits (the largest chunk) in at most 64 steps, whatever the numbers (a cap of 1e15
-    tokens, an activation size of 1e300 bytes made a walk over m spin for hours). The lower
-    bound: ceil(length / upper), and when the whole sample does not fit the free activation
-    tokens only n > K can, the kept chunks then holding at least K * floor(length / n)
-    tokens, so no m below length / (free / K + 1) fits.
-    """
+    For a given budget of activation tokens, searched over the chunk count m: chunks of
+    c = ceil(length / m) tokens, which make n = ceil(length / c) <= m chunks
+    (dependent_chunk_sizes), split as split_sizes does (the first r of q + 1 tokens). The K kept
+    chunks are the last, smallest K of them, and the largest chunk is ceil(length / n); both
+    never grow with n, and n never shrinks with m, so whether m fits is monotone in m: a
+    bisection over [lower bound, length] finds the smallest m that fits (the largest chunk) in
+    at most 64 steps, whatever the numbers (a cap of 1e15 tokens, an activation size of 1e300
+    bytes made a walk over m spin for hours). The lower bound: ceil(length / upper), and when the
+    whole sample does not fit the free activation tokens only n > K can, the kept chunks then
+    holding at least K * floor(length / n) tokens, so no m below length / (free / K + 1) fits.
+
+    A hybrid's recurrent states grow with the chunk count, so the budget depends on the answer:
+    the search runs again with the budget less the states of the chunks it chose, until the
+    chunks stay the same. Every chunking that fits needs at least the chunks of the run before
+    (its budget was larger), so the fixed point is the largest chunk that fits; the chunk count
+    only grows, so this ends (at most 64 rounds, each checked)."""
     if keep <= 0 or upper <= 0:
         raise ValueError(f"keep and upper must be positive, got {keep} and {upper}")
     alpha = cost.profile.activation_bytes_per_token
     free = (cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0) - state_bytes(cost, length)) / alpha
+    length = int(length)
+    chunk = _largest_chunk_within(length, keep, free, upper)
+    for _ in range(64):
+        if not chunk or not cost.dims.recurrent_state_elements:
+            return chunk
+        budget = free - recurrent_state_bytes(cost, dependent_chunk_sizes(length, chunk)) / alpha
+        again = _largest_chunk_within(length, keep, budget, upper)
+        if again == chunk:
+            return chunk
+        chunk = again
+    return 0  # not settled in 64 rounds: refused as not fitting rather than guessed
+
+
+def _largest_chunk_within(length: int, keep: int, free: float, upper: int) -> int:
+    """largest_fitting_chunk's search for a budget of `free` activation tokens (0: none fits)."""
     if not free >= 1:  # nan (inf - inf) fits nothing either
         return 0
-    length = int(length)
 
     def fits(m: int) -> bool:
         c = -(-length // m)
