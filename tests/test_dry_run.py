@@ -86,3 +86,17 @@ def test_dry_run_from_the_command_line(tmp_path, capsys):
     assert f"resume: no checkpoint in {tmp_path} yet, a fresh start" in text
     assert "warning: restarts are enabled but save_strategy is 'no'" in text
     assert text.rstrip().endswith("dry run passed: nothing was launched")
+
+
+def test_the_memory_table_uses_the_memory_the_auto_cap_was_sized_from(tmp_path):
+    """Before: "cp_max_tokens_per_rank auto: ... fits 25.3 GB" and then "device memory unknown" in
+    the engines' table, which read the profile's device memory only (the CPU profile has none)."""
+    lines = dry_run(
+        TINY, [f"training.output_dir={tmp_path}", "training.cp_max_tokens_per_rank=auto"], world_size=1, steps=1
+    )
+    text = "\n".join(lines)
+    sized = [line for line in lines if line.startswith("cp_max_tokens_per_rank auto: ")]
+    assert sized, text
+    gb = sized[0].rsplit(" fits ", 1)[1].split(" GB")[0]
+    assert "device memory unknown" not in text, text
+    assert f"largest model in {gb} GB" in text, text

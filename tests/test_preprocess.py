@@ -486,6 +486,10 @@ def test_length_plot_and_json(capsys, tmp_path, smol_tokenizer_dir):
         ("./data/chat.jsonl", "chat.jsonl"),
         ("HuggingFaceTB/SmolLM2-135M", "HuggingFaceTB/SmolLM2-135M"),
         ("cpu", "cpu"),
+        # the model a tokenizer folder's report is priced with: its folder, not "config.json"
+        ("/home/me/models/SmolLM2-135M-Instruct/config.json", "SmolLM2-135M-Instruct"),
+        ("outputs/smollm2-135m-instruct/config.json", "smollm2-135m-instruct"),
+        ("smollm2/tokenizer.json", "smollm2"),
     ],
 )
 def test_the_length_plot_names_a_path_by_its_last_part(name, shown):

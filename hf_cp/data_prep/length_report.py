@@ -208,13 +208,22 @@ def write_lengths_jsonl(
     return out
 
 
+# files every model folder has under the same name: the folder names the model, not the file
+MODEL_FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
 def display_name(name: str) -> str:
     """A name short enough for a figure: a path's last part (a tokenizer or data folder given by
-    its full path clipped both panels' titles); a Hub name (org/model) as it is."""
+    its full path clipped both panels' titles); a Hub name (org/model) as it is; a model folder's
+    own file (…/SmolLM2/config.json, the model a tokenizer's length report is priced with) as
+    the folder's name, which says which model it is."""
     text = str(name).rstrip("/\\")
+    path = Path(text)
+    if path.name in MODEL_FOLDER_FILES and path.parent.name:
+        return path.parent.name
     if text.count("/") <= 1 and not text.startswith((".", "/", "~")) and "\\" not in text:
         return text
-    return Path(text).name or text
+    return path.name or text
 
 
 def plot_length_report(report: LengthReport, out: Union[str, Path], title: str = "") -> Path:

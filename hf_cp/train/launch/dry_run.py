@@ -276,7 +276,8 @@ def dry_run(
     lines.append(line)
     # what each engine would hold per rank at this cap, and the largest model each fits
     states = settings.model_states or {}
-    device_memory = cost.profile.device_memory_gb
+    # the memory cp_max_tokens_per_rank: auto sized the cap from (this host's, on the CPU), else the profile's
+    device_memory = settings.device_memory_gb or cost.profile.device_memory_gb
     memory = engine_memory(
         cost.dims,
         cost.profile,
