@@ -28,26 +28,21 @@ SOFTMAX_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attenti
 STATE_PASSING_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 
-def passed_state_of(cfg: Mapping) -> Tuple[int, int]:
-    """(elements of the state one piece of a spread document hands on per linear layer, rows
-    before a piece its convolution reads) for a Gated DeltaNet hybrid's config; (0, 0) otherwise.
-    The state is [B | P] per value head: key dim x (value dim + key dim) (state_passing.py)."""
+def linear_state_of(cfg: Mapping) -> Dict[str, int]:
+    """A Gated DeltaNet hybrid's per-layer state sizes (ModelDims' fields; all 0 for a config of
+    another kind): the recurrent state (value heads x key dim x value dim), which ChunkFlow
+    carries from chunk to chunk; the [B | P] one piece of a spread document hands on under state
+    passing (key dim x (value dim + key dim) per value head, state_passing.py); and the rows
+    before a piece its convolution reads."""
     if cfg.get("model_type") not in STATE_PASSING_MODEL_TYPES:
-        return 0, 0
-    heads, dk, dv = (
-        int(cfg.get(k) or 0) for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-    )
-    return heads * dk * (dv + dk), max(0, int(cfg.get("linear_conv_kernel_dim") or 1) - 1)
-
-
-def recurrent_state_of(cfg: Mapping) -> int:
-    """Elements of one Gated DeltaNet layer's recurrent state (value heads x key dim x value dim),
-    which ChunkFlow carries from chunk to chunk; 0 for a config of another kind."""
-    if cfg.get("model_type") not in STATE_PASSING_MODEL_TYPES:
-        return 0
+        return {}
     keys = ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     heads, dk, dv = (int(cfg.get(k) or 0) for k in keys)
-    return heads * dk * dv
+    return dict(
+        recurrent_state_elements=heads * dk * dv,
+        passed_state_elements=heads * dk * (dv + dk),
+        conv_window=max(0, int(cfg.get("linear_conv_kernel_dim") or 1) - 1),
+    )
 
 
 def softmax_layers_of(cfg: Mapping, layers: int, source: str = "config") -> Optional[int]:
@@ -93,10 +88,10 @@ class ModelDims:
     attention_layers: Optional[int] = None
     # how the linear layers run a document spread over a CP group: by state passing, each member
     # handing `passed_state_elements` per piece and reading `conv_window` rows before it
-    # (Gated DeltaNet, passed_state_of); 0: gathered whole on every member (Mamba, convolutions)
+    # (Gated DeltaNet, linear_state_of); 0: gathered whole on every member (Mamba, convolutions)
     passed_state_elements: int = 0
     conv_window: int = 0
-    # the recurrent state of one such layer (recurrent_state_of), kept per chunk by ChunkFlow
+    # the recurrent state of one such layer (linear_state_of), kept per chunk by ChunkFlow
     recurrent_state_elements: int = 0
 
     def __post_init__(self):
@@ -241,8 +236,7 @@ class ModelDims:
                 vocab_size=dim("vocab_size", 0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_layers=softmax_layers_of(cfg, layers, source),
-                **dict(zip(("passed_state_elements", "conv_window"), passed_state_of(cfg))),
-                recurrent_state_elements=recurrent_state_of(cfg),
+                **linear_state_of(cfg),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing field {e.args[0]!r} (expected a transformers config.json)") from None
