@@ -208,7 +208,10 @@ def test_largest_fitting_chunk_by_hand():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(2, 400), st.integers(1, 5), st.integers(1, 400), st.integers(1, 400))
 def test_largest_fitting_chunk_matches_a_search_over_every_chunk_size(length, keep, cap, upper):
-    cost = toy_cost()
+    _check_against_every_chunk_size(toy_cost(), length, keep, cap, upper)
+
+
+def _check_against_every_chunk_size(cost, length, keep, cap, upper):
     budget = cost.memory_bytes(cap)
     fits = [
         c for c in range(1, upper + 1) if chunked_memory_bytes(cost, dependent_chunk_sizes(length, c), keep) <= budget
@@ -235,17 +238,7 @@ def _toy_hybrid_cost():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(2, 400), st.integers(1, 5), st.integers(1, 400), st.integers(1, 400))
 def test_largest_fitting_chunk_counts_a_hybrids_states_between_chunks(length, keep, cap, upper):
-    cost = _toy_hybrid_cost()
-    budget = cost.memory_bytes(cap)
-    fits = [
-        c for c in range(1, upper + 1) if chunked_memory_bytes(cost, dependent_chunk_sizes(length, c), keep) <= budget
-    ]
-    got = largest_fitting_chunk(cost, length, keep, cap, upper)
-    if not fits:
-        assert got == 0
-    else:
-        assert 1 <= got <= upper
-        assert dependent_chunk_sizes(length, got) == dependent_chunk_sizes(length, max(fits))
+    _check_against_every_chunk_size(_toy_hybrid_cost(), length, keep, cap, upper)
 
 
 def test_a_hybrids_states_make_the_fitting_chunk_smaller():
