@@ -65,13 +65,12 @@ from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
 from hf_cp.train.objectives.preference import (
-    attach_reference_recurrent_layers,
+    check_policy_and_reference,
     policy_and_reference_logps,
     reference_logps,
-    refuse_active_dropout,
-    refuse_other_attention,
     refuse_padded_batch_settings,
     refuse_reference_without_path,
+    refuse_truncation,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
@@ -153,20 +152,13 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
-        reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        refuse_other_attention(self.model, reference, "CPDPOTrainer")
-        attach_reference_recurrent_layers(self.accelerator, self.ref_model)
-        refuse_active_dropout(self.model, "CPDPOTrainer", "DPOConfig")
+        check_policy_and_reference(self, "CPDPOTrainer", "DPOConfig")
 
     @staticmethod
     def cp_check_arguments(args) -> DPOSettings:
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
         model built); returns the loss's settings."""
-        if args.max_length is not None:
-            raise ValueError(
-                f"CPDPOTrainer: max_length={args.max_length} would truncate pairs; hf_cp places long pairs over CP "
-                "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
-            )
+        refuse_truncation(args, "CPDPOTrainer", "pairs")
         refuse_padded_batch_settings(args, "CPDPOTrainer")
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")

@@ -63,11 +63,10 @@ from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.kto_loss import KL_LOSS_TYPES, KTOSettings, kl_estimate, kto_loss
 from hf_cp.train.objectives.preference import (
-    attach_reference_recurrent_layers,
+    check_policy_and_reference,
     policy_and_reference_logps,
-    refuse_active_dropout,
-    refuse_other_attention,
     refuse_padded_batch_settings,
+    refuse_truncation,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_rank_steps
@@ -202,21 +201,14 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
                 "CPKTOTrainer: the model returns a MoE router auxiliary loss (router_aux_loss_coef != 0), which hf_cp's "
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
-        reference = self.accelerator.unwrap_model(self.ref_model) if self.ref_model is not None else None
-        refuse_other_attention(self.model, reference, "CPKTOTrainer")
-        attach_reference_recurrent_layers(self.accelerator, self.ref_model)
-        refuse_active_dropout(self.model, "CPKTOTrainer", "KTOConfig")
+        check_policy_and_reference(self, "CPKTOTrainer", "KTOConfig")
         self._cp_desirable = np.asarray(self.train_dataset["label"], dtype=bool)
 
     @staticmethod
     def cp_check_arguments(args) -> KTOSettings:
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
         model built); returns the loss's settings."""
-        if args.max_length is not None:
-            raise ValueError(
-                f"CPKTOTrainer: max_length={args.max_length} would truncate examples; hf_cp places long examples over "
-                "CP groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
-            )
+        refuse_truncation(args, "CPKTOTrainer", "examples")
         if args.precompute_ref_log_probs:
             raise ValueError(
                 "CPKTOTrainer: precompute_ref_log_probs=True is not supported yet; pass ref_model (a copy of the "

@@ -80,6 +80,26 @@ def policy_and_reference_logps(
     return both[0], both[1]
 
 
+def refuse_truncation(args, trainer: str, items: str) -> None:
+    """TRL's max_length truncates each `items` (pairs, examples); hf_cp spreads long ones instead."""
+    if args.max_length is not None:
+        raise ValueError(
+            f"{trainer}: max_length={args.max_length} would truncate {items}; hf_cp places long {items} over CP "
+            "groups instead (cp_max_tokens_per_rank, cp_max_group_size): set max_length=None"
+        )
+
+
+def check_policy_and_reference(trainer, name: str, config: str) -> None:
+    """After TRL built `trainer` (DPO, KTO): both models on hf_cp's attention, the reference's
+    recurrent layers attached as the policy's are, and no active dropout (`config`: where to turn
+    it off)."""
+    ref = trainer.ref_model
+    reference = trainer.accelerator.unwrap_model(ref) if ref is not None else None
+    refuse_other_attention(trainer.model, reference, name)
+    attach_reference_recurrent_layers(trainer.accelerator, ref)
+    refuse_active_dropout(trainer.model, name, config)
+
+
 def refuse_padded_batch_settings(args, trainer: str) -> None:
     """Settings of TRL's padded batches and its own training step, which the planned steps
     replace: refused by name when set, rather than silently ignored."""
