@@ -42,8 +42,17 @@ TOKENS = dict(
     eos_token_id=VISION_END + 2,
     pad_token_id=0,
 )
-# Qwen3-VL's and Qwen3.5's tower (learned position grid of 4x4, no windows)
-QWEN3_TOWER = dict(
+# the language model's and the tower's sizes every family shares
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=4096,
+    attention_dropout=0.0,
+)
+TOWER = dict(
     depth=2,
     hidden_size=32,
     intermediate_size=64,
@@ -52,40 +61,22 @@ QWEN3_TOWER = dict(
     patch_size=4,
     spatial_merge_size=MERGE,
     temporal_patch_size=2,
-    num_position_embeddings=16,
     in_channels=3,
 )
+# Qwen3-VL's and Qwen3.5's tower (learned position grid of 4x4, no windows)
+QWEN3_TOWER = dict(TOWER, num_position_embeddings=16)
 
 
 def vlm_config(**text) -> Qwen2_5_VLConfig:
     text_config = dict(
-        hidden_size=64,
-        intermediate_size=128,
+        TEXT,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-        attention_dropout=0.0,
     )
     text_config.update(text)
     return Qwen2_5_VLConfig(
         text_config=text_config,
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=4,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=2,
-            window_size=16,
-            fullatt_block_indexes=[1],
-            in_channels=3,
-            tokens_per_second=2,
-        ),
+        vision_config=dict(TOWER, window_size=16, fullatt_block_indexes=[1], tokens_per_second=2),
         **TOKENS,
     )
 
@@ -114,21 +105,15 @@ def qwen3_vl_config() -> Qwen3VLConfig:
     """A tiny Qwen3-VL: DeepStack features of both tower layers added after the first two decoder layers."""
     return Qwen3VLConfig(
         text_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
+            TEXT,
             num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=16,
-            vocab_size=VOCAB,
-            max_position_embeddings=4096,
             rope_parameters={
                 "rope_type": "default",
                 "mrope_section": [2, 3, 3],
                 "mrope_interleaved": True,
                 "rope_theta": 10000.0,
             },
-            attention_dropout=0.0,
         ),
         vision_config=dict(QWEN3_TOWER, deepstack_visual_indexes=[0, 1]),
         **TOKENS,
@@ -139,19 +124,14 @@ def qwen3_5_config() -> Qwen3_5Config:
     """A tiny Qwen3.5: a Gated DeltaNet layer beside an attention layer, M-RoPE on half of each head."""
     return Qwen3_5Config(
         text_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
+            TEXT,
             num_hidden_layers=2,
             layer_types=["linear_attention", "full_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=2,
             head_dim=16,
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             linear_key_head_dim=8,
             linear_value_head_dim=8,
-            vocab_size=VOCAB,
-            max_position_embeddings=4096,
             rope_parameters={
                 "rope_type": "default",
                 "mrope_section": [2, 1, 1],
@@ -159,7 +139,6 @@ def qwen3_5_config() -> Qwen3_5Config:
                 "partial_rotary_factor": 0.5,
                 "rope_theta": 10000.0,
             },
-            attention_dropout=0.0,
         ),
         vision_config=QWEN3_TOWER,
         **TOKENS,
