@@ -4,12 +4,8 @@ matching the grids), lengths with vision tokens, the report and lengths file tha
 frames-to-video layout, the recipe's model and config, and what is refused by name."""
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,6 +32,8 @@ from hf_cp.data_prep.vision_processor import (
 from hf_cp.samples.vision import sample_vision
 from hf_cp.train.setup.config import TrainConfigError, load_config
 from hf_cp.train.setup.model_section import build_model
+
+from helpers.harness.job import run_recipe
 
 MERGE = 2
 FRAMES = [f"clip/frame_{k:02d}.png" for k in range(12)]
@@ -371,22 +369,7 @@ def test_a_wrong_model_class_is_refused_naming_the_key(tmp_path, model, words):
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_tiny_vlm_recipe_trains_on_two_processes_with_its_loss_going_down(tmp_path):
-    root = Path(__file__).resolve().parent.parent
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/cpu-2proc-zero2.yaml",
-        "-m",
-        "hf_cp.train",
-        "configs/tiny-vlm-cpu.yaml",
-        "--set",
-        f"training.output_dir={tmp_path / 'out'}",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=root, capture_output=True, text=True, timeout=380, env=dict(os.environ, PYTHONWARNINGS="ignore")
-    )
+    proc = run_recipe("configs/tiny-vlm-cpu.yaml", tmp_path / "out", timeout=380)
     assert proc.returncode == 0, proc.stderr[-6000:]
     text = proc.stdout
     assert "hf_cp training summary" in text and "2 process(es)" in text

@@ -14,6 +14,8 @@ import pytest
 
 from hf_cp.train.setup.config import TrainConfigError, load_config
 
+from helpers.harness.job import run_recipe
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -98,22 +100,8 @@ def test_bundled_dataset_is_long_tailed_and_byte_level():
 @pytest.mark.timeout(420)
 def test_readme_main_job_trains_and_reports(tmp_path):
     out = tmp_path / "tiny-cpu"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "recipes/cpu-2proc-zero2.yaml",
-        "-m",
-        "hf_cp.train",
-        "configs/tiny-cpu.yaml",
-        "--set",
-        f"training.output_dir={out}",
-    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(os.environ, PYTHONWARNINGS="ignore")
-    )
+    proc = run_recipe("configs/tiny-cpu.yaml", out, timeout=400)
     wall = time.perf_counter() - t0
     assert proc.returncode == 0, proc.stderr[-6000:]
     text = proc.stdout

@@ -433,3 +433,11 @@ def run_distributed(
 
 if __name__ == "__main__":
     run_job(json.loads(Path(sys.argv[1]).read_text()))
+
+
+def run_recipe(config: str, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """A shipped config trained as the README runs it: `accelerate launch --config_file
+    recipes/cpu-2proc-zero2.yaml -m hf_cp.train CONFIG`, into `out` (any return code)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/cpu-2proc-zero2.yaml",
+           "-m", "hf_cp.train", config, "--set", f"training.output_dir={out}"]  # fmt: skip
+    return run_launcher(cmd, dict(os.environ, PYTHONWARNINGS="ignore"), timeout)
