@@ -46,7 +46,7 @@ def test_with_stop_within_zero_never_worse_than_any_member_and_records_the_winne
 
 def test_stops_planning_once_within_stop_within_of_the_charged_bound(h200_cost):
     req = request(LONG_TAIL, 16, h200_cost)
-    auto = get_balancer("auto", stop_within=0.5, exhaustive_below=0)
+    auto = get_balancer("auto", stop_within=0.5, exhaustive_below=0, core_members=[])
     plan = auto.plan(req)
     assert list(auto.last_makespans) == ["dynamic_cp"]  # the first member was close enough
     assert all("within 0.5 of the bound" in why for why in auto.last_skipped.values())
@@ -55,6 +55,21 @@ def test_stops_planning_once_within_stop_within_of_the_charged_bound(h200_cost):
     assert t <= 1.5 * bound
     # the contract: no skipped member could have been more than stop_within faster
     assert min(member_makespans(req, h200_cost).values()) * 1.5 >= t
+
+
+def test_core_members_stop_only_within_stop_within_masked(h200_cost):
+    """The default core members (dynamic_cp, flexsp) are planned until the best plan is within 0.3%
+    of the bound, however loose stop_within is; the other members stop at stop_within."""
+    req = request(LONG_TAIL, 16, h200_cost)
+    auto = get_balancer("auto", stop_within=0.5, stop_within_masked=0, exhaustive_below=0)
+    auto.plan(req)
+    assert list(auto.last_makespans) == ["dynamic_cp", "flexsp"]
+    assert all("within 0.5 of the bound" in why for why in auto.last_skipped.values())
+    # dynamic_cp's plan is within 0.3% of this step's bound: then flexsp is skipped too
+    auto = get_balancer("auto", stop_within=0.5, exhaustive_below=0)
+    auto.plan(req)
+    assert list(auto.last_makespans) == ["dynamic_cp"]
+    assert "within 0.003 of the bound" in auto.last_skipped["flexsp"]
 
 
 def test_a_small_step_is_planned_by_every_member_a_bound_does_not_rule_out(h200_cost):

@@ -86,6 +86,8 @@ def test_every_built_in_balancer_lists_its_options_with_help():
         "simulate_within",
         "simulate_samples_per_rank",
         "refine_candidates",
+        "spread_sizes",
+        "spread_samples_per_rank",
         "any_size_groups",
     }
     assert describe_options("static") == []

@@ -188,18 +188,22 @@ def samples_local_ms(lens: np.ndarray, cost: CostModel, masks=None) -> List[floa
     return [cost.local_ms([n], [m]) for n, m in zip(lens.tolist(), masks)]
 
 
-def alone_on_group_ms(cost: CostModel, length: int, group_size: int) -> float:
+def alone_on_group_ms(cost: CostModel, length: int, group_size: int, mask=None) -> float:
     """One document alone, per-document sharded over an aligned block of `group_size` ranks: the
     slower of the block's two end members (micro-batch overhead excluded). A shard's first and
     last members hold its extremes (the first chunk and the last); the others were within 6e-5
     of them on 40K-1M tokens over 2-256 ranks, and a bound may only come out lower. Costing
     every member was O(ranks) a call: the charged bound of a 4096-rank step of Wikipedia spent
-    140 s in it."""
+    140 s in it. A masked sample (`mask`, a SampleMask) is priced by its masked area on every
+    member: its extremes need not sit at the ends (a shared prompt's answers are cheaper than
+    its prompt), and balancers price the few distributed masked samples of a step this way."""
     if group_size == 1:
-        return cost.sample_local_ms(length)
+        return cost.sample_local_ms(length) if mask is None else cost.local_ms([length], [mask])
     ranks = list(range(group_size))
-    ends = (0, group_size - 1)
-    return max(c.total_ms for c in cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, ends))
+    members = (0, group_size - 1) if mask is None else ranks
+    masks = None if mask is None else [mask]
+    costs = cost.distributed_rank_costs([length], ShardMode.RING_PER_DOC, ranks, members, masks=masks)
+    return max(c.total_ms for c in costs)
 
 
 def _check_fits(lengths: Sequence[int], cluster: ClusterSpec) -> np.ndarray:

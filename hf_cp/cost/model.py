@@ -256,14 +256,18 @@ class CostModel:
         ranks: Sequence[int],
         members: Sequence[int],
         local: Optional[Mapping[int, Sequence[int]]] = None,
+        masks=None,
     ) -> List[RankCost]:
-        """distributed_rank_cost of each of `members` (local: member index -> its local lengths),
-        with every member's segments built once: a ring member's cost also needs its successor's
-        share, so costing a whole group member by member would build each share twice."""
+        """distributed_rank_cost of each of `members` (local: member index -> its local lengths;
+        `masks` aligned with doc_lengths, as there), with every member's segments built once: a
+        ring member's cost also needs its successor's share, so costing a whole group member by
+        member would build each share twice."""
         local = local or {}
         segments_of = _segments_builder(mode, doc_lengths, len(ranks))
         link = self.link_for(ranks)
-        return [self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link) for m in members]
+        return [
+            self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks) for m in members
+        ]
 
     def _rank_cost(
         self,

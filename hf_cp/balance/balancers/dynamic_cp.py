@@ -50,19 +50,23 @@ from hf_cp.balance.toolkit.bounds import request_distributed_vision_ms, request_
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.balance.toolkit.cp_candidates import (
     Candidate,
+    SpreadCandidate,
     balance_sizes,
+    distributed_times,
     fill_ranks,
     local_micro_batches,
     memory_min_sizes,
     per_rank_ms,
     pick_fastest,
     refine_best,
+    request_masks,
 )
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.balance.toolkit.waves import WaveBuilder
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import Group, StepPlan
+from hf_cp.samples.masks import SampleMask
 
 DEFAULT_THETAS: Tuple[Optional[float], ...] = (None, 1.0, 0.5, 0.25, 0.125)
 
@@ -94,9 +98,25 @@ class DynamicCPOptions(BalancerOptions):
         "is not a power of two has none: there it plans on runs of any size either way)",
     )
 
+    spread_sizes: Tuple[int, ...] = option(
+        (2,),
+        "on coarse steps, also a candidate per size g here with every sample that is not light on groups of g "
+        "ranks, the blocks balanced as one LPT (cp_candidates.SpreadCandidate; sizes the cluster lacks are skipped)",
+    )
+    spread_samples_per_rank: float = option(
+        4.0, "a step is coarse (spread candidates tried) up to this many samples per rank"
+    )
+
     def check(self) -> None:
         if not self.thetas:
             raise BalancerOptionError("dynamic_cp: thetas must name at least one candidate")
+        bad = [g for g in self.spread_sizes if not (isinstance(g, int) and g >= 2 and is_power_of_two(g))]
+        if bad:
+            raise BalancerOptionError(f"dynamic_cp: spread_sizes {bad} must be powers of two >= 2")
+        if self.spread_samples_per_rank < 0:
+            raise BalancerOptionError(
+                f"dynamic_cp: spread_samples_per_rank {self.spread_samples_per_rank} must be >= 0"
+            )
         if self.refine_candidates < 0:
             raise BalancerOptionError(f"dynamic_cp: refine_candidates {self.refine_candidates} must be >= 0")
         for t in self.thetas:
@@ -119,6 +139,8 @@ class DynamicCPBalancer:
         self.simulate_within = o.simulate_within
         self.simulate_samples_per_rank = o.simulate_samples_per_rank
         self.refine_candidates = o.refine_candidates
+        self.spread_sizes = tuple(o.spread_sizes)
+        self.spread_samples_per_rank = o.spread_samples_per_rank
         # the cluster this balancer plans for must register groups of any size (the trainer
         # builds a process group for each registered group, ClusterSpec.any_size_groups)
         self.needs_any_size_groups = o.any_size_groups
@@ -141,17 +163,24 @@ class DynamicCPBalancer:
         lengths = req.length_array
         local_ms = request_sample_ms(req, memo)  # text and vision work, single-rank
         quota = float(local_ms.sum()) / cl.world_size
+        masks = request_masks(req)
         candidates: List[Candidate] = []
         if aligned:
             min_sizes = memory_min_sizes(memo, lengths, req)
             seen = set()
             for theta in self.thetas:
-                sizes = balance_sizes(memo, lengths, min_sizes, local_ms, cl.group_sizes[-1], quota, theta)
+                sizes = balance_sizes(memo, lengths, min_sizes, local_ms, cl.group_sizes[-1], quota, theta, masks)
                 key = sizes.tobytes()
                 if key in seen:
                     continue
                 seen.add(key)
                 candidates.append(Candidate(req, memo, lengths, local_ms, sizes))
+            if len(lengths) <= self.spread_samples_per_rank * cl.world_size:
+                candidates += [
+                    SpreadCandidate(req, memo, lengths, local_ms, min_sizes, g)
+                    for g in self.spread_sizes
+                    if g in cl.group_sizes
+                ]
         refine_best(req, memo, candidates, lengths, local_ms, self.refine_candidates)
         if on_any_size:
             # refined apart, so that the aligned candidates (and their refinement) are exactly
@@ -162,7 +191,7 @@ class DynamicCPBalancer:
             seen_any = set()
             any_size: List[Candidate] = []
             for theta in self.thetas:
-                sizes = balance_sizes_on(cl.all_group_sizes, memo, lengths, min_any, local_ms, quota, theta)
+                sizes = balance_sizes_on(cl.all_group_sizes, memo, lengths, min_any, local_ms, quota, theta, masks)
                 key = sizes.tobytes()
                 if key in seen_any or (aligned and np.isin(sizes, cl.group_sizes).all()):
                     continue
@@ -207,10 +236,11 @@ def balance_sizes_on(
     local_ms: np.ndarray,
     quota_ms: float,
     theta: Optional[float],
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
 ) -> np.ndarray:
     """Workload pass over the sizes of `ladder` (ascending): a sample over theta x quota
     moves to the next size while that makes it faster (cp_candidates.balance_sizes, whose
-    ladder is the powers of two)."""
+    ladder is the powers of two; `masks` as there)."""
     sizes = min_sizes.copy()
     if theta is None:
         return sizes
@@ -218,10 +248,11 @@ def balance_sizes_on(
     step_up = {a: b for a, b in zip(ladder, ladder[1:])}
     for i in np.nonzero((local_ms > limit) | (min_sizes > 1))[0].tolist():
         n, g = int(lengths[i]), int(sizes[i])
-        t = per_rank_ms(memo, n, g)
+        mask = masks[i] if masks is not None else None
+        t = per_rank_ms(memo, n, g, mask)
         while t > limit and g in step_up:
             g2 = step_up[g]
-            t2 = per_rank_ms(memo, n, g2)
+            t2 = per_rank_ms(memo, n, g2, mask)
             if t2 >= t:
                 break
             g, t = g2, t2
@@ -270,7 +301,7 @@ class AnySizeCandidate(Candidate):
         free = np.zeros(req.cluster.world_size, dtype=np.float64)
         chooser = GroupChooser(req.cluster)
         dist = np.nonzero(sizes > 1)[0]
-        times = np.array([per_rank_ms(memo, int(lengths[i]), int(sizes[i])) for i in dist.tolist()])
+        times = distributed_times(memo, lengths, sizes, dist, request_masks(req))
         vision = request_distributed_vision_ms(req, sizes)
         if vision is not None and len(dist):
             times = times + vision[dist]

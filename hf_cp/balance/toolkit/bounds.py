@@ -58,7 +58,7 @@ def request_local_ms(req: PlanRequest, memo: Optional[CostMemo] = None) -> np.nd
     local = local.copy()
     for i, (n, mask) in enumerate(zip(req.lengths, masks_of(req.sample_ids, req.masks))):
         if mask is not None:
-            local[i] = req.cost.local_ms([n], [mask])
+            local[i] = memo.doc_on_group_ms(n, 1, mask)  # CostModel.local_ms([n], [mask]), kept per mask
     return local
 
 

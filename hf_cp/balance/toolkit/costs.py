@@ -15,6 +15,7 @@ from hf_cp.cost.bounds import alone_on_group_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.modes.ring import split_member_tokens
 from hf_cp.modes.segments import ShardMode
+from hf_cp.samples.masks import SampleMask
 
 
 class CostMemo:
@@ -29,6 +30,7 @@ class CostMemo:
         self.cost = cost
         self._local: Dict[int, float] = {}
         self._on_group: Dict[Tuple[int, int], float] = {}
+        self._masked_on_group: Dict[Tuple[SampleMask, int], float] = {}
         self._member_tokens: Dict[Tuple[int, int], Tuple[int, ...]] = {}
         self.overhead_ms = cost.micro_batch_overhead_ms()
         self._step_lengths: Optional[Tuple[int, ...]] = None
@@ -74,8 +76,15 @@ class CostMemo:
         uniq, inv = np.unique(lengths, return_inverse=True)
         return np.fromiter((get(int(n)) for n in uniq.tolist()), dtype=np.float64, count=len(uniq))[inv]
 
-    def doc_on_group_ms(self, length: int, group_size: int) -> float:
-        """cost.bounds.alone_on_group_ms, kept per (length, group size)."""
+    def doc_on_group_ms(self, length: int, group_size: int, mask: Optional[SampleMask] = None) -> float:
+        """cost.bounds.alone_on_group_ms, kept per (length, group size) and, for a masked
+        sample, per (mask, group size)."""
+        if mask is not None:
+            mkey = (mask, group_size)
+            v = self._masked_on_group.get(mkey)
+            if v is None:
+                v = self._masked_on_group[mkey] = alone_on_group_ms(self.cost, length, group_size, mask)
+            return v
         key = (length, group_size)
         v = self._on_group.get(key)
         if v is None:
