@@ -8,62 +8,20 @@ auto's pricing, bounds or early stop. Before issue 39 auto stopped on masked ste
 first member within 1.5% of the charged bound (static, up to 1.2% behind magi and dcp), and on
 steps of ~50 samples at dynamic_cp 0.4% behind flexsp."""
 
-import json
-
 import pytest
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.cost.simulate import simulate
-from hf_cp.plan.cluster import ClusterSpec
-from hf_cp.samples.lengths import epoch_order, read_lengths
-from hf_cp.samples.masks import SampleMask
 
 from helpers import load_file_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 
-CAP = 32768
-TOKENS_PER_RANK = 65536
+# the steps are the promise bench's (scripts/bench_auto_promise.py), which prints this file's
+# cases with auto's and its best member's CPU
+_bench = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py")
+grouped_step, plain_step = _bench.grouped_step, _bench.plain_step
 PROMISE = 1.003
-
-
-def groups(traces_dir, kind: str):
-    """(prompt, answers) of the shipped shared-prompt traces: DPO pairs (answers 0 and 1 of
-    the n8 trace), 3-answer groups, GRPO groups of 8 and 16, and GRPO groups of 8 with every
-    completion x8 (at most 16K tokens)."""
-    n = 16 if kind == "g16" else 8
-    rows = [json.loads(x) for x in (traces_dir / f"shared_prompt_alpaca_eval_n{n}.jsonl").read_text().splitlines() if x]
-    out = [(r["prompt"], r["answers"]) for r in rows]
-    if kind == "dpo":
-        return [(p, a[:2]) for p, a in out]
-    if kind == "g3":
-        return [(p, a[:3]) for p, a in out]
-    if kind == "g8long":
-        return [(p, [min(8 * x, 16384) for x in a]) for p, a in out]
-    return out
-
-
-def grouped_step(traces_dir, kind: str, world: int, cost) -> PlanRequest:
-    """Step 0 of the shuffled groups, as many as fill TOKENS_PER_RANK x world tokens (at least
-    one per rank), each one masked sample [prompt][answer 1]...[answer n]."""
-    gs = groups(traces_dir, kind)
-    masks = [SampleMask.shared_prompt(p, a) for p, a in gs]
-    cluster = ClusterSpec(world, CAP, 8)
-    mean = sum(m.length for m in masks) / len(masks)
-    per_step = max(world, round(TOKENS_PER_RANK * world / mean))
-    order = [int(i) for e in range(-(-per_step // len(gs))) for i in epoch_order(len(gs), 0, e) + e * len(gs)]
-    ids = order[:per_step]
-    return PlanRequest(ids, [masks[i % len(gs)].length for i in ids], cluster, cost,
-                       masks={i: masks[i % len(gs)] for i in ids})  # fmt: skip
-
-
-def plain_step(traces_dir, trace: str, world: int, cost) -> PlanRequest:
-    bench = load_file_module("bench_balancers", "scripts/bench_balancers.py")
-    cluster = ClusterSpec(world, CAP, 8)
-    lengths = [n for n in read_lengths(traces_dir / f"{trace}.txt") if n <= cluster.largest_capacity]
-    ids = bench.full_step_ids(lengths, TOKENS_PER_RANK * world, 0, [1])[1]
-    return PlanRequest(ids, [lengths[i % len(lengths)] for i in ids], cluster, cost, step=1,
-                       dataset_max_length=max(lengths))  # fmt: skip
 
 
 def check_promise(req: PlanRequest, cost) -> None:

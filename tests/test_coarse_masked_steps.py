@@ -6,7 +6,7 @@ ranks. The balancers now price a distributed masked sample by its masked area, a
 adds a candidate that spreads the step's samples over groups of two balanced as one LPT."""
 
 import pytest
-from test_auto_promise import grouped_step
+from test_auto_promise import grouped_step  # the promise bench's step builder
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit.bounds import BoundCache
