@@ -18,7 +18,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from hf_cp.modes.registry import SegmentsOf, ShardModeSpec, register_mode
-from hf_cp.modes.segments import Segment, chunk_bounds, cut, segment_tokens, split_sizes
+from hf_cp.modes.segments import Segment, chunk_bounds, cut, doc_starts, segment_tokens, split_sizes
 
 # Every question of which tokens a ring member holds is answered here: the cost model and the
 # simulator (through the mode specs below), and the planners' closed forms (CostMemo,
@@ -105,16 +105,20 @@ def member_tokens(mode, doc_lengths: Sequence[int], group_size: int) -> np.ndarr
 # ---- segments
 def zigzag_segments(doc_lengths: Sequence[int], group_size: int, rank: int) -> List[Segment]:
     """Member `rank`'s query segments when the whole packed sequence is zigzag-split."""
-    b = chunk_bounds(sum(doc_lengths), 2 * group_size)
-    return [s for p in member_parts(rank, group_size) for s in cut(doc_lengths, b[p], b[p + 1])]
+    starts = doc_starts(doc_lengths)
+    b = chunk_bounds(starts[-1], 2 * group_size)
+    return [s for p in member_parts(rank, group_size) for s in cut(doc_lengths, b[p], b[p + 1], starts)]
 
 
 def zigzag_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int, Segment]]:
     """Every member's pieces at once when the whole packed sequence is zigzag-split, as
     (member, segment) in packed order: part by part, each part cut at document ends (empty
     parts give none). Member m's segments are zigzag_segments(doc_lengths, group_size, m)."""
-    b = chunk_bounds(sum(doc_lengths), 2 * group_size)
-    return [(part_member(p, group_size), s) for p in range(2 * group_size) for s in cut(doc_lengths, b[p], b[p + 1])]
+    starts = doc_starts(doc_lengths)
+    b = chunk_bounds(starts[-1], 2 * group_size)
+    return [
+        (part_member(p, group_size), s) for p in range(2 * group_size) for s in cut(doc_lengths, b[p], b[p + 1], starts)
+    ]
 
 
 def per_doc_pieces(doc_lengths: Sequence[int], group_size: int) -> List[Tuple[int, Segment]]:

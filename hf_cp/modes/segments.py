@@ -12,8 +12,10 @@ A query at position p of a document attends causally to p + 1 keys of that docum
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from enum import Enum
 from functools import lru_cache
+from itertools import accumulate
 from typing import List, NamedTuple, Optional, Sequence
 
 from hf_cp.samples.masks import SampleMask, Slices, rect_pairs
@@ -56,18 +58,32 @@ def doc_pairs(length: int) -> int:
     return causal_pairs(0, length)
 
 
-def cut(doc_lengths: Sequence[int], begin: int, end: int) -> List[Segment]:
-    """Segments covering packed-token range [begin, end)."""
+def cut(doc_lengths: Sequence[int], begin: int, end: int, starts: Optional[Sequence[int]] = None) -> List[Segment]:
+    """Segments covering packed-token range [begin, end). `starts`: the documents' packed
+    offsets with the total last (doc_starts), when the caller cuts the same pack many times.
+
+    The first document is found by bisection: scanning from the first document made the
+    simulator of a 4096-rank step of zigzag packs (1,400 documents over 64 ranks, each member
+    cut twice for itself and its ring successor) spend 14 s here."""
+    if starts is None:
+        starts = doc_starts(doc_lengths)
     out: List[Segment] = []
-    offset = 0
-    for d, ln in enumerate(doc_lengths):
-        lo, hi = max(begin, offset), min(end, offset + ln)
-        if lo < hi:
-            out.append(Segment(d, lo - offset, hi - lo))
-        offset += ln
+    d = max(0, bisect_right(starts, begin) - 1)
+    n = len(doc_lengths)
+    while d < n:
+        offset = starts[d]
         if offset >= end:
             break
+        lo, hi = max(begin, offset), min(end, starts[d + 1])
+        if lo < hi:
+            out.append(Segment(d, lo - offset, hi - lo))
+        d += 1
     return out
+
+
+def doc_starts(doc_lengths: Sequence[int]) -> List[int]:
+    """Each document's first packed position, and the pack's length last."""
+    return list(accumulate(doc_lengths, initial=0))
 
 
 def chunk_bounds(n: int, parts: int) -> List[int]:
