@@ -128,7 +128,8 @@ def test_dynamic_cp_uses_a_group_of_seven_where_it_is_faster(h200_cost):
     assert non_power_of_two_sizes(aligned) == []
     t_aligned = simulate(aligned, h200_cost).makespan_ms
     t_any = simulate(any_size, h200_cost).makespan_ms
-    assert t_any < t_aligned / 1.04  # 1.0558 -> 1.0019 of the charged bound
+    # 1.0272 -> 1.0019 of the charged bound (aligned was 1.0558 before dynamic_cp's spread candidate)
+    assert t_any < t_aligned / 1.02
     # its estimate counts the waits of groups that do not nest; only micro-batch overheads of
     # packed samples (one per sample in the estimate) separate it from the simulator
     assert t_any <= balancer.last_predicted_ms <= t_any * 1.001
