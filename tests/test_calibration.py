@@ -502,12 +502,12 @@ def test_a_refit_is_said_only_when_a_coefficient_moved(caplog):
     from hf_cp.train.measure.online_calibration import NOTE_CHANGE, OnlineCalibration, moved
 
     class Planner:
+        lookahead = 0
+
         def set_cost(self, first, version, cost):
             self.last = (first, version)
 
-    online = OnlineCalibration(
-        CostModel(TINY, CPU), CalibrationSettings(min_steps=8, refit_every=8, window=64), 0, 100, 0
-    )
+    online = OnlineCalibration(CostModel(TINY, CPU), CalibrationSettings(min_steps=8, refit_every=8, window=64), 100, 0)
     cal = online.calibrator
     obs = synthetic_observations(noise=0.0)
     for o in obs[:8]:

@@ -574,7 +574,7 @@ def calibrated_profile_yaml(profile: HardwareProfile, fit: CalibrationFit, base_
     d = profile.to_dict()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = [
-        f"# Hardware profile calibrated online by CPTrainer ({now}){': ' + run if run else ''}.",
+        f"# Hardware profile calibrated online by hf_cp training ({now}){': ' + run if run else ''}.",
         f"# Started from profile {base_name!r}; fitted to the measured per-rank compute and step wall time",
         f"# of {fit.steps} steps up to step {fit.step + 1} (calibration {fit.version}).",
         f"# Median per-rank compute error {_pct(fit.error_before)} before, {_pct(fit.error_after)} after;",

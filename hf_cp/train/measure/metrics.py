@@ -146,9 +146,7 @@ def summary_lines(
         f"{agg['tokens_per_s']:.0f} tokens/s",
         f"loss: first {head} step(s) {loss_first:.4f} -> last {head} step(s) {loss_last:.4f}"
         f" ({'down' if loss_last < loss_first else 'NOT down'})",
-        f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
-        f"measured {agg['measured_max_over_mean']:.3f}",
-        per_rank_line(records),
+        *balance_lines(records, balancer, compare),
         f"planner {agg['planner_ms']:.1f} ms/step (planned ahead, off the training thread), waves/step {agg['waves']:.2f}, cp-size:samples "
         + " ".join(
             f"{k[len('cp_size') : -len('_samples')]}:{int(v)}" for k, v in agg.items() if k.startswith("cp_size")
@@ -162,6 +160,20 @@ def summary_lines(
             f"{max(c['max_chunk_tokens'] for c in chunked)} tokens, K={max(c['keep'] for c in chunked)}; "
             f"{sum(c['recomputed'] for c in chunked)} recomputed in backward) instead of a CP group"
         )
+    flops_line = throughput.summary_line(records) if throughput is not None else None
+    return lines + memory_lines(records) + wall_clock_lines(records) + ([flops_line] if flops_line else [])
+
+
+def balance_lines(records: Sequence[StepRecord], balancer: str, compare: str = "") -> List[str]:
+    """The balance of the steps of `records` (every trainer's summary has these lines): per-rank
+    compute max/mean predicted and measured, each rank's mean (or their spread and the slowest
+    rank), and the step time `compare` (the comparison balancer) was predicted to take."""
+    agg = aggregate(records, prefix="")
+    lines = [
+        f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
+        f"measured {agg['measured_max_over_mean']:.3f}",
+        per_rank_line(records),
+    ]
     if compare and "compare_predicted_step_ms" in agg:
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
         lines.append(
@@ -169,8 +181,7 @@ def summary_lines(
             f"({theirs / ours if ours else float('nan'):.2f}x; predicted only: {compare} was not run; "
             f"a run with cp_balancer: {compare} measures it)"
         )
-    flops_line = throughput.summary_line(records) if throughput is not None else None
-    return lines + memory_lines(records) + wall_clock_lines(records) + ([flops_line] if flops_line else [])
+    return lines
 
 
 def memory_lines(records: Sequence[StepRecord]) -> List[str]:
@@ -208,33 +219,40 @@ def _span(records: Sequence[StepRecord]) -> str:
 
 def wall_clock_lines(records: Sequence[StepRecord]) -> List[str]:
     """Measured wall clock beside the prediction, and the prediction error before and after the
-    online calibration (StepRecord.calibration: the cost model each step was planned with)."""
+    online calibration (prediction_error_line)."""
     wall_ms = statistics.mean(r.step_wall_ms for r in records)
     tokens_s = sum(r.global_tokens for r in records) / (sum(r.step_wall_ms for r in records) / 1e3 or float("nan"))
     latest = max(r.calibration for r in records)
-    first = [r for r in records if r.calibration == 0]
     last = [r for r in records if r.calibration > 0] or records
     pred_ms = statistics.mean(r.predicted_step_ms for r in last)
-    lines = [
+    return [
         f"wall clock, measured: {tokens_s:.0f} tokens/s, {wall_ms:.0f} ms/step; predicted step "
         f"{pred_ms:.0f} ms against {statistics.mean(r.step_wall_ms for r in last):.0f} ms measured "
-        f"({_span(last)}{', calibrated' if latest else ''})"
+        f"({_span(last)}{', calibrated' if latest else ''})",
+        prediction_error_line(records),
     ]
+
+
+def prediction_error_line(records: Sequence[StepRecord]) -> str:
+    """The median prediction error of `records` with the profile as given and, once the online
+    calibration refitted it, with the fits (StepRecord.calibration: the cost model each step was
+    planned with)."""
+    latest = max(r.calibration for r in records)
+    first = [r for r in records if r.calibration == 0]
     e0 = prediction_errors(first)
     if latest == 0:
-        lines.append(
+        return (
             f"prediction error (median |predicted - measured| / measured): per-rank compute {100 * e0['compute']:.1f}%, "
             f"step wall {100 * e0['wall']:.1f}% (not calibrated: cp_calibrate off or too few steps)"
         )
-        return lines
+    last = [r for r in records if r.calibration > 0]
     e1 = prediction_errors(last)
-    lines.append(
+    return (
         f"prediction error (median |predicted - measured| / measured): per-rank compute "
         f"{100 * e0['compute']:.1f}% with the profile as given ({_span(first)}) -> {100 * e1['compute']:.1f}% "
         f"calibrated ({_span(last)}, {latest} calibration(s)); step wall {100 * e0['wall']:.1f}% -> "
         f"{100 * e1['wall']:.1f}%"
     )
-    return lines
 
 
 def per_rank_line(records: Sequence[StepRecord]) -> str:

@@ -4,7 +4,7 @@ The fitting itself is hf_cp.planning.calibration (pure, torch-free). Here it mee
 step's record (identical on every rank) is one observation of the cost model the step was
 planned with; a refit that is due is offered at the next plan agreement (the coefficients ride
 on its exchange, train/step/agreement.py), and the fit every rank receives there, rank 0's, plans
-the steps that no rank has planned yet (the planner's lookahead), the same on every rank. The
+the steps that no rank has planned yet (after the planner's lookahead), the same on every rank. The
 latest fit is a profile YAML that each checkpoint and the end of training write
 (`CALIBRATED_PROFILE`; `hf-cp plan --profile FILE` reads it).
 """
@@ -50,19 +50,17 @@ class OnlineCalibration:
     """Calibration versions of one run: version -> (coefficients, cost model); 0 is the profile
     as given. Without `settings` (calibration off) it observes nothing and offers no fit.
 
-    `lookahead`: steps the planner plans ahead (a new fit applies after them); `num_steps`: the
-    run's steps (a fit that would apply to none is dropped); `rank`: rank 0 logs adoptions."""
+    `num_steps`: the run's steps (a fit that would apply to none is dropped); `rank`: rank 0 logs
+    adoptions."""
 
-    def __init__(
-        self, cost: CostModel, settings: Optional[CalibrationSettings], lookahead: int, num_steps: int, rank: int
-    ):
+    def __init__(self, cost: CostModel, settings: Optional[CalibrationSettings], num_steps: int, rank: int):
         self.cost = cost
         self.calibrator: Optional[Calibrator] = Calibrator(cost.profile, settings) if settings is not None else None
         self.models: Dict[int, Tuple[Coefficients, CostModel]] = {0: (Coefficients.of(cost.profile), cost)}
         self.pending_fit: Optional[CalibrationFit] = (
             None  # a fit made after the last step, offered at the next agreement
         )
-        self.lookahead, self.num_steps, self.rank = lookahead, num_steps, rank
+        self.num_steps, self.rank = num_steps, rank
         self.said: Optional[Coefficients] = None  # the coefficients of the last fit the log said
 
     @classmethod
@@ -73,7 +71,7 @@ class OnlineCalibration:
             settings = CalibrationSettings(
                 args.cp_calibrate_min_steps, args.cp_calibrate_every, max(16, args.cp_calibrate_min_steps)
             )
-        return cls(cost, settings, args.cp_plan_lookahead, num_steps, rank)
+        return cls(cost, settings, num_steps, rank)
 
     def observe(self, rec: StepRecord, ps) -> None:
         """Observe a step (`ps`: its PlannedStep); when a refit is due, fit and keep the result
@@ -105,14 +103,15 @@ class OnlineCalibration:
 
     def adopt(self, payload: Sequence[float], index: int, planner: Planner) -> None:
         """The agreed payload (rank 0's), the same on every rank, at step `index`: a fit in it
-        plans the steps not yet planned."""
+        plans the steps not yet planned: those after `planner`'s lookahead (from the next step
+        for a planner of batches made as training goes, whose lookahead is 0)."""
         version, coefficients = Coefficients.from_payload(payload)
         if coefficients is None:
             return
         cal = self.calibrator
         base = self.cost
         cost = base.with_profile(cal.profile(coefficients))
-        first = index + self.lookahead + 1
+        first = index + planner.lookahead + 1
         if first >= self.num_steps:
             return  # no step left to plan with it
         self.models[version] = (coefficients, cost)

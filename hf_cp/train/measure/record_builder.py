@@ -56,7 +56,7 @@ def predicted_step_ms(sim, forward_only_passes: int, forward_share: float) -> fl
 def step_record(
     step: RankStep,
     rows: List[List[float]],
-    sampler: GlobalBatchSampler,
+    sampler: Optional[GlobalBatchSampler],
     global_step: int,
     compare_name: Optional[str],
     resumed_from: Optional[int],
@@ -65,6 +65,7 @@ def step_record(
     forward_share: float = 1.0 / 3.0,
 ) -> StepRecord:
     """The record of `step` from every rank's measurements (`rows`, gather_measurements's).
+    `sampler`: the run's, or None for batches made as training goes (the rollout trainers');
     `global_step`: the Trainer's step counter after it; `compare_name`: the comparison
     balancer's name; `resumed_from`: the checkpoint step this process started from;
     `forward_only_passes`: the trainer's forward-only passes over the plan before its training
@@ -73,9 +74,9 @@ def step_record(
     gv = step.global_valid_tokens
     waves = len(rows[0]) - FIRST_WAVE_COLUMN
     # epochs of data trained: also the Trainer's `epoch` (trainer_numbers.DataEpochCallback);
-    # unknown for a stream (no length), as its number of samples is
-    stream = bool(getattr(sampler, "streaming", False))
-    if stream:
+    # unknown for a stream (no length), as its number of samples is, and without a sampler (rollouts)
+    unknown_data = sampler is None or bool(getattr(sampler, "streaming", False))
+    if unknown_data:
         epochs = None
     elif ps is not None:
         done = sum(map(len, sampler.epoch_batches(step.epoch)[: ps.batch.step_in_epoch + 1]))
@@ -116,7 +117,7 @@ def step_record(
         chunked=step.plan.chunking_summary(),
         attempt=restart_attempt(),  # torchrun restarts so far: which run trained this step
         resumed_from=resumed_from,
-        dataset_samples=None if stream else dataset_samples,  # for the exactly-once audit of hf-cp report
+        dataset_samples=None if unknown_data else dataset_samples,  # for the exactly-once audit of hf-cp report
         wave_max_ms=[max(r[FIRST_WAVE_COLUMN + w] for r in rows) for w in range(waves)],
         forward_only_ms=max(r[5] for r in rows),
         forward_only_passes=int(forward_only_passes),
