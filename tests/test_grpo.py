@@ -27,6 +27,7 @@ import torch
 from helpers.grpo_runs import (
     MAX_LEN,
     G,
+    assert_balance_summary_holds_the_records,
     constant_reward,
     hf_cp_run,
     hf_cp_trainer,
@@ -499,14 +500,61 @@ def test_the_generation_trainers_check_the_launch_settings_as_cptrainer_does(tra
         cls(model=None, reward_funcs=reward_a, args=args)
 
 
-def test_the_default_cp_calibrate_is_said_once_at_set_up_since_grpo_does_not_calibrate(model_path, tmp_path, caplog):
-    """cp_calibrate is on by default and CPGRPOTrainer runs no calibration: one warning at set-up,
-    which cp_calibrate=False silences (a non-default schedule is refused: test_train_config_trainers)."""
-    said = "CPGRPOTrainer does not calibrate the cost model during training"
-    with caplog.at_level(logging.WARNING, logger="hf_cp.train.objectives.rollout"):
-        hf_cp_trainer(prompt_rows(), str(tmp_path / "on"), 1, model_path)
-    assert sum(said in r.getMessage() for r in caplog.records) == 1, caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_cp.train.objectives.rollout"):
-        hf_cp_trainer(prompt_rows(), str(tmp_path / "off"), 1, model_path, cp_calibrate=False)
-    assert not any(said in r.getMessage() for r in caplog.records), caplog.text
+GENERATION_S = 0.2  # each generation slowed by this much: the planned passes' clock must not see it
+# (cp_calibrate_min_steps, cp_calibrate_every) -> the calibration each of 6 steps is planned with:
+# a fit made after the observation that makes it due rides on the next step's agreement, after
+# that step was planned, so it plans the step after (versions stay 0 under the defaults, 8 and 4)
+SCHEDULES = {"grpo": ((2, 2), [0, 0, 0, 1, 1, 2]), "rloo": ((3, 1), [0, 0, 0, 0, 1, 2])}
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_a_rollout_trainer_calibrates_its_planned_passes_and_summarises_their_balance(trainer, model_path, tmp_path):
+    """From a profile 3x too fast (the bundled CPU one x 1/3, as the main job's calibration test
+    makes it): the cp_calibrate_* schedule is honoured; the first fit predicts more time than the
+    profile did and fits the steps it saw better; the steps' clock holds their planned passes, not
+    generation (RLOO's log-prob pass counted apart, as predicted); and the end-of-run summary
+    gives the balance of the step records, the comparison balancer's predicted time included."""
+    import time
+
+    from test_calibration_training import scaled_profile
+
+    import helpers.rloo_runs as rloo_runs
+
+    (min_steps, every), versions = SCHEDULES[trainer]
+    build = hf_cp_trainer if trainer == "grpo" else rloo_runs.hf_cp_trainer
+    wrong = scaled_profile(tmp_path / "wrong.yaml", 1 / 3)
+    # cp_plan_lookahead at its default (2): a rollout's planner plans each step when it is made, so
+    # a fit must still plan from the step after the next
+    settings = dict(cp_profile=str(wrong), cp_compare_balancer="static", cp_plan_lookahead=2)
+    built = build(prompt_rows(), str(tmp_path / "out"), 6, model_path, **settings, cp_calibrate_min_steps=min_steps,
+                  cp_calibrate_every=every)  # fmt: skip
+    generate = built._generate_single_turn
+
+    def slow_generation(*args, **kwargs):
+        time.sleep(GENERATION_S)
+        return generate(*args, **kwargs)
+
+    built._generate_single_turn = slow_generation
+    built.train()
+    records = built.cp_history
+    assert [r.calibration for r in records] == versions
+    # the premise: measured above the wrong profile's prediction on every rank of every step
+    assert all(m > 1.5 * p for r in records[:3] for p, m in zip(r.predicted_ms, r.measured_ms)), records[0]
+    online = built.cp_calibration
+    fit = online.calibrator.fits[0]
+    assert fit.error_after < fit.error_before
+    (_, given), (_, fitted) = online.models[0], online.models[1]
+    lengths = [64, 128, 256]
+    assert fitted.local_ms(lengths) > 1.5 * given.local_ms(lengths), (fitted.profile, given.profile)
+    assert (tmp_path / "out" / "cp_profile_calibrated.yaml").is_file()
+    # the clock: the planned passes alone, and the prediction counts the same passes
+    logged = [x for x in built.state.log_history if "step_time" in x]
+    assert len(logged) == len(records) == 6
+    for rec, log in zip(records, logged):
+        assert 1000 * log["step_time"] - rec.step_wall_ms >= 1000 * GENERATION_S, (log["step_time"], rec.step_wall_ms)
+        assert log["cp/predicted_step_ms"] == pytest.approx(rec.predicted_step_ms, rel=1e-3)
+        assert rec.forward_only_passes == built.cp_forward_only_passes == (1 if trainer == "rloo" else 0)
+        assert (0 < rec.forward_only_ms < rec.step_wall_ms) if trainer == "rloo" else rec.forward_only_ms == 0.0
+    summary = built.cp_summary()
+    assert_balance_summary_holds_the_records(summary, records, "auto", "static")
+    assert any("% calibrated (steps " in line for line in summary), summary

@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_cp.train.measure.step_record import StepRecord
+
 pytest.importorskip("trl")  # the optional `trl` extra
 
-from helpers.grpo_runs import max_relative_grad_diff, model_dir, prompt_rows  # noqa: E402
+from helpers.grpo_runs import (  # noqa: E402
+    assert_balance_summary_holds_the_records,
+    max_relative_grad_diff,
+    model_dir,
+    prompt_rows,
+)
 from helpers.rloo_runs import hf_cp_run, trl_run  # noqa: E402
 
 STEPS = 2
@@ -90,10 +97,11 @@ def test_a_wrong_advantage_is_caught(model_path, tmp_path, monkeypatch):
 
 
 def test_world_2_with_a_group_over_two_ranks_equals_trls_world_1(model_path, tmp_path):
+    """And its end-of-run summary gives the two ranks' balance from the step records."""
     from helpers.harness.job import run_distributed
 
     rows = prompt_rows(long_prompt=200)
-    run = dict(out=str(tmp_path / "w2"), settings=dict(cp_max_tokens_per_rank=160))
+    run = dict(out=str(tmp_path / "w2"), settings=dict(cp_max_tokens_per_rank=160, cp_compare_balancer="static"))
     run_distributed(
         dict(rows=rows, steps=STEPS, model=model_path, runs=[run]), 2, timeout=900, module="helpers.rloo_runs"
     )
@@ -102,6 +110,9 @@ def test_world_2_with_a_group_over_two_ranks_equals_trls_world_1(model_path, tmp
     gap = assert_same((got["losses"], got["grads"], got["logs"]), theirs, REL_TOL, "world 2")
     print(f"world 2 vs TRL world 1: gradient gap {gap:.2e}, spread groups per step {got['plans']}")
     assert any(2 in sizes for sizes in got["plans"]), got["plans"]
+    records = [StepRecord.from_dict(r) for r in got["records"]]
+    assert len(records) == STEPS and all(len(r.measured_ms) == 2 for r in records)
+    assert_balance_summary_holds_the_records(got["summary"], records, "auto", "static")
 
 
 @pytest.mark.parametrize(

@@ -395,9 +395,11 @@ class CPTrainer(FSDP2Trainer, Trainer):
         return 6 * tokens * self.model.num_parameters(exclude_embeddings=True)
 
     def cp_summary(self, compare: bool = True) -> List[str]:
-        name = getattr(self.cp_balancer, "name", None) or self.args.cp_balancer
         return summary_lines(
-            self.cp_history, name, self.args.cp_compare_balancer if compare else "", throughput=self.cp_throughput
+            self.cp_history,
+            self.cp_runtime.balancer_name,
+            self.args.cp_compare_balancer if compare else "",
+            throughput=self.cp_throughput,
         )
 
     def cp_schedule(self) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -247,6 +248,30 @@ def max_relative_grad_diff(a: List[Dict[str, torch.Tensor]], b: List[Dict[str, t
             else:
                 worst = max(worst, diff / scale)
     return worst
+
+
+def assert_balance_summary_holds_the_records(summary: List[str], records, balancer: str, compare: str) -> None:
+    """A rollout trainer's end-of-run summary gives its planned steps' balance from their step
+    records: max/mean per-rank compute (predicted, measured), each rank's mean, and the predicted
+    step time of the comparison balancer, each recomputed here from the records."""
+    text = "\n".join(summary)
+    assert records, "no step was recorded"
+
+    def max_over_mean(values) -> float:
+        return max(values) / statistics.mean(values)
+
+    predicted = statistics.mean(max_over_mean(r.predicted_ms) for r in records)
+    measured = statistics.mean(max_over_mean(r.measured_ms) for r in records)
+    assert f"balance ({balancer}): per-rank compute max/mean predicted {predicted:.3f}, measured {measured:.3f}" in text
+    world = len(records[0].measured_ms)
+    means = [
+        " ".join(f"{statistics.mean(getattr(r, what)[k] for r in records):.0f}" for k in range(world))
+        for what in ("predicted_ms", "measured_ms")
+    ]
+    assert f"per-rank compute, mean per step (ms): predicted {means[0]} | measured {means[1]}" in text, text
+    ours = statistics.mean(r.predicted_step_ms for r in records)
+    theirs = statistics.mean(r.compare_step_ms for r in records)
+    assert f"{balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms ({theirs / ours:.2f}x" in text, text
 
 
 def _job(spec_file: str) -> None:

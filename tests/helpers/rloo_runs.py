@@ -82,12 +82,13 @@ def plan_sizes(trainer) -> List[List[int]]:
 
 
 def hf_cp_run(rows, out: str, steps: int, model_path: str, **kw):
-    """(per-step losses, per-step gradients, logs, per-step spread group sizes) of CPRLOOTrainer."""
+    """(per-step losses, per-step gradients, logs, per-step spread group sizes, the trained
+    trainer) of CPRLOOTrainer."""
     tape = GradTape()
     trainer = hf_cp_trainer(rows, out, steps, model_path, tape, **kw)
     plans = plan_sizes(trainer)
     trainer.train()
-    return [x["loss"] for x in tape.logs if "loss" in x], tape.grads, tape.logs, plans
+    return [x["loss"] for x in tape.logs if "loss" in x], tape.grads, tape.logs, plans, trainer
 
 
 def trl_run(rows, out: str, steps: int, model_path: str, **kw):
@@ -112,7 +113,8 @@ def trl_run(rows, out: str, steps: int, model_path: str, **kw):
 
 
 def _job(spec_file: str) -> None:
-    """A torchrun rank: the spec's CPRLOOTrainer runs; rank 0 saves each run's results."""
+    """A torchrun rank: the spec's CPRLOOTrainer runs; rank 0 saves each run's results, its
+    summary and its step records."""
     from datetime import timedelta
 
     from accelerate import PartialState
@@ -122,11 +124,13 @@ def _job(spec_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text())
     PartialState(backend="gloo", timeout=timedelta(seconds=600))
     for run in spec["runs"]:
-        losses, grads, logs, plans = hf_cp_run(
+        losses, grads, logs, plans, trainer = hf_cp_run(
             spec["rows"], run["out"], spec["steps"], spec["model"], **run.get("settings", {})
         )
         if int(os.environ.get("RANK", "0")) == 0:
-            torch.save({"losses": losses, "grads": grads, "logs": logs, "plans": plans}, Path(run["out"]) / "rloo.pt")
+            records = [r.to_dict() for r in trainer.cp_history]
+            result = dict(losses=losses, grads=grads, logs=logs, plans=plans, summary=trainer.cp_summary())
+            torch.save(dict(result, records=records), Path(run["out"]) / "rloo.pt")
     shutdown_distributed()
 
 

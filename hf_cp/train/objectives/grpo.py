@@ -45,7 +45,9 @@ A reward function that raises stops the step on every rank (no rank waits in a c
 naming the function, the group and the prompt.
 
 Logged: TRL's generation and reward metrics as TRL logs them; the loss's clip ratios, CISPO's
-clip ratio and the KL (TRL's names; not the entropy); and cp/ keys about the step's plan.
+clip ratio and the KL (TRL's names; not the entropy); and cp/ keys about the step's plan. Each
+planned step's record (`cp_history`: its training pass timed alone, TRL's scoring at generation
+being unplanned) feeds the online calibration and the end-of-run balance summary (rollout.py).
 """
 
 from __future__ import annotations
@@ -189,12 +191,14 @@ class CPGRPOTrainer(PlannedRollouts, GRPOTrainer):
         self.cp_last_step = tables
         if tables.step is None:  # nothing can move the policy: a zero gradient, as TRL's step has
             self.cp_runtime.executor._dummy_backward(model, self.state.global_step + 1, 0, True)
+            loss = self._cp_log(rollout, tables)
         else:
             step = tables.step
             self.cp_runtime.check_attention(self.model, step)
-            with self.accelerator.autocast():
-                self.cp_runtime.executor.train(model, step, step_objective(self.cp_grpo, tables))
-        loss = self._cp_log(rollout, tables)
+            with self._cp_timed_passes() as timing, self.accelerator.autocast():
+                totals = self.cp_runtime.executor.train(model, step, step_objective(self.cp_grpo, tables))
+            loss = self._cp_log(rollout, tables)
+            self._cp_record(step, totals, timing, loss)
         self._cp_log_plan(self._cp_prompt_groups_of_step, tables.step, tables.planned, build_ms)
         return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
 

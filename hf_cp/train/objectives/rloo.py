@@ -23,7 +23,9 @@ advantage of exactly 0) are not run; their share of TRL's loss is added as a con
 The step's loss and gradients equal TRL's RLOOTrainer on the same rollouts at any world size.
 Refused by name: gradient_accumulation_steps or steps_per_generation other than 1, Liger
 kernels, MoE auxiliary losses, vision-language models, tools and environments. Under FSDP2 and
-ZeRO-3 the planned passes run the wave's pass count on every rank, as CPTrainer's do.
+ZeRO-3 the planned passes run the wave's pass count on every rank, as CPTrainer's do. Each
+planned step's record times its log-prob pass (forward-only, predicted as one) and its token
+pass; the online calibration and the end-of-run balance summary read it (rollout.py).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
             executor = self.cp_runtime.executor
             slot_rows = [prompt_groups.rows_of[sid][a] for sid, a in step.answer_slots]
             adv = torch.as_tensor(advantages[slot_rows], dtype=torch.float64)
-            with self.accelerator.autocast():
+            with self._cp_timed_passes() as timing, self.accelerator.autocast():
                 now = answer_logps_everywhere(executor, self.accelerator.unwrap_model(model), step, self.cp_world)
                 # a rollout's first step trains the policy that generated it (a generation batch is
                 # never split over steps here): TRL's old log-probs are `now`, exactly, where the
@@ -131,7 +133,8 @@ class CPRLOOTrainer(PlannedRollouts, RLOOTrainer):
                 def loss_of(logps: torch.Tensor):
                     return rloo_loss(self.cp_rloo, logps, old.to(logps.device), adv.to(logps.device), rows, constant)
 
-                _, loss, metrics = train_sequence_objective(executor, model, step, now, loss_of)
+                totals, loss, metrics = train_sequence_objective(executor, model, step, now, loss_of)
+            self._cp_record(step, totals, timing, loss)
             for name, value in metrics.items():
                 self._metrics["train"][name].append(value)
         self._cp_log_plan(prompt_groups, step, planned, build_ms)

@@ -9,7 +9,11 @@ Shared here:
 - reward functions guarded so that one that raises stops every rank, naming the group;
 - the generation batch gathered from every process into one rollout (grpo_generation.py);
 - each prompt group (one prompt, its completions: TRL's "group") as one shared-prompt sample,
-  planned by the runtime (`plan_batch`) onto CP groups, collated and agreed on every rank.
+  planned by the runtime (`plan_batch`) onto CP groups, collated and agreed on every rank;
+- a StepRecord per planned step (`cp_history`), measured over the step's planned passes alone
+  (generation and TRL's scoring are outside the clock), which the online calibration observes
+  (its fits ride on the next step's plan agreement and plan the step after it) and the end-of-run
+  summary's balance lines read (metrics.balance_lines, as every trainer's).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, fields
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,12 +33,16 @@ from hf_cp.attention.recurrent import attach_recurrent_layers, recurrent_layers_
 from hf_cp.planning.worker import PlannedStep
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checkpoint.fit import run_engine
+from hf_cp.train.checkpoint.resolve import checkpoint_step
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
 from hf_cp.train.checks.launch import check_launch_settings
 from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
-from hf_cp.train.measure.record_builder import predicted_step_ms
+from hf_cp.train.measure.metrics import balance_lines, memory_lines, prediction_error_line
+from hf_cp.train.measure.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
+from hf_cp.train.measure.record_builder import gather_measurements, predicted_step_ms, step_record
+from hf_cp.train.measure.step_record import StepRecord
 from hf_cp.train.objectives.grpo_generation import (
     GRPORollout,
     RewardFunctionError,
@@ -43,9 +52,9 @@ from hf_cp.train.objectives.grpo_generation import (
 )
 from hf_cp.train.runtime.checkpoints import resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
-from hf_cp.train.setup.args import CPTrainingArguments
 from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
+from hf_cp.train.step.totals import WaveTotals
 
 logger = logging.getLogger(__name__)
 
@@ -87,34 +96,12 @@ def refuse_vllm(args, name: str) -> None:
         )
 
 
-# the rollout trainers run no OnlineCalibration (CPTrainer's): a step is planned once, from TRL's
-# generation batch, with the cost model as given
-CALIBRATION_STEPS = ("cp_calibrate_min_steps", "cp_calibrate_every")
-CALIBRATION_DEFAULTS = {f.name: f.default for f in fields(CPTrainingArguments) if f.name in CALIBRATION_STEPS}
+@dataclass
+class PassTiming:
+    """A step's planned passes as PlannedRollouts._cp_timed_passes measured them."""
 
-
-def refuse_calibration_settings(args, name: str) -> None:
-    """A calibration schedule set away from its default asks for what the trainer never does."""
-    for key in CALIBRATION_STEPS:
-        value = getattr(args, key)
-        if value != CALIBRATION_DEFAULTS[key]:
-            raise ValueError(
-                f"{name}: {key}={value} schedules online calibration, which {name} does not run (its steps are "
-                "planned with the cost model as given, cp_profile); remove it, set cp_calibrate=False, and measure "
-                "the device's profile with `hf-cp profile` instead"
-            )
-
-
-def calibration_warning(args, name: str) -> Optional[str]:
-    """cp_calibrate at its default (on): said once at set-up, since it does nothing here."""
-    if not args.cp_calibrate or args.full_determinism:
-        return None
-    profile = args.cp_profile if isinstance(args.cp_profile, str) else "the cp_profile given"
-    return (
-        f"{name} does not calibrate the cost model during training (cp_calibrate applies to trainer cp, sft, dpo "
-        f"and kto): its steps are planned with the profile as given ({profile}; `hf-cp profile` measures one for "
-        "this device); cp_calibrate=False silences this"
-    )
+    wall_ms: float = 0.0
+    peak_bytes: float = -1.0  # the device's peak allocated memory in them; -1: not measured (off CUDA)
 
 
 @dataclass
@@ -156,7 +143,7 @@ class PlannedRollouts(FSDP2Trainer):
             check_model_supported(model, f"{name}: the policy")
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to, as CPTrainer checks them: before any work
-        launch_warnings = check_launch_settings(args, int(args.world_size), name) + [calibration_warning(args, name)]
+        launch_warnings = check_launch_settings(args, int(args.world_size), name)
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):
@@ -189,7 +176,7 @@ class PlannedRollouts(FSDP2Trainer):
                 f"(generation switches to cp_generation_attn_implementation={args.cp_generation_attn_implementation!r})"
             )
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)
-        # DeepSpeed keys it never reads, calibration it does not run, a hybrid's recurrent layers and their kernel: once
+        # DeepSpeed keys it never reads, a hybrid's recurrent layers and their kernel: once
         for warning in [*launch_warnings, recurrent_layers_line(self.model)] if self.cp_rank == 0 else ():
             if warning:
                 logger.warning("hf_cp: %s", warning)
@@ -198,13 +185,16 @@ class PlannedRollouts(FSDP2Trainer):
         self.cp_vision = None  # vision-language policies are refused above
         self.cp_runtime = StepRuntime(self, setup, balancer)  # process groups, planner, executor, agreement
         self._cp_rollout: Optional[GRPORollout] = None
+        self.cp_history: List[StepRecord] = []  # one record per planned step, identical on every rank
+        # built at the first step, when the Trainer knows the run's steps (measure/online_calibration.py)
+        self.cp_calibration: Optional[OnlineCalibration] = None
+        self._cp_resumed_from: Optional[int] = None  # set by train() when it resumes a checkpoint
 
     @classmethod
     def cp_check_arguments(cls, args):
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s, with no
         model built); returns the loss's settings (`_cp_loss_settings`)."""
         refuse_vllm(args, cls.cp_trainer_name)
-        refuse_calibration_settings(args, cls.cp_trainer_name)
         return cls._cp_loss_settings(args)
 
     @staticmethod
@@ -236,12 +226,31 @@ class PlannedRollouts(FSDP2Trainer):
                 engine=run_engine(sharding_of(self.args), ds.config if ds is not None else None),
                 model_config=getattr(self._cp_base(self.model), "config", None),
             )
-            return super().train(resume, *args, **kwargs)
+            self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
+            out = super().train(resume, *args, **kwargs)
+            if self.args.should_save:
+                path = write_calibrated_profile(
+                    Path(self.args.output_dir), self.cp_calibrated_profile(), CALIBRATED_PROFILE
+                )
+                if path is not None:
+                    logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
+            return out
 
     def cp_summary(self) -> List[str]:
         """The end-of-run lines `hf-cp train` and the recipes print: the reward's first and last
-        quarter, the completions' length, the planned step and its cp/ keys, from the log history."""
-        return rollout_summary(self.state.log_history)
+        quarter and the completions' length (the log history), then the planned steps' balance,
+        time and prediction error (their records, as every trainer's summary gives them)."""
+        lines = rollout_summary(self.state.log_history, self.cp_history)
+        if not self.cp_history:
+            return lines
+        lines += balance_lines(self.cp_history, self.cp_runtime.balancer_name, self.args.cp_compare_balancer or "")
+        return lines + [prediction_error_line(self.cp_history)] + memory_lines(self.cp_history)
+
+    def cp_calibrated_profile(self) -> Optional[str]:
+        """The latest calibrated profile as YAML (None before the first calibration)."""
+        if self.cp_calibration is None:
+            return None
+        return self.cp_calibration.profile_yaml(self.args.cp_profile, self.args.output_dir)
 
     # ------------------------------------------------------------------ set-up
     @staticmethod
@@ -249,9 +258,14 @@ class PlannedRollouts(FSDP2Trainer):
         return model.get_base_model() if is_peft_model(model) else model
 
     def _cp_setup(self) -> None:
-        """The runtime's process groups, planner and executor: once, at the first step, on every rank."""
+        """The runtime's process groups, planner and executor, and the online calibration: once, at
+        the first step, on every rank."""
         # TRL scores completions under the distribution it sampled from
         self.cp_runtime.start(self.accelerator.unwrap_model(self.model), logit_temperature=self.temperature)
+        if self.cp_calibration is None:
+            self.cp_calibration = OnlineCalibration.for_run(
+                self.args, self.cp_runtime.cost, self.state.max_steps, self.cp_rank
+            )
 
     @contextlib.contextmanager
     def _cp_generation_attention(self):
@@ -400,9 +414,50 @@ class PlannedRollouts(FSDP2Trainer):
         step = collate.rank_step(planned.plan, self.cp_rank, valid, planned=planned)
         # every rank planned the same samples; a balancer whose plans depend on timing (a solver's
         # deadline) may still differ, and then every rank runs rank 0's plan (step/agreement.py)
+        # the online calibration's pending fit rides on the same exchange (every rank adopts rank 0's)
         runtime = self.cp_runtime
-        step = runtime.agreement_for(collate).agree(step, runtime.planner.balancer, False, ()).step
-        return step, planned
+        agreed = runtime.agreement_for(collate).agree(
+            step, runtime.planner.balancer, False, self.cp_calibration.offer()
+        )
+        self.cp_calibration.adopt(agreed.payload, index, runtime.planner)
+        return agreed.step, planned
+
+    @contextlib.contextmanager
+    def _cp_timed_passes(self) -> Iterator[PassTiming]:
+        """Around a step's planned passes (its forward-only passes, then its training pass): their
+        wall time and the device's peak memory in them, filled in on exit. What the plan predicts
+        is these passes, so generation and TRL's scoring stay outside."""
+        executor = self.cp_runtime.executor
+        cuda = self.args.device if self.args.device.type == "cuda" else None
+        if cuda is not None:
+            torch.cuda.reset_peak_memory_stats(cuda)
+        executor.start_step()  # the forward-only passes from here on are this step's
+        timing = PassTiming()
+        t0 = executor.now()  # after the GPU's queued work: generation's kernels are not the step's
+        yield timing
+        timing.wall_ms = (executor.now() - t0) * 1e3
+        if cuda is not None:
+            timing.peak_bytes = float(torch.cuda.max_memory_allocated(cuda))
+
+    def _cp_record(self, step: RankStep, totals: WaveTotals, timing: PassTiming, loss: float) -> None:
+        """The step's StepRecord (one all-gather of every rank's measurements, as CPTrainer's),
+        kept in cp_history and observed by the online calibration."""
+        runtime = self.cp_runtime
+        rows = gather_measurements(totals, timing.wall_ms, timing.peak_bytes, self.cp_world, runtime.groups.control)
+        rec = step_record(
+            step,
+            rows,
+            None,  # no sampler: TRL's batches are made as training goes
+            self.state.global_step + 1,
+            runtime.planner.compare_name,
+            self._cp_resumed_from,
+            dataset_samples=0,  # not read without a sampler
+            forward_only_passes=self.cp_forward_only_passes,
+            forward_share=runtime.cost.profile.forward_share,
+        )
+        rec = replace(rec, loss=float(loss))  # the objective's loss, not a token cross-entropy
+        self.cp_calibration.observe(rec, step.planned)
+        self.cp_history.append(rec)
 
     def _cp_log_plan(
         self, prompt_groups: PromptGroups, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float
@@ -427,8 +482,9 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def rollout_summary(history: Sequence[dict]) -> List[str]:
-    """Summary lines over a generation trainer's logged steps (TRL's keys and the cp/ ones)."""
+def rollout_summary(history: Sequence[dict], records: Sequence[StepRecord]) -> List[str]:
+    """Summary lines over a generation trainer's logged steps (TRL's keys and the cp/ ones) and
+    its planned steps' `records`."""
     logged = [r for r in history if "reward" in r and r["reward"] is not None]
     if not logged:
         return ["no step logged a reward (logging_steps larger than the run?)"]
@@ -450,11 +506,15 @@ def rollout_summary(history: Sequence[dict]) -> List[str]:
         lines.append(
             f"prompt groups trained: {prompts - skipped:.0f} of {prompts:.0f} ({skipped:.0f} with equal rewards skipped)"
         )
-    predicted = [float(r["cp/predicted_step_ms"]) for r in logged if "cp/predicted_step_ms" in r]
     walls = [1000.0 * float(r["step_time"]) for r in logged if "step_time" in r]
-    if predicted:
-        wall = f", measured {_mean(walls):.0f} ms a step (TRL's step_time, generation included)" if walls else ""
-        lines.append(f"planned policy step: predicted {_mean(predicted):.0f} ms{wall}")
+    if records:
+        predicted = _mean([r.predicted_step_ms for r in records])
+        measured = _mean([r.step_wall_ms for r in records])
+        whole = f"; {_mean(walls):.0f} ms a step with generation (TRL's step_time)" if walls else ""
+        lines.append(
+            f"planned policy step: predicted {predicted:.0f} ms, measured {measured:.0f} ms over {len(records)} "
+            f"step(s) (its planned passes){whole}"
+        )
     return lines
 
 

@@ -82,7 +82,16 @@ class StepRuntime:
         if self.planner is None:
             if self.setup.sampler is None:  # batches made as training goes: planned when given
                 balancer = self.balancer if self.balancer is not None else self.setup.balancer()
-                self.planner = Planner(None, balancer, self.cluster, self.cost, seed=args.seed, lookahead=0)
+                self.planner = Planner(
+                    None,
+                    balancer,
+                    self.cluster,
+                    self.cost,
+                    seed=args.seed,
+                    lookahead=0,
+                    compare_balancer=self.setup.settings.compare_balancer,
+                    balancer_name=self.setup.settings.balancer if self.balancer is None else None,
+                )
             else:
                 self.planner = Planner.from_setup(
                     self.setup,
@@ -109,6 +118,11 @@ class StepRuntime:
                 router=self.router,
                 vision=self.trainer.cp_vision,
             )
+
+    @property
+    def balancer_name(self) -> str:
+        """The balancer's name as summaries give it: the object's `name`, else cp_balancer."""
+        return getattr(self.balancer, "name", None) or self.setup.settings.balancer
 
     def agreement_for(self, collator: PlanCollator) -> PlanAgreement:
         """The plan agreement that opens each step (built once; `collator` re-collates rank 0's
