@@ -109,6 +109,71 @@ def test_qwen2_vl_tower_flops_equal_torch_flop_counter(one_torch_thread):
     assert counter.get_total_flops() == expected
 
 
+def test_qwen3_vl_tower_with_deepstack_flops_equal_torch_flop_counter(one_torch_thread):
+    """Qwen3-VL's tower, its DeepStack mergers (one after each block of deepstack_visual_indexes,
+    each the final merger's shape) included, counted as torch counts it."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    cfg = Qwen3VLVisionConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                              out_hidden_size=40, num_position_embeddings=16, deepstack_visual_indexes=[0, 2])  # fmt: skip
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3VLVisionModel(cfg).eval()
+    dims = VisionDims.from_hf_config(cfg.to_dict())
+    assert dims.deepstack_mergers == 2 and dims.full_attention_layers == 3 and not dims.gated_mlp
+    grids = [(2, 8, 12), (1, 4, 8)]
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4), grid_thw=torch.tensor(grids))
+    expected = sum(
+        dims.forward_flops_per_patch * t * h * w + dims.forward_flops_per_pair * dims.attention_pairs((t, h, w))
+        for t, h, w in grids
+    )
+    assert counter.get_total_flops() == expected
+    by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    deepstack = (
+        by_module["Qwen3VLVisionModel.deepstack_merger_list.0"]
+        + by_module["Qwen3VLVisionModel.deepstack_merger_list.1"]
+    )
+    assert deepstack == 2 * by_module["Qwen3VLVisionModel.merger"] > 0
+
+
+def test_deepstack_mergers_priced_on_qwen3_vl(vl_cost):
+    """Qwen3-VL's own config (transformers' defaults: 27 blocks of width 1152, DeepStack after blocks
+    8, 16 and 24, merge 2, out 3584): per item, the tower with DeepStack costs the tower without it
+    plus exactly its mergers' FLOPs at the profile's matmul rate: per merged cell and merger, two
+    linears of (1152 x 4)^2 and (1152 x 4) x 3584 (2 FLOPs a parameter forward, 3x that forward and
+    backward) and the 3584 additions into the language model's hidden states (forward only)."""
+    from transformers import Qwen3VLConfig
+
+    cfg = Qwen3VLConfig().to_dict()
+    vc = cfg["vision_config"]
+    dims = VisionDims.from_hf_config(cfg)
+    bare = replace(dims, deepstack_visual_indexes=())
+    assert dims.deepstack_visual_indexes == tuple(vc["deepstack_visual_indexes"]) == (8, 16, 24)
+    wide = vc["hidden_size"] * vc["spatial_merge_size"] ** 2
+    per_cell = len(vc["deepstack_visual_indexes"]) * (
+        3 * 2 * (wide * wide + wide * vc["out_hidden_size"]) + vc["out_hidden_size"]
+    )
+    cost = CostModel(ModelDims.from_hf_config(cfg), vl_cost.profile, None, dims)
+    without = CostModel(cost.dims, vl_cost.profile, None, bare)
+    for grid in [(1, 32, 48), (8, 24, 32)]:
+        cells = grid[0] * grid[1] * grid[2] // vc["spatial_merge_size"] ** 2
+        (m, a), (m0, a0) = vision_item_flops(dims, grid), vision_item_flops(bare, grid)
+        assert (m - m0, a - a0) == (per_cell * cells, 0)
+        assert cost.vision_item_ms(grid) - without.vision_item_ms(grid) == pytest.approx(
+            per_cell * cells * cost.ms_per_matmul_flop, rel=1e-9
+        )
+        assert cost.vision_item_ms(grid) > without.vision_item_ms(grid)
+    # Qwen3.5's tower has no DeepStack: priced as before
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    assert VisionDims.from_hf_config(Qwen3_5Config().to_dict()).deepstack_mergers == 0
+
+
 def test_window_cut_follows_transformers_window_index():
     """The windows' lengths are those of transformers' get_vision_window_index (cu_window_seqlens)."""
     import torch

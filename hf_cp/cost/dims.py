@@ -281,7 +281,10 @@ class VisionDims:
     MLP, a Conv3d patch embedding, and a merger MLP over spatial_merge_size^2 patches. Blocks
     in `fullatt_block_indexes` attend within each temporal frame of an item (its h*w patches);
     the others within windows of window_size // spatial_merge_size // patch_size merged cells a
-    side, cut per frame (transformers' get_vision_window_index)."""
+    side, cut per frame (transformers' get_vision_window_index). Qwen3-VL's DeepStack: after each
+    block in `deepstack_visual_indexes`, one more merger of the same shape (Qwen3VLVisionPatchMerger)
+    turns that block's output into rows the language model adds to its hidden states at the
+    placeholder tokens, one of its first layers per merger."""
 
     depth: int
     hidden: int
@@ -295,6 +298,7 @@ class VisionDims:
     fullatt_block_indexes: Tuple[int, ...] = ()
     in_channels: int = 3
     gated_mlp: bool = True  # gate, up, down (Qwen2.5-VL); False: fc1, fc2 (Qwen2-VL, Qwen3-VL)
+    deepstack_visual_indexes: Tuple[int, ...] = ()  # Qwen3-VL's DeepStack blocks (one merger each)
 
     def __post_init__(self):
         for f in VISION_DIMENSIONS:
@@ -305,6 +309,12 @@ class VisionDims:
         bad += [i for i in self.fullatt_block_indexes if isinstance(i, int) and not 0 <= i < self.depth]
         if bad:
             raise ConfigError(f"vision fullatt_block_indexes must be block numbers below depth {self.depth}, got {bad}")
+        bad = [i for i in self.deepstack_visual_indexes if isinstance(i, bool) or not isinstance(i, int)]
+        bad += [i for i in self.deepstack_visual_indexes if isinstance(i, int) and not 0 <= i < self.depth]
+        if bad:
+            raise ConfigError(
+                f"vision deepstack_visual_indexes must be block numbers below depth {self.depth}, got {bad}"
+            )
         if self.window_cells < 1:
             raise ConfigError(
                 f"vision window_size {self.window_size} is under one merged cell "
@@ -347,10 +357,26 @@ class VisionDims:
         return wide * wide + wide * self.out_hidden
 
     @property
+    def deepstack_mergers(self) -> int:
+        """DeepStack mergers (Qwen3-VL): one per entry of deepstack_visual_indexes, as transformers
+        builds them (0 for the other towers)."""
+        return len(self.deepstack_visual_indexes)
+
+    @property
     def forward_flops_per_patch(self) -> float:
         """Forward matmul FLOPs per patch, the whole tower: 2 per parameter of every block and of
-        the patch embedding, and the merger's share (it runs once per merge_unit patches)."""
-        return 2.0 * (self.depth * self.block_params + self.patch_embed_params + self.merger_params / self.merge_unit)
+        the patch embedding, and the mergers' share (each runs once per merge_unit patches): the
+        final merger and each DeepStack merger, all of merger_params."""
+        mergers = (1 + self.deepstack_mergers) * self.merger_params
+        return 2.0 * (self.depth * self.block_params + self.patch_embed_params + mergers / self.merge_unit)
+
+    @property
+    def deepstack_add_flops_per_patch(self) -> float:
+        """FLOPs per patch of adding the DeepStack rows into the language model's hidden states:
+        one addition per element of an out_hidden row, per merged cell and merger, in forward
+        (its backward passes the gradient on unchanged: no FLOPs). It runs where the placeholder
+        tokens are and is priced with the item (about 2e-5 of the mergers' FLOPs for Qwen3-VL)."""
+        return self.deepstack_mergers * self.out_hidden / self.merge_unit
 
     @property
     def forward_flops_per_pair(self) -> float:
@@ -404,7 +430,7 @@ class VisionDims:
         read without importing transformers. A tower without `window_size` (Qwen2-VL's, Qwen3-VL's,
         Qwen3.5's) attends each frame in every block and has a two-matrix MLP; Qwen2-VL's gives
         its width as `embed_dim` and its MLP as `mlp_ratio` (its `hidden_size` is the merger's
-        output). Qwen3-VL's DeepStack mergers are not priced (an estimate)."""
+        output). Qwen3-VL's `deepstack_visual_indexes` name its DeepStack blocks (a merger each)."""
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{source}: expected a transformers config (a JSON object), got {type(cfg).__name__}")
         vc = cfg.get("vision_config", cfg) if "depth" not in cfg else cfg
@@ -435,6 +461,11 @@ class VisionDims:
             raise ConfigError(
                 f"{source}: vision_config field 'fullatt_block_indexes' must be a list, got {brief(full)}"
             )
+        deepstack = vc.get("deepstack_visual_indexes") or []
+        if not isinstance(deepstack, (list, tuple)):
+            raise ConfigError(
+                f"{source}: vision_config field 'deepstack_visual_indexes' must be a list, got {brief(deepstack)}"
+            )
         try:
             return cls(
                 depth=whole("depth"),
@@ -449,6 +480,7 @@ class VisionDims:
                 fullatt_block_indexes=tuple(full),
                 in_channels=whole("in_channels", whole("in_chans", 3)),
                 gated_mlp=windowed,
+                deepstack_visual_indexes=tuple(deepstack),
             )
         except ConfigError as e:
             raise ConfigError(str(e) if str(e).startswith(f"{source}:") else f"{source}: {e}") from None

@@ -116,9 +116,12 @@ class ModelFlops:
 def vision_item_flops(vision: VisionDims, grid: GridTHW) -> Tuple[float, float]:
     """(matmul, attention) FLOPs of one forward and backward pass of the vision tower over one
     image or clip of patch grid `grid` (t, h, w): its patches through every block, the patch
-    embedding and the merger, and its windows' and frames' attended pairs (VisionDims)."""
+    embedding and the mergers (DeepStack's too, with their rows' addition into the language
+    model's hidden states, counted with the matmuls), and its windows' and frames' attended
+    pairs (VisionDims)."""
     t, h, w = grid
-    matmul = MATMUL_FWD_BWD * vision.forward_flops_per_patch * (t * h * w)
+    patches = t * h * w
+    matmul = (MATMUL_FWD_BWD * vision.forward_flops_per_patch + vision.deepstack_add_flops_per_patch) * patches
     return matmul, ATTENTION_FWD_BWD * vision.forward_flops_per_pair * vision.attention_pairs(grid)
 
 
