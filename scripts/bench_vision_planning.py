@@ -2,15 +2,18 @@
 """What pricing the vision tower buys a plan (issue 38): on a vision-language length trace, each
 full step planned twice by the same balancer, once with the samples' vision work priced
 (PlanRequest.vision) and once text-only (the request without it, as the planner priced samples
-before), both plans then evaluated by the vision-aware simulator (cost/simulate.py with the
-plan's grids) against the vision-aware charged lower bound of the step.
+before), both plans then fitted to the vision memory as the planner fits every plan
+(planning/predict.py: fitted_plan, toolkit/vision_memory.py), validated, and evaluated by the
+vision-aware simulator (cost/simulate.py with the plan's grids) against the vision-aware charged
+lower bound of the step.
 
     python scripts/bench_vision_planning.py [--world 64] [--steps 4] [--balancers dynamic_cp,wlb,auto]
 
 Default trace: benchmarks/traces/vision_videomme_mix.jsonl (scripts/make_video_trace.py: Video-MME's
 published duration buckets; see the traces README). Model: Qwen2.5-VL-7B's dimensions
-(hf_cp/configs/models/qwen2.5-vl-7b.json) on the H200 profile, 32K tokens per rank, 64K tokens per
-rank per step. Predicted times, not measured ones.
+(hf_cp/configs/models/qwen2.5-vl-7b.json) on the H200 profile, 128K tokens per rank (the trace's
+longest clips hold up to 90K tokens of the tower's activations: at 32K they fit no rank), 64K
+tokens per rank per step. Predicted times, not measured ones.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from pathlib import Path
 
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import get_balancer
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.dims import VisionDims
 from hf_cp.cost.simulate import simulate
+from hf_cp.planning.predict import fitted_plan
 from hf_cp.planning.setup import PlanningSettings, planning_setup
 from hf_cp.samples.plan_inputs import read_plan_inputs
 from hf_cp.samples.vision_grids import check_grids
@@ -42,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--balancers", default="dynamic_cp,wlb,auto")
     ap.add_argument("--model", default="qwen2.5-vl-7b")
     ap.add_argument("--profile", default="h200-qwen2.5-7b")
-    ap.add_argument("--max-tokens-per-rank", type=int, default=32768)
+    ap.add_argument("--max-tokens-per-rank", type=int, default=131072)
     ap.add_argument("--tokens-per-rank-per-step", type=int, default=65536)
     args = ap.parse_args(argv)
 
@@ -78,9 +83,11 @@ def main(argv=None) -> int:
             req = PlanRequest(
                 batch.sample_ids, batch.lengths, cluster, cost, seed=settings.seed, step=batch.index, vision=step_grids
             )
-            aware = simulate(balancer.plan(req), cost, cluster)
+            aware_plan = fitted_plan(balancer, req).validate(cluster, cost)
+            aware = simulate(aware_plan, cost, cluster)
             text_plan = balancer.plan(replace(req, vision=None))  # priced as text only ...
-            text_plan.vision = dict(step_grids)  # ... and evaluated with its vision work
+            text_plan.vision = dict(step_grids)  # ... fitted to the memory, evaluated with its vision work
+            text_plan = fit_vision_memory(text_plan, req).validate(cluster, cost)
             text = simulate(text_plan, cost, cluster)
             bound = aware.charged_bound_ms
             videos = sum(1 for s in step_grids if any(g[0] > 1 for g in step_grids[s]))

@@ -13,9 +13,10 @@ from datasets import Dataset, Features, Image, List, Value, Video
 from PIL import Image as PILImage
 
 from hf_cp.cli import main
-from hf_cp.cost.dims import ModelDims
+from hf_cp.cost.dims import ModelDims, VisionDims
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
+from hf_cp.cost.vision import alone_held_tokens
 from hf_cp.data.vlm_sample import VLM_CHAT_FILE, VLM_SAMPLE_DIR
 from hf_cp.data_prep import length_report, preprocess
 from hf_cp.data_prep.encode import IGNORE_INDEX, EncodeError
@@ -344,9 +345,20 @@ def test_the_recipe_dry_runs_with_its_model_class(capsys):
 
 
 def test_the_recipes_clip_sample_needs_a_group_of_two(bundled):
+    """With its items' activations counted (cost/vision.alone_held_tokens, what the plan's validation
+    counts), the clip's sample fits no rank alone and a group of 2; every image sample fits one rank."""
     cap = load_config("configs/tiny-vlm-cpu.yaml")["training"]["cp_max_tokens_per_rank"]
-    lengths = bundled.dataset["length"]
-    assert max(lengths) > cap >= sorted(lengths)[-2] and max(lengths) <= 2 * cap
+    cost = CostModel(
+        ModelDims.load("tiny-qwen2.5-vl"), HardwareProfile.load("cpu"), None, VisionDims.load("tiny-qwen2.5-vl")
+    )
+    ds = bundled.dataset
+    held = {}
+    for n, images, clips in zip(ds["length"], ds["image_grid_thw"], ds["video_grid_thw"]):
+        grids = tuple(tuple(g) for g in (images or []) + (clips or []))
+        held[n] = [alone_held_tokens(n, grids, g, cost) for g in (1, 2)]
+    longest = max(held)
+    assert held[longest][0] > cap >= held[longest][1]
+    assert all(one <= cap for n, (one, _) in held.items() if n != longest)
 
 
 @pytest.mark.parametrize(

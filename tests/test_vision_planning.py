@@ -21,6 +21,7 @@ from hf_cp.cost.simulate import simulate
 from hf_cp.cost.vision import group_vision, step_vision
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, PlanError, StepPlan, Wave
+from hf_cp.planning.predict import fitted_plan
 from hf_cp.planning.setup import PlanningSettings, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.samples.lengths import LengthsError
@@ -254,9 +255,14 @@ def test_simulator_counts_each_item_on_its_encoder(vl_cost):
     assert [v.patches for v in group_vision(groups[0], vision, vl_cost)] == [8 * 24 * 32, 2 * 28 * 28]
     assert with_v.compute_ms[0] - text.compute_ms[0] == pytest.approx(vl_cost.vision_item_ms(clip))
     assert with_v.compute_ms[1] - text.compute_ms[1] == pytest.approx(2 * vl_cost.vision_item_ms(image))
+    # the clip's activations on member 0: its patches x (tower depth x width) / (LLM layers x
+    # width) tokens (32 x 1280 over 28 x 3584 for Qwen2.5-VL-7B), rounded up, at alpha bytes a token
+    clip_tokens = -(-8 * 24 * 32 * 32 * 1280 // (28 * 3584))
+    assert clip_tokens == 2508
     assert with_v.peak_memory_bytes[0] - text.peak_memory_bytes[0] == pytest.approx(
-        vl_cost.vision_bytes_per_patch() * 8 * 24 * 32
+        vl_cost.profile.activation_bytes_per_token * clip_tokens
     )
+    assert with_v.peak_tokens[0] - text.peak_tokens[0] == clip_tokens
     # a local sample's items on its rank, in a one-rank group
     one = simulate(_plan(2, 16384, [Group(ranks=(0,), local={0: [0, 1]})], lengths, vision), vl_cost)
     bare = simulate(_plan(2, 16384, [Group(ranks=(0,), local={0: [0, 1]})], lengths, {}), vl_cost)
@@ -290,19 +296,24 @@ def test_charged_bound_holds_a_distributed_clip_group_and_stays_below_plans(vl_c
     lets encoder time spread), no balancer's plan beats it, and the balancers' pricer agrees with
     the simulator."""
     inputs = read_plan_inputs(traces_dir / "vision_videomme_mix.jsonl")
-    settings = PlanningSettings(model_dims="qwen2.5-vl-7b", compare_balancer=None)
+    # a cap the trace's longest clips fit (at 32768 a clip's activations alone overflow a rank)
+    settings = PlanningSettings(model_dims="qwen2.5-vl-7b", compare_balancer=None, max_tokens_per_rank=131072)
     setup = planning_setup(settings, inputs.lengths, 8, vision=vl_cost.vision)
     batch = setup.sampler[0]
     grids = {s: inputs.vision[s] for s in batch.sample_ids if s in inputs.vision}
-    assert any(n > setup.cluster.max_tokens_per_rank and s in grids for s, n in zip(batch.sample_ids, batch.lengths))
     sv = step_vision(batch.sample_ids, grids, setup.cost)
     tight = charged_lower_bound_ms(batch.lengths, setup.cluster, setup.cost, vision=sv)
     spread = charged_lower_bound_ms(batch.lengths, setup.cluster, setup.cost, vision=replace(sv, sample_grids=()))
     assert tight > 1.01 * spread
     req = PlanRequest(batch.sample_ids, batch.lengths, setup.cluster, setup.cost, vision=grids)
+    # some sample with a clip is over one rank's memory with its activations: its group waits for the encoder
+    assert any(
+        m > setup.cluster.max_tokens_per_rank and s in grids for s, m in zip(batch.sample_ids, req.memory_length_array)
+    )
     pricer = pricer_for(setup.cost)
     for name in ("dynamic_cp", "wlb", "auto"):
-        plan = get_balancer(name).plan(req)
+        plan = fitted_plan(get_balancer(name), req)  # as the planner runs it: within the vision memory
+        plan.validate(setup.cluster, setup.cost)
         sim = simulate(plan, setup.cost, setup.cluster)
         assert sim.charged_bound_ms == pytest.approx(tight)
         assert tight <= sim.makespan_ms, name
@@ -411,7 +422,8 @@ def test_hf_cp_plan_takes_vision_lengths(capsys, tmp_path):
         tmp_path,
         [{"length": 300}, {"length": 2000, "vision": [[1, 36, 64]]}, {"length": 9000, "vision": [[32, 24, 42]]}] * 4,
     )
-    common = ["plan", "--lengths", str(p), "--world", "4", "--max-tokens-per-rank", "8192", "--steps", "1"]
+    # the 9000-token sample's clip holds 13166 tokens of activations: its fullest member of 4 holds 15416
+    common = ["plan", "--lengths", str(p), "--world", "4", "--max-tokens-per-rank", "16384", "--steps", "1"]
     assert (
         main(common + ["--model", "qwen2.5-vl-7b", "--balancer", "dynamic_cp", "--json", str(tmp_path / "o.json")]) == 0
     )
@@ -452,7 +464,7 @@ def test_hf_cp_plan_shows_what_vision_pricing_gains_on_the_video_trace(capsys, t
     step planned with the encoder priced against the same balancer pricing LLM tokens only, both
     simulated with the encoder's work (scripts/bench_vision_planning.py: 1.059x on this step)."""
     rc = main(["plan", "--lengths", str(traces_dir / "vision_videomme_mix.jsonl"), "--model", "qwen2.5-vl-7b",
-               "--world", "64", "--max-tokens-per-rank", "32768", "--tokens-per-rank-per-step", "65536",
+               "--world", "64", "--max-tokens-per-rank", "131072", "--tokens-per-rank-per-step", "65536",
                "--steps", "1", "--compare-balancer", "none", "--progress", "off"])  # fmt: skip
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("vision pricing: auto"))

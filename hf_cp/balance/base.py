@@ -10,6 +10,7 @@ import numpy as np
 
 from hf_cp.balance.registry import balancers_handling_masks
 from hf_cp.cost.model import CostModel
+from hf_cp.cost.vision import alone_held_tokens, grid_patches, smallest_vision_group
 from hf_cp.modes.registry import rank_segments
 from hf_cp.modes.segments import ShardMode, segment_tokens
 from hf_cp.plan.cluster import ClusterSpec
@@ -25,6 +26,10 @@ def _read_only(a: np.ndarray) -> np.ndarray:
 
 class SampleTooLongError(ValueError):
     """A sample cannot fit even the largest registered group."""
+
+
+class VisionMemoryError(SampleTooLongError):
+    """A sample's tokens and its images' and clips' activations fit no rank of any group."""
 
 
 class UnsupportedMaskError(ValueError):
@@ -101,6 +106,8 @@ class PlanRequest:
                     "(hf-cp preprocess --max-length --overlong drop/truncate for token data)"
                     + ("" if limit > cap else "; balancer chunkflow trains longer samples as dependent chunks")
                 )
+        if self.vision:
+            check_vision_memory(self)
 
     # The ids and lengths as int64 arrays, made once per request (read-only): a step holds up
     # to ~10^5 samples, and its members, bounds and pricer each used to convert the tuples
@@ -114,6 +121,17 @@ class PlanRequest:
     def length_array(self) -> np.ndarray:
         return _read_only(np.fromiter(self.lengths, dtype=np.int64, count=len(self.lengths)))
 
+    @cached_property
+    def memory_length_array(self) -> np.ndarray:
+        """Per sample, what it holds of its rank's memory when local, in tokens: its length plus,
+        for a sample with images or clips, their activations (cost.vision_tokens of its
+        patches); the length array itself in a text-only step. For several samples on one rank
+        the sum is at least what StepPlan.held_tokens counts (vision_tokens rounds each up)."""
+        if not self.vision:
+            return self.length_array
+        extra = [self.cost.vision_tokens(sum(map(grid_patches, self.vision.get(s, ())))) for s in self.sample_ids]
+        return _read_only(self.length_array + np.asarray(extra, dtype=np.int64))
+
     def empty_plan(self, balancer: str) -> StepPlan:
         return StepPlan(
             world_size=self.cluster.world_size,
@@ -124,6 +142,33 @@ class PlanRequest:
             balancer=balancer,
             masks=dict(self.masks or {}),  # the plan carries its samples' masks (self-contained JSON)
             vision=dict(self.vision or {}),  # ... and their vision grids (the simulator prices them)
+        )
+
+
+def check_vision_memory(req: PlanRequest) -> None:
+    """Raise VisionMemoryError naming the first sample of `req` that fits no rank's memory with
+    its items' activations, alone on one rank or on any registered group (cost/vision.py:
+    alone_held_tokens, the count StepPlan.validate checks)."""
+    cl, cost = req.cluster, req.cost
+    cap = cl.max_tokens_per_rank
+    for s, n in zip(req.sample_ids, req.lengths):
+        grids = req.vision.get(s)
+        if not grids or alone_held_tokens(n, grids, 1, cost) <= cap:
+            continue
+        if smallest_vision_group(n, grids, cl.group_sizes, cap, cost) is not None:
+            continue
+        patches = [grid_patches(g) for g in grids]
+        largest = max(range(len(grids)), key=lambda k: (patches[k], -k))
+        top = cl.group_sizes[-1]
+        raise VisionMemoryError(
+            f"step {req.step}: sample {s} ({n} tokens, {len(grids)} image(s) or clip(s) of {sum(patches)} patches) "
+            f"fits no rank's memory: alone on one rank it holds {alone_held_tokens(n, grids, 1, cost)} tokens "
+            f"(its own and its items' activations, {cost.vision_tokens(sum(patches))} tokens), and spread over "
+            f"the largest group ({top} ranks) the fullest member holds {alone_held_tokens(n, grids, top, cost)}, "
+            f"over the cap of {cap} tokens per rank. An item is encoded whole on one rank: its largest, "
+            f"{tuple(grids[largest])} ({patches[largest]} patches), alone holds {cost.vision_tokens(patches[largest])} "
+            f"tokens of activations. Raise cp_max_tokens_per_rank, or give it fewer pixels or frames (the "
+            f"processor's max_pixels, a lower video fps), or drop it from the data"
         )
 
 

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from hf_cp.balance.options import parse_assignments
 from hf_cp.balance.registry import available_balancers, describe_options
 from hf_cp.balance.toolkit.sample_limit import check_sample_lengths
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cli.formatting import HelpFormatter
 from hf_cp.cost.bounds import lower_bound_ms
 from hf_cp.cost.dims import ModelDims, VisionDims, vision_dims_in
@@ -31,7 +32,7 @@ from hf_cp.plan.bins import first_fit
 from hf_cp.plan.chunks import build_chunk_plan, chunk_costs_ms
 from hf_cp.plan.cluster import MAX_WORLD_SIZE, ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import PlanError, StepPlan
-from hf_cp.planning.predict import predict
+from hf_cp.planning.predict import fitted_plan, predict
 from hf_cp.planning.setup import PlanningSettings, engine_memory, engine_memory_lines, load_profile, planning_setup
 from hf_cp.planning.worker import Planner
 from hf_cp.samples.plan_inputs import PlanInputs, read_plan_inputs
@@ -347,13 +348,14 @@ def print_report(rows: List[dict], header: str, cap: int, compare: Optional[str]
 def text_only_ms(planner: Planner, steps: int, balancer) -> float:
     """The first `steps` steps' predicted time when `balancer` plans them with the vision tower
     unpriced (each sample's LLM tokens only, as planners did before vision pricing), each plan
-    simulated with its vision work: what pricing the encoder gains."""
+    fitted to the vision memory (fit_vision_memory, as every plan is) and simulated with its
+    vision work: what pricing the encoder gains."""
     total = 0.0
     for k in range(steps):
         req = planner.request(planner.sampler[k])
         plan = balancer.plan(dataclasses.replace(req, vision=None))
         plan.vision = dict(req.vision or {})
-        total += simulate(plan, req.cost, req.cluster).makespan_ms
+        total += simulate(fit_vision_memory(plan, req), req.cost, req.cluster).makespan_ms
     return total
 
 
@@ -375,7 +377,7 @@ def print_hierarchy(planner: Planner, planned: List, reports: List, member: str)
             continue
         req = planner.request(ps.batch)
         c0 = time.process_time()
-        flat = planner.balancer.member.plan(req)
+        flat = fitted_plan(planner.balancer.member, req)
         flat_cpu = (time.process_time() - c0) * 1e3
         flat_ms = predict(flat, req).makespan_ms
         mine = ps.predicted.makespan_ms

@@ -10,7 +10,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from hf_cp.cost.model import CostModel
-from hf_cp.cost.vision import StepVision, distributed_vision_ms
+from hf_cp.cost.vision import StepVision, alone_held_tokens, distributed_vision_ms
 from hf_cp.modes.ring import per_doc_max_member_tokens
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
@@ -86,7 +86,9 @@ def charged_lower_bound_ms(
     and the costliest item alone bounds the step. A sample over the cap with images or clips
     holds its g ranks until its busiest encoder is done: at least its least loaded member's
     text plus cost/vision.distributed_vision_ms (items are encoded whole), so its rank-time
-    there is g x the larger of that and its time alone.
+    there is g x the larger of that and its time alone. Such a sample is over the cap when its
+    tokens and its items' activations are (cost/vision.alone_held_tokens, as StepPlan.validate
+    counts them), and fits the groups where its fullest member holds at most the cap.
     """
     lens = _check_fits(lengths, cluster)
     if not len(lens):
@@ -114,10 +116,15 @@ def charged_lower_bound_ms(
     alone = alone_ms or (lambda n, g: alone_on_group_ms(cost, n, g))
     grids = vision.sample_grids if vision is not None and vision.sample_grids else None
     least: dict = {}
+    over = lens > cap
+    if grids is not None:  # a sample with items is over the cap with their activations counted
+        over |= np.asarray([bool(g) and alone_held_tokens(n, g, 1, cost) > cap for n, g in zip(lens.tolist(), grids)])
 
-    def fitting_sizes(n: int) -> List[int]:
+    def fitting_sizes(n: int, i: Optional[int] = None) -> List[int]:
         # a sample no group holds runs as dependent chunks on one rank (ChunkFlow), in at least
         # its single-rank compute: chunks run at lower kernel efficiency, and some are recomputed
+        if i is not None and grids is not None and grids[i]:  # sample i's tokens and items' activations
+            return [g for g in cluster.all_group_sizes if alone_held_tokens(n, grids[i], g, cost) <= cap] or [1]
         return [g for g in cluster.all_group_sizes if per_doc_max_member_tokens(n, g) <= cap] or [1]
 
     def on_group(i: int, n: int, g: int) -> float:
@@ -137,13 +144,13 @@ def charged_lower_bound_ms(
     def held_at(i: int) -> float:
         """Sample i's charge in the world's work (its rank-time in any plan)."""
         n = int(lens[i])
-        if n <= cap:
+        if not over[i]:
             return float(areas[i])
         if grids is not None and grids[i]:
             # on_group is at least g x alone (cached): sizes where that reaches the best so far
             # cannot lower it, and are not costed member by member
             best = float("inf")
-            for g in sorted(fitting_sizes(n), key=lambda g: (g * alone(n, g), g)):
+            for g in sorted(fitting_sizes(n, i), key=lambda g: (g * alone(n, g), g)):
                 if g * alone(n, g) >= best:
                     break
                 best = min(best, on_group(i, n, g))
@@ -151,7 +158,6 @@ def charged_lower_bound_ms(
         return float(areas[i]) + held(n) - float(cost.sample_local_ms(n))
 
     work = float(areas.sum())
-    over = lens > cap
     if over.any():
         seen = over if grids is None else over & np.asarray([not g for g in grids], dtype=bool)
         uniq, counts = np.unique(lens[seen], return_counts=True)
@@ -168,7 +174,8 @@ def charged_lower_bound_ms(
     i = int(np.argmax(lens))
     n = int(lens[i])
     rest = work - held_at(i) if grids is not None else work - held(n)
-    return max(bound, min(max(alone(n, g) + overhead, (rest + on_group(i, n, g)) / world) for g in fitting_sizes(n)))
+    sizes = fitting_sizes(n, i) if over[i] else fitting_sizes(n)
+    return max(bound, min(max(alone(n, g) + overhead, (rest + on_group(i, n, g)) / world) for g in sizes))
 
 
 def least_member_ms(cost: CostModel, length: int, group_size: int) -> float:

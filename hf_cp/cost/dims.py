@@ -491,6 +491,18 @@ class VisionDims:
         return cls.from_hf_config(*_config_file(name_or_path))
 
 
+def vision_activation_tokens(vision: VisionDims, dims: ModelDims, patches):
+    """The tower's activations held until backward for `patches` patches encoded on one rank, in
+    tokens of the language model's activation memory (the unit of the cap and of
+    CostModel.memory_bytes): the language model holds about `num_layers x hidden` elements per
+    token (the memory model's alpha), the tower `depth x hidden` of its own per patch, so
+    patches x (depth x hidden) / (num_layers x hidden), rounded up. The one count of the
+    encoder's memory that the validator, the simulator and the balancers use. An estimate (not
+    measured on a tower); the mergers' (DeepStack's too) are not counted. Integers, or integer
+    numpy arrays elementwise."""
+    return -(-patches * (vision.depth * vision.hidden) // (dims.num_layers * dims.hidden))
+
+
 def vision_dims_in(name_or_path: Union[str, Path]) -> Optional[VisionDims]:
     """The vision tower of the config at `name_or_path` (as ModelDims.load finds it); None when
     that config has no vision_config (a text-only model)."""

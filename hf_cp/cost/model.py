@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Union
 
-from hf_cp.cost.dims import ATTENTION_FWD_BWD, GridTHW, ModelDims, VisionDims
+import numpy as np
+
+from hf_cp.cost.dims import ATTENTION_FWD_BWD, GridTHW, ModelDims, VisionDims, vision_activation_tokens
 from hf_cp.cost.execution import StepExecution
 from hf_cp.cost.flops import vision_item_flops
 from hf_cp.cost.hardware import HardwareProfile, Link, transfer_ms
@@ -196,18 +198,19 @@ class CostModel:
         """The vision tower's time over items of patch grids `grids`, encoded on one rank."""
         return sum(self.vision_item_ms(tuple(g)) for g in grids)
 
-    def vision_bytes_per_patch(self) -> float:
-        """Activation bytes the tower keeps per patch for backward: the LLM's per token and layer
-        width (activation_bytes_per_token over layers x hidden), scaled to the tower's depth and
-        width. An estimate: it has not been measured on a tower."""
-        v, d = self.vision_dims(), self.dims
-        return self.profile.activation_bytes_per_token * (v.depth * v.hidden) / (d.num_layers * d.hidden)
+    def vision_tokens(self, patches):
+        """The activations a rank holds encoding `patches` patches, in tokens of the memory model
+        (dims.vision_activation_tokens): what a rank's count against the cap adds for the items
+        it encodes (StepPlan.held_tokens). 0 for no patches, with or without a tower."""
+        if not isinstance(patches, np.ndarray) and not patches:
+            return 0
+        return vision_activation_tokens(self.vision_dims(), self.dims, patches)
 
     # ---- memory
-    def memory_bytes(self, tokens: int, patches: int = 0) -> float:
-        """A rank's peak bytes holding `tokens` LLM tokens and encoding `patches` vision patches."""
-        vision = self.vision_bytes_per_patch() * patches if patches else 0.0
-        return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes + vision
+    def memory_bytes(self, tokens: int) -> float:
+        """A rank's peak bytes holding `tokens` tokens of activations (the items it encodes
+        counted in, vision_tokens)."""
+        return self.profile.activation_bytes_per_token * tokens + self.profile.static_bytes
 
     def check_ulysses(self, group_size: int) -> None:
         mode_spec(ShardMode.ULYSSES).check_group(self.dims, group_size)

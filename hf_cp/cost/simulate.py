@@ -16,7 +16,8 @@ reduction ends the step; and the profile's fixed cost per step is added. Under F
 A one-rank group of chunked samples (ChunkFlow) runs them one after another, each priced by
 chunks.chunked_sample_cost (its chunks' own micro-batch overheads and recomputes included);
 its memory adds the samples' K/V state store to their activations. A blocks group's member
-holds its rows plus the K/V and Q rows it receives (StepPlan.held_tokens, what validate bounds).
+holds its rows plus the K/V and Q rows it receives, and a member that encodes images or clips
+their activations (StepPlan.held_tokens, what validate bounds: the peak memory reported).
 With a cluster, the result carries the plan's lower bounds (cost/bounds.py).
 """
 
@@ -32,7 +33,7 @@ from hf_cp.cost.blocks import block_group_costs, block_group_messages
 from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms, samples_local_ms
 from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.cost.sharded import ShardedPasses
-from hf_cp.cost.vision import VisionGrids, group_vision, step_vision
+from hf_cp.cost.vision import NO_VISION, VisionGrids, group_vision, step_vision
 from hf_cp.modes.registry import mode_spec
 from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
@@ -210,18 +211,17 @@ def group_messages(plan_lens: Dict[int, int], group: Group, cost: CostModel, mas
 def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel, vision: Optional[VisionGrids] = None):
     """(compute_ms, activation tokens, peak bytes) of a one-rank group of chunked samples: their
     times add up; memory is the largest sample's (one runs at a time, its store freed after).
-    `vision`: its samples' items are encoded on the rank too (their time and activations added)."""
-    ms, tokens, peak = 0.0, 0, 0.0
+    `vision`: its samples' items are encoded on the rank too (their time added, and their
+    activations, held until the step's backward, beside each sample's)."""
+    v = group_vision(group, vision, cost)[0] if vision else NO_VISION
+    held = cost.vision_tokens(v.patches)
+    ms, tokens, peak = v.ms, 0, 0.0
     for cs in group.chunked.values():
         for c in cs:
             cc = chunked_sample_cost(cost, dependent_chunk_sizes(plan_lens[c.sample], c.chunk_size), c.keep)
             ms += cc.compute_ms
             tokens = max(tokens, cc.activation_tokens)
-            peak = max(peak, cost.memory_bytes(cc.activation_tokens) + cc.state_bytes)
-    if vision:
-        v = group_vision(group, vision, cost)[0]
-        if v.patches:
-            ms, peak = ms + v.ms, peak + cost.vision_bytes_per_patch() * v.patches
+            peak = max(peak, cost.memory_bytes(cc.activation_tokens + held) + cc.state_bytes)
     return ms, tokens, peak
 
 
@@ -302,14 +302,13 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
             costs = group_costs(lens, g, cost, plan.masks, plan.vision)
             if all(c.tokens == 0 for c in costs):
                 continue  # an empty group issues nothing
-            # the encoding members hold their items' activations beside their tokens'
-            encoded = [v.patches for v in group_vision(g, plan.vision, cost)] if plan.vision else [0] * g.size
             start = max(clock[r] for r in g.ranks)
             # members with no tokens still join the group's collectives when it has distributed work
             active = [bool(c.tokens) or bool(g.distributed) for c in costs]
             dur = max(c.total_ms for c in costs) + overhead
-            # memory: what StepPlan.validate bounds (a blocks group's members add the rows they receive)
-            held = plan.held_tokens(g, lens, cost) if g.blocks is not None and g.distributed else None
+            # memory: what StepPlan.validate bounds (a blocks group's members add the rows they
+            # receive, the encoding members their items' activations)
+            held = plan.held_tokens(g, lens, cost) if plan.vision or (g.blocks is not None and g.distributed) else None
             for m, (c, r, act) in enumerate(zip(costs, g.ranks, active)):
                 if not act:
                     continue
@@ -320,7 +319,7 @@ def simulate(plan: StepPlan, cost: CostModel, cluster: Optional[ClusterSpec] = N
                 comm_bytes += cb
                 mem = held[m] if held is not None else tk
                 peak_tokens[r] = max(peak_tokens[r], mem)
-                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(mem, encoded[m]))
+                peak_bytes[r] = max(peak_bytes[r], cost.memory_bytes(mem))
                 tokens[r] += tk
                 micro_batches[r] += 1
                 occupied[r] += dur + (start - clock[r] if g.size > 1 else 0.0)

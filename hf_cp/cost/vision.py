@@ -7,7 +7,13 @@ executor gives it (patches, train/data/vision_rows.py). The executor breaks ties
 equally loaded members by the placeholder tokens each holds, which a plan's lengths do not
 say: here ties go to the lowest member. Either way the members' encoder loads are the same
 multiset, so the busiest encoder's load is the same; which member carries it may differ, and
-with it (by the members' small differences in text work) the group's slowest member. Torch-free.
+with it (by the members' small differences in text work) the group's slowest member.
+
+Memory: an encoder holds its items' activations until backward, beside its tokens'. A member's
+count against the cap adds, in tokens of the memory model (CostModel.vision_tokens), the most
+patches the executor may give it whatever its tie-breaks (plan/vision_encoders.member_held_patches):
+StepPlan.held_tokens, which the validator checks, the simulator reports and the balancers plan
+against (alone_held_tokens for one sample). Torch-free.
 """
 
 from __future__ import annotations
@@ -18,17 +24,14 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from hf_cp.cost.model import CostModel
+from hf_cp.modes.registry import mode_spec
+from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group
-from hf_cp.plan.vision_encoders import assign_encoders
+from hf_cp.plan.vision_encoders import grid_patches, member_held_patches, member_items
 from hf_cp.samples.vision_grids import GridTHW, SampleGrids
 
 # sample id -> its items' patch grids (t, h, w), images first then clips; absent: no images
 VisionGrids = Mapping[int, Sequence[GridTHW]]
-
-
-def grid_patches(grid: GridTHW) -> int:
-    t, h, w = grid
-    return t * h * w
 
 
 @dataclass(frozen=True)
@@ -44,24 +47,41 @@ NO_VISION = MemberVision(0.0, 0)
 
 def group_vision(group: Group, grids: Optional[VisionGrids], cost: CostModel) -> List[MemberVision]:
     """Per member of `group`: the vision work it runs in the group's micro-batch (module docstring)."""
-    size = len(group.ranks)
     if not grids:
-        return [NO_VISION] * size
-    items: List[List[GridTHW]] = [[] for _ in range(size)]
-    for m, r in enumerate(group.ranks):
-        items[m] = [tuple(g) for s in group.local.get(r, []) for g in grids.get(s, ())]
-        items[m] += [tuple(g) for c in group.chunked.get(r, []) for g in grids.get(c.sample, ())]
-    spread = [tuple(g) for s in group.distributed for g in grids.get(s, ())]
-    if spread:
-        work = [sum(grid_patches(g) for g in mine) for mine in items]
-        chosen = assign_encoders([grid_patches(g) for g in spread], [[0] * size for _ in spread], work)
-        for g, m in zip(spread, chosen):
-            items[m].append(g)
+        return [NO_VISION] * len(group.ranks)
+    items = member_items(group, grids)
     if not any(items):
-        return [NO_VISION] * size
+        return [NO_VISION] * len(group.ranks)
     return [
         MemberVision(cost.vision_ms(mine), sum(grid_patches(g) for g in mine)) if mine else NO_VISION for mine in items
     ]
+
+
+def alone_held_tokens(length: int, grids: SampleGrids, group_size: int, cost: CostModel) -> int:
+    """The fullest member's count against the cap (StepPlan.held_tokens: its tokens and its
+    encoder's activations, cost.vision_tokens) when a sample of `length` tokens with items
+    `grids` runs alone: on one rank (`group_size` 1), or spread per document over a group of
+    `group_size` ranks, its items encoded as the executor may place them
+    (plan/vision_encoders.member_held_patches). What a sample needs of a rank at the least on a
+    group of that size: the one count the balancers size groups by and the request refuses by."""
+    if group_size == 1:
+        return int(length) + cost.vision_tokens(sum(grid_patches(g) for g in grids))
+    shares = mode_spec(ShardMode.RING_PER_DOC).member_tokens([int(length)], group_size)
+    group = Group(ranks=tuple(range(group_size)), distributed=[0], mode=ShardMode.RING_PER_DOC)
+    held = member_held_patches(group, {0: tuple(grids)})
+    return max(int(t) + cost.vision_tokens(p) for t, p in zip(shares, held))
+
+
+def smallest_vision_group(
+    length: int, grids: SampleGrids, group_sizes: Sequence[int], cap: int, cost: CostModel
+) -> Optional[int]:
+    """The smallest of `group_sizes` on which a sample with items `grids` fits alone
+    (alone_held_tokens within `cap`); None when it fits none (an item is encoded whole on one
+    member, so a larger group stops helping once the largest item fills a rank)."""
+    for g in sorted(group_sizes):
+        if alone_held_tokens(length, grids, g, cost) <= cap:
+            return int(g)
+    return None
 
 
 def distributed_vision_ms(grids: Sequence[GridTHW], group_size: int, cost: CostModel) -> float:

@@ -31,6 +31,7 @@ from hf_cp.plan.chunks import activation_tokens, chunked_memory_bytes, dependent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.passes import MICRO_BATCH_PASSES, chunked_passes, merge_passes
 from hf_cp.plan.sorting import stable_order
+from hf_cp.plan.vision_encoders import grid_patches, member_held_patches
 from hf_cp.readers import load_json
 from hf_cp.samples.masks import MaskError, SampleMask, masks_from_json
 from hf_cp.samples.vision_grids import SampleGrids, VisionGridError, parse_grids
@@ -469,7 +470,14 @@ class StepPlan:
             raise PlanError(f"{where}: {len(self.sample_ids)} sample ids but {len(self.lengths)} lengths")
         if not self.sample_ids:
             raise PlanError(f"{where}: the step has no samples")
-        bulk = _BulkSamples.of(self)
+        extra = None  # per sample, its items' activations in tokens (an upper bound for a rank holding several)
+        if self.vision and cost is not None:
+            try:
+                vt = {s: cost.vision_tokens(sum(map(grid_patches, gs))) for s, gs in self.vision.items()}
+            except ValueError as e:  # a cost model without a vision tower
+                raise PlanError(f"{where}: {e}") from None
+            extra = [vt.get(s, 0) for s in self.sample_ids]
+        bulk = _BulkSamples.of(self, extra)
         if bulk is None or bulk.duplicated:
             if len(set(self.sample_ids)) != len(self.sample_ids):
                 dup = next(s for s in self.sample_ids if self.sample_ids.count(s) > 1)
@@ -562,12 +570,21 @@ class StepPlan:
                             f"lower their chunk_size or keep (K)"
                         )
                     if t > self.max_tokens_per_rank:
-                        extra = t - self.rank_tokens(g, r, lens)
+                        m = g.ranks.index(r)
+                        vision = self.vision_held_tokens(g, cost)[m] if self.vision and cost is not None else 0
+                        extra = t - self.rank_tokens(g, r, lens) - vision
+                        patches = member_held_patches(g, self.vision)[m] if vision else 0
                         raise PlanError(
                             f"{where}, wave {w}: rank {r} holds {t} tokens, over the cap of "
                             f"{self.max_tokens_per_rank} (samples {g.local.get(r, [])} local, "
                             f"{g.distributed} distributed over {list(g.ranks)}"
                             + (f", received K/V and Q rows counted as {extra} tokens" if extra else "")
+                            + (
+                                f", the vision activations of the {patches} patches it may encode counted as "
+                                f"{vision} tokens"
+                                if vision
+                                else ""
+                            )
                             + ")"
                         )
         missing = [] if each_once else [s for s in self.sample_ids if s not in seen]
@@ -579,16 +596,27 @@ class StepPlan:
         return self
 
     def held_tokens(self, g: Group, lens: Optional[Mapping[int, int]] = None, cost=None) -> List[int]:
-        """Tokens each member of group `g` holds, what the cap bounds: rank_tokens, plus in a
-        blocks group, given a CostModel, the K/V and Q rows it receives (block_layout.held_tokens:
-        the one count that validate checks, the simulator reports and the block planners plan
-        against). The layout is not checked here (validate does)."""
+        """Tokens each member of group `g` holds, what the cap bounds: rank_tokens, plus, given
+        a CostModel, in a blocks group the K/V and Q rows it receives (block_layout.held_tokens)
+        and in a step with images or clips the activations of the items it may encode
+        (vision_held_tokens). The one count that validate checks, the simulator reports and the
+        planners plan against. The layout is not checked here (validate does)."""
         lens = self.length_of() if lens is None else lens
         own = self.member_tokens(g, lens)
-        if cost is None or g.blocks is None or not g.distributed or not mode_spec(g.mode).carries_layout:
+        if cost is None:
             return own
-        kv, q = received_rows(g.blocks, g.size)
-        return [held_tokens(o, kv[m], q[m], cost) for m, o in enumerate(own)]
+        if g.blocks is not None and g.distributed and mode_spec(g.mode).carries_layout:
+            kv, q = received_rows(g.blocks, g.size)
+            own = [held_tokens(o, kv[m], q[m], cost) for m, o in enumerate(own)]
+        if self.vision:
+            own = [t + v for t, v in zip(own, self.vision_held_tokens(g, cost))]
+        return own
+
+    def vision_held_tokens(self, g: Group, cost) -> List[int]:
+        """Per member of `g`, the activations of the images and clips it may encode, in tokens of
+        the memory model (cost.vision_tokens of vision_encoders.member_held_patches: its own
+        samples' items and the most of the distributed samples' the executor may give it)."""
+        return [cost.vision_tokens(p) for p in member_held_patches(g, self.vision)]
 
     def _validate_blocks(self, g: Group, lens: Mapping[int, int], cost, where: str) -> None:
         """Check a blocks-mode group's layout (its format, and with a CostModel the model's heads)."""
@@ -644,7 +672,8 @@ class _BulkSamples:
     """A plan's samples looked at all at once, for StepPlan.validate: whether the batch holds
     an id twice, whether the groups schedule every sample of the batch exactly once, and then
     each group's samples with their lengths (a slice of one array gathered with numpy) and
-    whether some rank's local samples of a group exceed the cap."""
+    whether some rank's local samples of a group may exceed the cap (their tokens, and
+    `extra` per sample where given: its items' activations)."""
 
     duplicated: bool
     each_once: bool = False
@@ -654,8 +683,10 @@ class _BulkSamples:
     local_over_cap: Optional[np.ndarray] = None  # per group: some rank's local samples exceed the cap
 
     @classmethod
-    def of(cls, plan: StepPlan) -> Optional[_BulkSamples]:
-        """None when the ids are not plain integers (validate then checks one by one)."""
+    def of(cls, plan: StepPlan, extra: Optional[Sequence[int]] = None) -> Optional[_BulkSamples]:
+        """None when the ids are not plain integers (validate then checks one by one). `extra`
+        (aligned with the plan's samples): tokens each sample adds to its rank beyond its
+        length (the sum over a rank's samples at least what they add together)."""
         ids = np.asarray(plan.sample_ids)
         if ids.dtype.kind not in "iu":
             return None
@@ -692,7 +723,12 @@ class _BulkSamples:
         over = np.zeros(len(group_start) - 1, dtype=bool)
         if spans:
             span = np.asarray(spans, dtype=np.int64)
-            csum = np.concatenate(([0], np.cumsum(lengths)))
+            held = lengths
+            if extra is not None:
+                held = np.empty(n, dtype=np.int64)
+                held[by_sched] = np.asarray(extra, dtype=np.int64)[by_id]
+                held += lengths
+            csum = np.concatenate(([0], np.cumsum(held)))
             sums = csum[span[:, 2]] - csum[span[:, 1]]
             over[span[sums > plan.max_tokens_per_rank, 0]] = True
         return cls(False, True, sched, lengths, group_start, over)

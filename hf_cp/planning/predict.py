@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.toolkit.sample_limit import check_request_lengths
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.simulate import SimResult, simulate
 from hf_cp.plan.step_plan import PlanError, StepPlan
 
@@ -32,12 +33,19 @@ def predict(plan: StepPlan, req: PlanRequest) -> SimResult:
     return simulate(plan, req.cost, req.cluster)  # with the cluster: the bounds and the plan's flags
 
 
+def fitted_plan(balancer, req: PlanRequest) -> StepPlan:
+    """`balancer`'s plan of the request, fitted to the vision memory: a balancer that packs by
+    tokens alone may put a rank over the cap with the activations of the images and clips it
+    encodes, and what overflows moves to waves of its own (toolkit/vision_memory.py)."""
+    return fit_vision_memory(balancer.plan(req), req)
+
+
 def plan_and_predict(balancer, req: PlanRequest) -> PredictedPlan:
-    """Plan the request with `balancer`, timing only the balancer, then validate and simulate."""
+    """Plan the request with `balancer` (fitted_plan), timing only that, then validate and simulate."""
     # a request built for a balancer that trains longer samples (chunkflow) must not reach one
     # that cannot: refused here, naming the sample, rather than by whatever the balancer does
     check_request_lengths(balancer, req)
     t0, c0 = time.perf_counter(), time.process_time()
-    plan = balancer.plan(req)
+    plan = fitted_plan(balancer, req)
     planner_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
     return PredictedPlan(plan, predict(plan, req), planner_ms, cpu_ms)

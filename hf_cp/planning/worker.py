@@ -41,7 +41,7 @@ from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import SimResult
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import StepPlan
-from hf_cp.planning.predict import plan_and_predict, predict
+from hf_cp.planning.predict import fitted_plan, plan_and_predict, predict
 from hf_cp.planning.sampler import GlobalBatch, GlobalBatchSampler
 from hf_cp.planning.setup import PlanningSetup
 from hf_cp.planning.stream_sampler import StreamEnded
@@ -322,7 +322,7 @@ class Planner:
             check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
             if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
                 req = replace(req, dataset_max_length=self.compare_limit)
-            compare = predict(self.compare.plan(req), req)
+            compare = predict(fitted_plan(self.compare, req), req)
         return PlannedStep(
             batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0, planned.planner_cpu_ms
         )

@@ -35,6 +35,7 @@ from hf_cp.balance.toolkit.sample_limit import (
     longest_chunkable_sample,
     shortest_allowed_chunk,
 )
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.chunks import (
@@ -177,7 +178,7 @@ class ChunkFlowBalancer:
                 waves.add(Group(ranks=(r,), chunked={r: [payload]}))
         plan = req.empty_plan(self.name)
         plan.waves = waves.build()
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
     @staticmethod
     def _cp_sizes(cl, n: int) -> List[int]:

@@ -56,14 +56,14 @@ from hf_cp.balance.toolkit.cp_candidates import (
     fill_ranks,
     local_micro_batches,
     memory_min_sizes,
+    pack_fits,
+    pack_mode,
     per_rank_ms,
     pick_fastest,
     refine_best,
     request_masks,
 )
-from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.balance.toolkit.waves import WaveBuilder
-from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec, is_power_of_two
 from hf_cp.plan.step_plan import Group, StepPlan
 from hf_cp.samples.masks import SampleMask
@@ -214,18 +214,7 @@ class DynamicCPBalancer:
 def memory_min_sizes_any(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> np.ndarray:
     """Smallest registered size (ClusterSpec.all_group_sizes) per sample whose per-document
     shards fit the cap (cp_candidates.memory_min_sizes over every size, not the aligned ones)."""
-    cl = req.cluster
-    cap = cl.max_tokens_per_rank
-    sizes = np.ones(len(lengths), dtype=np.int64)
-    for i in np.nonzero(lengths > cap)[0].tolist():
-        n = int(lengths[i])
-        g = next((s for s in cl.all_group_sizes if s * cap >= n and max(memo.per_doc_member_tokens(n, s)) <= cap), None)
-        if g is None:  # PlanRequest rejects these; kept as a guard against a changed registry
-            raise ValueError(
-                f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.all_group_sizes} with cap {cap}"
-            )
-        sizes[i] = g
-    return sizes
+    return memory_min_sizes(memo, lengths, req, req.cluster.all_group_sizes)
 
 
 def balance_sizes_on(
@@ -327,6 +316,7 @@ class AnySizeCandidate(Candidate):
         packs: List[Tuple[Tuple[int, ...], List[int]]] = []  # (ranks, sample indices) in run order
         held: List[int] = []  # per pack: tokens its busiest member holds
         latest: Dict[int, int] = {}  # rank -> index of its latest pack
+        grids = req.vision or {}
         for i, first, g in self.scheduled:
             ranks = tuple(range(first, first + g))
             need = max(memo.per_doc_member_tokens(lens[i], g))
@@ -336,6 +326,10 @@ class AnySizeCandidate(Candidate):
                 and packs[k][0] == ranks
                 and all(latest.get(r) == k for r in ranks)
                 and held[k] + need <= cap
+                # with images or clips: as validate counts it (their encoders' activations)
+                and (
+                    not any(ids[j] in grids for j in packs[k][1] + [i]) or pack_fits(req, packs[k][1] + [i], ranks, cap)
+                )
             ):
                 packs[k][1].append(i)
                 held[k] += need
@@ -345,13 +339,11 @@ class AnySizeCandidate(Candidate):
             held.append(need)
         waves = WaveBuilder(req.cluster.world_size)
         for ranks, pack in packs:
-            doc_lens = [lens[i] for i in pack]
-            mode = (
-                pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            waves.add(
+                Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=pack_mode(req, memo, pack, ranks, cap))
             )
-            waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
-        id_arr, len_arr = req.id_array, req.length_array
-        local = local_micro_batches(self.local_rank_of, len_arr[self.local_idx], cap, id_arr[self.local_idx])
+        id_arr, mem_arr = req.id_array, req.memory_length_array  # a local sample's items encoded on its rank
+        local = local_micro_batches(self.local_rank_of, mem_arr[self.local_idx], cap, id_arr[self.local_idx])
         for group in Group.one_rank_groups(local):
             waves.add(group)
         plan = req.empty_plan(name)

@@ -41,6 +41,7 @@ from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_size import check_cp_options, fixed_cp_size
 from hf_cp.balance.toolkit.packing import even_cap, lookahead_pack
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.plan.step_plan import Group, StepPlan
 
@@ -156,4 +157,4 @@ class LibraBalancer:
                 builder.add(Group(ranks=ranks, distributed=pack_ids, mode=mode))
         plan = req.empty_plan(self.name)
         plan.waves = builder.build()
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations

@@ -30,6 +30,7 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.options import BalancerOptions
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan
@@ -141,7 +142,7 @@ class MegatronBalancer:
             raise RuntimeError(f"megatron left samples {missing[:10]} unscheduled")
         plan = req.empty_plan(self.name)
         plan.waves = waves.build()
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
 
 def pack_in_order(ids: List[int], lens: Dict[int, int], size: int, cap: int, memo: CostMemo) -> List[List[int]]:

@@ -55,6 +55,7 @@ from hf_cp.balance.toolkit.cp_size import CP_SCOPES, check_cp_options, fixed_cp_
 from hf_cp.balance.toolkit.packing import even_cap, split_to_cap
 from hf_cp.balance.toolkit.pricing import pricer_for
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan
@@ -290,7 +291,7 @@ class SkrullBalancer:
                 group.mode = pick_ring_mode(req.cost, dist_lens, group.ranks, cap, local_tokens, memo)
             builder.add(group)
         plan.waves = builder.build()
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
     def _plan_groups(self, req: PlanRequest, N: int) -> Tuple[float, List[Tuple[Group, List[int], List[int]]]]:
         """(estimated step time, groups in execution order) of a plan with CP size N; each group

@@ -23,6 +23,7 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.options import BalancerOptions
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.bounds import BoundCache
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
@@ -109,7 +110,7 @@ class StaticBalancer:
                     groups.append(Group(ranks=ranks, distributed=pack, mode=mode))
             if groups:
                 plan.waves.append(Wave(groups))
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
 
 def exactly_runs(lengths: Sequence[int], parts: int) -> List[Tuple[int, int]]:

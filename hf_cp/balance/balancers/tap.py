@@ -31,6 +31,7 @@ from hf_cp.balance.base import PlanRequest, SampleTooLongError
 from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.hardware import transfer_ms
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import group_costs
@@ -390,7 +391,7 @@ class LibraTapBalancer:
         for slot in sorted(by_slot):
             groups = [g for pool in sorted(by_slot[slot]) for g in chosen[(slot, pool)]]
             plan.waves.append(Wave(sorted(groups, key=lambda g: g.ranks[0])))
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
 
 def _pool_ms(waves: Sequence[Sequence[Group]], lens, cost: CostModel, masks) -> float:

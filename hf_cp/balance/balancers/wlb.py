@@ -52,6 +52,7 @@ from hf_cp.balance.toolkit.costs import cost_memo
 from hf_cp.balance.toolkit.cp_size import CP_SCOPES, check_cp_options, fixed_cp_size
 from hf_cp.balance.toolkit.packing import even_cap
 from hf_cp.balance.toolkit.ring_layout import ring_mode_and_ms
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
 from hf_cp.cost.vision import group_vision
 from hf_cp.plan.step_plan import Group, StepPlan
@@ -217,7 +218,7 @@ class WlbBalancer:
             builder.add(group)
         plan = req.empty_plan(self.name)
         plan.waves = builder.build()
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
     def _plan_groups(self, req: PlanRequest, N: int, estimate: bool = True) -> Tuple[float, List[Group]]:
         """(predicted step time, or nan without `estimate`; groups in execution order) with CP size N."""

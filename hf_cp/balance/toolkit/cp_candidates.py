@@ -21,30 +21,65 @@ from hf_cp.balance.toolkit.costs import CostMemo
 from hf_cp.balance.toolkit.packing import first_fit_sorted_runs
 from hf_cp.balance.toolkit.placement import masks_of
 from hf_cp.balance.toolkit.pricing import pricer_for
-from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
+from hf_cp.balance.toolkit.ring_layout import group_fits, pick_ring_mode
 from hf_cp.balance.toolkit.waves import WaveBuilder, block_ranks
+from hf_cp.cost.vision import smallest_vision_group
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.sorting import stable_order
 from hf_cp.plan.step_plan import Group, StepPlan
+from hf_cp.plan.vision_encoders import member_held_patches
 from hf_cp.samples.masks import SampleMask
 
 
-def memory_min_sizes(memo: CostMemo, lengths: np.ndarray, req: PlanRequest) -> np.ndarray:
-    """Smallest registered group size per sample whose per-document shards fit the cap."""
+def memory_min_sizes(memo: CostMemo, lengths: np.ndarray, req: PlanRequest, ladder=None) -> np.ndarray:
+    """Smallest registered group size per sample whose per-document shards fit the cap (of
+    `ladder`, ascending; default the aligned sizes), a sample with images or clips counting
+    their activations on the members that may encode them (cost/vision.smallest_vision_group,
+    the count StepPlan.validate checks)."""
     cl = req.cluster
     cap = cl.max_tokens_per_rank
+    ladder = cl.group_sizes if ladder is None else ladder
     sizes = np.ones(len(lengths), dtype=np.int64)
-    for i in np.nonzero(lengths > cap)[0].tolist():
-        n = int(lengths[i])
-        g = cl.smallest_group_for(n)
-        while g is not None and max(memo.per_doc_member_tokens(n, g)) > cap:
-            g = next((s for s in cl.group_sizes if s > g), None)
+    grids = req.vision or {}
+    for i in np.nonzero(req.memory_length_array > cap)[0].tolist():
+        n, s = int(lengths[i]), req.sample_ids[i]
+        if s in grids:
+            g = smallest_vision_group(n, grids[s], ladder, cap, req.cost)
+        else:
+            g = next((k for k in ladder if k * cap >= n and max(memo.per_doc_member_tokens(n, k)) <= cap), None)
         if g is None:  # PlanRequest rejects these; kept as a guard against a changed registry
-            raise ValueError(
-                f"sample {req.sample_ids[i]} ({n} tokens) fits no group of {cl.group_sizes} with cap {cap}"
-            )
+            raise ValueError(f"sample {s} ({n} tokens) fits no group of {tuple(ladder)} with cap {cap}")
         sizes[i] = g
     return sizes
+
+
+def pack_vision_tokens(req: PlanRequest, pack: Sequence[int], ranks: Sequence[int]) -> Optional[np.ndarray]:
+    """Per member of `ranks`, the activations (in tokens) of the items of the distributed samples
+    at indices `pack` it may encode (StepPlan.vision_held_tokens of that group); None when
+    none of them has images or clips."""
+    grids = req.vision
+    if not grids or not any(req.sample_ids[i] in grids for i in pack):
+        return None
+    group = Group(ranks=tuple(ranks), distributed=[req.sample_ids[i] for i in pack], mode=ShardMode.RING_PER_DOC)
+    return np.asarray([req.cost.vision_tokens(p) for p in member_held_patches(group, grids)], dtype=np.int64)
+
+
+def pack_fits(req: PlanRequest, pack: Sequence[int], ranks: Sequence[int], cap: int) -> bool:
+    """Whether the distributed samples at indices `pack` fit the cap on `ranks` in a ring mode,
+    the members' vision activations counted (pack_vision_tokens)."""
+    docs = [req.lengths[i] for i in pack]
+    extra = pack_vision_tokens(req, pack, ranks)
+    modes = (ShardMode.RING_PER_DOC,) if len(pack) == 1 else (ShardMode.RING_PER_DOC, ShardMode.RING_ZIGZAG)
+    return any(group_fits(m, docs, len(ranks), cap, extra) for m in modes)
+
+
+def pack_mode(req: PlanRequest, memo: CostMemo, pack: Sequence[int], ranks: Sequence[int], cap: int) -> ShardMode:
+    """The ring mode of a pack of distributed samples (indices): pick_ring_mode with the
+    members' vision activations counted; per document for one sample."""
+    if len(pack) == 1:
+        return ShardMode.RING_PER_DOC
+    docs = [req.lengths[i] for i in pack]
+    return pick_ring_mode(req.cost, docs, ranks, cap, local_tokens=pack_vision_tokens(req, pack, ranks), memo=memo)
 
 
 def per_rank_ms(memo: CostMemo, length: int, group_size: int, mask: Optional[SampleMask] = None) -> float:
@@ -292,25 +327,26 @@ def assemble_plan(
     cap = req.cluster.max_tokens_per_rank
     ids, lens = req.sample_ids, req.lengths
     waves = WaveBuilder(req.cluster.world_size)
+    grids = req.vision or {}
     for g, b in sorted(placed, key=lambda k: (-k[0], k[1])):
         ranks = block_ranks(b, g)
         packs: List[List[int]] = []
         used = cap + 1
         for i in placed[(g, b)]:
             need = max(memo.per_doc_member_tokens(lens[i], g))
-            if used + need > cap:
+            # a pack with images or clips: checked as validate counts it (their encoders' activations)
+            vision = packs and any(ids[k] in grids for k in packs[-1] + [i])
+            if used + need > cap or (vision and not pack_fits(req, packs[-1] + [i], ranks, cap)):
                 packs.append([])
                 used = 0
             packs[-1].append(i)
             used += need
         for pack in packs:
-            doc_lens = [lens[i] for i in pack]
-            mode = (
-                pick_ring_mode(req.cost, doc_lens, ranks, cap, memo=memo) if len(pack) > 1 else ShardMode.RING_PER_DOC
+            waves.add(
+                Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=pack_mode(req, memo, pack, ranks, cap))
             )
-            waves.add(Group(ranks=ranks, distributed=[ids[i] for i in pack], mode=mode))
-    id_arr, len_arr = req.id_array, req.length_array
-    for group in Group.one_rank_groups(local_micro_batches(local_rank_of, len_arr[local_idx], cap, id_arr[local_idx])):
+    id_arr, mem_arr = req.id_array, req.memory_length_array  # a local sample's items encoded on its rank
+    for group in Group.one_rank_groups(local_micro_batches(local_rank_of, mem_arr[local_idx], cap, id_arr[local_idx])):
         waves.add(group)
     plan = req.empty_plan(name)
     plan.waves = waves.build()

@@ -35,6 +35,7 @@ from hf_cp.balance.registry import get_balancer
 from hf_cp.balance.toolkit.magi_dispatch import magi_placement
 from hf_cp.balance.toolkit.placement import BlockPlacement, request_masks, sample_slices
 from hf_cp.balance.toolkit.usp_layout import RING_LAYOUTS, usp_factorisations, usp_placement
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.blocks import block_group_costs
 from hf_cp.cost.model import CostModel
 from hf_cp.modes.registry import rank_segments
@@ -239,7 +240,7 @@ class RelayoutBalancer:
     def plan(self, req: PlanRequest) -> StepPlan:
         plan = relayout(self.base.plan(req), req, self.options)
         plan.balancer = self.name
-        return plan
+        return fit_vision_memory(plan, req)  # a layout's cap check does not count the encoders
 
 
 __all__ = ["LayoutChoice", "LayoutOptions", "RelayoutBalancer", "choose_layout", "relayout"]

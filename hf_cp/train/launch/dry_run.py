@@ -25,6 +25,7 @@ from typing import Callable, List, Optional
 import torch
 
 from hf_cp.attention.interface import ATTN_IMPLEMENTATION as HF_CP_ATTENTION
+from hf_cp.cost.dims import VisionDims, has_vision_tower
 from hf_cp.planning.evaluation import plan_evaluation
 from hf_cp.planning.profile_check import profile_warning
 from hf_cp.planning.setup import AUTO_CAP, engine_memory, engine_memory_lines, planning_setup
@@ -50,7 +51,7 @@ from hf_cp.train.setup.config import (
 )
 from hf_cp.train.setup.peft_section import adapter_line, wrap_model
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
-from hf_cp.train.setup.trainer_setup import device_memory_gb
+from hf_cp.train.setup.trainer_setup import device_memory_gb, planning_vision_grids
 from hf_cp.train.step.router_balance import router_balance_of
 
 
@@ -211,14 +212,19 @@ def dry_run(
     )
     # as the launch wraps the model (entry.py): target_modules must name modules of the model
     adapter = [adapter_line(wrap_model(meta_model, cfg), cfg)] if cfg.get("peft") else []
+    # the images' and clips' grids, priced (time and memory) with the config's tower, as CPTrainer plans them
+    config = hf_config.to_dict()
+    grids = planning_vision_grids(train, True) if has_vision_tower(config) else {}
     setup = planning_setup(
         settings,
         data.lengths,
         world_size,
-        model_config=hf_config.to_dict(),
+        model_config=config,
         num_epochs=args.num_train_epochs,
         max_steps=args.max_steps,
+        vision=VisionDims.from_hf_config(config, source=f"{src}: the model") if grids else None,
     )
+    setup.vision = dict(grids)
     cost, cluster, sampler = setup.cost, setup.cluster, setup.sampler
     # the check CPTrainer makes when it is built
     check_attention(mcfg.get("attn_implementation", HF_CP_ATTENTION), cluster.group_sizes[-1], f"{src}: the model")

@@ -20,6 +20,7 @@ from hf_cp.balance.registry import register_balancer
 from hf_cp.balance.toolkit.deadline import DeadlinePassed
 from hf_cp.balance.toolkit.placement import request_masks
 from hf_cp.balance.toolkit.pricing import pricer_for
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
 
@@ -76,7 +77,7 @@ class DcpBalancer:
             if fallback is not None:
                 plan = self._better_of(req, plan, fallback)
         self.last_planner_s = time.perf_counter() - t0
-        return plan
+        return fit_vision_memory(plan, req)  # within the cap with its encoders' activations
 
     def _better_of(self, req: PlanRequest, plan: StepPlan, fallback: StepPlan) -> StepPlan:
         """`plan`, or `fallback` when that is predicted faster (the pricer's makespan): the
