@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
-    from hf_cp.train.launch.entry.entry import shutdown_distributed, start_cpu_processes  # torch
+    from hf_cp.train.launch.entry import shutdown_distributed, start_cpu_processes  # torch
     from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer  # trl
 
     script, args = HfArgumentParser((ScriptArguments, CPDPOConfig)).parse_args_into_dataclasses(argv)

@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp" with transformers
     from hf_cp.data_prep.inputs import load_input  # datasets
     from hf_cp.data_prep.smollm2 import load_model_and_tokenizer  # transformers
-    from hf_cp.train.launch.entry.entry import shutdown_distributed, start_cpu_processes  # torch
+    from hf_cp.train.launch.entry import shutdown_distributed, start_cpu_processes  # torch
     from hf_cp.train.objectives.grpo import CPGRPOConfig, CPGRPOTrainer  # trl
 
     script, args = HfArgumentParser((ScriptArguments, CPGRPOConfig)).parse_args_into_dataclasses(argv)
