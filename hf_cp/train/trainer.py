@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -42,7 +41,7 @@ from hf_cp.train.data.streaming import attach_stream, check_streaming, read_trai
 from hf_cp.train.data.vision_columns import has_vision_columns
 from hf_cp.train.measure.gradient_norm import nonfinite_gradients
 from hf_cp.train.measure.metrics import StepThroughput, aggregate, summary_lines
-from hf_cp.train.measure.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
+from hf_cp.train.measure.online_calibration import OnlineCalibration, save_run_calibrated_profile
 from hf_cp.train.measure.record_builder import gather_measurements, step_record
 from hf_cp.train.measure.step_record import StepRecord, append_record
 from hf_cp.train.measure.trainer_numbers import DataEpochCallback, corrected_speed_metrics
@@ -450,12 +449,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
             )
         try:
             out = super().train(resume, *args, **kwargs)
-            if self.args.should_save:
-                path = write_calibrated_profile(
-                    Path(self.args.output_dir), self.cp_calibrated_profile(), CALIBRATED_PROFILE
-                )
-                if path is not None:
-                    logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
+            save_run_calibrated_profile(self.args, self.cp_calibrated_profile())
             return out
         finally:
             if self.cp_stop_signal is not None:

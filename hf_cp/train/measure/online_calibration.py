@@ -155,3 +155,14 @@ def write_calibrated_profile(folder: Path, text: Optional[str], name: str = CALI
     path = folder / name
     path.write_text(text)
     return path
+
+
+def save_run_calibrated_profile(args, text: Optional[str]) -> Optional[Path]:
+    """At the end of training, on the process that saves (args.should_save): the run's calibrated
+    profile into args.output_dir, said once. Every trainer calls this one function."""
+    if not args.should_save:
+        return None
+    path = write_calibrated_profile(Path(args.output_dir), text, CALIBRATED_PROFILE)
+    if path is not None:
+        logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
+    return path

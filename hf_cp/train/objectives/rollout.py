@@ -22,7 +22,6 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -40,7 +39,7 @@ from hf_cp.train.checks.model import check_model_supported, check_recurrent_laye
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
 from hf_cp.train.measure.metrics import balance_lines, memory_lines, prediction_error_line
-from hf_cp.train.measure.online_calibration import CALIBRATED_PROFILE, OnlineCalibration, write_calibrated_profile
+from hf_cp.train.measure.online_calibration import OnlineCalibration, save_run_calibrated_profile
 from hf_cp.train.measure.record_builder import gather_measurements, predicted_step_ms, step_record
 from hf_cp.train.measure.step_record import StepRecord
 from hf_cp.train.objectives.grpo_generation import (
@@ -228,12 +227,7 @@ class PlannedRollouts(FSDP2Trainer):
             )
             self._cp_resumed_from = checkpoint_step(resume) if resume is not None else None
             out = super().train(resume, *args, **kwargs)
-            if self.args.should_save:
-                path = write_calibrated_profile(
-                    Path(self.args.output_dir), self.cp_calibrated_profile(), CALIBRATED_PROFILE
-                )
-                if path is not None:
-                    logger.warning("hf_cp: calibrated cost profile written to %s (hf-cp plan --profile %s)", path, path)
+            save_run_calibrated_profile(self.args, self.cp_calibrated_profile())
             return out
 
     def cp_summary(self) -> List[str]:
