@@ -85,3 +85,8 @@ def test_spread_candidates_are_tried_on_coarse_steps_only(h200_cost):
 def test_spread_sizes_must_be_powers_of_two_above_one(bad):
     with pytest.raises(ValueError, match="spread_sizes"):
         get_balancer("dynamic_cp", spread_sizes=bad)
+
+
+def test_spread_samples_per_rank_must_not_be_negative():
+    with pytest.raises(ValueError, match="spread_samples_per_rank -1"):
+        get_balancer("dynamic_cp", spread_samples_per_rank=-1)
