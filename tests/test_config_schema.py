@@ -45,7 +45,7 @@ def config_file(tmp_path, text: str) -> str:
         ),
         (
             "model: {config: tiny-llama}\ndata: {bundled: longtail_sample, colour: red}\n",
-            r"unknown key data\.colour: valid keys: bundled, eval_path",
+            r"unknown key data\.colour: valid keys: add_eos, bundled, completion_field, eval_path",
         ),
         (
             "model: {config: tiny-llama}\ndata: {bundled: longtail_sample, limit: many}\n",
@@ -98,9 +98,9 @@ def test_missing_paths_are_reported_as_missing(tmp_path, monkeypatch):
     with pytest.raises(TrainConfigError, match=r"training\.deepspeed .*ds\.json does not exist"):
         training_arguments({"deepspeed": str(tmp_path / "ds.json"), "use_cpu": True}, "cfg.yaml")
     # an existing file of the wrong kind is still a format error
-    (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(TrainConfigError, match=r"x\.csv is neither a saved dataset folder nor a \.jsonl"):
-        load_datasets({"path": str(tmp_path / "x.csv")}, "cfg.yaml")
+    (tmp_path / "x.txt").write_text("a,b\n")
+    with pytest.raises(TrainConfigError, match=r"data\.path: .*x\.txt: unsupported file type \.txt.*a \.json/\.jsonl"):
+        load_datasets({"path": str(tmp_path / "x.txt")}, "cfg.yaml")
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
@@ -271,8 +271,8 @@ def test_errors_of_building_the_arguments_or_the_model_config_name_the_file_and_
         ("training.packing=true", "hf_cp always packs"),
         ("training.sample_packing=true", "hf_cp always packs"),
         ("training.padding_free=true", "hf_cp always packs"),
-        ("training.max_seq_length=4096", "hf_cp never truncates: cap lengths in the data (hf-cp preprocess"),
-        ("training.max_length=4096", "hf_cp never truncates: cap lengths in the data (hf-cp preprocess"),
+        ("training.max_seq_length=4096", "hf_cp never truncates in training: cap lengths in the data (data.max_length"),
+        ("training.max_length=4096", "hf_cp never truncates in training: cap lengths in the data (data.max_length"),
         ("training.sequence_parallel_degree=4", "hf_cp has no fixed CP degree: set cp_max_tokens_per_rank"),
         ("training.micro_batch_size=2", "a step holds cp_tokens_per_step tokens"),
     ],

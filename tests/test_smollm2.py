@@ -97,24 +97,7 @@ def test_converted_folder_matches_the_gguf_model(converted):
 def test_recipe_trains_two_cp_steps_on_two_processes(converted, tmp_path):
     from hf_cp.cli import main
 
-    data, run = tmp_path / "chat", tmp_path / "run"
-    assert (
-        main(
-            [
-                "preprocess",
-                str(CHAT_SAMPLE),
-                "--tokenizer",
-                str(converted),
-                "--out",
-                str(data),
-                "--max-length",
-                "1024",
-                "--overlong",
-                "truncate",
-            ]
-        )
-        == 0
-    )
+    run = tmp_path / "run"  # the config preprocesses the bundled chat itself (its data section)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -127,8 +110,6 @@ def test_recipe_trains_two_cp_steps_on_two_processes(converted, tmp_path):
         "--set",
         f"model.pretrained={converted}",
         "--set",
-        f"data.path={data}",
-        "--set",
         f"training.output_dir={run}",
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env=env, cwd=str(REPO))
@@ -137,6 +118,8 @@ def test_recipe_trains_two_cp_steps_on_two_processes(converted, tmp_path):
     losses = [float(x) for x in re.findall(r"'loss': '([^']+)'", out)]
     assert len(losses) == 2 and all(math.isfinite(x) and 0 < x < 8 for x in losses), losses
     assert "hf_cp training summary" in out and "steps 2," in out
+    assert "the bundled chat_sample preprocessed with the run's tokenizer" in out
+    assert "truncated 3" in out and len(list((run / "preprocessed").iterdir())) == 1
     # CP was used: samples over 512 tokens ran on a group of 2
     hist = [json.loads(line) for line in (run / "cp_history" / "rank0.jsonl").read_text().splitlines()]
     assert len(hist) == 2 and any("2" in h["cp_size_samples"] for h in hist)

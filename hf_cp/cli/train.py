@@ -120,7 +120,8 @@ def run(args) -> int:
         if not args.skip_checks:  # a refusal here is one message, before any process or torchrun output
             from hf_cp.train.launch.dry_run import dry_run  # transformers (configs, tokenizer), datasets
 
-            lines = dry_run(args.config, overrides, args.nproc, 1, args.max_restarts)
+            # raw data it preprocesses is kept under output_dir: the launch reads it, preprocessing nothing again
+            lines = dry_run(args.config, overrides, args.nproc, 1, args.max_restarts, keep_preprocessed=True)
             errors = _dry_run_errors(lines)
             if errors:
                 print(f"hf-cp train: {errors[0]}", file=sys.stderr)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import List, Mapping
 
 SAMPLE_FILE = Path(__file__).resolve().parent / "longtail_sample.jsonl.gz"
+# 33 raw chat samples ({"messages": [...]}): `hf-cp preprocess`'s example, a config's `bundled: chat_sample`
+CHAT_SAMPLE_FILE = Path(__file__).resolve().parent / "chat_sample.jsonl"
 IGNORE_INDEX = -100
 
 

@@ -48,7 +48,9 @@ class PreprocessResult:
     vision_tokens: Optional[dict] = None  # --processor: {"image": tokens, "video": tokens} of the kept samples
     vision_grids: Optional[List[List[List[int]]]] = None  # per kept sample its items' [t, h, w], images then clips
 
-    def summary_lines(self, max_length: Optional[int], policy: str) -> List[str]:
+    def summary_lines(self, max_length: Optional[int], policy: str, length_key: str = "--max-length") -> List[str]:
+        """What preprocessing did, in lines; `length_key`: how the length limit was set (the CLI's
+        flag, or a config's data.max_length)."""
         kept = len(self.dataset)
         lines = [f"{self.input_samples} input samples ({self.kind}), {kept} kept"]
         if max_length:
@@ -58,7 +60,7 @@ class PreprocessResult:
                 "error": "none allowed",
             }[policy]
             lines.append(
-                f"over-long (> --max-length {max_length}): {self.overlong} samples, policy {policy}: {what}"
+                f"over-long (> {length_key} {max_length}): {self.overlong} samples, policy {policy}: {what}"
                 + (
                     "; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
                     if self.overlong_examples
@@ -67,7 +69,7 @@ class PreprocessResult:
             )
         else:
             lines.append(
-                f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)"
+                f"over-long: no {length_key} given, nothing checked (longest sample {self.longest_input} tokens)"
             )
         if self.grouped:
             g = self.grouped
@@ -212,17 +214,20 @@ def preprocess(
     images_field: str = "images",
     videos_field: str = "videos",
     fps: float = DEFAULT_FPS,
+    raw=None,
 ) -> PreprocessResult:
     """Tokenise `source` for CPTrainer and save it to `out_dir` (when given).
 
     `group_answers`: records of a prompt and several answers become shared-prompt samples
     (group_answers.py), with their mask in the `attn_mask` column. `processor`: chat samples with
-    images and video go through it (vision_encode.py); `tokenizer` is then unused."""
+    images and video go through it (vision_encode.py); `tokenizer` is then unused. `raw`: the
+    input already read (a datasets.Dataset; a training config's data section reads its own),
+    `source` then only names it in messages."""
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"over-long policy must be one of {', '.join(OVERLONG_POLICIES)}, got {overlong!r}")
     if max_length is not None and max_length <= 0:
         raise ValueError(f"--max-length must be positive, got {max_length}")
-    raw = load_input(source, split=split, subset=subset)
+    raw = load_input(source, split=split, subset=subset) if raw is None else raw
     if limit:
         raw = raw.select(range(min(limit, len(raw))))
     if len(raw) == 0:

@@ -42,6 +42,8 @@ from hf_cp.train.checks.setup import SetupError, check_attention
 from hf_cp.train.data.columns import check_token_ids, eos_token_ids, model_vocab_size, read_token_columns
 from hf_cp.train.launch.trainers import TRAINERS, check_columns, reward_functions
 from hf_cp.train.setup.config import (
+    DataPreparation,
+    apply_template,
     load_config,
     load_datasets,
     load_run_tokenizer,
@@ -49,6 +51,7 @@ from hf_cp.train.setup.config import (
     model_config,
     training_arguments,
 )
+from hf_cp.train.setup.data_section import CACHE_FOLDER
 from hf_cp.train.setup.peft_section import adapter_line, wrap_model
 from hf_cp.train.setup.sharding import check_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import device_memory_gb, planning_vision_grids
@@ -158,7 +161,8 @@ def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> Li
     tokenizer = load_run_tokenizer(mcfg, src)
     if tokenizer is None:
         raise ValueError(f"{src}: trainer: {name} tokenises text: give model.tokenizer or a pretrained folder with one")
-    train, evaluation = load_datasets(cfg.get("data") or {}, src)
+    apply_template(cfg.get("data") or {}, tokenizer, src)
+    train, evaluation = load_datasets(cfg.get("data") or {}, src, DataPreparation(name, tokenizer))
     check_columns(name, train, src)
     vocab = model_vocab_size(meta_model, hf_config)
     # the adapter TRL wraps the policy with (peft_config): target_modules must name modules of the model
@@ -183,9 +187,16 @@ def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> Li
 
 
 def dry_run(
-    config_path: str, overrides: Optional[List[str]] = None, world_size: int = 1, steps: int = 20, max_restarts: int = 0
+    config_path: str,
+    overrides: Optional[List[str]] = None,
+    world_size: int = 1,
+    steps: int = 20,
+    max_restarts: int = 0,
+    keep_preprocessed: bool = False,
 ) -> List[str]:
-    """Report lines; raises the error the training launch would raise."""
+    """Report lines; raises the error the training launch would raise. `keep_preprocessed`: raw
+    rows the data section preprocesses are saved under output_dir/preprocessed, where the launch
+    reads them back (`hf-cp train --nproc`'s checks before its launch); else nothing is written."""
     cfg = load_config(config_path, overrides, TRAINERS)
     if cfg["trainer"] != "cp":
         return trl_trainer_dry_run(cfg, world_size, max_restarts)
@@ -204,7 +215,13 @@ def dry_run(
     meta_model = check_model_config_supported(hf_config, f"{src}: the model", model_class(mcfg, src))
     router_balance_of(meta_model)  # the MoE router term, refused where inexact (StepRuntime, when built)
     tokenizer = load_run_tokenizer(mcfg, src)  # what the final save would include: it must load
-    train, evaluation = load_datasets(cfg.get("data") or {}, src)
+    apply_template(cfg.get("data") or {}, tokenizer, src)
+    # raw rows preprocessed as the launch will (in memory: the dry run writes nothing under output_dir)
+    preparation_lines: List[str] = []
+    cache = Path(args.output_dir) / CACHE_FOLDER if keep_preprocessed else None
+    train, evaluation = load_datasets(
+        cfg.get("data") or {}, src, DataPreparation("cp", tokenizer, cache, say=preparation_lines.append)
+    )
     vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config), vocab)
     check_recurrent_layers_fit(
@@ -252,6 +269,7 @@ def dry_run(
     ]
     if setup.cap_note:  # what cp_max_tokens_per_rank: auto chose
         lines.append(setup.cap_note)
+    lines += preparation_lines
     lines += adapter
     chunked = sorted({s for ps in planned for s in ps.plan.chunked_samples})
     if chunked and mcfg.get("attn_implementation", HF_CP_ATTENTION) != HF_CP_ATTENTION:

@@ -22,12 +22,15 @@ from hf_cp.train.launch.trainers import TRAINERS, build_trainer
 from hf_cp.train.setup import config as config_module
 from hf_cp.train.setup.config import (
     DEFAULT_DDP_TIMEOUT_S,
+    DataPreparation,
+    apply_template,
     build_model,
     load_config,
     load_datasets,
     load_run_tokenizer,
     training_arguments,
 )
+from hf_cp.train.setup.data_section import CACHE_FOLDER
 from hf_cp.train.setup.model_section import model_class
 from hf_cp.train.setup.peft_section import wrap_model
 
@@ -98,7 +101,17 @@ def run(config_path: str, overrides: Optional[List[str]] = None, started: Option
     model = build_model(cfg.get("model") or {}, src)
     if cfg["trainer"] == "cp":  # a TRL trainer wraps it itself, from peft_config (build_trainer)
         model = wrap_model(model, cfg)
-    dataset, eval_dataset = load_datasets(cfg.get("data") or {}, src)
+    dcfg = cfg.get("data") or {}
+    apply_template(dcfg, tokenizer, src)  # the run's tokenizer, saved with the final model, carries it
+    # raw rows are preprocessed here (trainer cp): the main process of each node first, the others read its copy
+    preparation = DataPreparation(
+        cfg["trainer"],
+        tokenizer,
+        Path(args.output_dir) / CACHE_FOLDER,
+        main_first=lambda desc: args.main_process_first(desc=desc),
+        is_main=args.process_index == 0,
+    )
+    dataset, eval_dataset = load_datasets(dcfg, src, preparation)
     trainer = build_trainer(cfg, args, model, tokenizer, dataset, eval_dataset)
     if started is not None:
         started["trainer"] = trainer

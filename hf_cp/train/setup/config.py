@@ -13,10 +13,15 @@ Sections:
               trust_remote_code: true runs the modelling code a pretrained folder ships (off:
               a config that needs it is an error); model_class: the transformers class to build
               or load when AutoModelForCausalLM builds none (Qwen2_5_VLForConditionalGeneration)
-    data:     bundled: longtail_sample | vlm_sample (images and a clip, configs/tiny-vlm-cpu.yaml) | path: a saved `datasets` folder or a .jsonl[.gz] with
-              input_ids (and labels) per line; limit: keep the first N samples;
-              eval_path (same formats) or eval_split (a held-out fraction) for evaluation
-              with training.eval_strategy / eval_steps
+    data:     where the samples come from: bundled: longtail_sample | chat_sample | toy_preferences |
+              toy_prompts | vlm_sample, path: (a saved `datasets` folder, a .json/.jsonl/.parquet/.csv
+              file, a folder of them) or name: (a Hub dataset; split, subset); limit: keep the first N;
+              eval_path (same formats) or eval_split (a held-out fraction) for evaluation with
+              training.eval_strategy / eval_steps; template: a Jinja chat template for the tokenizer.
+              Raw chat, prompt-completion or text rows are preprocessed by the run itself for
+              trainer cp (format, max_length, overlong, mask, *_field: hf-cp preprocess's options),
+              cached under output_dir/preprocessed (setup/data_section.py); the TRL trainers take
+              the rows as they are
     peft:     a LoRA adapter: peft.LoraConfig's keys (r, lora_alpha, target_modules, ...;
               setup/peft_section.py); trainer cp wraps the model, the TRL trainers take it
               as peft_config
@@ -43,7 +48,6 @@ The launch itself (processes, the Trainer, the summary) is hf_cp.train.launch.en
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import List, Optional
 
 import yaml
@@ -51,11 +55,10 @@ import yaml
 from hf_cp.balance.registry import available_balancers
 from hf_cp.cost.config_files import read_yaml_mapping, resolve_config
 from hf_cp.cost.hardware import HardwareProfile
-from hf_cp.data.toy_preferences import toy_preference_rows
-from hf_cp.data.toy_prompts import toy_prompts
-from hf_cp.readers import brief, load_json, load_yaml
+from hf_cp.readers import brief, load_yaml
 from hf_cp.resources import input_path, shipped_training_configs, training_config_path
-from hf_cp.train.setup.config_names import LOOKED, named_errors, resolve_input
+from hf_cp.train.setup.config_names import LOOKED, named_errors
+from hf_cp.train.setup.data_section import DataPreparation, apply_template, check_data_section, load_datasets
 from hf_cp.train.setup.model_section import (
     build_model,
     load_run_tokenizer,
@@ -79,6 +82,8 @@ __all__ = [
     "TrainConfigError",
     "load_config",
     "load_datasets",
+    "DataPreparation",
+    "apply_template",
     "model_config",
     "build_model",
     "load_run_tokenizer",
@@ -139,6 +144,7 @@ def load_config(path: str, overrides: Optional[List[str]] = None, trainers: Opti
     # of the wrong type the key, the type and the value; null keys are left out (unset)
     cfg["model"] = check_section("model", cfg.get("model"), MODEL_KEYS, str(p))
     cfg["data"] = check_section("data", cfg.get("data"), DATA_KEYS, str(p))
+    check_data_section(cfg["data"], name, str(p))
     if cfg.get("training") is not None and not isinstance(cfg["training"], dict):
         raise TrainConfigError(f"{p}: section `training` must be a mapping of keys to values")
     cfg["training"] = check_training_keys(cfg.get("training") or {}, str(p), config_class, elsewhere)
@@ -162,10 +168,6 @@ class TrainerTable:
 
 
 REWARD_TRAINERS = ("grpo", "rloo")
-# longtail_sample: token ids (trainer cp); toy_preferences: prompt/chosen/rejected text (dpo, kto);
-# toy_prompts: prompts (grpo, rloo; the reward hf_cp.data.toy_prompts:share_of_a); vlm_sample: images and
-# a clip through the tiny Qwen2.5-VL processor (trainer cp, model.model_class Qwen2_5_VLForConditionalGeneration)
-BUNDLED = ("longtail_sample", "toy_preferences", "toy_prompts", "vlm_sample")
 
 
 def check_reward(section, trainer: str, source: str) -> dict:
@@ -235,83 +237,6 @@ def check_names(cfg: dict, source: str) -> None:
         names = available_balancers()
         if name not in names:
             raise KeyError(f"{source}: training.{key}: unknown balancer {name!r}; available: {', '.join(names)}")
-
-
-def _read_dataset(path: str, field: str, source: str):
-    from datasets import Dataset, load_from_disk
-
-    p = Path(resolve_input(path))
-    if not p.exists():
-        raise TrainConfigError(f"{source}: data.{field} {path} does not exist ({LOOKED})")
-    if p.is_dir():
-        try:
-            ds = load_from_disk(str(p))
-        except FileNotFoundError as e:  # a folder that is no saved dataset
-            raise TrainConfigError(
-                f"{source}: data.{field} {path} is a directory but not a saved `datasets` folder ({e}); expected "
-                "a folder written by Dataset.save_to_disk (hf-cp preprocess) or a .jsonl[.gz] file"
-            ) from None
-        if hasattr(ds, "keys"):
-            ds = ds["train"]
-        return ds
-    if p.suffix in (".jsonl", ".gz"):
-        import gzip
-
-        opener = gzip.open if p.suffix == ".gz" else open
-        rows = []
-        with opener(p, "rt") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(load_json(line))
-                except ValueError as e:  # JSONDecodeError (nested too deep too), UnicodeDecodeError
-                    raise TrainConfigError(
-                        f"{source}: data.{field} {path}, line {lineno}: not a JSON record ({e})"
-                    ) from None
-        return Dataset.from_list(rows)
-    raise TrainConfigError(f"{source}: data.{field} {p} is neither a saved dataset folder nor a .jsonl[.gz]")
-
-
-def load_datasets(dcfg: dict, source: str):
-    """(train, eval or None). Evaluation data: data.eval_path (same formats as path), or
-    data.eval_split: a fraction of the samples held out (seeded by data.eval_seed, default 0)."""
-    from hf_cp.data import load_sample_dataset  # datasets, loaded only when data is read
-
-    dcfg = check_section("data", dcfg, DATA_KEYS, source)  # typed, null keys left out
-    limit = int(dcfg.get("limit", 0) or 0)
-    if dcfg.get("bundled"):
-        if dcfg["bundled"] not in BUNDLED:
-            raise TrainConfigError(
-                f"{source}: data.bundled {dcfg['bundled']!r}: the bundled datasets are {', '.join(BUNDLED)}"
-            )
-        if dcfg["bundled"] in ("toy_preferences", "toy_prompts"):
-            from datasets import Dataset  # datasets, loaded only when data is read
-
-            rows = toy_preference_rows() if dcfg["bundled"] == "toy_preferences" else toy_prompts()
-            ds = Dataset.from_list(rows[:limit] if limit else rows)
-        elif dcfg["bundled"] == "vlm_sample":
-            from hf_cp.data.vlm_sample import load_vlm_sample_dataset  # transformers, datasets, the GGUF tokenizer
-
-            ds = load_vlm_sample_dataset(limit=limit)
-        else:
-            ds = load_sample_dataset(limit=limit)
-    elif "path" not in dcfg:
-        raise TrainConfigError(f"{source}: data needs `bundled: longtail_sample` or `path:`")
-    else:
-        ds = _read_dataset(dcfg["path"], "path", source)
-        ds = ds.select(range(min(limit, len(ds)))) if limit else ds
-    if dcfg.get("eval_path") and dcfg.get("eval_split"):
-        raise TrainConfigError(f"{source}: data.eval_path and data.eval_split both set; choose one")
-    if dcfg.get("eval_path"):
-        return ds, _read_dataset(dcfg["eval_path"], "eval_path", source)
-    if dcfg.get("eval_split"):
-        frac = dcfg["eval_split"]
-        if not isinstance(frac, (int, float)) or not 0 < frac < 1:
-            raise TrainConfigError(f"{source}: data.eval_split must be a fraction in (0, 1), got {frac!r}")
-        parts = ds.train_test_split(test_size=float(frac), seed=int(dcfg.get("eval_seed", 0)))
-        return parts["train"], parts["test"]
-    return ds, None
 
 
 def training_arguments(tcfg: dict, source: str, config_class=None):

@@ -105,24 +105,66 @@ MODEL_KEYS: Dict[str, Key] = {
     ),
 }
 
+
+def _one_of(*choices: str) -> Callable[[object], Optional[str]]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
 DATA_KEYS: Dict[str, Key] = {
     "bundled": Key(
         _STR,
-        "a bundled dataset: longtail_sample (token ids), toy_preferences (preference pairs), toy_prompts (prompts) "
-        "or vlm_sample (images and a clip, for configs/models/tiny-qwen2.5-vl.json)",
+        "a bundled dataset: longtail_sample (token ids), chat_sample (raw chat), toy_preferences (preference "
+        "pairs), toy_prompts (prompts) or vlm_sample (images and a clip, for configs/models/tiny-qwen2.5-vl.json)",
     ),
-    "path": Key(_PATH, "a saved `datasets` folder or a .jsonl[.gz] of input_ids (and labels)"),
+    "path": Key(
+        _PATH,
+        "a saved `datasets` folder, a .json/.jsonl/.parquet/.csv file (optionally compressed) or a folder of "
+        "them: token ids (input_ids, labels) or raw chat / prompt-completion / text rows",
+    ),
+    "name": Key(_STR, "a Hugging Face Hub dataset (from the datasets cache when offline)"),
+    "split": Key(_STR, "the split to read (default train)"),
+    "subset": Key(_STR, "the Hub dataset's configuration"),
     "limit": Key(_INT, "keep the first N training samples (0: all)", _non_negative),
     "eval_path": Key(_PATH, "evaluation data, same formats as path"),
     "eval_split": Key((float,), "a held-out fraction of the training samples", _fraction),
     "eval_seed": Key(_INT, "seed of the eval_split draw", _seed),
+    "template": Key(_PATH, "a Jinja chat template file for the run's tokenizer (default: the tokenizer's own)"),
+    # hf_cp's preprocessing of raw rows (trainer cp; setup/data_section.py)
+    "format": Key(
+        _STR,
+        "auto (token ids when the rows hold input_ids, else chat, prompt-completion or text by their columns), "
+        "tokens, chat, prompt-completion or text",
+        _one_of("auto", "tokens", "chat", "prompt-completion", "text"),
+    ),
+    "max_length": Key(
+        _INT, "longest sample in tokens (default: no limit; the planner refuses what no group holds)", _positive
+    ),
+    "overlong": Key(_STR, "samples over max_length: error, drop or truncate", _one_of("error", "drop", "truncate")),
+    "mask": Key(
+        _STR,
+        "tokens without a loss: auto, assistant, last-assistant, completion or none (hf-cp preprocess --mask)",
+        _one_of("auto", "assistant", "last-assistant", "completion", "none"),
+    ),
+    "text_field": Key(_STR, "text rows: the column of the text"),
+    "messages_field": Key(_STR, "chat rows: the column of the messages (default messages)"),
+    "prompt_field": Key(_STR, "prompt-completion rows: the prompt column (default prompt)"),
+    "completion_field": Key(_STR, "prompt-completion rows: the completion column (default completion)"),
+    "add_eos": Key((bool,), "text rows: append the tokenizer's EOS token (default true)"),
+    "num_proc": Key(_INT, "processes for datasets' map and filter", _positive),
 }
+# the data keys of hf_cp's own preprocessing: trainer cp only (the TRL trainers tokenise their rows)
+PREPROCESS_KEYS = (
+    "format", "max_length", "overlong", "mask", "text_field", "messages_field", "prompt_field",
+    "completion_field", "add_eos", "num_proc",
+)  # fmt: skip
 
 # keys of one section that must not be set together: (a, b, why)
 EXCLUSIVE = {
     "model": [("config", "pretrained", "a model is built from a config or loaded from a folder, not both")],
     "data": [
         ("bundled", "path", "data.path would be ignored: train on the bundled dataset or on your own, not both"),
+        ("bundled", "name", "data.name would be ignored: train on the bundled dataset or on a Hub one, not both"),
+        ("path", "name", "choose one source: a local path or a Hub dataset name"),
         ("eval_path", "eval_split", "choose one source of evaluation data"),
     ],
 }
@@ -183,8 +225,8 @@ _DEGREE = (
     "finds fastest"
 )
 _LENGTH = (
-    "hf_cp never truncates: cap lengths in the data (hf-cp preprocess --max-length N --overlong "
-    "error|drop|truncate); a sample longer than the largest group holds is refused by name, unless "
+    "hf_cp never truncates in training: cap lengths in the data (data.max_length: N with data.overlong: "
+    "error|drop|truncate, or hf-cp preprocess --max-length N); a sample longer than the largest group holds is refused by name, unless "
     "cp_balancer: chunkflow (or auto) trains it as dependent chunks"
 )
 # training keys of TRL, axolotl, LLaMA-Factory, ms-swift, verl and ALST set-ups, with what hf_cp
