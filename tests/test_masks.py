@@ -218,3 +218,23 @@ def test_window_of_a_shared_prompt_answer_counts_from_its_own_position():
     d = dense_of(window_slices(m, 3), m.length)
     assert d[7].nonzero()[0].tolist() == [2, 3, 7]
     assert d[4].nonzero()[0].tolist() == [2, 3, 4]
+
+
+def test_attended_key_range_is_the_span_of_the_keys_rows_attend():
+    """Against every row's keys counted one by one, and against clip_slices' tight pieces, on
+    random slices of every kind and random row ranges (some empty, some with rows seeing nothing)."""
+    import random
+
+    from hf_cp.samples.masks import AttnSlice, SliceKind, attended_key_range, clip_slices
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        qs, ql, ks, kl = rng.randint(0, 20), rng.randint(1, 20), rng.randint(0, 30), rng.randint(1, 25)
+        s = AttnSlice(qs, qs + ql, ks, ks + kl, rng.choice(list(SliceKind)))
+        lo = rng.randint(0, 45)
+        hi = lo + rng.randint(0, 20)
+        keys = [k for i in range(max(lo, qs), min(hi, qs + ql)) for k in range(*s.key_interval(i))]
+        expected = (min(keys), max(keys) + 1) if keys else None
+        assert attended_key_range(s, lo, hi) == expected, (s, lo, hi)
+        pieces = clip_slices([s], lo, hi, 0, 1 << 62)
+        assert expected == ((min(c.k_start for c in pieces), max(c.k_end for c in pieces)) if pieces else None)

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional
 from hf_cp.modes.ring import per_doc_pieces, zigzag_pieces
 from hf_cp.modes.segments import Segment
 from hf_cp.modes.ulysses import contiguous_segments
-from hf_cp.samples.masks import AttnSlice, SampleMask, SliceKind, Slices, clip_slices, rect_pairs
+from hf_cp.samples.masks import AttnSlice, SampleMask, SliceKind, Slices, attended_key_range, rect_pairs
 
 PARTIAL_BYTES = 4  # partial outputs, log-sum-exp and gradient partials travel in float32
 
@@ -260,9 +260,9 @@ class BlockLayout:
 def attended_chunk_pairs(chunks: Sequence[Chunk], slices: Sequence[Slices]) -> Iterable[Tuple[int, int]]:
     """(q chunk, k chunk) pairs of the same sample with at least one attended pair.
 
-    A tight slice's rows see one contiguous key range (consecutive rows' intervals touch), so
-    per query chunk the key chunks it needs come from bisecting each clipped slice's range:
-    no pair-by-pair count, which keeps long samples cut in many chunks cheap.
+    A slice's rows in a query chunk see one contiguous key range (masks.attended_key_range), so
+    per query chunk the key chunks it needs come from bisecting each slice's range: no
+    pair-by-pair count and no clipping, which keeps long samples cut in many chunks cheap.
     """
     by_doc: Dict[int, List[Tuple[int, int]]] = {}
     for i, c in enumerate(chunks):
@@ -274,9 +274,12 @@ def attended_chunk_pairs(chunks: Sequence[Chunk], slices: Sequence[Slices]) -> I
     for i, c in enumerate(chunks):
         items, starts = by_doc[c.doc], starts_of[c.doc]
         seen: Set[int] = set()
-        for s in clip_slices(slices[c.doc], c.start, c.start + c.length, 0, 1 << 62):
-            first = max(0, bisect.bisect_right(starts, s.k_start) - 1)
-            last = bisect.bisect_left(starts, s.k_end)
+        for s in slices[c.doc]:
+            keys = attended_key_range(s, c.start, c.start + c.length)
+            if keys is None:
+                continue
+            first = max(0, bisect.bisect_right(starts, keys[0]) - 1)
+            last = bisect.bisect_left(starts, keys[1])
             seen.update(items[x][1] for x in range(first, last))
         for k in sorted(seen):
             yield i, k

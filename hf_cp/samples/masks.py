@@ -148,7 +148,33 @@ def rect_pairs_of_slice(s: AttnSlice, q_lo: int, q_hi: int, k_lo: int, k_hi: int
 def rect_pairs(slices: Iterable[AttnSlice], q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
     """Exact attended query-key pairs of a mask (its slices) inside one rectangle:
     queries [q_lo, q_hi) x keys [k_lo, k_hi). The one pair count of hf_cp."""
-    return sum(rect_pairs_of_slice(s, q_lo, q_hi, k_lo, k_hi) for s in slices)
+    # slices outside the rectangle's rows skipped before the call: a planner counts many small
+    # rectangles of masks with many slices (a shared prompt's answers), each touching a few
+    return sum(rect_pairs_of_slice(s, q_lo, q_hi, k_lo, k_hi) for s in slices if s.q_start < q_hi and s.q_end > q_lo)
+
+
+def attended_key_range(s: AttnSlice, q_lo: int, q_hi: int) -> Optional[Tuple[int, int]]:
+    """[first, last + 1) of the keys that rows [q_lo, q_hi) of slice `s` attend, or None when
+    none does. A row's keys [lo(i), hi(i)) have both ends non-decreasing and step by at most
+    one, so the attended rows' keys are one contiguous range: from the first attending row's lo
+    to the last one's hi. The same range as the union of clip_slices(s, q_lo, q_hi, ...)'s keys."""
+    u, v = max(q_lo, s.q_start), min(q_hi, s.q_end)
+    if u >= v:
+        return None
+    p = 1 if s.kind in (SliceKind.CAUSAL, SliceKind.BI_CAUSAL) else 0
+    r = 1 if s.kind in (SliceKind.INV_CAUSAL, SliceKind.BI_CAUSAL) else 0
+    # width hi(i) - lo(i) = w0 + (p - r) * i; the rows where it is >= 1 are one run [a, b)
+    w0 = s.k_end - s.k_start - p * (s.q_end - 1) + r * s.q_start
+    d = p - r
+    if d == 0:
+        a, b = (u, v) if w0 >= 1 else (u, u)
+    elif d == 1:
+        a, b = max(u, 1 - w0), v
+    else:
+        a, b = u, min(v, w0)
+    if a >= b:
+        return None
+    return s.k_start + r * (a - s.q_start), s.k_end - p * (s.q_end - b)
 
 
 # --------------------------------------------------------------------------- mask kinds
