@@ -558,3 +558,14 @@ def test_a_rollout_trainer_calibrates_its_planned_passes_and_summarises_their_ba
     summary = built.cp_summary()
     assert_balance_summary_holds_the_records(summary, records, "auto", "static")
     assert any("% calibrated (steps " in line for line in summary), summary
+    # the history file hf-cp report reads: one line per planned step, the records themselves
+    from hf_cp.report.runs import read_run
+    from hf_cp.train.measure.step_record import latest_records
+
+    written = latest_records(tmp_path / "out" / "cp_history" / "rank0.jsonl")
+    assert [(r.global_step, r.measured_ms, r.predicted_ms, r.loss) for r in written] == [
+        (r.global_step, r.measured_ms, r.predicted_ms, r.loss) for r in records
+    ]
+    assert all(r.rank == 0 and r.trained_sample_ids for r in written)
+    run = read_run(tmp_path / "out", "history")
+    assert run.steps == [r.global_step for r in records] and run.compare_balancer == "static"

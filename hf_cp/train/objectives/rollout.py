@@ -41,7 +41,7 @@ from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
 from hf_cp.train.measure.metrics import balance_lines, memory_lines, prediction_error_line
 from hf_cp.train.measure.online_calibration import OnlineCalibration, save_run_calibrated_profile
 from hf_cp.train.measure.record_builder import gather_measurements, predicted_step_ms, step_record
-from hf_cp.train.measure.step_record import StepRecord
+from hf_cp.train.measure.step_record import StepRecord, append_record
 from hf_cp.train.objectives.grpo_generation import (
     GRPORollout,
     RewardFunctionError,
@@ -452,6 +452,8 @@ class PlannedRollouts(FSDP2Trainer):
         rec = replace(rec, loss=float(loss))  # the objective's loss, not a token cross-entropy
         self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)
+        if self.args.cp_record_history:  # output_dir/cp_history/rank<R>.jsonl, as CPTrainer's (hf-cp report)
+            append_record(self.args.output_dir, rec.for_rank(self.cp_rank, step.trained_sample_ids))
 
     def _cp_log_plan(
         self, prompt_groups: PromptGroups, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float
