@@ -148,13 +148,18 @@ class PlanRequest:
 def check_vision_memory(req: PlanRequest) -> None:
     """Raise VisionMemoryError naming the first sample of `req` that fits no rank's memory with
     its items' activations, alone on one rank or on any registered group (cost/vision.py:
-    alone_held_tokens, the count StepPlan.validate checks)."""
+    alone_held_tokens, the count StepPlan.validate checks). A sample longer than the largest group
+    holds, in a request that admits it (`max_sample_tokens`: only ChunkFlow's dependent chunks
+    train it), is left to the balancer, which counts its items beside its chunks and refuses it
+    by name when they do not fit (balancers/chunkflow.py)."""
     cl, cost = req.cluster, req.cost
     cap = cl.max_tokens_per_rank
     for s, n in zip(req.sample_ids, req.lengths):
         grids = req.vision.get(s)
         if not grids or alone_held_tokens(n, grids, 1, cost) <= cap:
             continue
+        if n > cl.largest_capacity and req.max_sample_tokens is not None and n <= req.max_sample_tokens:
+            continue  # chunked or refused by the balancer
         if smallest_vision_group(n, grids, cl.group_sizes, cap, cost) is not None:
             continue
         patches = [grid_patches(g) for g in grids]

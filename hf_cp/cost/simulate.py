@@ -33,11 +33,12 @@ from hf_cp.cost.blocks import block_group_costs, block_group_messages
 from hf_cp.cost.bounds import charged_lower_bound_ms, lower_bound_ms, samples_local_ms
 from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.cost.sharded import ShardedPasses
-from hf_cp.cost.vision import NO_VISION, VisionGrids, group_vision, step_vision
+from hf_cp.cost.vision import VisionGrids, group_vision, step_vision
 from hf_cp.modes.registry import mode_spec
-from hf_cp.plan.chunks import chunked_sample_cost, dependent_chunk_sizes
+from hf_cp.plan.chunks import chunked_sample_cost, chunked_vision_bytes, chunked_vision_ms, dependent_chunk_sizes
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.plan.step_plan import Group, StepPlan
+from hf_cp.plan.vision_encoders import grid_patches
 
 
 def max_over_mean(values: Sequence[float]) -> float:
@@ -211,17 +212,21 @@ def group_messages(plan_lens: Dict[int, int], group: Group, cost: CostModel, mas
 def chunked_group_cost(plan_lens: Dict[int, int], group: Group, cost: CostModel, vision: Optional[VisionGrids] = None):
     """(compute_ms, activation tokens, peak bytes) of a one-rank group of chunked samples: their
     times add up; memory is the largest sample's (one runs at a time, its store freed after).
-    `vision`: its samples' items are encoded on the rank too (their time added, and their
-    activations, held until the step's backward, beside each sample's)."""
-    v = group_vision(group, vision, cost)[0] if vision else NO_VISION
-    held = cost.vision_tokens(v.patches)
-    ms, tokens, peak = v.ms, 0, 0.0
+    `vision`: its samples' items are encoded on the rank too (their time added, chunked_vision_ms:
+    one more forward than a standalone item's); each sample's
+    tower activations and held rows count beside its chunks while it runs (train/step/chunk_vision.py:
+    its items are encoded before its first chunk and released after its last backward)."""
+    ms, tokens, peak = 0.0, 0, 0.0
     for cs in group.chunked.values():
         for c in cs:
             cc = chunked_sample_cost(cost, dependent_chunk_sizes(plan_lens[c.sample], c.chunk_size), c.keep)
-            ms += cc.compute_ms
-            tokens = max(tokens, cc.activation_tokens)
-            peak = max(peak, cost.memory_bytes(cc.activation_tokens + held) + cc.state_bytes)
+            grids = (vision or {}).get(c.sample, ())
+            patches = sum(map(grid_patches, grids))
+            ms += cc.compute_ms + chunked_vision_ms(cost, grids)
+            tokens = max(tokens, cc.activation_tokens + cost.vision_tokens(patches))
+            peak = max(
+                peak, cost.memory_bytes(cc.activation_tokens) + cc.state_bytes + chunked_vision_bytes(cost, patches)
+            )
     return ms, tokens, peak
 
 

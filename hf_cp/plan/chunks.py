@@ -333,10 +333,45 @@ def chunked_sample_cost(cost: CostModel, sizes: Sequence[int], keep: int) -> Chu
     )
 
 
-def chunked_memory_bytes(cost: CostModel, sizes: Sequence[int], keep: int) -> float:
-    """Peak bytes of a chunked sample on its rank: activations plus the state store."""
+def vision_rows_bytes(cost: CostModel, patches: int) -> float:
+    """Bytes a chunked sample with images or clips of `patches` patches holds beside its chunks'
+    activations (train/step/chunk_vision.py): the tower's rows of its placeholder tokens (one per
+    merged cell, out_hidden wide, once more per DeepStack merger), kept in the model's dtype from
+    the encoding to the sample's last backward, and their float32 gradient accumulator
+    (GRAD_ACCUMULATOR_BYTES). 0 without patches. The tower's own activations are apart
+    (cost.vision_tokens)."""
+    if not patches:
+        return 0.0
+    v = cost.vision_dims()
+    rows = -(-int(patches) // v.merge_unit)
+    width = v.out_hidden * (1 + len(v.deepstack_visual_indexes))
+    return float(rows * width * (cost.profile.bytes_per_element + GRAD_ACCUMULATOR_BYTES))
+
+
+def chunked_vision_ms(cost: CostModel, grids: Sequence[Sequence[int]]) -> float:
+    """The tower's time over a chunked sample's images and clips of patch grids `grids`: their
+    forward and backward (cost.vision_ms) and one more forward (profile.forward_share of it): the
+    executor encodes them once without a graph for the rows every chunk reads, and again with one
+    in chunk 0's pass, whose backward runs the tower's (train/step/chunk_vision.py)."""
+    if not grids:
+        return 0.0
+    return (1.0 + cost.profile.forward_share) * cost.vision_ms(grids)
+
+
+def chunked_vision_bytes(cost: CostModel, patches: int) -> float:
+    """What a chunked sample's images and clips hold on its rank for the whole sample, beyond the
+    rank's static bytes: the tower's activations (cost.vision_tokens, in tokens of the memory
+    model) and the held rows with their gradients (vision_rows_bytes). 0 without patches."""
+    if not patches:
+        return 0.0
+    return cost.profile.activation_bytes_per_token * cost.vision_tokens(int(patches)) + vision_rows_bytes(cost, patches)
+
+
+def chunked_memory_bytes(cost: CostModel, sizes: Sequence[int], keep: int, patches: int = 0) -> float:
+    """Peak bytes of a chunked sample on its rank: activations plus the state store, and with
+    `patches` patches of images and clips what they hold (chunked_vision_bytes)."""
     store = state_bytes(cost, sum(sizes)) + recurrent_state_bytes(cost, sizes)
-    return cost.memory_bytes(activation_tokens(sizes, keep)) + store
+    return cost.memory_bytes(activation_tokens(sizes, keep)) + store + chunked_vision_bytes(cost, patches)
 
 
 def chunk_costs_ms(plan: ChunkPlan, cost: CostModel) -> List[float]:
@@ -356,11 +391,14 @@ def standalone_chunk_ms(cost: CostModel, lengths: Sequence[int]) -> float:
     return cost.local_ms(lengths) + cost.micro_batch_overhead_ms()
 
 
-def largest_fitting_chunk(cost: CostModel, length: int, keep: int, max_tokens_per_rank: int, upper: int) -> int:
+def largest_fitting_chunk(
+    cost: CostModel, length: int, keep: int, max_tokens_per_rank: int, upper: int, patches: int = 0
+) -> int:
     """The largest chunk size <= `upper` with which a sample of `length` tokens fits a rank whose
     memory is cost.memory_bytes(max_tokens_per_rank) (its activations and its state store: the
-    K/V, and a hybrid's recurrent states between chunks, recurrent_state_bytes); 0 when even
-    one-token chunks do not fit.
+    K/V, and a hybrid's recurrent states between chunks, recurrent_state_bytes; with `patches`
+    patches of images and clips, what they hold for the whole sample, chunked_vision_bytes);
+    0 when even one-token chunks do not fit.
 
     For a given budget of activation tokens, searched over the chunk count m: chunks of
     c = ceil(length / m) tokens, which make n = ceil(length / c) <= m chunks
@@ -381,7 +419,8 @@ def largest_fitting_chunk(cost: CostModel, length: int, keep: int, max_tokens_pe
     if keep <= 0 or upper <= 0:
         raise ValueError(f"keep and upper must be positive, got {keep} and {upper}")
     alpha = cost.profile.activation_bytes_per_token
-    free = (cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0) - state_bytes(cost, length)) / alpha
+    room = cost.memory_bytes(max_tokens_per_rank) - cost.memory_bytes(0)
+    free = (room - state_bytes(cost, length) - chunked_vision_bytes(cost, patches)) / alpha
     length = int(length)
     chunk = _largest_chunk_within(length, keep, free, upper)
     for _ in range(64):

@@ -658,11 +658,18 @@ class StepPlan:
                     )
                 if cost is not None:
                     sizes = dependent_chunk_sizes(lens[c.sample], c.chunk_size)
-                    need, have = chunked_memory_bytes(cost, sizes, c.keep), cost.memory_bytes(self.max_tokens_per_rank)
+                    patches = sum(map(grid_patches, (self.vision or {}).get(c.sample, ())))
+                    need = chunked_memory_bytes(cost, sizes, c.keep, patches)
+                    have = cost.memory_bytes(self.max_tokens_per_rank)
                     if need > have:
+                        items = (
+                            f", and its images' and clips' tower activations and held rows ({patches} patches)"
+                            if patches
+                            else ""
+                        )
                         raise PlanError(
                             f"{where}: chunked sample {c.sample} ({lens[c.sample]} tokens in {len(sizes)} chunks, "
-                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store), "
+                            f"K={c.keep}) needs {need / 2**30:.2f} GiB (activations and its K/V state store{items}), "
                             f"more than the {have / 2**30:.2f} GiB of a rank's cap of {self.max_tokens_per_rank} tokens"
                         )
 

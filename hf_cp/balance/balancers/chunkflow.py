@@ -41,11 +41,14 @@ from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.chunks import (
     build_chunk_plan,
     chunked_sample_cost,
+    chunked_vision_bytes,
+    chunked_vision_ms,
     dependent_chunk_sizes,
     standalone_chunk_ms,
     state_bytes,
 )
 from hf_cp.plan.step_plan import ChunkedSample, Group, StepPlan
+from hf_cp.plan.vision_encoders import grid_patches
 
 DEFAULT_MIN_CHUNK_SIZE = 256
 
@@ -127,25 +130,41 @@ class ChunkFlowBalancer:
         chunks = build_chunk_plan(req.sample_ids, req.lengths, size, self.keep).validate()
         lens = chunks.length_of()
         # (ms, kind, payload): kind "pack" -> sample ids, "chunked" -> ChunkedSample, "cp" -> (id, group size)
+        vision = req.vision or {}
+
+        def encoder_ms(ids) -> float:  # the tower's time over the samples' items, on their rank
+            grids = [g for s in ids for g in vision.get(s, ())]
+            return cost.vision_ms(grids) if grids else 0.0
+
         units: List[Tuple[float, str, object]] = [
-            (standalone_chunk_ms(cost, [lens[s] for s in ids]), "pack", ids) for ids in chunks.standalone
+            (standalone_chunk_ms(cost, [lens[s] for s in ids]) + encoder_ms(ids), "pack", ids)
+            for ids in chunks.standalone
         ]
         for dep in chunks.dependent:
             n = lens[dep.sample]
-            c = chunk_fits(cost, n, self.keep, cap, size, self.min_chunk_size)
+            # a sample's images and clips are encoded on its rank and held beside its chunks
+            patches = sum(map(grid_patches, vision.get(dep.sample, ())))
+            c = chunk_fits(cost, n, self.keep, cap, size, self.min_chunk_size, patches)
             if c:
                 ms = chunked_sample_cost(cost, dependent_chunk_sizes(n, c), self.keep).compute_ms
+                ms += chunked_vision_ms(cost, vision.get(dep.sample, ()))
                 units.append((ms, "chunked", ChunkedSample(dep.sample, c, self.keep)))
                 continue
             if n <= cap:  # too long for its chunks' K/V state, short enough to run whole
-                units.append((standalone_chunk_ms(cost, [n]), "pack", [dep.sample]))
+                units.append((standalone_chunk_ms(cost, [n]) + encoder_ms([dep.sample]), "pack", [dep.sample]))
                 continue
             g = next((g for g in self._cp_sizes(cl, n)), None)
             if g is None:
+                items = (
+                    f" and its images' and clips' {format_bytes(chunked_vision_bytes(cost, patches))} ({patches} "
+                    f"patches: the tower's activations and the held rows)"
+                    if patches
+                    else ""
+                )
                 raise SampleTooLongError(
                     f"chunkflow: sample {dep.sample} ({n} tokens) fits neither one rank as dependent chunks of "
                     f">= {shortest_allowed_chunk(n, size, self.min_chunk_size)} tokens (its K/V state store of "
-                    f"{format_bytes(state_bytes(cost, n))} is too large beside K={self.keep} chunks' activations; "
+                    f"{format_bytes(state_bytes(cost, n))}{items} is too large beside K={self.keep} chunks' activations; "
                     f"chunkflow trains samples up to {self.max_sample_tokens(cl, cost)} tokens here) nor any CP "
                     f"group of {cl.group_sizes} ranks with {cap} tokens each. Lower keep (cp_chunk_keep) or "
                     f"min_chunk_size, raise cp_max_tokens_per_rank, or drop or shorten it in the data"

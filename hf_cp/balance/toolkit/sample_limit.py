@@ -38,12 +38,19 @@ def shortest_allowed_chunk(length: int, chunk_size: int, min_chunk: int) -> int:
 
 
 def chunk_fits(
-    cost: CostModel, length: int, keep: int, max_tokens_per_rank: int, chunk_size: int, min_chunk: int
+    cost: CostModel,
+    length: int,
+    keep: int,
+    max_tokens_per_rank: int,
+    chunk_size: int,
+    min_chunk: int,
+    patches: int = 0,
 ) -> int:
     """The chunk size at which ChunkFlow runs a sample of `length` tokens as dependent chunks on
     one rank (the largest <= `chunk_size` whose K kept chunks and K/V state store fit the rank's
-    memory), or 0 when that would need chunks shorter than shortest_allowed_chunk."""
-    c = largest_fitting_chunk(cost, length, keep, max_tokens_per_rank, chunk_size)
+    memory, beside what `patches` patches of its images and clips hold: plan/chunks.chunked_vision_bytes),
+    or 0 when that would need chunks shorter than shortest_allowed_chunk."""
+    c = largest_fitting_chunk(cost, length, keep, max_tokens_per_rank, chunk_size, patches)
     return c if c > 0 and c >= shortest_allowed_chunk(length, chunk_size, min_chunk) else 0
 
 
