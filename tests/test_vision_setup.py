@@ -159,7 +159,7 @@ def _one_rank_plan(group: Group) -> StepPlan:
     )
 
 
-def test_masks_and_chunkflow_with_images_are_refused_by_name():
+def test_masks_with_images_are_refused_by_name_and_chunked_images_carry_their_rows():
     model = build_vlm("hf_cp")
     ds = _vision_dataset()
     data = read_token_columns(ds)
@@ -169,9 +169,15 @@ def test_masks_and_chunkflow_with_images_are_refused_by_name():
     masked = PlanCollator(data.fetch, {0: SampleMask.prefix_lm(n, 5)}, data.vision)
     with pytest.raises(ValueError, match="sample 0 has images or clips and a 'prefix_lm' mask"):
         masked.rank_step(plan, 0, n - 1)
+    # ChunkFlow (tests/test_chunkflow_vision.py): the sample's items, all encoded on its rank, its
+    # placeholders' positions and its whole M-RoPE positions travel with its chunks
     chunked = _one_rank_plan(Group(ranks=(0,), chunked={0: [ChunkedSample(0, 8, 1)]}))
-    with pytest.raises(ValueError, match="ChunkFlow's dependent chunks do not carry vision"):
-        PlanCollator(data.fetch, None, data.vision).rank_step(chunked, 0, n - 1)
+    rows = PlanCollator(data.fetch, None, data.vision).rank_step(chunked, 0, n - 1).waves[0].chunked[0]
+    got = data.vision(0)
+    assert rows.vision is not None and rows.vision.encodes and len(rows.chunk_sizes) == -(-n // 8)
+    assert rows.vision.grid_thw.shape[0] == len(got.items)
+    assert rows.vision.token_positions.tolist() == [p for it in got.items for p in it.token_positions]
+    assert rows.vision.rope_positions.tolist() == got.rope_positions.tolist()
 
 
 # ------------------------------------------------------------------ hf_cp attention without a context

@@ -63,6 +63,10 @@ HYBRID_OPTIONS = {"chunkflow": dict(balancer_options=dict(chunk_size=100, keep=1
 MOE_BALANCERS = ("static", "auto", "magi", "usp")
 # a tiny Qwen2.5-VL with random images and a clip (the 400-token sample's, over a CP group of 2)
 VLM_BALANCERS = ("static", "auto", "magi")
+# ... and under chunkflow with 100-token chunks keeping 1: step 1 runs the 400-token sample (an image
+# and a clip) as 4 dependent chunks on rank 0 beside a packed micro-batch with an image on rank 1;
+# step 2 the 150- and 120-token ones (each an image and a clip) as 2 chunks on each rank
+VLM_CHUNKFLOW_OPTIONS = dict(chunk_size=100, keep=1, spread_stragglers=False)
 
 # the deliberately broken trainers run this balancer (CP groups and local samples, see above)
 MUTATED_BALANCER = "auto"
@@ -202,6 +206,8 @@ def world2_runs() -> Dict[str, dict]:
     # (AdamW eps as lengths_spec's: parameters compared after AdamW stay well inside 1e-5)
     vlm = dict(model="qwen2_5_vl", adam_epsilon=CHUNKFLOW_ADAM_EPSILON)
     runs.update({f"qwen2_5_vl-{b}": balance_spec(b, **vlm) for b in VLM_BALANCERS})
+    # ChunkFlow's dependent chunks with images and clips (train/step/chunk_vision.py)
+    runs["qwen2_5_vl-chunkflow"] = balance_spec("chunkflow", balancer_options=dict(VLM_CHUNKFLOW_OPTIONS), **vlm)
     # its planned evaluation: the 400- and 260-token eval samples (with a clip) over a CP group of 2
     runs["qwen2_5_vl-eval"] = balance_spec("auto", eval_lengths=EVAL_LENGTHS, eval_steps=1, **vlm)
     runs["mutation-router_local_counts"] = balance_spec(

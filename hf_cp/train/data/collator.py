@@ -114,6 +114,9 @@ class ChunkedRows:
     shift_labels: torch.Tensor  # [T], shifted over the whole sample
     chunk_sizes: List[int]
     keep: int  # K: chunks whose activations are kept; the others are recomputed in backward
+    # vision-language runs: the sample's items (all encoded on its rank), its placeholder tokens'
+    # positions and its M-RoPE positions [3, T] (data/vision_rows.py); None in a text-only run
+    vision: Optional[WaveVision] = None
 
     @property
     def num_tokens(self) -> int:
@@ -305,11 +308,6 @@ class PlanCollator:
         """A one-rank group of chunked samples: each sample's whole rows and its chunk sizes."""
         chunked = []
         for c in group.chunked[rank]:
-            if self.vision is not None and self.vision(c.sample) is not None:
-                raise ValueError(
-                    f"step {plan.step + 1}, wave {wave}: sample {c.sample} has images or clips; ChunkFlow's dependent "
-                    f"chunks do not carry vision embeddings yet: plan vision data with another balancer"
-                )
             if c.sample in self.masks:
                 raise ValueError(
                     f"step {plan.step + 1}, wave {wave}: sample {c.sample} has a {self.masks[c.sample].kind!r} mask; "
@@ -317,9 +315,14 @@ class PlanCollator:
                 )
             x, y = self.fetch(c.sample)
             ids = torch.as_tensor(np.asarray(x, dtype=np.int64))
-            tgts = torch.as_tensor(sample_targets(x, y, None).shifted)
+            t = sample_targets(x, y, None)
+            tgts = torch.as_tensor(t.shifted)
             sizes = dependent_chunk_sizes(len(x), c.chunk_size)
-            chunked.append(ChunkedRows(c.sample, ids, tgts, sizes, c.keep))
+            vision = None
+            if self.vision is not None:  # its items, encoded on this rank, and its M-RoPE positions
+                alone = Group(ranks=(rank,), local={rank: [c.sample]})
+                vision = wave_vision(alone, 0, {c.sample: len(x)}, self.vision, {c.sample: t.positions}, len(x))
+            chunked.append(ChunkedRows(c.sample, ids, tgts, sizes, c.keep, vision))
         empty = torch.zeros(1, 0, dtype=torch.long)
         ctx = CPContext(group=None, group_ranks=(rank,), member=0, mode=ShardMode.RING_PER_DOC)
         return MicroBatch(

@@ -14,13 +14,20 @@ several chunked samples, standalone micro-batches and gradient accumulation mix 
 caller routes each backward (DeepSpeed's engine.backward with its accumulation boundary, DDP's
 no_sync) through `backward`, told which call is the sample's last.
 
+A vision-language sample (step/chunk_vision.py) runs the same schedule with `inputs`: its
+images and clips are encoded once before the first chunk, each chunk's forward places the
+embedding rows of the placeholder tokens it holds (M-RoPE positions: the sample's, sliced with
+the chunk), and the rows' gradients, gathered over the later chunks' backward passes, go through
+the tower in chunk 0's backward, the sample's last.
+
 The model must use attn_implementation="hf_cp" and run with use_cache=False.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, ContextManager, Dict, List, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,26 +47,59 @@ class SampleChunk:
     input_ids: Tensor
     shift_labels: Tensor  # the target of each token (the sample's next token), -100 for none
     position_ids: Tensor
+    # a vision-language run: the chunk's M-RoPE positions [3, c], cut from the whole sample's
+    rope_positions: Optional[Tensor] = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[-1])
 
+    @property
+    def model_positions(self) -> Tensor:
+        """The position_ids the model is given: [1, c], or with M-RoPE [4, 1, c] (the 1-D
+        positions first, then the three M-RoPE rows, as the executor passes them)."""
+        if self.rope_positions is None:
+            return self.position_ids
+        return torch.cat([self.position_ids[None], self.rope_positions[:, None].to(self.position_ids.device)])
 
-def sample_chunks(input_ids: Tensor, shift_labels: Tensor, chunk_sizes: Sequence[int]) -> List[SampleChunk]:
+
+def sample_chunks(
+    input_ids: Tensor, shift_labels: Tensor, chunk_sizes: Sequence[int], rope_positions: Optional[Tensor] = None
+) -> List[SampleChunk]:
     """Cut one sample's rows ([T] or [1, T]; shift_labels already shifted over the whole sample,
-    so a chunk's last token keeps its true target) into chunks of `chunk_sizes` tokens."""
+    so a chunk's last token keeps its true target) into chunks of `chunk_sizes` tokens;
+    `rope_positions` ([3, T], a vision-language sample's M-RoPE positions) are cut with them."""
     ids, tgt = input_ids.reshape(-1), shift_labels.reshape(-1)
     if ids.shape != tgt.shape:
         raise ValueError(f"input_ids has {ids.numel()} tokens but shift_labels {tgt.numel()}")
     if sum(chunk_sizes) != ids.numel() or any(n <= 0 for n in chunk_sizes):
         raise ValueError(f"chunk sizes {list(chunk_sizes)} do not cut a sample of {ids.numel()} tokens")
+    if rope_positions is not None and tuple(rope_positions.shape) != (3, ids.numel()):
+        raise ValueError(
+            f"rope_positions of shape {tuple(rope_positions.shape)} for {ids.numel()} tokens, expected [3, T]"
+        )
     out, s = [], 0
     for n in chunk_sizes:
         pos = torch.arange(s, s + n, device=ids.device)
-        out.append(SampleChunk(ids[s : s + n][None], tgt[s : s + n][None], pos[None]))
+        rope = rope_positions[:, s : s + n] if rope_positions is not None else None
+        out.append(SampleChunk(ids[s : s + n][None], tgt[s : s + n][None], pos[None], rope))
         s += n
     return out
+
+
+class ChunkInputs(Protocol):
+    """What a sample's chunks take besides their tokens (step/chunk_vision.ChunkVision: the
+    embedding rows of its images and clips), as run_chunked_sample drives it."""
+
+    def forward(self, i: int, graph: bool) -> ContextManager:
+        """Entered around each forward of chunk i (`graph`: one whose backward follows)."""
+
+    def backward_term(self, i: int) -> Optional[Tensor]:
+        """A term added to chunk i's scaled loss before its backward (None: nothing), called
+        after every later chunk's backward."""
+
+    def release(self) -> None:
+        """The sample is done (or failed): free what it holds."""
 
 
 # the summed token cross-entropy of one chunk (fp32), computed by running the model on it
@@ -77,7 +117,7 @@ def token_loss(
     def loss(model: torch.nn.Module, chunk: SampleChunk) -> Tensor:
         targets = chunk.shift_labels.reshape(-1)
         if head is None:
-            out = model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False)
+            out = model(input_ids=chunk.input_ids, position_ids=chunk.model_positions, use_cache=False)
             return F.cross_entropy(out.logits[0].float(), targets, ignore_index=ignore_index, reduction="sum")
 
         def summed(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -86,7 +126,7 @@ def token_loss(
             )
 
         with lm_head_computing(head, summed):
-            return model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False).logits
+            return model(input_ids=chunk.input_ids, position_ids=chunk.model_positions, use_cache=False).logits
 
     return loss
 
@@ -101,9 +141,9 @@ def _state_forward(model: torch.nn.Module, chunk: SampleChunk) -> None:
     with torch.no_grad():
         if isinstance(head, torch.nn.Module):
             with lm_head_bypassed(head, []):
-                model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False)
+                model(input_ids=chunk.input_ids, position_ids=chunk.model_positions, use_cache=False)
         else:
-            model(input_ids=chunk.input_ids, position_ids=chunk.position_ids, use_cache=False)
+            model(input_ids=chunk.input_ids, position_ids=chunk.model_positions, use_cache=False)
 
 
 def _rng_devices(chunk: SampleChunk) -> List[int]:
@@ -132,6 +172,7 @@ def run_chunked_sample(
     last: bool = True,
     stats: Optional[ChunkRunStats] = None,
     on_pass: Optional[Callable[[str], None]] = None,
+    inputs: Optional[ChunkInputs] = None,
 ) -> Tensor:
     """Forward and backward of one sample cut into `chunks`, by the state-aware schedule.
 
@@ -148,6 +189,9 @@ def run_chunked_sample(
         on_pass: called with "f", "F" or "B" (plan/passes.py) before each forward without a graph,
             forward with one, and backward, outside the chunk's context: the executor runs other
             ranks' passes there as dummies when parameters are sharded.
+        inputs: what the chunks take besides their tokens (ChunkInputs: a vision-language
+            sample's embedding rows), entered around each chunk's forward; its backward_term is
+            added to each chunk's scaled loss; released when the sample ends.
 
     Returns:
         The sample's summed token loss (unscaled, detached). Gradients are in the parameters' .grad.
@@ -173,6 +217,7 @@ def run_chunked_sample(
     loss_fn = loss_fn or token_loss()
     backward = backward or _plain_backward
     on_pass = on_pass or _no_pass_hook
+    feed = inputs.forward if inputs is not None else _no_inputs
     n = len(chunks)
     first_kept = max(0, n - keep)
     store = ChunkStateStore([ch.num_tokens for ch in chunks])
@@ -189,9 +234,11 @@ def run_chunked_sample(
                 if i < first_kept:
                     devices = _rng_devices(ch)  # a recompute sees the same random numbers (dropout)
                     rng[i] = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices], devices)
-                    _state_forward(model, ch)
+                    with feed(i, False):
+                        _state_forward(model, ch)
                 else:
-                    kept[i] = loss_fn(model, ch)
+                    with feed(i, True):
+                        kept[i] = loss_fn(model, ch)
         # 2. backward the kept chunks, last first; 3. recompute and backward the others, last first
         for i in reversed(range(n)):
             if i >= first_kept:
@@ -204,19 +251,24 @@ def run_chunked_sample(
                         torch.set_rng_state(cpu_state)
                         for d, st in zip(devices, cuda_states):
                             torch.cuda.set_rng_state(st, d)
-                        loss = loss_fn(model, chunks[i])
+                        with feed(i, True):
+                            loss = loss_fn(model, chunks[i])
                 stats.recomputed += 1
             on_pass(BACKWARD)
             with chunk_context(ChunkContext(store, i)):
-                backward(loss * loss_scale, last and i == 0)
+                scaled = loss * loss_scale
+                extra = inputs.backward_term(i) if inputs is not None else None
+                backward(scaled if extra is None else scaled + extra.to(scaled.dtype), last and i == 0)
                 stats.backwards += 1
             total += loss.detach().to(device="cpu", dtype=torch.float64)
-            del loss
+            del loss, scaled, extra
     finally:
         kept.clear()
         stats.store_peak_bytes = store.peak_bytes
         store.release()
         stats.store_bytes_after = store.nbytes
+        if inputs is not None:
+            inputs.release()
     return total
 
 
@@ -224,21 +276,31 @@ def _no_pass_hook(kind: str) -> None:
     return None
 
 
+def _no_inputs(i: int, graph: bool) -> ContextManager:
+    return contextlib.nullcontext()
+
+
 def evaluate_chunked_sample(
-    model: torch.nn.Module, chunks: Sequence[SampleChunk], loss_fn: Optional[TokenLoss] = None
+    model: torch.nn.Module,
+    chunks: Sequence[SampleChunk],
+    loss_fn: Optional[TokenLoss] = None,
+    inputs: Optional[ChunkInputs] = None,
 ) -> Tensor:
     """The summed token loss of one sample run forward only as dependent chunks (evaluation:
     each chunk attends the K/V the earlier ones left in the store; nothing is kept for backward).
-    Call under torch.no_grad()."""
+    `inputs` as in run_chunked_sample. Call under torch.no_grad()."""
     if not chunks:
         raise ValueError("a chunked sample needs at least one chunk")
     loss_fn = loss_fn or token_loss()
+    feed = inputs.forward if inputs is not None else _no_inputs
     store = ChunkStateStore([ch.num_tokens for ch in chunks])
     total = torch.zeros((), dtype=torch.float64)
     try:
         for i, ch in enumerate(chunks):
-            with chunk_context(ChunkContext(store, i)):
+            with chunk_context(ChunkContext(store, i)), feed(i, False):
                 total += loss_fn(model, ch).detach().to(device="cpu", dtype=torch.float64)
     finally:
         store.release()
+        if inputs is not None:
+            inputs.release()
     return total

@@ -32,7 +32,7 @@ from hf_cp.attention.context import CPContext, cp_context
 from hf_cp.plan.passes import BACKWARD, FORWARD, PassCursor, most_open_graphs
 from hf_cp.train.data.collator import IGNORE_INDEX, MicroBatch, RankStep
 from hf_cp.train.step.agreement import collective_scope
-from hf_cp.train.step.chunkflow import run_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.chunkflow import run_chunked_sample, token_loss
 from hf_cp.train.step.forward_passes import CHUNKED_OBJECTIVE, ForwardOnlyPasses, sample_rows
 from hf_cp.train.step.groups import CPGroups
 from hf_cp.train.step.loss import (
@@ -339,9 +339,9 @@ class StepExecutor(ForwardOnlyPasses):
             else:
                 final = last and k == len(mb.chunked) - 1
                 backward = lambda loss, is_last, final=final: self.backward(loss, final and is_last)  # noqa: E731
-            chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
+            chunks, inputs = self.chunked_inputs(c)
             total = total + run_chunked_sample(
-                model, chunks, c.keep, scale, loss_fn=loss_fn, backward=backward, on_pass=on_pass
+                model, chunks, c.keep, scale, loss_fn=loss_fn, backward=backward, on_pass=on_pass, inputs=inputs
             )
         return total, total * scale
 

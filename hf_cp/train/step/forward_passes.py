@@ -10,16 +10,17 @@ dummy forward, LM-head paths (wave_loss, wave_token_logps, loss_head) and clock.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from hf_cp.attention.context import cp_context
 from hf_cp.plan.passes import BACKWARD
 from hf_cp.train.data.answer_slots import answer_sums
-from hf_cp.train.data.collator import MicroBatch, RankStep
+from hf_cp.train.data.collator import ChunkedRows, MicroBatch, RankStep
 from hf_cp.train.step.agreement import collective_scope
-from hf_cp.train.step.chunkflow import evaluate_chunked_sample, sample_chunks, token_loss
+from hf_cp.train.step.chunk_vision import ChunkVision
+from hf_cp.train.step.chunkflow import SampleChunk, evaluate_chunked_sample, sample_chunks, token_loss
 from hf_cp.train.step.loss import lm_head_computing
 from hf_cp.train.step.router_balance import RouterCensus, census_of, router_tallies
 from hf_cp.train.step.totals import WaveTotals
@@ -42,6 +43,21 @@ def sample_rows(mb: MicroBatch) -> int:
 class ForwardOnlyPasses:
     """Evaluation, answer log-probs and the router census of a step (see the module's docstring)."""
 
+    def chunked_inputs(self, c: ChunkedRows) -> Tuple[List[SampleChunk], Optional[ChunkVision]]:
+        """A chunked sample's chunks on the device and, in a vision run, its ChunkVision (its items
+        encoded now, once; M-RoPE positions cut with the chunks)."""
+        ids, tgts = c.input_ids.to(self.device), c.shift_labels.to(self.device)
+        if self.vision is None:
+            return sample_chunks(ids, tgts, c.chunk_sizes), None
+        if c.vision is None:
+            raise RuntimeError(
+                f"a vision run's chunked sample {c.sample} carries no vision rows: its collator was built without them"
+            )
+        rope = c.vision.rope_positions.to(self.device)
+        return sample_chunks(ids, tgts, c.chunk_sizes, rope), ChunkVision(
+            self.vision, c.vision, c.chunk_sizes, self.device
+        )
+
     def evaluate(self, model: torch.nn.Module, step: RankStep) -> WaveTotals:
         """Forward only, every wave with work on this rank (call under torch.no_grad())."""
         totals = WaveTotals(loss=torch.zeros((), device=self.device))
@@ -54,8 +70,8 @@ class ForwardOnlyPasses:
             if mb.chunked:  # one rank, no collectives: each sample's chunks in order over the K/V store
                 loss_fn = token_loss(self.loss_head(), self.loss_chunk_tokens)
                 for c in mb.chunked:
-                    chunks = sample_chunks(c.input_ids.to(self.device), c.shift_labels.to(self.device), c.chunk_sizes)
-                    totals.loss_sum += float(evaluate_chunked_sample(model, chunks, loss_fn))
+                    chunks, inputs = self.chunked_inputs(c)
+                    totals.loss_sum += float(evaluate_chunked_sample(model, chunks, loss_fn, inputs))
                 totals.valid += mb.num_valid
                 totals.tokens += mb.num_tokens
                 continue

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -150,6 +150,21 @@ class VisionTower:
         finally:
             self._pending, self._deepstack_rows, self._deepstack_at = None, None, None
 
+    @contextlib.contextmanager
+    def placing_rows(self, make: Callable[[torch.device], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        """Around one forward of the model: its embedding takes the rows `make(device)` gives, called
+        inside the embedding's forward hook: (rows [n, hidden x (1 + DeepStack layers)] as `encode`
+        gives them, their positions in the row, a zero scalar to add: on the tower's graph where the
+        pass must reach every tower parameter). Any tower work `make` does is then recorded after the
+        embedding, as in placing(): autograd's order of gradients, which a bucketed data-parallel
+        reduction (ZeRO-2) relies on being the same on every rank, is the same for every kind of
+        pass. ChunkFlow's dependent chunks (step/chunk_vision.py) place their rows so."""
+        self._pending = make
+        try:
+            yield
+        finally:
+            self._pending, self._deepstack_rows, self._deepstack_at = None, None, None
+
     def _place_rows(self, module, inputs, output):
         pending, self._pending = self._pending, None
         if pending is None:  # a forward outside placing(): not a planned pass
@@ -159,10 +174,14 @@ class VisionTower:
             self._deepstack_rows = [output.new_zeros(0, self.hidden)] * self.deepstack_layers
             self._deepstack_at = torch.zeros(output.shape[:2], dtype=torch.bool, device=output.device)
             return output + zero.to(output.dtype)
-        vision, group, member = pending
-        rows, zero = self.placeholder_rows(vision, group, member, output.device)
+        if callable(pending):  # placing_rows
+            rows, at, zero = pending(output.device)
+            at = at.to(output.device)
+        else:
+            vision, group, member = pending
+            rows, zero = self.placeholder_rows(vision, group, member, output.device)
+            at = vision.token_positions.to(output.device)
         rows = rows.to(output.dtype)
-        at = vision.token_positions.to(output.device)
         if self.deepstack_layers:
             h = self.hidden
             self._deepstack_rows = [rows[:, h * (k + 1) : h * (k + 2)] for k in range(self.deepstack_layers)]
