@@ -49,7 +49,7 @@ from hf_cp.train.objectives.grpo_generation import (
     guarded_reward,
     keep_reference_loadable,
 )
-from hf_cp.train.runtime.checkpoints import resume_point
+from hf_cp.train.runtime.checkpoints import atomic_save, resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
 from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding, sharding_of
 from hf_cp.train.setup.trainer_setup import trainer_planning_setup
@@ -229,6 +229,17 @@ class PlannedRollouts(FSDP2Trainer):
             out = super().train(resume, *args, **kwargs)
             save_run_calibrated_profile(self.args, self.cp_calibrated_profile())
             return out
+
+    def cp_schedule(self) -> dict:
+        """What a checkpoint records of the sample schedule: TRL's sampler makes the batches, so no
+        hf_cp schedule is compared on resume, only the world it was saved on."""
+        return {"world_size": self.cp_world, "sampler": "TRL's (batches made as training goes: not compared)"}
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """TRL's save made atomic as CPTrainer's (runtime/checkpoints.py atomic_save): complete once
+        every rank has written its files and rank 0 has marked it, with the run's calibrated profile;
+        rotation over complete checkpoints only."""
+        atomic_save(self, trial, lambda: super(PlannedRollouts, self)._save_checkpoint(model, trial))
 
     def cp_summary(self) -> List[str]:
         """The end-of-run lines `hf-cp train` and the recipes print: the reward's first and last

@@ -109,13 +109,16 @@ def atomic_save(trainer, trial, trainer_save: Callable[[], None]) -> None:
     The Trainer's rotation (save_total_limit) would count the unmarked checkpoint and could
     delete the last complete one before the mark: it runs here, after the mark, over complete
     checkpoints only. A failed write (a full disk) raises CheckpointSaveError naming the folder,
-    whether space ran out, and the complete checkpoint kept. `trainer`: a CPTrainer."""
+    whether space ran out, and the complete checkpoint kept. `trainer`: a CPTrainer, or a
+    rollout trainer (objectives/rollout.py): cp_schedule, cp_calibrated_profile, cp_runtime, cp_world."""
     args, step = trainer.args, trainer.state.global_step
     run_dir = Path(trainer._get_output_dir(trial=trial))
     folder = run_dir / f"{CHECKPOINT_PREFIX}-{step}"
     save = args.should_save
     if save:
-        trainer._cp_warn(clear_for_save(folder))  # a partial folder of an earlier attempt
+        note = clear_for_save(folder)  # a partial folder of an earlier attempt
+        if note:
+            logger.warning("hf_cp: %s", note)
     trainer.cp_runtime.barrier()  # no rank writes into the folder before it is cleared
     limit = args.save_total_limit
     args.save_total_limit = None  # no rotation inside the Trainer's save (see above)
