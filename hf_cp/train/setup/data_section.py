@@ -339,7 +339,10 @@ def load_datasets(dcfg: dict, source: str, preparation: Optional[DataPreparation
     if field == "bundled":
         ds, origin = _bundled_rows(dcfg["bundled"], limit, source), f"the bundled {dcfg['bundled']}"
     else:
-        ds, origin = read_rows(dcfg[field], field, source, split, subset), f"data.{field} {dcfg[field]}"
+        origin = f"data.{field} {dcfg[field]}"
+        # the main process reads first: a Hub download, or datasets' arrow copy of a file, made once
+        with prep.main_first(f"reading {origin}"):
+            ds = read_rows(dcfg[field], field, source, split, subset)
         ds = ds.select(range(min(limit, len(ds)))) if limit else ds
     if len(ds) == 0:
         raise TrainConfigError(f"{source}: {origin} holds no samples")
@@ -347,7 +350,8 @@ def load_datasets(dcfg: dict, source: str, preparation: Optional[DataPreparation
     if dcfg.get("eval_path") and dcfg.get("eval_split"):
         raise TrainConfigError(f"{source}: data.eval_path and data.eval_split both set; choose one")
     if dcfg.get("eval_path"):
-        evaluation = read_rows(dcfg["eval_path"], "eval_path", source, split, subset)
+        with prep.main_first("reading data.eval_path"):
+            evaluation = read_rows(dcfg["eval_path"], "eval_path", source, split, subset)
         return ds, prep.prepare(evaluation, dcfg, "eval", f"data.eval_path {dcfg['eval_path']}", source)
     if dcfg.get("eval_split"):
         parts = ds.train_test_split(test_size=float(dcfg["eval_split"]), seed=int(dcfg.get("eval_seed", 0)))
