@@ -116,20 +116,12 @@ def run_chunked(family: str, rows, keep: int, patch=None, evaluate: bool = False
     if evaluate:
         with torch.no_grad():
             return executor.evaluate(model, step).loss_sum / valid, None, encoded
-    with patch() if patch is not None else _nothing():
+    with patch if patch is not None else contextlib.nullcontext():
         totals = executor.train(model, step)
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
     # the zero-weighted dummy image of the chunks after the first (4 patches) is not an item
     real = [e for e in encoded if e[0] != tower.merge**2]
     return totals.loss_sum / valid, grads, real
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _worst(grads, ref_grads):
@@ -214,9 +206,6 @@ def _stale_rows():
 class _patched:
     def __init__(self, owner, name, value):
         self.owner, self.name, self.value = owner, name, value
-
-    def __call__(self):
-        return self
 
     def __enter__(self):
         self.old = getattr(self.owner, self.name)
