@@ -6,9 +6,11 @@ weights, run a step through PlanCollator and StepExecutor on one rank: a sample 
 whose placeholders cross chunk boundaries, a sample with a two-frame clip, and a text-only
 sample, each as dependent chunks (K=1: every chunk but the last recomputed; K >= N: none), beside
 a standalone micro-batch with an image. The reference is independent of hf_cp: transformers' own
-forward of the family (its own M-RoPE, its own vision scatter, sdpa) on each sample alone. Each
-item is encoded once (the tower's call counted), and the break tests (a chunk's row gradient
-dropped, a chunk fed another chunk's rows) fail the check.
+forward of the family (its own M-RoPE, its own vision scatter, sdpa) on each sample alone. The
+tower's calls are counted (a chunked sample's items: once without a graph, once with one), and the
+break tests (a chunk's row gradient dropped, a chunk fed another chunk's rows) fail the check.
+Below them: the chunk planner's count of a chunked sample's items, and CPTrainer at world 2 under
+chunkflow (the shared world-2 job).
 """
 
 from __future__ import annotations
