@@ -15,10 +15,11 @@ caller routes each backward (DeepSpeed's engine.backward with its accumulation b
 no_sync) through `backward`, told which call is the sample's last.
 
 A vision-language sample (step/chunk_vision.py) runs the same schedule with `inputs`: its
-images and clips are encoded once before the first chunk, each chunk's forward places the
-embedding rows of the placeholder tokens it holds (M-RoPE positions: the sample's, sliced with
-the chunk), and the rows' gradients, gathered over the later chunks' backward passes, go through
-the tower in chunk 0's backward, the sample's last.
+images and clips are encoded before the first chunk (without a graph), each chunk's forward
+places the embedding rows of the placeholder tokens it holds (M-RoPE positions: the sample's,
+sliced with the chunk), and the rows' gradients, gathered over the later chunks' backward
+passes, go through the tower once, in chunk 0's backward (the sample's last), from the graph its
+forward builds.
 
 The model must use attn_implementation="hf_cp" and run with use_cache=False.
 """
