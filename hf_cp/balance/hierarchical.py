@@ -16,12 +16,22 @@ samples at 0.7 us each): no faster loop fixes that, the work has to be split. He
    merge is a valid StepPlan of the whole world (the caller validates and simulates it as
    any other plan).
 
-Everything is a pure function of the request (lengths, cluster, cost model, seed): every rank
-that plans a host computes the same sub-plan. `plan_hierarchically` times each part (the
-first pass, each block, each host) so that `hf-cp plan --hierarchical` and the benchmark
-report what each host would spend: the first pass plus the blocks it belongs to plus its own
-plan. In training (`cp_balancer: hierarchical`) the planner worker still computes every
-host's sub-plan: the StepPlan the executor and the step agreement read is the whole world's.
+Everything is a pure function of the request (lengths, cluster, cost model, seed), and so is
+the split of the work by host: `plan_host_parts(req, member, host_ranks, h)` is what host h
+computes (the first pass, which every host computes alike; the blocks of hosts it owns,
+block_owners: one host per block, the least loaded of its hosts; its own samples), and
+`merge_host_parts` of every host's parts is `plan_hierarchically`'s plan byte for byte (which
+computes the first pass once and every host's parts, then merges them the same way). Each part
+times itself (`clock`), so that `hf-cp plan --hierarchical` and the benchmark report what each
+host spends: the first pass plus the blocks it owns plus its own plan.
+
+In training over several hosts (`cp_balancer: hierarchical`, plan_own_host true, the default)
+the first rank of each host plans only its host's parts in its planner worker, ahead of
+training; the other ranks of the host plan nothing. When the trainer takes a step, every rank
+exchanges the parts (one all_gather_object over the control group:
+train/runtime/host_parts.py) and merges them (Planner.finish), and the merged plan is fitted,
+validated and simulated as any plan, before the step's plan agreement. plan_own_host false, a
+world of one host, or a step planned flat: every rank plans every step whole, as before.
 """
 
 from __future__ import annotations
@@ -61,6 +71,12 @@ class HierarchicalOptions(BalancerOptions):
         "few samples each pack less evenly than the world does (1.1% behind flat at 3 per rank), and such a "
         "step is cheap to plan flat",
     )
+    plan_own_host: bool = option(
+        True,
+        "in training over several hosts, each rank's planner plans only its host's parts (the first pass, the "
+        "blocks of hosts it owns, its own samples) and the ranks exchange them; false: every rank plans every "
+        "host (the same plan, at the world's planning CPU on every rank)",
+    )
 
     def check(self) -> None:
         if self.member == "hierarchical":
@@ -88,12 +104,14 @@ class HierarchyReport:
     merge_ms: float = 0.0
     host_imbalance: float = 1.0  # the first pass's estimate: busiest host / mean
     spread_samples: int = 0
+    block_owner: List[int] = field(default_factory=list)  # per block: the host that plans it (block_owners)
 
     def host_total_ms(self) -> np.ndarray:
-        """Per host, what it plans itself: the blocks it belongs to, then its own ranks."""
+        """Per host, what it plans itself: the blocks it owns, then its own ranks (the first
+        pass, which every host makes, apart)."""
         out = np.asarray(self.host_ms, dtype=np.float64).copy()
-        for first, k, ms in self.block_ms:
-            out[first : first + k] += ms
+        for (_, _, ms), owner in zip(self.block_ms, self.block_owner or [b[0] for b in self.block_ms]):
+            out[owner] += ms
         return out
 
     def slowest_host(self) -> Tuple[int, float]:
@@ -147,12 +165,124 @@ def sub_request(req: PlanRequest, positions: np.ndarray, cluster: ClusterSpec) -
                    vision=vision, dataset_max_length=dml)  # fmt: skip
 
 
-def merge_plans(
-    req: PlanRequest, parts: Sequence[Tuple[int, int, StepPlan]], host_ranks: int, balancer: str
-) -> StepPlan:
-    """One StepPlan of the whole world from sub-plans, each (first host, hosts, plan) on the
-    ranks of those hosts: a part's waves start after the last wave of an earlier part on any
-    of its hosts (module docstring)."""
+@dataclass
+class PlanPart:
+    """One sub-plan of a hierarchical step: the waves of `hosts` hosts from `first_host` on, on
+    their own ranks (rank 0 is the first host's first rank), as the member planned them. Only
+    what the merge reads: the request's samples, masks and grids are every rank's already."""
+
+    first_host: int
+    hosts: int
+    block: bool  # a block of hosts (spread samples), else one host's own samples
+    waves: List[Wave]
+    notes: List[str]
+    balancer: str  # the member's plan's `balancer` (its winning member under `auto`)
+    ms: float  # CPU ms of `clock` it took
+
+
+@dataclass
+class HostParts:
+    """What one host plans of a hierarchical step (plan_host_parts): the first pass's layout
+    (the same on every host), the blocks of hosts it owns (block_owners) and its own samples.
+    `error`: why it could not plan them (every rank then raises it, naming the host)."""
+
+    step: int
+    host: int
+    hosts: int
+    host_ranks: int
+    blocks: Tuple[Tuple[int, int, int], ...]  # every block of the step: (first host, hosts, owner host)
+    spread_samples: int
+    host_imbalance: float
+    first_pass_ms: float
+    host_ms: float = 0.0  # CPU ms of its own plan (0 without samples)
+    parts: List[PlanPart] = field(default_factory=list)
+    error: Optional[str] = None
+
+    def layout(self) -> tuple:
+        """What every host must agree on (the first pass's outcome)."""
+        return (self.step, self.hosts, self.host_ranks, self.blocks, self.spread_samples, self.host_imbalance)
+
+
+def block_owners(split: HostSplit) -> List[int]:
+    """The host that plans each block of `split.spread` (in its order): of the block's hosts,
+    the one with the fewest samples to plan so far (its own, then the blocks given to it), the
+    lowest on ties. Any host of a block has the request and the first pass; only one needs to
+    plan it, since every rank receives it. The first host of every block would be host 0 for
+    each block that starts there (a 1M-token outlier on 4 hosts and a 300K one on 2 both
+    start at host 0 when the first pass puts them there); the least loaded one is usually a
+    host the block itself keeps busy, which the first pass gave few samples of its own."""
+    load = [len(p) for p in split.host_positions]
+    owners = []
+    for b in split.spread:
+        owner = min(range(b.first_host, b.first_host + b.hosts), key=lambda h: (load[h], h))
+        load[owner] += len(b.positions)
+        owners.append(owner)
+    return owners
+
+
+def _parts_of_host(
+    req: PlanRequest,
+    split: HostSplit,
+    owners: Sequence[int],
+    member: Callable[[PlanRequest], StepPlan],
+    host: int,
+    first_pass_ms: float,
+    clock: Callable[[], float],
+) -> HostParts:
+    """`host`'s parts of the step `split` splits: the blocks it owns, then its own samples."""
+    h_ranks = split.host_ranks
+    out = HostParts(
+        req.step,
+        host,
+        split.hosts,
+        h_ranks,
+        tuple((b.first_host, b.hosts, o) for b, o in zip(split.spread, owners)),
+        sum(len(b.positions) for b in split.spread),
+        split.imbalance(),
+        first_pass_ms,
+    )
+    for block, owner in zip(split.spread, owners):
+        if owner != host:
+            continue
+        t0 = clock()
+        cluster = host_cluster(req.cluster, block.hosts * h_ranks)
+        plan = member(sub_request(req, np.asarray(block.positions, dtype=np.int64), cluster))
+        ms = (clock() - t0) * 1e3
+        out.parts.append(PlanPart(block.first_host, block.hosts, True, plan.waves, plan.notes, plan.balancer, ms))
+    positions = split.host_positions[host]
+    t0 = clock()
+    if len(positions):
+        plan = member(sub_request(req, positions, host_cluster(req.cluster, h_ranks)))
+        out.host_ms = (clock() - t0) * 1e3
+        out.parts.append(PlanPart(host, 1, False, plan.waves, plan.notes, plan.balancer, out.host_ms))
+    else:
+        out.host_ms = (clock() - t0) * 1e3
+    return out
+
+
+def plan_host_parts(
+    req: PlanRequest,
+    member: Callable[[PlanRequest], StepPlan],
+    host_ranks: int,
+    host: int,
+    clock: Callable[[], float] = time.process_time,
+) -> HostParts:
+    """What host `host` plans of `req` (module docstring): the first pass (every host computes
+    it, with the same result), the blocks of hosts it owns (block_owners) and its own samples.
+    merge_host_parts of every host's parts is plan_hierarchically's plan, byte for byte."""
+    t0 = clock()
+    _ = req.length_array  # every host reads the whole step's lengths: counted in the first pass
+    split = split_over_hosts(req, host_ranks)
+    if not 0 <= host < split.hosts:
+        raise ValueError(f"step {req.step}: host {host} is not one of the {split.hosts} hosts")
+    first_pass_ms = (clock() - t0) * 1e3
+    return _parts_of_host(req, split, block_owners(split), member, host, first_pass_ms, clock)
+
+
+def merge_plans(req: PlanRequest, parts: Sequence[Tuple[int, int, Any]], host_ranks: int, balancer: str) -> StepPlan:
+    """One StepPlan of the whole world from sub-plans, each (first host, hosts, plan: a
+    StepPlan or a PlanPart, read for its waves and notes) on the ranks of those hosts: a part's
+    waves start after the last wave of an earlier part on any of its hosts (module docstring)."""
     merged = req.empty_plan(balancer)
     waves: List[Wave] = merged.waves
     notes: List[str] = []
@@ -170,6 +300,73 @@ def merge_plans(
     return merged
 
 
+class HostPartsError(ValueError):
+    """The hosts' parts of a step do not make one plan (a host failed, or hosts disagree)."""
+
+
+def merge_host_parts(
+    req: PlanRequest,
+    every_host: Sequence[HostParts],
+    name: str = "hierarchical",
+    clock: Callable[[], float] = time.process_time,
+) -> Tuple[StepPlan, HierarchyReport, List[str]]:
+    """The whole world's plan from every host's parts (one HostParts per host, any order), its
+    report and each part's winning balancer, as plan_hierarchically returns them. Raises
+    HostPartsError naming the step and the host when a host failed, a host is missing, or the
+    hosts disagree about the first pass."""
+    t0 = clock()
+    step = req.step
+    by_host: Dict[int, HostParts] = {}
+    for hp in every_host:
+        if hp.error is not None:
+            raise HostPartsError(f"step {step}: host {hp.host} could not plan its parts: {hp.error}")
+        if hp.host in by_host:
+            raise HostPartsError(f"step {step}: host {hp.host}'s parts came twice")
+        by_host[hp.host] = hp
+    if not by_host:
+        raise HostPartsError(f"step {step}: no host's parts to merge")
+    first = by_host[min(by_host)]
+    missing = sorted(set(range(first.hosts)) - set(by_host))
+    if missing or len(by_host) != first.hosts:
+        raise HostPartsError(
+            f"step {step}: the parts of hosts {missing or sorted(by_host)} of {first.hosts} are missing"
+        )
+    for hp in by_host.values():
+        if hp.layout() != first.layout():
+            raise HostPartsError(
+                f"step {step}: host {hp.host} split the step otherwise than host {first.host} (step, hosts, host "
+                f"ranks, blocks, spread samples, imbalance {hp.layout()} != {first.layout()}): every rank must plan "
+                "from the same lengths, cluster, cost model and seed"
+            )
+    hosts = [by_host[h] for h in range(first.hosts)]
+    blocks = {(p.first_host, p.hosts): p for hp in hosts for p in hp.parts if p.block}
+    owned = {(f, k): o for f, k, o in first.blocks}
+    if set(blocks) != set(owned):
+        lost = sorted(set(owned) - set(blocks))
+        raise HostPartsError(
+            f"step {step}: blocks of hosts {lost} came from no host (owners {[owned[b] for b in lost]})"
+            if lost
+            else f"step {step}: blocks {sorted(set(blocks) - set(owned))} are not the first pass's"
+        )
+    own = [p for hp in hosts for p in hp.parts if not p.block]
+    if any(p.first_host != hp.host for hp in hosts for p in hp.parts if not p.block):
+        raise HostPartsError(f"step {step}: a host sent another host's own plan")
+    parts = [blocks[f, k] for f, k, _ in first.blocks] + own  # (the first pass's blocks are sorted)
+    report = HierarchyReport(
+        first.hosts,
+        first.host_ranks,
+        max(hp.first_pass_ms for hp in hosts),
+        block_ms=[(f, k, blocks[f, k].ms) for f, k, _ in first.blocks],
+        host_ms=[hp.host_ms for hp in hosts],
+        host_imbalance=first.host_imbalance,
+        spread_samples=first.spread_samples,
+        block_owner=[o for _, _, o in first.blocks],
+    )
+    merged = merge_plans(req, [(p.first_host, p.hosts, p) for p in parts], first.host_ranks, name)
+    report.merge_ms = (clock() - t0) * 1e3
+    return merged, report, [p.balancer for p in parts]
+
+
 def plan_hierarchically(
     req: PlanRequest,
     member: Callable[[PlanRequest], StepPlan],
@@ -179,34 +376,15 @@ def plan_hierarchically(
 ) -> Tuple[StepPlan, HierarchyReport, List[str]]:
     """The merged plan of `req` planned host by host with `member` (module docstring), the
     report of what each part cost (`clock`: seconds of CPU), and each part's winning balancer
-    (its plan's `balancer` field)."""
+    (its plan's `balancer` field): every host's parts (plan_host_parts, the first pass made
+    once) merged by merge_host_parts, as the trainer merges the parts its hosts exchange."""
     t0 = clock()
     _ = req.length_array  # every host reads the whole step's lengths: counted in the first pass
     split: HostSplit = split_over_hosts(req, host_ranks)
-    report = HierarchyReport(split.hosts, host_ranks, 0.0, host_imbalance=split.imbalance())
-    report.first_pass_ms = (clock() - t0) * 1e3
-    report.spread_samples = sum(len(b.positions) for b in split.spread)
-    parts = []
-    winners = []
-    for block in split.spread:
-        t0 = clock()
-        cluster = host_cluster(req.cluster, block.hosts * host_ranks)
-        plan = member(sub_request(req, np.asarray(block.positions, dtype=np.int64), cluster))
-        report.block_ms.append((block.first_host, block.hosts, (clock() - t0) * 1e3))
-        parts.append((block.first_host, block.hosts, plan))
-        winners.append(plan.balancer)
-    one_host = host_cluster(req.cluster, host_ranks)
-    for h, positions in enumerate(split.host_positions):
-        t0 = clock()
-        if len(positions):
-            plan = member(sub_request(req, positions, one_host))
-            parts.append((h, 1, plan))
-            winners.append(plan.balancer)
-        report.host_ms.append((clock() - t0) * 1e3)
-    t0 = clock()
-    merged = merge_plans(req, parts, host_ranks, name)
-    report.merge_ms = (clock() - t0) * 1e3
-    return merged, report, winners
+    first_pass_ms = (clock() - t0) * 1e3
+    owners = block_owners(split)
+    every_host = [_parts_of_host(req, split, owners, member, h, first_pass_ms, clock) for h in range(split.hosts)]
+    return merge_host_parts(req, every_host, name, clock)
 
 
 @register_balancer("hierarchical")
@@ -245,22 +423,43 @@ class HierarchicalBalancer:
             )
         return min(h, cluster.world_size)
 
-    def plan(self, req: PlanRequest) -> StepPlan:
+    def hosts_of(self, req: PlanRequest) -> Optional[int]:
+        """The ranks of one host when `req` is planned host by host, else None (a world of one
+        host, or a step of few samples per rank: planned flat by the member)."""
         h = self.host_ranks_for(req.cluster)
         if (
             h >= req.cluster.world_size
             or len(req.sample_ids) < self.options.min_samples_per_rank * req.cluster.world_size
         ):
+            return None
+        return h
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        h = self.hosts_of(req)
+        if h is None:
             self.last_report = None
             plan = self.member.plan(req)
             plan.balancer = f"{self.name}:{plan.balancer}"
             return plan
-        plan, self.last_report, winners = plan_hierarchically(req, self.member.plan, h, self.name)
+        return self._named(*plan_hierarchically(req, self.member.plan, h, self.name))
+
+    def plan_host_parts(self, req: PlanRequest, host: int) -> Optional[HostParts]:
+        """Host `host`'s parts of `req` (plan_host_parts), or None when `req` is planned flat
+        (hosts_of): then every rank plans it whole with `plan`."""
+        h = self.hosts_of(req)
+        return None if h is None else plan_host_parts(req, self.member.plan, h, host)
+
+    def merge_host_parts(self, req: PlanRequest, every_host: Sequence[HostParts]) -> StepPlan:
+        """The plan `plan` makes of `req`, byte for byte, from every host's plan_host_parts."""
+        return self._named(*merge_host_parts(req, every_host, self.name))
+
+    def _named(self, plan: StepPlan, report: HierarchyReport, winners: List[str]) -> StepPlan:
+        self.last_report = report
         counts: Dict[str, int] = {}
         for w in winners:
             counts[w] = counts.get(w, 0) + 1
         plan.balancer = f"{self.name}:" + ",".join(sorted(counts, key=lambda w: (-counts[w], w)))
-        plan.notes.append(self.last_report.layout())
+        plan.notes.append(report.layout())
         return plan
 
     def max_sample_tokens(self, cluster, cost, masked: bool = False) -> int:

@@ -1,0 +1,137 @@
+"""Each host plans only its own parts of a hierarchical step (issue 39): the first pass, the
+blocks of hosts it owns and its own samples; the ranks exchange the parts and every rank
+merges them into the plan plan_hierarchically makes, byte for byte."""
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_hierarchical import full_step
+
+from hf_cp.balance import BalancerOptionError, PlanRequest, get_balancer
+from hf_cp.balance.hierarchical import (
+    HostPartsError,
+    block_owners,
+    merge_host_parts,
+    plan_hierarchically,
+    plan_host_parts,
+)
+from hf_cp.balance.toolkit.host_split import split_over_hosts
+from hf_cp.cost.model import CostModel
+from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning.setup import PlanningSettings, planning_setup
+from hf_cp.planning.worker import Planner
+from hf_cp.samples.lengths import read_lengths
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
+
+TRACES = Path(__file__).resolve().parent.parent / "benchmarks" / "traces"
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+
+
+def spread_step(cost, world: int, host_ranks: int, longs, n: int = 300, seed: int = 2) -> PlanRequest:
+    """Short samples and `longs` over what a host of `host_ranks` x 1024 tokens holds."""
+    rng = np.random.default_rng(seed)
+    lengths = list(longs) + rng.integers(50, 1000, n).tolist()
+    return PlanRequest(range(len(lengths)), lengths, ClusterSpec(world, 1024, host_ranks), cost, seed=seed)
+
+
+def every_host(req: PlanRequest, member, host_ranks: int):
+    return [plan_host_parts(req, member, host_ranks, h) for h in range(req.cluster.world_size // host_ranks)]
+
+
+REQUESTS = {
+    "world 16, 4 hosts, 2 spread samples": lambda cost: (spread_step(cost, 16, 4, [9000, 7000]), 4),
+    "world 16, 4 hosts, chat: none spread": lambda cost: (full_step(TRACES, "chat_lmsys_chat1m_191conv", 16, cost), 4),
+    "world 64, 8 hosts, 1 spread over 4": lambda cost: (spread_step(cost, 64, 8, [20000], 400, 3), 8),
+    "world 128, 8 hosts of 16, code": lambda cost: (full_step(TRACES, "code_numpy_files", 128, cost, seed=4), 16),
+    "world 512, 64 hosts, long documents": lambda cost: (full_step(TRACES, "longdoc_leval_multiturn", 512, cost), 8),
+}
+
+
+@pytest.mark.parametrize("case", list(REQUESTS))
+def test_merging_every_hosts_parts_gives_the_flat_plan_byte_for_byte(case, cost):
+    req, host_ranks = REQUESTS[case](cost)
+    auto = get_balancer("auto", exhaustive_below=0)
+    flat, report, winners = plan_hierarchically(req, auto.plan, host_ranks)
+    parts = every_host(req, auto.plan, host_ranks)
+    random.Random(0).shuffle(parts)  # the exchange's order is not the merge's
+    merged, merged_report, merged_winners = merge_host_parts(req, parts)
+    assert merged.to_json() == flat.to_json()
+    assert merged_winners == winners
+    assert merged_report.layout() == report.layout() and merged_report.block_owner == report.block_owner
+    # the balancer's own plan is the merge of its own parts too
+    balancer = get_balancer("hierarchical", host_ranks=host_ranks, min_samples_per_rank=0)
+    whole = balancer.plan(req)
+    hosts = [balancer.plan_host_parts(req, h) for h in range(req.cluster.world_size // host_ranks)]
+    assert balancer.merge_host_parts(req, hosts).to_json() == whole.to_json()
+    merged.validate(req.cluster, cost)
+
+
+def counting(member):
+    calls = []
+
+    def plan(req):
+        calls.append((req.cluster.world_size, tuple(req.sample_ids)))
+        return member(req)
+
+    return plan, calls
+
+
+def test_a_host_plans_only_its_own_samples_and_the_blocks_it_owns(cost):
+    req = spread_step(cost, 16, 2, [9000, 7000, 2500])
+    auto = get_balancer("auto", exhaustive_below=0)
+    split = split_over_hosts(req, 2)
+    owners = block_owners(split)
+    assert len(split.spread) >= 2
+    for h in range(split.hosts):
+        plan, calls = counting(auto.plan)
+        plan_host_parts(req, plan, 2, h)
+        want = [(b.hosts * 2, tuple(b.positions)) for b, o in zip(split.spread, owners) if o == h]
+        if len(split.host_positions[h]):
+            want.append((2, tuple(int(i) for i in split.host_positions[h])))
+        assert calls == want, h
+    # each block is planned by exactly one of its hosts
+    assert all(b.first_host <= o < b.first_host + b.hosts for b, o in zip(split.spread, owners))
+
+
+def test_blocks_starting_at_one_host_are_owned_by_the_least_loaded_of_their_hosts(traces_dir):
+    settings = PlanningSettings(
+        balancer="hierarchical", balancer_options={"host_ranks": 2, "min_samples_per_rank": 0}, compare_balancer=None,
+        profile="h200-qwen2.5-7b", model_dims="qwen2.5-7b", max_tokens_per_rank=8192, tokens_per_rank_per_step=16384,
+    )  # fmt: skip
+    setup = planning_setup(settings, read_lengths(traces_dir / "longdoc_leval_multiturn.txt"), 8)
+    req = Planner.from_setup(setup, lookahead=0).request(setup.sampler[1])
+    split = split_over_hosts(req, 2)
+    assert [(b.first_host, b.hosts) for b in split.spread] == [(0, 2), (0, 4)]
+    assert block_owners(split) == [0, 1]  # not host 0 twice
+
+
+def test_the_merge_refuses_a_missing_a_failed_or_a_disagreeing_host(cost):
+    req = spread_step(cost, 16, 4, [9000, 7000])
+    auto = get_balancer("auto", exhaustive_below=0)
+    parts = every_host(req, auto.plan, 4)
+    with pytest.raises(HostPartsError, match=r"step 0: the parts of hosts \[2\] of 4 are missing"):
+        merge_host_parts(req, parts[:2] + parts[3:])
+    parts[1].error = "MemoryError: boom"
+    with pytest.raises(HostPartsError, match="step 0: host 1 could not plan its parts: MemoryError: boom"):
+        merge_host_parts(req, parts)
+    parts[1].error = None
+    owner = next(hp for hp in parts if any(p.block for p in hp.parts))
+    owner.parts = [p for p in owner.parts if not p.block]
+    with pytest.raises(HostPartsError, match="came from no host"):
+        merge_host_parts(req, parts)
+    other = every_host(spread_step(cost, 16, 4, [9000, 7000], seed=5), auto.plan, 4)
+    with pytest.raises(HostPartsError, match="split the step otherwise than host 0"):
+        merge_host_parts(req, every_host(req, auto.plan, 4)[:3] + other[3:])
+
+
+@pytest.mark.parametrize("value", ["sometimes", 2])
+def test_a_bad_plan_own_host_is_refused_by_name(value):
+    with pytest.raises(BalancerOptionError, match="hierarchical: option plan_own_host"):
+        get_balancer("hierarchical", plan_own_host=value)
