@@ -20,9 +20,12 @@ from hf_cp.balance.hierarchical import (
 from hf_cp.balance.toolkit.host_split import split_over_hosts
 from hf_cp.cost.model import CostModel
 from hf_cp.plan.cluster import ClusterSpec
+from hf_cp.planning.sampler import GlobalBatch
 from hf_cp.planning.setup import PlanningSettings, planning_setup
-from hf_cp.planning.worker import Planner
+from hf_cp.planning.worker import HostPlanned, Planner
 from hf_cp.samples.lengths import read_lengths
+
+from helpers.dist_utils import run_distributed
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning")
 
@@ -135,3 +138,144 @@ def test_the_merge_refuses_a_missing_a_failed_or_a_disagreeing_host(cost):
 def test_a_bad_plan_own_host_is_refused_by_name(value):
     with pytest.raises(BalancerOptionError, match="hierarchical: option plan_own_host"):
         get_balancer("hierarchical", plan_own_host=value)
+
+
+# ------------------------------------------------------------------ the planner
+def longdoc_setup(world: int, host_ranks: int, cap: int = 16384, trace: str = "longdoc_leval_multiturn", **options):
+    """Steps of long documents (up to 57K tokens: some spread over a block of hosts)."""
+    settings = PlanningSettings(
+        balancer="hierarchical", balancer_options={"host_ranks": host_ranks, "min_samples_per_rank": 0, **options},
+        profile="h200-qwen2.5-7b", model_dims="qwen2.5-7b", max_tokens_per_rank=cap, tokens_per_rank_per_step=2 * cap,
+        compare_balancer=None,
+    )  # fmt: skip
+    return planning_setup(settings, read_lengths(TRACES / f"{trace}.txt"), world)
+
+
+def test_planners_of_every_rank_merge_the_flat_plan_from_the_parts_of_the_hosts_first_ranks():
+    world, h = 8, 2
+    setup = longdoc_setup(world, h, cap=8192)
+    flat = Planner.from_setup(setup, lookahead=0)
+    planners = [Planner.from_setup(setup, lookahead=0) for _ in range(world)]
+    inbox = {}
+    for r, p in enumerate(planners):
+        assert p.plan_own_host(r, lambda index, parts: inbox[index])
+    for k in range(3):
+        mine = [p.plan_part(k) for p in planners]
+        assert all(isinstance(m, HostPlanned) for m in mine)
+        assert [m.parts is not None for m in mine] == [r % h == 0 for r in range(world)]
+        inbox[k] = [m.parts for m in mine]
+        want = flat.get(k)
+        for p, m in zip(planners, mine):
+            got = p.finish(k, m)
+            assert got.plan.to_json() == want.plan.to_json()
+            assert got.predicted.makespan_ms == want.predicted.makespan_ms
+    # one host, or plan_own_host off: every rank plans every step whole, as before
+    assert not Planner.from_setup(longdoc_setup(2, 2, trace="chat_lmsys_chat1m_191conv"), lookahead=0).plan_own_host(
+        0, None
+    )
+    assert not Planner.from_setup(longdoc_setup(world, h, plan_own_host=False), lookahead=0).plan_own_host(0, None)
+
+
+# ------------------------------------------------------------------ real gloo worlds
+def _plan_in_a_gloo_world(rank, world, host_ranks, cap, steps, in_subprocess, batches):
+    import torch.distributed as dist
+
+    from hf_cp.train.runtime.host_parts import host_parts_exchange
+
+    setup = longdoc_setup(world, host_ranks, cap)
+    group = dist.new_group(list(range(world)), backend="gloo")
+    out = {"digests": [], "calls": []}
+    # planned ahead (lookahead 2) in a worker process, or on a thread (its member calls counted here)
+    planner = Planner.from_setup(setup, lookahead=2, in_subprocess=in_subprocess)
+    assert planner.plan_own_host(rank, host_parts_exchange(group))
+    member = planner.balancer.member
+    plan, calls = member.plan, []
+    member.plan = lambda req: calls.append((req.step, req.cluster.world_size)) or plan(req)
+    planner.start()
+    for k in range(steps):
+        out["digests"].append(planner.get(k).plan.digest())
+    planner.close()
+    # batches given now (GRPO's path, lookahead 0): a host with no samples still exchanges
+    given = Planner(None, setup.balancer(), setup.cluster, setup.cost, lookahead=0, compare_balancer=None)
+    assert given.plan_own_host(rank, host_parts_exchange(group))
+    given.balancer.member.plan = lambda req, p=given.balancer.member.plan: calls.append(("given",)) or p(req)
+    for k, lengths in enumerate(batches):
+        batch = GlobalBatch(k, 0, k, tuple(range(len(lengths))), tuple(lengths))
+        out["digests"].append(given.plan_now(k, batch=batch).plan.digest())
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.parametrize(
+    "world, host_ranks, cap", [(4, 2, 16384), pytest.param(8, 4, 8192, marks=pytest.mark.slow)]
+)  # (at 8192 tokens a rank, 57K-token documents spread over 8 ranks)
+def test_every_rank_of_a_gloo_world_merges_the_single_process_plan_planning_only_its_host(world, host_ranks, cap):
+    steps = 3
+    # given batches: one sample over both hosts' memory (a block; no host has samples of its own),
+    # one short sample (one host has it, the others nothing)
+    batches = [[cap * host_ranks + 5000], [300]]
+    results = run_distributed(
+        _plan_in_a_gloo_world, world, host_ranks, cap, steps, False, batches, timeout_s=240, daemon=False
+    )
+    assert all(status == "ok" for status, _ in results.values()), results
+    setup = longdoc_setup(world, host_ranks, cap)
+    flat = Planner.from_setup(setup, lookahead=0)
+    want = [flat.get(k).plan.digest() for k in range(steps)]
+    given = Planner(None, setup.balancer(), setup.cluster, setup.cost, lookahead=0, compare_balancer=None)
+    want += [
+        given.plan_now(k, batch=GlobalBatch(k, 0, k, tuple(range(len(b))), tuple(b))).plan.digest()
+        for k, b in enumerate(batches)
+    ]
+    # per host, the member's calls it should make: (step, ranks planned on) for each block it
+    # owns, then for its own samples
+    expected = {h: [] for h in range(world // host_ranks)}
+    for k in range(steps):
+        split = split_over_hosts(flat.request(setup.sampler[k]), host_ranks)
+        for b, owner in zip(split.spread, block_owners(split)):
+            expected[owner].append((k, b.hosts * host_ranks))
+        for h, pos in enumerate(split.host_positions):
+            if len(pos):
+                expected[h].append((k, host_ranks))
+    assert any(size > host_ranks for calls in expected.values() for _, size in calls)  # blocks were planned
+    for rank, (_, got) in sorted(results.items()):
+        assert got["digests"] == want, rank
+        if rank % host_ranks:  # receives its host's parts: plans nothing
+            assert got["calls"] == [], rank
+            continue
+        # (the planner plans `lookahead` steps past the last one asked for: not counted)
+        planned = [tuple(c) for c in got["calls"] if c[0] != "given" and c[0] < steps]
+        assert planned == expected[rank // host_ranks], rank
+
+
+def test_a_gloo_world_planning_ahead_in_worker_processes_merges_the_same_plans():
+    world, host_ranks, steps = 4, 2, 3
+    results = run_distributed(
+        _plan_in_a_gloo_world, world, host_ranks, 16384, steps, True, [], timeout_s=240, daemon=False
+    )
+    assert all(status == "ok" for status, _ in results.values()), results
+    flat = Planner.from_setup(longdoc_setup(world, host_ranks), lookahead=0)
+    want = [flat.get(k).plan.digest() for k in range(steps)]
+    assert all(got["digests"] == want for _, got in results.values())
+
+
+def _exchange_with_a_missing_rank(rank, world):
+    import datetime
+
+    import torch.distributed as dist
+
+    from hf_cp.train.runtime.host_parts import HostPartsExchangeError, host_parts_exchange
+
+    group = dist.new_group(list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        return "skipped"  # never joins step 5's exchange
+    try:
+        host_parts_exchange(group)(4, None)
+    except HostPartsExchangeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failed_exchange_names_the_step():
+    results = run_distributed(_exchange_with_a_missing_rank, 2, timeout_s=120)
+    status, text = results[0]
+    assert status == "ok" and text.startswith("step 5: exchanging the hosts' plan parts"), results

@@ -18,6 +18,12 @@ reads each batch here and hands it, with its samples' masks, to the worker (or t
 request; a map-style sampler's batches are computed where the plan is made, as before. A
 stream's steps before the one asked for are released (the trainer has collated them), and its
 samples are checked against the balancer's limit step by step (there are no lengths up front).
+
+Planned host by host (plan_own_host: `hierarchical` over several hosts), the worker of each
+host's first rank plans only that host's parts of a step (HostPlanned; the other ranks' workers
+plan none), and `get` (or `plan_now`), on the training process, exchanges every host's parts
+with the collective the trainer gives (train/runtime/host_parts.py), merges, validates and
+simulates them (`finish`): every rank gets the same whole-world plan, as if it had planned it.
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from hf_cp.balance.base import PlanRequest, check_mask_support, warm_up_balancer
+from hf_cp.balance.hierarchical import HostParts
 from hf_cp.balance.registry import get_balancer
-from hf_cp.balance.toolkit.sample_limit import check_sample_lengths, sample_token_limit
+from hf_cp.balance.toolkit.sample_limit import check_request_lengths, check_sample_lengths, sample_token_limit
+from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import SimResult
 from hf_cp.plan.cluster import ClusterSpec
@@ -58,6 +66,27 @@ class PlannedStep:
     compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
     cost_version: int = 0  # the cost model it was planned with: 0 the setup's, k the k-th set_cost
     planner_cpu_ms: float = 0.0  # the planning process's CPU time over the balancer's plan()
+
+
+@dataclass
+class HostPlanned:
+    """A step planned host by host, before the exchange (Planner.plan_own_host): what this
+    rank's host planned (None on a rank that only receives its host's parts), and what
+    Planner.finish needs to merge every host's parts into the step's plan."""
+
+    batch: GlobalBatch
+    masks: Optional[Mapping[int, SampleMask]]  # as given with the batch (a stream's); None: the planner's
+    parts: Optional[HostParts]
+    planner_ms: float
+    planner_cpu_ms: float
+    compare: Optional[SimResult]
+    cost_version: int
+    cost: Optional[CostModel] = None  # the model it was planned with, in this process (not sent back by a worker)
+
+
+# (step index, this rank's host's parts or None) -> every rank's, in rank order: a collective
+# of every rank, issued where the step's plan is taken (StepRuntime gives it; planning stays torch-free)
+PartsExchange = Callable[[int, Optional[HostParts]], List[Optional[HostParts]]]
 
 
 _FORKED_PLANNER: Optional[Planner] = None  # in a planner worker process: the Planner it serves
@@ -101,7 +130,10 @@ def _plan_in_worker(index: int, version: int = 0, profile=None, batch=None, mask
     # so does a stream's batch (read after the fork)
     planner = _FORKED_PLANNER
     cost = planner._cost_of_version(version, profile)
-    return planner.plan_now(index, cost=cost, version=version, batch=batch, masks=masks)
+    planned = planner.plan_part(index, cost=cost, version=version, batch=batch, masks=masks)
+    if isinstance(planned, HostPlanned):
+        planned.cost = None  # the training process has it: only the parts travel
+    return planned
 
 
 class Planner:
@@ -180,6 +212,10 @@ class Planner:
         self.in_subprocess = False
         self.worker_restarts = 0
         self._started: Optional[Future] = None  # Planner.start's task
+        # plan_own_host: this rank's host, whether this rank plans its parts, and the exchange
+        self.host: Optional[int] = None
+        self.plans_host = False
+        self._exchange: Optional[PartsExchange] = None
         if workers < 1:
             raise ValueError(f"planner workers must be >= 1, got {workers}")
         # steps are planned independently: up to `workers` of the `lookahead` steps at once
@@ -280,6 +316,30 @@ class Planner:
             vision=vision,
         )
 
+    def plan_own_host(self, rank: int, exchange: PartsExchange) -> bool:
+        """Plan only this rank's host's parts of each step a hierarchical balancer plans host by
+        host (its option plan_own_host, on a world of several hosts): the first rank of each
+        host plans them (the first pass, the blocks of hosts it owns, its own samples: the
+        balancer's plan_host_parts), the other ranks of the host plan nothing, and `exchange`
+        (a collective of every rank, called where the step's plan is taken) brings every
+        host's parts, which finish merges. Call it on every rank before `start`, since a forked
+        worker keeps what it was forked with. Returns whether it applies (otherwise every rank
+        plans every step whole, as before)."""
+        b = self.balancer
+        if not callable(getattr(b, "plan_host_parts", None)) or not getattr(b.options, "plan_own_host", False):
+            return False
+        h = b.host_ranks_for(self.cluster)
+        if h >= self.cluster.world_size:
+            return False
+        if not 0 <= rank < self.cluster.world_size:
+            raise ValueError(f"plan_own_host: rank {rank} is not one of the {self.cluster.world_size} ranks")
+        if self._started is not None or self._futures:
+            raise RuntimeError(
+                "plan_own_host must be called before the planner starts (a forked worker keeps its state)"
+            )
+        self.host, self.plans_host, self._exchange = rank // h, rank % h == 0, exchange
+        return True
+
     def plan_now(
         self,
         index: int,
@@ -293,7 +353,23 @@ class Planner:
         """Plan, validate and simulate global step `index` on the calling thread, with `cost`
         (default: the model set for that step). `batch` (and its `masks`): a stream's step as
         read on the training process, or the step of a planner without a sampler (default: the
-        sampler's). `label` names a sample, and `where` prefixes the error, of one too long to train."""
+        sampler's). `label` names a sample, and `where` prefixes the error, of one too long to
+        train. Planned host by host (plan_own_host), it exchanges the hosts' parts here."""
+        return self.finish(index, self.plan_part(index, cost, version, batch, masks, label, where))
+
+    def plan_part(
+        self,
+        index: int,
+        cost: Optional[CostModel] = None,
+        version: Optional[int] = None,
+        batch: Optional[GlobalBatch] = None,
+        masks: Optional[Mapping[int, SampleMask]] = None,
+        label: Optional[Callable[[int], str]] = None,
+        where: str = "",
+    ):
+        """What the planner worker computes of step `index` (plan_now's arguments): the planned
+        step, or, planned host by host (plan_own_host), this rank's host's parts (HostPlanned),
+        which `finish` completes on the training process."""
         if cost is None:
             version, cost = self.cost_for(index)
         if batch is None and self.given_batches:
@@ -316,16 +392,61 @@ class Planner:
             )
         req = self.request(batch, cost, masks)
         check_mask_support(self.balancer, req, self.balancer_name)
-        planned = plan_and_predict(self.balancer, req)
+        host_by_host = self._exchange is not None and self.balancer.hosts_of(req) is not None
+        if host_by_host:
+            check_request_lengths(self.balancer, req)
+            t0, c0 = time.perf_counter(), time.process_time()
+            parts = self._plan_host_parts(req) if self.plans_host else None
+            planner_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        else:
+            planned = plan_and_predict(self.balancer, req)
         compare = None
         if self.compare is not None and max(batch.lengths) <= self.compare_limit:
             check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
             if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
                 req = replace(req, dataset_max_length=self.compare_limit)
             compare = predict(fitted_plan(self.compare, req), req)
+        if host_by_host:
+            return HostPlanned(batch, masks, parts, planner_ms, cpu_ms, compare, version or 0, cost)
         return PlannedStep(
             batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0, planned.planner_cpu_ms
         )
+
+    def _plan_host_parts(self, req: PlanRequest) -> HostParts:
+        """This host's parts of `req`; a failure travels in them (HostParts.error), so that every
+        rank raises it, naming the host, instead of waiting in the exchange for parts that never come."""
+        try:
+            return self.balancer.plan_host_parts(req, self.host)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by finish (merge_host_parts)
+            return HostParts(req.step, self.host, 0, 0, (), 0, 0.0, 0.0, error=f"{type(e).__name__}: {e}")
+
+    def finish(self, index: int, planned) -> PlannedStep:
+        """The planned step from what plan_part gave: as it is, or, planned host by host, every
+        host's parts exchanged (a collective of every rank), merged, fitted to the vision
+        memory, validated and simulated as any plan is (plan_and_predict)."""
+        if not isinstance(planned, HostPlanned):
+            return planned
+        every_rank = self._exchange(index, planned.parts)
+        cost = planned.cost if planned.cost is not None else self._cost_by_version(planned.cost_version)
+        req = self.request(planned.batch, cost, planned.masks)
+        t0, c0 = time.perf_counter(), time.process_time()
+        plan = fit_vision_memory(self.balancer.merge_host_parts(req, [p for p in every_rank if p is not None]), req)
+        planner_ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
+        return PlannedStep(
+            planned.batch,
+            plan,
+            predict(plan, req),
+            planned.planner_ms + planner_ms,
+            planned.compare,
+            planned.cost_version,
+            planned.planner_cpu_ms + cpu_ms,
+        )
+
+    def _cost_by_version(self, version: int) -> CostModel:
+        for _, v, cost in self._costs:
+            if v == version:
+                return cost
+        return self._version_costs[version]
 
     @classmethod
     def from_setup(cls, setup: PlanningSetup, balancer=None, **kwargs) -> Planner:
@@ -370,7 +491,7 @@ class Planner:
                         self._futures[k] = (
                             self._pool.submit(_plan_in_worker, k, version, cost.profile if version else None, *read)
                             if self.in_subprocess
-                            else self._pool.submit(self.plan_now, k, cost, version, *read)
+                            else self._pool.submit(self.plan_part, k, cost, version, *read)
                         )
                         self._reads[k] = read
                 fut = self._futures.pop(index)
@@ -378,13 +499,12 @@ class Planner:
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
                     self._futures.pop(k).cancel()
                     self._reads.pop(k, None)
-            if not self.in_subprocess:
-                return fut.result()
-            return fut.result(timeout=self.PLAN_TIMEOUT_S)
+            planned = fut.result() if not self.in_subprocess else fut.result(timeout=self.PLAN_TIMEOUT_S)
         except BrokenProcessPool as err:
             return self._replace_dead_worker(index, err)
         except FutureTimeout:
             return self._plan_past_a_hung_worker(index, read)
+        return self.finish(index, planned)
 
     def _plan_past_a_hung_worker(self, index: int, read: tuple) -> PlannedStep:
         """The worker process gave no plan within PLAN_TIMEOUT_S: kill it, plan `index` here and

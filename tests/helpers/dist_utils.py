@@ -38,13 +38,16 @@ def _entry(rank, world, port, fn, args, queue, timeout_s):
                 pass
 
 
-def run_distributed(fn, world: int, *args, timeout_s: float = 120, collective_timeout_s: float = 60):
-    """Returns {rank: ("ok", result) | ("error", text)}; raises TimeoutError if ranks hang."""
+def run_distributed(
+    fn, world: int, *args, timeout_s: float = 120, collective_timeout_s: float = 60, daemon: bool = True
+):
+    """Returns {rank: ("ok", result) | ("error", text)}; raises TimeoutError if ranks hang.
+    `daemon=False`: ranks that start processes of their own (a planner worker, a solver's)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, collective_timeout_s), daemon=True)
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, collective_timeout_s), daemon=daemon)
         for r in range(world)
     ]
     for p in procs:

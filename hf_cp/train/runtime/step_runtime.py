@@ -27,6 +27,7 @@ from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.setup import SetupError, check_step_attention
 from hf_cp.train.data.collator import PlanCollator, RankStep
 from hf_cp.train.measure.console import quiet_console
+from hf_cp.train.runtime.host_parts import host_parts_exchange
 from hf_cp.train.setup.sharding import ZERO3, ZERO3_OPEN_GRAPHS, sharding_of
 from hf_cp.train.step.agreement import PlanAgreement, assert_data_agrees
 from hf_cp.train.step.executor import StepExecutor
@@ -101,6 +102,10 @@ class StepRuntime:
                     workers=args.cp_plan_workers,
                     masks=masks,
                 )
+            if self.world > 1 and self.groups.control is not None:
+                # hierarchical planning over several hosts: each host plans its own parts, the
+                # ranks exchange them when a step is taken (host_parts.py)
+                self.planner.plan_own_host(self.rank, host_parts_exchange(self.groups.control))
         if self.executor is None:
             self.executor = StepExecutor(
                 model,
