@@ -279,3 +279,34 @@ def test_a_failed_exchange_names_the_step():
     results = run_distributed(_exchange_with_a_missing_rank, 2, timeout_s=120)
     status, text = results[0]
     assert status == "ok" and text.startswith("step 5: exchanging the hosts' plan parts"), results
+
+
+# ------------------------------------------------------------------ CPTrainer at world 4
+# 2 hosts of 2 ranks x 256 tokens: the 700-token sample spreads over a block of both hosts (a
+# CP group of 4), each host plans its own short samples; at 900 tokens a step, unshuffled,
+# step 1 is [0..3] and step 2 [4..13] (a step whose hosts only plan their own samples)
+TRAINER_LENGTHS = [700, 60, 30, 90, 120, 100, 150, 90, 60, 70, 40, 110, 33, 20]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_world_4_cptrainer_run_planning_each_host_trains_as_every_rank_planning_everything(tmp_path):
+    import json
+
+    from helpers.harness.check import check_run
+    from helpers.harness.job import run_distributed as run_job
+
+    def spec(own: bool) -> dict:
+        return dict(
+            lengths=TRAINER_LENGTHS, tokens_per_step=900, max_tokens_per_rank=256, steps=2, balancer="hierarchical",
+            balancer_options=dict(host_ranks=2, min_samples_per_rank=0, plan_own_host=own), ddp_timeout=120,
+            out=str(tmp_path / ("own-host" if own else "every-host")),
+        )  # fmt: skip
+
+    own, every = spec(True), spec(False)
+    run_job({"runs": [own, every]}, 4, timeout=840)
+    history = {s["out"]: json.loads((Path(s["out"]) / "history.json").read_text()) for s in (own, every)}
+    mine, theirs = history[own["out"]], history[every["out"]]
+    assert [r["plan_digest"] for r in mine] == [r["plan_digest"] for r in theirs]
+    assert [r["loss"] for r in mine] == [r["loss"] for r in theirs]
+    check_run(own)  # and both equal single-process training, step by step
