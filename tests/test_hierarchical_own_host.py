@@ -176,6 +176,33 @@ def test_planners_of_every_rank_merge_the_flat_plan_from_the_parts_of_the_hosts_
     assert not Planner.from_setup(longdoc_setup(world, h, plan_own_host=False), lookahead=0).plan_own_host(0, None)
 
 
+def test_the_next_steps_parts_are_exchanged_when_a_step_is_taken_and_again_after_a_new_cost_model():
+    world, h = 8, 2
+    setup = longdoc_setup(world, h, cap=8192)
+    balancer = setup.balancer()
+    exchanged = []
+
+    def exchange(index, parts):  # rank 0 of host 0; the other hosts' first ranks as they would plan
+        exchanged.append(index)
+        req = planner.request(setup.sampler[index], planner.cost_for(index)[1])
+        others = [balancer.plan_host_parts(req, host) for host in range(1, world // h)]
+        return [parts, None] + [x for o in others for x in (o, None)]
+
+    planner = Planner.from_setup(setup, lookahead=2, in_subprocess=False)
+    assert planner.plan_own_host(0, exchange)
+    flat = Planner.from_setup(setup, lookahead=0)
+    assert planner.get(0).plan.to_json() == flat.get(0).plan.to_json()
+    assert exchanged == [0, 1]  # step 1's parts too, merged while step 0 trains
+    planner.set_cost(1, 1, setup.cost)  # (online calibration, alike on every rank): step 1 exchanged again
+    assert planner.get(1).plan.to_json() == flat.get(1).plan.to_json()
+    assert exchanged == [0, 1, 1, 2]
+    assert planner.get(3).plan.to_json() == flat.get(3).plan.to_json()  # (step 2 skipped: resumed)
+    assert exchanged == [0, 1, 1, 2, 3, 4] and planner.merged_ahead == 0
+    assert planner.get(4).plan.to_json() == flat.get(4).plan.to_json()
+    assert exchanged == [0, 1, 1, 2, 3, 4, 5] and planner.merged_ahead == 1
+    planner.close()
+
+
 # ------------------------------------------------------------------ real gloo worlds
 def _plan_in_a_gloo_world(rank, world, host_ranks, cap, steps, in_subprocess, batches):
     import torch.distributed as dist
@@ -194,6 +221,7 @@ def _plan_in_a_gloo_world(rank, world, host_ranks, cap, steps, in_subprocess, ba
     planner.start()
     for k in range(steps):
         out["digests"].append(planner.get(k).plan.digest())
+    out["merged_ahead"] = planner.merged_ahead
     planner.close()
     # batches given now (GRPO's path, lookahead 0): a host with no samples still exchanges
     given = Planner(None, setup.balancer(), setup.cluster, setup.cost, lookahead=0, compare_balancer=None)
@@ -239,6 +267,7 @@ def test_every_rank_of_a_gloo_world_merges_the_single_process_plan_planning_only
     assert any(size > host_ranks for calls in expected.values() for _, size in calls)  # blocks were planned
     for rank, (_, got) in sorted(results.items()):
         assert got["digests"] == want, rank
+        assert got["merged_ahead"] == steps - 1, rank  # merged on the planner's thread while the step before ran
         if rank % host_ranks:  # receives its host's parts: plans nothing
             assert got["calls"] == [], rank
             continue
@@ -256,6 +285,8 @@ def test_a_gloo_world_planning_ahead_in_worker_processes_merges_the_same_plans()
     flat = Planner.from_setup(longdoc_setup(world, host_ranks), lookahead=0)
     want = [flat.get(k).plan.digest() for k in range(steps)]
     assert all(got["digests"] == want for _, got in results.values())
+    # every step after the first: exchanged when the one before was taken, merged by the worker
+    assert all(got["merged_ahead"] == steps - 1 for _, got in results.values())
 
 
 def _exchange_with_a_missing_rank(rank, world):

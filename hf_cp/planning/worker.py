@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -120,6 +120,13 @@ def _adopt_planner(planner: Planner, parent_pid: int) -> None:
     threading.Thread(target=exit_with_parent, name="hf_cp-planner-parent-watch", daemon=True).start()
 
 
+def _done(result) -> Future:
+    """A future that already holds `result`."""
+    fut: Future = Future()
+    fut.set_result(result)
+    return fut
+
+
 def _worker_pid() -> int:
     """A task that only makes the pool start its workers (Planner.start)."""
     return os.getpid()
@@ -134,6 +141,13 @@ def _plan_in_worker(index: int, version: int = 0, profile=None, batch=None, mask
     if isinstance(planned, HostPlanned):
         planned.cost = None  # the training process has it: only the parts travel
     return planned
+
+
+def _merge_in_worker(version: int, profile, planned: HostPlanned, every_rank) -> PlannedStep:
+    # the exchanged parts of a step planned ahead, merged, validated and simulated off the
+    # training process (Planner._prefetch)
+    planner = _FORKED_PLANNER
+    return planner.merge(replace(planned, cost=planner._cost_of_version(version, profile)), every_rank)
 
 
 class Planner:
@@ -216,6 +230,10 @@ class Planner:
         self.host: Optional[int] = None
         self.plans_host = False
         self._exchange: Optional[PartsExchange] = None
+        # steps whose parts every rank has exchanged ahead (_prefetch), and their merges under way
+        self._gathered: Dict[int, Tuple[HostPlanned, list]] = {}
+        self._merging: Dict[int, Future] = {}
+        self.merged_ahead = 0  # steps taken merged by the background (_prefetch), for tests and reports
         if workers < 1:
             raise ValueError(f"planner workers must be >= 1, got {workers}")
         # steps are planned independently: up to `workers` of the `lookahead` steps at once
@@ -290,6 +308,11 @@ class Planner:
             for k in [k for k in self._futures if k >= first_step]:
                 self._futures.pop(k).cancel()
                 self._reads.pop(k, None)
+            for k in [k for k in self._gathered if k >= first_step]:  # exchanged again when taken
+                self._gathered.pop(k)
+                fut = self._merging.pop(k, None)
+                if fut is not None:
+                    fut.cancel()
 
     def _cost_of_version(self, version: int, profile) -> CostModel:
         if version not in self._version_costs:
@@ -426,7 +449,10 @@ class Planner:
         memory, validated and simulated as any plan is (plan_and_predict)."""
         if not isinstance(planned, HostPlanned):
             return planned
-        every_rank = self._exchange(index, planned.parts)
+        return self.merge(planned, self._exchange(index, planned.parts))
+
+    def merge(self, planned: HostPlanned, every_rank) -> PlannedStep:
+        """The planned step from every rank's parts (`finish` after the exchange)."""
         cost = planned.cost if planned.cost is not None else self._cost_by_version(planned.cost_version)
         req = self.request(planned.batch, cost, planned.masks)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -467,17 +493,41 @@ class Planner:
         )
 
     def get(self, index: int) -> PlannedStep:
-        """The planned step `index`; schedules the next `lookahead` steps in the background."""
+        """The planned step `index`; schedules the next `lookahead` steps in the background.
+        Planned host by host (plan_own_host), the next step's parts are exchanged here too, and
+        merged in the background while this step trains (_prefetch)."""
         if not 0 <= index < len(self.sampler):
             raise IndexError(f"step {index}: the run has steps 0..{len(self.sampler) - 1}")
         if self.streaming:  # the trainer has collated every step before this one
             self.sampler.release(index)
         if self._pool is None:
             return self.plan_now(index)
+        planned = self._take(index)
+        self._prefetch(index + 1)
+        return planned
+
+    def _take(self, index: int) -> PlannedStep:
+        with self._lock:
+            for k in [k for k in self._gathered if k < index]:  # skipped (resume): drop
+                self._gathered.pop(k)
+                fut = self._merging.pop(k, None)
+                if fut is not None:
+                    fut.cancel()
+            gathered = self._gathered.pop(index, None)
+            merging = self._merging.pop(index, None)
+        if gathered is not None:  # exchanged when the step before was taken
+            if merging is not None:
+                try:
+                    got = merging.result() if not self.in_subprocess else merging.result(timeout=self.PLAN_TIMEOUT_S)
+                    self.merged_ahead += 1
+                    return got
+                except (BrokenProcessPool, FutureTimeout, CancelledError):
+                    pass  # the worker died or hangs (the next submit finds out): merged here instead
+            return self.merge(*gathered)
         try:  # a dead worker surfaces at submit or at result, whichever comes first
             with self._lock:
                 for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
-                    if k not in self._futures:
+                    if k not in self._futures and k not in self._gathered:
                         version, cost = self.cost_for(k)
                         read = ()  # a stream's batch is read here, on the training process
                         if self.streaming:
@@ -506,6 +556,59 @@ class Planner:
             return self._plan_past_a_hung_worker(index, read)
         return self.finish(index, planned)
 
+    def _prefetch(self, index: int) -> None:
+        """Planned host by host on a worker, step `index`'s parts are exchanged now, when the
+        step before it is taken, and merged, validated and simulated by the worker while that
+        step trains: at 512 ranks validating and simulating the merged plan takes 40-80 ms of
+        CPU, which the training process would otherwise spend before each step. Every rank
+        exchanges the same steps in the same order: this depends only on the steps taken (and
+        on set_cost, called alike on every rank), never on what a worker has finished."""
+        if (
+            self._exchange is None
+            or self.lookahead < 1
+            or self.streaming
+            or index >= len(self.sampler)
+            or index in self._gathered
+        ):
+            return
+        with self._lock:
+            fut = self._futures.pop(index, None)
+            self._reads.pop(index, None)
+        planned = None
+        if fut is not None:
+            try:
+                planned = fut.result() if not self.in_subprocess else fut.result(timeout=self.PLAN_TIMEOUT_S)
+            except (BrokenProcessPool, FutureTimeout, CancelledError):
+                pass  # planned here (the next submit replaces a dead worker)
+            except Exception:  # noqa: BLE001 - a plan that fails (alike on every rank) fails when its step is taken
+                with self._lock:
+                    self._futures[index] = fut
+                return
+        if planned is None:
+            version, cost = self.cost_for(index)
+            planned = self.plan_part(index, cost, version)
+        if not isinstance(planned, HostPlanned):  # planned flat: nothing to exchange
+            with self._lock:
+                self._futures[index] = _done(planned)
+            return
+        every_rank = self._exchange(index, planned.parts)
+        with self._lock:
+            self._gathered[index] = (planned, every_rank)
+            try:
+                self._merging[index] = (
+                    self._pool.submit(
+                        _merge_in_worker,
+                        planned.cost_version,
+                        self._cost_by_version(planned.cost_version).profile if planned.cost_version else None,
+                        replace(planned, cost=None),
+                        every_rank,
+                    )
+                    if self.in_subprocess
+                    else self._pool.submit(self.merge, planned, every_rank)
+                )
+            except (BrokenProcessPool, RuntimeError):
+                pass  # merged when taken
+
     def _plan_past_a_hung_worker(self, index: int, read: tuple) -> PlannedStep:
         """The worker process gave no plan within PLAN_TIMEOUT_S: kill it, plan `index` here and
         plan later steps on a thread (warned once, naming the step)."""
@@ -522,6 +625,7 @@ class Planner:
             pool.shutdown(wait=False, cancel_futures=True)
             self._futures.clear()
             self._reads.clear()
+            self._merging.clear()  # (the exchanged parts are kept: merged when taken)
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_cp-planner")
             self.in_subprocess = False
         version, cost = self.cost_for(index)
@@ -547,8 +651,9 @@ class Planner:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._futures.clear()
             self._reads.clear()
+            self._merging.clear()  # (the exchanged parts are kept: merged when taken)
             self._pool = self._new_worker_pool()
-        return self.get(index)
+        return self._take(index)
 
     def close(self) -> None:
         if self._pool is not None:
