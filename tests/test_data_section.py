@@ -259,7 +259,7 @@ def test_the_shipped_smollm2_config_preprocesses_the_bundled_chat_itself():
     assert os.path.exists(REPO / "hf_cp" / "data" / "chat_sample.jsonl")
 
 
-def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(tmp_path, smol_tokenizer_dir):
+def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(tmp_path, smol_tokenizer_dir, capsys):
     """`hf-cp train --dry-run` writes nothing; `hf-cp train --nproc`'s checks keep what they preprocessed
     for the launch. The model folder holds SmolLM2's tokenizer and a small config (the dry run reads no weights)."""
     import shutil
@@ -285,5 +285,8 @@ def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(
     lines = dry_run(config, world_size=2, steps=2)
     assert any("the bundled chat_sample preprocessed with the run's tokenizer" in line for line in lines)
     assert any("dropped 3" in line for line in lines) and not (out / CACHE_FOLDER).exists()
-    dry_run(config, world_size=2, steps=1, keep_preprocessed=True)
+    capsys.readouterr()
+    kept = dry_run(config, world_size=2, steps=1, keep_preprocessed=True)
     assert len(list((out / CACHE_FOLDER).iterdir())) == 1
+    # the launch's preprocessing, said when it happens (the launch then reads the copy silently)
+    assert "dropped 3" in capsys.readouterr().out and not any("preprocessed" in line for line in kept)

@@ -118,8 +118,10 @@ def test_recipe_trains_two_cp_steps_on_two_processes(converted, tmp_path):
     losses = [float(x) for x in re.findall(r"'loss': '([^']+)'", out)]
     assert len(losses) == 2 and all(math.isfinite(x) and 0 < x < 8 for x in losses), losses
     assert "hf_cp training summary" in out and "steps 2," in out
-    assert "the bundled chat_sample preprocessed with the run's tokenizer" in out
-    assert "truncated 3" in out and len(list((run / "preprocessed").iterdir())) == 1
+    # preprocessed once, by the checks before the launch, which the launch's ranks read back
+    assert out.count("the bundled chat_sample preprocessed with the run's tokenizer") == 1
+    assert "truncated 3" in out and "preprocessed earlier from the bundled chat_sample" in out
+    assert len(list((run / "preprocessed").iterdir())) == 1
     # CP was used: samples over 512 tokens ran on a group of 2
     hist = [json.loads(line) for line in (run / "cp_history" / "rank0.jsonl").read_text().splitlines()]
     assert len(hist) == 2 and any("2" in h["cp_size_samples"] for h in hist)

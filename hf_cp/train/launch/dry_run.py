@@ -196,7 +196,8 @@ def dry_run(
 ) -> List[str]:
     """Report lines; raises the error the training launch would raise. `keep_preprocessed`: raw
     rows the data section preprocesses are saved under output_dir/preprocessed, where the launch
-    reads them back (`hf-cp train --nproc`'s checks before its launch); else nothing is written."""
+    reads them back (`hf-cp train --nproc`'s checks before its launch), and what preprocessing did
+    is printed at once; else nothing is written and the report lines hold it."""
     cfg = load_config(config_path, overrides, TRAINERS)
     if cfg["trainer"] != "cp":
         return trl_trainer_dry_run(cfg, world_size, max_restarts)
@@ -219,9 +220,9 @@ def dry_run(
     # raw rows preprocessed as the launch will (in memory: the dry run writes nothing under output_dir)
     preparation_lines: List[str] = []
     cache = Path(args.output_dir) / CACHE_FOLDER if keep_preprocessed else None
-    train, evaluation = load_datasets(
-        cfg.get("data") or {}, src, DataPreparation("cp", tokenizer, cache, say=preparation_lines.append)
-    )
+    # kept for the launch: its report is the launch's, printed now (the launch reads the copy back)
+    say = print if keep_preprocessed else preparation_lines.append
+    train, evaluation = load_datasets(cfg.get("data") or {}, src, DataPreparation("cp", tokenizer, cache, say=say))
     vocab = model_vocab_size(meta_model, hf_config)  # ids outside it fail the launch's embedding lookup
     data = read_token_columns(train, "train_dataset", eos_token_ids(tokenizer, hf_config), vocab)
     check_recurrent_layers_fit(
