@@ -366,3 +366,30 @@ def test_plans_are_byte_identical_to_those_before_the_rewrite(bench, traces_dir,
 
 def test_split_lengths_cuts_every_sample_into_near_equal_pieces(bench):
     assert bench.split_lengths([5, 192, 193, 400], 192) == [5, 192, 97, 96, 134, 133, 133]
+
+
+def test_a_request_from_arrays_is_the_request_from_tuples_and_checks_lengths_in_step_order():
+    """PlanRequest takes a sampler's integer arrays without a pass in Python, and the tuples it keeps
+    are the same Python ints; the first bad sample in step order is the one named."""
+    import numpy as np
+    import pytest
+
+    from hf_cp.balance.base import PlanRequest, SampleTooLongError
+    from hf_cp.cost.model import CostModel
+    from hf_cp.plan.cluster import ClusterSpec
+
+    cost, cluster = CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b"), ClusterSpec(8, 4096, 8)
+    ids, lengths = np.arange(10, 30, dtype=np.int32), np.arange(1, 21, dtype=np.int64) * 100
+    a = PlanRequest(ids, lengths, cluster, cost)
+    b = PlanRequest(tuple(ids.tolist()), tuple(lengths.tolist()), cluster, cost)
+    assert a == b and a.lengths == b.lengths and all(type(n) is int for n in a.lengths + a.sample_ids)
+    assert np.array_equal(a.length_array, lengths) and not a.length_array.flags.writeable
+    lengths[0] = 7  # the caller's array: the request holds a copy
+    assert a.lengths[0] == 100 and a.length_array[0] == 100
+    with pytest.raises(TypeError, match="must be integers, got an array of float64"):
+        PlanRequest(ids, lengths.astype(float), cluster, cost)
+    bad = [100, 40000, 0, 50]  # the over-long sample comes first in the step
+    with pytest.raises(SampleTooLongError, match="sample 1 has 40000 tokens"):
+        PlanRequest([0, 1, 2, 3], bad, cluster, cost)
+    with pytest.raises(ValueError, match="sample 2: length 0 must be positive"):
+        PlanRequest([0, 1, 2, 3], [100, 50, 0, 40000], cluster, cost)
