@@ -290,3 +290,19 @@ def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(
     assert len(list((out / CACHE_FOLDER).iterdir())) == 1
     # the launch's preprocessing, said when it happens (the launch then reads the copy silently)
     assert "dropped 3" in capsys.readouterr().out and not any("preprocessed" in line for line in kept)
+
+
+@pytest.mark.parametrize(
+    "key, says",
+    [
+        ("chat_template", r"data\.chat_template is another trainer's setting: here it is data\.template"),
+        ("sequence_len", r"data\.sequence_len is another trainer's setting: here it is data\.max_length"),
+        ("dataset_name", r"data\.dataset_name is another trainer's setting: here it is data\.name"),
+        ("train_on_inputs", r"data\.train_on_inputs .* data\.mask: none"),
+    ],
+)
+def test_other_trainers_data_keys_get_their_hf_cp_key_in_one_line(tmp_path, key, says):
+    text = f"model: {{config: tiny-llama}}\ndata: {{bundled: chat_sample, {key}: 1}}\ntraining: {{use_cpu: true}}\n"
+    with pytest.raises(TrainConfigError, match=says) as err:
+        load_config(_config(tmp_path, text))
+    assert "valid keys" not in str(err.value)

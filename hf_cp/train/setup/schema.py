@@ -253,6 +253,24 @@ FOREIGN_TRAINING_KEYS = {
 }
 
 
+# data keys of TRL, axolotl and LLaMA-Factory set-ups, with the data key that does the same here
+FOREIGN_DATA_KEYS = {
+    "dataset_name": "data.name (a Hub dataset; data.path for a local file or folder)",
+    "dataset": "data.name (a Hub dataset) or data.path (a local file or folder)",
+    "data_files": "data.path (a .json/.jsonl/.parquet/.csv file or a folder of them)",
+    "chat_template": "data.template (a Jinja file; the tokenizer's own by default)",
+    "type": "data.format (auto, tokens, chat, prompt-completion or text)",
+    "max_seq_length": "data.max_length (with data.overlong: error, drop or truncate)",
+    "sequence_len": "data.max_length (with data.overlong: error, drop or truncate)",
+    "cutoff_len": "data.max_length (with data.overlong: error, drop or truncate)",
+    "field_messages": "data.messages_field",
+    "dataset_text_field": "data.text_field",
+    "train_on_inputs": "data.mask: none (every token trained; the default trains the answers only)",
+    "assistant_only_loss": "data.mask: assistant (the default for chat rows)",
+    "completion_only_loss": "data.mask: completion (the default for prompt-completion rows)",
+    "dataset_num_proc": "data.num_proc",
+}
+
 # hf_cp's own keys under an earlier name: old name -> new name (same meaning)
 RENAMED_TRAINING_KEYS = {
     "cp_plan_in_process": "cp_plan_in_subprocess",  # it always meant a forked worker process
@@ -264,6 +282,8 @@ def unknown_key_message(section: str, key: str, valid: Iterable[str]) -> str:
         return f"training.{key} was renamed training.{RENAMED_TRAINING_KEYS[key]} (same meaning)"
     if section == "training" and key in FOREIGN_TRAINING_KEYS:
         return f"training.{key} is another trainer's setting: {FOREIGN_TRAINING_KEYS[key]} (docs/coming_from.md)"
+    if section == "data" and key in FOREIGN_DATA_KEYS:
+        return f"data.{key} is another trainer's setting: here it is {FOREIGN_DATA_KEYS[key]} (docs/commands.md)"
     guess = nearest(key, valid)
     hint = f"did you mean {section}.{guess}?" if guess else "valid keys: " + ", ".join(sorted(valid))
     return f"unknown key {section}.{key}: {hint}"
