@@ -27,11 +27,13 @@ host spends: the first pass plus the blocks it owns plus its own plan.
 
 In training over several hosts (`cp_balancer: hierarchical`, plan_own_host true, the default)
 the first rank of each host plans only its host's parts in its planner worker, ahead of
-training; the other ranks of the host plan nothing. When the trainer takes a step, every rank
-exchanges the parts (one all_gather_object over the control group:
-train/runtime/host_parts.py) and merges them (Planner.finish), and the merged plan is fitted,
-validated and simulated as any plan, before the step's plan agreement. plan_own_host false, a
-world of one host, or a step planned flat: every rank plans every step whole, as before.
+training; the other ranks of the host plan nothing (they receive them). Every rank exchanges
+every host's parts (one all_gather_object over the control group, train/runtime/host_parts.py)
+in the training process, when the step before is taken (or the step itself, the first one or
+without lookahead), and merges them (Planner.merge, on the worker while the step before
+trains); the merged plan is fitted, validated and simulated as any plan, and the step's plan
+agreement follows. plan_own_host false, a world of one host, or a step planned flat (few
+samples per rank): every rank plans every step whole, as before.
 """
 
 from __future__ import annotations
