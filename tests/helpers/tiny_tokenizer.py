@@ -50,7 +50,9 @@ TINY_QWEN3_NEXT = dict(
 def tiny_chat_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     """The tiny Llama of configs/models/tiny-llama.json with room for the special tokens, or
     (family "qwen3_next") TINY_QWEN3_NEXT, its recurrent state decaying slowly, or (family
-    "deepseek_v3") TINY_DEEPSEEK_V3, MLA with unequal query/key and value head dims."""
+    "deepseek_v3") TINY_DEEPSEEK_V3, MLA with unequal query/key and value head dims, or a tiny
+    vision-language model of helpers.tiny_vlm (family "qwen2_5_vl", "qwen3_5", ...: its vocabulary
+    of 300 holds this tokenizer's)."""
     import json
     import math
 
@@ -60,8 +62,12 @@ def tiny_chat_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
     import hf_cp.attention.interface  # noqa: F401  registers attn_implementation="hf_cp"
 
     from helpers.harness.models import TINY_MODEL
+    from helpers.tiny_vlm import FAMILIES as VLM_FAMILIES
+    from helpers.tiny_vlm import build_vlm
 
     torch.manual_seed(seed)
+    if family in VLM_FAMILIES:
+        return build_vlm(attn, seed=1234 + seed, family=family)
     if family == "deepseek_v3":  # MLA: value head dim 16 against query/key 16 + 8
         cfg = AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB_SIZE, use_cache=False, **TINY_DEEPSEEK_V3)
         return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)

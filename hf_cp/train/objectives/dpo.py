@@ -6,7 +6,9 @@ model; hf_cp plans each step and computes the loss wherever the answers' tokens 
     args = CPDPOConfig(output_dir="out", beta=0.1, cp_max_tokens_per_rank=32768, cp_tokens_per_rank_per_step=65536)
     CPDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer).train()
 
-`pairs` is any dataset DPOTrainer takes (prompt/chosen/rejected, plain or conversational).
+`pairs` is any dataset DPOTrainer takes (prompt/chosen/rejected, plain or conversational), of
+text: a vision-language policy trains on text pairs exactly, and TRL's vision pairs (an `images`
+column) are refused by name at set-up (checks/media.py).
 DPOTrainer tokenises it (prompt_ids, chosen_ids, rejected_ids); each pair then becomes one
 shared-prompt sample [prompt][chosen][rejected] (samples/masks.py): the prompt is computed
 once, each answer attends to the prompt and to itself, and its positions continue from the
@@ -61,6 +63,7 @@ from datasets import IterableDataset
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.answers import refuse_empty_answers
+from hf_cp.train.checks.media import refuse_raw_images
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
@@ -86,6 +89,16 @@ from hf_cp.train.trainer import CPTrainer
 logger = logging.getLogger(__name__)
 
 REFERENCE_FILE = "cp_reference_logps.json"
+# TRL's vision preference rows (an `images` column): refused by name (checks/media.py)
+IMAGE_PAIRS_WHY = (
+    "hf_cp's pair samples ([prompt][chosen][rejected], the prompt computed once) do not carry images yet, and "
+    "TRL's collator, which turns a batch's images into pixels, is replaced by the planned steps"
+)
+IMAGE_PAIRS_INSTEAD = (
+    "Train DPO on text-only pairs (no images; a vision-language policy trains on them exactly, as under TRL's "
+    "DPOTrainer), or train supervised on the images with CPTrainer: `hf-cp preprocess DATA --processor DIR "
+    "--images-field images --out OUT`, then `hf-cp train` with trainer: cp (docs/vision.md)"
+)
 
 
 @dataclass
@@ -144,6 +157,12 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
+        refuse_raw_images(
+            {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")},
+            "CPDPOTrainer",
+            IMAGE_PAIRS_WHY,
+            IMAGE_PAIRS_INSTEAD,
+        )
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
         refuse_reference_without_path(args, model, ref_model, "CPDPOTrainer")
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
@@ -166,6 +185,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        refuse_raw_images({dataset_name: dataset}, "CPDPOTrainer", IMAGE_PAIRS_WHY, IMAGE_PAIRS_INSTEAD)  # evaluate()'s
         refuse_empty_answers(dataset, dataset_name)  # before TRL turns an empty answer into EOS alone
         prepared = DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
         return prepared.map(

@@ -6,8 +6,11 @@
     CPSFTTrainer(model=model, args=args, train_dataset=raw, processing_class=tokenizer).train()
 
 `raw` is any dataset SFTTrainer takes: prompt/completion (strings or messages), `messages`, or
-`text`. SFTTrainer tokenises it and builds `labels` (the completion or the assistant turns only,
-as configured); CPTrainer reads that prepared dataset (`self.train_dataset`), not the raw one,
+`text`; or a processor's vision columns (input_ids, pixel_values, image_grid_thw, ...: `hf-cp
+preprocess --processor`), which SFTTrainer leaves as they are and CPTrainer trains. TRL's own
+vision rows (an `images` column, processed per batch by TRL's collator) are refused by name.
+SFTTrainer tokenises text and builds `labels` (the completion or the assistant turns only, as
+configured); CPTrainer reads that prepared dataset (`self.train_dataset`), not the raw one,
 and from there every step is planned and run as in CPTrainer: SFTTrainer's loss, collator and
 batching are not used. TRL is an optional extra (`pip install "hf_cp[trl]"`).
 
@@ -33,8 +36,19 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "hf_cp.train.objectives.sft needs TRL: pip install 'hf_cp[trl]' (or pip install 'trl>=1.16,<2')"
     ) from e
 
+from hf_cp.train.checks.media import refuse_raw_images
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
 from hf_cp.train.trainer import CPTrainer
+
+# TRL's vision-language rows (an `images` column): refused by name (checks/media.py)
+IMAGE_ROWS_WHY = (
+    "TRL turns their images into pixels in its collator, per padded batch, which hf_cp's planned steps replace; "
+    "hf_cp reads a processor's columns (input_ids, pixel_values, image_grid_thw, ...)"
+)
+IMAGE_ROWS_INSTEAD = (
+    "Run the rows through the model's processor first: `hf-cp preprocess DATA --processor DIR --images-field images "
+    "--out OUT`, then train its output with CPTrainer or CPSFTTrainer (`hf-cp train` with trainer: cp; docs/vision.md)"
+)
 
 
 @dataclass
@@ -70,6 +84,12 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
                 f"CPSFTTrainer needs CPSFTConfig (SFTConfig + CPTrainingArguments), got {type(args).__name__}"
             )
         self.cp_check_arguments(args)
+        refuse_raw_images(
+            {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")},
+            "CPSFTTrainer",
+            IMAGE_ROWS_WHY,
+            IMAGE_ROWS_INSTEAD,
+        )
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
 
     @staticmethod
@@ -80,6 +100,7 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """A dataset passed here is prepared as SFTTrainer prepares its eval dataset, then
         evaluated by CPTrainer (planned like training)."""
+        refuse_raw_images({"eval_dataset": eval_dataset}, "CPSFTTrainer", IMAGE_ROWS_WHY, IMAGE_ROWS_INSTEAD)
         if eval_dataset is not None and not isinstance(eval_dataset, str) and not self._skip_prepare_dataset:
             packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
 
