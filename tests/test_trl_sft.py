@@ -235,3 +235,49 @@ def test_the_mixin_trains_preprocessed_vision_language_data_as_cptrainer_does(tm
     assert sft.cp_data.digest() == plain.cp_data.digest()
     assert [r.loss for r in sft.cp_history] == pytest.approx([r.loss for r in plain.cp_history], rel=1e-12)
     assert len(sft.cp_history) == 2
+
+
+def _image_rows(n: int = 3):
+    """TRL's vision SFT format: messages with an image part, the row's `images`."""
+    import numpy as np
+    from PIL import Image
+
+    rows = []
+    for i in range(n):
+        image = Image.fromarray((np.random.default_rng(i).random((16, 16, 3)) * 255).astype("uint8"))
+        user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Q{i}: what is it?"}]}
+        answer = {"role": "assistant", "content": [{"type": "text", "text": "a square " * (1 + i)}]}
+        rows.append({"messages": [user, answer], "images": [image]})
+    return rows
+
+
+def test_trls_vision_rows_are_refused_by_name_with_the_path_that_trains_them(tmp_path):
+    """Rows with an `images` column (TRL turns them into pixels per batch in its collator). Before
+    (measured, issue 38): CPTrainer's "train_dataset has no 'input_ids' column ... tokenise it
+    first" at set-up. Now refused naming the trainer, the column and `hf-cp preprocess --processor`,
+    at construction and by evaluate()."""
+    from datasets import Dataset
+
+    from hf_cp.train.objectives.sft import CPSFTConfig, CPSFTTrainer
+
+    from helpers.tiny_vlm import build_vlm
+
+    def trainer(out, train, eval_dataset=None):
+        args = CPSFTConfig(output_dir=str(tmp_path / out), max_steps=1, use_cpu=True, bf16=False, **SETTINGS)
+        return CPSFTTrainer(
+            model=build_vlm("hf_cp"),
+            args=args,
+            train_dataset=Dataset.from_list(train),
+            eval_dataset=eval_dataset,
+            processing_class=tiny_chat_tokenizer(),
+        )
+
+    refusal = "CPSFTTrainer: {} has the column 'images' \\(TRL's vision-language rows\\)"
+    with pytest.raises(ValueError, match=refusal.format("train_dataset")) as caught:
+        trainer("train", _image_rows())
+    assert "hf-cp preprocess DATA --processor DIR" in str(caught.value) and "trainer: cp" in str(caught.value)
+    text = [{"prompt": f"Q{i}: ", "completion": "yes " * (1 + i)} for i in range(3)]
+    with pytest.raises(ValueError, match=refusal.format("eval_dataset\\['pics'\\]")):
+        trainer("eval", text, eval_dataset={"pics": Dataset.from_list(_image_rows())})
+    with pytest.raises(ValueError, match=refusal.format("eval_dataset")):
+        trainer("evaluate", text).evaluate(Dataset.from_list(_image_rows()))
