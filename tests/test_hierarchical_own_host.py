@@ -3,6 +3,7 @@ blocks of hosts it owns and its own samples; the ranks exchange the parts and ev
 merges them into the plan plan_hierarchically makes, byte for byte."""
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -190,6 +191,8 @@ def test_the_next_steps_parts_are_exchanged_when_a_step_is_taken_and_again_after
 
     planner = Planner.from_setup(setup, lookahead=2, in_subprocess=False)
     assert planner.plan_own_host(0, exchange)
+    member, threads = planner.balancer.member, []
+    member.plan = lambda req, plan=member.plan: threads.append(threading.current_thread().name) or plan(req)
     flat = Planner.from_setup(setup, lookahead=0)
     assert planner.get(0).plan.to_json() == flat.get(0).plan.to_json()
     assert exchanged == [0, 1]  # step 1's parts too, merged while step 0 trains
@@ -200,6 +203,12 @@ def test_the_next_steps_parts_are_exchanged_when_a_step_is_taken_and_again_after
     assert exchanged == [0, 1, 1, 2, 3, 4] and planner.merged_ahead == 0
     assert planner.get(4).plan.to_json() == flat.get(4).plan.to_json()
     assert exchanged == [0, 1, 1, 2, 3, 4, 5] and planner.merged_ahead == 1
+    for k in (5, 6):
+        assert planner.get(k).plan.to_json() == flat.get(k).plan.to_json()
+    assert exchanged[-2:] == [6, 7] and planner.merged_ahead == 3
+    # every step planned ahead on the planner's thread, never on the one that takes the steps
+    assert threads and set(threads) != {threading.current_thread().name}
+    assert threading.current_thread().name not in threads
     planner.close()
 
 

@@ -507,23 +507,15 @@ class Planner:
         return planned
 
     def _take(self, index: int) -> PlannedStep:
+        """Step `index` from the background (get): its plan, or its parts exchanged ahead and
+        their merge; the next `lookahead` steps scheduled either way."""
+        read, gathered, merging = (), None, None
         with self._lock:
             for k in [k for k in self._gathered if k < index]:  # skipped (resume): drop
                 self._gathered.pop(k)
                 fut = self._merging.pop(k, None)
                 if fut is not None:
                     fut.cancel()
-            gathered = self._gathered.pop(index, None)
-            merging = self._merging.pop(index, None)
-        if gathered is not None:  # exchanged when the step before was taken
-            if merging is not None:
-                try:
-                    got = merging.result() if not self.in_subprocess else merging.result(timeout=self.PLAN_TIMEOUT_S)
-                    self.merged_ahead += 1
-                    return got
-                except (BrokenProcessPool, FutureTimeout, CancelledError):
-                    pass  # the worker died or hangs (the next submit finds out): merged here instead
-            return self.merge(*gathered)
         try:  # a dead worker surfaces at submit or at result, whichever comes first
             with self._lock:
                 for k in range(index, min(index + 1 + self.lookahead, len(self.sampler))):
@@ -544,17 +536,32 @@ class Planner:
                             else self._pool.submit(self.plan_part, k, cost, version, *read)
                         )
                         self._reads[k] = read
-                fut = self._futures.pop(index)
-                read = self._reads.pop(index, ())
                 for k in [k for k in self._futures if k < index]:  # skipped (resume): drop
                     self._futures.pop(k).cancel()
                     self._reads.pop(k, None)
-            planned = fut.result() if not self.in_subprocess else fut.result(timeout=self.PLAN_TIMEOUT_S)
+                # (taken only once scheduling succeeded: a dead worker's replacement takes it again)
+                gathered = self._gathered.pop(index, None)
+                merging = self._merging.pop(index, None)
+                if gathered is None:
+                    fut = self._futures.pop(index)
+                    read = self._reads.pop(index, ())
+            if gathered is None:
+                planned = fut.result() if not self.in_subprocess else fut.result(timeout=self.PLAN_TIMEOUT_S)
         except BrokenProcessPool as err:
             return self._replace_dead_worker(index, err)
         except FutureTimeout:
             return self._plan_past_a_hung_worker(index, read)
-        return self.finish(index, planned)
+        if gathered is None:
+            return self.finish(index, planned)
+        # exchanged when the step before was taken: merged by the worker meanwhile
+        if merging is not None:
+            try:
+                got = merging.result() if not self.in_subprocess else merging.result(timeout=self.PLAN_TIMEOUT_S)
+                self.merged_ahead += 1
+                return got
+            except (BrokenProcessPool, FutureTimeout, CancelledError):
+                pass  # the worker died or hangs (the next submit finds out): merged here instead
+        return self.merge(*gathered)
 
     def _prefetch(self, index: int) -> None:
         """Planned host by host on a worker, step `index`'s parts are exchanged now, when the
