@@ -298,6 +298,35 @@ def test_a_gloo_world_planning_ahead_in_worker_processes_merges_the_same_plans()
     assert all(got["merged_ahead"] == steps - 1 for _, got in results.values())
 
 
+def _plan_with_a_failing_host(rank, world):
+    import torch.distributed as dist
+
+    from hf_cp.train.runtime.host_parts import host_parts_exchange
+
+    setup = longdoc_setup(world, 2)
+    group = dist.new_group(list(range(world)), backend="gloo")
+    planner = Planner(None, setup.balancer(), setup.cluster, setup.cost, lookahead=0, compare_balancer=None)
+    assert planner.plan_own_host(rank, host_parts_exchange(group))
+    if rank == 2:  # host 1's first rank: its member fails
+
+        def fail(req):
+            raise MemoryError("no memory left for the member")
+
+        planner.balancer.member.plan = fail
+    batch = GlobalBatch(0, 0, 0, tuple(range(8)), (300, 200, 900, 50, 700, 120, 60, 2000))
+    try:
+        planner.plan_now(0, batch=batch)
+    except HostPartsError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_host_whose_planning_fails_fails_every_rank_naming_it_instead_of_a_hang():
+    results = run_distributed(_plan_with_a_failing_host, 4, timeout_s=120, daemon=False)
+    texts = {status + ": " + str(text) for status, text in results.values()}
+    assert texts == {"ok: step 0: host 1 could not plan its parts: MemoryError: no memory left for the member"}, texts
+
+
 def _exchange_with_a_missing_rank(rank, world):
     import datetime
 
