@@ -259,14 +259,12 @@ def test_the_shipped_smollm2_config_preprocesses_the_bundled_chat_itself():
     assert os.path.exists(REPO / "hf_cp" / "data" / "chat_sample.jsonl")
 
 
-def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(tmp_path, smol_tokenizer_dir, capsys):
-    """`hf-cp train --dry-run` writes nothing; `hf-cp train --nproc`'s checks keep what they preprocessed
-    for the launch. The model folder holds SmolLM2's tokenizer and a small config (the dry run reads no weights)."""
+@pytest.fixture
+def model_folder(tmp_path, smol_tokenizer_dir):
+    """SmolLM2's tokenizer and a small Llama config of its vocabulary: what a dry run reads (no weights)."""
     import shutil
 
     from transformers import LlamaConfig
-
-    from hf_cp.train.launch.dry_run import dry_run
 
     folder = tmp_path / "model"
     shutil.copytree(smol_tokenizer_dir, folder)
@@ -274,6 +272,15 @@ def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2,
     ).save_pretrained(str(folder))  # fmt: skip
+    return folder
+
+
+def test_the_dry_run_preprocesses_in_memory_and_the_launch_check_keeps_its_copy(tmp_path, model_folder, capsys):
+    """`hf-cp train --dry-run` writes nothing; `hf-cp train --nproc`'s checks keep what they preprocessed
+    for the launch."""
+    from hf_cp.train.launch.dry_run import dry_run
+
+    folder = model_folder
     out = tmp_path / "run"
     config = _config(
         tmp_path,
@@ -306,3 +313,23 @@ def test_other_trainers_data_keys_get_their_hf_cp_key_in_one_line(tmp_path, key,
     with pytest.raises(TrainConfigError, match=says) as err:
         load_config(_config(tmp_path, text))
     assert "valid keys" not in str(err.value)
+
+
+@pytest.mark.parametrize("trainer, rows", [
+    ("dpo", {"prompt": "Q?", "chosen": "a", "rejected": "b", "images": ["x.png"]}),
+    ("sft", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "images": ["x.png"]}),
+])  # fmt: skip
+def test_the_dry_run_refuses_trls_image_rows_as_the_trainer_does(tmp_path, model_folder, trainer, rows):
+    from hf_cp.train.launch.dry_run import dry_run
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(rows) + "\n")
+    config = _config(
+        tmp_path,
+        f"trainer: {trainer}\nmodel: {{pretrained: {model_folder}, attn_implementation: hf_cp}}\n"
+        f"data: {{path: {data}}}\ntraining: {{output_dir: {tmp_path / 'run'}, use_cpu: true, report_to: none}}\n",
+    )
+    with pytest.raises(
+        ValueError, match=rf"trainer: {trainer}: CP{trainer.upper()}Trainer: train_dataset has the column 'images'"
+    ):
+        dry_run(config, world_size=2)

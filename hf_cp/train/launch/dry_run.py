@@ -163,6 +163,12 @@ def trl_trainer_dry_run(cfg: dict, world_size: int, max_restarts: int = 0) -> Li
         raise ValueError(f"{src}: trainer: {name} tokenises text: give model.tokenizer or a pretrained folder with one")
     apply_template(cfg.get("data") or {}, tokenizer, src)
     train, evaluation = load_datasets(cfg.get("data") or {}, src, DataPreparation(name, tokenizer))
+    check_rows = getattr(TRAINERS.trainer_class(name), "cp_check_datasets", None)
+    if check_rows is not None:  # what the trainer refuses of its rows before TRL prepares them (raw images)
+        try:
+            check_rows(train, evaluation)
+        except ValueError as e:
+            raise ValueError(f"{src}: trainer: {name}: {e}") from None
     check_columns(name, train, src)
     vocab = model_vocab_size(meta_model, hf_config)
     # the adapter TRL wraps the policy with (peft_config): target_modules must name modules of the model

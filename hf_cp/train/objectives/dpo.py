@@ -157,12 +157,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
-        refuse_raw_images(
-            {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")},
-            "CPDPOTrainer",
-            IMAGE_PAIRS_WHY,
-            IMAGE_PAIRS_INSTEAD,
-        )
+        self.cp_check_datasets(train_dataset, kwargs.get("eval_dataset"))
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
         refuse_reference_without_path(args, model, ref_model, "CPDPOTrainer")
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
@@ -182,6 +177,15 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         if args.precompute_ref_log_probs and args.sync_ref_model:  # TRL refuses it too, after building a model
             raise ValueError("CPDPOTrainer: precompute_ref_log_probs=True cannot follow a synced reference model")
         return DPOSettings.from_config(args)  # unsupported loss settings
+
+    @staticmethod
+    def cp_check_datasets(train_dataset, eval_dataset) -> None:
+        """The refusals that read only the rows (the trainer's, and `hf-cp train --dry-run`'s): TRL's
+        vision preference rows."""
+        refuse_raw_images(
+            {"train_dataset": train_dataset, "eval_dataset": eval_dataset}, "CPDPOTrainer", IMAGE_PAIRS_WHY,
+            IMAGE_PAIRS_INSTEAD,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):

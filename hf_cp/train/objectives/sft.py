@@ -84,18 +84,22 @@ class CPSFTTrainer(CPTrainer, SFTTrainer):
                 f"CPSFTTrainer needs CPSFTConfig (SFTConfig + CPTrainingArguments), got {type(args).__name__}"
             )
         self.cp_check_arguments(args)
-        refuse_raw_images(
-            {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")},
-            "CPSFTTrainer",
-            IMAGE_ROWS_WHY,
-            IMAGE_ROWS_INSTEAD,
-        )
+        self.cp_check_datasets(train_dataset, kwargs.get("eval_dataset"))
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
 
     @staticmethod
     def cp_check_arguments(args) -> None:
         """Every refusal that reads only `args` (the trainer's, and `hf-cp train --dry-run`'s): none
         beyond CPSFTConfig's own (packing), made when the config is built."""
+
+    @staticmethod
+    def cp_check_datasets(train_dataset, eval_dataset) -> None:
+        """The refusals that read only the rows (the trainer's, and `hf-cp train --dry-run`'s): TRL's
+        vision-language rows."""
+        refuse_raw_images(
+            {"train_dataset": train_dataset, "eval_dataset": eval_dataset}, "CPSFTTrainer", IMAGE_ROWS_WHY,
+            IMAGE_ROWS_INSTEAD,
+        )  # fmt: skip
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """A dataset passed here is prepared as SFTTrainer prepares its eval dataset, then
