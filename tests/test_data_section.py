@@ -333,3 +333,15 @@ def test_the_dry_run_refuses_trls_image_rows_as_the_trainer_does(tmp_path, model
         ValueError, match=rf"trainer: {trainer}: CP{trainer.upper()}Trainer: train_dataset has the column 'images'"
     ):
         dry_run(config, world_size=2)
+
+
+def test_an_empty_saved_dataset_is_refused_for_training_and_evaluation(tmp_path):
+    from datasets import Dataset
+
+    empty = tmp_path / "empty"
+    Dataset.from_dict({"input_ids": []}).save_to_disk(str(empty))
+    # (datasets itself fails on such a folder with an IndexError: named, not a traceback)
+    with pytest.raises(TrainConfigError, match=r"data\.path .*empty: datasets could not load .*holds rows"):
+        load_datasets({"path": str(empty)}, "run.yaml")
+    with pytest.raises(TrainConfigError, match=r"data\.eval_path .*empty: datasets could not load"):
+        load_datasets({"bundled": "longtail_sample", "eval_path": str(empty)}, "run.yaml")

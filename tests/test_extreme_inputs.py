@@ -230,7 +230,7 @@ def test_a_directory_given_for_a_file_is_refused_naming_it(tmp_path, lengths):
 
 
 @pytest.mark.parametrize(
-    "key, message", [("model.config", "is a directory"), ("data.path", "not a saved `datasets` folder")]
+    "key, message", [("model.config", "is a directory"), ("data.path", "neither a saved dataset")]
 )
 def test_a_directory_in_a_training_config_is_refused_naming_the_key(tmp_path, key, message):
     folder = tmp_path / "a_folder"

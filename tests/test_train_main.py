@@ -73,11 +73,11 @@ def test_eval_data_from_a_held_out_split_or_a_file(tmp_path):
     f.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
     train, ev = load_datasets({"bundled": "longtail_sample", "eval_path": str(f)}, "cfg.yaml")
     assert len(train) == 240 and ev["input_ids"] == [[1, 2, 3], [4, 5]]
-    (tmp_path / "x.csv").write_text("input_ids\n")  # there, but not a format the trainer reads
+    (tmp_path / "x.csv").write_text("input_ids\n")  # a header and no rows: datasets reads nothing
     for bad, message in [
         ({"eval_split": 1.5}, "data.eval_split must be a fraction"),
         ({"eval_split": 0.1, "eval_path": str(f)}, "data.eval_path and data.eval_split both set"),
-        ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path .*x.csv is neither"),
+        ({"eval_path": str(tmp_path / "x.csv")}, "data.eval_path: .*x.csv: could not read it as csv"),
         ({"eval_path": str(tmp_path / "y.jsonl")}, "data.eval_path .*y.jsonl does not exist"),
     ]:
         with pytest.raises(TrainConfigError, match=f"cfg.yaml: {message}"):

@@ -148,7 +148,13 @@ def read_rows(name: str, field: str, source: str, split: str = "train", subset: 
     if not p.exists():
         raise TrainConfigError(f"{source}: data.{field} {name} does not exist ({LOOKED})")
     if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
-        ds = load_from_disk(str(p))
+        try:
+            ds = load_from_disk(str(p))
+        except Exception as e:  # noqa: BLE001 (datasets raises IndexError on a folder of no rows, others when cut short)
+            raise TrainConfigError(
+                f"{source}: data.{field} {name}: datasets could not load this saved folder ({type(e).__name__}: {e}); "
+                "write it again (Dataset.save_to_disk, hf-cp preprocess), and check that it holds rows"
+            ) from None
         if hasattr(ds, "keys"):
             if split not in ds:
                 raise TrainConfigError(f"{source}: data.{field} {name} has no split {split!r} (splits: {sorted(ds)})")
@@ -352,6 +358,8 @@ def load_datasets(dcfg: dict, source: str, preparation: Optional[DataPreparation
     if dcfg.get("eval_path"):
         with prep.main_first("reading data.eval_path"):
             evaluation = read_rows(dcfg["eval_path"], "eval_path", source, split, subset)
+        if len(evaluation) == 0:
+            raise TrainConfigError(f"{source}: data.eval_path {dcfg['eval_path']} holds no samples")
         return ds, prep.prepare(evaluation, dcfg, "eval", f"data.eval_path {dcfg['eval_path']}", source)
     if dcfg.get("eval_split"):
         parts = ds.train_test_split(test_size=float(dcfg["eval_split"]), seed=int(dcfg.get("eval_seed", 0)))
