@@ -48,9 +48,7 @@ class PreprocessResult:
     vision_tokens: Optional[dict] = None  # --processor: {"image": tokens, "video": tokens} of the kept samples
     vision_grids: Optional[List[List[List[int]]]] = None  # per kept sample its items' [t, h, w], images then clips
 
-    def summary_lines(self, max_length: Optional[int], policy: str, length_key: str = "--max-length") -> List[str]:
-        """What preprocessing did, in lines; `length_key`: how the length limit was set (the CLI's
-        flag, or a config's data.max_length)."""
+    def summary_lines(self, max_length: Optional[int], policy: str) -> List[str]:
         kept = len(self.dataset)
         lines = [f"{self.input_samples} input samples ({self.kind}), {kept} kept"]
         if max_length:
@@ -60,7 +58,7 @@ class PreprocessResult:
                 "error": "none allowed",
             }[policy]
             lines.append(
-                f"over-long (> {length_key} {max_length}): {self.overlong} samples, policy {policy}: {what}"
+                f"over-long (> --max-length {max_length}): {self.overlong} samples, policy {policy}: {what}"
                 + (
                     "; e.g. " + ", ".join(f"sample {i} ({n} tokens)" for i, n in self.overlong_examples)
                     if self.overlong_examples
@@ -69,7 +67,7 @@ class PreprocessResult:
             )
         else:
             lines.append(
-                f"over-long: no {length_key} given, nothing checked (longest sample {self.longest_input} tokens)"
+                f"over-long: no --max-length given, nothing checked (longest sample {self.longest_input} tokens)"
             )
         if self.grouped:
             g = self.grouped

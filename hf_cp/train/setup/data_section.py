@@ -52,7 +52,7 @@ CACHE_FOLDER = "preprocessed"  # under output_dir
 TOKEN_SUFFIXES = (".jsonl", ".gz")  # what trainer cp read as token ids before the section preprocessed
 
 
-# hf-cp preprocess's flags, as the pipeline's messages name them, and the data keys that set the same
+# hf-cp preprocess's flags, as the pipeline's messages and summary name them, and the data keys that set the same
 CLI_TO_KEY = (
     ("--max-length", "data.max_length"),
     ("--overlong ", "data.overlong: "),
@@ -224,8 +224,8 @@ class DataPreparation:
                     f"{source}: data.format tokens, but {origin} has no input_ids column (columns: "
                     f"{ds.column_names}); give format: auto to preprocess raw rows"
                 )
-            if any(k in dcfg for k in PREPROCESS_KEYS if k != "format"):
-                given = sorted(k for k in dcfg if k in PREPROCESS_KEYS and k != "format")
+            given = sorted(k for k in dcfg if k in PREPROCESS_KEYS and k != "format")
+            if given:
                 raise TrainConfigError(
                     f"{source}: data.{given[0]}: {origin} is already token ids (an input_ids column), so nothing "
                     f"is preprocessed; preprocess the raw rows instead, or remove data.{', data.'.join(given)}"
@@ -266,7 +266,7 @@ class DataPreparation:
                 self.save(result.dataset, cached)
         if self.is_main:
             policy = settings["overlong"]
-            lines = result.summary_lines(settings["max_length"], policy, "data.max_length")
+            lines = [in_config_words(line) for line in result.summary_lines(settings["max_length"], policy)]
             where = f", saved to {cached}" if cached is not None else ""
             self.say(f"data ({role}): {origin} preprocessed with the run's tokenizer{where}")
             for line in lines:
