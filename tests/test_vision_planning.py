@@ -46,6 +46,12 @@ TINY_TOWER = dict(
 GRIDS = [(2, 12, 8), (1, 10, 6)]
 
 
+def counted_tower_flops(dims, grids) -> int:
+    """The tower's forward FLOPs on `grids` as VisionDims counts them: per patch, and per attended pair."""
+    return sum(dims.forward_flops_per_patch * t * h * w + dims.forward_flops_per_pair * dims.attention_pairs((t, h, w))
+               for t, h, w in grids)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def vl_cost():
     """Qwen2.5-VL-7B's dimensions (LLM and tower) on the H200 profile."""
@@ -81,9 +87,7 @@ def test_tower_forward_flops_equal_torch_flop_counter(one_torch_thread):
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():
             model(x, grid_thw=torch.tensor(grids))
-        expected = sum(dims.forward_flops_per_patch * t * h * w for t, h, w in grids)
-        expected += sum(dims.forward_flops_per_pair * dims.attention_pairs(g) for g in grids)
-        assert counter.get_total_flops() == expected, grids
+        assert counter.get_total_flops() == counted_tower_flops(dims, grids), grids
 
 
 def test_qwen2_vl_tower_flops_equal_torch_flop_counter(one_torch_thread):
@@ -103,11 +107,7 @@ def test_qwen2_vl_tower_flops_equal_torch_flop_counter(one_torch_thread):
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         model(torch.randn(sum(t * h * w for t, h, w in GRIDS), 3 * 2 * 14 * 14), grid_thw=torch.tensor(GRIDS))
-    expected = sum(
-        dims.forward_flops_per_patch * t * h * w + dims.forward_flops_per_pair * dims.attention_pairs((t, h, w))
-        for t, h, w in GRIDS
-    )
-    assert counter.get_total_flops() == expected
+    assert counter.get_total_flops() == counted_tower_flops(dims, GRIDS)
 
 
 def test_qwen3_vl_tower_with_deepstack_flops_equal_torch_flop_counter(one_torch_thread):
@@ -129,11 +129,7 @@ def test_qwen3_vl_tower_with_deepstack_flops_equal_torch_flop_counter(one_torch_
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         model(torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 4 * 4), grid_thw=torch.tensor(grids))
-    expected = sum(
-        dims.forward_flops_per_patch * t * h * w + dims.forward_flops_per_pair * dims.attention_pairs((t, h, w))
-        for t, h, w in grids
-    )
-    assert counter.get_total_flops() == expected
+    assert counter.get_total_flops() == counted_tower_flops(dims, grids)
     by_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
     deepstack = (
         by_module["Qwen3VLVisionModel.deepstack_merger_list.0"]
