@@ -345,3 +345,63 @@ def test_an_empty_saved_dataset_is_refused_for_training_and_evaluation(tmp_path)
         load_datasets({"path": str(empty)}, "run.yaml")
     with pytest.raises(TrainConfigError, match=r"data\.eval_path .*empty: datasets could not load"):
         load_datasets({"bundled": "longtail_sample", "eval_path": str(empty)}, "run.yaml")
+
+
+def test_a_hub_name_is_read_with_its_split_and_subset_and_a_failed_download_names_the_key(monkeypatch):
+    import datasets
+    from datasets import Dataset
+
+    import hf_cp.train.setup.data_section as section
+
+    asked = []
+
+    def fake_load_input(name, split="train", subset=None):
+        asked.append((name, split, subset))
+        return Dataset.from_list([{"input_ids": [1, 2, 3]}])
+
+    monkeypatch.setattr(section, "load_input", fake_load_input)
+    train, _ = load_datasets({"name": "org/chat", "split": "validation", "subset": "en"}, "run.yaml")
+    assert asked == [("org/chat", "validation", "en")] and len(train) == 1
+    monkeypatch.undo()
+
+    def offline(*a, **k):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(TrainConfigError, match=r"run\.yaml: data\.name: 'org/chat' is not a local file .*Hub failed"):
+        load_datasets({"name": "org/chat"}, "run.yaml")
+
+
+def test_a_saved_folder_of_splits_is_read_at_data_split(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    folder = tmp_path / "splits"
+    DatasetDict(
+        train=Dataset.from_list([{"input_ids": [1]}] * 3), test=Dataset.from_list([{"input_ids": [2]}] * 2)
+    ).save_to_disk(str(folder))
+    assert len(load_datasets({"path": str(folder)}, "run.yaml")[0]) == 3
+    assert load_datasets({"path": str(folder), "split": "test"}, "run.yaml")[0]["input_ids"] == [[2], [2]]
+    with pytest.raises(TrainConfigError, match=r"has no split 'dev' \(splits: \['test', 'train'\]\)"):
+        load_datasets({"path": str(folder), "split": "dev"}, "run.yaml")
+
+
+@pytest.mark.parametrize(
+    "rows, dcfg, flags",
+    [
+        ([{"body": "plain text one"}, {"body": "and two"}], {"text_field": "body", "add_eos": False},
+         ["--text-field", "body", "--no-eos"]),
+        ([{"q": "Say hi.", "a": " Hi!"}, {"q": "Count.", "a": " 1 2 3"}],
+         {"prompt_field": "q", "completion_field": "a", "num_proc": 2}, ["--prompt-field", "q", "--completion-field", "a"]),
+    ],
+)  # fmt: skip
+def test_field_eos_and_process_keys_give_what_the_cli_flags_give(
+    tmp_path, smol_tokenizer, smol_tokenizer_dir, rows, dcfg, flags
+):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = load_datasets(dict(dcfg, path=str(data)), "run.yaml", DataPreparation("cp", smol_tokenizer, None))
+    assert _rows(train) == _rows(_cli_preprocess(tmp_path, smol_tokenizer_dir, data, *flags))
+    if dcfg.get("add_eos") is False:  # the key changes the rows: with the EOS each sample is one token longer
+        with_eos, _ = load_datasets({"path": str(data), "text_field": "body"}, "run.yaml",
+                                    DataPreparation("cp", smol_tokenizer, None))  # fmt: skip
+        assert [len(r) for r, _ in _rows(with_eos)] == [len(r) + 1 for r, _ in _rows(train)]
