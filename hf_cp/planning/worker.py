@@ -63,9 +63,12 @@ class PlannedStep:
     plan: StepPlan
     predicted: SimResult
     planner_ms: float
-    compare: Optional[SimResult] = None  # the comparison balancer's plan, simulated (never run)
+    compare: Optional[SimResult] = None  # the other balancer's plan of the step, simulated (not run)
     cost_version: int = 0  # the cost model it was planned with: 0 the setup's, k the k-th set_cost
     planner_cpu_ms: float = 0.0  # the planning process's CPU time over the balancer's plan()
+    # compare_measured: this step runs the comparison balancer's plan, and `compare` is the
+    # run's own balancer's plan of it, simulated
+    ran_compare: bool = False
 
 
 @dataclass
@@ -165,6 +168,7 @@ class Planner:
         balancer_name: Optional[str] = None,
         masks: Optional[Mapping[int, SampleMask]] = None,
         vision: Optional[Mapping[int, SampleGrids]] = None,
+        compare_measured: bool = False,
     ):
         self.sampler = sampler
         self.masks = dict(masks or {})  # sample id -> non-causal mask; the others are causal
@@ -178,6 +182,13 @@ class Planner:
             raise TypeError(f"balancer {self.balancer_name!r} has no plan(request) method")
         self.compare_name = compare_balancer if compare_balancer and compare_balancer != self.balancer_name else None
         self.compare = get_balancer(self.compare_name) if self.compare_name else None
+        if compare_measured and self.compare is None:
+            raise ValueError(
+                f"compare_measured runs the comparison balancer on every other step: it needs a comparison "
+                f"balancer other than {self.balancer_name!r} (got {compare_balancer!r})"
+            )
+        # the comparison balancer's plan runs on the odd steps (compare_runs): both measured in one run
+        self.compare_measured = bool(compare_measured)
         self.cluster = cluster
         self.cost = cost
         # (first step, version, cost model): steps from `first step` on are planned with it
@@ -415,6 +426,8 @@ class Planner:
             )
         req = self.request(batch, cost, masks)
         check_mask_support(self.balancer, req, self.balancer_name)
+        if self.compare_runs(batch):
+            return self._plan_compare_run(batch, req, version or 0)
         host_by_host = self._exchange is not None and self.balancer.hosts_of(req) is not None
         if host_by_host:
             check_request_lengths(self.balancer, req)
@@ -433,6 +446,28 @@ class Planner:
             return HostPlanned(batch, masks, parts, planner_ms, cpu_ms, compare, version or 0, cost)
         return PlannedStep(
             batch, planned.plan, planned.predicted, planned.planner_ms, compare, version or 0, planned.planner_cpu_ms
+        )
+
+    def compare_runs(self, batch: GlobalBatch) -> bool:
+        """Whether step `batch` runs the comparison balancer's plan (compare_measured): the odd
+        steps, the two balancers then alternating under the same load, each step's loss and
+        gradients the same whichever plans it. A step with a sample longer than the comparison
+        balancer trains runs the run's own balancer. The same on every rank (a pure function of
+        the step)."""
+        return self.compare_measured and batch.index % 2 == 1 and max(batch.lengths) <= self.compare_limit
+
+    def _plan_compare_run(self, batch: GlobalBatch, req: PlanRequest, version: int) -> PlannedStep:
+        """Step `batch` planned to run the comparison balancer's plan (compare_runs), beside the
+        run's own balancer's plan of it, simulated only. Planned flat: a host-by-host balancer's
+        whole plan is its hosts' parts merged (plan_hierarchically), so no parts are exchanged."""
+        check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
+        compare_req = req
+        if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
+            compare_req = replace(req, dataset_max_length=self.compare_limit)
+        ran = plan_and_predict(self.compare, compare_req)
+        own = predict(fitted_plan(self.balancer, req), req)
+        return PlannedStep(
+            batch, ran.plan, ran.predicted, ran.planner_ms, own, version, ran.planner_cpu_ms, ran_compare=True
         )
 
     def _plan_host_parts(self, req: PlanRequest) -> HostParts:

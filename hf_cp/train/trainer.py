@@ -87,6 +87,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
     """
 
     cp_shared_prompt_samples = False  # True where every sample shares a prompt between answers (DPO, GRPO)
+    cp_vision_pairs = False  # True where those samples carry images in their prompt (DPO's pairs)
 
     def __init__(
         self, model=None, args: Optional[CPTrainingArguments] = None, train_dataset=None, balancer=None, **kwargs
@@ -145,6 +146,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
             type(self).__name__,
             sharding=self.cp_sharding,
             shared_prompts=self.cp_shared_prompt_samples,
+            vision_pairs=self.cp_vision_pairs,
         )
         # the run's PlanningSettings, built once: cp_setup.settings from here on
         # the samples' image and clip grids: the planner prices their encoder work (cost/vision.py)
@@ -272,6 +274,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
             len(self.cp_data),
             self.cp_forward_only_passes,
             self.cp_cost.profile.forward_share,
+            balancer_name=self.cp_runtime.balancer_name,
         )
         if loss is not None:
             rec = dataclasses.replace(rec, loss=float(loss))
@@ -331,6 +334,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
                     self.cp_sharding,
                     self.cp_shared_prompt_samples,
                     self.cp_vision,
+                    self.cp_vision_pairs,
                 )
             # kept with the dataset itself, so that its id cannot be reused by another one
             cached = self._cp_eval_data[id(ds)] = (ds, data, plans)

@@ -215,6 +215,9 @@ def world2_runs() -> Dict[str, dict]:
     )
     llama_mutations = [m for m in MUTATIONS if not m.startswith("router")]
     runs.update({f"mutation-{m}": balance_spec(MUTATED_BALANCER, mutation=m) for m in llama_mutations})
+    # cp_compare_measured: step 1 (short samples only) runs static's plan (every sample over both
+    # ranks, its CP size fixed by the 400-token sample) where auto keeps each on one rank
+    runs["compare-measured"] = balance_spec("auto", compare_balancer="static", compare_measured=True)
     # test_train_distributed's fast cases
     runs["static"] = lengths_spec("static")
     runs["fixed_ring_zigzag"] = lengths_spec("fixed_ring_zigzag")
@@ -272,6 +275,14 @@ def assert_matches_reference(spec: dict) -> dict:
 def executed_plans(spec: dict):
     """The plans of the run's steps, re-planned here and matched to the digests the run
     recorded (so the placement checks below are about what actually ran)."""
+    plans = replanned(spec)
+    recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
+    assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
+    return plans
+
+
+def replanned(spec: dict):
+    """The plans of the run's steps by spec['balancer'], planned here as the run's trainer plans them."""
     config = tiny_config(spec.get("model") or "llama").to_dict()
     rows = train_rows(spec)
     present = [c for c in GRID_COLUMNS if any(r.get(c) is not None for r in rows)]
@@ -296,7 +307,4 @@ def executed_plans(spec: dict):
         lookahead=0,
         vision=grids or None,
     )
-    plans = [planner.get(k).plan for k in range(spec["steps"])]
-    recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
-    assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
-    return plans
+    return [planner.get(k).plan for k in range(spec["steps"])]

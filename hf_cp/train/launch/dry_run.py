@@ -305,6 +305,11 @@ def dry_run(
             f" (on the {len(compared)} steps it can plan)" if len(compared) < len(planned) else ""
         )
     lines.append(line)
+    if args.cp_compare_measured:
+        lines.append(
+            f"cp_compare_measured: training runs {planner.compare_name}'s plan on every other step (the odd ones) "
+            f"and {planner.balancer_name}'s on the others; the summary compares their measured step times"
+        )
     # what each engine would hold per rank at this cap, and the largest model each fits
     states = settings.model_states or {}
     # the memory cp_max_tokens_per_rank: auto sized the cap from (this host's, on the CPU), else the profile's

@@ -101,8 +101,10 @@ def aggregate(
         "step_wall_ms": statistics.mean(r.step_wall_ms for r in records),
         "data_epoch": records[-1].data_epoch if records[-1].data_epoch is not None else records[-1].epoch,
     }
-    if all(r.compare_step_ms is not None for r in records):
-        out["compare_predicted_step_ms"] = statistics.mean(r.compare_step_ms for r in records)
+    # the comparison balancer's prediction, on the steps that ran the run's own balancer
+    compared = [r.compare_step_ms for r in records if not r.ran_compare]
+    if compared and all(c is not None for c in compared):
+        out["compare_predicted_step_ms"] = statistics.mean(compared)
     hist: Counter = Counter()
     for r in records:
         hist.update({int(g): n for g, n in r.cp_size_samples.items()})
@@ -168,13 +170,18 @@ def balance_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
     """The balance of the steps of `records` (every trainer's summary has these lines): per-rank
     compute max/mean predicted and measured, each rank's mean (or their spread and the slowest
     rank), and the step time `compare` (the comparison balancer) was predicted to take."""
-    agg = aggregate(records, prefix="")
+    own = [r for r in records if not r.ran_compare]  # cp_compare_measured: the other steps ran `compare`
+    if not own:
+        return [measured_comparison_line(records, balancer, compare)]
+    agg = aggregate(own, prefix="")
     lines = [
         f"balance ({balancer}): per-rank compute max/mean predicted {agg['predicted_max_over_mean']:.3f}, "
         f"measured {agg['measured_max_over_mean']:.3f}",
-        per_rank_line(records),
+        per_rank_line(own),
     ]
-    if compare and "compare_predicted_step_ms" in agg:
+    if len(own) < len(records):
+        lines.append(measured_comparison_line(records, balancer, compare))
+    elif compare and "compare_predicted_step_ms" in agg:
         ours, theirs = agg["predicted_step_ms"], agg["compare_predicted_step_ms"]
         lines.append(
             f"predicted step time: {balancer} {ours:.1f} ms, {compare} would take {theirs:.1f} ms "
@@ -182,6 +189,34 @@ def balance_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
             f"a run with cp_balancer: {compare} measures it)"
         )
     return lines
+
+
+def measured_comparison_line(records: Sequence[StepRecord], balancer: str, compare: str) -> str:
+    """cp_compare_measured: the measured step times of the steps that ran `balancer`'s plan and
+    of those that ran `compare`'s (they alternate), each's median and range, after the first step
+    of `records` (its start-up: the allocator, the engine's first pass); beside the predicted
+    ratio on the same steps, each of which was planned by both."""
+    compare = compare or next(r.balancer for r in records if r.ran_compare)
+    later = records[1:]
+    own = [r.step_wall_ms for r in later if not r.ran_compare]
+    ran = [r.step_wall_ms for r in later if r.ran_compare]
+    if not own or not ran:
+        return (
+            f"measured in this run: too few steps to compare {balancer} and {compare} after the first "
+            f"({len(own)} and {len(ran)}): cp_compare_measured needs at least 3 steps"
+        )
+    # each step's prediction of both plans: the one that ran, and the other (compare_step_ms)
+    both = [r for r in later if r.compare_step_ms is not None]
+    pred_own = sum(r.compare_step_ms if r.ran_compare else r.predicted_step_ms for r in both)
+    pred_ran = sum(r.predicted_step_ms if r.ran_compare else r.compare_step_ms for r in both)
+    m_own, m_ran = statistics.median(own), statistics.median(ran)
+    predicted = f", {pred_ran / pred_own:.3f}x predicted on the same steps" if both and pred_own > 0 else ""
+    return (
+        f"measured in this run, steps alternating after the first: {balancer} {m_own:.1f} ms a step "
+        f"(median of {len(own)}, {min(own):.1f}-{max(own):.1f}), {compare} {m_ran:.1f} ms "
+        f"(median of {len(ran)}, {min(ran):.1f}-{max(ran):.1f}): {compare} / {balancer} "
+        f"{m_ran / m_own if m_own > 0 else float('nan'):.3f}x measured{predicted}"
+    )
 
 
 def memory_lines(records: Sequence[StepRecord]) -> List[str]:

@@ -63,13 +63,16 @@ def step_record(
     dataset_samples: int,
     forward_only_passes: int = 0,
     forward_share: float = 1.0 / 3.0,
+    balancer_name: Optional[str] = None,
 ) -> StepRecord:
     """The record of `step` from every rank's measurements (`rows`, gather_measurements's).
     `sampler`: the run's, or None for batches made as training goes (the rollout trainers');
     `global_step`: the Trainer's step counter after it; `compare_name`: the comparison
     balancer's name; `resumed_from`: the checkpoint step this process started from;
     `forward_only_passes`: the trainer's forward-only passes over the plan before its training
-    pass, predicted at `forward_share` of a forward+backward (SimResult.forward_only_ms)."""
+    pass, predicted at `forward_share` of a forward+backward (SimResult.forward_only_ms);
+    `balancer_name`: the run's balancer, which compare_step_ms is of on a step that ran the
+    comparison balancer's plan (Planner.compare_runs)."""
     ps = step.planned
     gv = step.global_valid_tokens
     waves = len(rows[0]) - FIRST_WAVE_COLUMN
@@ -107,7 +110,10 @@ def step_record(
             if ps is not None and ps.compare is not None
             else None
         ),
-        compare_balancer=compare_name if ps is not None and ps.compare is not None else None,
+        compare_balancer=(balancer_name if ps.ran_compare else compare_name)
+        if ps is not None and ps.compare is not None
+        else None,
+        ran_compare=ps is not None and ps.ran_compare,
         planner_ms=ps.planner_ms if ps is not None else 0.0,
         cp_size_samples={str(k): v for k, v in (ps.predicted.cp_size_samples if ps is not None else {}).items()},
         waves=len(step.waves),

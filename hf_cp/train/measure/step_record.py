@@ -40,8 +40,11 @@ class StepRecord:
     plan_digest: str
     step_in_epoch: Optional[int] = None
     data_epoch: Optional[float] = None  # epochs of data seen at the end of this step (fractional)
-    compare_step_ms: Optional[float] = None  # the comparison balancer's simulated makespan
+    compare_step_ms: Optional[float] = None  # the other balancer's simulated makespan (not run)
     compare_balancer: Optional[str] = None  # which balancer compare_step_ms is of
+    # cp_compare_measured: the step ran the comparison balancer's plan (compare_step_ms is then
+    # the run's own balancer's)
+    ran_compare: bool = False
     planner_ms: float = 0.0
     cp_size_samples: Dict[str, int] = field(default_factory=dict)  # group size -> samples run on it
     balancer: str = ""  # the plan's balancer (auto records its winner: auto:dynamic_cp)

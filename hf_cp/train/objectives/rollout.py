@@ -459,6 +459,7 @@ class PlannedRollouts(FSDP2Trainer):
             dataset_samples=0,  # not read without a sampler
             forward_only_passes=self.cp_forward_only_passes,
             forward_share=runtime.cost.profile.forward_share,
+            balancer_name=runtime.balancer_name,
         )
         rec = replace(rec, loss=float(loss))  # the objective's loss, not a token cross-entropy
         self.cp_calibration.observe(rec, step.planned)

@@ -91,6 +91,7 @@ class StepRuntime:
                     seed=args.seed,
                     lookahead=0,
                     compare_balancer=self.setup.settings.compare_balancer,
+                    compare_measured=args.cp_compare_measured,
                     balancer_name=self.setup.settings.balancer if self.balancer is None else None,
                 )
             else:
@@ -101,6 +102,7 @@ class StepRuntime:
                     in_subprocess=args.cp_plan_in_subprocess,
                     workers=args.cp_plan_workers,
                     masks=masks,
+                    compare_measured=args.cp_compare_measured,
                 )
             if self.world > 1 and self.groups.control is not None:
                 # hierarchical planning over several hosts: each host plans its own parts, the

@@ -116,6 +116,14 @@ class CPTrainingArguments(TrainingArguments):
         default=_DEFAULT("compare_balancer"),
         metadata={"help": "also plan every step with this balancer (not run) to report what it would have cost"},
     )
+    cp_compare_measured: bool = field(
+        default=False,
+        metadata={
+            "help": "run cp_compare_balancer's plan on every other step (the odd ones) instead of only predicting "
+            "it, so that both balancers are measured in one run, under the same load; a step's loss and gradients "
+            "are the same whichever plan runs it, and the end-of-run summary compares their measured step times"
+        },
+    )
     cp_loss_chunk_tokens: int = field(
         default=2048,
         metadata={
@@ -234,6 +242,12 @@ class CPTrainingArguments(TrainingArguments):
                 setattr(self, name, parsed)
         if isinstance(self.cp_compare_balancer, str) and self.cp_compare_balancer.lower() in ("", "none", "null"):
             self.cp_compare_balancer = None  # as `hf-cp plan --compare-balancer none`: a command-line flag's None
+        if self.cp_compare_measured and (not self.cp_compare_balancer or self.cp_compare_balancer == self.cp_balancer):
+            raise ValueError(
+                f"CPTrainingArguments: cp_compare_measured runs cp_compare_balancer's plan on every other step; "
+                f"set cp_compare_balancer to a balancer other than cp_balancer {self.cp_balancer!r} "
+                f"(it is {self.cp_compare_balancer!r})"
+            )
         # the kind of device the run trains on, for the choices that depend on it (before the
         # Trainer sets up its device: TrainingArguments.device would start the distributed state)
         device = torch.device("cuda" if torch.cuda.is_available() and not self.use_cpu else "cpu")
