@@ -274,13 +274,19 @@ def attended_chunk_pairs(chunks: Sequence[Chunk], slices: Sequence[Slices]) -> I
     for i, c in enumerate(chunks):
         items, starts = by_doc[c.doc], starts_of[c.doc]
         seen: Set[int] = set()
+        lo, hi = c.start, c.start + c.length
         for s in slices[c.doc]:
-            keys = attended_key_range(s, c.start, c.start + c.length)
+            if s.q_start >= hi or s.q_end <= lo:  # none of its rows in the chunk
+                continue
+            keys = attended_key_range(s, lo, hi)
             if keys is None:
                 continue
             first = max(0, bisect.bisect_right(starts, keys[0]) - 1)
             last = bisect.bisect_left(starts, keys[1])
-            seen.update(items[x][1] for x in range(first, last))
+            if last - first == 1:
+                seen.add(items[first][1])
+            else:
+                seen.update([items[x][1] for x in range(first, last)])
         for k in sorted(seen):
             yield i, k
 

@@ -51,9 +51,17 @@ class AttnSlice:
     kind: SliceKind = SliceKind.FULL
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", SliceKind(self.kind))
+        kind = self.kind if type(self.kind) is SliceKind else SliceKind(self.kind)
+        object.__setattr__(self, "kind", kind)
         for f in ("q_start", "q_end", "k_start", "k_end"):
             object.__setattr__(self, f, int(getattr(self, f)))
+        # rect_pairs' coefficients, computed once: (q_start, q_end, k_start, k_end, p, r, a1, b1)
+        # with a row's keys [b1 + r i, a1 + p i) before clamping (rect_pairs_of_slice)
+        p = 1 if kind in (SliceKind.CAUSAL, SliceKind.BI_CAUSAL) else 0
+        r = 1 if kind in (SliceKind.INV_CAUSAL, SliceKind.BI_CAUSAL) else 0
+        a1 = self.k_end - self.q_end + 1 if p else self.k_end
+        b1 = self.k_start - self.q_start if r else self.k_start
+        object.__setattr__(self, "_rp", (self.q_start, self.q_end, self.k_start, self.k_end, p, r, a1, b1))
 
     @property
     def q_len(self) -> int:
@@ -145,12 +153,42 @@ def rect_pairs_of_slice(s: AttnSlice, q_lo: int, q_hi: int, k_lo: int, k_hi: int
     return total
 
 
+def _clamped_run(x: int, w: int) -> int:
+    """sum over t in [0, x) of min(t, w), for x >= 0 and w >= 1."""
+    if x <= w + 1:
+        return x * (x - 1) // 2
+    return w * (w + 1) // 2 + (x - w - 1) * w
+
+
 def rect_pairs(slices: Iterable[AttnSlice], q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> int:
     """Exact attended query-key pairs of a mask (its slices) inside one rectangle:
     queries [q_lo, q_hi) x keys [k_lo, k_hi). The one pair count of hf_cp."""
-    # slices outside the rectangle's rows skipped before the call: a planner counts many small
-    # rectangles of masks with many slices (a shared prompt's answers), each touching a few
-    return sum(rect_pairs_of_slice(s, q_lo, q_hi, k_lo, k_hi) for s in slices if s.q_start < q_hi and s.q_end > q_lo)
+    # a planner counts many small rectangles of masks with many slices (a shared prompt's
+    # answers), each touching a few: slices outside the rectangle are skipped, and full and
+    # causal slices (what shared prompts, prefixes and block-causal masks compile to) are
+    # counted inline, in the closed form rect_pairs_of_slice gives them
+    total = 0
+    for s in slices:
+        qs, qe, ks, ke, p, r, a1, b1 = s._rp
+        if qs >= q_hi or qe <= q_lo or ks >= k_hi or ke <= k_lo:
+            continue
+        if r:
+            total += rect_pairs_of_slice(s, q_lo, q_hi, k_lo, k_hi)
+            continue
+        u = qs if qs > q_lo else q_lo
+        v = qe if qe < q_hi else q_hi
+        klo = ks if ks > k_lo else k_lo
+        khi = ke if ke < k_hi else k_hi
+        w = khi - klo
+        if not p:  # full: every row sees all of [klo, khi)
+            total += (v - u) * w
+            continue
+        # causal: row i sees min(a1 + i, khi) - klo keys when positive, i.e. min(t, w) for
+        # t = a1 + i - klo once t >= 0
+        x0, x1 = a1 + u - klo, a1 + v - klo
+        if x1 > 0:
+            total += _clamped_run(x1, w) - (_clamped_run(x0, w) if x0 > 0 else 0)
+    return total
 
 
 def attended_key_range(s: AttnSlice, q_lo: int, q_hi: int) -> Optional[Tuple[int, int]]:
@@ -241,7 +279,15 @@ class SampleMask:
 
     # ---- compilation
     def slices(self) -> List[AttnSlice]:
-        """The mask as non-overlapping slices over positions 0..length-1 (not validated)."""
+        """The mask as non-overlapping slices over positions 0..length-1 (not validated).
+        Compiled once per mask (a planner asks for the same masks' slices in every member)."""
+        compiled = self.__dict__.get("_slices")
+        if compiled is None:
+            compiled = tuple(self._compile())
+            object.__setattr__(self, "_slices", compiled)
+        return list(compiled)
+
+    def _compile(self) -> List[AttnSlice]:
         n, F, C, BI = self.length, SliceKind.FULL, SliceKind.CAUSAL, SliceKind.BI_CAUSAL
         if self.kind == "causal":
             return [AttnSlice(0, n, 0, n, C)]
