@@ -63,6 +63,10 @@ class PlanPricer:
         self._eff_v = np.asarray([e for _, e in p.chunk_efficiency], dtype=np.float64)
         self._eff_logq = np.log(self._eff_q) if qs else self._eff_q
         self._per_doc: Dict[Tuple[int, int], Tuple[np.ndarray, np.ndarray]] = {}
+        # masked groups' member costs by what decides them (group_costs): auto prices every
+        # member's plan, whose groups repeat the base plan's, a member's own checks and the
+        # other members' (magi's and usp's untouched groups are dynamic_cp's)
+        self._groups: Dict[tuple, list] = {}
 
     # ------------------------------------------------------------------ cost pieces
     def efficiency(self, q_len: np.ndarray) -> np.ndarray:
@@ -162,6 +166,26 @@ class PlanPricer:
             compute = compute + mix_ms
             ms = ms + mix_ms + mix_comm
         return ms, compute
+
+    def group_costs(self, lens: Dict[int, int], group: Group, masks: Dict) -> list:
+        """simulate.group_costs(lens, group, cost, masks) of a group without vision work, kept
+        per (ranks, samples with their lengths and masks, mode, local lists, block layout):
+        the same values, computed once (do not modify the list)."""
+        sids = [*group.distributed, *(s for v in group.local.values() for s in v)]
+        key = (
+            group.ranks,
+            group.mode,
+            tuple(group.distributed),
+            tuple((r, tuple(v)) for r, v in group.local.items()),
+            group.blocks,
+            tuple((lens[s], masks.get(s)) for s in sids),
+        )
+        v = self._groups.get(key)
+        if v is None:
+            if len(self._groups) >= _GROUP_CACHE_SIZE:
+                self._groups.clear()
+            v = self._groups[key] = group_costs(lens, group, self.cost, masks)
+        return v
 
     # ------------------------------------------------------------------ plans
     def rank_finish_ms(self, plan: StepPlan) -> np.ndarray:
@@ -279,7 +303,10 @@ class PlanPricer:
                     if wall is not None:
                         wall.worked_chunked(lens, g, ms)
                     continue
-                costs = group_costs(lens, g, self.cost, plan.masks, plan.vision)
+                if plan.vision:
+                    costs = group_costs(lens, g, self.cost, plan.masks, plan.vision)
+                else:
+                    costs = self.group_costs(lens, g, plan.masks or {})
                 if all(c.tokens == 0 for c in costs):
                     continue
                 dur = max(c.total_ms for c in costs) + overhead
@@ -377,6 +404,9 @@ class _WallClock:
         return np.asarray(clock)
 
 
+# masked groups a pricer keeps (PlanPricer.group_costs): a 64-rank step's members price a few
+# hundred; the cache is emptied when full
+_GROUP_CACHE_SIZE = 8192
 _PRICERS: weakref.WeakKeyDictionary[CostModel, PlanPricer] = weakref.WeakKeyDictionary()
 
 
