@@ -17,6 +17,7 @@ from hf_cp.samples.masks import (
     intersect_slices,
     masks_from_json,
     rect_pairs,
+    rect_pairs_of_slice,
     window_slices,
 )
 
@@ -103,6 +104,29 @@ def slice_and_rect(draw):
 def test_rect_pairs_equals_dense_count_for_any_rectangle(case):
     n, s, (a, b, c, e) = case
     assert rect_pairs([s], a, b, c, e) == int(dense_slice(s, n)[a:b, c:e].sum())
+
+
+@settings(max_examples=300, deadline=None)
+@given(mask=KINDS, data=st.data())
+def test_rect_pairs_of_a_mask_is_its_slices_counted_one_by_one_and_the_dense_count(mask, data):
+    """rect_pairs counts full and causal slices inline (issue 39): the same integers as
+    rect_pairs_of_slice per slice and as the dense mask, rectangles past the sample included."""
+    n = mask.length
+    a, b = sorted(data.draw(st.lists(st.integers(-2, n + 2), min_size=2, max_size=2)))
+    c, e = sorted(data.draw(st.lists(st.integers(-2, n + 2), min_size=2, max_size=2)))
+    slices = mask.slices()
+    got = rect_pairs(slices, a, b, c, e)
+    assert got == sum(rect_pairs_of_slice(s, a, b, c, e) for s in slices)
+    assert got == int(dense(mask)[max(a, 0) : max(b, 0), max(c, 0) : max(e, 0)].sum())
+
+
+def test_a_masks_slices_are_compiled_once_and_handed_out_as_fresh_lists():
+    mask = SampleMask.shared_prompt(5, [3, 4])
+    first, second = mask.slices(), mask.slices()
+    assert first == second and first is not second and all(x is y for x, y in zip(first, second))
+    first.append(AttnSlice(0, 1, 0, 1))  # the caller's list: the mask keeps its own
+    assert mask.slices() == second
+    assert mask == SampleMask.shared_prompt(5, [3, 4]) and hash(mask) == hash(SampleMask.shared_prompt(5, [3, 4]))
 
 
 def test_rect_pairs_on_a_million_token_document_is_closed_form():
