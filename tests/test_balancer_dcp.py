@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.balancers.dcp import hypergraph
 from hf_cp.balance.balancers.dcp.divisions import division_overlap_ms, schedule_divisions
-from hf_cp.balance.balancers.dcp.layout import plan_layout
+from hf_cp.balance.balancers.dcp.layout import deadline_check, plan_layout
 from hf_cp.balance.balancers.dcp.options import DcpError, DcpOptions
 from hf_cp.balance.balancers.dcp.placement import covering_block
 from hf_cp.balance.balancers.dcp.weights import Weights, cut_sample
+from hf_cp.balance.toolkit.bounds import BoundCache
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, sample_slices
 from hf_cp.cost.bounds import lower_bound_ms
 from hf_cp.cost.simulate import simulate
@@ -24,6 +25,7 @@ from hf_cp.plan.block_layout import received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
+from helpers import load_file_module
 from helpers.balancer_checks import check_balancer_properties, step_cases
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
@@ -238,3 +240,42 @@ def test_dcp_respects_the_largest_group_size(h200_cost):
     plan = get_balancer("dcp").plan(PlanRequest(list(range(len(lengths))), lengths, cluster, h200_cost))
     plan.validate(cluster, h200_cost)  # every group registered: none larger than 4
     assert max(g.size for w in plan.waves for g in w.groups) == 4
+
+
+def _dcp_bound_holds(req, cost):
+    """dcp's lower_bound_ms is at most its plan's and its fallback's simulated step time."""
+    dcp = get_balancer("dcp", deadline_s=None)
+    bound = dcp.lower_bound_ms(req, BoundCache(req))
+    blocks = simulate(dcp._plan(req, deadline_check(None)), cost).makespan_ms
+    fallback = simulate(dcp.plan_fallback(req), cost).makespan_ms
+    assert bound <= min(blocks, fallback) * (1 + 1e-9), (bound, blocks, fallback)
+    return bound
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=step_cases(max_world=16))
+def test_dcp_bound_is_below_its_block_placement_and_its_fallback(case, h200_cost):
+    """auto skips dcp on this bound (issue 39): every aligned block of ranks runs at least the
+    single-rank work of the samples dcp's first step puts inside it."""
+    world, cap, lengths = case
+    cluster = ClusterSpec(world, cap)
+    lengths = [n for n in lengths if n <= cluster.largest_capacity] or [1]
+    try:
+        req = PlanRequest(list(range(len(lengths))), lengths, cluster, h200_cost)
+        _dcp_bound_holds(req, h200_cost)
+    except DcpError:
+        pass  # a step dcp refuses: lower_bound_ms says None and plan() raises
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+@pytest.mark.parametrize("kind", ["g16", "g8long"])
+def test_dcp_bound_on_grouped_steps_rules_it_out_behind_magi(h200_cost, traces_dir, kind, world):
+    """On shared-prompt steps dcp's first step leaves its blocks of ranks unbalanced: its bound
+    is above magi's plan (up to 1.27x the charged bound on the 64-rank GRPO-like step), and
+    auto no longer plans it (it cost auto ~200 ms there)."""
+    grouped_step = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py").grouped_step
+    req = grouped_step(traces_dir, kind, world, h200_cost)
+    bound = _dcp_bound_holds(req, h200_cost)
+    auto = get_balancer("auto")
+    auto.plan(req)
+    assert "dcp" in auto.last_skipped and bound >= auto.last_makespans["magi"], auto.last_skipped

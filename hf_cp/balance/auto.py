@@ -13,8 +13,9 @@ planning a member, `auto` skips it when it cannot matter:
   (the charged bound is proven for per-document and local plans; for zigzag packs it is
   checked on the traces only, see its docstring);
 * the member's own bound (its `lower_bound_ms(request, bounds)`: static, wlb and libra,
-  whose plans run every sample on groups of one size, and skrull, whose samples stay in
-  one block each) is no better than the best plan so far.
+  whose plans run every sample on groups of one size, skrull, whose samples stay in
+  one block each, and dcp, whose first step fixes the ranks each sample's work runs on) is no
+  better than the best plan so far.
 
 A step with masked samples (shared prompts, windows) is planned only by the members that
 declare `handles_masks` (they price samples by their masked area). So `auto` is never slower

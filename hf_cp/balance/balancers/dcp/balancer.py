@@ -11,12 +11,14 @@ from hf_cp.balance.balancers.dcp.layout import (
     DcpLayout,
     deadline_check,
     fallback_layout,
+    placement_lower_bound_ms,
     plan_layout,
     spreads_long_samples,
 )
-from hf_cp.balance.balancers.dcp.options import DcpOptions
+from hf_cp.balance.balancers.dcp.options import DcpError, DcpOptions
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import register_balancer
+from hf_cp.balance.toolkit.bounds import BoundCache
 from hf_cp.balance.toolkit.deadline import DeadlinePassed
 from hf_cp.balance.toolkit.placement import request_masks
 from hf_cp.balance.toolkit.pricing import pricer_for
@@ -47,6 +49,23 @@ class DcpBalancer:
         """Initialise the partitioner now (Balancer.warm_up)."""
         if self.options.backend() == "mtkahypar":
             hypergraph.warm_up()
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> Optional[float]:
+        """No dcp plan of the request is faster (layout.placement_lower_bound_ms: the work of the
+        samples its first step puts inside each aligned block of ranks, for the block placement
+        and its fallback alike); None with vision work, whose memory fit may move samples
+        (fit_vision_memory), or a step dcp refuses (its plan() says why)."""
+        if req.vision:
+            return None
+        cl = req.cluster
+        masks = request_masks(req)
+        try:
+            return placement_lower_bound_ms(
+                req.lengths, cl.world_size, cl.max_tokens_per_rank, req.cost, bounds.local_ms,
+                [masks.get(s) for s in req.sample_ids], self.options, cl.max_group_size,
+            )  # fmt: skip
+        except DcpError:
+            return None
 
     def plan(self, req: PlanRequest) -> StepPlan:
         """The block placement, or its fallback where that is predicted faster (keep_fallback)

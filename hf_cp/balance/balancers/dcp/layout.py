@@ -133,9 +133,8 @@ def _by_block(per_rank: np.ndarray, p: int) -> np.ndarray:
     return per_rank[: n * p].reshape(n, p)
 
 
-def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> List[List[LayoutGroup]]:
-    """Atoms heaviest first onto the rank with the least time in the step (LPT), then each
-    rank's atoms in micro-batches of its own (first fit decreasing), one wave per micro-batch."""
+def _atom_ranks(step: _Step, loads: np.ndarray, world: int) -> Dict[int, List[int]]:
+    """Atoms heaviest first onto the rank with the least time in the step (LPT): rank -> atoms."""
     heap = [(float(loads[r]), r) for r in range(world)]
     heapq.heapify(heap)
     rank_atoms: Dict[int, List[int]] = {r: [] for r in range(world)}
@@ -144,6 +143,13 @@ def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> 
         t, r = heapq.heappop(heap)
         rank_atoms[r].append(i)
         heapq.heappush(heap, (t + times[i], r))
+    return rank_atoms
+
+
+def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> List[List[LayoutGroup]]:
+    """Atoms placed by _atom_ranks, then each rank's atoms in micro-batches of its own (first
+    fit decreasing), one wave per micro-batch."""
+    rank_atoms = _atom_ranks(step, loads, world)
     check()
     extra: List[Dict[int, List[int]]] = []
     for r in range(world):
@@ -152,6 +158,43 @@ def _atom_waves(step: _Step, loads: np.ndarray, world: int, cap: int, check) -> 
                 extra.append({})
             extra[b][r] = sorted(ids)
     return [[((r,), [], None, [], {r: ids}) for r, ids in sorted(wave.items())] for wave in extra]
+
+
+def _long_sample_blocks(
+    step: _Step, world: int, room: float
+) -> Tuple[List[List[Tuple[int, int, List[int]]]], np.ndarray]:
+    """plan_layout's first step: long samples, heaviest first, each on the aligned block of
+    ranks (as many as its time and memory need) with the least work so far, in the first wave
+    where that block's ranks have the room for its owned tokens (an estimate: step 2 places
+    against the exact count). (wave -> [(first rank, size, samples)], every rank's work)."""
+    lengths = step.lengths
+    loads = np.zeros(world)
+    waves: List[List[Tuple[int, int, List[int]]]] = []  # wave -> (first rank, size, samples)
+    wave_tokens: List[np.ndarray] = []  # wave -> rank -> owned tokens of long samples
+    for i, p in zip(step.long_idx, step.sizes):
+        order = _blocks_by_load(loads, p)
+        per_rank = lengths[i] / p
+        for wv in range(len(waves) + 1):
+            if wv == len(waves):
+                waves.append([])
+                wave_tokens.append(np.zeros(world))
+            if waves[wv]:
+                fits = (_by_block(wave_tokens[wv], p) + per_rank <= room).all(axis=1)
+                ok = order[fits[order]]
+                if not len(ok):
+                    continue
+                b = int(ok[0])
+            else:
+                b = int(order[0])
+            entry = next((e for e in waves[wv] if e[0] == b * p and e[1] == p), None)
+            if entry is None:
+                waves[wv].append((b * p, p, [i]))
+            else:
+                entry[2].append(i)
+            wave_tokens[wv][b * p : (b + 1) * p] += per_rank
+            loads[b * p : (b + 1) * p] += step.times[i] / p
+            break
+    return waves, loads
 
 
 def plan_layout(
@@ -181,35 +224,8 @@ def plan_layout(
     def slices_of(i: int) -> List[AttnSlice]:
         return masks[i].slices() if masks[i] is not None else causal_slices(lengths[i])
 
-    # 1. long samples, heaviest first: each on the aligned block of ranks (as many as its time
-    # and memory need) with the least work so far, in the first wave where that block's ranks
-    # have the room for its owned tokens (an estimate: step 2 places against the exact count)
-    loads = np.zeros(world)
-    waves: List[List[Tuple[int, int, List[int]]]] = []  # wave -> (first rank, size, samples)
-    wave_tokens: List[np.ndarray] = []  # wave -> rank -> owned tokens of long samples
-    for i, p in zip(step.long_idx, step.sizes):
-        order = _blocks_by_load(loads, p)
-        per_rank = lengths[i] / p
-        for wv in range(len(waves) + 1):
-            if wv == len(waves):
-                waves.append([])
-                wave_tokens.append(np.zeros(world))
-            if waves[wv]:
-                fits = (_by_block(wave_tokens[wv], p) + per_rank <= room).all(axis=1)
-                ok = order[fits[order]]
-                if not len(ok):
-                    continue
-                b = int(ok[0])
-            else:
-                b = int(order[0])
-            entry = next((e for e in waves[wv] if e[0] == b * p and e[1] == p), None)
-            if entry is None:
-                waves[wv].append((b * p, p, [i]))
-            else:
-                entry[2].append(i)
-            wave_tokens[wv][b * p : (b + 1) * p] += per_rank
-            loads[b * p : (b + 1) * p] += step.times[i] / p
-            break
+    # 1. long samples onto blocks of ranks and into waves (_long_sample_blocks)
+    waves, loads = _long_sample_blocks(step, world, room)
     check()
     # 2. each wave's blocks, largest first, placed against what the wave already holds; a
     # block that does not fit moves to the next wave (or, alone there, splits its samples; a
@@ -288,6 +304,61 @@ def plan_layout(
     return DcpLayout(out, backend, time.perf_counter() - t0)
 
 
+def _inside_blocks_ms(work: np.ndarray, first: np.ndarray, size: np.ndarray, world: int) -> float:
+    """The most work per rank of any aligned block of p ranks (p a power of two) in the samples
+    placed inside it (sample i on ranks first[i] .. first[i] + size[i] - 1, an aligned block
+    of a power of two ranks): those ranks run at least that work, whatever the rest does."""
+    out, p = 0.0, 1
+    while p <= world:
+        inside = size <= p
+        if inside.any():
+            sums = np.bincount(first[inside] // p, weights=work[inside], minlength=world // p)
+            out = max(out, float(sums.max()) / p)
+        p *= 2
+    return out
+
+
+def placement_lower_bound_ms(
+    lengths: Sequence[int],
+    world: int,
+    cap: int,
+    cost: CostModel,
+    work: np.ndarray,
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
+    options: Optional[DcpOptions] = None,
+    max_group: Optional[int] = None,
+) -> float:
+    """No plan of plan_layout's or fallback_layout's is faster than this, for `work` (each
+    sample's single-rank compute, what sharding it only adds to: cost.bounds' argument).
+
+    Both place every long sample on an aligned block of ranks in their first step
+    (_long_sample_blocks, _fallback_blocks: no partitioning, one numpy pass per sample) and
+    the atoms onto single ranks (_atom_ranks); the later steps keep each sample's compute on
+    its block's ranks (its blocks are partitioned over them, or it runs ring per-document or
+    whole there, in this wave or a later one). So every aligned block of ranks runs at least
+    the work of the samples placed inside it, spread over its ranks at best
+    (_inside_blocks_ms); the bound is the smaller of the two layouts'."""
+    opt = options or DcpOptions()
+    masks = list(masks) if masks is not None else [None] * len(lengths)
+    step = _prepare(lengths, world, cap, Weights(cost), masks, opt, max_group)
+    n = len(step.lengths)
+    out = []
+    for layout in ("blocks", "fallback"):
+        first, size = np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64)
+        if layout == "blocks":
+            waves, loads = _long_sample_blocks(step, world, cap * opt.fill)
+            placed = [(f, p, ids) for wave in waves for f, p, ids in wave]
+        else:
+            blocks, locals_, loads = _fallback_blocks(step, world, cap, cap * opt.fill)
+            placed = [(f, p, ids) for wave in blocks for (f, p), ids in wave.items()]
+            placed += [(r, 1, ids) for wave in locals_ for r, ids in wave.items()]
+        placed += [(r, 1, ids) for r, ids in _atom_ranks(step, loads, world).items()]
+        for f, p, ids in placed:
+            first[ids], size[ids] = f, p
+        out.append(_inside_blocks_ms(np.asarray(work, dtype=np.float64), first, size, world))
+    return min(out)
+
+
 def fallback_layout(
     lengths: Sequence[int],
     world: int,
@@ -307,8 +378,27 @@ def fallback_layout(
     w = Weights(cost)
     masks = list(masks) if masks is not None else [None] * len(lengths)
     step = _prepare(lengths, world, cap, w, masks, opt, max_group)
+    waves, locals_, loads = _fallback_blocks(step, world, cap, cap * opt.fill)
+    out: List[List[LayoutGroup]] = []
+    for blocks, local in zip(waves, locals_):
+        groups: List[LayoutGroup] = []
+        covered = set()
+        for (first, p), ids in sorted(blocks.items()):
+            ranks = tuple(range(first, first + p))
+            covered.update(ranks)
+            groups.append((ranks, list(ids), None, [], {r: sorted(local[r]) for r in ranks if r in local}))
+        groups += [((r,), [], None, [], {r: sorted(ids)}) for r, ids in sorted(local.items()) if r not in covered]
+        out.append(sorted(groups, key=lambda g: g[0][0]))
+    out.extend(_atom_waves(step, loads, world, cap, deadline_check(None)))
+    return DcpLayout(out, "none", time.perf_counter() - t0)
+
+
+def _fallback_blocks(
+    step: _Step, world: int, cap: int, room: float
+) -> Tuple[List[Dict[Tuple[int, int], List[int]]], List[Dict[int, List[int]]], np.ndarray]:
+    """fallback_layout's long samples: per wave, (first rank, size) -> the samples ring
+    per-document there and rank -> the samples run whole there; and every rank's work."""
     lengths = step.lengths
-    room = cap * opt.fill
     loads = np.zeros(world)
     waves: List[Dict[Tuple[int, int], List[int]]] = []  # wave -> (first rank, size) -> samples
     locals_: List[Dict[int, List[int]]] = []  # wave -> rank -> samples run whole
@@ -343,15 +433,4 @@ def fallback_layout(
             tokens[wv][s] += per
             loads[s] += step.times[i] / p
             break
-    out: List[List[LayoutGroup]] = []
-    for blocks, local in zip(waves, locals_):
-        groups: List[LayoutGroup] = []
-        covered = set()
-        for (first, p), ids in sorted(blocks.items()):
-            ranks = tuple(range(first, first + p))
-            covered.update(ranks)
-            groups.append((ranks, list(ids), None, [], {r: sorted(local[r]) for r in ranks if r in local}))
-        groups += [((r,), [], None, [], {r: sorted(ids)}) for r, ids in sorted(local.items()) if r not in covered]
-        out.append(sorted(groups, key=lambda g: g[0][0]))
-    out.extend(_atom_waves(step, loads, world, cap, deadline_check(None)))
-    return DcpLayout(out, "none", time.perf_counter() - t0)
+    return waves, locals_, loads
