@@ -107,20 +107,33 @@ def _alternating(own_ms, compare_ms, own_pred=100.0, compare_pred=110.0):
     return out
 
 
-def test_the_summary_compares_the_measured_steps_after_the_first():
-    # step 0 (own, 900 ms: start-up) is left out; own steps 2, 4: 200, 220; compare steps 1, 3, 5: 260, 250, 300
+def test_the_summary_compares_the_measured_steps_after_the_first_on_equal_work():
+    # step 0 (own, 900 ms: start-up) is left out. Own steps 2, 4: 200 + 220 ms, predicted 100 each
+    # (2.1x). Compare steps 1, 3, 5: 260 + 250 + 300 ms where auto was predicted 100 each (2.7x)
     recs = _alternating([900.0, 200.0, 220.0], [260.0, 250.0, 300.0])
     line = measured_comparison_line(recs, "auto", "static")
-    assert "auto 210.0 ms a step (median of 2, 200.0-220.0)" in line, line
-    assert "static 260.0 ms (median of 3, 250.0-300.0)" in line, line
-    assert f"static / auto {260 / 210:.3f}x measured, 1.100x predicted on the same steps" in line, line
+    assert "auto 420 ms over 2 step(s) it was predicted to take 200 ms (2.100x)" in line, line
+    assert "static 810 ms over 3 step(s) auto was predicted to take 300 ms (2.700x)" in line, line
+    assert f"static / auto {2.7 / 2.1:.3f}x measured on equal work, 1.100x predicted on the same steps" in line
     lines = balance_lines(recs, "auto", "static")
     assert line in lines and not any("predicted only" in x for x in lines)
     # the balance line is of the run's own balancer's steps only
     own_only = balance_lines([r for r in recs if not r.ran_compare], "auto")
     assert lines[:2] == own_only[:2]
     # no comparison balancer named: the one the odd steps ran
-    assert "static 260.0 ms" in measured_comparison_line(recs, "auto", "")
+    assert "static 810 ms" in measured_comparison_line(recs, "auto", "")
+
+
+def test_steps_of_different_sizes_are_compared_per_predicted_ms():
+    """An epoch's last step holds a few samples: where it falls to the comparison balancer, its
+    raw time would make that balancer look faster. Here both run at exactly their predictions'
+    pace (1.0x), whatever the step's size: the measured ratio is 1.000x."""
+    recs = _alternating([900.0, 100.0, 100.0], [10.0, 100.0, 10.0], own_pred=100.0, compare_pred=100.0)
+    for r in recs:  # the compare steps 1 and 5 are small: auto was predicted 10 ms on them
+        if r.ran_compare and r.step_wall_ms == 10.0:
+            r.compare_step_ms = r.predicted_step_ms = 10.0
+    line = measured_comparison_line(recs, "auto", "static")
+    assert "static / auto 1.000x measured on equal work, 1.000x predicted" in line, line
 
 
 def test_too_few_steps_to_compare_say_so():

@@ -192,30 +192,34 @@ def balance_lines(records: Sequence[StepRecord], balancer: str, compare: str = "
 
 
 def measured_comparison_line(records: Sequence[StepRecord], balancer: str, compare: str) -> str:
-    """cp_compare_measured: the measured step times of the steps that ran `balancer`'s plan and
-    of those that ran `compare`'s (they alternate), each's median and range, after the first step
-    of `records` (its start-up: the allocator, the engine's first pass); beside the predicted
-    ratio on the same steps, each of which was planned by both."""
+    """cp_compare_measured: the measured time of the steps that ran `balancer`'s plan against
+    that of the steps that ran `compare`'s (they alternate), after the first step of `records`
+    (its start-up: the allocator, the engine's first pass). The steps differ in size (an epoch's
+    last step may hold a few samples), so each side's measured time is taken per ms that
+    `balancer`'s plan was predicted to take on the same steps (every step is planned by both):
+    the ratio of the two is the measured `compare` / `balancer` on equal work, beside the
+    predicted ratio on the same steps."""
     compare = compare or next(r.balancer for r in records if r.ran_compare)
-    later = records[1:]
-    own = [r.step_wall_ms for r in later if not r.ran_compare]
-    ran = [r.step_wall_ms for r in later if r.ran_compare]
+    # each step's prediction of both plans: the one that ran, and the other (compare_step_ms)
+    later = [r for r in records[1:] if r.compare_step_ms is not None]
+    own = [(r.step_wall_ms, r.predicted_step_ms) for r in later if not r.ran_compare]
+    ran = [(r.step_wall_ms, r.compare_step_ms) for r in later if r.ran_compare]
     if not own or not ran:
         return (
             f"measured in this run: too few steps to compare {balancer} and {compare} after the first "
             f"({len(own)} and {len(ran)}): cp_compare_measured needs at least 3 steps"
         )
-    # each step's prediction of both plans: the one that ran, and the other (compare_step_ms)
-    both = [r for r in later if r.compare_step_ms is not None]
-    pred_own = sum(r.compare_step_ms if r.ran_compare else r.predicted_step_ms for r in both)
-    pred_ran = sum(r.predicted_step_ms if r.ran_compare else r.compare_step_ms for r in both)
-    m_own, m_ran = statistics.median(own), statistics.median(ran)
-    predicted = f", {pred_ran / pred_own:.3f}x predicted on the same steps" if both and pred_own > 0 else ""
+    own_ms, own_pred = map(sum, zip(*own))
+    ran_ms, ran_own_pred = map(sum, zip(*ran))
+    per_own, per_ran = own_ms / own_pred, ran_ms / ran_own_pred
+    pred_own = sum(r.compare_step_ms if r.ran_compare else r.predicted_step_ms for r in later)
+    pred_ran = sum(r.predicted_step_ms if r.ran_compare else r.compare_step_ms for r in later)
     return (
-        f"measured in this run, steps alternating after the first: {balancer} {m_own:.1f} ms a step "
-        f"(median of {len(own)}, {min(own):.1f}-{max(own):.1f}), {compare} {m_ran:.1f} ms "
-        f"(median of {len(ran)}, {min(ran):.1f}-{max(ran):.1f}): {compare} / {balancer} "
-        f"{m_ran / m_own if m_own > 0 else float('nan'):.3f}x measured{predicted}"
+        f"measured in this run, steps alternating after the first: {balancer} {own_ms:.0f} ms over "
+        f"{len(own)} step(s) it was predicted to take {own_pred:.0f} ms ({per_own:.3f}x), {compare} "
+        f"{ran_ms:.0f} ms over {len(ran)} step(s) {balancer} was predicted to take {ran_own_pred:.0f} ms "
+        f"({per_ran:.3f}x): {compare} / {balancer} {per_ran / per_own:.3f}x measured on equal work, "
+        f"{pred_ran / pred_own:.3f}x predicted on the same steps"
     )
 
 
