@@ -63,6 +63,11 @@ class RankCost:
         return self.compute_ms + self.comm_ms
 
 
+# RankCosts a CostModel keeps (distributed_rank_cost); a 64-rank masked step's members ask for a
+# few thousand
+_RANK_COSTS_KEPT = 1 << 15
+
+
 class CostModel:
     """Cost of documents on ranks, for one model on one kind of hardware.
 
@@ -82,6 +87,10 @@ class CostModel:
         self.execution = execution
         self.vision = vision  # the vision tower of a vision-language model (None: text only)
         self._vision_item_ms: dict = {}  # grid -> vision_item_ms (a step repeats a few resolutions)
+        # distributed_rank_cost by its arguments: a masked group is priced by every member of
+        # auto that lays it out (magi's and usp's ring candidates are the same groups) and again
+        # by the pricer; emptied when full (_RANK_COSTS_KEPT)
+        self._rank_costs: dict = {}
         fd = profile.fitted_dims
         # the profile's rates per FLOP (fitted on its own dimensions): what the vision tower's
         # matmuls and attention run at, so that a refitted profile moves both alike
@@ -236,21 +245,43 @@ class CostModel:
         are this member's local documents (computed with no communication). `masks` and
         `local_masks` (aligned with the lengths; None entries causal) price masked samples by
         their masked area. Mode BLOCKS is priced from its layout: cost.blocks.block_group_costs."""
-        if mode_spec(mode).priced_per_group:
-            raise ValueError(
-                f"a {mode_spec(mode).name!r} group is priced from its placement: use cost.blocks.block_group_costs"
+        spec = mode_spec(mode)
+        if spec.priced_per_group:
+            raise ValueError(f"a {spec.name!r} group is priced from its placement: use cost.blocks.block_group_costs")
+        key = self._rank_cost_key(doc_lengths, spec, ranks, member, local_lengths, masks, local_masks)
+        rc = self._rank_costs.get(key)
+        if rc is None:
+            rc = self._rank_cost(
+                doc_lengths,
+                mode,
+                ranks,
+                member,
+                local_lengths,
+                _segments_builder(mode, doc_lengths, len(ranks)),
+                self.link_for(ranks),
+                masks,
+                local_masks,
             )
-        return self._rank_cost(
-            doc_lengths,
-            mode,
-            ranks,
+            self._keep_rank_cost(key, rc)
+        return rc
+
+    @staticmethod
+    def _rank_cost_key(doc_lengths, spec, ranks, member, local_lengths, masks, local_masks) -> tuple:
+        """What a member's RankCost depends on besides the model (masks as given, aligned)."""
+        return (
+            tuple(doc_lengths),
+            spec,
+            tuple(ranks),
             member,
-            local_lengths,
-            _segments_builder(mode, doc_lengths, len(ranks)),
-            self.link_for(ranks),
-            masks,
-            local_masks,
+            tuple(local_lengths),
+            tuple(masks) if masks else None,
+            tuple(local_masks) if local_masks else None,
         )
+
+    def _keep_rank_cost(self, key: tuple, rc: RankCost) -> None:
+        if len(self._rank_costs) >= _RANK_COSTS_KEPT:
+            self._rank_costs.clear()
+        self._rank_costs[key] = rc
 
     def distributed_rank_costs(
         self,
@@ -266,11 +297,17 @@ class CostModel:
         ring member's cost also needs its successor's share, so costing a whole group member by
         member would build each share twice."""
         local = local or {}
-        segments_of = _segments_builder(mode, doc_lengths, len(ranks))
-        link = self.link_for(ranks)
-        return [
-            self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks) for m in members
-        ]
+        spec = mode_spec(mode)
+        keys = [self._rank_cost_key(doc_lengths, spec, ranks, m, local.get(m, ()), masks, None) for m in members]
+        out = [self._rank_costs.get(k) for k in keys]
+        if any(rc is None for rc in out):
+            segments_of = _segments_builder(mode, doc_lengths, len(ranks))
+            link = self.link_for(ranks)
+            for i, m in enumerate(members):
+                if out[i] is None:
+                    out[i] = self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks)
+                    self._keep_rank_cost(keys[i], out[i])
+        return out
 
     def _rank_cost(
         self,
