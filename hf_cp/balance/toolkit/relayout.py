@@ -27,6 +27,7 @@ The `magi` and `usp` balancers are a base balancer's plan relaid out with those 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -197,7 +198,7 @@ def relayout(plan: StepPlan, req: PlanRequest, options: Optional[LayoutOptions] 
         groups: List[Group] = []
         for g in wave.groups:
             if not g.distributed or g.size == 1:
-                groups.append(g)
+                groups.append(_copy_group(g))
                 continue
             dist = [lens[s] for s in g.distributed]
             local = {m: [lens[s] for s in g.local.get(r, [])] for m, r in enumerate(g.ranks)}
@@ -206,7 +207,7 @@ def relayout(plan: StepPlan, req: PlanRequest, options: Optional[LayoutOptions] 
                 req.cost, dist, g.ranks, cap, [masks.get(s) for s in g.distributed], local, local_masks, options
             )
             if choice is None or (choice.mode == g.mode and choice.layout is None):
-                groups.append(g)
+                groups.append(_copy_group(g))
                 continue
             groups.append(
                 Group(
@@ -219,6 +220,23 @@ def relayout(plan: StepPlan, req: PlanRequest, options: Optional[LayoutOptions] 
             )
         out.waves.append(Wave(groups))
     return out
+
+
+def _copy_group(g: Group) -> Group:
+    """A group as the base plan has it, with lists of its own: a base plan is shared by the
+    balancers relaid out from it (RelayoutBalancer._base_plan), and their plans must not share
+    what a caller may change."""
+    out = copy.copy(g)
+    out.distributed = list(g.distributed)
+    out.local = {r: list(v) for r, v in g.local.items()}
+    out.chunked = {r: list(v) for r, v in g.chunked.items()}
+    return out
+
+
+# the last base plan made (request, base balancer's class and options, plan): `magi` and `usp`
+# (and any RelayoutBalancer) in one `auto` plan the same request from the same base, and the
+# base plan is a third of magi's CPU on a GRPO-like step; relayout never changes it
+_last_base: Optional[Tuple[PlanRequest, tuple, StepPlan]] = None
 
 
 class RelayoutBalancer:
@@ -238,9 +256,24 @@ class RelayoutBalancer:
         self.options = LayoutOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in layout_options.items()})
 
     def plan(self, req: PlanRequest) -> StepPlan:
-        plan = relayout(self.base.plan(req), req, self.options)
+        plan = relayout(self._base_plan(req), req, self.options)
         plan.balancer = self.name
         return fit_vision_memory(plan, req)  # a layout's cap check does not count the encoders
+
+    def _base_plan(self, req: PlanRequest) -> StepPlan:
+        """The base balancer's plan of `req`, the last one made when the same request was
+        planned by a base of the same class and options (a base whose plans depend on timing is
+        always asked again)."""
+        global _last_base
+        base = self.base
+        key = (type(base), getattr(base, "options", None))
+        last = _last_base  # one read: another thread may replace it
+        if last is not None and last[0] is req and last[1] == key:
+            return last[2]
+        plan = base.plan(req)
+        if key[1] is not None and not getattr(base, "timing_dependent", False):
+            _last_base = (req, key, plan)
+        return plan
 
 
 __all__ = ["LayoutChoice", "LayoutOptions", "RelayoutBalancer", "choose_layout", "relayout"]
