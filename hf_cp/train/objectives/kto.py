@@ -59,6 +59,7 @@ from datasets import IterableDataset
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.answers import EXAMPLE_COLUMNS, refuse_empty_answers
+from hf_cp.train.checks.media import SHARED_PROMPT_IMAGES_INSTEAD, SHARED_PROMPT_IMAGES_WHY, refuse_raw_images
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
 from hf_cp.train.objectives.kto_loss import KL_LOSS_TYPES, KTOSettings, kl_estimate, kto_loss
@@ -190,6 +191,8 @@ class CPKTOTrainer(CPTrainer, _KTOWithKLRuns):
                 "CPKTOTrainer: a streaming train_dataset is not supported (TRL's example pipeline needs the whole "
                 "dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
+        datasets = {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")}
+        refuse_raw_images(datasets, "CPKTOTrainer", SHARED_PROMPT_IMAGES_WHY, SHARED_PROMPT_IMAGES_INSTEAD)
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
         if self._is_vision_dataset:
             raise ValueError(

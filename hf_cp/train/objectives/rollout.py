@@ -35,6 +35,7 @@ from hf_cp.train.checkpoint.fit import run_engine
 from hf_cp.train.checkpoint.resolve import checkpoint_step
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
 from hf_cp.train.checks.launch import check_launch_settings
+from hf_cp.train.checks.media import SHARED_PROMPT_IMAGES_INSTEAD, SHARED_PROMPT_IMAGES_WHY, refuse_raw_images
 from hf_cp.train.checks.model import check_model_supported, check_recurrent_layers_fit
 from hf_cp.train.checks.setup import HF_CP_ATTENTION
 from hf_cp.train.data.collator import IGNORE_INDEX, PlanCollator, RankStep
@@ -150,6 +151,8 @@ class PlannedRollouts(FSDP2Trainer):
                     f"{name}: {key} (multi-turn rollouts with tool or environment turns inside the "
                     "completion) is not supported yet; pass rollout_func for custom rollouts"
                 )
+        datasets = {"train_dataset": train_dataset, "eval_dataset": kwargs.get("eval_dataset")}
+        refuse_raw_images(datasets, name, SHARED_PROMPT_IMAGES_WHY, SHARED_PROMPT_IMAGES_INSTEAD)
         if model is not None and not isinstance(model, str) and args.beta != 0.0 and kwargs.get("peft_config") is None:
             keep_reference_loadable(model, args.output_dir, int(args.process_index))
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
