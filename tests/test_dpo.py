@@ -268,35 +268,39 @@ def _vlm_dpo_trainer(tmp_path, train, eval_dataset=None):
     )
 
 
-IMAGE_PAIRS = "CPDPOTrainer: {} has the column 'images' \\(TRL's vision-language rows\\); hf_cp's pair samples"
+IMAGE_PAIRS = "CPDPOTrainer: pairs with images need the model's processor as processing_class, got TokenizersBackend"
 
 
-def test_pairs_with_images_are_refused_by_name_before_any_work(tmp_path):
-    """Before (measured): CPTrainer's "train_dataset has no 'input_ids' column ... tokenise it first"
-    at set-up (TRL skips its pipeline for vision pairs); an eval dataset with images beside text
-    pairs failed in TRL's text pipeline ("Number of images provided (0) does not match ...")."""
-    with pytest.raises(ValueError, match=IMAGE_PAIRS.format("train_dataset")) as caught:
+def test_pairs_with_images_and_a_bare_tokenizer_are_refused_by_name_before_any_work(tmp_path):
+    """TRL's vision pairs train with the model's processor as processing_class
+    (tests/test_dpo_vision.py); with a tokenizer alone, train or eval pairs with images are refused
+    at set-up, and evaluate() on them after text training too. Before issue 38's image pairs
+    (measured): CPTrainer's "train_dataset has no 'input_ids' column ... tokenise it first" at
+    set-up; an eval dataset with images beside text pairs failed in TRL's text pipeline ("Number
+    of images provided (0) does not match ...")."""
+    with pytest.raises(ValueError, match=IMAGE_PAIRS) as caught:
         _vlm_dpo_trainer(tmp_path / "train", _image_pairs())
-    assert "text-only pairs" in str(caught.value) and "trainer: cp" in str(caught.value)
-    with pytest.raises(ValueError, match=IMAGE_PAIRS.format("eval_dataset")):
+    assert "load_vision_processor" in str(caught.value)
+    with pytest.raises(ValueError, match=IMAGE_PAIRS):
         _vlm_dpo_trainer(tmp_path / "eval", preference_rows(4), eval_dataset=_image_pairs())
     trainer = _vlm_dpo_trainer(tmp_path / "evaluate", preference_rows(4))
     from datasets import Dataset
 
-    with pytest.raises(ValueError, match=IMAGE_PAIRS.format("eval")):
+    with pytest.raises(ValueError, match="eval has pairs with images, but the training pairs have none"):
         trainer.evaluate(Dataset.from_list(_image_pairs()))
 
 
 def test_pairs_with_a_processors_pixel_columns_are_refused_by_name(tmp_path):
-    """Pairs carrying pixel_values / image_grid_thw (a processor's columns) become shared-prompt
-    samples, which do not carry images yet: refused at set-up naming the trainer and the columns."""
+    """Text pairs carrying pixel_values / image_grid_thw (a processor's columns) have no image
+    placeholders in their prompts: refused at set-up naming the trainer and the columns, and
+    TRL's vision pairs named instead."""
     import numpy as np
 
     rows = [
         dict(r, pixel_values=np.zeros((16, 96), np.float32).tolist(), image_grid_thw=[[1, 4, 4]])
         for r in preference_rows(4)
     ]
-    with pytest.raises(ValueError, match="CPDPOTrainer: train_dataset has vision columns .*share a prompt"):
+    with pytest.raises(ValueError, match="CPDPOTrainer: train has vision columns .*give TRL's vision pairs instead"):
         _vlm_dpo_trainer(tmp_path, rows)
 
 

@@ -125,7 +125,7 @@ def test_vision_data_is_refused_where_it_cannot_be_carried():
     with pytest.raises(ValueError, match="sharded by fsdp2"):
         attach_vision(ds, read_token_columns(ds), model, "CPTrainer", sharding="fsdp2")
     with pytest.raises(ValueError, match="share a prompt"):
-        attach_vision(ds, read_token_columns(ds), model, "CPDPOTrainer", shared_prompts=True)
+        attach_vision(ds, read_token_columns(ds), model, "CPKTOTrainer", shared_prompts=True)
     stream = ds.to_iterable_dataset()
     with pytest.raises(ValueError, match="stream"):
         attach_vision(stream, read_token_columns(ds), model, "CPTrainer")

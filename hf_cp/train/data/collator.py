@@ -297,10 +297,11 @@ class PlanCollator:
                 x, y = self.fetch(sid)
                 text_positions[sid] = sample_targets(x, y, self.masks.get(sid)).positions
             lengths[sid] = len(text_positions[sid])
-            if sid in self.masks and self.vision(sid) is not None:
+            kind = self.masks[sid].kind if sid in self.masks else None
+            if kind not in (None, "shared_prompt") and self.vision(sid) is not None:
                 raise ValueError(
-                    f"step {plan.step + 1}, wave {wave}: sample {sid} has images or clips and a "
-                    f"{self.masks[sid].kind!r} mask; vision samples train with causal attention only"
+                    f"step {plan.step + 1}, wave {wave}: sample {sid} has images or clips and a {kind!r} mask; vision "
+                    "samples train with causal attention, or as a shared prompt with its answers (DPO pairs), only"
                 )
         return wave_vision(group, member, lengths, self.vision, text_positions, row)
 

@@ -6,10 +6,15 @@ model; hf_cp plans each step and computes the loss wherever the answers' tokens 
     args = CPDPOConfig(output_dir="out", beta=0.1, cp_max_tokens_per_rank=32768, cp_tokens_per_rank_per_step=65536)
     CPDPOTrainer(model=model, args=args, train_dataset=pairs, processing_class=tokenizer).train()
 
-`pairs` is any dataset DPOTrainer takes (prompt/chosen/rejected, plain or conversational), of
-text: a vision-language policy trains on text pairs exactly, and TRL's vision pairs (an `images`
-column) are refused by name at set-up (checks/media.py).
-DPOTrainer tokenises it (prompt_ids, chosen_ids, rejected_ids); each pair then becomes one
+`pairs` is any dataset DPOTrainer takes (prompt/chosen/rejected, plain or conversational). A
+vision-language policy (Qwen2-VL family) trains on text pairs, and on TRL's vision pairs (an
+`images` column, the images in the prompt) given its processor as `processing_class`
+(`load_vision_processor(FOLDER)` or the model's transformers processor): hf_cp tokenises those
+itself (objectives/dpo_vision.py), each image expanded into its placeholder tokens, and the
+planned steps encode each image once per pass (policy and reference, each with its own tower),
+its rows placed in the prompt that both answers attend; each answer's M-RoPE positions are the
+model's own for prompt+answer alone (data/vision_columns.shared_prompt_rope).
+DPOTrainer tokenises text pairs (prompt_ids, chosen_ids, rejected_ids); each pair then becomes one
 shared-prompt sample [prompt][chosen][rejected] (samples/masks.py): the prompt is computed
 once, each answer attends to the prompt and to itself, and its positions continue from the
 prompt's end, so each answer's log-prob is exactly the one of prompt+answer as its own sequence.
@@ -63,10 +68,16 @@ from datasets import IterableDataset
 from hf_cp.samples.mask_column import MASK_COLUMN, encode_mask
 from hf_cp.samples.masks import SampleMask
 from hf_cp.train.checks.answers import refuse_empty_answers
-from hf_cp.train.checks.media import refuse_raw_images
 from hf_cp.train.data.collator import IGNORE_INDEX, RankStep
 from hf_cp.train.data.columns import model_vocab_size
+from hf_cp.train.data.vision_columns import has_vision_columns
 from hf_cp.train.objectives.dpo_loss import DPOSettings, dpo_loss, pair_slots
+from hf_cp.train.objectives.dpo_vision import (
+    has_image_rows,
+    refuse_video_rows,
+    tokenise_image_pairs,
+    vision_processor_of,
+)
 from hf_cp.train.objectives.preference import (
     check_policy_and_reference,
     policy_and_reference_logps,
@@ -76,6 +87,7 @@ from hf_cp.train.objectives.preference import (
     refuse_truncation,
 )
 from hf_cp.train.setup.args import CPTrainingArguments, keep_defaults_of
+from hf_cp.train.setup.vision_setup import attach_vision
 from hf_cp.train.step.evaluation import evaluation_data, evaluation_plans, evaluation_rank_steps
 from hf_cp.train.step.executor import WaveTotals
 from hf_cp.train.step.sequence_objective import (
@@ -84,21 +96,12 @@ from hf_cp.train.step.sequence_objective import (
     answer_logps_everywhere,
     train_sequence_objective,
 )
+from hf_cp.train.step.vision_tower import VisionTower, vision_tower_of
 from hf_cp.train.trainer import CPTrainer
 
 logger = logging.getLogger(__name__)
 
 REFERENCE_FILE = "cp_reference_logps.json"
-# TRL's vision preference rows (an `images` column): refused by name (checks/media.py)
-IMAGE_PAIRS_WHY = (
-    "hf_cp's pair samples ([prompt][chosen][rejected], the prompt computed once) do not carry images yet, and "
-    "TRL's collator, which turns a batch's images into pixels, is replaced by the planned steps"
-)
-IMAGE_PAIRS_INSTEAD = (
-    "Train DPO on text-only pairs (no images; a vision-language policy trains on them exactly, as under TRL's "
-    "DPOTrainer), or train supervised on the images with CPTrainer: `hf-cp preprocess DATA --processor DIR "
-    "--images-field images --out OUT`, then `hf-cp train` with trainer: cp (docs/vision.md)"
-)
 
 
 @dataclass
@@ -145,6 +148,7 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
     plus `balancer`; `args` must be a CPDPOConfig."""
 
     cp_shared_prompt_samples = True
+    cp_vision_pairs = True  # TRL's vision pairs: their images sit in the prompt (objectives/dpo_vision.py)
 
     def __init__(self, model=None, ref_model=None, args: Optional[CPDPOConfig] = None, train_dataset=None, **kwargs):
         if not isinstance(args, CPDPOConfig):
@@ -157,9 +161,13 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: a streaming train_dataset is not supported (TRL's pair pipeline and the reference "
                 "pass need the whole dataset); materialise it first (Dataset.from_generator) or use CPTrainer"
             )
-        self.cp_check_datasets(train_dataset, kwargs.get("eval_dataset"))
+        self.cp_check_datasets(train_dataset, kwargs.get("eval_dataset"), kwargs.get("processing_class"))
         self._cp_reference_table: Optional[Dict[int, Tuple[float, float]]] = None
+        # the reference model's own tower in a vision-language run (its passes encode the images again)
+        self._cp_ref_vision: Optional[VisionTower] = None
         refuse_reference_without_path(args, model, ref_model, "CPDPOTrainer")
+        self._cp_vision_processor = None
+        train_dataset, kwargs = self._cp_image_pairs(train_dataset, args, kwargs)
         super().__init__(model=model, args=args, train_dataset=train_dataset, ref_model=ref_model, **kwargs)
         if self.aux_loss_enabled:
             raise ValueError(
@@ -167,6 +175,38 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "planned forward does not collect; set router_aux_loss_coef=0"
             )
         check_policy_and_reference(self, "CPDPOTrainer", "DPOConfig")
+        if self.cp_vision is not None and self.ref_model is not None:
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            self._cp_ref_vision = vision_tower_of(reference, "CPDPOTrainer: ref_model")
+
+    def _cp_image_pairs(self, train_dataset, args, kwargs):
+        """TRL's vision pairs (train and eval), tokenised by hf_cp before TRL sees them (TRL would
+        leave them to its collator, which the planned steps replace); processing_class becomes the
+        processor's tokenizer for TRL. Text pairs pass unchanged."""
+        eval_dataset = kwargs.get("eval_dataset")
+        evals = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset}
+        if not has_image_rows(train_dataset) and not any(has_image_rows(d) for d in evals.values()):
+            return train_dataset, kwargs
+        if not has_image_rows(train_dataset):
+            raise ValueError(
+                "CPDPOTrainer: the eval pairs have images but the training pairs do not; a run evaluates images "
+                "with the tower it trains (give the training pairs their images, or evaluate text pairs)"
+            )
+        if args.precompute_ref_log_probs:
+            raise ValueError(
+                "CPDPOTrainer: precompute_ref_log_probs=True with pairs with images is not built (TRL refuses it too); "
+                "pass ref_model (a copy of the initial policy) and leave precompute_ref_log_probs off"
+            )
+        self._cp_vision_processor = vision_processor_of(kwargs.get("processing_class"), "CPDPOTrainer")
+        kwargs = dict(kwargs, processing_class=self._cp_vision_processor.tokenizer)
+        train_dataset = self._prepare_dataset(train_dataset, None, args, "train")
+        if eval_dataset is not None:
+            # text eval pairs are left to TRL's pipeline, which runs once TRL has set its tokenizer up
+            prepared = {
+                k: self._prepare_dataset(d, None, args, k) if has_image_rows(d) else d for k, d in evals.items()
+            }
+            kwargs["eval_dataset"] = prepared if isinstance(eval_dataset, dict) else prepared["eval"]
+        return train_dataset, kwargs
 
     @staticmethod
     def cp_check_arguments(args) -> DPOSettings:
@@ -179,19 +219,40 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
         return DPOSettings.from_config(args)  # unsupported loss settings
 
     @staticmethod
-    def cp_check_datasets(train_dataset, eval_dataset) -> None:
-        """The refusals that read only the rows (the trainer's, and `hf-cp train --dry-run`'s): TRL's
-        vision preference rows."""
-        refuse_raw_images(
-            {"train_dataset": train_dataset, "eval_dataset": eval_dataset}, "CPDPOTrainer", IMAGE_PAIRS_WHY,
-            IMAGE_PAIRS_INSTEAD,
-        )  # fmt: skip
+    def cp_check_datasets(train_dataset, eval_dataset, processing_class=None) -> None:
+        """The refusals that read only the rows and the processing class (the trainer's, and
+        `hf-cp train --dry-run`'s, which has none: `hf-cp train` gives DPO the model's tokenizer):
+        pairs with video, and pairs with images without the model's processor."""
+        evals = eval_dataset if isinstance(eval_dataset, dict) else {"eval_dataset": eval_dataset}
+        datasets = {"train_dataset": train_dataset, **evals}
+        for name, dataset in datasets.items():
+            refuse_video_rows(dataset, name, "CPDPOTrainer")
+        if any(has_image_rows(d) for d in datasets.values()):
+            vision_processor_of(processing_class, "CPDPOTrainer")
 
     # ------------------------------------------------------------------ data (TRL's pipeline, then one sample per pair)
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        refuse_raw_images({dataset_name: dataset}, "CPDPOTrainer", IMAGE_PAIRS_WHY, IMAGE_PAIRS_INSTEAD)  # evaluate()'s
+        columns = list(getattr(dataset, "column_names", None) or [])
+        if MASK_COLUMN in columns and "prompt_ids" in columns:  # pairs with images, joined before TRL's set-up
+            return dataset
+        refuse_video_rows(dataset, dataset_name, "CPDPOTrainer")
         refuse_empty_answers(dataset, dataset_name)  # before TRL turns an empty answer into EOS alone
-        prepared = DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
+        if has_image_rows(dataset):
+            if self._cp_vision_processor is None:  # evaluate() on image pairs after text training
+                raise ValueError(
+                    f"CPDPOTrainer: {dataset_name} has pairs with images, but the training pairs have none; a run "
+                    "evaluates images with the tower it trains (give the training pairs their images)"
+                )
+            prepared = tokenise_image_pairs(dataset, self._cp_vision_processor, dataset_name, args.dataset_num_proc)
+        elif has_vision_columns(columns):
+            found = ", ".join(c for c in columns if has_vision_columns([c]))
+            raise ValueError(
+                f"CPDPOTrainer: {dataset_name} has vision columns ({found}) beside text pairs, whose prompts hold no "
+                "image placeholders: give TRL's vision pairs instead (an `images` column, the images in the prompt) "
+                "with the model's processor as processing_class"
+            )
+        else:
+            prepared = DPOTrainer._prepare_dataset(self, dataset, processing_class, args, dataset_name)
         return prepared.map(
             pair_sample, with_indices=True, desc=f"Joining {dataset_name} pairs into shared-prompt samples"
         )
@@ -203,7 +264,9 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
     # ------------------------------------------------------------------ reference log-probs
     def _cp_reference_pass(self, step: RankStep) -> torch.Tensor:
         """This rank's part of every answer's reference log-prob (forward only)."""
-        return reference_logps(self.cp_runtime.executor, self.accelerator, self.model, self.ref_model, step)
+        return reference_logps(
+            self.cp_runtime.executor, self.accelerator, self.model, self.ref_model, step, self._cp_ref_vision
+        )
 
     def _cp_reference_file(self) -> Path:
         return Path(self.args.output_dir) / REFERENCE_FILE
@@ -264,7 +327,13 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 ref[k] = self._cp_reference_table[sid][a]
             return own, ref
         return policy_and_reference_logps(
-            self.cp_runtime.executor, self.accelerator, policy, self.ref_model, step, self.cp_world
+            self.cp_runtime.executor,
+            self.accelerator,
+            policy,
+            self.ref_model,
+            step,
+            self.cp_world,
+            ref_vision=self._cp_ref_vision,
         )
 
     def _cp_train_waves(self, model, step: RankStep) -> Tuple[WaveTotals, Optional[float]]:
@@ -310,9 +379,10 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
             )
         self._cp_setup()
         t0 = time.perf_counter()
-        data, plans = evaluation_data(
-            ds, f"eval dataset {metric_key_prefix!r}", *self._cp_evaluation_settings(), model_vocab_size(self.model)
-        )
+        name = f"eval dataset {metric_key_prefix!r}"
+        data, plans = evaluation_data(ds, name, *self._cp_evaluation_settings(), model_vocab_size(self.model))
+        if has_vision_columns(getattr(ds, "column_names", None) or []):  # pairs with images (see _prepare_dataset)
+            attach_vision(ds, data, self.model, "CPDPOTrainer", name, self.cp_sharding, True, self.cp_vision, True)
         model = self.model
         if next(model.parameters()).device != self.args.device:
             model = model.to(self.args.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from accelerate.utils import is_peft_model
@@ -24,6 +24,7 @@ from hf_cp.train.setup.sharding import FSDP2, sharding_of
 from hf_cp.train.step.executor import StepExecutor
 from hf_cp.train.step.loss import chunkable_head
 from hf_cp.train.step.sequence_objective import all_reduce_sum
+from hf_cp.train.step.vision_tower import VisionTower
 
 
 def reference_forward(executor: StepExecutor, accelerator, policy, ref_model):
@@ -60,23 +61,34 @@ def refuse_reference_without_path(args, model, ref_model, trainer: str) -> None:
     )
 
 
-def reference_logps(executor: StepExecutor, accelerator, policy, ref_model, step: RankStep) -> torch.Tensor:
-    """This rank's part of every answer's summed reference log-prob (forward only)."""
+def reference_logps(
+    executor: StepExecutor, accelerator, policy, ref_model, step: RankStep, ref_vision: Optional[VisionTower] = None
+) -> torch.Tensor:
+    """This rank's part of every answer's summed reference log-prob (forward only). `ref_vision`:
+    a separate reference model's own vision tower (a vision-language run), which encodes the
+    step's images with the reference's weights."""
     model, head, ctx = reference_forward(executor, accelerator, policy, ref_model)
-    with torch.no_grad(), ctx:
+    tower = ref_vision if ref_model is not None else None  # a PEFT or initial policy: the policy's tower
+    with torch.no_grad(), ctx, executor.using_vision(tower):
         return executor.answer_logps(model, step, head)
 
 
 def policy_and_reference_logps(
-    executor: StepExecutor, accelerator, policy, ref_model, step: RankStep, world: int, group=None
+    executor: StepExecutor,
+    accelerator,
+    policy,
+    ref_model,
+    step: RankStep,
+    world: int,
+    group=None,
+    ref_vision: Optional[VisionTower] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every answer's summed log-prob under the policy and under the reference (no gradient),
     the same on every rank: both passes, then one all-reduce."""
     with torch.no_grad():
         own = executor.answer_logps(policy, step)
-    both = all_reduce_sum(
-        torch.stack([own, reference_logps(executor, accelerator, policy, ref_model, step)]), world, group
-    )
+    ref = reference_logps(executor, accelerator, policy, ref_model, step, ref_vision)
+    both = all_reduce_sum(torch.stack([own, ref]), world, group)
     return both[0], both[1]
 
 

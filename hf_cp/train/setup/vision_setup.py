@@ -3,8 +3,10 @@ found, and what hf_cp does not yet carry refused by name before anything trains.
 
 Refused with vision columns: a model without a tower hf_cp runs (step/vision_tower.py), a
 streaming or pre-packed dataset (a sample's pixels belong to one row), sharded parameters
-(FSDP2, ZeRO-3: the tower runs at the embedding, not as its own sharded pass), the preference
-and RL trainers' shared-prompt samples, and another processor's multimodal columns.
+(FSDP2, ZeRO-3: the tower runs at the embedding, not as its own sharded pass), the shared-prompt
+samples of the preference and RL trainers other than DPO's, and another processor's multimodal
+columns. DPO's pairs carry their images in the prompt, and each answer's M-RoPE positions are the
+ones of prompt+answer alone (data/vision_columns.shared_prompt_rope).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ def attach_vision(
     sharding: Optional[str] = None,
     shared_prompts: bool = False,
     tower: Optional[VisionTower] = None,
+    vision_pairs: bool = False,
 ) -> Optional[VisionTower]:
     """The model's VisionTower when `dataset` has vision columns (data.vision set to read them),
     else None (a text-only run: nothing changes). `tower`: the one built for the training data
-    (evaluation reuses it)."""
+    (evaluation reuses it). `shared_prompts`: the trainer's samples share a prompt between answers,
+    refused with vision columns unless `vision_pairs` (DPO's pairs, whose images sit in the prompt)."""
     columns = list(getattr(dataset, "column_names", None) or [])
     refuse_foreign_columns(columns, f"{who}: {name}")
     if not has_vision_columns(columns):
@@ -56,11 +60,14 @@ def attach_vision(
             f"{where}, and parameters sharded by {sharding}; the vision tower runs inside the language model's "
             "embedding pass, which sharded parameters would gather out of order: train it under ZeRO-2 or DDP"
         )
-    if shared_prompts:
+    if shared_prompts and not vision_pairs:
         raise ValueError(
             f"{where}; this trainer's samples share a prompt between answers, which does not carry images or "
-            "video yet: train vision-language data with CPTrainer or CPSFTTrainer"
+            "video yet (CPDPOTrainer's pairs do): train vision-language data with CPTrainer, CPSFTTrainer or "
+            "CPDPOTrainer"
         )
     tower = tower or vision_tower_of(model, who)
-    data.vision = vision_reader(_row_of(dataset), tower.token_ids, tower.merge, tower.rope_positions)
+    data.vision = vision_reader(
+        _row_of(dataset), tower.token_ids, tower.merge, tower.rope_positions, masks=data.masks
+    )
     return tower

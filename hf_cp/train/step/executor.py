@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Callable, ContextManager, Optional, Tuple, Union
+from typing import Callable, ContextManager, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -116,6 +116,20 @@ class StepExecutor(ForwardOnlyPasses):
         # a vision-language run: the tower encodes the micro-batch's images and clips, whose rows
         # replace its placeholder tokens' embeddings inside the model's forward (step/vision_tower.py)
         self.vision = vision
+
+    @contextlib.contextmanager
+    def using_vision(self, tower: Optional[VisionTower]) -> Iterator[None]:
+        """Passes inside run `tower` in place of the run's own: another model's on the same
+        micro-batches (a DPO reference model's, whose embedding its hook sits on: it encodes the
+        images again with its own weights). None, or a text-only run: no change."""
+        if tower is None or self.vision is None:
+            yield
+            return
+        own, self.vision = self.vision, tower
+        try:
+            yield
+        finally:
+            self.vision = own
 
     # ------------------------------------------------------------------ timing
     def start_step(self) -> None:
