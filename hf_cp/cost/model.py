@@ -87,7 +87,7 @@ class CostModel:
         self.execution = execution
         self.vision = vision  # the vision tower of a vision-language model (None: text only)
         self._vision_item_ms: dict = {}  # grid -> vision_item_ms (a step repeats a few resolutions)
-        # distributed_rank_cost by its arguments: a masked group is priced by every member of
+        # distributed_rank_cost of masked samples by its arguments: a masked group is priced by every member of
         # auto that lays it out (magi's and usp's ring candidates are the same groups) and again
         # by the pricer; emptied when full (_RANK_COSTS_KEPT)
         self._rank_costs: dict = {}
@@ -248,8 +248,13 @@ class CostModel:
         spec = mode_spec(mode)
         if spec.priced_per_group:
             raise ValueError(f"a {spec.name!r} group is priced from its placement: use cost.blocks.block_group_costs")
-        key = self._rank_cost_key(doc_lengths, spec, ranks, member, local_lengths, masks, local_masks)
-        rc = self._rank_costs.get(key)
+        # kept for masked samples only: a causal member's cost is cheaper than its key on long packs
+        key = (
+            self._rank_cost_key(doc_lengths, spec, ranks, member, local_lengths, masks, local_masks)
+            if masks or local_masks
+            else None
+        )
+        rc = self._rank_costs.get(key) if key is not None else None
         if rc is None:
             rc = self._rank_cost(
                 doc_lengths,
@@ -262,7 +267,8 @@ class CostModel:
                 masks,
                 local_masks,
             )
-            self._keep_rank_cost(key, rc)
+            if key is not None:
+                self._keep_rank_cost(key, rc)
         return rc
 
     @staticmethod
@@ -297,6 +303,10 @@ class CostModel:
         ring member's cost also needs its successor's share, so costing a whole group member by
         member would build each share twice."""
         local = local or {}
+        if not masks:  # kept for masked samples only (distributed_rank_cost)
+            segments_of = _segments_builder(mode, doc_lengths, len(ranks))
+            link = self.link_for(ranks)
+            return [self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link) for m in members]
         spec = mode_spec(mode)
         keys = [self._rank_cost_key(doc_lengths, spec, ranks, m, local.get(m, ()), masks, None) for m in members]
         out = [self._rank_costs.get(k) for k in keys]
