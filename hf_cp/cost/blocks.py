@@ -126,7 +126,24 @@ def block_group_costs(
     local_masks: Optional[Mapping[int, Sequence[Optional[SampleMask]]]] = None,
 ) -> List[RankCost]:
     """RankCost of every member of a blocks group's micro-batch (local: member -> lengths of its
-    local samples, local_masks alike), all layers included."""
+    local samples, local_masks alike), all layers included; kept by the cost model per
+    arguments (CostModel.kept): relayout prices a chosen layout, the pricer the plan's groups."""
+    kept = getattr(cost, "kept", None)
+    if kept is None:
+        return _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks)
+    key = (
+        "block_group_costs",
+        layout,
+        tuple(doc_lengths),
+        tuple(ranks),
+        tuple(masks) if masks else None,
+        tuple((m, tuple(v)) for m, v in sorted((local or {}).items())),
+        tuple((m, tuple(v)) for m, v in sorted((local_masks or {}).items())),
+    )
+    return list(kept(key, lambda: _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks)))
+
+
+def _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks) -> List[RankCost]:
     g, L = len(ranks), cost.dims.num_layers
     local = local or {}
     local_masks = local_masks or {}

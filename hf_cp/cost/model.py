@@ -284,10 +284,20 @@ class CostModel:
             tuple(local_masks) if local_masks else None,
         )
 
-    def _keep_rank_cost(self, key: tuple, rc: RankCost) -> None:
+    def _keep_rank_cost(self, key: tuple, rc) -> None:
         if len(self._rank_costs) >= _RANK_COSTS_KEPT:
             self._rank_costs.clear()
         self._rank_costs[key] = rc
+
+    def kept(self, key: tuple, compute):
+        """compute(), kept per `key` with the masked rank costs (the same values: a blocks
+        group's member costs, cost.blocks.block_group_costs, which a layout's chooser and
+        the pricer both ask for). `key` starts with a string naming what it keeps."""
+        v = self._rank_costs.get(key)
+        if v is None:
+            v = compute()
+            self._keep_rank_cost(key, v)
+        return v
 
     def distributed_rank_costs(
         self,
