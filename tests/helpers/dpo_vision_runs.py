@@ -99,7 +99,7 @@ def reference_copy(policy):
     return ref
 
 
-def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, **kw):
+def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, family: str = "qwen2_5_vl", **kw):
     from datasets import Dataset
 
     from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
@@ -115,7 +115,7 @@ def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, **k
     )
     settings.update(kw)
     args = CPDPOConfig(output_dir=out, max_steps=1, **settings)
-    model = build_vlm("hf_cp")
+    model = build_vlm("hf_cp", family=family)
     return CPDPOTrainer(
         model=model,
         ref_model=reference_copy(model),
@@ -127,17 +127,18 @@ def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, **k
     )
 
 
-def hf_cp_step(rows, out: str, **kw):
+def hf_cp_step(rows, out: str, family: str = "qwen2_5_vl", **kw):
     """(loss, every gradient, the pairs' token ids and pixels, the step's CP sizes) of CPDPOTrainer's first step."""
     tape = GradTape()
-    t = trainer(rows, out, tape, **kw)
+    t = trainer(rows, out, tape, family=family, **kw)
     t.train()
     pairs = [
         {k: t.train_dataset[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids", "pixel_values", "image_grid_thw")}
         for i in range(len(t.train_dataset))
     ]
     rec = t.cp_history[0]
-    return {"loss": rec.loss, "grads": tape.grads[0], "pairs": pairs, "cp_sizes": list(rec.cp_size_samples)}
+    cp_sizes = list(rec.cp_size_samples)
+    return {"loss": rec.loss, "grads": tape.grads[0], "pairs": pairs, "cp_sizes": cp_sizes, "family": family}
 
 
 def _answer_logp(model, prompt: List[int], answer: List[int], pair: dict) -> torch.Tensor:
@@ -156,10 +157,10 @@ def _answer_logp(model, prompt: List[int], answer: List[int], pair: dict) -> tor
     return logps.gather(1, torch.tensor(answer)[:, None]).sum()
 
 
-def reference_step(pairs: List[dict]) -> Dict[str, object]:
+def reference_step(pairs: List[dict], family: str = "qwen2_5_vl") -> Dict[str, object]:
     """The DPO sigmoid loss (mean over pairs) and the policy's gradients, from separate forwards
     of prompt+chosen and prompt+rejected (sdpa, the models' own vision path)."""
-    policy = build_vlm("sdpa")
+    policy = build_vlm("sdpa", family=family)
     ref = reference_copy(policy).eval()
     losses = []
     for pair in pairs:
