@@ -34,7 +34,7 @@ from helpers.dpo_vision_runs import (  # noqa: E402
     trainer,
     vision_processor,
 )
-from helpers.harness.job import run_distributed  # noqa: E402
+from helpers.harness.job import run_distributed, zero2_config  # noqa: E402
 from helpers.tiny_vlm import IMAGE_TOKEN, build_vlm  # noqa: E402
 
 LOSS_TOL = 1e-5  # relative
@@ -82,13 +82,14 @@ def test_pairs_with_images_equal_separate_forwards_of_each_answer(tmp_path, fami
 def test_world_2_with_a_pair_spread_over_the_group_equals_separate_forwards(tmp_path):
     """World 2 (gloo): pair 1's prompt (its image and 300 bytes) is over a rank's cap of 256
     tokens, so it runs over the CP group of 2 (auto's choice, ring zigzag under static, blocks
-    under magi; Qwen3-VL under auto), its image encoded on one member and its rows sent to the
-    other."""
+    under magi; Qwen3-VL under auto; under DeepSpeed ZeRO-2), its image encoded on one member and
+    its rows sent to the other."""
     named = {
         "auto": {},
         "static": dict(cp_balancer="static"),
         "magi": dict(cp_balancer="magi"),
         "qwen3_vl_auto": dict(family="qwen3_vl"),
+        "auto_zero2": dict(deepspeed=zero2_config()),  # the reference model a DeepSpeed engine too
     }
     runs = [
         dict(out=str(tmp_path / name), settings=dict(cp_max_tokens_per_rank=256, **settings))

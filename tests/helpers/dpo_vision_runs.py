@@ -23,6 +23,7 @@ from transformers import AutoImageProcessor
 from hf_cp.data_prep.vision_processor import TINY_PROCESSOR, VISION_TOKENS, VisionProcessor
 
 from helpers.dpo_runs import SETTINGS, GradTape
+from helpers.harness.capture import capture_steps
 from helpers.tiny_tokenizer import VOCAB_SIZE, tiny_chat_tokenizer
 from helpers.tiny_vlm import IMAGE_TOKEN, build_vlm
 
@@ -128,10 +129,15 @@ def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, fam
 
 
 def hf_cp_step(rows, out: str, family: str = "qwen2_5_vl", **kw):
-    """(loss, every gradient, the pairs' token ids and pixels, the step's CP sizes) of CPDPOTrainer's first step."""
+    """(loss, every gradient, the pairs' token ids and pixels, the step's CP sizes) of CPDPOTrainer's
+    first step. Under DeepSpeed (a `deepspeed` setting) the gradients are ZeRO's, assembled whole."""
     tape = GradTape()
     t = trainer(rows, out, tape, family=family, **kw)
+    records, stop = capture_steps(t) if kw.get("deepspeed") else ({}, None)
     t.train()
+    if stop is not None:
+        stop()
+        tape.grads = [records[0]["grads"]]
     pairs = [
         {k: t.train_dataset[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids", "pixel_values", "image_grid_thw")}
         for i in range(len(t.train_dataset))
