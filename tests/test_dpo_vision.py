@@ -34,6 +34,7 @@ from helpers.dpo_vision_runs import (  # noqa: E402
     trainer,
     vision_processor,
 )
+from helpers.dpo_runs import GradTape  # noqa: E402
 from helpers.harness.job import run_distributed, zero2_config  # noqa: E402
 from helpers.tiny_vlm import IMAGE_TOKEN, build_vlm  # noqa: E402
 
@@ -100,6 +101,27 @@ def test_world_2_with_a_pair_spread_over_the_group_equals_separate_forwards(tmp_
         got = torch.load(Path(run["out"]) / "dpo_vision.pt")
         assert any(int(g) > 1 for g in got["cp_sizes"]), (run["out"], got["cp_sizes"])
         _check(got, f"world 2 {Path(run['out']).name}")
+
+
+def test_precomputed_reference_log_probs_with_images_equal_a_reference_model(tmp_path):
+    """precompute_ref_log_probs=True (TRL refuses it with images): hf_cp's planned pass over the
+    training pairs with the initial policy, its tower encoding the images, before the first
+    update. Two steps equal a run with ref_model a copy of the initial policy."""
+    rows = image_pairs(6)
+    runs = {}
+    for name, kw in (("pre", dict(ref="none", precompute_ref_log_probs=True)), ("copy", dict(ref="copy"))):
+        tape = GradTape()
+        t = trainer(rows, str(tmp_path / name), tape, steps=2, cp_tokens_per_step=300, **kw)
+        t.train()
+        runs[name] = ([r.loss for r in t.cp_history], tape.grads)
+    (pre_losses, pre_grads), (losses, grads) = runs["pre"], runs["copy"]
+    print("precomputed", pre_losses, "reference model", losses)
+    assert len(losses) == 2 and pre_losses == pytest.approx(losses, rel=LOSS_TOL)
+    assert losses[1] != pytest.approx(0.6931471805599453, rel=1e-6), "step 2's policy moved from the reference"
+    for step, (a, b) in enumerate(zip(pre_grads, grads)):
+        gaps = grad_gap(a, b)
+        print(f"step {step + 1}: gradients within {max(gaps.values()):.2e}")
+        assert max(gaps.values()) < GRAD_TOL, max(gaps, key=gaps.get)
 
 
 def test_evaluation_of_pairs_with_images_gives_the_reference_loss(tmp_path):
@@ -198,12 +220,10 @@ def test_images_without_the_models_processor_are_refused_by_name(tmp_path):
         CPDPOTrainer.cp_check_datasets(Dataset.from_list(image_pairs(2)), None)
 
 
-def test_video_precomputed_reference_and_image_evaluation_after_text_training_are_refused(tmp_path):
+def test_video_and_image_evaluation_after_text_training_are_refused(tmp_path):
     rows = [dict(r, videos=[[0]]) for r in image_pairs(2)]
     with pytest.raises(ValueError, match="train_dataset has the column 'videos'; DPO pairs with video are not built"):
         trainer(rows, str(tmp_path / "video"))
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True with pairs with images is not built"):
-        trainer(image_pairs(2), str(tmp_path / "pre"), precompute_ref_log_probs=True)
     text = [{"prompt": "Q: which?", "chosen": " this one", "rejected": " that"}] * 2
     with pytest.raises(ValueError, match="the eval pairs have images but the training pairs do not"):
         trainer(text, str(tmp_path / "eval"), eval_rows=image_pairs(2))

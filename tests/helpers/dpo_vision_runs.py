@@ -100,7 +100,18 @@ def reference_copy(policy):
     return ref
 
 
-def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, family: str = "qwen2_5_vl", **kw):
+def trainer(
+    rows,
+    out: str,
+    tape: Optional[GradTape] = None,
+    eval_rows=None,
+    family: str = "qwen2_5_vl",
+    steps: int = 1,
+    ref: str = "noisy",
+    **kw,
+):
+    """CPDPOTrainer on `rows` with the processor parts; `ref`: "noisy" (reference_copy), "copy"
+    (the initial policy) or "none" (no ref_model: precompute_ref_log_probs)."""
     from datasets import Dataset
 
     from hf_cp.train.objectives.dpo import CPDPOConfig, CPDPOTrainer
@@ -115,11 +126,11 @@ def trainer(rows, out: str, tape: Optional[GradTape] = None, eval_rows=None, fam
         cp_plan_lookahead=0,
     )
     settings.update(kw)
-    args = CPDPOConfig(output_dir=out, max_steps=1, **settings)
+    args = CPDPOConfig(output_dir=out, max_steps=steps, **settings)
     model = build_vlm("hf_cp", family=family)
     return CPDPOTrainer(
         model=model,
-        ref_model=reference_copy(model),
+        ref_model={"noisy": reference_copy, "copy": copy.deepcopy, "none": lambda m: None}[ref](model),
         args=args,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=None if eval_rows is None else Dataset.from_list(eval_rows),

@@ -192,11 +192,6 @@ class CPDPOTrainer(CPTrainer, DPOTrainer):
                 "CPDPOTrainer: the eval pairs have images but the training pairs do not; a run evaluates images "
                 "with the tower it trains (give the training pairs their images, or evaluate text pairs)"
             )
-        if args.precompute_ref_log_probs:
-            raise ValueError(
-                "CPDPOTrainer: precompute_ref_log_probs=True with pairs with images is not built (TRL refuses it too); "
-                "pass ref_model (a copy of the initial policy) and leave precompute_ref_log_probs off"
-            )
         self._cp_vision_processor = vision_processor_of(kwargs.get("processing_class"), "CPDPOTrainer")
         kwargs = dict(kwargs, processing_class=self._cp_vision_processor.tokenizer)
         train_dataset = self._prepare_dataset(train_dataset, None, args, "train")
