@@ -155,6 +155,12 @@ def test_a_pair_is_tokenised_as_trls_text_pipeline_with_each_image_expanded(tmp_
         assert got["chosen_ids"] == whole["input_ids"][len(prompt["input_ids"]) :]
         assert got["input_ids"] == got["prompt_ids"] + got["chosen_ids"] + got["rejected_ids"]
         assert len(got["pixel_values"]) == sum(int(np.prod(g)) for g in got["image_grid_thw"])
+    # TRL's one-image column `image` tokenises as a one-image `images` list
+    single = [{k: v for k, v in dict(r, image=r["images"][0]).items() if k != "images"} for r in rows[:2]]
+    one = trainer(single, str(tmp_path / "image"))
+    for i in range(2):
+        assert one.train_dataset[i]["input_ids"] == t.train_dataset[i]["input_ids"]
+        assert one.train_dataset[i]["image_grid_thw"] == t.train_dataset[i]["image_grid_thw"]
 
 
 def test_each_answers_m_rope_positions_are_those_of_prompt_and_answer_alone():
