@@ -2,12 +2,15 @@ import json
 
 import pytest
 
+from hf_cp.cost.blocks import block_group_costs
 from hf_cp.cost.config_files import ConfigError
 from hf_cp.cost.dims import ModelDims
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import ShardMode
 from hf_cp.modes.ulysses import ulysses_bytes_per_layer
+from hf_cp.plan.block_layout import doc_slices, zigzag_layout
+from hf_cp.samples.masks import SampleMask
 
 
 def test_h200_profile_reproduces_calibration_fit(h200_cost):
@@ -182,3 +185,29 @@ def test_model_state_bytes_follow_the_run_not_the_profile():
     assert chunked.cost.profile.static_bytes == params * 16 + 1024 * vocab * 8
     # activations are untouched
     assert plain.cost.profile.activation_bytes_per_token == nominal.cost.profile.activation_bytes_per_token
+
+
+def test_masked_rank_costs_and_block_group_costs_kept_by_the_model_are_the_values_computed_afresh():
+    """A cost model keeps masked members' costs and blocks groups' costs (issue 39: auto's
+    members and its pricer price the same groups): what it hands back again is what a fresh
+    model computes, whatever was asked first."""
+
+    def fresh():
+        return CostModel.load("qwen2.5-7b", "h200-qwen2.5-7b")
+
+    cost = fresh()
+    lengths = [9000, 3000]
+    masks = [SampleMask.shared_prompt(4000, [2000, 3000]), None]
+    for mode in (ShardMode.RING_PER_DOC, ShardMode.RING_ZIGZAG):
+        for g in (2, 4):
+            ranks = list(range(g))
+            group = cost.distributed_rank_costs(lengths, mode, ranks, ranks, {0: [700]}, masks)
+            for m in reversed(ranks):
+                local = [700] if m == 0 else []
+                one = cost.distributed_rank_cost(lengths, mode, ranks, m, local, masks)
+                assert one == group[m] == fresh().distributed_rank_cost(lengths, mode, ranks, m, local, masks)
+                assert cost.distributed_rank_cost(lengths, mode, ranks, m, local, masks) is one  # kept
+    layout = zigzag_layout(lengths, 4, cost.dims.num_heads, doc_slices(lengths, masks))
+    args = (layout, lengths, range(4), cost, masks, {1: [500]}, {1: [SampleMask.shared_prompt(100, [200, 200])]})
+    first = block_group_costs(*args)
+    assert block_group_costs(*args) == first == block_group_costs(*args[:3], fresh(), *args[4:])
