@@ -1,6 +1,7 @@
-"""CPDPOTrainer on TRL's vision pairs (issue 38): a tiny random Qwen2.5-VL, random images of
-several sizes (one pair with two), tokenised by hf_cp's processor path, against a reference built
-apart from hf_cp: the model's own forward (its own M-RoPE, its own vision scatter, sdpa) of
+"""CPDPOTrainer on TRL's vision pairs (issue 38): tiny random Qwen2.5-VL, Qwen3-VL, Qwen3.5 and
+Qwen2-VL, random images of several sizes (one pair with two), tokenised by hf_cp's processor path,
+against TRL's own DPOTrainer with a transformers processor, and against a reference built apart
+from hf_cp and TRL: the model's own forward (its own M-RoPE, its own vision scatter, sdpa) of
 prompt+chosen and of prompt+rejected of each pair, policy and reference model, and DPO's sigmoid
 loss by hand, mean over pairs. Loss and every gradient (the tower's included) at world 1, and at
 world 2 (gloo processes) with one pair spread over the CP group of 2; the splice of each answer's
@@ -32,6 +33,8 @@ from helpers.dpo_vision_runs import (  # noqa: E402
     image_pairs,
     reference_step,
     trainer,
+    transformers_processor,
+    trl_step,
     vision_processor,
 )
 from helpers.dpo_runs import GradTape  # noqa: E402
@@ -71,12 +74,28 @@ def test_pairs_with_images_equal_separate_forwards_of_each_answer(tmp_path, fami
     """World 1: one step of 4 pairs (images of 16x16 to 32x16 pixels, pair 2 with two), each
     pair one shared-prompt sample; conversational pairs, and text pairs whose prompt holds the
     vision tokens; Qwen3-VL's DeepStack rows, Qwen3.5's Gated DeltaNet layer. Measured: loss
-    within 8.5e-7 relative, gradients within 3.0e-6 (Qwen2.5-VL 5.1e-7 / 2.8e-6, Qwen3-VL
-    8.5e-7 / 2.0e-6, Qwen3.5 1.5e-7 / 2.5e-6, Qwen2-VL 7.6e-8 / 3.0e-6)."""
+    within 1.3e-6 relative, gradients within 3.1e-6 (Qwen2.5-VL 3.7e-7 / 1.6e-6, its text pairs
+    1.2e-6 / 3.1e-6, Qwen3-VL 8.5e-7 / 2.0e-6, Qwen3.5 1.5e-7 / 2.5e-6, Qwen2-VL 7.6e-8 / 3.0e-6)."""
     got = hf_cp_step(image_pairs(4, text=text), str(tmp_path), family=family)
     grids = [g for p in got["pairs"] for g in p["image_grid_thw"]]
     assert len(grids) == 5 and len({tuple(g) for g in grids}) >= 3, grids
     _check(got, f"world 1 {family}{' text' if text else ''}")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen3_vl", marks=pytest.mark.slow)])
+def test_pairs_with_images_equal_trls_dpo_trainer_with_the_models_processor(tmp_path, family):
+    """TRL's own DPOTrainer, its vision collator and a transformers Qwen2.5-VL processor (without
+    its video processor, which needs torchvision), every pair in one padded batch, against
+    CPDPOTrainer given that same processor as processing_class."""
+    rows = image_pairs(4)
+    got = hf_cp_step(rows, str(tmp_path / "hf_cp"), family=family, processor=transformers_processor())
+    theirs = trl_step(rows, str(tmp_path / "trl"), family=family)
+    gaps = grad_gap(got["grads"], theirs["grads"])
+    worst = max(gaps, key=gaps.get)
+    print(f"{family}: loss {got['loss']!r} TRL {theirs['loss']!r}; worst gradient {gaps[worst]:.2e} ({worst})")
+    assert got["loss"] == pytest.approx(theirs["loss"], rel=LOSS_TOL)
+    assert set(got["grads"]) == set(theirs["grads"])
+    assert gaps[worst] < GRAD_TOL, (worst, gaps[worst])
 
 
 @pytest.mark.slow
@@ -138,7 +157,7 @@ def test_evaluation_of_pairs_with_images_gives_the_reference_loss(tmp_path):
 
 
 # ---------------------------------------------------------------- tokenisation and positions
-def test_a_pair_is_tokenised_as_trls_text_pipeline_with_each_image_expanded(tmp_path):
+def test_a_pair_is_tokenised_as_trls_vision_collator_with_each_image_expanded(tmp_path):
     rows = image_pairs(3)
     t = trainer(rows, str(tmp_path))
     tok = vision_processor().tokenizer

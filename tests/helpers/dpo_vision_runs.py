@@ -4,7 +4,8 @@ TRL's vision pair rows with random images, CPDPOTrainer's first step (in this pr
 rank of a torchrun job: `python -m helpers.dpo_vision_runs SPEC.json`), and the reference built
 apart from hf_cp: the model's own forward (its own M-RoPE, its own vision scatter) of
 prompt+chosen and prompt+rejected of each pair, policy and reference model, and DPO's sigmoid
-loss by hand."""
+loss by hand; and TRL's own DPOTrainer with a transformers Qwen2.5-VL processor (its video
+processor left out: it needs torchvision, which has no CPU build here)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoImageProcessor
+from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 
 from hf_cp.data_prep.vision_processor import TINY_PROCESSOR, VISION_TOKENS, VisionProcessor
 
@@ -52,6 +54,26 @@ def vision_processor() -> VisionProcessor:
     """hf_cp's processor parts: vision_tokenizer and the tiny processor's Qwen2-VL image processor
     (patch 4, merge 2, temporal patch 2: the tiny tower's)."""
     return VisionProcessor(vision_tokenizer(), AutoImageProcessor.from_pretrained(str(TINY_PROCESSOR)), {}, "tests")
+
+
+class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+    """transformers' Qwen2.5-VL processor without its video processor (whose class needs
+    torchvision): images and text only, which is all TRL's DPO gives it."""
+
+    def check_argument_for_proper_class(self, name, arg):
+        if name == "video_processor":
+            return None
+        return super().check_argument_for_proper_class(name, arg)
+
+
+def transformers_processor() -> ImageOnlyProcessor:
+    vp = vision_processor()
+    return ImageOnlyProcessor(
+        image_processor=vp.image_processor,
+        tokenizer=vp.tokenizer,
+        video_processor=None,
+        chat_template=vp.tokenizer.chat_template,
+    )
 
 
 def image(i: int, size=(16, 16)) -> Image.Image:
@@ -108,6 +130,7 @@ def trainer(
     family: str = "qwen2_5_vl",
     steps: int = 1,
     ref: str = "noisy",
+    processor=None,
     **kw,
 ):
     """CPDPOTrainer on `rows` with the processor parts; `ref`: "noisy" (reference_copy), "copy"
@@ -134,9 +157,36 @@ def trainer(
         args=args,
         train_dataset=Dataset.from_list(rows),
         eval_dataset=None if eval_rows is None else Dataset.from_list(eval_rows),
-        processing_class=vision_processor(),
+        processing_class=processor or vision_processor(),
         callbacks=[tape] if tape else None,
     )
+
+
+def trl_step(rows, out: str, family: str = "qwen2_5_vl") -> Dict[str, object]:
+    """(loss, every gradient) of TRL's DPOTrainer's first step on every pair in one batch, its own
+    vision collator and processor (transformers_processor), sdpa, the same reference model."""
+    from datasets import Dataset
+    from torch.utils.data import DataLoader
+    from trl import DPOConfig, DPOTrainer
+
+    class OneBatch(DPOTrainer):
+        def get_train_dataloader(self):
+            order = [list(range(len(self.train_dataset)))]
+            return DataLoader(self.train_dataset, batch_sampler=order, collate_fn=self.data_collator)
+
+    args = DPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=len(rows), max_length=None, **SETTINGS)
+    model = build_vlm("sdpa", family=family)
+    tape = GradTape()
+    t = OneBatch(
+        model=model,
+        ref_model=reference_copy(model),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=transformers_processor(),
+        callbacks=[tape],
+    )
+    t.train()
+    return {"loss": next(x["loss"] for x in tape.logs if "loss" in x), "grads": tape.grads[0]}
 
 
 def hf_cp_step(rows, out: str, family: str = "qwen2_5_vl", **kw):

@@ -6,12 +6,12 @@ padded batch, with the model's `ProcessorMixin`; hf_cp tokenises them once, up f
 processor's parts (data_prep/vision_processor.py: the tokenizer and its chat template, the
 Qwen2-VL image processor; transformers 5.24's processor class itself needs torchvision):
 
-- the text as TRL's DPO tokenises a text pair (`DPOTrainer._prepare_dataset`): a conversational
-  prompt rendered with the generation prompt, prompt+chosen and prompt+rejected rendered whole,
-  the prompt their common prefix; a text pair's answers end with EOS. Images take their place as
-  TRL's collator puts them (`prepare_multimodal_messages`: before the first user turn's text,
-  unless the prompt has image parts of its own), so the chat template renders one image pad
-  token per image;
+- the text as TRL's vision collator (`DataCollatorForVisionPreference`) tokenises it: the images
+  placed by `prepare_multimodal_messages` (before the first user turn's text, unless the prompt
+  has image parts of its own), the conversation rendered by TRL's `apply_chat_template` (the
+  prompt with the generation prompt, each answer the rest of prompt+answer), then the prompt and
+  each answer tokenised apart without special tokens; a text pair as given (no EOS added, as
+  there). The chat template renders one image pad token per image;
 - each image pad of the prompt expanded into the image's grid.prod() / merge^2 placeholder
   tokens, and the images' `pixel_values` / `image_grid_thw` from the image processor.
 
@@ -28,8 +28,7 @@ from typing import Dict, Sequence
 
 import numpy as np
 from datasets import Features, List, Value
-from trl.data_utils import _tokenize, common_prefix_length, extract_prompt, is_conversational  # trl
-from trl.data_utils import prepare_multimodal_messages  # trl
+from trl.data_utils import apply_chat_template, extract_prompt, is_conversational, prepare_multimodal_messages  # trl
 
 from hf_cp.data_prep.vision_processor import (
     IMAGE_TOKEN,
@@ -139,22 +138,17 @@ class VisionPairEncoder:
     def _token_ids(self, example: dict, images: list, index: int):
         """(prompt, chosen, rejected) token ids, one image pad token per image, and the images."""
         tok = self.processor.tokenizer
+        texts = {k: example[k] for k in ("prompt", "chosen", "rejected")}
         if is_conversational(example):
             prompt, chosen, rejected, images = self._messages(example, images, index)
             tools = example.get("tools")
-            kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools}
-            kwargs.update(example.get("chat_template_kwargs") or {})
-            p = _tokenize(tok, prompt, add_generation_prompt=True, **kwargs)["input_ids"]
-            pc = _tokenize(tok, prompt + chosen, **kwargs)["input_ids"]
-            pr = _tokenize(tok, prompt + rejected, **kwargs)["input_ids"]
-        else:
-            eos = tok.eos_token
-            chosen, rejected = (a if a.endswith(eos) else a + eos for a in (example["chosen"], example["rejected"]))
-            p = _tokenize(tok, example["prompt"])["input_ids"]
-            pc = _tokenize(tok, example["prompt"] + chosen)["input_ids"]
-            pr = _tokenize(tok, example["prompt"] + rejected)["input_ids"]
-        n = min(common_prefix_length(p, pc), common_prefix_length(p, pr))
-        return list(p[:n]), list(pc[n:]), list(pr[n:]), images
+            tools = json.loads(tools) if isinstance(tools, str) else tools
+            pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+            if example.get("chat_template_kwargs"):
+                pair["chat_template_kwargs"] = example["chat_template_kwargs"]
+            texts = apply_chat_template(pair, tok, tools=tools)
+        ids = [list(tok(texts[k], add_special_tokens=False)["input_ids"]) for k in ("prompt", "chosen", "rejected")]
+        return ids[0], ids[1], ids[2], images
 
     def _expand(self, prompt: Sequence[int], tokens: list, index: int) -> list:
         """Each image pad of the prompt -> its image's placeholder tokens."""
