@@ -1,6 +1,7 @@
 """Masks as data: every kind compiles to slices whose dense form is the intended pattern, and
 rect_pairs counts exactly what a dense mask counts, for any rectangle."""
 
+import pickle
 import re
 
 import numpy as np
@@ -127,6 +128,8 @@ def test_a_masks_slices_are_compiled_once_and_handed_out_as_fresh_lists():
     first.append(AttnSlice(0, 1, 0, 1))  # the caller's list: the mask keeps its own
     assert mask.slices() == second
     assert mask == SampleMask.shared_prompt(5, [3, 4]) and hash(mask) == hash(SampleMask.shared_prompt(5, [3, 4]))
+    # its hash is kept, but not sent: another process hashes strings differently
+    assert "_hash" not in pickle.loads(pickle.dumps(mask)).__dict__ and pickle.loads(pickle.dumps(mask)) == mask
 
 
 def test_rect_pairs_on_a_million_token_document_is_closed_form():

@@ -251,6 +251,23 @@ class SampleMask:
         object.__setattr__(self, "answers", tuple(int(a) for a in self.answers))
         object.__setattr__(self, "explicit", tuple(self.explicit))
 
+    def __hash__(self) -> int:
+        # the fields' hash (what dataclass would make), computed once: masks key the planners'
+        # caches (pair counts, costs on groups, priced groups), thousands of lookups a step
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(
+                (self.kind, self.length, self.window, self.prefix, self.prompt, self.answers, self.block, self.explicit)
+            )
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # a string's hash differs between processes: a mask sent to a planner worker hashes anew
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     # ---- constructors
     @classmethod
     def causal(cls, length: int) -> SampleMask:
