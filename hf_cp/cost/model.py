@@ -258,10 +258,11 @@ class CostModel:
         spec = mode_spec(mode)
         if spec.priced_per_group:
             raise ValueError(f"a {spec.name!r} group is priced from its placement: use cost.blocks.block_group_costs")
-        # kept for masked samples only: a causal member's cost is cheaper than its key on long packs
+        # kept for distributed masked samples only: a causal member's cost, or local samples'
+        # alone, is cheaper than its key
         key = (
             self._rank_cost_key(doc_lengths, spec, ranks, member, local_lengths, masks, local_masks)
-            if masks or local_masks
+            if doc_lengths and (masks or local_masks)
             else None
         )
         rc = self._rank_costs.get(key) if key is not None else None
@@ -323,21 +324,11 @@ class CostModel:
         ring member's cost also needs its successor's share, so costing a whole group member by
         member would build each share twice."""
         local = local or {}
-        if not masks:  # kept for masked samples only (distributed_rank_cost)
-            segments_of = _segments_builder(mode, doc_lengths, len(ranks))
-            link = self.link_for(ranks)
-            return [self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link) for m in members]
-        spec = mode_spec(mode)
-        keys = [self._rank_cost_key(doc_lengths, spec, ranks, m, local.get(m, ()), masks, None) for m in members]
-        out = [self._rank_costs.get(k) for k in keys]
-        if any(rc is None for rc in out):
-            segments_of = _segments_builder(mode, doc_lengths, len(ranks))
-            link = self.link_for(ranks)
-            for i, m in enumerate(members):
-                if out[i] is None:
-                    out[i] = self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks)
-                    self._keep_rank_cost(keys[i], out[i])
-        return out
+        segments_of = _segments_builder(mode, doc_lengths, len(ranks))
+        link = self.link_for(ranks)
+        return [
+            self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks) for m in members
+        ]
 
     def _rank_cost(
         self,

@@ -170,7 +170,10 @@ class PlanPricer:
     def group_costs(self, lens: Dict[int, int], group: Group, masks: Dict) -> list:
         """simulate.group_costs(lens, group, cost, masks) of a group without vision work, kept
         per (ranks, samples with their lengths and masks, mode, local lists, block layout):
-        the same values, computed once (do not modify the list)."""
+        the same values, computed once (do not modify the list). A group of local samples
+        alone is priced afresh: its key would cost as much."""
+        if not group.distributed:
+            return group_costs(lens, group, self.cost, masks)
         sids = [*group.distributed, *(s for v in group.local.values() for s in v)]
         key = (
             group.ranks,
