@@ -190,7 +190,7 @@ class AutoBalancer:
         # (a bound never decides the stop on a small step: every member is planned; but on a
         # step whose every sample is masked the charged bound is the step's work / world, below
         # any member's plan, so stopping within stop_within_masked of it keeps the promise)
-        all_masked = bool(req.masks) and all(s in req.masks for s in req.sample_ids)
+        all_masked = len(req.masks or ()) >= len(req.sample_ids) and all(s in req.masks for s in req.sample_ids)
         exhaustive = len(req.sample_ids) < o.exhaustive_below and not all_masked
         stop_at = -1.0 if exhaustive else lower * (1.0 + within)
         core_stop_at = -1.0 if exhaustive else lower * (1.0 + tight)
