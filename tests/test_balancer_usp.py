@@ -2,10 +2,15 @@
 owning its share of tokens, Ulysses within a ring position (head ranges over its u members)
 and the ring across positions, with u = g being Ulysses and u = 1 a ring placement."""
 
+import gc
+
 import pytest
 
+from hf_cp.balance import PlanRequest, get_balancer
+from hf_cp.balance.toolkit import relayout
 from hf_cp.balance.toolkit.placement import sample_slices
 from hf_cp.balance.toolkit.usp_layout import usp_factorisations, usp_placement
+from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
 MASKS = [SampleMask.causal(301), SampleMask.shared_prompt(17, [40, 33, 61]), SampleMask.sliding_window(190, 24)]
@@ -76,3 +81,25 @@ def test_a_group_spanning_nodes_prices_each_link_level_with_its_own_bytes(h200_c
         far = [_transfer_ms(x, links["inter_node"], 15) if o else 0.0 for x, o in zip(phases, on)]
         assert costs[m].comm_ms == pytest.approx(L * sum(near))
         assert L * sum(far) > 2 * costs[m].comm_ms  # what one inter-node link for the group would charge
+
+
+def test_usp_after_magi_on_one_request_takes_its_base_plan_and_plans_what_it_plans_alone(h200_cost):
+    """auto plans magi then usp, both relaid out from dynamic_cp's plan of the same request: usp
+    takes the plan magi's base made (issue 39), and its plan is the one it makes alone; the
+    kept plan goes with its request."""
+    masks = {i: SampleMask.shared_prompt(3000 + 500 * i, [4000, 5000, 6000]) for i in range(6)}
+
+    def request():
+        return PlanRequest(
+            list(range(6)), [m.length for m in masks.values()], ClusterSpec(8, 32768), h200_cost, masks=masks
+        )
+
+    alone = get_balancer("usp").plan(request()).to_json()
+    req = request()
+    get_balancer("magi").plan(req)
+    usp = get_balancer("usp")
+    usp.base.plan = None  # not asked: the base plan of this request is kept
+    assert usp.plan(req).to_json() == alone
+    del req
+    gc.collect()
+    assert relayout._last_base is None
