@@ -35,9 +35,9 @@ import numpy as np
 
 from hf_cp.balance.toolkit.costs import CostMemo, cost_memo
 from hf_cp.cost.hardware import transfer_ms
-from hf_cp.cost.model import CostModel
+from hf_cp.cost.model import CostModel, RankCost
 from hf_cp.cost.sharded import ShardedPasses
-from hf_cp.cost.simulate import chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
+from hf_cp.cost.simulate import IDLE_MEMBER, chunked_group_calls, chunked_group_cost, group_costs, wave_reductions
 from hf_cp.cost.vision import group_vision, samples_vision_ms
 from hf_cp.modes import ring
 from hf_cp.modes.registry import mode_spec
@@ -171,9 +171,24 @@ class PlanPricer:
         """simulate.group_costs(lens, group, cost, masks) of a group without vision work, kept
         per (ranks, samples with their lengths and masks, mode, local lists, block layout):
         the same values, computed once (do not modify the list). A group of local samples
-        alone is priced afresh: its key would cost as much."""
+        alone is priced as the causal path prices them: each member the sum of its samples'
+        single-rank times, kept per length and per mask (CostMemo; the cost model's sum, to
+        rounding: a DPO-pair step at 64 ranks has 34 masked samples a rank)."""
         if not group.distributed:
-            return group_costs(lens, group, self.cost, masks)
+            out = []
+            memo = self.memo
+            for r in group.ranks:
+                sids = group.local.get(r, ())
+                if not sids:
+                    out.append(IDLE_MEMBER)
+                    continue
+                ms, tokens = 0.0, 0
+                for s in sids:
+                    n, mask = lens[s], masks.get(s)
+                    ms += memo.local_ms(n) if mask is None else memo.doc_on_group_ms(n, 1, mask)
+                    tokens += n
+                out.append(RankCost(compute_ms=ms, comm_ms=0.0, comm_bytes=0, tokens=tokens))
+            return out
         sids = [*group.distributed, *(s for v in group.local.values() for s in v)]
         key = (
             group.ranks,
