@@ -1,9 +1,10 @@
 """TRL's vision-language rows (an `image` or `images` column of raw images, turned into pixels
 by TRL's collator per padded batch) refused by name by the TRL mixin trainers that do not
-tokenise them themselves (CPSFTTrainer, CPKTOTrainer, CPGRPOTrainer, CPRLOOTrainer; CPDPOTrainer
-does, objectives/dpo_vision.py), before TRL builds anything: hf_cp's planned steps read a
-processor's columns (input_ids, pixel_values, image_grid_thw, ...; train/data/vision_columns.py),
-and TRL's vision rows carry none of them.
+tokenise them themselves (CPSFTTrainer, CPKTOTrainer; CPDPOTrainer does, objectives/dpo_vision.py,
+and CPGRPOTrainer / CPRLOOTrainer let TRL generate from them, objectives/rollout_vision.py),
+before TRL builds anything: hf_cp's planned steps read a processor's columns (input_ids,
+pixel_values, image_grid_thw, ...; train/data/vision_columns.py), and TRL's vision rows carry none
+of them.
 Measured before this check (issue 38): CPDPOTrainer and CPSFTTrainer failed at set-up with
 "train_dataset has no 'input_ids' column ... tokenise it first", which names neither the images
 nor what trains them; a DPO eval dataset with images beside text training pairs went through
@@ -15,13 +16,17 @@ from __future__ import annotations
 from typing import List, Mapping
 
 RAW_IMAGE_COLUMNS = ("image", "images")  # TRL's `_is_vision_dataset` keys
-# KTO, GRPO and RLOO: their samples (a prompt and its answers) carry no images yet
+# KTO: TRL's KTOTrainer takes them (its vision collator), but hf_cp's KTO samples are built by
+# TRL's text pipeline (each prompt+completion, and the KL term's prompts with another row's
+# completion), whose rows carry no images
 SHARED_PROMPT_IMAGES_WHY = (
-    "this trainer's shared-prompt samples (a prompt and its answers, planned as one sample) carry no images yet, "
-    "and TRL's own handling of them (its collator, its generation batches) is replaced by the planned steps"
+    "TRL's KTOTrainer turns them into pixels in its collator, but hf_cp's KTO samples (each prompt with its "
+    "completion, and the KL term's prompts with another row's completion, planned as shared-prompt samples) are "
+    "built from TRL's text pipeline and carry no images yet"
 )
 SHARED_PROMPT_IMAGES_INSTEAD = (
-    "Train preference pairs with images with CPDPOTrainer (the model's processor as processing_class), or train "
+    "Train preference pairs with images with CPDPOTrainer, or prompts with images with CPGRPOTrainer or "
+    "CPRLOOTrainer (the model's processor as processing_class), or train "
     "supervised on the images with CPTrainer: `hf-cp preprocess DATA --processor DIR --images-field images` "
     "(docs/vision.md)"
 )

@@ -39,7 +39,18 @@ steps_per_generation other than 1 (one optimizer step is one planned step over t
 generation batch: size it with per_device_train_batch_size; the plan, not accumulation, bounds
 a rank's memory), sequence-level importance sampling, an entropy quantile or bonus, the
 off-policy mask, use_vllm (generation is through transformers on the policy), loss_type vespo, cast_lm_head_to_fp32,
-Liger kernels, MoE auxiliary losses, vision-language models, tools and environments.
+Liger kernels, MoE auxiliary losses, tools and environments; with images: video, a
+processing_class that is not a Qwen2-VL-family processor, an image placeholder in a completion,
+FSDP2 and ZeRO-3 (objectives/rollout_vision.py).
+
+Images in the prompt (TRL's vision rows: an `image` or `images` column, a Qwen2-VL-family policy,
+the model's transformers processor as processing_class): TRL generates and scores as it does;
+the planned step encodes each group's images once per pass with the policy's tower and gives
+each completion the M-RoPE positions of prompt+completion alone (rollout_vision.py). Against
+TRL's GRPOTrainer on the same rollouts, tiny Qwen2.5-VL (tests/test_grpo_vision.py): gradients
+within 7.6e-7 relative, the tower's included. TRL's own loss forward is right only with a
+tokenizer that pads on the left (with a right-padding one its image token types miss the image
+tokens of left-padded prompts); hf_cp's does not depend on it.
 
 A reward function that raises stops the step on every rank (no rank waits in a collective),
 naming the function, the group and the prompt.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ class GRPORollout:
     # [rows] RLOO's summed log-probs at the rollout's first planned step, under the policy that
     # generated it: TRL's old_logps without its generation pass's kernel noise (NaN: not trained)
     policy_sums: Optional[np.ndarray] = None
+    # per row: its prompt's images as TRL's processor gave them (pixel_values rows, image_grid_thw),
+    # None for a row without images; None altogether in a text run
+    images: Optional[List[Optional[Tuple[np.ndarray, np.ndarray]]]] = None
 
     @property
     def rows(self) -> int:
@@ -49,8 +52,37 @@ class GRPORollout:
         return np.asarray([float(m.sum()) for m in self.loss_masks], dtype=np.float64)
 
 
+def row_images(out: dict, rows: int) -> Optional[List[Optional[Tuple[np.ndarray, np.ndarray]]]]:
+    """Each row's images of TRL's generation output (a vision run: `pixel_values` and
+    `image_grid_thw` of every row's images in row order, `num_images` per row), as
+    (pixel rows, grids) per row; None in a text run."""
+    grid = out.get("image_grid_thw")
+    if grid is None or out.get("pixel_values") is None:
+        return None
+    pixels = out["pixel_values"].detach().float().cpu().numpy()
+    grid = grid.detach().cpu().numpy().astype(np.int64)
+    counts = out.get("num_images") or [0] * rows
+    per_image = grid.prod(axis=1)
+    got: List[Optional[Tuple[np.ndarray, np.ndarray]]] = []
+    image, row = 0, 0
+    for n in counts:
+        if not n:
+            got.append(None)
+            continue
+        patches = int(per_image[image : image + n].sum())
+        got.append((pixels[row : row + patches], grid[image : image + n]))
+        image, row = image + n, row + patches
+    if row != len(pixels) or image != len(grid):
+        raise ValueError(
+            f"TRL's generation output has {len(pixels)} pixel rows and {len(grid)} image grids, but its rows' "
+            f"num_images {list(counts)} account for {row} rows of {image} images"
+        )
+    return got
+
+
 def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
-    """Every process's rows of TRL's generation output (`out`), padding removed, on every rank."""
+    """Every process's rows of TRL's generation output (`out`), padding removed, on every rank
+    (a vision run: each row's images too, row_images)."""
     prompt_mask = out["prompt_mask"].bool().cpu()
     completion_mask = out["completion_mask"].cpu()
     loss_mask = completion_mask * out["tool_mask"].cpu() if "tool_mask" in out else completion_mask
@@ -59,6 +91,7 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
     old = None if old is None else old.detach().float().cpu()
     ref = None if ref is None else ref.detach().float().cpu()
     prompt_ids, completion_ids = out["prompt_ids"].cpu(), out["completion_ids"].cpu()
+    images = row_images(out, prompt_ids.shape[0])
     rows = []
     for i in range(prompt_ids.shape[0]):
         n = int(completion_mask[i].sum())
@@ -71,6 +104,7 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
                 a.numpy(),
                 None if old is None else old[i, :n].numpy(),
                 None if ref is None else ref[i, :n].numpy(),
+                None if images is None else images[i],
             )
         )
     per_process = gather_object([rows]) if world > 1 else [rows]
@@ -85,6 +119,7 @@ def gather_rollout(out: dict, world: int, num_generations: int) -> GRPORollout:
         processes=[p for p, _ in flat],
         num_generations=num_generations,
         per_token_advantages=adv.dim() == 2,
+        images=[r[6] for _, r in flat] if any(r[6] is not None for _, r in flat) else None,
     )
 
 

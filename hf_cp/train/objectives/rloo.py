@@ -22,7 +22,8 @@ advantage of exactly 0) are not run; their share of TRL's loss is added as a con
 
 The step's loss and gradients equal TRL's RLOOTrainer on the same rollouts at any world size.
 Refused by name: gradient_accumulation_steps or steps_per_generation other than 1, Liger
-kernels, MoE auxiliary losses, vision-language models, tools and environments. Under FSDP2 and
+kernels, MoE auxiliary losses, tools and environments. Prompts with images train as
+CPGRPOTrainer's do (objectives/rollout_vision.py; tests/test_grpo_vision.py). Under FSDP2 and
 ZeRO-3 the planned passes run the wave's pass count on every rank, as CPTrainer's do. Each
 planned step's record times its log-prob pass (forward-only, predicted as one) and its token
 pass; the online calibration and the end-of-run balance summary read it (rollout.py).
