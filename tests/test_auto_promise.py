@@ -84,7 +84,7 @@ def test_grouped_steps_plan_only_the_member_returned(h200_cost, traces_dir, kind
     """auto's CPU on these steps is its winner's plus the bound's: it stops after its first member,
     whose plan is within stop_within_masked of the charged bound (at 64 ranks it planned all five
     masked members, ~60x magi's CPU, while magi's plans ended 0.32% above the bound; at 4 and 8
-    ranks, steps under exhaustive_below samples, it planned all five at 3-17x magi's CPU)."""
+    ranks, steps under exhaustive_below samples, it planned all five at 8-23x magi's CPU)."""
     req = grouped_step(traces_dir, kind, world, h200_cost)
     auto = get_balancer("auto")
     plan = auto.plan(req)
