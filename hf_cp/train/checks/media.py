@@ -32,9 +32,9 @@ SHARED_PROMPT_IMAGES_INSTEAD = (
 )
 
 
-def raw_image_columns(dataset) -> List[str]:
-    """The raw image columns of `dataset` (a map-style dataset's column names, or a stream's first
-    row, as TRL reads it)."""
+def dataset_columns(dataset) -> List[str]:
+    """The columns of `dataset` as TRL reads them: a map-style dataset's column names, or a
+    stream's first row's keys (none for no dataset, or a name)."""
     if dataset is None or isinstance(dataset, str):
         return []
     columns = getattr(dataset, "column_names", None)
@@ -43,7 +43,12 @@ def raw_image_columns(dataset) -> List[str]:
             columns = list(next(iter(dataset)).keys())
         except (StopIteration, TypeError, AttributeError):
             return []
-    return [c for c in columns if c in RAW_IMAGE_COLUMNS]
+    return list(columns)
+
+
+def raw_image_columns(dataset) -> List[str]:
+    """The raw image columns of `dataset` (dataset_columns)."""
+    return [c for c in dataset_columns(dataset) if c in RAW_IMAGE_COLUMNS]
 
 
 def refuse_raw_images(datasets: Mapping[str, object], trainer: str, why: str, instead: str) -> None:

@@ -37,8 +37,8 @@ from hf_cp.data_prep.vision_processor import (
     VISION_TOKENS,
     VisionProcessor,
 )
+from hf_cp.train.checks.media import RAW_IMAGE_COLUMNS
 
-IMAGE_COLUMNS = ("image", "images")  # TRL's `_is_vision_dataset` keys
 VIDEO_COLUMNS = ("video", "videos")
 # what the map writes per pair, beside the columns it keeps
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "pixel_values", "image_grid_thw")
@@ -46,7 +46,7 @@ PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "pixel_values", "ima
 
 def has_image_rows(dataset) -> bool:
     columns = getattr(dataset, "column_names", None) or []
-    return any(c in IMAGE_COLUMNS for c in columns)
+    return any(c in RAW_IMAGE_COLUMNS for c in columns)
 
 
 def refuse_video_rows(dataset, name: str, trainer: str) -> None:

@@ -19,13 +19,13 @@ placeholder is refused by the shared-prompt splice, naming the prompt group.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import numpy as np
 from transformers import ProcessorMixin
 
 from hf_cp.samples.masks import SampleMask
-from hf_cp.train.checks.media import raw_image_columns
+from hf_cp.train.checks.media import dataset_columns, raw_image_columns
 from hf_cp.train.data.vision_columns import has_vision_columns, vision_reader
 from hf_cp.train.data.vision_rows import VisionFn
 from hf_cp.train.objectives.dpo_vision import VIDEO_COLUMNS, vision_processor_of
@@ -33,18 +33,6 @@ from hf_cp.train.setup.sharding import sharding_of
 from hf_cp.train.step.vision_tower import VisionTower
 
 RowImages = Optional[tuple]  # (pixel rows [patches, dim], grids [images, 3]) of one row; None: no images
-
-
-def _columns(dataset) -> List[str]:
-    if dataset is None or isinstance(dataset, str):
-        return []
-    columns = getattr(dataset, "column_names", None)
-    if columns is None:
-        try:
-            columns = list(next(iter(dataset)).keys())
-        except (StopIteration, TypeError, AttributeError):
-            return []
-    return list(columns)
 
 
 def _flat(datasets: Mapping[str, object]) -> Dict[str, object]:
@@ -66,14 +54,14 @@ def check_image_prompts(datasets: Mapping[str, object], processing_class, args, 
     """True where the run's prompts carry images (TRL's vision rows), after the refusals above;
     False for a text run. A video column is refused whether or not images come with it."""
     for name, dataset in _flat(datasets).items():
-        found = [c for c in _columns(dataset) if c in VIDEO_COLUMNS]
+        found = [c for c in dataset_columns(dataset) if c in VIDEO_COLUMNS]
         if found:
             raise ValueError(
                 f"{trainer}: {name} has the column {found[0]!r}; TRL's GRPO generates from images only (its "
                 "vision rows are an `image` or `images` column), so the clips would never reach the model: train "
                 "them supervised with CPTrainer (`hf-cp preprocess --processor --videos-field`)"
             )
-        pixels = [c for c in _columns(dataset) if has_vision_columns([c])]
+        pixels = [c for c in dataset_columns(dataset) if has_vision_columns([c])]
         if pixels:
             raise ValueError(
                 f"{trainer}: {name} has a processor's vision column(s) {pixels}; TRL generates from raw images "
