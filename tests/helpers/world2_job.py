@@ -272,17 +272,19 @@ def assert_matches_reference(spec: dict) -> dict:
     return check_run(spec).worst
 
 
-def executed_plans(spec: dict):
+def executed_plans(spec: dict, world: int = 2):
     """The plans of the run's steps, re-planned here and matched to the digests the run
-    recorded (so the placement checks below are about what actually ran)."""
-    plans = replanned(spec)
+    recorded (so the placement checks below are about what actually ran); `world`: the run's
+    number of processes."""
+    plans = replanned(spec, world)
     recorded = [r["plan_digest"] for r in json.loads((Path(spec["out"]) / "history.json").read_text())]
     assert [p.digest() for p in plans] == recorded, "the test's plans are not the ones the run executed"
     return plans
 
 
-def replanned(spec: dict):
-    """The plans of the run's steps by spec['balancer'], planned here as the run's trainer plans them."""
+def replanned(spec: dict, world: int = 2):
+    """The plans of the run's steps by spec['balancer'], planned here as the run's trainer plans
+    them on `world` ranks."""
     config = tiny_config(spec.get("model") or "llama").to_dict()
     rows = train_rows(spec)
     present = [c for c in GRID_COLUMNS if any(r.get(c) is not None for r in rows)]
@@ -294,7 +296,7 @@ def replanned(spec: dict):
     planner = Planner(
         sampler,
         balancer_for(spec["balancer"]) or get_balancer(spec["balancer"], **spec.get("balancer_options", {})),
-        ClusterSpec(2, spec["max_tokens_per_rank"]),
+        ClusterSpec(world, spec["max_tokens_per_rank"]),
         # the trainer's cost model: the model's own dimensions and the run's profile
         CostModel(
             ModelDims.from_hf_config(config),
