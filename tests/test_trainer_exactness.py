@@ -29,6 +29,7 @@ from helpers.harness.reference import (
     sample_loss_sum,
     sample_valid_targets,
 )
+from helpers.tiny_vlm import VISION_START
 from helpers.world2_job import (
     BALANCERS,
     CHUNKFLOW_RUNS,
@@ -37,6 +38,7 @@ from helpers.world2_job import (
     MOE_BALANCERS,
     MUTATED_BALANCER,
     QWEN3_5_BALANCERS,
+    QWEN3_VL_BALANCERS,
     VLM_BALANCERS,
     executed_plans,
 )
@@ -169,6 +171,24 @@ def test_vision_language_training_equals_the_models_own_forward_step_by_step(wor
     assert spread >= 1, f"{balancer} distributed no sample over a CP group: the CP path went untested"
     rows = train_rows(spec)
     assert "pixel_values_videos" in rows[0] and sum("pixel_values" in r for r in rows) >= 3
+    report = check_run(spec)
+    assert report.steps == list(range(spec["steps"]))
+
+
+@pytest.mark.timeout(FIXTURE_TIMEOUT)
+@pytest.mark.parametrize("balancer", QWEN3_VL_BALANCERS)
+def test_qwen3_vl_training_equals_the_models_own_forward_step_by_step(world2_job, balancer):
+    """A tiny Qwen3-VL (DeepStack: the tower's layer features added after the first decoder layers;
+    each clip frame between its own vision start/end pair after two timestamp tokens, as its
+    processor writes it) under CPTrainer at world 2: every step equals single-process training on
+    the model's own forward, the 400-token sample and its clip over the CP group of 2 (auto keeps
+    the others local, static spreads every sample)."""
+    spec = world2_job[f"qwen3_vl-{balancer}"]
+    rows = train_rows(spec)
+    assert "pixel_values_videos" in rows[0] and "second_per_grid_ts" not in rows[0]
+    assert rows[0]["input_ids"].count(VISION_START) == 1 + int(rows[0]["video_grid_thw"][0][0])  # frames apart
+    spread, local = placements(executed_plans(spec))
+    assert spread >= 1 and (local == 0) == (balancer == "static"), (balancer, spread, local)
     report = check_run(spec)
     assert report.steps == list(range(spec["steps"]))
 

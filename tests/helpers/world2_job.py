@@ -67,6 +67,9 @@ VLM_BALANCERS = ("static", "auto", "magi")
 # and a clip) as 4 dependent chunks on rank 0 beside a packed micro-batch with an image on rank 1;
 # step 2 the 150- and 120-token ones (each an image and a clip) as 2 chunks on each rank
 VLM_CHUNKFLOW_OPTIONS = dict(chunk_size=100, keep=1, spread_stragglers=False)
+# a tiny Qwen3-VL (DeepStack, each clip frame apart) on the same lengths: auto keeps the 400-token
+# sample and its clip over the CP group of 2 and the others local, static spreads every sample
+QWEN3_VL_BALANCERS = ("static", "auto")
 
 # the deliberately broken trainers run this balancer (CP groups and local samples, see above)
 MUTATED_BALANCER = "auto"
@@ -208,6 +211,9 @@ def world2_runs() -> Dict[str, dict]:
     runs.update({f"qwen2_5_vl-{b}": balance_spec(b, **vlm) for b in VLM_BALANCERS})
     # ChunkFlow's dependent chunks with images and clips (train/step/chunk_vision.py)
     runs["qwen2_5_vl-chunkflow"] = balance_spec("chunkflow", balancer_options=dict(VLM_CHUNKFLOW_OPTIONS), **vlm)
+    # Qwen3-VL: DeepStack inside the model's forward, each clip frame apart (about 4 s for both runs)
+    qwen3_vl = dict(vlm, model="qwen3_vl")
+    runs.update({f"qwen3_vl-{b}": balance_spec(b, **qwen3_vl) for b in QWEN3_VL_BALANCERS})
     # its planned evaluation: the 400- and 260-token eval samples (with a clip) over a CP group of 2
     runs["qwen2_5_vl-eval"] = balance_spec("auto", eval_lengths=EVAL_LENGTHS, eval_steps=1, **vlm)
     runs["mutation-router_local_counts"] = balance_spec(

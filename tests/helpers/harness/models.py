@@ -4,8 +4,9 @@ The tiny Llama is built from hf_cp/configs/models/tiny-llama.json, the tiny Qwen
 TINY_QWEN2 (grouped-query attention with 4 query heads per KV head, and the q/k/v biases Qwen2
 has), each with a fixed seed, so the distributed job and the single-process reference start
 from bit-identical parameters without sharing a file. A job spec picks one with `model`
-("llama", the default, "qwen2", "qwen3_next": a Gated DeltaNet hybrid, or "qwen3_moe": MoE MLPs
-whose router's load-balancing loss is on).
+("llama", the default, "qwen2", "qwen3_next": a Gated DeltaNet hybrid, "qwen3_moe": MoE MLPs
+whose router's load-balancing loss is on, or the vision-language "qwen2_5_vl" and "qwen3_vl":
+tests/helpers/tiny_vlm.py's, on vision_rows' random images and clips).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import List, Sequence
 import numpy as np
 import torch
 
-from helpers.tiny_vlm import make_sample, vlm_config
+from helpers.tiny_vlm import MERGE, make_sample, qwen3_vl_config, vlm_config
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_MODEL = ROOT / "hf_cp" / "configs" / "models" / "tiny-llama.json"
@@ -94,7 +95,9 @@ TINY_QWEN3_MOE = dict(
     tie_word_embeddings=False,
     use_cache=False,
 )
-MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_5_text", "qwen3_moe", "qwen2_5_vl")
+MODELS = ("llama", "qwen2", "qwen3_next", "qwen3_5_text", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
+# the vision-language families: their rows carry random images and clips (vision_rows)
+VISION_MODELS = ("qwen2_5_vl", "qwen3_vl")
 
 # transformers' convention for "no loss at this position"; spelled out here rather than taken
 # from hf_cp's collator, which these tests check
@@ -125,6 +128,8 @@ def tiny_config(family: str = "llama"):
         return Qwen3MoeConfig(**TINY_QWEN3_MOE)
     if family == "qwen2_5_vl":  # a vision-language model: random images and clips (vision_rows)
         return vlm_config()
+    if family == "qwen3_vl":  # DeepStack: the tower's layer features added after the first decoder layers
+        return qwen3_vl_config()
     raise ValueError(f"harness model {family!r}: expected one of {list(MODELS)}")
 
 
@@ -138,6 +143,7 @@ def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
         Qwen3_5ForCausalLM,
         Qwen3MoeForCausalLM,
         Qwen3NextForCausalLM,
+        Qwen3VLForConditionalGeneration,
     )
 
     if attn == "hf_cp":
@@ -151,6 +157,7 @@ def tiny_model(seed: int = 0, attn: str = "hf_cp", family: str = "llama"):
         "qwen3_5_text": Qwen3_5ForCausalLM,
         "qwen3_moe": Qwen3MoeForCausalLM,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
     }
     model = classes[family](cfg)
     if family in ("qwen3_next", "qwen3_5_text"):
@@ -190,9 +197,22 @@ def synthetic_rows(lengths: Sequence[int], seed: int = 0, prompt_every: int = 3)
     return rows
 
 
-def vision_rows(lengths: Sequence[int], seed: int = 0) -> List[dict]:
+def item_tokens(kind: str, grid: Sequence[int], frames_apart: bool = False) -> int:
+    """The tokens make_sample writes for one image or clip: its placeholders between a vision
+    start/end pair, or (`frames_apart`, a Qwen3-VL clip) per frame two timestamp tokens and the
+    frame's placeholders between its own start/end pair."""
+    t, h, w = grid
+    if kind == "video" and frames_apart:
+        return t * (2 + 2 + h * w // MERGE**2)
+    return 2 + t * h * w // MERGE**2
+
+
+def vision_rows(lengths: Sequence[int], seed: int = 0, family: str = "qwen2_5_vl") -> List[dict]:
     """synthetic_rows' samples, every other one with a random image a quarter in, and from 100
-    tokens a random two-frame clip half-way too: the same lengths, placeholders in place of text."""
+    tokens a random two-frame clip half-way too: the same lengths, placeholders in place of text.
+    `family`'s processor layout: Qwen3-VL writes each clip frame apart (make_sample frames_apart)
+    and no second_per_grid_ts (its frames' times are the timestamp tokens)."""
+    apart = family == "qwen3_vl"
     rows = []
     for i, row in enumerate(synthetic_rows(lengths, seed)):
         n = len(row["input_ids"])
@@ -204,9 +224,11 @@ def vision_rows(lengths: Sequence[int], seed: int = 0) -> List[dict]:
         layout, at = [], 0
         for start, kind, grid in items:
             layout += [("text", start - at), (kind, grid)]
-            at = start + 2 + int(np.prod(grid)) // 4
+            at = start + item_tokens(kind, grid, apart)
         layout.append(("text", n - at))
-        got = make_sample(seed * 1000 + i, layout)
+        got = make_sample(seed * 1000 + i, layout, frames_apart=apart)
+        if apart:
+            got.pop("second_per_grid_ts", None)
         if len(got["input_ids"]) != n:
             raise AssertionError(f"vision row {i}: {len(got['input_ids'])} tokens for length {n}")
         labels = [IGNORE_INDEX if y == IGNORE_INDEX else x for x, y in zip(got["input_ids"], row["labels"])]
@@ -220,12 +242,12 @@ def spec_model(spec: dict, attn: str = "hf_cp"):
 
 
 def train_rows(spec: dict) -> List[dict]:
-    if spec.get("model") == "qwen2_5_vl":
-        return vision_rows(spec["lengths"], spec.get("data_seed", 0))
+    if spec.get("model") in VISION_MODELS:
+        return vision_rows(spec["lengths"], spec.get("data_seed", 0), spec["model"])
     return synthetic_rows(spec["lengths"], spec.get("data_seed", 0))
 
 
 def eval_rows(spec: dict) -> List[dict]:
-    if spec.get("model") == "qwen2_5_vl":
-        return vision_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)
+    if spec.get("model") in VISION_MODELS:
+        return vision_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1, spec["model"])
     return synthetic_rows(spec["eval_lengths"], spec.get("data_seed", 0) + 1)

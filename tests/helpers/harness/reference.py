@@ -63,13 +63,18 @@ def sample_loss_sum(model, row: dict) -> torch.Tensor:
     """Sum of the sample's next-token cross-entropies (fp32), the sample run alone (a vision
     sample through the model's own forward: its processor columns, its own M-RoPE)."""
     ids = torch.tensor(row["input_ids"])[None]
-    logits = model(input_ids=ids, use_cache=False, **vision_inputs(row, ids)).logits[0, :-1].float()
+    logits = model(input_ids=ids, use_cache=False, **vision_inputs(row, ids, model)).logits[0, :-1].float()
     return F.cross_entropy(logits, next_token_targets(row["labels"]), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def vision_inputs(row: dict, ids: torch.Tensor) -> dict:
-    """A vision row's processor columns as the model's forward takes them (none for text)."""
-    got = {k: torch.as_tensor(np.asarray(row[k])) for k in VISION_KEYS if row.get(k) is not None}
+def vision_inputs(row: dict, ids: torch.Tensor, model=None) -> dict:
+    """A vision row's processor columns as the model's forward takes them (none for text).
+    second_per_grid_ts only for Qwen2.5-VL: Qwen2-VL's and Qwen3-VL's M-RoPE take no seconds per
+    patch (Qwen3-VL's forward would swallow it in **kwargs: dropped here, not silently ignored)."""
+    keys = [
+        k for k in VISION_KEYS if k != "second_per_grid_ts" or model is None or model.config.model_type == "qwen2_5_vl"
+    ]
+    got = {k: torch.as_tensor(np.asarray(row[k])) for k in keys if row.get(k) is not None}
     if got:
         types = torch.zeros_like(ids, dtype=torch.int32)
         types[ids == IMAGE_TOKEN] = 1
