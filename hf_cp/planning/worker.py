@@ -438,10 +438,8 @@ class Planner:
             planned = plan_and_predict(self.balancer, req)
         compare = None
         if self.compare is not None and max(batch.lengths) <= self.compare_limit:
-            check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
-            if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
-                req = replace(req, dataset_max_length=self.compare_limit)
-            compare = predict(fitted_plan(self.compare, req), req)
+            compare_req = self._compare_request(req)
+            compare = predict(fitted_plan(self.compare, compare_req), compare_req)
         if host_by_host:
             return HostPlanned(batch, masks, parts, planner_ms, cpu_ms, compare, version or 0, cost)
         return PlannedStep(
@@ -460,15 +458,19 @@ class Planner:
         """Step `batch` planned to run the comparison balancer's plan (compare_runs), beside the
         run's own balancer's plan of it, simulated only. Planned flat: a host-by-host balancer's
         whole plan is its hosts' parts merged (plan_hierarchically), so no parts are exchanged."""
-        check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
-        compare_req = req
-        if (req.dataset_max_length or 0) > self.compare_limit:  # size its run-wide choices for what it trains
-            compare_req = replace(req, dataset_max_length=self.compare_limit)
-        ran = plan_and_predict(self.compare, compare_req)
+        ran = plan_and_predict(self.compare, self._compare_request(req))
         own = predict(fitted_plan(self.balancer, req), req)
         return PlannedStep(
             batch, ran.plan, ran.predicted, ran.planner_ms, own, version, ran.planner_cpu_ms, ran_compare=True
         )
+
+    def _compare_request(self, req: PlanRequest) -> PlanRequest:
+        """`req` as the comparison balancer plans it: its masks checked, its run-wide choices
+        sized for the longest sample it trains."""
+        check_mask_support(self.compare, req, f"{self.compare_name} (the comparison balancer)")
+        if (req.dataset_max_length or 0) > self.compare_limit:
+            return replace(req, dataset_max_length=self.compare_limit)
+        return req
 
     def _plan_host_parts(self, req: PlanRequest) -> HostParts:
         """This host's parts of `req`; a failure travels in them (HostParts.error), so that every
