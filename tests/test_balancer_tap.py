@@ -2,19 +2,25 @@
 it can be, nothing moves when the pool is balanced, heads are split before anything else, and
 tiles prefer the worker that owns their queries or already holds their keys."""
 
+import dataclasses
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.balancers.tap import TapOptions, linear_ms, place_tiles, pool_chunks, tap_pool, tile_ms
+from hf_cp.balance.toolkit.bounds import BoundCache
 from hf_cp.balance.toolkit.placement import sample_slices
+from hf_cp.cost.execution import execution_named
+from hf_cp.cost.model import CostModel
 from hf_cp.cost.simulate import simulate
 from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
+from helpers import load_file_module
 from helpers.balancer_checks import check_balancer_properties, step_cases
 
 
@@ -142,3 +148,68 @@ def test_libra_tap_moves_attention_inside_a_pool_and_beats_vrsp_there(h200_cost)
         "no tile moved"
     )
     assert simulate(tap, h200_cost).makespan_ms < simulate(libra, h200_cost).makespan_ms
+
+
+# ---------------------------------------------------------------------- libra_tap's lower bound
+def _tap_bound_holds(req, cost, **options):
+    """libra_tap's lower_bound_ms is at most its plan's simulated step time."""
+    tap = get_balancer("libra_tap", **options)
+    bound = tap.lower_bound_ms(req, BoundCache(req))
+    ms = simulate(tap.plan(req), cost).makespan_ms
+    assert 0 < bound <= ms * (1 + 1e-9), (bound, ms)
+    return bound
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    case=step_cases(max_world=32),
+    pool_size=st.sampled_from([1, 2, 4, 8]),
+    room=st.sampled_from([0.0, 0.25]),
+    masked=st.booleans(),
+    scale=st.sampled_from([1.0, 0.6]),
+    execution=st.sampled_from([None, "zero2"]),
+)
+def test_libra_tap_bound_is_below_its_plan(case, pool_size, room, masked, scale, execution, h200_cost):
+    """auto skips libra_tap on this bound (issue 39): whichever way each pool's wave runs (TAP's
+    group over the pool, libra's ring groups, every rank alone), its replicas wait at least
+    this long; masked samples, a calibrated cp_attention_scale below 1 and ZeRO-2's
+    synchronised waves included."""
+    world, cap, lengths = case
+    cluster = ClusterSpec(world, cap)
+    lengths = [n for n in lengths if n <= cluster.largest_capacity] or [1]
+    cost = CostModel(
+        h200_cost.dims, dataclasses.replace(h200_cost.profile, cp_attention_scale=scale), execution_named(execution)
+    )
+    masks = None
+    if masked:  # every other sample a prompt with two answers
+        masks = {
+            i: SampleMask.shared_prompt(n - 2 * (n // 3), [n // 3, n // 3])
+            for i, n in enumerate(lengths)
+            if i % 2 and n >= 3
+        }
+    req = PlanRequest(list(range(len(lengths))), lengths, cluster, cost, masks=masks or None)
+    _tap_bound_holds(req, cost, pool_size=pool_size, room=room)
+
+
+@pytest.mark.parametrize("world, lengths", [(4, [40000] * 4), (4, [2000] * 64)])
+def test_libra_tap_bound_is_its_plan_where_every_replica_runs_equal_packs(h200_cost, world, lengths):
+    """Equal packs on every replica, each balanced on its ring group: nothing beats libra's own
+    groups, and the bound is the plan's step time (a bound set too high fails here)."""
+    req = PlanRequest(list(range(len(lengths))), lengths, ClusterSpec(world, 32768), h200_cost)
+    bound = _tap_bound_holds(req, h200_cost)
+    assert bound == pytest.approx(simulate(get_balancer("libra_tap").plan(req), h200_cost).makespan_ms, rel=1e-9)
+
+
+@pytest.mark.parametrize("world", [4, 8, 64])
+@pytest.mark.parametrize("kind", ["g16", "g8long"])
+def test_libra_tap_bound_on_grouped_steps_rules_it_out_behind_magi(h200_cost, traces_dir, kind, world):
+    """On shared-prompt steps VRSP balances packs by their causal work, not their masked area,
+    and TAP's groups synchronise each pool every wave: libra_tap's bound is above magi's plan,
+    and auto no longer plans it (6-17 ms of auto's 21-57 at worlds 4 and 8 on the GRPO-like
+    step)."""
+    grouped_step = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py").grouped_step
+    req = grouped_step(traces_dir, kind, world, h200_cost)
+    bound = _tap_bound_holds(req, h200_cost)
+    auto = get_balancer("auto")
+    auto.plan(req)
+    assert "libra_tap" in auto.last_skipped and bound >= auto.last_makespans["magi"], auto.last_skipped

@@ -26,9 +26,10 @@ import heapq
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from hf_cp.balance.balancers.libra import LibraBalancer
+from hf_cp.balance.balancers.libra import LibraBalancer, PoolLayout
 from hf_cp.balance.base import PlanRequest, SampleTooLongError
 from hf_cp.balance.registry import register_balancer
+from hf_cp.balance.toolkit.bounds import BoundCache
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, ComputeBlock, blocks_group, request_masks
 from hf_cp.balance.toolkit.ring_layout import pick_ring_mode
 from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
@@ -321,11 +322,12 @@ class LibraTapBalancer:
         self.room = room
         self.max_pool_ranks = max_pool_ranks
 
-    def plan(self, req: PlanRequest) -> StepPlan:
+    def _layout(self, req: PlanRequest) -> PoolLayout:
+        """VRSP's packs, pools and waves (libra.layout), packed with `room` to receive."""
         cl = req.cluster
-        cap = cl.max_tokens_per_rank
         packed = req
         if self.room:
+            cap = cl.max_tokens_per_rank
             tight = ClusterSpec(cl.world_size, max(1, int(cap * (1 - self.room))), cl.gpus_per_node, cl.max_group_size)
             try:  # pack with room to receive; a sample too long for that packs to the cap
                 packed = PlanRequest(
@@ -333,7 +335,20 @@ class LibraTapBalancer:
                 )
             except SampleTooLongError:
                 packed = req
-        lay = self.libra.layout(packed)
+        return self.libra.layout(packed)
+
+    def lower_bound_ms(self, req: PlanRequest, bounds: BoundCache) -> Optional[float]:
+        """No libra_tap plan of the request is faster (pools_lower_bound_ms over its own VRSP
+        layout, which costs a few ms against TAP's tiles: auto skips libra_tap behind magi on
+        GRPO-like steps, where it cost auto 6-17 ms of its 21-57 at worlds 4 and 8). None with
+        vision work, whose memory fit may move samples (fit_vision_memory)."""
+        if req.vision:
+            return None
+        return pools_lower_bound_ms(self._layout(req), req.length_array, bounds.local_ms, req.cost)
+
+    def plan(self, req: PlanRequest) -> StepPlan:
+        cap = req.cluster.max_tokens_per_rank
+        lay = self._layout(req)
         N, P = lay.cp_size, lay.pool_size
         masks = request_masks(req)
         ids = req.sample_ids
@@ -408,6 +423,57 @@ def _pool_ms(waves: Sequence[Sequence[Group]], lens, cost: CostModel, masks) -> 
             for r in g.ranks:
                 clock[r] = end
     return max(clock.values()) if clock else 0.0
+
+
+def pools_lower_bound_ms(lay: PoolLayout, lengths: Sequence[int], local_ms: Sequence[float], cost: CostModel) -> float:
+    """No libra_tap plan built on VRSP's layout `lay` is faster under the simulator's timing rule
+    (`local_ms`: every request sample's single-rank compute, masked by its area: BoundCache).
+
+    Every wave of a pool runs one of three ways: TAP's one blocks group over all the pool's
+    ranks (it starts when the pool's last rank is free), libra's own ring groups (each replica's
+    pack on its N ranks), or, when no document of the wave spans two members, every rank alone.
+    Take C, the latest clock of one replica's ranks. A TAP wave moves C on by at least its
+    duration: the pool's work over its ranks, and the largest linear share a member owns
+    (TAP moves attention, never rows), plus one micro-batch overhead. A ring group moves it on by
+    at least the pack's work over N plus the overhead (the members' times sum to at least the
+    pack's single-rank work: module bounds.py). So C grows by at least the smaller of the two
+    every wave; a wave whose ranks may run alone adds nothing (N > 1) or the rank's own pack
+    (N = 1: the replica is its one rank). Attention in a group counts at most
+    cp_attention_scale of itself where calibration put that below 1."""
+    N, R = lay.cp_size, lay.cp_size * lay.pool_size
+    lin = linear_ms(cost, 1)
+    overhead = cost.micro_batch_overhead_ms()
+    scale = min(1.0, cost.profile.cp_attention_scale)
+    best = 0.0
+    for pool in lay.pools:
+        waves: Dict[int, List[int]] = {}
+        for k in pool:
+            waves.setdefault(lay.slot_of_pack[k], []).append(k)
+        clock: Dict[int, float] = {}  # replica -> the least its latest clock can be
+        for packs in waves.values():
+            work, widest, spans = {}, 0.0, N == 1
+            for k in packs:
+                lens = [int(lengths[i]) for i in lay.packs[k]]
+                tokens = sum(lens)
+                single = float(sum(local_ms[i] for i in lay.packs[k]))
+                work[k] = lin * tokens + (single - lin * tokens) * scale
+                if N == 1:
+                    widest = max(widest, lin * tokens)
+                    continue
+                owners: Dict[int, set] = {}
+                owned = [0] * N
+                for m, seg in ring.zigzag_pieces(lens, N):
+                    owners.setdefault(seg.doc, set()).add(m)
+                    owned[m] += seg.length
+                widest = max(widest, lin * max(owned))
+                spans = spans or any(len(o) > 1 for o in owners.values())
+            tap_ms = max(sum(work.values()) / R, widest) + overhead
+            for k in packs:
+                own = work[k] / N + overhead if spans else 0.0
+                rep = lay.replica_of_pack[k]
+                clock[rep] = clock.get(rep, 0.0) + min(tap_ms, own)
+        best = max([best] + list(clock.values()))
+    return best
 
 
 def fits_memory(group: Group, req: PlanRequest, cap: int) -> bool:
