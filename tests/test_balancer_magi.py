@@ -244,11 +244,11 @@ def test_choose_layout_picks_the_fastest_candidate_that_fits(h200_cost):
     choice = choose_layout(h200_cost, lens, ranks, 32768, masks)
     # price every candidate independently with the simulator's group costs
     times = {}
-    for name, mode, pl in _candidates(h200_cost, lens, masks, 8, LayoutOptions()):
-        if pl is None:
+    for name, mode, placement in _candidates(h200_cost, lens, masks, 8, LayoutOptions(), {}, {}):
+        if placement is None:
             costs = [h200_cost.distributed_rank_cost(lens, mode, ranks, m, (), masks) for m in ranks]
         else:
-            costs = block_group_costs(pl.to_layout(), lens, ranks, h200_cost, masks)
+            costs = block_group_costs(placement[1]().to_layout(), lens, ranks, h200_cost, masks)
         times[name] = max(c.total_ms for c in costs)
     assert choice.name in times
     assert choice.ms == pytest.approx(min(times.values()))

@@ -124,13 +124,16 @@ def block_group_costs(
     masks: Optional[Sequence[Optional[SampleMask]]] = None,
     local: Optional[Mapping[int, Sequence[int]]] = None,
     local_masks: Optional[Mapping[int, Sequence[Optional[SampleMask]]]] = None,
+    areas: Optional[Sequence[int]] = None,
 ) -> List[RankCost]:
     """RankCost of every member of a blocks group's micro-batch (local: member -> lengths of its
     local samples, local_masks alike), all layers included; kept by the cost model per
-    arguments (CostModel.kept): relayout prices a chosen layout, the pricer the plan's groups."""
+    arguments (CostModel.kept): relayout prices a chosen layout, the pricer the plan's groups.
+    `areas`: each compute block's masked pairs when the caller has them (a placement's own
+    ComputeBlock.pairs), else counted here."""
     kept = getattr(cost, "kept", None)
     if kept is None:
-        return _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks)
+        return _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks, areas)
     key = (
         "block_group_costs",
         layout,
@@ -140,10 +143,12 @@ def block_group_costs(
         tuple((m, tuple(v)) for m, v in sorted((local or {}).items())),
         tuple((m, tuple(v)) for m, v in sorted((local_masks or {}).items())),
     )
-    return list(kept(key, lambda: _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks)))
+    return list(
+        kept(key, lambda: _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks, areas))
+    )
 
 
-def _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks) -> List[RankCost]:
+def _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks, areas=None) -> List[RankCost]:
     g, L = len(ranks), cost.dims.num_layers
     local = local or {}
     local_masks = local_masks or {}
@@ -155,9 +160,8 @@ def _block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_mas
     for j in ex.blocks:
         b = layout.compute[j]
         qc = layout.chunks[b.q_chunk]
-        t = block_attention_ms(
-            cost, block_area(layout.chunks, slices, b.q_chunk, b.k_chunk), b.head_end - b.head_start, qc.length
-        )
+        area = areas[j] if areas is not None else block_area(layout.chunks, slices, b.q_chunk, b.k_chunk)
+        t = block_attention_ms(cost, area, b.head_end - b.head_start, qc.length)
         attn[b.executor] += t
         if qc.owner == b.executor and layout.chunks[b.k_chunk].owner == b.executor:
             own_attn[b.executor] += t

@@ -35,7 +35,13 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import get_balancer
 from hf_cp.balance.toolkit.magi_dispatch import magi_placement
 from hf_cp.balance.toolkit.placement import BlockPlacement, request_masks, sample_slices
-from hf_cp.balance.toolkit.usp_layout import RING_LAYOUTS, usp_factorisations, usp_placement
+from hf_cp.balance.toolkit.usp_layout import (
+    RING_LAYOUTS,
+    usp_chunks,
+    usp_executed_attention_ms,
+    usp_factorisations,
+    usp_placement,
+)
 from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.blocks import block_group_costs
 from hf_cp.cost.model import CostModel
@@ -72,7 +78,9 @@ class LayoutOptions:
             raise ValueError(f"usp ring layouts {bad} unknown; choose from {RING_LAYOUTS}")
 
 
-def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions):
+def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions, local, local_masks):
+    """(name, mode, None) of the whole-document geometries, then (name, BLOCKS, (bound, build))
+    of the placements: `bound` their compute_bound_ms, `build()` the placement."""
     H = cost.dims.num_heads
     if "ring" in opt.families:
         yield "ring_per_doc", ShardMode.RING_PER_DOC, None
@@ -94,12 +102,23 @@ def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions)
             if chunk in seen:
                 continue
             seen.add(chunk)
-            yield f"magi:{k}", ShardMode.BLOCKS, magi_placement(doc_lengths, g, chunk, H, doc_slices=slices)
+            pl = magi_placement(doc_lengths, g, chunk, H, doc_slices=slices)
+            yield f"magi:{k}", ShardMode.BLOCKS, (compute_bound_ms(cost, pl, local, local_masks), lambda pl=pl: pl)
     if "usp" in opt.families:
         for u, r in usp_factorisations(g, H):
             for ring in opt.usp_ring_layouts if r > 1 else ("zigzag",):
-                pl = usp_placement(doc_lengths, u, r, H, ring_layout=ring, doc_slices=slices)
-                yield f"usp:{u}x{r}:{ring}", ShardMode.BLOCKS, pl
+                # bounded from its chunks alone: most factorisations are ruled out unbuilt
+                chunks = usp_chunks(doc_lengths, u, r, ring)
+                tokens = [0] * g
+                for c in chunks:
+                    tokens[c.owner] += c.length
+                attn = usp_executed_attention_ms(cost, chunks, doc_lengths, slices, u, g)
+                bound = slowest_member_bound_ms(cost, tokens, attn, local, local_masks)
+
+                def build(u=u, r=r, ring=ring, chunks=chunks):
+                    return usp_placement(doc_lengths, u, r, H, ring_layout=ring, doc_slices=slices, chunks=chunks)
+
+                yield f"usp:{u}x{r}:{ring}", ShardMode.BLOCKS, (bound, build)
 
 
 def compute_bound_ms(
@@ -110,15 +129,27 @@ def compute_bound_ms(
 ) -> float:
     """The slowest member's computation under a placement (cost.blocks.block_group_costs'
     compute term, from the placement's own masked pairs): a lower bound of its time."""
-    L, H = cost.dims.num_layers, cost.dims.num_heads
-    tokens = pl.member_tokens()
+    H = cost.dims.num_heads
     attn = [0.0] * pl.group_size
     for b in pl.compute:
         h = b.head_end - b.head_start
         factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0
         attn[b.executor] += cost.c2 * b.pairs * h / H * factor / cost.chunk_efficiency(pl.chunks[b.q_chunk].length)
+    return slowest_member_bound_ms(cost, pl.member_tokens(), attn, local, local_masks)
+
+
+def slowest_member_bound_ms(
+    cost: CostModel,
+    tokens: Sequence[int],
+    attn: Sequence[float],
+    local: Mapping[int, Sequence[int]],
+    local_masks: Mapping[int, Sequence[Optional[SampleMask]]],
+) -> float:
+    """The slowest member's computation, all layers, from the rows it owns (`tokens`), the
+    attention it executes per layer (`attn`) and its local samples."""
+    L = cost.dims.num_layers
     out = 0.0
-    for m in range(pl.group_size):
+    for m in range(len(tokens)):
         lens = list(local.get(m, ()))
         lm = list(local_masks.get(m, ())) + [None] * len(lens)
         t = tokens[m] + sum(lens)
@@ -147,9 +178,9 @@ def choose_layout(
     masks = list(masks) if masks is not None else [None] * len(doc_lengths)
     best: Optional[LayoutChoice] = None
     placements = []
-    for name, mode, pl in _candidates(cost, doc_lengths, masks, g, opt):
-        if pl is not None:  # priced below, cheapest bound first
-            placements.append((compute_bound_ms(cost, pl, local, local_masks), name, pl))
+    for name, mode, placement in _candidates(cost, doc_lengths, masks, g, opt, local, local_masks):
+        if placement is not None:  # priced below, cheapest bound first
+            placements.append((placement[0], name, placement[1]))
             continue
         tokens = [segment_tokens(rank_segments(mode, doc_lengths, g, m)) + local_tokens[m] for m in range(g)]
         if max(tokens) > cap:
@@ -161,16 +192,18 @@ def choose_layout(
         ms = max(c.total_ms for c in costs)
         if best is None or ms < best.ms - 1e-9:
             best = LayoutChoice(name, mode, None, ms)
-    for bound, name, pl in sorted(placements, key=lambda x: x[0]):
+    for bound, name, build in sorted(placements, key=lambda x: x[0]):
         if best is not None and bound >= best.ms - 1e-9:
             break  # its computation alone is no faster: neither is any later candidate
+        pl = build()
         layout = pl.to_layout()
         if any(
             layout.member_tokens(m) + local_tokens[m] + received_token_equivalent(layout, m, cost) > cap
             for m in range(g)
         ):
             continue
-        costs = block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks)
+        areas = [b.pairs for b in pl.compute]  # counted when the placement was built
+        costs = block_group_costs(layout, doc_lengths, ranks, cost, masks, local, local_masks, areas)
         ms = max(c.total_ms for c in costs)
         if best is None or ms < best.ms - 1e-9:
             best = LayoutChoice(name, ShardMode.BLOCKS, layout, ms)

@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks, sample_slices
+from hf_cp.cost.model import CostModel
 from hf_cp.modes.ring import per_doc_pieces, zigzag_pieces
 from hf_cp.modes.segments import split_sizes
-from hf_cp.samples.masks import AttnSlice, SampleMask
+from hf_cp.samples.masks import AttnSlice, SampleMask, rect_pairs
 
 RING_LAYOUTS = ("zigzag", "per_doc")
 
@@ -52,29 +53,23 @@ def _pieces(doc_lengths: Sequence[int], r: int, ring: str) -> List[List[Tuple[in
     return out
 
 
-def usp_placement(
-    doc_lengths: Sequence[int],
-    ulysses: int,
-    ring: int,
-    num_heads: int,
-    masks: Optional[Sequence[Optional[SampleMask]]] = None,
-    ring_layout: str = "zigzag",
-    doc_slices: Optional[Sequence[Sequence[AttnSlice]]] = None,
-) -> BlockPlacement:
-    """The USP placement of a group of ulysses x ring members (module docstring)."""
-    u, r = ulysses, ring
-    if u < 1 or r < 1:
-        raise ValueError(f"usp: ulysses {u} and ring {r} must be positive")
-    if num_heads % u:
+def _check(ulysses: int, ring: int, num_heads: int, ring_layout: str) -> None:
+    if ulysses < 1 or ring < 1:
+        raise ValueError(f"usp: ulysses {ulysses} and ring {ring} must be positive")
+    if num_heads % ulysses:
         raise ValueError(
-            f"usp: Ulysses over {u} members splits {num_heads} query heads unevenly; pick u dividing the heads"
+            f"usp: Ulysses over {ulysses} members splits {num_heads} query heads unevenly; pick u dividing the heads"
         )
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"usp: ring_layout {ring_layout!r} must be one of {RING_LAYOUTS}")
-    slices = doc_slices if doc_slices is not None else sample_slices(doc_lengths, masks)
-    pl = BlockPlacement(u * r, num_heads)
+
+
+def usp_chunks(doc_lengths: Sequence[int], ulysses: int, ring: int, ring_layout: str = "zigzag") -> List[Chunk]:
+    """The chunks of the USP placement of a group of ulysses x ring members: each ring
+    position's pieces, its tokens in u contiguous runs cut at sample ends (module docstring)."""
+    u, r = ulysses, ring
+    chunks: List[Chunk] = []
     for j, pieces in enumerate(_pieces(doc_lengths, r, ring_layout)):
-        # the position's tokens in u contiguous runs, cut at sample ends
         sizes = split_sizes(sum(ln for _, _, ln in pieces), u)
         i, room = 0, sizes[0]
         for d, start, ln in pieces:
@@ -83,13 +78,54 @@ def usp_placement(
                     i += 1
                     room = sizes[i]
                 take = min(room, ln)
-                pl.chunks.append(Chunk(d, start, take, j * u + i))
+                chunks.append(Chunk(d, start, take, j * u + i))
                 start, ln, room = start + take, ln - take, room - take
+    return chunks
+
+
+def usp_executed_attention_ms(
+    cost: CostModel, chunks: Sequence[Chunk], doc_lengths: Sequence[int], slices, ulysses: int, group_size: int
+) -> List[float]:
+    """Per member, the attention it executes under the USP placement of `chunks` (all layers
+    apart), as relayout.compute_bound_ms sums it over the placement's compute blocks: member i
+    of a ring position runs heads [i H/u, (i+1) H/u) of every query chunk its position owns,
+    against all the keys the chunk attends. From one pair count per chunk, without building
+    the blocks: what lets choose_layout skip building a factorisation its bound rules out."""
+    u, H = ulysses, cost.dims.num_heads
+    h = H // u
+    factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0
+    attn = [0.0] * group_size
+    for c in chunks:
+        pairs = rect_pairs(slices[c.doc], c.start, c.end, 0, doc_lengths[c.doc])
+        t = cost.c2 * pairs * h / H * factor / cost.chunk_efficiency(c.length)
+        first = c.owner // u * u
+        for m in range(first, first + u):
+            attn[m] += t
+    return attn
+
+
+def usp_placement(
+    doc_lengths: Sequence[int],
+    ulysses: int,
+    ring: int,
+    num_heads: int,
+    masks: Optional[Sequence[Optional[SampleMask]]] = None,
+    ring_layout: str = "zigzag",
+    doc_slices: Optional[Sequence[Sequence[AttnSlice]]] = None,
+    chunks: Optional[Sequence[Chunk]] = None,
+) -> BlockPlacement:
+    """The USP placement of a group of ulysses x ring members (module docstring); `chunks`:
+    usp_chunks of the same arguments, when already made."""
+    u, r = ulysses, ring
+    _check(u, r, num_heads, ring_layout)
+    slices = doc_slices if doc_slices is not None else sample_slices(doc_lengths, masks)
+    pl = BlockPlacement(u * r, num_heads)
+    pl.chunks = list(chunks) if chunks is not None else usp_chunks(doc_lengths, u, r, ring_layout)
     h = num_heads // u
     ranges = [(i * h, (i + 1) * h) for i in range(u)]
-    chunks = pl.chunks
+    owners = [c.owner for c in pl.chunks]
 
     def executor(q_chunk: int, k_chunk: int, head_start: int, head_end: int) -> int:
-        return (chunks[q_chunk].owner // u) * u + head_start // h
+        return (owners[q_chunk] // u) * u + head_start // h
 
     return add_compute_blocks(pl, slices, executor, ranges)
