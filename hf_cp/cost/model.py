@@ -35,7 +35,7 @@ STATE_BYTES_PER_ELEMENT = 4
 PIECES_PER_MEMBER = 2
 
 
-def _segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
+def segments_builder(mode, doc_lengths: Sequence[int], group_size: int):
     """member -> its query segments (registry.rank_segments), each member's built once: a ring
     member's cost also needs its successor's share."""
     built: dict = {}
@@ -249,12 +249,15 @@ class CostModel:
         local_lengths: Sequence[int] = (),
         masks=None,
         local_masks=None,
+        segments_of=None,
     ) -> RankCost:
         """Cost for group member `member` (index into `ranks`) of one micro-batch in which the
         documents `doc_lengths` are distributed over the group with `mode` and `local_lengths`
         are this member's local documents (computed with no communication). `masks` and
         `local_masks` (aligned with the lengths; None entries causal) price masked samples by
-        their masked area. Mode BLOCKS is priced from its layout: cost.blocks.block_group_costs."""
+        their masked area. Mode BLOCKS is priced from its layout: cost.blocks.block_group_costs.
+        `segments_of`: segments_builder(mode, doc_lengths, group size), shared by a caller that
+        costs every member (a ring member's cost also needs its successor's share)."""
         spec = mode_spec(mode)
         if spec.priced_per_group:
             raise ValueError(f"a {spec.name!r} group is priced from its placement: use cost.blocks.block_group_costs")
@@ -273,7 +276,7 @@ class CostModel:
                 ranks,
                 member,
                 local_lengths,
-                _segments_builder(mode, doc_lengths, len(ranks)),
+                segments_of or segments_builder(mode, doc_lengths, len(ranks)),
                 self.link_for(ranks),
                 masks,
                 local_masks,
@@ -324,7 +327,7 @@ class CostModel:
         ring member's cost also needs its successor's share, so costing a whole group member by
         member would build each share twice."""
         local = local or {}
-        segments_of = _segments_builder(mode, doc_lengths, len(ranks))
+        segments_of = segments_builder(mode, doc_lengths, len(ranks))
         link = self.link_for(ranks)
         return [
             self._rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), segments_of, link, masks) for m in members

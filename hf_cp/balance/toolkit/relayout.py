@@ -44,8 +44,7 @@ from hf_cp.balance.toolkit.usp_layout import (
 )
 from hf_cp.balance.toolkit.vision_memory import fit_vision_memory
 from hf_cp.cost.blocks import block_group_costs
-from hf_cp.cost.model import CostModel
-from hf_cp.modes.registry import rank_segments
+from hf_cp.cost.model import CostModel, segments_builder
 from hf_cp.modes.segments import ShardMode, masked_doc_pairs, segment_tokens
 from hf_cp.plan.block_layout import BlockLayout, received_token_equivalent
 from hf_cp.plan.step_plan import Group, StepPlan, Wave
@@ -182,11 +181,14 @@ def choose_layout(
         if placement is not None:  # priced below, cheapest bound first
             placements.append((placement[0], name, placement[1]))
             continue
-        tokens = [segment_tokens(rank_segments(mode, doc_lengths, g, m)) + local_tokens[m] for m in range(g)]
+        segments_of = segments_builder(mode, doc_lengths, g)  # every member's share built once
+        tokens = [segment_tokens(segments_of(m)) + local_tokens[m] for m in range(g)]
         if max(tokens) > cap:
             continue
         costs = [
-            cost.distributed_rank_cost(doc_lengths, mode, ranks, m, local.get(m, ()), masks, local_masks.get(m))
+            cost.distributed_rank_cost(
+                doc_lengths, mode, ranks, m, local.get(m, ()), masks, local_masks.get(m), segments_of
+            )
             for m in range(g)
         ]
         ms = max(c.total_ms for c in costs)
