@@ -459,8 +459,8 @@ def test_the_recipe_on_two_processes_learns_the_toy_preferences(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/cpu-2proc-zero2.yaml"]
     cmd += ["--main_process_port", str(free_port()), "recipes/trl_dpo.py", "--model_path", str(model_dir)]
-    cmd += ["--output_dir", str(out), "--use_cpu", "--deepspeed", "recipes/ds-zero2-cpu.json"]
-    cmd += ["--cp_max_tokens_per_rank", "640", "--cp_tokens_per_step", "4096", "--cp_profile", "cpu"]
+    cmd += ["--output_dir", str(out), "--use_cpu", "--deepspeed", "recipes/ds-zero2-cpu.json", "--bf16", "false"]
+    cmd += ["--cp_max_tokens_per_rank", "640", "--cp_tokens_per_step", "8192", "--cp_profile", "cpu"]
     cmd += ["--max_steps", "16", "--learning_rate", "2e-3", "--logging_steps", "4", "--report_to", "none"]
     cmd += ["--save_strategy", "no", "--cp_compare_balancer", "none"]
     import os

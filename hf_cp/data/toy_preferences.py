@@ -2,9 +2,11 @@
 pairs in TRL's format, generated deterministically, no download.
 
 Each pair asks a question with one right short answer (arithmetic, a colour, an opposite); the
-chosen answer is right, the rejected one wrong. One pair in `long_every` carries a long
-"read this first" context before its question, so that its prompt is longer than one rank's
-cap in the recipe's CPU settings and the pair runs over a CP group. A model trained with DPO on
+chosen answer is right, the rejected one wrong. One pair in `long_every` (4) carries a long
+"read this first" context before its question (about 230 tokens a pair against 25): a step's
+pairs are long-tailed, so that fixed-length packing leaves one rank idle where a balancer
+does not, and with a cap under 230 tokens a rank (the recipe's 192) those pairs run over a CP
+group. A model trained with DPO on
 it learns to prefer the right answers: the loss falls from log 2 and the preference accuracy
 (`rewards/accuracies`) rises.
 """
@@ -24,7 +26,7 @@ _FILLER = (
 )
 
 
-def toy_preference_rows(n: int = 96, seed: int = 0, long_every: int = 8, long_chars: int = 900) -> List[Dict[str, str]]:
+def toy_preference_rows(n: int = 96, seed: int = 0, long_every: int = 4, long_chars: int = 900) -> List[Dict[str, str]]:
     """`n` prompt/chosen/rejected pairs (plain text); every `long_every`-th has a context of about
     `long_chars` characters before its question (0: none)."""
     rng = random.Random(seed)

