@@ -25,8 +25,7 @@ from hf_cp.plan.block_layout import received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
-from helpers import load_file_module
-from helpers.balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_auto_skips_behind_magi, check_balancer_properties, step_cases
 
 BACKENDS = ["greedy"] + (["mtkahypar"] if hypergraph.available() else [])
 
@@ -273,9 +272,4 @@ def test_dcp_bound_on_grouped_steps_rules_it_out_behind_magi(h200_cost, traces_d
     """On shared-prompt steps dcp's first step leaves its blocks of ranks unbalanced: its bound
     is above magi's plan (up to 1.27x the charged bound on the 64-rank GRPO-like step), and
     auto no longer plans it (it cost auto ~200 ms there)."""
-    grouped_step = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py").grouped_step
-    req = grouped_step(traces_dir, kind, world, h200_cost)
-    bound = _dcp_bound_holds(req, h200_cost)
-    auto = get_balancer("auto")
-    auto.plan(req)
-    assert "dcp" in auto.last_skipped and bound >= auto.last_makespans["magi"], auto.last_skipped
+    check_auto_skips_behind_magi("dcp", _dcp_bound_holds, traces_dir, kind, world, h200_cost)

@@ -20,8 +20,7 @@ from hf_cp.modes.segments import ShardMode
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
-from helpers import load_file_module
-from helpers.balancer_checks import check_balancer_properties, step_cases
+from helpers.balancer_checks import check_auto_skips_behind_magi, check_balancer_properties, step_cases
 
 
 def placement_loads(cost, pl, lengths, base):
@@ -207,9 +206,4 @@ def test_libra_tap_bound_on_grouped_steps_rules_it_out_behind_magi(h200_cost, tr
     and TAP's groups synchronise each pool every wave: libra_tap's bound is above magi's plan,
     and auto no longer plans it (6-17 ms of auto's 21-57 at worlds 4 and 8 on the GRPO-like
     step)."""
-    grouped_step = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py").grouped_step
-    req = grouped_step(traces_dir, kind, world, h200_cost)
-    bound = _tap_bound_holds(req, h200_cost)
-    auto = get_balancer("auto")
-    auto.plan(req)
-    assert "libra_tap" in auto.last_skipped and bound >= auto.last_makespans["magi"], auto.last_skipped
+    check_auto_skips_behind_magi("libra_tap", _tap_bound_holds, traces_dir, kind, world, h200_cost)

@@ -11,6 +11,8 @@ from hf_cp.modes.segments import segment_tokens
 from hf_cp.plan.block_layout import received_token_equivalent
 from hf_cp.plan.cluster import ClusterSpec
 
+from helpers import load_file_module
+
 
 @st.composite
 def step_cases(draw, max_world=64):
@@ -72,3 +74,15 @@ def check_balancer_properties(name, world, cap, lengths, cost, **options):
     again = get_balancer(name, **options).plan(PlanRequest(ids, lengths, cluster, fresh_cost))
     assert again.to_json() == plan.to_json()
     return plan
+
+
+def check_auto_skips_behind_magi(member, bound_holds, traces_dir, kind, world, cost):
+    """On the shipped shared-prompt step `kind` at `world` ranks, `member`'s lower bound holds
+    (bound_holds(request, cost) asserts it against the member's plan and returns it) and is no
+    better than magi's plan, and auto skips the member for it."""
+    grouped_step = load_file_module("bench_auto_promise", "scripts/bench_auto_promise.py").grouped_step
+    req = grouped_step(traces_dir, kind, world, cost)
+    bound = bound_holds(req, cost)
+    auto = get_balancer("auto")
+    auto.plan(req)
+    assert member in auto.last_skipped and bound >= auto.last_makespans["magi"], auto.last_skipped
