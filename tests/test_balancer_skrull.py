@@ -80,7 +80,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
     # the planners' cheaper paths must give the cost model's numbers exactly (plans depend on them)
     import random
 
-    from hf_cp.cost.model import _segments_builder
+    from hf_cp.cost.model import segments_builder
     from hf_cp.modes.registry import rank_segments
     from hf_cp.modes.segments import WHOLE_DOCUMENT_MODES, ShardMode
 
@@ -93,7 +93,7 @@ def test_cost_shortcuts_match_member_by_member_costs(h200_cost):
         for mode in WHOLE_DOCUMENT_MODES:
             if mode == ShardMode.ULYSSES and g > 4:
                 continue  # the model's 28 heads split over at most 4
-            seg = _segments_builder(mode, docs, g)
+            seg = segments_builder(mode, docs, g)
             members = sorted({0, g - 1, rng.randrange(g)})
             for m in members:
                 assert seg(m) == rank_segments(mode, docs, g, m)
