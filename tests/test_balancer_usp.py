@@ -10,7 +10,7 @@ import pytest
 from hf_cp.balance import PlanRequest, get_balancer
 from hf_cp.balance.toolkit import relayout
 from hf_cp.balance.toolkit.placement import sample_slices
-from hf_cp.balance.toolkit.usp_layout import usp_chunks, usp_executed_attention_ms, usp_factorisations, usp_placement
+from hf_cp.balance.toolkit.usp_layout import usp_factorisations, usp_placement
 from hf_cp.plan.cluster import ClusterSpec
 from hf_cp.samples.masks import SampleMask
 
@@ -106,29 +106,26 @@ def test_usp_after_magi_on_one_request_takes_its_base_plan_and_plans_what_it_pla
     assert relayout._last_base is None
 
 
-@pytest.mark.parametrize("ring_layout", ["zigzag", "per_doc"])
+@pytest.mark.parametrize("families", [("magi",), ("usp",)])
 @pytest.mark.parametrize("g", [2, 4, 8])
-def test_the_bound_from_chunks_alone_is_the_built_placements_compute_bound(h200_cost, g, ring_layout):
-    """choose_layout bounds a factorisation from its chunks before building it: the same number
-    as compute_bound_ms over the built placement's compute blocks, for every factorisation,
-    with masked, causal and local samples."""
+def test_a_placements_bound_before_it_is_built_is_its_compute_bound(h200_cost, g, families):
+    """choose_layout bounds each placement (magi's windows, every USP factorisation in both ring
+    layouts) from its chunks before building it: the same number as compute_bound_ms over the
+    built placement's compute blocks, with masked, causal and local samples."""
     rng = random.Random(g)
     masks = [SampleMask.shared_prompt(rng.randint(10, 900), [rng.randint(50, 3000) for _ in range(4)]), None]
     masks += [SampleMask.sliding_window(5000, 700), None]
     lens = [m.length if m is not None else rng.randint(100, 9000) for m in masks]
-    slices = sample_slices(lens, masks)
     local = {0: [300, 1200]}
     local_masks = {0: [None, SampleMask.shared_prompt(200, [500, 500])]}
-    H = h200_cost.dims.num_heads
+    opt = relayout.LayoutOptions(families=families)
     checked = 0
-    for u, r in usp_factorisations(g, H):
-        chunks = usp_chunks(lens, u, r, ring_layout)
-        tokens = [0] * g
-        for c in chunks:
-            tokens[c.owner] += c.length
-        attn = usp_executed_attention_ms(h200_cost, chunks, lens, slices, u, g)
-        fast = relayout.slowest_member_bound_ms(h200_cost, tokens, attn, local, local_masks)
-        built = usp_placement(lens, u, r, H, ring_layout=ring_layout, doc_slices=slices)
-        assert fast == pytest.approx(relayout.compute_bound_ms(h200_cost, built, local, local_masks), rel=1e-12)
+    for name, _mode, placement in relayout._candidates(h200_cost, lens, masks, g, opt, local, local_masks):
+        if placement is None:
+            continue
+        bound, build = placement
+        assert bound == pytest.approx(relayout.compute_bound_ms(h200_cost, build(), local, local_masks), rel=1e-12), (
+            name
+        )
         checked += 1
     assert checked >= 2

@@ -194,6 +194,29 @@ def window_areas(wins: Sequence[Sequence[Tuple[int, int, int]]], doc_lengths, do
     return [sum(rect_pairs(doc_slices[d], s, s + ln, 0, doc_lengths[d]) for d, s, ln in w) for w in wins]
 
 
+def magi_chunks(
+    doc_lengths: Sequence[int],
+    group_size: int,
+    chunk_size: int,
+    doc_slices: Sequence[Sequence[AttnSlice]],
+    exact_max_items: int = EXACT_MAX_ITEMS,
+) -> Tuple[List[Chunk], List[int]]:
+    """magi_placement's chunks (each window's pieces, owned by the member the dispatch gives the
+    window) and each chunk's masked pairs against all the keys of its sample."""
+    wins = windows(doc_lengths, chunk_size)
+    piece_pairs = [[rect_pairs(doc_slices[d], s, s + ln, 0, doc_lengths[d]) for d, s, ln in w] for w in wins]
+    disp = solve_dispatch(
+        [sum(p) for p in piece_pairs], group_size, equal_count(len(wins), group_size), exact_max_items
+    )
+    chunks: List[Chunk] = []
+    pairs: List[int] = []
+    for w, pieces in enumerate(wins):
+        for (d, s, ln), p in zip(pieces, piece_pairs[w]):
+            chunks.append(Chunk(d, s, ln, disp.bucket_of[w]))
+            pairs.append(p)
+    return chunks, pairs
+
+
 def magi_placement(
     doc_lengths: Sequence[int],
     group_size: int,
@@ -202,18 +225,17 @@ def magi_placement(
     masks: Optional[Sequence[Optional[SampleMask]]] = None,
     doc_slices: Optional[Sequence[Sequence[AttnSlice]]] = None,
     exact_max_items: int = EXACT_MAX_ITEMS,
+    chunks: Optional[Sequence[Chunk]] = None,
 ) -> BlockPlacement:
     """MagiAttention's layout of a group's distributed documents: equal windows dispatched by
     area in equal numbers per member (solve_dispatch), each window's pieces owned by its
-    member, every block executed by its query chunk's owner."""
+    member, every block executed by its query chunk's owner. `chunks`: magi_chunks' of the
+    same arguments, when already made."""
     slices = doc_slices if doc_slices is not None else sample_slices(doc_lengths, masks)
-    wins = windows(doc_lengths, chunk_size)
-    areas = window_areas(wins, doc_lengths, slices)
-    disp = solve_dispatch(areas, group_size, equal_count(len(wins), group_size), exact_max_items)
     pl = BlockPlacement(group_size, num_heads)
-    for w, pieces in enumerate(wins):
-        for d, s, ln in pieces:
-            pl.chunks.append(Chunk(d, s, ln, disp.bucket_of[w]))
+    if chunks is None:
+        chunks = magi_chunks(doc_lengths, group_size, chunk_size, slices, exact_max_items)[0]
+    pl.chunks = list(chunks)
     return add_compute_blocks(pl, slices)
 
 

@@ -65,10 +65,7 @@ class BlockPlacement:
     # ---- measures
     def member_tokens(self) -> List[int]:
         """Rows each member owns (its Q, K, V, O and labels)."""
-        out = [0] * self.group_size
-        for c in self.chunks:
-            out[c.owner] += c.length
-        return out
+        return owned_tokens(self.chunks, self.group_size)
 
     def member_pairs(self) -> List[float]:
         """Masked query-key pairs each member computes, in all-head units (a block over h of
@@ -164,6 +161,34 @@ def add_compute_blocks(
             ex = qc.owner if executor_of is None else executor_of(qi, ki, hs, he)
             placement.compute.append(ComputeBlock(qi, ki, hs, he, ex, p))
     return placement
+
+
+def owned_tokens(chunks: Sequence[Chunk], group_size: int) -> List[int]:
+    """Rows each member owns of these chunks."""
+    out = [0] * group_size
+    for c in chunks:
+        out[c.owner] += c.length
+    return out
+
+
+def executed_attention_ms(
+    cost, chunks: Sequence[Chunk], chunk_pairs: Sequence[int], group_size: int, ulysses: int = 1
+) -> List[float]:
+    """Per member, the attention (per layer) it executes when every query chunk's blocks run on
+    the `ulysses` members of its owner's ring position, heads split evenly over them (u = 1: on
+    its owner, as add_compute_blocks places them by default; USP for u > 1), from each chunk's
+    masked pairs against all the keys it attends (`chunk_pairs`): what relayout.compute_bound_ms
+    sums over the built blocks, without building them."""
+    u, H = ulysses, cost.dims.num_heads
+    h = H // u
+    factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0
+    attn = [0.0] * group_size
+    for c, pairs in zip(chunks, chunk_pairs):
+        t = cost.c2 * pairs * h / H * factor / cost.chunk_efficiency(c.length)
+        first = c.owner // u * u
+        for m in range(first, first + u):
+            attn[m] += t
+    return attn
 
 
 def request_masks(req) -> Dict[int, SampleMask]:

@@ -33,12 +33,18 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import get_balancer
-from hf_cp.balance.toolkit.magi_dispatch import magi_placement
-from hf_cp.balance.toolkit.placement import BlockPlacement, request_masks, sample_slices
+from hf_cp.balance.toolkit.magi_dispatch import magi_chunks, magi_placement
+from hf_cp.balance.toolkit.placement import (
+    BlockPlacement,
+    executed_attention_ms,
+    owned_tokens,
+    request_masks,
+    sample_slices,
+)
 from hf_cp.balance.toolkit.usp_layout import (
     RING_LAYOUTS,
+    usp_chunk_pairs,
     usp_chunks,
-    usp_executed_attention_ms,
     usp_factorisations,
     usp_placement,
 )
@@ -101,18 +107,23 @@ def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions,
             if chunk in seen:
                 continue
             seen.add(chunk)
-            pl = magi_placement(doc_lengths, g, chunk, H, doc_slices=slices)
-            yield f"magi:{k}", ShardMode.BLOCKS, (compute_bound_ms(cost, pl, local, local_masks), lambda pl=pl: pl)
+            # bounded from its dispatched windows alone, built only when the bound can win
+            chunks, pairs = magi_chunks(doc_lengths, g, chunk, slices)
+            bound = slowest_member_bound_ms(
+                cost, owned_tokens(chunks, g), executed_attention_ms(cost, chunks, pairs, g), local, local_masks
+            )
+
+            def build_magi(chunk=chunk, chunks=chunks):
+                return magi_placement(doc_lengths, g, chunk, H, doc_slices=slices, chunks=chunks)
+
+            yield f"magi:{k}", ShardMode.BLOCKS, (bound, build_magi)
     if "usp" in opt.families:
         for u, r in usp_factorisations(g, H):
             for ring in opt.usp_ring_layouts if r > 1 else ("zigzag",):
                 # bounded from its chunks alone: most factorisations are ruled out unbuilt
                 chunks = usp_chunks(doc_lengths, u, r, ring)
-                tokens = [0] * g
-                for c in chunks:
-                    tokens[c.owner] += c.length
-                attn = usp_executed_attention_ms(cost, chunks, doc_lengths, slices, u, g)
-                bound = slowest_member_bound_ms(cost, tokens, attn, local, local_masks)
+                attn = executed_attention_ms(cost, chunks, usp_chunk_pairs(chunks, doc_lengths, slices), g, u)
+                bound = slowest_member_bound_ms(cost, owned_tokens(chunks, g), attn, local, local_masks)
 
                 def build(u=u, r=r, ring=ring, chunks=chunks):
                     return usp_placement(doc_lengths, u, r, H, ring_layout=ring, doc_slices=slices, chunks=chunks)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 from hf_cp.balance.toolkit.placement import BlockPlacement, Chunk, add_compute_blocks, sample_slices
-from hf_cp.cost.model import CostModel
 from hf_cp.modes.ring import per_doc_pieces, zigzag_pieces
 from hf_cp.modes.segments import split_sizes
 from hf_cp.samples.masks import AttnSlice, SampleMask, rect_pairs
@@ -83,25 +82,9 @@ def usp_chunks(doc_lengths: Sequence[int], ulysses: int, ring: int, ring_layout:
     return chunks
 
 
-def usp_executed_attention_ms(
-    cost: CostModel, chunks: Sequence[Chunk], doc_lengths: Sequence[int], slices, ulysses: int, group_size: int
-) -> List[float]:
-    """Per member, the attention it executes under the USP placement of `chunks` (all layers
-    apart), as relayout.compute_bound_ms sums it over the placement's compute blocks: member i
-    of a ring position runs heads [i H/u, (i+1) H/u) of every query chunk its position owns,
-    against all the keys the chunk attends. From one pair count per chunk, without building
-    the blocks: what lets choose_layout skip building a factorisation its bound rules out."""
-    u, H = ulysses, cost.dims.num_heads
-    h = H // u
-    factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0
-    attn = [0.0] * group_size
-    for c in chunks:
-        pairs = rect_pairs(slices[c.doc], c.start, c.end, 0, doc_lengths[c.doc])
-        t = cost.c2 * pairs * h / H * factor / cost.chunk_efficiency(c.length)
-        first = c.owner // u * u
-        for m in range(first, first + u):
-            attn[m] += t
-    return attn
+def usp_chunk_pairs(chunks: Sequence[Chunk], doc_lengths: Sequence[int], slices) -> List[int]:
+    """Each chunk's masked pairs against all the keys of its sample (placement.executed_attention_ms)."""
+    return [rect_pairs(slices[c.doc], c.start, c.end, 0, doc_lengths[c.doc]) for c in chunks]
 
 
 def usp_placement(
