@@ -451,7 +451,8 @@ def pools_lower_bound_ms(lay: PoolLayout, lengths: Sequence[int], local_ms: Sequ
             waves.setdefault(lay.slot_of_pack[k], []).append(k)
         clock: Dict[int, float] = {}  # replica -> the least its latest clock can be
         for packs in waves.values():
-            work, widest, spans = {}, 0.0, N == 1
+            # N > 1: the wave's ranks may run alone unless one of its documents spans two members
+            work, widest, may_run_alone = {}, 0.0, N > 1
             for k in packs:
                 lens = [int(lengths[i]) for i in lay.packs[k]]
                 tokens = sum(lens)
@@ -466,10 +467,10 @@ def pools_lower_bound_ms(lay: PoolLayout, lengths: Sequence[int], local_ms: Sequ
                     owners.setdefault(seg.doc, set()).add(m)
                     owned[m] += seg.length
                 widest = max(widest, lin * max(owned))
-                spans = spans or any(len(o) > 1 for o in owners.values())
+                may_run_alone = may_run_alone and all(len(o) == 1 for o in owners.values())
             tap_ms = max(sum(work.values()) / R, widest) + overhead
             for k in packs:
-                own = work[k] / N + overhead if spans else 0.0
+                own = 0.0 if may_run_alone else work[k] / N + overhead
                 rep = lay.replica_of_pack[k]
                 clock[rep] = clock.get(rep, 0.0) + min(tap_ms, own)
         best = max([best] + list(clock.values()))

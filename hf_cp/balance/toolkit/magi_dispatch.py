@@ -189,9 +189,15 @@ def windows(doc_lengths: Sequence[int], chunk_size: int) -> List[List[Tuple[int,
     return out
 
 
+def window_piece_pairs(wins: Sequence[Sequence[Tuple[int, int, int]]], doc_lengths, doc_slices) -> List[List[int]]:
+    """Per window, the masked query-key pairs of each of its pieces' queries (against all keys of
+    their sample)."""
+    return [[rect_pairs(doc_slices[d], s, s + ln, 0, doc_lengths[d]) for d, s, ln in w] for w in wins]
+
+
 def window_areas(wins: Sequence[Sequence[Tuple[int, int, int]]], doc_lengths, doc_slices) -> List[int]:
     """Masked query-key pairs of each window's queries (against all keys of their samples)."""
-    return [sum(rect_pairs(doc_slices[d], s, s + ln, 0, doc_lengths[d]) for d, s, ln in w) for w in wins]
+    return [sum(p) for p in window_piece_pairs(wins, doc_lengths, doc_slices)]
 
 
 def magi_chunks(
@@ -204,7 +210,7 @@ def magi_chunks(
     """magi_placement's chunks (each window's pieces, owned by the member the dispatch gives the
     window) and each chunk's masked pairs against all the keys of its sample."""
     wins = windows(doc_lengths, chunk_size)
-    piece_pairs = [[rect_pairs(doc_slices[d], s, s + ln, 0, doc_lengths[d]) for d, s, ln in w] for w in wins]
+    piece_pairs = window_piece_pairs(wins, doc_lengths, doc_slices)
     disp = solve_dispatch(
         [sum(p) for p in piece_pairs], group_size, equal_count(len(wins), group_size), exact_max_items
     )

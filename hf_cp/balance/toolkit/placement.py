@@ -177,8 +177,8 @@ def executed_attention_ms(
     """Per member, the attention (per layer) it executes when every query chunk's blocks run on
     the `ulysses` members of its owner's ring position, heads split evenly over them (u = 1: on
     its owner, as add_compute_blocks places them by default; USP for u > 1), from each chunk's
-    masked pairs against all the keys it attends (`chunk_pairs`): what relayout.compute_bound_ms
-    sums over the built blocks, without building them."""
+    masked pairs against all the keys it attends (`chunk_pairs`): the sum over the blocks
+    add_compute_blocks would build (their pairs, head range and query chunk), without building them."""
     u, H = ulysses, cost.dims.num_heads
     h = H // u
     factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0

@@ -35,7 +35,6 @@ from hf_cp.balance.base import PlanRequest
 from hf_cp.balance.registry import get_balancer
 from hf_cp.balance.toolkit.magi_dispatch import magi_chunks, magi_placement
 from hf_cp.balance.toolkit.placement import (
-    BlockPlacement,
     executed_attention_ms,
     owned_tokens,
     request_masks,
@@ -85,7 +84,8 @@ class LayoutOptions:
 
 def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions, local, local_masks):
     """(name, mode, None) of the whole-document geometries, then (name, BLOCKS, (bound, build))
-    of the placements: `bound` their compute_bound_ms, `build()` the placement."""
+    of the placements: `bound` the slowest member's computation under it (slowest_member_bound_ms,
+    a lower bound of its time), `build()` the placement."""
     H = cost.dims.num_heads
     if "ring" in opt.families:
         yield "ring_per_doc", ShardMode.RING_PER_DOC, None
@@ -129,23 +129,6 @@ def _candidates(cost: CostModel, doc_lengths, masks, g: int, opt: LayoutOptions,
                     return usp_placement(doc_lengths, u, r, H, ring_layout=ring, doc_slices=slices, chunks=chunks)
 
                 yield f"usp:{u}x{r}:{ring}", ShardMode.BLOCKS, (bound, build)
-
-
-def compute_bound_ms(
-    cost: CostModel,
-    pl: BlockPlacement,
-    local: Mapping[int, Sequence[int]],
-    local_masks: Mapping[int, Sequence[Optional[SampleMask]]],
-) -> float:
-    """The slowest member's computation under a placement (cost.blocks.block_group_costs'
-    compute term, from the placement's own masked pairs): a lower bound of its time."""
-    H = cost.dims.num_heads
-    attn = [0.0] * pl.group_size
-    for b in pl.compute:
-        h = b.head_end - b.head_start
-        factor = cost.head_split_factor(max(1, round(H / h))) if h < H else 1.0
-        attn[b.executor] += cost.c2 * b.pairs * h / H * factor / cost.chunk_efficiency(pl.chunks[b.q_chunk].length)
-    return slowest_member_bound_ms(cost, pl.member_tokens(), attn, local, local_masks)
 
 
 def slowest_member_bound_ms(
