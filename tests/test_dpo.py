@@ -118,20 +118,23 @@ def test_precomputed_reference_log_probs_equal_trls_precompute(tmp_path):
     assert len(saved["pairs"]) == 8, "every training pair's reference log-probs, for resumed runs"
 
 
-@pytest.mark.parametrize("precompute, passes", [(False, 2), (True, 1)])
-def test_the_predicted_step_counts_the_log_prob_and_reference_passes(tmp_path, precompute, passes):
+@pytest.mark.parametrize("precompute, passes, checkpointing", [(False, 2, False), (True, 1, False), (False, 2, True)])
+def test_the_predicted_step_counts_the_log_prob_and_reference_passes(tmp_path, precompute, passes, checkpointing):
     # a DPO step runs the policy's log-prob pass and the reference's (unless precomputed) over the
     # plan before its training pass: the prediction counts them, the record measures them, and the
-    # calibration fits the training pass alone (its wall less theirs)
+    # calibration fits the training pass alone (its wall less theirs). Under activation
+    # checkpointing the training pass runs its forward twice: a forward-only pass is then
+    # share / (1 + share) of it (1/4 for the default 1/3)
     from helpers.dpo_runs import hf_cp_trainer
 
     kw = dict(ref=False, precompute_ref_log_probs=True) if precompute else {}
-    trainer = hf_cp_trainer(preference_rows(8), str(tmp_path), 2, **kw)
+    trainer = hf_cp_trainer(preference_rows(8), str(tmp_path), 2, gradient_checkpointing=checkpointing, **kw)
     seen = []
     observe = trainer.cp_calibration.observe
     trainer.cp_calibration.observe = lambda rec, ps: seen.append((rec, ps)) or observe(rec, ps)
     trainer.train()
-    share = trainer.cp_cost.profile.forward_share
+    fs = trainer.cp_cost.profile.forward_share
+    share = fs / (1 + fs) if checkpointing else fs
     for rec, ps in seen:
         assert rec.forward_only_passes == passes
         assert 0 < rec.forward_only_ms < rec.step_wall_ms

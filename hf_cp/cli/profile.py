@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
 from hf_cp.cli.formatting import HelpFormatter
 
@@ -39,7 +40,40 @@ def add_parser(sub) -> None:
         default=0.0,
         help="exit with status 3 when the layer fit's R^2 is below this (the profile is still written)",
     )
+    p.add_argument(
+        "--deepspeed",
+        metavar="DS_CONFIG.json",
+        help="also measure the training engine's cost per gradient reduction under this ZeRO-1/2 config, on "
+        "--reduction-ranks CPU processes with the whole --model (engine_reduction_ms_per_gb; CPU profiles only)",
+    )
+    p.add_argument("--reduction-ranks", type=int, default=2, help="processes of the --deepspeed measurement")
+    p.add_argument(
+        "--only-engine-reduction",
+        action="store_true",
+        help="measure only the --deepspeed engine cost and add it to the existing profile --out (its other "
+        "numbers kept)",
+    )
     p.set_defaults(func=run)
+
+
+def _engine_reduction(args, device: str):
+    """The --deepspeed measurement (None without it)."""
+    from hf_cp.profiling.engine_reduction import EngineReductionError, measure_engine_reduction
+
+    if args.deepspeed is None:
+        return None
+    if device != "cpu":
+        raise ValueError(
+            "--deepspeed: the engine's cost per reduction is measured on CPU ranks (gloo) only; on GPUs the online "
+            "calibration (cp_calibrate) fits the cost per reduction during training"
+        )
+    print(f"measuring the engine's cost per gradient reduction: {args.deepspeed}, {args.reduction_ranks} ranks ...")
+    try:
+        r = measure_engine_reduction(args.model, args.deepspeed, world=args.reduction_ranks)
+    except EngineReductionError as e:
+        raise ValueError(f"--deepspeed {args.deepspeed}: {e}") from None
+    print(r.describe())
+    return r
 
 
 def run(args) -> int:
@@ -54,6 +88,23 @@ def run(args) -> int:
         raise ValueError(f"--max-tokens {args.max_tokens}: use at least 256")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads}: use at least 1")
+    if args.only_engine_reduction:
+        from hf_cp.profiling.profile_file import add_engine_reduction
+
+        if args.deepspeed is None:
+            raise ValueError("--only-engine-reduction: give the engine's config with --deepspeed DS_CONFIG.json")
+        if not Path(args.out).is_file():
+            raise ValueError(f"--only-engine-reduction: --out {args.out} is not a profile file to add it to")
+        r = _engine_reduction(args, device)
+        command = " ".join(
+            shlex.quote(x)
+            for x in ["hf-cp", "profile", "--model", str(args.model), "--out", str(args.out), "--device", device]
+            + ["--deepspeed", str(args.deepspeed), "--reduction-ranks", str(args.reduction_ranks)]
+            + ["--only-engine-reduction"]
+        )
+        print(f"wrote {add_engine_reduction(args.out, r, command)}: engine_reduction_ms_per_gb {r.ms_per_gb:.4g}")
+        return 0
+    engine = _engine_reduction(args, device)
     try:
         result = run_profile(
             args.model,
@@ -70,6 +121,10 @@ def run(args) -> int:
     for flag, value in (("--max-tokens", args.max_tokens), ("--threads", args.threads), ("--name", args.name)):
         if value is not None:
             parts += [flag, str(value)]
+    if engine is not None:
+        result.engine_reduction = engine
+        result.profile["engine_reduction_ms_per_gb"] = engine.ms_per_gb
+        parts += ["--deepspeed", str(args.deepspeed), "--reduction-ranks", str(args.reduction_ranks)]
     command = " ".join(shlex.quote(x) for x in parts + (["--quick"] if args.quick else []))
     path = write_profile(result, args.out, command)
     fit = result.layer_fit

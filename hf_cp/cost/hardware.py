@@ -32,6 +32,7 @@ PROFILE_MAXIMA: Mapping[str, Tuple[float, str]] = {
     "latency_us": (1e9, "microseconds"),
     "reduction_overhead_ms": (1e6, "ms"),
     "step_overhead_ms": (1e6, "ms"),
+    "engine_reduction_ms_per_gb": (1e9, "ms per GB of gradients"),
     "cp_attention_scale": (1e3, "a factor"),
     "cp_message_ms": (1e6, "ms"),
     "device_memory_gb": (1e9, "GB"),
@@ -89,6 +90,12 @@ class HardwareProfile:
     # calibration (hf_cp/planning/calibration.py) fits them to a run's measured step times.
     reduction_overhead_ms: float = 0.0  # per gradient reduction, beyond its bytes over the link
     step_overhead_ms: float = 0.0  # per optimizer step (optimizer update, plan agreement, bookkeeping)
+    # per GB of gradients, per data-parallel gradient reduction (ZeRO-2, DDP), beyond the bytes over
+    # the link: the training engine's own work around the collective (DeepSpeed's bucket copies,
+    # averaging, partition bookkeeping), which grows with the model, not with the step. Measured by
+    # `hf-cp profile --deepspeed CONFIG` (profiling/engine_reduction.py); 0: not measured. On 2 CPU
+    # ranks under ZeRO-2 (gloo, fp32) it is about 100x the link's own time for the same bytes.
+    engine_reduction_ms_per_gb: float = 0.0
     # attention of a micro-batch whose documents are distributed over a CP group, relative to the
     # same attention run alone (1: as the per-rank kernels predict)
     cp_attention_scale: float = 1.0
@@ -215,6 +222,9 @@ class HardwareProfile:
             forward_share=need("forward_share") if "forward_share" in d else 1.0 / 3.0,
             reduction_overhead_ms=need("reduction_overhead_ms") if "reduction_overhead_ms" in d else 0.0,
             step_overhead_ms=need("step_overhead_ms") if "step_overhead_ms" in d else 0.0,
+            engine_reduction_ms_per_gb=(
+                need("engine_reduction_ms_per_gb") if "engine_reduction_ms_per_gb" in d else 0.0
+            ),
             cp_attention_scale=need("cp_attention_scale") if "cp_attention_scale" in d else 1.0,
             cp_message_ms=need("cp_message_ms") if "cp_message_ms" in d else 0.0,
             device=str(d.get("device") or ((d.get("calibration") or {}).get("settings") or {}).get("device") or ""),
@@ -231,6 +241,7 @@ class HardwareProfile:
             "static_bytes",
             "reduction_overhead_ms",
             "step_overhead_ms",
+            "engine_reduction_ms_per_gb",
             "cp_message_ms",
             "device_memory_gb",
             "linear_layer_ms_per_token",

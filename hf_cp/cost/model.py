@@ -441,16 +441,27 @@ class CostModel:
         """One data-parallel gradient reduction over `world_size` ranks, as the wall clock sees
         it: the gradients' bytes in one ring collective (ring_collective_ms: a reduce-scatter,
         an all-reduce under DDP), less what ran during `hidden_behind_ms` of backward when the
-        reduction overlaps it, plus the profile's fixed cost per reduction."""
+        reduction overlaps it, plus what the link does not explain (reduction_fixed_ms)."""
         ex = self.execution
-        fixed = self.profile.reduction_overhead_ms
+        fixed = self.reduction_fixed_ms()
         if world_size <= 1:
             return fixed
-        grad_bytes = self.dims.parameters * self.profile.bytes_per_element
-        ms = self.ring_collective_ms(grad_bytes, world_size, all_reduce=ex is not None and ex.all_reduce)
+        ms = self.ring_collective_ms(self.gradient_bytes(), world_size, all_reduce=ex is not None and ex.all_reduce)
         if ex is not None and ex.overlaps_backward:
             ms = max(0.0, ms - hidden_behind_ms)
         return ms + fixed
+
+    def reduction_fixed_ms(self) -> float:
+        """The part of one gradient reduction that is not bytes over the link: the profile's fixed
+        cost per reduction and the engine's work per GB of this model's gradients (neither is
+        hidden behind backward: the engine does it when the collective is due)."""
+        p = self.profile
+        return p.reduction_overhead_ms + p.engine_reduction_ms_per_gb * self.gradient_bytes() / 1e9
+
+    def gradient_bytes(self) -> float:
+        """The bytes of one full set of the model's gradients (what a reduction moves), at the
+        profile's element size."""
+        return self.dims.parameters * self.profile.bytes_per_element
 
     def parameter_pass_comm_ms(self, world_size: int, backward: bool) -> float:
         """The parameter communication of one pass under a parameter-sharding execution (FSDP2,

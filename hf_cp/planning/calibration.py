@@ -70,13 +70,15 @@ class Coefficients:
     cp_message_ms: float = 0.0
 
     @classmethod
-    def of(cls, profile: HardwareProfile) -> Coefficients:
+    def of(cls, profile: HardwareProfile, gradient_gb: float = 0.0) -> Coefficients:
+        """`profile`'s coefficients; its engine cost per GB of gradients (`gradient_gb`: the run's
+        model) folds into the fixed cost per reduction, the one number the wall fit refits."""
         return cls(
             profile.c1_ms_per_token,
             profile.c2_ms_per_pair,
             profile.c0_ms,
             1.0,
-            profile.reduction_overhead_ms,
+            profile.reduction_overhead_ms + profile.engine_reduction_ms_per_gb * gradient_gb,
             profile.step_overhead_ms,
             profile.cp_attention_scale,
             profile.cp_message_ms,
@@ -135,6 +137,9 @@ class Coefficients:
             c0_ms=self.c0_ms,
             links=links,
             reduction_overhead_ms=self.reduction_overhead_ms,
+            # the fitted cost per reduction is all of it beyond the link's bytes, for this run's
+            # model: the engine's per-GB prior is inside it (Coefficients.of)
+            engine_reduction_ms_per_gb=0.0,
             step_overhead_ms=self.step_overhead_ms,
             cp_attention_scale=self.cp_attention_scale,
             cp_message_ms=self.cp_message_ms,
@@ -237,7 +242,7 @@ def observe_step(
     # one per backward pass of a wave under ZeRO-2 (a chunked sample's chunks each reduce)
     reductions = sim.reductions or (n_waves if sync else 1)
     critical = float(sum(wave_max_ms)) if sync else float(max(measured_ms, default=0.0))
-    bytes_ms = max(0.0, cost.gradient_reduction_ms(sim.world_size) - cost.profile.reduction_overhead_ms)
+    bytes_ms = max(0.0, cost.gradient_reduction_ms(sim.world_size) - cost.reduction_fixed_ms())
     # a rank that ran chunked samples (ChunkFlow: recomputes, state) is not c1/c2/c0 work alone
     unmodelled = {r for run in sim.runs if getattr(run, "chunked", False) for r in run.ranks}
     return StepObservation(
@@ -486,13 +491,14 @@ class Calibrator:
 
     base: HardwareProfile
     settings: CalibrationSettings = field(default_factory=CalibrationSettings)
+    gradient_gb: float = 0.0  # the run's gradients, GB (the base profile's engine cost per GB applies to them)
     observations: List[StepObservation] = field(default_factory=list)
     fits: List[CalibrationFit] = field(default_factory=list)
     _since_fit: int = 0
 
     @property
     def base_coefficients(self) -> Coefficients:
-        return Coefficients.of(self.base)
+        return Coefficients.of(self.base, self.gradient_gb)
 
     @property
     def current(self) -> Coefficients:

@@ -33,6 +33,7 @@ from hf_cp.cost.fit import FitQuality, fit_quality, nonnegative_lstsq
 from hf_cp.cost.hardware import HardwareProfile
 from hf_cp.cost.model import CostModel
 from hf_cp.modes.segments import doc_pairs
+from hf_cp.profiling.engine_reduction import EngineReduction
 from hf_cp.profiling.layers import DecoderStack, RankWork, load_hf_config
 from hf_cp.profiling.shard_attention import SegmentLayout
 from hf_cp.profiling.timing import cpu_clock_name, synchronize, time_each
@@ -89,6 +90,7 @@ class ProfileResult:
     machine: str
     wall_s: float
     notes: Dict[str, str] = field(default_factory=dict)
+    engine_reduction: Optional[EngineReduction] = None  # measured with `hf-cp profile --deepspeed`
 
     def hardware_profile(self) -> HardwareProfile:
         return HardwareProfile.from_dict(self.profile, source="measured profile")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import textwrap
 from pathlib import Path
 from typing import Union
 
 import yaml
 
+from hf_cp.profiling.engine_reduction import EngineReduction
 from hf_cp.profiling.measure import ZERO2_RANKS, ProfileResult
 
 
@@ -95,6 +97,7 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
             else " (gloo over shared memory; 10 GbE between hosts)"
         ),
         _dump({"gpus_per_node": p["gpus_per_node"], "links": p["links"]}).rstrip(),
+        *([engine_reduction_yaml(result.engine_reduction, command).rstrip()] if result.engine_reduction else []),
         "# What was measured (times in ms); HardwareProfile ignores this section.",
         _dump(
             {
@@ -114,6 +117,41 @@ def profile_yaml(result: ProfileResult, command: str) -> str:
         ).rstrip(),
     ]
     return "\n".join(out) + "\n"
+
+
+ENGINE_REDUCTION_KEY = "engine_reduction_ms_per_gb"
+ENGINE_HEADER = "The training engine's own work per gradient reduction, per GB of gradients"
+
+
+def engine_reduction_yaml(r: EngineReduction, command: str = "") -> str:
+    """The profile's engine cost per GB of gradients, with what measured it, as YAML lines."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (
+        f"{ENGINE_HEADER} ({now}; {r.deepspeed_config}, {r.world} CPU ranks over gloo, a model of "
+        f"{r.parameters / 1e6:.1f}M parameters; priced beside the bytes over the link, CostModel.reduction_fixed_ms; "
+        f"it fits models near that size): {r.describe()}." + (f" Command: {command}" if command else "")
+    )
+    comment = textwrap.wrap(text, 100, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
+    return "\n".join(comment + [_dump({ENGINE_REDUCTION_KEY: float(f"{r.ms_per_gb:.6g}")}).rstrip()]) + "\n"
+
+
+def add_engine_reduction(path: Union[str, Path], r: EngineReduction, command: str = "") -> Path:
+    """Put `r` into the profile at `path` in place (its other lines as they are; an earlier
+    measurement's lines replaced), before its measured section."""
+    path = Path(path)
+    lines = path.read_text().splitlines(keepends=True)
+    kept, skipping = [], False
+    for line in lines:  # drop an earlier measurement: its comment block and its key
+        if line.startswith("# " + ENGINE_HEADER):
+            skipping = True
+        if skipping or line.startswith(ENGINE_REDUCTION_KEY + ":"):
+            skipping = skipping and not line.startswith(ENGINE_REDUCTION_KEY + ":")
+            continue
+        kept.append(line)
+    block = engine_reduction_yaml(r, command)
+    at = next((i for i, x in enumerate(kept) if x.startswith("# What was measured")), len(kept))
+    path.write_text("".join(kept[:at]) + block + "".join(kept[at:]))
+    return path
 
 
 def write_profile(result: ProfileResult, path: Union[str, Path], command: str) -> Path:

@@ -26,6 +26,7 @@ from transformers import Trainer
 import hf_cp.attention.interface  # noqa: F401 - registers attn_implementation="hf_cp" with transformers
 from hf_cp.attention.kernels import use_attention_kernel
 from hf_cp.attention.recurrent import attach_recurrent_layers, recurrent_layers_line
+from hf_cp.cost.simulate import forward_only_share
 from hf_cp.train.checkpoint.fit import run_engine
 from hf_cp.train.checkpoint.resolve import checkpoint_step
 from hf_cp.train.checkpoint.run_lock import hold_run_lock
@@ -273,7 +274,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
             self._cp_resumed_from,  # the checkpoint step this process started from
             len(self.cp_data),
             self.cp_forward_only_passes,
-            self.cp_cost.profile.forward_share,
+            forward_only_share(self.cp_cost.profile.forward_share, bool(self.args.gradient_checkpointing)),
             balancer_name=self.cp_runtime.balancer_name,
         )
         if loss is not None:

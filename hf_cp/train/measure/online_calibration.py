@@ -55,8 +55,11 @@ class OnlineCalibration:
 
     def __init__(self, cost: CostModel, settings: Optional[CalibrationSettings], num_steps: int, rank: int):
         self.cost = cost
-        self.calibrator: Optional[Calibrator] = Calibrator(cost.profile, settings) if settings is not None else None
-        self.models: Dict[int, Tuple[Coefficients, CostModel]] = {0: (Coefficients.of(cost.profile), cost)}
+        gradient_gb = cost.gradient_bytes() / 1e9
+        self.calibrator: Optional[Calibrator] = (
+            Calibrator(cost.profile, settings, gradient_gb=gradient_gb) if settings is not None else None
+        )
+        self.models: Dict[int, Tuple[Coefficients, CostModel]] = {0: (Coefficients.of(cost.profile, gradient_gb), cost)}
         self.pending_fit: Optional[CalibrationFit] = (
             None  # a fit made after the last step, offered at the next agreement
         )
