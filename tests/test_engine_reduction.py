@@ -112,7 +112,10 @@ def test_profile_files_validate_the_field(tmp_path):
     for bad in (-1.0, 1e12, float("nan")):
         with pytest.raises(ConfigError, match=ENGINE_REDUCTION_KEY):
             HardwareProfile.from_dict(dict(d, **{ENGINE_REDUCTION_KEY: bad}), source="p.yaml")
-    assert HardwareProfile.from_dict({k: v for k, v in d.items() if k != ENGINE_REDUCTION_KEY}).engine_reduction_ms_per_gb == 0
+    assert (
+        HardwareProfile.from_dict({k: v for k, v in d.items() if k != ENGINE_REDUCTION_KEY}).engine_reduction_ms_per_gb
+        == 0
+    )
 
 
 def test_adding_a_measurement_to_a_profile_keeps_its_other_lines(tmp_path):

@@ -429,4 +429,3 @@ def forward_only_share(forward_share: float, recomputes_forward: bool) -> float:
     backward), forward_share / (1 + forward_share). Measured on SmolLM2 DPO with checkpointing,
     2 CPU ranks: 0.22 (1/4 by this; 1/3 overshot the step's forward passes by half)."""
     return forward_share / (1.0 + forward_share) if recomputes_forward else forward_share
-

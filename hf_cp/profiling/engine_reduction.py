@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_cp.profiling.layers import load_hf_config
 from hf_cp.cost.config_files import ConfigError
+from hf_cp.profiling.layers import load_hf_config
 from hf_cp.readers import load_json
 
 

@@ -489,7 +489,9 @@ class PlannedRollouts(FSDP2Trainer):
             self._cp_resumed_from,
             dataset_samples=0,  # not read without a sampler
             forward_only_passes=self.cp_forward_only_passes,
-            forward_share=forward_only_share(runtime.cost.profile.forward_share, bool(self.args.gradient_checkpointing)),
+            forward_share=forward_only_share(
+                runtime.cost.profile.forward_share, bool(self.args.gradient_checkpointing)
+            ),
             balancer_name=runtime.balancer_name,
         )
         rec = replace(rec, loss=float(loss))  # the objective's loss, not a token cross-entropy
@@ -511,7 +513,9 @@ class PlannedRollouts(FSDP2Trainer):
             m["cp/tokens"].append(float(sum(plan.lengths)))
             m["cp/waves"].append(float(len(plan.waves)))
             m["cp/planner_ms"].append(float(planned.planner_ms))
-            share = forward_only_share(self.cp_runtime.cost.profile.forward_share, bool(self.args.gradient_checkpointing))
+            share = forward_only_share(
+                self.cp_runtime.cost.profile.forward_share, bool(self.args.gradient_checkpointing)
+            )
             m["cp/predicted_step_ms"].append(predicted_step_ms(planned.predicted, self.cp_forward_only_passes, share))
             for size, n in sorted(planned.predicted.cp_size_samples.items()):
                 m[f"cp/cp_size{int(size)}_samples"].append(float(n))
