@@ -34,7 +34,9 @@ from hf_cp.planning.calibration import (
 from hf_cp.planning.profile_check import profile_mismatches, profile_warning
 
 TINY = ModelDims.load("tiny-llama")
-CPU = HardwareProfile.load("cpu")
+# without the engine's cost per GB of gradients: these tests compute a reduction by hand as its
+# bytes over the link plus the fixed cost (tests/test_engine_reduction.py tests the engine's cost)
+CPU = replace(HardwareProfile.load("cpu"), engine_reduction_ms_per_gb=0.0)
 TRUE_SCALES = (3.0, 2.0, 4.0)  # the machine is this much slower than the profile, per coefficient
 TRUE_CP_SCALE = 1.8  # and attention in a CP group this much slower than alone
 TRUE_MESSAGE_MS = 2.5  # and every message of a group's exchange costs this (the profile: 0)

@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
 
 def _engine_reduction(args, device: str):
     """The --deepspeed measurement (None without it)."""
-    from hf_cp.profiling.engine_reduction import EngineReductionError, measure_engine_reduction
+    from hf_cp.profiling.engine_reduction import EngineReductionError, measure_engine_reduction  # torch, deepspeed
 
     if args.deepspeed is None:
         return None
@@ -89,7 +89,7 @@ def run(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads {args.threads}: use at least 1")
     if args.only_engine_reduction:
-        from hf_cp.profiling.profile_file import add_engine_reduction
+        from hf_cp.profiling.profile_file import add_engine_reduction  # torch
 
         if args.deepspeed is None:
             raise ValueError("--only-engine-reduction: give the engine's config with --deepspeed DS_CONFIG.json")
