@@ -60,7 +60,7 @@ def test_a_reduction_costs_the_engine_per_gb_of_this_models_gradients():
     # the gradients' GB counted independently, from the model itself (its norms, a few thousand
     # numbers, are what ModelDims leaves out)
     gb = sum(p.numel() for p in model.parameters()) * 4 / 1e9
-    dims = ModelDims.from_hf_config({k: v for k, v in cfg.items()})
+    dims = ModelDims.from_hf_config(cfg)
     base = HardwareProfile.load("cpu")
     plain = CostModel(dims, dataclasses.replace(base, engine_reduction_ms_per_gb=0.0), execution_named("zero2"))
     engine = CostModel(dims, dataclasses.replace(base, engine_reduction_ms_per_gb=8000.0), execution_named("zero2"))

@@ -56,6 +56,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _command(args, device: str, tail) -> str:
+    """The command line that makes this profile, for its file's header."""
+    parts = ["hf-cp", "profile", "--model", str(args.model), "--out", str(args.out), "--device", device]
+    for flag, value in (("--max-tokens", args.max_tokens), ("--threads", args.threads), ("--name", args.name)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if args.deepspeed is not None:
+        parts += ["--deepspeed", str(args.deepspeed), "--reduction-ranks", str(args.reduction_ranks)]
+    return " ".join(shlex.quote(x) for x in parts + list(tail))
+
+
 def _engine_reduction(args, device: str):
     """The --deepspeed measurement (None without it)."""
     from hf_cp.profiling.engine_reduction import EngineReductionError, measure_engine_reduction  # torch, deepspeed
@@ -96,12 +107,7 @@ def run(args) -> int:
         if not Path(args.out).is_file():
             raise ValueError(f"--only-engine-reduction: --out {args.out} is not a profile file to add it to")
         r = _engine_reduction(args, device)
-        command = " ".join(
-            shlex.quote(x)
-            for x in ["hf-cp", "profile", "--model", str(args.model), "--out", str(args.out), "--device", device]
-            + ["--deepspeed", str(args.deepspeed), "--reduction-ranks", str(args.reduction_ranks)]
-            + ["--only-engine-reduction"]
-        )
+        command = _command(args, device, ["--only-engine-reduction"])
         print(f"wrote {add_engine_reduction(args.out, r, command)}: engine_reduction_ms_per_gb {r.ms_per_gb:.4g}")
         return 0
     engine = _engine_reduction(args, device)
@@ -117,15 +123,10 @@ def run(args) -> int:
     except ProfileError as e:
         print(f"hf-cp profile: {e}", file=sys.stderr)
         return 3
-    parts = ["hf-cp", "profile", "--model", str(args.model), "--out", str(args.out), "--device", device]
-    for flag, value in (("--max-tokens", args.max_tokens), ("--threads", args.threads), ("--name", args.name)):
-        if value is not None:
-            parts += [flag, str(value)]
     if engine is not None:
         result.engine_reduction = engine
         result.profile["engine_reduction_ms_per_gb"] = engine.ms_per_gb
-        parts += ["--deepspeed", str(args.deepspeed), "--reduction-ranks", str(args.reduction_ranks)]
-    command = " ".join(shlex.quote(x) for x in parts + (["--quick"] if args.quick else []))
+    command = _command(args, device, ["--quick"] if args.quick else [])
     path = write_profile(result, args.out, command)
     fit = result.layer_fit
     print(

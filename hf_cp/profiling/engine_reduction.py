@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hf_cp.cost.config_files import ConfigError
+from hf_cp.cost.execution import zero_stage_of
 from hf_cp.profiling.layers import load_hf_config
 from hf_cp.readers import load_json
 
@@ -81,7 +82,7 @@ def engine_config(path: Union[str, Path], accumulation: int) -> dict:
         raise ConfigError(f"DeepSpeed config {path}: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"DeepSpeed config {path}: a JSON object is needed")
-    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    stage = zero_stage_of(cfg)
     if stage not in (1, 2):
         raise ConfigError(
             f"DeepSpeed config {path}: zero_optimization.stage {stage}: the per-reduction engine cost is measured "

@@ -140,12 +140,11 @@ def add_engine_reduction(path: Union[str, Path], r: EngineReduction, command: st
     measurement's lines replaced), before its measured section."""
     path = Path(path)
     lines = path.read_text().splitlines(keepends=True)
-    kept, skipping = [], False
-    for line in lines:  # drop an earlier measurement: its comment block and its key
-        if line.startswith("# " + ENGINE_HEADER):
-            skipping = True
-        if skipping or line.startswith(ENGINE_REDUCTION_KEY + ":"):
-            skipping = skipping and not line.startswith(ENGINE_REDUCTION_KEY + ":")
+    kept, in_block = [], False
+    for line in lines:  # drop an earlier measurement: its comment block, up to and with its key
+        in_block = in_block or line.startswith("# " + ENGINE_HEADER)
+        if in_block or line.startswith(ENGINE_REDUCTION_KEY + ":"):
+            in_block = in_block and not line.startswith(ENGINE_REDUCTION_KEY + ":")
             continue
         kept.append(line)
     block = engine_reduction_yaml(r, command)
