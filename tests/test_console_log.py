@@ -5,13 +5,16 @@
 from __future__ import annotations
 
 import ast
+import warnings
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers.trainer_callback import PrinterCallback
 
 from hf_cp.train import CPTrainer, CPTrainingArguments
 from hf_cp.train.measure.console import CONSOLE_KEYS, QuietPrinterCallback, console_view
+from hf_cp.train.setup.trainer_setup import quiet_engine_deprecations
 
 from helpers.harness.models import synthetic_rows, tiny_model
 
@@ -63,3 +66,28 @@ def test_cp_log_all_metrics_prints_every_key(tmp_path, capsys):
 @pytest.mark.parametrize("key, shown", [("loss", True), ("cp/tokens_per_s", True), ("cp/measured_min_ms", False)])
 def test_console_view(key, shown):
     assert (key in console_view({key: 1.0})) is shown
+
+
+def _deprecations_seen(call) -> list:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # as the training loop's catch_warnings blocks leave it
+        quiet_engine_deprecations()
+        with pytest.raises((ValueError, RuntimeError)):  # no process group here: the call fails after warning
+            call(torch.zeros(2), torch.zeros(1))
+        warnings.warn("some other deprecation", FutureWarning, stacklevel=1)
+    return [str(w.message) for w in seen]
+
+
+@pytest.mark.parametrize("name", ["all_gather_into_tensor", "reduce_scatter_tensor"])
+def test_torch_deprecations_of_deepspeeds_collectives_are_not_printed(name):
+    """ZeRO-3 called them on every module gather: 254 warning lines in the CPU main job."""
+    seen = _deprecations_seen(getattr(torch.distributed, name))
+    assert seen == ["some other deprecation"]  # torch's own (the collective's) went, any other stays
+
+
+def test_without_the_filter_torch_would_warn():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises((ValueError, RuntimeError)):
+            torch.distributed.all_gather_into_tensor(torch.zeros(2), torch.zeros(1))
+    assert any("all_gather_into_tensor` is deprecated" in str(w.message) for w in seen)

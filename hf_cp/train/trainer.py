@@ -59,6 +59,7 @@ from hf_cp.train.setup.trainer_setup import (
     check_training_data,
     deepspeed_arch_env,
     planning_vision_grids,
+    quiet_engine_deprecations,
     skip_deepspeed_shm_build,
     start_warnings,
     trainer_planning_setup,
@@ -108,6 +109,7 @@ class CPTrainer(FSDP2Trainer, Trainer):
         check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (data/streaming.py)
         if args.deepspeed:
             skip_deepspeed_shm_build()
+            quiet_engine_deprecations()
             note = deepspeed_arch_env()
             if note and int(args.process_index) == 0:
                 logger.warning("hf_cp: %s", note)

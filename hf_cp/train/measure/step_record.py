@@ -109,12 +109,19 @@ class StepRecord:
     def for_rank(
         self,
         rank: int,
-        trained_sample_ids: List[int],
+        trained_sample_ids: Optional[List[int]],
         step_span: Optional[List[float]] = None,
         wave_timeline: Optional[List[List[float]]] = None,
     ) -> StepRecord:
         extra = {"step_span": step_span, "wave_timeline": [list(w) for w in wave_timeline or []] or None}
-        return StepRecord(**{**asdict(self), "rank": rank, "trained_sample_ids": list(trained_sample_ids), **extra})
+        return StepRecord(
+            **{
+                **asdict(self),
+                "rank": rank,
+                "trained_sample_ids": None if trained_sample_ids is None else list(trained_sample_ids),
+                **extra,
+            }
+        )
 
 
 # fields that count something: never negative

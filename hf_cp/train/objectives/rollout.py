@@ -498,7 +498,10 @@ class PlannedRollouts(FSDP2Trainer):
         self.cp_calibration.observe(rec, step.planned)
         self.cp_history.append(rec)
         if self.args.cp_record_history:  # output_dir/cp_history/rank<R>.jsonl, as CPTrainer's (hf-cp report)
-            append_record(self.args.output_dir, rec.for_rank(self.cp_rank, step.trained_sample_ids))
+            # no sample ids: a rollout step's ids number its own prompt groups, not the dataset's
+            # rows (TRL's sampler draws them), so hf-cp report's once-per-epoch audit has nothing
+            # to check (it flagged every prompt group of a GRPO run as trained at every step)
+            append_record(self.args.output_dir, rec.for_rank(self.cp_rank, None))
 
     def _cp_log_plan(
         self, prompt_groups: PromptGroups, step: Optional[RankStep], planned: Optional[PlannedStep], build_ms: float

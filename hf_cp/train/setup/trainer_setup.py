@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import replace
 from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence, Union
 
@@ -143,6 +144,23 @@ def start_warnings(
         if shared:
             out.append(shared)
     return out
+
+
+# torch 2.13 deprecates the collectives DeepSpeed's ZeRO stages call every step (all-gather and
+# reduce-scatter into one tensor); warnings.catch_warnings blocks in the training loop reset
+# the once-per-place registry, so each call printed it again (254 lines in the ZeRO-3 main job):
+# nothing a user can change, said by DeepSpeed's own code, not theirs
+ENGINE_DEPRECATIONS = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"`torch\.distributed\.(_all_gather_base|_reduce_scatter_base)` is a private function",
+)
+
+
+def quiet_engine_deprecations() -> None:
+    """Ignore torch's deprecation warnings for the collectives DeepSpeed calls (ENGINE_DEPRECATIONS);
+    every other warning is left as it is."""
+    for message in ENGINE_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
 def skip_deepspeed_shm_build() -> None:
