@@ -197,7 +197,9 @@ def test_a_vision_language_policy_on_text_pairs_equals_trls_dpo_trainer(tmp_path
     text-only pairs: each answer's M-RoPE positions continue from the prompt's end on every row,
     as in TRL's prompt+answer rows; the tower, unused, gets no gradient in either. Measured: step
     1's gradients within 7.2e-7 (Qwen2.5-VL), after one AdamW step within 5.7e-6 (Qwen2.5-VL) and
-    1.4e-5 (Qwen3.5)."""
+    1.4e-5 (Qwen3.5; 2.4e-5 on another CPU: AdamW's first update is about +-lr for every entry
+    whatever its gradient's size, so step 1's fp32 noise on near-zero entries moves step 2 by
+    more than noise; step 1 itself stays within 2e-6, which a loss scaled by 1.001 fails)."""
     losses, grads, _, trl_losses, trl_grads, _ = compare(tmp_path, family=family)
     print(
         family,
@@ -210,7 +212,7 @@ def test_a_vision_language_policy_on_text_pairs_equals_trls_dpo_trainer(tmp_path
     )
     assert losses == pytest.approx(trl_losses, rel=1e-5, abs=1e-6)
     assert grad_gap(grads[:1], trl_grads[:1]) < 2e-6
-    assert grad_gap(grads, trl_grads) < GRAD_TOL
+    assert grad_gap(grads, trl_grads) < (5e-5 if family == "qwen3_5" else GRAD_TOL)
     assert not any("visual" in name for name in grads[0]), "text pairs leave the tower without gradients"
     assert losses[0] != pytest.approx(losses[1]), "the steps differ: the policy moved"
 
