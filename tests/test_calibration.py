@@ -530,3 +530,109 @@ def test_a_refit_is_said_only_when_a_coefficient_moved(caplog):
     assert [level for level, _ in said] == [logging.WARNING, logging.INFO, logging.WARNING], said
     assert "calibration 1 from 8 steps" in said[0][1] and "no coefficient moved by more than 5%" in said[1][1]
     assert planner.last == (4, 3)  # every fit still plans the steps not yet planned
+
+
+def uniform_truth_observations(k: float, n_steps: int = 6, world: int = 4, noise: float = 0.0):
+    """Steps planned with CPU; the 'machine' is CPU with every CPU cost (c1, c2, c0, the cost per
+    reduction and per step) k times the profile's: what a slower or faster CPU looks like."""
+    rng = np.random.default_rng(1)
+    ex = execution_named("zero2")
+    base_profile = replace(CPU, reduction_overhead_ms=10.0, step_overhead_ms=4.0)
+    base = CostModel(TINY, base_profile, ex)
+    truth_profile = replace(
+        base_profile,
+        c1_ms_per_token=base_profile.c1_ms_per_token * k,
+        c2_ms_per_pair=base_profile.c2_ms_per_pair * k,
+        c0_ms=base_profile.c0_ms * k,
+        reduction_overhead_ms=10.0 * k,
+        step_overhead_ms=4.0 * k,
+    )
+    truth = CostModel(TINY, truth_profile, ex)
+    cl = ClusterSpec(world_size=world, max_tokens_per_rank=4096)
+    obs = []
+    for s in range(n_steps):
+        lengths = [min(int(x), 8000) for x in np.exp(rng.normal(5.5, 1.3, size=20))]
+        plan = get_balancer("dynamic_cp").plan(PlanRequest(range(len(lengths)), lengths, cl, base, step=s))
+        real = simulate(plan, truth)
+        measured = [m * float(np.exp(rng.normal(0, noise))) for m in real.occupied_ms]
+        obs.append(
+            observe_step(
+                s, simulate(plan, base), base, 1.0, measured, real.makespan_ms, wave_max_ms(real, truth, world)
+            )
+        )
+    return base_profile, obs
+
+
+def test_the_early_scale_after_one_step_is_the_machines_speed():
+    """cp_calibrate_scale_after: after one step every CPU coefficient is scaled by the median
+    measured / predicted per-rank compute; the links and the CP-group terms are kept."""
+    base, obs = uniform_truth_observations(0.5, noise=0.02)
+    cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=1))
+    cal.add(obs[0])
+    assert cal.due()
+    fit = cal.refit()
+    assert fit.version == 1 and fit.steps == 1 and fit.scale == pytest.approx(0.5, rel=0.04)
+    c, b = fit.coefficients, Coefficients.of(base)
+    for name in ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "reduction_overhead_ms", "step_overhead_ms"):
+        assert getattr(c, name) == pytest.approx(getattr(b, name) * fit.scale, rel=1e-5), name
+    assert (c.comm_scale, c.cp_attention_scale, c.cp_message_ms) == (
+        b.comm_scale,
+        b.cp_attention_scale,
+        b.cp_message_ms,
+    )
+    assert fit.error_before > 0.9 and fit.error_after < 0.05, fit
+    assert fit.wall_error_after < 0.05 < fit.wall_error_before
+    assert "scaled x0.5" in fit.describe(b)[:200] and "from 1 step:" in fit.describe(b)
+    # the profile it makes predicts the machine's steps, those it has not seen too
+    assert _compute_error_of(obs[1:], c) < 0.05
+
+
+def _compute_error_of(obs, c):
+    theta = c.compute_theta()
+    errs = [abs(float(np.dot(f, theta)) - m) / m for o in obs for f, m in zip(o.features, o.measured_ms) if m > 0]
+    return float(np.median(errs))
+
+
+def test_the_first_fit_comes_at_min_steps_after_an_early_scale_and_the_scale_is_made_once():
+    base, obs = uniform_truth_observations(2.0, n_steps=9)
+    cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=2))
+    due = []
+    for o in obs:
+        cal.add(o)
+        due.append(cal.due())
+        if due[-1]:
+            cal.refit()
+    # the scale after 2 steps, the first fit at 4 (not 4 steps after the scale), then every 4
+    assert due == [False, True, False, True, False, False, False, True, False]
+    assert [f.scale is not None for f in cal.fits] == [True, False, False]
+
+
+@pytest.mark.parametrize("scale_after", [0, 4, 9])
+def test_no_early_scale_when_off_or_not_before_the_first_fit(scale_after):
+    base, obs = uniform_truth_observations(2.0, n_steps=4)
+    cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=scale_after))
+    due = []
+    for o in obs:
+        cal.add(o)
+        due.append(cal.due())
+    assert due == [False, False, False, True]
+    assert cal.refit().scale is None
+
+
+def test_an_early_scale_without_a_measured_rank_waits_for_one():
+    base, obs = uniform_truth_observations(2.0, n_steps=2)
+    idle = replace(obs[0], measured_ms=tuple(0.0 for _ in obs[0].measured_ms))  # dummies or chunked ranks only
+    cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=1))
+    cal.add(idle)
+    assert cal.due() and cal.refit() is None and not cal.fits
+    cal.add(obs[1])
+    assert cal.due() and cal.refit().scale == pytest.approx(2.0, rel=1e-3)
+
+
+def test_negative_scale_after_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="scale_after must be at least 0"):
+        CalibrationSettings(min_steps=4, scale_after=-1)
+    from hf_cp.train import CPTrainingArguments
+
+    with pytest.raises(ValueError, match="cp_calibrate_scale_after must be >= 0"):
+        CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, cp_calibrate_scale_after=-1)

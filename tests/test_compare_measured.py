@@ -139,6 +139,10 @@ def test_steps_of_different_sizes_are_compared_per_predicted_ms():
 def test_too_few_steps_to_compare_say_so():
     line = measured_comparison_line(_alternating([900.0], [260.0]), "auto", "static")
     assert re.search(r"too few steps to compare auto and static after the first \(0 and 1\)", line), line
+    # one step of each after the first, each planned with its own cost model: nothing to pair
+    recs = [dataclasses.replace(r, calibration=k // 2) for k, r in enumerate(_alternating([900.0, 200.0], [260.0]))]
+    line = measured_comparison_line(recs, "auto", "static")
+    assert "after the first (1 and 1, planned with different cost models)" in line, line
 
 
 @pytest.mark.timeout(SHARED_TIMEOUT)
@@ -155,3 +159,23 @@ def test_two_processes_alternating_balancers_equal_single_process(world2_job):
     assert [r["compare_balancer"] for r in history] == ["static", "auto"]
     assert history[1]["balancer"] == "static" and history[0]["balancer"].startswith("auto")
     assert history[1]["cp_size_samples"] == {"2": 6} and "1" in history[0]["cp_size_samples"]
+
+
+def test_a_step_planned_with_a_cost_model_only_one_side_ran_under_is_left_out():
+    """cp_calibrate_scale_after: 1 recalibrates after step 1, so step 2 (index 1, static's) is the
+    only one planned with the profile as given, whose predictions are 2x too long: its measured
+    time over auto's 2x-long prediction would make static look faster than it runs."""
+    recs = _alternating([900.0, 200.0, 220.0], [260.0, 250.0, 300.0])
+    # step index 1 (static's first) planned with cost version 0 and predicted 2x; the rest with version 1
+    recs = [
+        dataclasses.replace(r, calibration=0 if k < 2 else 1, compare_step_ms=200.0 if k == 1 else r.compare_step_ms)
+        for k, r in enumerate(recs)
+    ]
+    line = measured_comparison_line(recs, "auto", "static")
+    assert "(1 step(s) planned with a cost model only one side's steps had left out)" in line, line
+    # static's steps 3, 5: 250 + 300 ms where auto was predicted 100 each; auto's 2, 4 as before
+    assert "static 550 ms over 2 step(s) auto was predicted to take 200 ms (2.750x)" in line, line
+    assert f"static / auto {2.75 / 2.1:.3f}x measured on equal work" in line, line
+    # every step planned by one model: nothing is left out
+    same = [dataclasses.replace(r, calibration=1) for r in recs]
+    assert "left out" not in measured_comparison_line(same, "auto", "static")

@@ -422,6 +422,30 @@ def fit_wall(observations: Sequence[StepObservation], prior: Coefficients) -> Tu
     return float(b[0]), float(b[1])
 
 
+def scale_fit(
+    observations: Sequence[StepObservation], prior: Coefficients
+) -> Optional[Tuple[Coefficients, Dict[str, bool], float]]:
+    """The early scale: `prior` with its CPU work (c1, c2, c0, the fixed cost per reduction, which
+    holds the engine's per-GB cost, and per step) times one factor, the median over the
+    observed ranks of measured / predicted compute. Links, the CP-group attention scale and the
+    exchange message cost are kept: the factor is the machine's speed, and one step cannot tell
+    them apart. Returns the coefficients, the terms scaled, and the factor; None when no rank
+    has both a measured and a predicted compute (every rank ran dummies or chunked samples)."""
+    theta = prior.compute_theta()
+    ratios = [
+        m / p
+        for o in observations
+        for f, m in zip(o.features, o.measured_ms)
+        if m > 0 and (p := float(np.dot(f, theta))) > 0
+    ]
+    if not ratios:
+        return None
+    k = float(statistics.median(ratios))
+    scaled = ("c1_ms_per_token", "c2_ms_per_pair", "c0_ms", "reduction_overhead_ms", "step_overhead_ms")
+    new = replace(prior, **{name: getattr(prior, name) * k for name in scaled}).rounded()
+    return new, {name: name in scaled for name in COMPUTE_TERMS}, k
+
+
 # --------------------------------------------------------------------------- the calibrator
 @dataclass(frozen=True)
 class CalibrationSettings:
@@ -434,6 +458,11 @@ class CalibrationSettings:
     window: int = 16
     """A fit uses at most this many most recent steps: the machine's speed drifts (on a shared
     2-core machine by +-40% within a minute), and older steps describe a different machine."""
+    scale_after: int = 0
+    """Steps after which, before the first fit, the profile's CPU work is scaled by one factor
+    (scale_fit); 0, or at least min_steps (the fit comes first): no early scale. One number is determined by one step, where c1, c2 and c0
+    apart need several: a profile measured on another machine (2x off on a SmolLM2 DPO run) is
+    then right from the steps planned after the first."""
 
     def __post_init__(self):
         for k in ("min_steps", "refit_every", "window"):
@@ -441,6 +470,8 @@ class CalibrationSettings:
                 raise CalibrationError(f"calibration {k} must be at least 1, got {getattr(self, k)!r}")
         if self.window < self.min_steps:
             raise CalibrationError(f"calibration window {self.window} is smaller than min_steps {self.min_steps}")
+        if int(self.scale_after) < 0:
+            raise CalibrationError(f"calibration scale_after must be at least 0 (0: off), got {self.scale_after!r}")
 
 
 @dataclass
@@ -457,9 +488,18 @@ class CalibrationFit:
     wall_error_before: float  # median relative error of the step's wall time (critical path model)
     wall_error_after: float
     applies_from: Optional[int] = None  # the first step planned with it (set when adopted)
+    scale: Optional[float] = None  # an early scale (scale_fit): the factor; None: a fit
 
     def describe(self, base: Coefficients) -> str:
         c = self.coefficients
+        if self.scale is not None:
+            return (
+                f"calibration {self.version} from {self.steps} step{'s' if self.steps > 1 else ''}: the profile's CPU "
+                f"work (c1, c2, c0, {c.reduction_overhead_ms:.1f} ms per gradient reduction, {c.step_overhead_ms:.1f} "
+                f"ms per step) scaled x{self.scale:.3g}, the median measured / predicted per-rank compute; in-sample "
+                f"median error: per-rank compute {_pct(self.error_before)} -> {_pct(self.error_after)}, step wall "
+                f"given the measured slowest ranks {_pct(self.wall_error_before)} -> {_pct(self.wall_error_after)}"
+            )
         parts = []
         for name, short, v, b in (
             ("c1_ms_per_token", "c1", c.c1_ms_per_token, base.c1_ms_per_token),
@@ -509,17 +549,28 @@ class Calibrator:
         del self.observations[: -self.settings.window]
         self._since_fit += 1
 
+    def _fitted(self) -> bool:
+        """Whether a fit (not an early scale) was made."""
+        return any(f.scale is None for f in self.fits)
+
     def due(self) -> bool:
-        if len(self.observations) < self.settings.min_steps:
+        n, st = len(self.observations), self.settings
+        if 0 < st.scale_after < st.min_steps and not self.fits and n >= st.scale_after:
+            return True  # the early scale
+        if n < st.min_steps:
             return False
-        return not self.fits or self._since_fit >= self.settings.refit_every
+        return not self._fitted() or self._since_fit >= st.refit_every
 
     def refit(self, prior: Optional[Coefficients] = None) -> Optional[CalibrationFit]:
-        """Fit the observations; None (and nothing changes) when the fit would not lower the
-        in-sample error of the coefficients in force (`prior`, default the latest fit)."""
+        """Fit the observations (before min_steps: the early scale, scale_fit; None when it has
+        nothing to scale by); the fit keeps the coefficients in force (`prior`, default the
+        latest fit) where it would not lower their in-sample error."""
         self._since_fit = 0
         obs = list(self.observations)
         prior = prior or self.current
+        if len(obs) < self.settings.min_steps:
+            made = scale_fit(obs, prior)
+            return None if made is None else self._keep(made, obs, prior)
         compute, fitted = fit_compute(obs, prior, self.base_coefficients)
         before = _compute_error(obs, prior)
         after = _compute_error(obs, compute)
@@ -527,16 +578,22 @@ class Calibrator:
             compute, after = prior, before
         red, step = fit_wall(obs, prior)
         new = replace(compute, reduction_overhead_ms=red, step_overhead_ms=step).rounded()
+        return self._keep((new, fitted, None), obs, prior)
+
+    def _keep(self, made, obs: Sequence[StepObservation], prior: Coefficients) -> CalibrationFit:
+        """The fit of (coefficients, determined terms, early scale) made from `obs`, recorded."""
+        new, fitted, scale = made
         fit = CalibrationFit(
             version=len(self.fits) + 1,
             step=obs[-1].step,
             steps=len(obs),
             coefficients=new,
             fitted=fitted,
-            error_before=before,
+            error_before=_compute_error(obs, prior),
             error_after=_compute_error(obs, new),
             wall_error_before=_wall_error(obs, prior),
             wall_error_after=_wall_error(obs, new),
+            scale=scale,
         )
         self.fits.append(fit)
         return fit

@@ -72,7 +72,10 @@ class OnlineCalibration:
         settings = None
         if args.cp_calibrate and not args.full_determinism:
             settings = CalibrationSettings(
-                args.cp_calibrate_min_steps, args.cp_calibrate_every, max(16, args.cp_calibrate_min_steps)
+                args.cp_calibrate_min_steps,
+                args.cp_calibrate_every,
+                max(16, args.cp_calibrate_min_steps),
+                args.cp_calibrate_scale_after,
             )
         return cls(cost, settings, num_steps, rank)
 

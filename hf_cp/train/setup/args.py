@@ -179,6 +179,16 @@ class CPTrainingArguments(TrainingArguments):
         },
     )
     cp_calibrate_min_steps: int = field(default=8, metadata={"help": "steps observed before the first calibration"})
+    cp_calibrate_scale_after: int = field(
+        default=0,
+        metadata={
+            "help": "steps after which, before the first calibration, the profile's CPU work (compute, the cost per "
+            "gradient reduction and per step) is scaled by one factor, the median measured / predicted per-rank "
+            "compute: a profile of another machine is right from the next planned step (the shipped CPU configs set "
+            "1); 0: off, plans then depend on timings only from the first calibration (so is a value of at least "
+            "cp_calibrate_min_steps: the first calibration comes first)"
+        },
+    )
     cp_calibrate_every: int = field(
         default=4,
         metadata={
@@ -292,6 +302,10 @@ class CPTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"CPTrainingArguments: cp_calibrate_min_steps and cp_calibrate_every must be >= 1, got "
                 f"{self.cp_calibrate_min_steps} and {self.cp_calibrate_every}"
+            )
+        if self.cp_calibrate_scale_after < 0:
+            raise ValueError(
+                f"CPTrainingArguments: cp_calibrate_scale_after must be >= 0 (0: off), got {self.cp_calibrate_scale_after}"
             )
         if self.cp_plan_lookahead < 0:
             raise ValueError(f"CPTrainingArguments: cp_plan_lookahead must be >= 0, got {self.cp_plan_lookahead}")
