@@ -636,3 +636,17 @@ def test_negative_scale_after_is_refused_by_name(tmp_path):
 
     with pytest.raises(ValueError, match="cp_calibrate_scale_after must be >= 0"):
         CPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, cp_calibrate_scale_after=-1)
+
+
+def test_the_early_scale_leaves_out_the_runs_first_step_when_it_has_another():
+    """Step 1 pays the start-up (a SmolLM2 GRPO run's first step took 2.3x its second)."""
+    base, obs = uniform_truth_observations(0.5, n_steps=2)
+    slow_start = replace(obs[0], measured_ms=tuple(3 * m for m in obs[0].measured_ms))
+    cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=2))
+    cal.add(slow_start)
+    assert not cal.due()
+    cal.add(obs[1])
+    assert cal.due() and cal.refit().scale == pytest.approx(0.5, rel=1e-3)
+    alone = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=1))
+    alone.add(slow_start)  # the only step there is: it is used
+    assert alone.refit().scale == pytest.approx(1.5, rel=1e-3)

@@ -429,14 +429,14 @@ def scale_fit(
     holds the engine's per-GB cost, and per step) times one factor, the median over the
     observed ranks of measured / predicted compute. Links, the CP-group attention scale and the
     exchange message cost are kept: the factor is the machine's speed, and one step cannot tell
-    them apart. Returns the coefficients, the terms scaled, and the factor; None when no rank
+    them apart. The first observation is left out when there are others. Returns the coefficients, the terms scaled, and the factor; None when no rank
     has both a measured and a predicted compute (every rank ran dummies or chunked samples)."""
     theta = prior.compute_theta()
+    # the run's first step pays its start-up (allocations, the engine's first pass: 2.3x a later
+    # step of a SmolLM2 GRPO run, 1.1x of its DPO run): left out when there is another
+    steps = observations[1:] if len(observations) > 1 else observations
     ratios = [
-        m / p
-        for o in observations
-        for f, m in zip(o.features, o.measured_ms)
-        if m > 0 and (p := float(np.dot(f, theta))) > 0
+        m / p for o in steps for f, m in zip(o.features, o.measured_ms) if m > 0 and (p := float(np.dot(f, theta))) > 0
     ]
     if not ratios:
         return None
@@ -460,7 +460,8 @@ class CalibrationSettings:
     2-core machine by +-40% within a minute), and older steps describe a different machine."""
     scale_after: int = 0
     """Steps after which, before the first fit, the profile's CPU work is scaled by one factor
-    (scale_fit); 0, or at least min_steps (the fit comes first): no early scale. One number is determined by one step, where c1, c2 and c0
+    (scale_fit, from these steps but the first when N > 1); 0, or at least min_steps (the fit
+    comes first): no early scale. One number is determined by one step, where c1, c2 and c0
     apart need several: a profile measured on another machine (2x off on a SmolLM2 DPO run) is
     then right from the steps planned after the first."""
 
