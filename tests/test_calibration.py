@@ -203,17 +203,23 @@ def test_wall_terms_cannot_be_split_when_every_step_has_as_many_reductions():
     assert red + step == pytest.approx(30.5, abs=0.6) and step == pytest.approx(3 * red)
 
 
-def test_calibrator_schedule_and_window():
-    with pytest.raises(ValueError, match="window 4 is smaller than min_steps 8"):
-        CalibrationSettings(min_steps=8, window=4)
-    cal = Calibrator(CPU, CalibrationSettings(min_steps=3, refit_every=2, window=5))
-    obs = synthetic_observations(n_steps=9)
+def due_schedule(cal: Calibrator, obs) -> list:
+    """Whether a fit was due after each observation, refitting when it was."""
     due = []
     for o in obs:
         cal.add(o)
         due.append(cal.due())
         if due[-1]:
             cal.refit()
+    return due
+
+
+def test_calibrator_schedule_and_window():
+    with pytest.raises(ValueError, match="window 4 is smaller than min_steps 8"):
+        CalibrationSettings(min_steps=8, window=4)
+    cal = Calibrator(CPU, CalibrationSettings(min_steps=3, refit_every=2, window=5))
+    obs = synthetic_observations(n_steps=9)
+    due = due_schedule(cal, obs)
     assert due == [False, False, True, False, True, False, True, False, True]
     assert [o.step for o in cal.observations] == [4, 5, 6, 7, 8]
 
@@ -596,12 +602,7 @@ def _compute_error_of(obs, c):
 def test_the_first_fit_comes_at_min_steps_after_an_early_scale_and_the_scale_is_made_once():
     base, obs = uniform_truth_observations(2.0, n_steps=9)
     cal = Calibrator(base, CalibrationSettings(min_steps=4, refit_every=4, window=16, scale_after=2))
-    due = []
-    for o in obs:
-        cal.add(o)
-        due.append(cal.due())
-        if due[-1]:
-            cal.refit()
+    due = due_schedule(cal, obs)
     # the scale after 2 steps, the first fit at 4 (not 4 steps after the scale), then every 4
     assert due == [False, True, False, True, False, False, False, True, False]
     assert [f.scale is not None for f in cal.fits] == [True, False, False]
