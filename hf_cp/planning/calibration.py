@@ -429,8 +429,9 @@ def scale_fit(
     holds the engine's per-GB cost, and per step) times one factor, the median over the
     observed ranks of measured / predicted compute. Links, the CP-group attention scale and the
     exchange message cost are kept: the factor is the machine's speed, and one step cannot tell
-    them apart. The first observation is left out when there are others. Returns the coefficients, the terms scaled, and the factor; None when no rank
-    has both a measured and a predicted compute (every rank ran dummies or chunked samples)."""
+    them apart. The first observation is left out when there are others. Returns the
+    coefficients, the terms scaled, and the factor; None when no rank has both a measured and a
+    predicted compute (every rank ran dummies or chunked samples)."""
     theta = prior.compute_theta()
     # the run's first step pays its start-up (allocations, the engine's first pass: 2.3x a later
     # step of a SmolLM2 GRPO run, 1.1x of its DPO run): left out when there is another
@@ -554,13 +555,17 @@ class Calibrator:
         """Whether a fit (not an early scale) was made."""
         return any(f.scale is None for f in self.fits)
 
-    def due(self) -> bool:
+    def _scale_now(self) -> bool:
+        """Whether the next refit is the early scale: asked for, not made yet, before min_steps."""
         n, st = len(self.observations), self.settings
-        if 0 < st.scale_after < st.min_steps and not self.fits and n >= st.scale_after:
-            return True  # the early scale
-        if n < st.min_steps:
+        return 0 < st.scale_after < st.min_steps and not self.fits and st.scale_after <= n < st.min_steps
+
+    def due(self) -> bool:
+        if self._scale_now():
+            return True
+        if len(self.observations) < self.settings.min_steps:
             return False
-        return not self._fitted() or self._since_fit >= st.refit_every
+        return not self._fitted() or self._since_fit >= self.settings.refit_every
 
     def refit(self, prior: Optional[Coefficients] = None) -> Optional[CalibrationFit]:
         """Fit the observations (before min_steps: the early scale, scale_fit; None when it has
@@ -569,7 +574,7 @@ class Calibrator:
         self._since_fit = 0
         obs = list(self.observations)
         prior = prior or self.current
-        if len(obs) < self.settings.min_steps:
+        if self._scale_now():
             made = scale_fit(obs, prior)
             return None if made is None else self._keep(made, obs, prior)
         compute, fitted = fit_compute(obs, prior, self.base_coefficients)
