@@ -184,9 +184,9 @@ class CPTrainingArguments(TrainingArguments):
         metadata={
             "help": "steps after which, before the first calibration, the profile's CPU work (compute, the cost per "
             "gradient reduction and per step) is scaled by one factor, the median measured / predicted per-rank "
-            "compute of these steps (the first left out when N > 1: start-up): a profile of another machine is right "
-            "from the next planned step (the shipped CPU configs set 2); 0: off, plans then depend on timings only from the first calibration (so is a value of at least "
-            "cp_calibrate_min_steps: the first calibration comes first)"
+            "compute of these steps (the first left out when N > 1: start-up), so that a profile of another machine "
+            "is right from the next planned step; the shipped CPU configs set 2. 0 (or at least "
+            "cp_calibrate_min_steps, whose fit comes first): off"
         },
     )
     cp_calibrate_every: int = field(

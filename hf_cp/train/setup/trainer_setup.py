@@ -147,9 +147,8 @@ def start_warnings(
 
 
 # torch 2.13 deprecates the collectives DeepSpeed's ZeRO stages call every step (all-gather and
-# reduce-scatter into one tensor); warnings.catch_warnings blocks in the training loop reset
-# the once-per-place registry, so each call printed it again (254 lines in the ZeRO-3 main job):
-# nothing a user can change, said by DeepSpeed's own code, not theirs
+# reduce-scatter into one tensor), and the warning came back call after call (254 lines in the
+# ZeRO-3 main job): nothing a user can change, said of DeepSpeed's code, not theirs
 ENGINE_DEPRECATIONS = (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     r"`torch\.distributed\.(_all_gather_base|_reduce_scatter_base)` is a private function",
