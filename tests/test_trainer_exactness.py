@@ -312,3 +312,26 @@ def test_package_imports_no_test_code():
         bad = [m for m in _imports(path) if m.split(".")[0] in ("helpers", "harness", "tests", "conftest", "pytest")]
         assert bad == [], f"{path.relative_to(REPO)} imports test code: {bad}"
     assert not (REPO / "hf_cp" / "train" / "testing.py").exists()
+
+
+def test_the_parameter_check_leaves_out_only_entries_whose_reference_gradient_is_within_eps_of_zero():
+    """AdamW's update of an entry whose gradient is ~eps (1e-8) follows its fp32 noise: such entries
+    are checked through their gradients only, from the step they were that small on; a gap on any
+    other entry still fails."""
+    from types import SimpleNamespace
+
+    from helpers.harness.check import EPS_DOMINATED, eps_dominated, relative_errors
+
+    grads = torch.full((4, 4), 1e-3)
+    grads[1, 2] = 9.77e-9  # the measured case: one entry at fp32 noise
+    ref = [SimpleNamespace(grads={"w": grads}), SimpleNamespace(grads={"w": torch.full((4, 4), 1e-3)})]
+    want = {"w": torch.ones(4, 4)}
+    near_zero = {"w": want["w"].clone()}
+    near_zero["w"][1, 2] += 1.5e-5 * 4  # 1.5e-5 of the tensor's norm, above PARAM_RTOL
+    assert relative_errors(near_zero, want)["w"] > PARAM_RTOL  # without the mask: fails
+    for step in (0, 1):  # the entry stays left out after its gradient grows (its parameter moved)
+        assert relative_errors(near_zero, want, eps_dominated(ref, step))["w"] == 0.0
+    elsewhere = {"w": want["w"].clone()}
+    elsewhere["w"][0, 0] += 1.5e-5 * 4
+    assert relative_errors(elsewhere, want, eps_dominated(ref, 1))["w"] > PARAM_RTOL
+    assert int(eps_dominated(ref, 1)["w"].sum()) == 1 and 9.77e-9 < EPS_DOMINATED

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -36,6 +36,13 @@ LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 PARAM_RTOL = 1e-5
+# AdamW moves an entry by lr * m / (sqrt(v) + eps), eps 1e-8: where the reference gradient is
+# within a few eps of zero, fp32 noise in it moves the update by ~lr * noise / eps. Measured: one
+# entry of Qwen3-Next's o_proj (4096 entries, median |gradient| 6e-4) had 9.77e-9 in the
+# reference and 1.04e-8 over a CP group, and its parameter moved 1.5e-5 apart, 1.15e-5 of the
+# tensor. Such entries are checked through their gradients (GRAD_RTOL), not their parameters,
+# from the first step their reference gradient is that small on.
+EPS_DOMINATED = 1e-7
 
 
 class ExactnessMismatch(AssertionError):
@@ -59,11 +66,30 @@ class ExactnessReport:
             self.failures.append(f"{what}: relative error {err:.3g} > {tol:g}")
 
 
-def relative_errors(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> Dict[str, float]:
-    """Per tensor: ||got - want|| / ||want||."""
+def relative_errors(
+    got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], skip: Optional[Dict[str, torch.Tensor]] = None
+) -> Dict[str, float]:
+    """Per tensor: ||got - want|| / ||want||, over the entries `skip` (a mask per tensor) leaves."""
     if set(got) != set(want):
         raise AssertionError(f"different parameter names: {sorted(set(got) ^ set(want))}")
-    return {k: float((got[k].float() - want[k]).norm() / want[k].norm().clamp_min(1e-30)) for k in want}
+    out = {}
+    for k in want:
+        gap = got[k].float() - want[k]
+        if skip is not None and k in skip:
+            gap = gap.masked_fill(skip[k], 0.0)
+        out[k] = float(gap.norm() / want[k].norm().clamp_min(1e-30))
+    return out
+
+
+def eps_dominated(ref, upto: int) -> Dict[str, torch.Tensor]:
+    """Per tensor, the entries whose reference gradient was below EPS_DOMINATED at some step up
+    to `upto` (0-based)."""
+    out: Dict[str, torch.Tensor] = {}
+    for r in ref[: upto + 1]:
+        for name, g in r.grads.items():
+            small = g.abs() < EPS_DOMINATED
+            out[name] = out[name] | small if name in out else small
+    return out
 
 
 def _scalar_error(got: float, want: float) -> float:
@@ -119,9 +145,9 @@ def compare_with_reference(
             )
         for name, err in relative_errors(got["grads"], r.grads).items():
             report.note("grads", err, GRAD_RTOL, f"step {k + 1} gradient of {name}")
-        for name, err in relative_errors(got["params"], r.params).items():
+        for name, err in relative_errors(got["params"], r.params, eps_dominated(ref, k)).items():
             report.note("params", err, PARAM_RTOL, f"step {k + 1} {name} after the optimizer step")
-    for name, err in relative_errors(final, ref[-1].params).items():
+    for name, err in relative_errors(final, ref[-1].params, eps_dominated(ref, len(ref) - 1)).items():
         report.note("final", err, PARAM_RTOL, f"final {name}")
     # not vacuous: the reference trained (gradients and updates are not zero)
     init = initial_params(spec)
