@@ -91,3 +91,23 @@ def test_without_the_filter_torch_would_warn():
         with pytest.raises((ValueError, RuntimeError)):
             torch.distributed.all_gather_into_tensor(torch.zeros(2), torch.zeros(1))
     assert any("all_gather_into_tensor` is deprecated" in str(w.message) for w in seen)
+
+
+def test_every_trainer_prepares_deepspeed_through_one_function(monkeypatch):
+    """CPTrainer and the rollout trainers (GRPO, RLOO) call prepare_deepspeed before DeepSpeed
+    starts: the GRPO config printed torch's collective deprecations, CPTrainer's runs did not."""
+    import inspect
+    from types import SimpleNamespace
+
+    from hf_cp.train import trainer
+    from hf_cp.train.objectives import rollout
+    from hf_cp.train.setup import trainer_setup
+
+    calls = []
+    monkeypatch.setattr(trainer_setup, "skip_deepspeed_shm_build", lambda: calls.append("shm"))
+    monkeypatch.setattr(trainer_setup, "quiet_engine_deprecations", lambda: calls.append("quiet"))
+    assert trainer_setup.prepare_deepspeed(SimpleNamespace(deepspeed=None)) is None and calls == []
+    trainer_setup.prepare_deepspeed(SimpleNamespace(deepspeed="recipes/ds-zero2-cpu.json"))
+    assert calls == ["shm", "quiet"]
+    for module in (trainer, rollout):
+        assert "prepare_deepspeed(args)" in inspect.getsource(module), module.__name__

@@ -57,10 +57,8 @@ from hf_cp.train.setup.sharding import (
 )
 from hf_cp.train.setup.trainer_setup import (
     check_training_data,
-    deepspeed_arch_env,
     planning_vision_grids,
-    quiet_engine_deprecations,
-    skip_deepspeed_shm_build,
+    prepare_deepspeed,
     start_warnings,
     trainer_planning_setup,
 )
@@ -107,12 +105,9 @@ class CPTrainer(FSDP2Trainer, Trainer):
         # "fsdp2", "zero3" or None: sharded parameters make every pass a world-wide collective
         self.cp_sharding = sharding_of(args)
         check_streaming(train_dataset, args)  # a stream needs max_steps and cp_shuffle off (data/streaming.py)
-        if args.deepspeed:
-            skip_deepspeed_shm_build()
-            quiet_engine_deprecations()
-            note = deepspeed_arch_env()
-            if note and int(args.process_index) == 0:
-                logger.warning("hf_cp: %s", note)
+        note = prepare_deepspeed(args)
+        if note and int(args.process_index) == 0:
+            logger.warning("hf_cp: %s", note)
         compiled = compile_decoder_layers(model) if args.cp_compile else None  # before DeepSpeed or DDP wrap it
         super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.cp_world, self.cp_rank = int(args.world_size), int(args.process_index)

@@ -62,7 +62,7 @@ from hf_cp.train.objectives.rollout_vision import (
 from hf_cp.train.runtime.checkpoints import atomic_save, resume_point
 from hf_cp.train.runtime.step_runtime import StepRuntime
 from hf_cp.train.setup.sharding import FSDP2Trainer, check_trainer_sharding, sharding_of
-from hf_cp.train.setup.trainer_setup import trainer_planning_setup
+from hf_cp.train.setup.trainer_setup import prepare_deepspeed, trainer_planning_setup
 from hf_cp.train.step.totals import WaveTotals
 from hf_cp.train.step.vision_tower import vision_tower_of
 
@@ -156,6 +156,7 @@ class PlannedRollouts(FSDP2Trainer):
         check_trainer_sharding(args)  # a leftover FSDP flag; FSDP1, FSDP with DeepSpeed, offload
         # the DeepSpeed JSON, ddp_timeout, output_dir, report_to, as CPTrainer checks them: before any work
         launch_warnings = check_launch_settings(args, int(args.world_size), name)
+        launch_warnings.append(prepare_deepspeed(args))  # as CPTrainer: before TRL starts DeepSpeed
         self._cp_settings(args)  # refuses unsupported loss settings before any work
         for key in ("tools", "environment_factory"):
             if kwargs.get(key):

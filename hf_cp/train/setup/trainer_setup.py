@@ -162,6 +162,17 @@ def quiet_engine_deprecations() -> None:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning)
 
 
+def prepare_deepspeed(args) -> Optional[str]:
+    """Before DeepSpeed starts, for every trainer of a run with `args.deepspeed`: no shared-memory
+    op build, its collectives' deprecation warnings off, TORCH_CUDA_ARCH_LIST as its op builder
+    reads it; the note of the last (deepspeed_arch_env), None without DeepSpeed or a change."""
+    if not args.deepspeed:
+        return None
+    skip_deepspeed_shm_build()
+    quiet_engine_deprecations()
+    return deepspeed_arch_env()
+
+
 def skip_deepspeed_shm_build() -> None:
     """DeepSpeed JIT-compiles a shared-memory comm op (~50 s) on every first init; CPU training
     over gloo does not use it."""
